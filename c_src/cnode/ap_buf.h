@@ -1,0 +1,82 @@
+/* ap_buf: a growable byte buffer, the unit every send and reassembly path writes into. */
+#ifndef AP_BUF_H
+#define AP_BUF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct ap_buf {
+	uint8_t *data;
+	size_t len;
+	size_t cap;
+} ap_buf;
+
+/* Make room for `more` bytes past len. Returns 0, or -1 when out of memory
+ * (the buffer is unchanged then). */
+static inline int ap_buf_reserve(ap_buf *b, size_t more)
+{
+	if (more > SIZE_MAX - b->len)
+		return -1;
+	size_t need = b->len + more;
+	if (need <= b->cap)
+		return 0;
+	size_t cap = b->cap ? b->cap : 256;
+	while (cap < need)
+		cap = cap > SIZE_MAX / 2 ? need : cap * 2;
+	uint8_t *p = realloc(b->data, cap);
+	if (!p)
+		return -1;
+	b->data = p;
+	b->cap = cap;
+	return 0;
+}
+
+static inline int ap_buf_append(ap_buf *b, const void *src, size_t n)
+{
+	if (ap_buf_reserve(b, n))
+		return -1;
+	if (n)
+		memcpy(b->data + b->len, src, n);
+	b->len += n;
+	return 0;
+}
+
+/* Drop the first n bytes (n <= len). */
+static inline void ap_buf_consume(ap_buf *b, size_t n)
+{
+	if (n >= b->len) {
+		b->len = 0;
+		return;
+	}
+	memmove(b->data, b->data + n, b->len - n);
+	b->len -= n;
+}
+
+static inline void ap_buf_free(ap_buf *b)
+{
+	free(b->data);
+	b->data = NULL;
+	b->len = b->cap = 0;
+}
+
+static inline void ap_put32be(uint8_t *p, uint32_t v)
+{
+	p[0] = (uint8_t)(v >> 24);
+	p[1] = (uint8_t)(v >> 16);
+	p[2] = (uint8_t)(v >> 8);
+	p[3] = (uint8_t)v;
+}
+
+static inline uint32_t ap_get32be(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static inline uint16_t ap_get16be(const uint8_t *p)
+{
+	return (uint16_t)((uint16_t)p[0] << 8 | p[1]);
+}
+
+#endif

@@ -1,0 +1,62 @@
+/* ap_ctrl: the control messages of distribution frames: decoding what a
+ * BEAM sends to an ei node, encoding what a C node sends back. */
+#ifndef AP_CTRL_H
+#define AP_CTRL_H
+
+#include <ei.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ap_buf.h"
+
+enum ap_op {
+	AP_OP_LINK = 1,
+	AP_OP_SEND = 2,
+	AP_OP_EXIT = 3,
+	AP_OP_UNLINK = 4,
+	AP_OP_REG_SEND = 6,
+	AP_OP_GROUP_LEADER = 7,
+	AP_OP_EXIT2 = 8,
+	AP_OP_ALIAS_SEND = 33,
+	AP_OP_UNLINK_ID = 35,
+	AP_OP_UNLINK_ID_ACK = 36,
+};
+
+typedef struct ap_ctrl {
+	int op;                      /* an enum ap_op; *_TT forms are mapped to the plain op */
+	erlang_pid from;             /* LINK UNLINK_ID(_ACK) EXIT EXIT2 REG_SEND GROUP_LEADER */
+	erlang_pid to;               /* SEND LINK UNLINK_ID(_ACK) EXIT EXIT2 GROUP_LEADER */
+	char toname[MAXATOMLEN_UTF8];/* REG_SEND */
+	unsigned long long id;       /* UNLINK_ID(_ACK) */
+	const char *reason;          /* EXIT EXIT2: the reason term, no version byte */
+	int reason_len;
+	const char *msg;             /* SEND REG_SEND ALIAS_SEND: the message, from its 131 byte */
+	int msg_len;
+} ap_ctrl;
+
+/* Decode one data frame (the bytes after the length). Every byte is bounds-
+ * checked before ei touches it, and the message of a send is validated whole.
+ * Returns 0; -EBADMSG for anything malformed (the connection must close);
+ * -ENOTSUP for a well-formed operation this runtime does not take (it is
+ * logged and dropped). */
+int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c);
+
+/* Outgoing frames: ap_frame_begin reserves the length and writes 'p';
+ * the encoders append one control tuple; a send's message goes after it;
+ * ap_frame_end patches the length. Encoders return 0 or -1 (out of memory). */
+size_t ap_frame_begin(ap_buf *b);
+int ap_frame_end(ap_buf *b, size_t start);
+int ap_enc_send(ap_buf *b, const erlang_pid *to);
+int ap_enc_reg_send(ap_buf *b, const erlang_pid *from, const char *toname);
+/* ALIAS_SEND {33, From, Alias}: `alias` is an encoded reference, copied as is. */
+int ap_enc_alias_send(ap_buf *b, const erlang_pid *from, const char *alias, int alias_len);
+int ap_enc_link(ap_buf *b, const erlang_pid *from, const erlang_pid *to);
+/* EXIT {3, From, To, Reason}: `reason` is an encoded term without version. */
+int ap_enc_exit(ap_buf *b, const erlang_pid *from, const erlang_pid *to, const char *reason, int reason_len);
+int ap_enc_unlink_id_ack(ap_buf *b, unsigned long long id, const erlang_pid *from, const erlang_pid *to);
+/* Append an already encoded term (with or without its 131) as a message. */
+int ap_enc_msg_raw(ap_buf *b, const char *term, int len);
+/* Append a tick (a zero-length frame). */
+int ap_enc_tick(ap_buf *b);
+
+#endif

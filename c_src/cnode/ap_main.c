@@ -1,0 +1,216 @@
+/* ap_main: settings and start-up shared by every C node. */
+#include "ap_main.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ap_log.h"
+#include "ap_term.h"
+
+#define MAX_ARGS 64
+#define MAX_CONFIG (1 << 20)
+
+struct settings {
+	char node[MAXNODELEN + 1];
+	char cookie[EI_MAX_COOKIE_SIZE + 1];
+	char parent[MAXNODELEN + 1];
+	char io[16];
+	long long creation, max_frame, idle_ms;
+	int argc;
+	char *argv[MAX_ARGS];
+};
+
+static int read_full(int fd, void *p, size_t n)
+{
+	char *c = p;
+	while (n) {
+		ssize_t r = read(fd, c, n);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return -1;
+		c += r;
+		n -= (size_t)r;
+	}
+	return 0;
+}
+
+static int dec_string(const char *b, int *i, char *out, size_t cap)
+{
+	int type, size;
+	long len;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_BINARY_EXT || (size_t)size >= cap)
+		return -1;
+	if (ei_decode_binary(b, i, out, &len))
+		return -1;
+	out[len] = 0;
+	return 0;
+}
+
+/* The config packet: term_to_binary(#{node => Bin, cookie => Bin, ...}). */
+static int read_port_config(struct settings *s)
+{
+	uint8_t hdr[4];
+	if (read_full(STDIN_FILENO, hdr, 4))
+		return -1;
+	uint32_t len = ap_get32be(hdr);
+	if (len == 0 || len > MAX_CONFIG)
+		return -1;
+	char *b = malloc(len);
+	if (!b || read_full(STDIN_FILENO, b, len) || ap_term_validate_msg(b, len)) {
+		free(b);
+		return -1;
+	}
+	int i = 1, arity, r = 0;
+	if (ei_decode_map_header(b, &i, &arity))
+		r = -1;
+	for (int k = 0; r == 0 && k < arity; k++) {
+		char key[MAXATOMLEN_UTF8];
+		if (ei_decode_atom(b, &i, key)) {
+			r = -1;
+			break;
+		}
+		if (!strcmp(key, "node"))
+			r = dec_string(b, &i, s->node, sizeof s->node);
+		else if (!strcmp(key, "cookie"))
+			r = dec_string(b, &i, s->cookie, sizeof s->cookie);
+		else if (!strcmp(key, "parent"))
+			r = dec_string(b, &i, s->parent, sizeof s->parent);
+		else if (!strcmp(key, "io"))
+			r = dec_string(b, &i, s->io, sizeof s->io);
+		else if (!strcmp(key, "creation"))
+			r = ei_decode_longlong(b, &i, &s->creation);
+		else if (!strcmp(key, "max_frame"))
+			r = ei_decode_longlong(b, &i, &s->max_frame);
+		else if (!strcmp(key, "idle_timeout_ms"))
+			r = ei_decode_longlong(b, &i, &s->idle_ms);
+		else if (!strcmp(key, "args")) {
+			int n, type, size;
+			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_NIL_EXT) {
+				r = ei_skip_term(b, &i);
+				continue;
+			}
+			if (ei_decode_list_header(b, &i, &n) || n > MAX_ARGS) {
+				r = -1;
+				break;
+			}
+			for (int a = 0; a < n && r == 0; a++) {
+				if (ei_get_type(b, &i, &type, &size) || type != ERL_BINARY_EXT || size > 4096) {
+					r = -1;
+					break;
+				}
+				s->argv[a] = calloc(1, (size_t)size + 1);
+				r = s->argv[a] ? dec_string(b, &i, s->argv[a], (size_t)size + 1) : -1;
+				s->argc = a + 1;
+			}
+			if (r == 0 && n > 0)
+				r = ei_skip_term(b, &i); /* the list tail */
+		} else {
+			r = ei_skip_term(b, &i); /* unknown keys: newer owners */
+		}
+	}
+	free(b);
+	return r ? -1 : 0;
+}
+
+static int read_cookie_file(const char *path, char *out, size_t cap)
+{
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return -1;
+	size_t n = fread(out, 1, cap - 1, f);
+	fclose(f);
+	out[n] = 0;
+	out[strcspn(out, "\r\n")] = 0; /* a trailing newline is not part of it */
+	return out[0] ? 0 : -1;
+}
+
+static void usage(const char *prog)
+{
+	fprintf(stderr,
+		"usage: %s --port\n"
+		"       %s --name alive@host --cookie-file FILE [--connect node@host]\n"
+		"          [--io auto|uring|epoll] [--max-frame BYTES] [--idle-timeout-ms MS] [-- ARGS...]\n",
+		prog, prog);
+}
+
+static int parse_cli(int argc, char **argv, struct settings *s)
+{
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--")) {
+			for (i++; i < argc && s->argc < MAX_ARGS; i++)
+				s->argv[s->argc++] = strdup(argv[i]);
+			break;
+		}
+		if (!v)
+			return -1;
+		if (!strcmp(a, "--name"))
+			snprintf(s->node, sizeof s->node, "%s", v);
+		else if (!strcmp(a, "--cookie-file")) {
+			if (read_cookie_file(v, s->cookie, sizeof s->cookie)) {
+				fprintf(stderr, "cannot read a cookie from %s\n", v);
+				return -1;
+			}
+		} else if (!strcmp(a, "--connect"))
+			snprintf(s->parent, sizeof s->parent, "%s", v);
+		else if (!strcmp(a, "--io"))
+			snprintf(s->io, sizeof s->io, "%s", v);
+		else if (!strcmp(a, "--max-frame"))
+			s->max_frame = atoll(v);
+		else if (!strcmp(a, "--idle-timeout-ms"))
+			s->idle_ms = atoll(v);
+		else
+			return -1;
+		i++;
+	}
+	return s->node[0] && s->cookie[0] ? 0 : -1;
+}
+
+int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init init)
+{
+	struct settings s = { 0 };
+	int port_mode = argc == 2 && !strcmp(argv[1], "--port");
+	ei_init();
+	if (port_mode) {
+		ap_log_set_port_fd(STDOUT_FILENO);
+		if (read_port_config(&s) || !s.node[0] || !s.cookie[0]) {
+			ap_log(AP_LOG_ERROR, "%s: bad or missing configuration packet", service);
+			return 2;
+		}
+	} else if (parse_cli(argc, argv, &s)) {
+		usage(argv[0]);
+		return 2;
+	}
+	if (s.creation <= 0 || s.creation > 0xFFFFFFFFLL) {
+		/* Standalone: a fresh creation per start from the clock. */
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		s.creation = (long long)((ts.tv_sec ^ ts.tv_nsec ^ getpid()) & 0x7FFFFFFF) | 4;
+	}
+	if (s.max_frame < 0 || s.max_frame > 0xFFFFFFFFLL)
+		s.max_frame = 0;
+	ap_node_cfg cfg = {
+		.node = s.node,
+		.cookie = s.cookie,
+		.creation = (unsigned)s.creation,
+		.parent = s.parent[0] ? s.parent : NULL,
+		.max_frame = (uint32_t)s.max_frame,
+		.idle_timeout_ms = (int)s.idle_ms,
+		.io = s.io[0] && strcmp(s.io, "auto") ? s.io : NULL,
+		.port_mode = port_mode,
+	};
+	ap_node *n = ap_node_new(&cfg);
+	int rc = 1;
+	if (n && init(n, s.argc, s.argv) == 0)
+		rc = ap_node_run(n) == 0 ? 0 : 1;
+	ap_node_free(n);
+	for (int i = 0; i < s.argc; i++)
+		free(s.argv[i]);
+	return rc;
+}

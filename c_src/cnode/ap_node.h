@@ -1,0 +1,106 @@
+/* ap_node: a C node. ei does the handshakes (on a helper thread) and the
+ * term codec; after a handshake the socket belongs to the event loop, which
+ * reassembles frames, decodes control messages, answers ticks, drops silent
+ * peers, and dispatches messages to local processes. Only the loop thread
+ * writes sockets; other threads hand frames over through ap_node_post.
+ */
+#ifndef AP_NODE_H
+#define AP_NODE_H
+
+#include <ei.h>
+#include <stdint.h>
+
+#include "ap_buf.h"
+
+typedef struct ap_node ap_node;
+typedef struct ap_proc ap_proc;
+typedef struct ap_conn ap_conn;
+
+typedef struct ap_node_cfg {
+	const char *node;          /* "alive@host" */
+	const char *cookie;
+	unsigned creation;         /* non-zero, fresh per start */
+	const char *parent;        /* node to connect to at start, or NULL */
+	uint32_t max_frame;        /* 0: 64 MiB */
+	int idle_timeout_ms;       /* a peer silent this long is dropped; 0: 60000 */
+	const char *io;            /* "auto", "uring", "epoll"; NULL: $ACTOR_POOL_IO or auto */
+	int port_mode;             /* report to the owning BEAM over stdout, exit on stdin EOF */
+} ap_node_cfg;
+
+enum ap_msg_kind {
+	AP_MSG_INFO,  /* a plain message */
+	AP_MSG_CALL,  /* gen_server:call: answer with ap_reply */
+	AP_MSG_CAST,  /* gen_server:cast */
+	AP_MSG_EXIT,  /* a linked process died, or exit/2 (exit2 set) */
+};
+
+typedef struct ap_msg {
+	enum ap_msg_kind kind;
+	const char *buf;     /* the encoded message or reason; ei decoders may read from index */
+	int len;
+	int index;           /* the request (call, cast), the message (info), the reason (exit) */
+	erlang_pid from;     /* call: the caller; exit: the process that died / sent exit/2 */
+	const char *tag;     /* call: the reply tag, copied verbatim into the reply */
+	int tag_len;
+	int exit2;
+	ap_conn *conn;       /* the connection it came in on */
+} ap_msg;
+
+typedef void (*ap_proc_fn)(ap_node *n, ap_proc *p, const ap_msg *m);
+
+struct ap_proc {
+	erlang_pid pid;
+	char name[MAXATOMLEN_UTF8]; /* registered name, or "" */
+	ap_proc_fn fn;
+	void *state;
+	erlang_pid *links;
+	int nlinks, caplinks;
+	struct ap_proc *next;       /* hash chain */
+};
+
+typedef struct ap_node_stats {
+	uint64_t received;      /* messages delivered to a local process */
+	uint64_t unknown_name;  /* messages to a name or pid that does not exist */
+	uint64_t bad_frames;    /* connections closed for bad input */
+	uint64_t dropped;       /* messages to a node with no connection */
+	int connections;
+} ap_node_stats;
+
+ap_node *ap_node_new(const ap_node_cfg *cfg);  /* NULL on failure (logged) */
+void ap_node_free(ap_node *n);
+/* Publish, connect to the parent, report ready, and serve until
+ * ap_node_stop or (port mode) stdin EOF. Returns 0 or a negative errno. */
+int ap_node_run(ap_node *n);
+void ap_node_stop(ap_node *n);
+
+const char *ap_node_name(const ap_node *n);
+const char *ap_node_backend(const ap_node *n);
+const ap_node_stats *ap_node_get_stats(const ap_node *n);
+ei_cnode *ap_node_ei(ap_node *n);
+
+/* Processes (loop thread). name may be NULL. */
+ap_proc *ap_proc_spawn(ap_node *n, const char *name, ap_proc_fn fn, void *state);
+/* Stop p: every linked process gets an EXIT with `reason` (an atom). */
+void ap_proc_exit(ap_node *n, ap_proc *p, const char *reason_atom);
+ap_proc *ap_proc_whereis(ap_node *n, const char *name);
+
+/* Sending (loop thread). Terms are encoded, with or without the 131 byte.
+ * They return 0, or -1 when there is no connection to the target's node
+ * (counted as dropped) or no memory. */
+int ap_send(ap_node *n, const ap_proc *from, const erlang_pid *to, const char *term, int len);
+int ap_reply(ap_node *n, const ap_proc *self, const ap_msg *call, const char *term, int len);
+/* Reply with an atom, the common case. */
+int ap_reply_atom(ap_node *n, const ap_proc *self, const ap_msg *call, const char *atom);
+int ap_link(ap_node *n, ap_proc *p, const erlang_pid *remote);
+
+/* Any thread: queue a whole frame for `node`; the loop sends it in order
+ * with everything else for that node. Returns 0 or -1 (no memory). */
+int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len);
+
+/* Encode {Tag, Reply} for a call into a frame appended to b; the frame
+ * goes by ALIAS_SEND when the tag carries an alias, else SEND to the
+ * caller. Shared by ap_reply and code replying from other threads. */
+int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+		    int tag_len, const char *term, int len);
+
+#endif

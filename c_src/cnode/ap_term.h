@@ -1,0 +1,19 @@
+/* ap_term: bounds-checked walk over the external term format.
+ *
+ * ei's decoders take no buffer length, so nothing from the wire reaches them
+ * before ap_term_skip has proved that the whole term lies inside the buffer.
+ */
+#ifndef AP_TERM_H
+#define AP_TERM_H
+
+#include <stddef.h>
+
+/* Skip one term (no version byte) starting at buf[*idx], never reading at or
+ * past buf[len]. On success advances *idx past the term and returns 0; on a
+ * truncated, unknown or malformed term returns -1 and leaves *idx alone. */
+int ap_term_skip(const char *buf, size_t len, int *idx);
+
+/* A whole message: version byte 131, one term, and nothing after it. */
+int ap_term_validate_msg(const char *buf, size_t len);
+
+#endif
