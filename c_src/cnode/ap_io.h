@@ -29,6 +29,8 @@ typedef struct ap_io_conn {
 	int close_err;        /* why it closed: 0 for EOF / requested, else an errno */
 	struct ap_io_conn *next_dirty;
 	struct ap_io_conn *next_closed;
+	struct ap_io_conn *next_rearm; /* uring: receive deferred while coalescing */
+	unsigned rearm_pending : 1;
 	uint64_t bytes_in, bytes_out, sends;
 } ap_io_conn;
 

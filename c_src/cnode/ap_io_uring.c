@@ -1,8 +1,11 @@
 /* ap_io_uring: the io_uring backend of ap_io.
  *
- * Multishot accept on the listener; multishot receive into a ring of
- * provided buffers (built by hand: liburing 2.3 has no
- * io_uring_setup_buf_ring), recycled as soon as their bytes are consumed;
+ * Multishot accept on the listener; receives into a ring of provided
+ * buffers (built by hand: liburing 2.3 has no io_uring_setup_buf_ring),
+ * recycled as soon as their bytes are consumed. Receives are single-shot
+ * and re-armed after each completion: under a flood of small messages the
+ * re-arm is deferred by COALESCE_US, so one completion carries hundreds of
+ * messages instead of one each (a multishot receive cannot be paused);
  * one send in flight per socket, its remainder resubmitted after a short
  * send; readers as one-shot polls re-armed after each wakeup; waits bounded
  * by the caller's next timer through the EXT_ARG timeout.
@@ -16,6 +19,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #include "ap_log.h"
 
@@ -39,7 +43,20 @@ struct uring_be {
 	uint8_t *bufs;
 	int lfd;
 	int readers[MAX_READERS]; /* fd by id, -1 when unused */
+	/* Receive-rate window: under a flood of small messages, a wakeup per
+	 * segment costs more than the message itself, so waits then ask for
+	 * several completions at once (bounded by COALESCE_US). */
+	int64_t win_start_us;
+	unsigned win_recvs;
+	uint64_t win_bytes;
+	int coalesce;
+	ap_io_conn *rearm;        /* receives to arm after the coalescing pause */
 };
+
+#define RATE_WINDOW_US 1000
+#define COALESCE_RECVS 20       /* receives per window that switch coalescing on */
+#define COALESCE_KEEP_BYTES 2048 /* bytes per receive that keep it on */
+#define COALESCE_US 100
 
 static struct io_uring_sqe *get_sqe(struct uring_be *be)
 {
@@ -57,8 +74,14 @@ static int u_init(ap_loop *l)
 	struct uring_be *be = calloc(1, sizeof *be);
 	if (!be)
 		return -ENOMEM;
-	struct io_uring_params p = { .flags = IORING_SETUP_CQSIZE, .cq_entries = CQ_ENTRIES };
+	/* COOP_TASKRUN (5.19): completions wait for our next enter instead of
+	 * interrupting the loop thread (and its coalescing pause). */
+	struct io_uring_params p = { .flags = IORING_SETUP_CQSIZE | IORING_SETUP_COOP_TASKRUN, .cq_entries = CQ_ENTRIES };
 	int r = io_uring_queue_init_params(SQ_ENTRIES, &be->ring, &p);
+	if (r == -EINVAL) {
+		p = (struct io_uring_params){ .flags = IORING_SETUP_CQSIZE, .cq_entries = CQ_ENTRIES };
+		r = io_uring_queue_init_params(SQ_ENTRIES, &be->ring, &p);
+	}
 	if (r < 0) {
 		free(be);
 		return r;
@@ -138,7 +161,7 @@ static int u_listen(ap_loop *l, int lfd)
 static void arm_recv(struct uring_be *be, ap_io_conn *c)
 {
 	struct io_uring_sqe *sqe = get_sqe(be);
-	io_uring_prep_recv_multishot(sqe, c->fd, NULL, 0, 0);
+	io_uring_prep_recv(sqe, c->fd, NULL, BUF_SIZE, 0);
 	sqe->flags |= IOSQE_BUFFER_SELECT;
 	sqe->buf_group = BGID;
 	io_uring_sqe_set_data64(sqe, UD(c, TAG_RECV));
@@ -216,8 +239,11 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 		if (cqe->flags & IORING_CQE_F_BUFFER) {
 			unsigned bid = cqe->flags >> IORING_CQE_BUFFER_SHIFT;
 			uint8_t *b = be->bufs + (size_t)bid * BUF_SIZE;
-			if (cqe->res > 0)
+			if (cqe->res > 0) {
+				be->win_recvs++;
+				be->win_bytes += (uint64_t)cqe->res;
 				ap_io_data(l, c, b, (size_t)cqe->res);
+			}
 			/* The frame codec copied any partial frame: recycle now. */
 			io_uring_buf_ring_add(be->br, b, BUF_SIZE, (unsigned short)bid, io_uring_buf_ring_mask(BUF_COUNT), 0);
 			io_uring_buf_ring_advance(be->br, 1);
@@ -227,8 +253,14 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 				ap_loop_close(l, c, 0);                /* peer closed */
 			else if (cqe->res < 0 && cqe->res != -ENOBUFS)
 				ap_loop_close(l, c, -cqe->res);
-			if (!c->closing)
-				arm_recv(be, c);  /* the multishot ended (ENOBUFS, or done): re-arm */
+			if (!c->closing && be->coalesce && cqe->res > 0) {
+				c->refs++; /* the deferred receive holds its ref already */
+				c->rearm_pending = 1;
+				c->next_rearm = be->rearm;
+				be->rearm = c;
+			} else if (!c->closing) {
+				arm_recv(be, c);
+			}
 			put_ref(l, c);
 		}
 		break;
@@ -249,11 +281,48 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 	}
 }
 
+static int64_t now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 static int u_wait(ap_loop *l, int timeout_ms)
 {
 	struct uring_be *be = l->be;
 	struct io_uring_cqe *cqe;
 	int r;
+	int64_t t = now_us();
+	if (t - be->win_start_us >= RATE_WINDOW_US) {
+		/* Start on many small wakeups; keep going while each pause
+		 * still finds a good batch waiting. */
+		if (!be->coalesce)
+			be->coalesce = be->win_recvs >= COALESCE_RECVS;
+		else
+			be->coalesce = be->win_recvs > 0 && be->win_bytes / be->win_recvs >= COALESCE_KEEP_BYTES;
+		be->win_recvs = 0;
+		be->win_bytes = 0;
+		be->win_start_us = t;
+	}
+	if (be->coalesce && timeout_ms != 0) {
+		/* Let a flood accumulate: with COOP_TASKRUN the kernel queues
+		 * completions without interrupting us, and one enter reaps them. */
+		io_uring_submit(&be->ring);
+		struct timespec ts = { .tv_sec = 0, .tv_nsec = COALESCE_US * 1000L };
+		nanosleep(&ts, NULL);
+	}
+	while (be->rearm) {
+		ap_io_conn *c = be->rearm;
+		be->rearm = c->next_rearm;
+		c->rearm_pending = 0;
+		if (c->closing) {
+			put_ref(l, c);
+		} else {
+			arm_recv(be, c);
+			c->refs--; /* arm_recv took its own */
+		}
+	}
 	if (timeout_ms < 0) {
 		r = io_uring_submit_and_wait(&be->ring, 1);
 	} else {
