@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ap_log.h"
@@ -124,6 +125,8 @@ void ap_io_data(ap_loop *l, ap_io_conn *c, const uint8_t *data, size_t n)
 	if (c->closing)
 		return;
 	c->bytes_in += n;
+	l->win_recvs++;
+	l->win_bytes += n;
 	if (l->cbs.on_data(l->arg, c, data, n))
 		ap_loop_close(l, c, 0);
 }
@@ -144,6 +147,36 @@ void ap_io_finished(ap_loop *l, ap_io_conn *c)
 {
 	c->next_closed = l->closed;
 	l->closed = c;
+}
+
+static int64_t now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int ap_io_coalesce_check(ap_loop *l)
+{
+	int64_t t = now_us();
+	if (t - l->win_start_us < AP_IO_RATE_WINDOW_US)
+		return l->coalesce;
+	/* Start on many small receives; keep going while each pause still
+	 * finds a good batch waiting. */
+	if (!l->coalesce)
+		l->coalesce = l->win_recvs >= AP_IO_COALESCE_RECVS;
+	else
+		l->coalesce = l->win_recvs > 0 && l->win_bytes / l->win_recvs >= AP_IO_COALESCE_KEEP_BYTES;
+	l->win_recvs = 0;
+	l->win_bytes = 0;
+	l->win_start_us = t;
+	return l->coalesce;
+}
+
+void ap_io_pause(void)
+{
+	struct timespec ts = { .tv_sec = 0, .tv_nsec = AP_IO_COALESCE_US * 1000L };
+	nanosleep(&ts, NULL);
 }
 
 int ap_loop_run_once(ap_loop *l, int timeout_ms)

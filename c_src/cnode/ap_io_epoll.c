@@ -154,6 +154,8 @@ static int e_wait(ap_loop *l, int timeout_ms)
 {
 	struct epoll_be *be = l->be;
 	struct epoll_event evs[MAX_EVENTS];
+	if (ap_io_coalesce_check(l) && timeout_ms != 0)
+		ap_io_pause();
 	int n = epoll_wait(be->epfd, evs, MAX_EVENTS, timeout_ms);
 	if (n < 0)
 		return errno == EINTR ? 0 : -errno;

@@ -23,7 +23,23 @@ struct ap_loop {
 	void *be;                 /* backend state */
 	ap_io_conn *dirty;        /* conns with bytes to flush */
 	ap_io_conn *closed;       /* conns whose teardown finished, reported after dispatch */
+	/* Receive-rate window. Under a flood of small messages a wakeup per
+	 * TCP segment costs more than the messages it brings, so the backends
+	 * pause briefly before waiting and take the flood in batches. */
+	int64_t win_start_us;
+	unsigned win_recvs;
+	uint64_t win_bytes;
+	int coalesce;
 };
+
+#define AP_IO_RATE_WINDOW_US 1000
+#define AP_IO_COALESCE_RECVS 20        /* receives per window that start pausing */
+#define AP_IO_COALESCE_KEEP_BYTES 2048 /* bytes per receive that keep it up */
+#define AP_IO_COALESCE_US 100          /* the pause; the latency a flood adds */
+
+/* Update the coalescing mode at a window boundary; returns it. */
+int ap_io_coalesce_check(ap_loop *l);
+void ap_io_pause(void);
 
 extern const struct ap_io_ops ap_io_uring_ops;
 extern const struct ap_io_ops ap_io_epoll_ops;

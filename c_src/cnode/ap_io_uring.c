@@ -19,7 +19,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <time.h>
 
 #include "ap_log.h"
 
@@ -43,20 +42,9 @@ struct uring_be {
 	uint8_t *bufs;
 	int lfd;
 	int readers[MAX_READERS]; /* fd by id, -1 when unused */
-	/* Receive-rate window: under a flood of small messages, a wakeup per
-	 * segment costs more than the message itself, so waits then ask for
-	 * several completions at once (bounded by COALESCE_US). */
-	int64_t win_start_us;
-	unsigned win_recvs;
-	uint64_t win_bytes;
-	int coalesce;
 	ap_io_conn *rearm;        /* receives to arm after the coalescing pause */
 };
 
-#define RATE_WINDOW_US 1000
-#define COALESCE_RECVS 20       /* receives per window that switch coalescing on */
-#define COALESCE_KEEP_BYTES 2048 /* bytes per receive that keep it on */
-#define COALESCE_US 100
 
 static struct io_uring_sqe *get_sqe(struct uring_be *be)
 {
@@ -239,11 +227,8 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 		if (cqe->flags & IORING_CQE_F_BUFFER) {
 			unsigned bid = cqe->flags >> IORING_CQE_BUFFER_SHIFT;
 			uint8_t *b = be->bufs + (size_t)bid * BUF_SIZE;
-			if (cqe->res > 0) {
-				be->win_recvs++;
-				be->win_bytes += (uint64_t)cqe->res;
+			if (cqe->res > 0)
 				ap_io_data(l, c, b, (size_t)cqe->res);
-			}
 			/* The frame codec copied any partial frame: recycle now. */
 			io_uring_buf_ring_add(be->br, b, BUF_SIZE, (unsigned short)bid, io_uring_buf_ring_mask(BUF_COUNT), 0);
 			io_uring_buf_ring_advance(be->br, 1);
@@ -253,7 +238,7 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 				ap_loop_close(l, c, 0);                /* peer closed */
 			else if (cqe->res < 0 && cqe->res != -ENOBUFS)
 				ap_loop_close(l, c, -cqe->res);
-			if (!c->closing && be->coalesce && cqe->res > 0) {
+			if (!c->closing && l->coalesce && cqe->res > 0) {
 				c->refs++; /* the deferred receive holds its ref already */
 				c->rearm_pending = 1;
 				c->next_rearm = be->rearm;
@@ -281,36 +266,16 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 	}
 }
 
-static int64_t now_us(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 static int u_wait(ap_loop *l, int timeout_ms)
 {
 	struct uring_be *be = l->be;
 	struct io_uring_cqe *cqe;
 	int r;
-	int64_t t = now_us();
-	if (t - be->win_start_us >= RATE_WINDOW_US) {
-		/* Start on many small wakeups; keep going while each pause
-		 * still finds a good batch waiting. */
-		if (!be->coalesce)
-			be->coalesce = be->win_recvs >= COALESCE_RECVS;
-		else
-			be->coalesce = be->win_recvs > 0 && be->win_bytes / be->win_recvs >= COALESCE_KEEP_BYTES;
-		be->win_recvs = 0;
-		be->win_bytes = 0;
-		be->win_start_us = t;
-	}
-	if (be->coalesce && timeout_ms != 0) {
+	if (ap_io_coalesce_check(l) && timeout_ms != 0) {
 		/* Let a flood accumulate: with COOP_TASKRUN the kernel queues
 		 * completions without interrupting us, and one enter reaps them. */
 		io_uring_submit(&be->ring);
-		struct timespec ts = { .tv_sec = 0, .tv_nsec = COALESCE_US * 1000L };
-		nanosleep(&ts, NULL);
+		ap_io_pause();
 	}
 	while (be->rearm) {
 		ap_io_conn *c = be->rearm;
