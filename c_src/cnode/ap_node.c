@@ -127,6 +127,13 @@ static ap_conn *conn_for(ap_node *n, const char *node)
 static void conn_flush(ap_node *n, ap_conn *c)
 {
 	c->last_tx_ms = n->now_ms;
+	if (c->io->out.len > (size_t)n->cfg.max_frame * 4) {
+		/* The peer stopped reading; holding more would only grow us. */
+		ap_log(AP_LOG_WARNING, "closing connection to %s: %zu bytes unsent, peer not reading", c->peer,
+		       c->io->out.len);
+		ap_loop_close(n->loop, c->io, ENOBUFS);
+		return;
+	}
 	ap_loop_flush(n->loop, c->io);
 }
 
