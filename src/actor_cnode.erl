@@ -1,0 +1,723 @@
+%% @doc Owner of one C node: starts it, watches it, restarts it, stops it.
+%%
+%% A C node is an OS process from `priv/' that speaks the Erlang distribution
+%% protocol. This gen_server owns it through a port that carries only the
+%% start-up configuration, readiness and log lines; everything else goes over
+%% distributed Erlang. The contract is docs/cnode-port-protocol.md:
+%%
+%% <ol>
+%% <li>open the executable with `{packet, 4}' and `["--port"]', the I/O
+%%     backend in the environment (`ACTOR_POOL_IO');</li>
+%% <li>write one packet, `term_to_binary(Config)' (node name, cookie, parent
+%%     node, a fresh creation, limits): the cookie is never in argv;</li>
+%% <li>wait for `{ready, Map}', sent once the C node is in epmd and connected
+%%     to this node; `{log, Level, Msg}' packets go to `logger'.</li>
+%% </ol>
+%%
+%% `start_link/1' returns only once the C node is ready. When the C node exits
+%% on its own (crash, `kill -9') the owner logs it, reports `down' and starts a
+%% new incarnation after `min(max_ms, min_ms * 2^n) * U(0.5, 1.0)' ms; `n'
+%% counts failed incarnations and resets once one stayed up `stable_ms'. A
+%% restarted C node that does not get ready in `start_timeout_ms' is killed
+%% and counts as a failure.
+%%
+%% Stopping closes the port: the C node reads EOF on stdin, unregisters from
+%% epmd and exits. A closed port sends no `exit_status', so the owner polls the
+%% OS process for up to 2 s and then kills it with `kill -9'.
+%%
+%% No process is ever linked to the C node: a link to a C node kills the BEAM
+%% side when the C node dies. The owner only monitors the connection
+%% (`erlang:monitor_node/2') to log disconnects.
+-module(actor_cnode).
+-behaviour(gen_server).
+
+%% node/1 is part of the API; node/0 below is still the BIF.
+-compile({no_auto_import, [node/1]}).
+
+%% API.
+-export([start_link/1]).
+-export([start/1]).
+-export([stop/1]).
+-export([info/1]).
+-export([node/1]).
+-export([await_up/2]).
+
+%% proc_lib entry point.
+-export([init_it/1]).
+
+%% gen_server callbacks.
+-export([init/1]).
+-export([handle_call/3]).
+-export([handle_cast/2]).
+-export([handle_info/2]).
+-export([terminate/2]).
+
+-export_type([opts/0, ref/0, io/0, status/0, info/0]).
+
+-type io() :: auto | uring | epoll.
+-type status() :: up | down | starting.
+-type ref() :: pid() | atom().
+%% The owner's pid, or the local name given with the `register' option.
+
+-type opts() :: #{exe := string() | binary(),
+                  name => string() | binary() | atom(),
+                  io => io(),
+                  max_frame => pos_integer(),
+                  idle_timeout_ms => pos_integer(),
+                  args => [string() | binary()],
+                  backoff => #{min_ms => pos_integer(), max_ms => pos_integer()},
+                  stable_ms => non_neg_integer(),
+                  start_timeout_ms => pos_integer(),
+                  register => atom()}.
+%% Options of {@link start_link/1}. Only `exe' is required; the others default
+%% to the application environment of `actor_pool'.
+
+-type info() :: #{node := node(),
+                  os_pid := non_neg_integer() | undefined,
+                  io := uring | epoll | undefined,
+                  status := status(),
+                  restarts := non_neg_integer(),
+                  port := inet:port_number() | undefined}.
+%% `os_pid', `io' and `port' (the C node's distribution port) describe the
+%% running incarnation; `os_pid' and `port' are `undefined' while it is down.
+
+%% How long terminate/2 waits for the C node to exit after closing the port.
+-define(STOP_WAIT_MS, 2000).
+%% Poll interval while waiting for an OS process to exit: the port is closed,
+%% so there is no message to wait for.
+-define(POLL_MS, 20).
+-define(LOG_LEVELS, [emergency, alert, critical, error, warning, notice, info,
+                     debug]).
+
+-record(state, {
+    %% validated options, all keys present (see defaults/0)
+    opts :: map(),
+    %% absolute path of the executable
+    exe :: file:filename(),
+    %% full node name of the C node, fixed for the life of the owner
+    node :: node(),
+    %% backend requested from the C node: "auto" | "uring" | "epoll"
+    io_request :: string(),
+    %% the port of the current incarnation, undefined while down
+    port :: port() | undefined,
+    os_pid :: non_neg_integer() | undefined,
+    %% backend the C node reported in its ready packet
+    io :: uring | epoll | undefined,
+    %% distribution port the C node reported
+    dist_port :: inet:port_number() | undefined,
+    status = starting :: status(),
+    %% incarnations started after the first one
+    restarts = 0 :: non_neg_integer(),
+    %% exponent of the next backoff delay
+    failures = 0 :: non_neg_integer(),
+    %% monotonic ms when the current incarnation reported ready
+    up_since :: integer() | undefined,
+    %% restart or start-timeout timer, with the message it sends
+    timer :: {reference(), term()} | undefined,
+    %% monitor_node/2 is on for node
+    monitoring = false :: boolean(),
+    %% await_up/2 callers: {From, TimerRef}
+    waiters = [] :: [{gen_server:from(), reference()}]
+}).
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc Starts an owner linked to the caller and its C node.
+%%
+%% Returns `{ok, Pid}' once the C node reported ready, `{error, {badarg,
+%% {Key, Value}}}' for a bad option (every key is checked, unknown keys too),
+%% or `{error, {cnode_start_failed, Reason}}' if the C node did not start in
+%% `start_timeout_ms' (its OS process is then killed). Starts distribution
+%% first if this node is not distributed.
+-spec start_link(opts()) -> {ok, pid()} | {error, term()}.
+start_link(Opts) ->
+    case validate(Opts) of
+        {ok, Valid} -> proc_lib:start_link(?MODULE, init_it, [Valid]);
+        {error, _} = Error -> Error
+    end.
+
+%% @doc Starts an owner under `actor_cnode_sup' (the application must run).
+%%
+%% Same options and results as {@link start_link/1}. The owner is restarted
+%% by the supervisor if it crashes, and is gone for good after {@link stop/1}.
+-spec start(opts()) -> {ok, pid()} | {error, term()}.
+start(Opts) ->
+    case validate(Opts) of
+        {ok, _} -> actor_cnode_sup:start_child(Opts);
+        {error, _} = Error -> Error
+    end.
+
+%% @doc Stops the owner and its C node; returns when the OS process is gone.
+-spec stop(ref()) -> ok.
+stop(Ref) ->
+    gen_server:stop(Ref, normal, infinity).
+
+%% @doc Describes the C node: name, OS pid, I/O backend, status, restarts
+%% and distribution port.
+-spec info(ref()) -> info().
+info(Ref) ->
+    gen_server:call(Ref, info).
+
+%% @doc The C node's full node name (the same across restarts).
+-spec node(ref()) -> node().
+node(Ref) ->
+    gen_server:call(Ref, node).
+
+%% @doc Waits until the C node is up, at most `TimeoutMs' milliseconds.
+-spec await_up(ref(), non_neg_integer()) -> ok | {error, timeout}.
+await_up(Ref, TimeoutMs) when is_integer(TimeoutMs), TimeoutMs >= 0 ->
+    gen_server:call(Ref, {await_up, TimeoutMs}, infinity).
+
+%% ===================================================================
+%% gen_server callbacks
+%% ===================================================================
+
+%% @private
+%% The process starts here rather than in gen_server:start_link/3: on OTP 25
+%% a failing init/1 makes gen_server exit with the failure as reason, which
+%% kills a linked caller that does not trap exits. Here a failed start is
+%% acknowledged as {error, _} and the process leaves with reason normal.
+-spec init_it(map()) -> no_return().
+init_it(Opts) ->
+    case register_owner(maps:get(register, Opts)) of
+        {ok, ServerName} ->
+            case init(Opts) of
+                {ok, State} ->
+                    proc_lib:init_ack({ok, self()}),
+                    case ServerName of
+                        undefined -> gen_server:enter_loop(?MODULE, [], State);
+                        _ -> gen_server:enter_loop(?MODULE, [], State, ServerName)
+                    end;
+                {stop, Reason} ->
+                    proc_lib:init_ack({error, Reason}),
+                    exit(normal)
+            end;
+        {error, _} = Error ->
+            proc_lib:init_ack(Error),
+            exit(normal)
+    end.
+
+register_owner(undefined) ->
+    {ok, undefined};
+register_owner(Name) ->
+    try register(Name, self()) of
+        true -> {ok, {local, Name}}
+    catch
+        error:badarg -> {error, {already_started, whereis(Name)}}
+    end.
+
+%% Opens the C node and waits until it is ready (see init_it/1).
+-spec init(map()) -> {ok, #state{}} | {stop, {cnode_start_failed, term()}}.
+init(Opts) ->
+    %% Trap exits so that terminate/2 runs on a supervisor shutdown and the
+    %% port's own EXIT does not take the owner down.
+    process_flag(trap_exit, true),
+    case prepare(Opts) of
+        {ok, State0} ->
+            Deadline = erlang:monotonic_time(millisecond)
+                + maps:get(start_timeout_ms, Opts),
+            try open(State0) of
+                State -> await_ready(State, Deadline)
+            catch
+                error:Reason ->
+                    {stop, {cnode_start_failed, {open_port, Reason}}}
+            end;
+        {error, Reason} ->
+            {stop, {cnode_start_failed, Reason}}
+    end.
+
+-spec handle_call(term(), gen_server:from(), #state{}) ->
+    {reply, term(), #state{}} | {noreply, #state{}}.
+handle_call(info, _From, State) ->
+    {reply, info_map(State), State};
+handle_call(node, _From, #state{node = Node} = State) ->
+    {reply, Node, State};
+handle_call({await_up, _}, _From, #state{status = up} = State) ->
+    {reply, ok, State};
+handle_call({await_up, TimeoutMs}, From, #state{waiters = Waiters} = State) ->
+    TRef = erlang:start_timer(TimeoutMs, self(), {await_up, From}),
+    {noreply, State#state{waiters = [{From, TRef} | Waiters]}};
+handle_call(Request, _From, State) ->
+    {reply, {error, {unknown_call, Request}}, State}.
+
+-spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
+handle_cast(Msg, State) ->
+    logger:warning("actor_cnode ~ts: unexpected cast ~0p",
+                   [State#state.node, Msg]),
+    {noreply, State}.
+
+-spec handle_info(term(), #state{}) -> {noreply, #state{}}.
+handle_info({Port, {data, Data}}, #state{port = Port} = State) ->
+    {noreply, packet(Data, State)};
+handle_info({Port, {exit_status, Status}}, #state{port = Port} = State) ->
+    {noreply, exited(Status, State)};
+handle_info({timeout, TRef, restart}, #state{timer = {TRef, restart}} = State) ->
+    {noreply, restart(State#state{timer = undefined})};
+handle_info({timeout, TRef, start_timeout},
+            #state{timer = {TRef, start_timeout}} = State) ->
+    logger:warning("actor_cnode ~ts: not ready after ~b ms; killing it",
+                   [State#state.node, opt(start_timeout_ms, State)]),
+    {noreply, start_failed(kill(State#state{timer = undefined}))};
+handle_info({timeout, TRef, {await_up, From}}, #state{waiters = Waiters} = State) ->
+    case lists:keytake(From, 1, Waiters) of
+        {value, {From, TRef}, Rest} ->
+            gen_server:reply(From, {error, timeout}),
+            {noreply, State#state{waiters = Rest}};
+        _ ->
+            {noreply, State}
+    end;
+handle_info({nodedown, Node}, #state{node = Node} = State) ->
+    %% Only logged: the port tells whether the OS process is gone.
+    logger:warning("actor_cnode ~ts: connection to the C node lost", [Node]),
+    {noreply, State#state{monitoring = false}};
+handle_info({'EXIT', Port, _Reason}, State) when is_port(Port) ->
+    %% A port closes after its exit_status, or after we closed it.
+    {noreply, State};
+handle_info({Port, _}, State) when is_port(Port) ->
+    %% Late data from an incarnation we already closed.
+    {noreply, State};
+handle_info(Msg, State) ->
+    logger:warning("actor_cnode ~ts: unexpected message ~0p",
+                   [State#state.node, Msg]),
+    {noreply, State}.
+
+-spec terminate(term(), #state{}) -> ok.
+terminate(_Reason, State) ->
+    _ = shutdown(State),
+    ok.
+
+%% ===================================================================
+%% Options
+%% ===================================================================
+
+defaults() ->
+    Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
+    #{name => undefined,
+      io => Env(io_backend, auto),
+      max_frame => Env(max_frame, 67108864),
+      idle_timeout_ms => Env(idle_timeout_ms, 60000),
+      args => [],
+      backoff => Env(cnode_backoff, #{min_ms => 100, max_ms => 5000}),
+      stable_ms => Env(cnode_stable_ms, 10000),
+      start_timeout_ms => Env(cnode_start_timeout_ms, 10000),
+      register => undefined}.
+
+%% Every key is checked, the defaults from the application environment too;
+%% unknown keys are errors. Returns the options with every key present.
+validate(Opts) when is_map(Opts) ->
+    case maps:is_key(exe, Opts) of
+        false ->
+            {error, {badarg, {exe, missing}}};
+        true ->
+            %% The caller's keys first, so that their errors are reported.
+            Defaults = maps:without(maps:keys(Opts), defaults()),
+            validate_keys(maps:to_list(Opts) ++ maps:to_list(Defaults), #{})
+    end;
+validate(Opts) ->
+    {error, {badarg, {options, Opts}}}.
+
+validate_keys([], Valid) ->
+    {ok, Valid};
+validate_keys([{Key, Value} | Rest], Valid) ->
+    case check(Key, Value) of
+        {ok, Value1} -> validate_keys(Rest, Valid#{Key => Value1});
+        error -> {error, {badarg, {Key, Value}}}
+    end.
+
+check(exe, Exe) when is_binary(Exe) ->
+    check(exe, unicode:characters_to_list(Exe));
+check(exe, [_ | _] = Exe) ->
+    case io_lib:char_list(Exe) andalso not lists:member(0, Exe) of
+        true -> {ok, Exe};
+        false -> error
+    end;
+check(Key, undefined) when Key =:= name; Key =:= register ->
+    {ok, undefined};
+check(name, Name) when is_atom(Name) ->
+    check(name, atom_to_list(Name));
+check(name, Name) when is_binary(Name) ->
+    check(name, binary_to_list(Name));
+check(name, [_ | _] = Name) ->
+    case length(Name) =< 200 andalso lists:all(fun alive_char/1, Name) of
+        true -> {ok, Name};
+        false -> error
+    end;
+check(io, Io) when Io =:= auto; Io =:= uring; Io =:= epoll ->
+    {ok, Io};
+check(Key, N) when (Key =:= max_frame orelse Key =:= idle_timeout_ms
+                    orelse Key =:= start_timeout_ms),
+                   is_integer(N), N > 0 ->
+    {ok, N};
+check(stable_ms, N) when is_integer(N), N >= 0 ->
+    {ok, N};
+check(args, Args) when is_list(Args) ->
+    try [unicode:characters_to_binary(A) || A <- Args] of
+        Bins ->
+            case lists:all(fun is_binary/1, Bins) andalso length(Bins) =:= length(Args) of
+                true -> {ok, Bins};
+                false -> error
+            end
+    catch
+        _:_ -> error
+    end;
+check(backoff, #{} = Backoff) ->
+    Merged = maps:merge(#{min_ms => 100, max_ms => 5000}, Backoff),
+    case Merged of
+        #{min_ms := Min, max_ms := Max} when map_size(Merged) =:= 2,
+                                             is_integer(Min), Min > 0,
+                                             is_integer(Max), Max >= Min ->
+            {ok, Merged};
+        _ ->
+            error
+    end;
+check(register, Name) when is_atom(Name) ->
+    {ok, Name};
+check(_Key, _Value) ->
+    error.
+
+alive_char(C) ->
+    (C >= $a andalso C =< $z) orelse (C >= $A andalso C =< $Z)
+        orelse (C >= $0 andalso C =< $9) orelse C =:= $_ orelse C =:= $-.
+
+opt(Key, #state{opts = Opts}) ->
+    maps:get(Key, Opts).
+
+%% ===================================================================
+%% Starting an incarnation
+%% ===================================================================
+
+%% Everything that does not change between incarnations.
+prepare(Opts) ->
+    case actor_dist:ensure_distributed() of
+        ok ->
+            Exe = executable(maps:get(exe, Opts)),
+            case filelib:is_regular(Exe) of
+                true ->
+                    {ok, #state{opts = Opts,
+                                exe = Exe,
+                                node = node_name(Opts),
+                                io_request = io_request(maps:get(io, Opts))}};
+                false ->
+                    {error, {no_executable, Exe}}
+            end;
+        {error, Reason} ->
+            {error, {not_distributed, Reason}}
+    end.
+
+executable(Exe) ->
+    case filename:pathtype(Exe) of
+        absolute -> Exe;
+        _ -> filename:join(priv_dir(), Exe)
+    end.
+
+%% code:priv_dir/1 works when the application is in a lib dir; an escript or
+%% a bare -pa of the ebin dir falls back to ../priv beside the beam.
+priv_dir() ->
+    case code:priv_dir(actor_pool) of
+        Dir when is_list(Dir) ->
+            case filelib:is_dir(Dir) of
+                true -> Dir;
+                false -> beam_priv_dir()
+            end;
+        {error, _} ->
+            beam_priv_dir()
+    end.
+
+beam_priv_dir() ->
+    case code:which(?MODULE) of
+        Beam when is_list(Beam) ->
+            filename:join(filename:dirname(filename:dirname(Beam)), "priv");
+        _ ->
+            "priv"
+    end.
+
+%% <alive>_<exe suffix>@<host>; the suffix drops "actor_" and "_node", so
+%% actor_echo_node under app@h is app_echo@h.
+node_name(Opts) ->
+    [Alive, Host] = string:split(atom_to_list(erlang:node()), "@"),
+    Name = case maps:get(name, Opts) of
+               undefined -> Alive ++ "_" ++ exe_suffix(maps:get(exe, Opts));
+               Given -> Given
+           end,
+    list_to_atom(Name ++ "@" ++ Host).
+
+exe_suffix(Exe) ->
+    Base = filename:basename(Exe),
+    NoPrefix = case string:prefix(Base, "actor_") of
+                   nomatch -> Base;
+                   Rest -> Rest
+               end,
+    Suffix = case lists:suffix("_node", NoPrefix) of
+                 true -> lists:sublist(NoPrefix, length(NoPrefix) - 5);
+                 false -> NoPrefix
+             end,
+    case [C || C <- Suffix, alive_char(C)] of
+        [] -> "cnode";
+        Clean -> Clean
+    end.
+
+%% An explicit uring or epoll wins; auto defers to ACTOR_POOL_IO if set.
+io_request(auto) ->
+    case os:getenv("ACTOR_POOL_IO") of
+        Io when Io =:= "uring"; Io =:= "epoll"; Io =:= "auto" -> Io;
+        _ -> "auto"
+    end;
+io_request(Io) ->
+    atom_to_list(Io).
+
+%% Fresh for every incarnation, so pids of an old one never match a new one.
+%% ei adds 0xE10000 to creations below 4; keep them out of that range.
+creation() ->
+    Mixed = erlang:unique_integer([positive])
+        bxor os:system_time()
+        bxor rand:uniform(16#FFFFFFFF),
+    case Mixed band 16#FFFFFFFF of
+        C when C >= 4 -> C;
+        _ -> creation()
+    end.
+
+open(#state{opts = Opts, exe = Exe, node = Node} = State) ->
+    Port = open_port({spawn_executable, Exe},
+                     [{packet, 4}, binary, exit_status, use_stdio,
+                      {args, ["--port"]},
+                      {env, [{"ACTOR_POOL_IO", State#state.io_request}]}]),
+    OsPid = case erlang:port_info(Port, os_pid) of
+                {os_pid, P} -> P;
+                undefined -> undefined
+            end,
+    Config = #{node => atom_to_binary(Node, utf8),
+               cookie => atom_to_binary(erlang:get_cookie(), utf8),
+               parent => atom_to_binary(erlang:node(), utf8),
+               creation => creation(),
+               max_frame => maps:get(max_frame, Opts),
+               idle_timeout_ms => maps:get(idle_timeout_ms, Opts),
+               args => maps:get(args, Opts)},
+    %% If the C node died already, the exit_status message will tell.
+    _ = (catch port_command(Port, term_to_binary(Config))),
+    State#state{port = Port, os_pid = OsPid, status = starting,
+                dist_port = undefined, up_since = undefined}.
+
+%% init/1 blocks until the first incarnation is ready, so that start_link
+%% returns {ok, Pid} only for a running C node.
+await_ready(#state{port = Port} = State, Deadline) ->
+    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
+    receive
+        {Port, {data, Data}} ->
+            case packet(Data, State) of
+                #state{status = up} = Up -> {ok, Up};
+                Starting -> await_ready(Starting, Deadline)
+            end;
+        {Port, {exit_status, Status}} ->
+            logger:warning("actor_cnode ~ts: exited with status ~b before "
+                           "it was ready", [State#state.node, Status]),
+            {stop, {cnode_start_failed, {exit_status, Status}}}
+    after Remaining ->
+        logger:warning("actor_cnode ~ts: not ready after ~b ms; killing it",
+                       [State#state.node, opt(start_timeout_ms, State)]),
+        _ = kill(State),
+        {stop, {cnode_start_failed, timeout}}
+    end.
+
+%% A new incarnation after a crash: asynchronous, unlike the first one.
+restart(#state{restarts = Restarts} = State) ->
+    logger:notice("actor_cnode ~ts: restarting the C node", [State#state.node]),
+    try open(State#state{restarts = Restarts + 1}) of
+        Opened ->
+            TRef = erlang:start_timer(opt(start_timeout_ms, State), self(),
+                                      start_timeout),
+            Opened#state{timer = {TRef, start_timeout}}
+    catch
+        error:Reason ->
+            logger:error("actor_cnode ~ts: cannot start ~ts: ~0p",
+                         [State#state.node, State#state.exe, Reason]),
+            start_failed(State#state{restarts = Restarts + 1})
+    end.
+
+%% ===================================================================
+%% Packets from the C node
+%% ===================================================================
+
+packet(Data, #state{node = Node} = State) ->
+    %% Our own child wrote it; not `safe', its node name may be a new atom.
+    try binary_to_term(Data) of
+        {ready, #{} = Ready} ->
+            ready(Ready, State);
+        {log, Level, Msg} ->
+            log(Level, Msg, Node),
+            State;
+        Other ->
+            logger:warning("actor_cnode ~ts: unknown packet ~0P",
+                           [Node, Other, 20]),
+            State
+    catch
+        error:badarg ->
+            logger:warning("actor_cnode ~ts: undecodable packet of ~b bytes",
+                           [Node, byte_size(Data)]),
+            State
+    end.
+
+log(Level, Msg, Node) ->
+    Level1 = case lists:member(Level, ?LOG_LEVELS) of
+                 true -> Level;
+                 false -> notice
+             end,
+    Text = case is_binary(Msg) of
+               true -> Msg;
+               false -> io_lib:format("~0p", [Msg])
+           end,
+    logger:log(Level1, "~ts", [Text], #{cnode => Node}).
+
+ready(Ready, #state{node = Node} = State0) ->
+    State = cancel_timer(State0),
+    Reported = maps:get(node, Ready, Node),
+    _ = Reported =:= Node orelse
+        logger:warning("actor_cnode ~ts: C node calls itself ~0p",
+                       [Node, Reported]),
+    Io = maps:get(io, Ready, undefined),
+    DistPort = maps:get(port, Ready, undefined),
+    OsPid = case maps:get(os_pid, Ready, State#state.os_pid) of
+                P when is_integer(P) -> P;
+                _ -> State#state.os_pid
+            end,
+    logger:notice("actor_cnode ~ts: up (os pid ~0p, io ~0p, port ~0p)",
+                  [Node, OsPid, Io, DistPort]),
+    Monitoring = State#state.monitoring orelse monitor_node_on(Node),
+    lists:foreach(fun({From, TRef}) ->
+                          _ = erlang:cancel_timer(TRef),
+                          gen_server:reply(From, ok)
+                  end, State#state.waiters),
+    State#state{status = up, io = Io, dist_port = DistPort, os_pid = OsPid,
+                up_since = erlang:monotonic_time(millisecond),
+                monitoring = Monitoring, waiters = []}.
+
+%% The C node connected to us before it said ready, so this only fails if
+%% it is gone already; the port will tell.
+monitor_node_on(Node) ->
+    try erlang:monitor_node(Node, true) of
+        true -> true
+    catch
+        error:badarg -> false
+    end.
+
+monitor_node_off(#state{monitoring = false} = State) ->
+    State;
+monitor_node_off(#state{node = Node} = State) ->
+    _ = (catch erlang:monitor_node(Node, false)),
+    receive {nodedown, Node} -> ok after 0 -> ok end,
+    State#state{monitoring = false}.
+
+%% ===================================================================
+%% Exits, backoff, shutdown
+%% ===================================================================
+
+exited(Status, #state{node = Node} = State0) ->
+    logger:warning("actor_cnode ~ts: C node exited with status ~b",
+                   [Node, Status]),
+    %% Drop the connection monitor now, so that a late nodedown of this
+    %% incarnation cannot be taken for one of the next.
+    State = monitor_node_off(cancel_timer(State0)),
+    start_failed(State#state{port = undefined}).
+
+%% The incarnation is gone (exited, or killed for not getting ready): mark
+%% down and schedule the next one.
+start_failed(#state{up_since = UpSince, failures = Failures0} = State) ->
+    Now = erlang:monotonic_time(millisecond),
+    Failures = case UpSince of
+                   T when is_integer(T), Now - T >= 0 ->
+                       case Now - T >= opt(stable_ms, State) of
+                           true -> 0;
+                           false -> Failures0
+                       end;
+                   _ -> Failures0
+               end,
+    Delay = backoff(opt(backoff, State), Failures),
+    logger:notice("actor_cnode ~ts: restart in ~b ms", [State#state.node, Delay]),
+    TRef = erlang:start_timer(Delay, self(), restart),
+    State#state{status = down, port = undefined, os_pid = undefined,
+                dist_port = undefined, up_since = undefined,
+                failures = Failures + 1, timer = {TRef, restart}}.
+
+backoff(#{min_ms := Min, max_ms := Max}, N) ->
+    Base = min(Max, Min * (1 bsl min(N, 32))),
+    max(1, round(Base * (0.5 + rand:uniform() / 2))).
+
+cancel_timer(#state{timer = undefined} = State) ->
+    State;
+cancel_timer(#state{timer = {TRef, _}} = State) ->
+    _ = erlang:cancel_timer(TRef),
+    State#state{timer = undefined}.
+
+%% Close the port and make sure the OS process is gone.
+shutdown(State0) ->
+    State = monitor_node_off(cancel_timer(State0)),
+    case State of
+        #state{port = undefined} ->
+            State;
+        #state{port = Port, os_pid = OsPid, node = Node} ->
+            _ = (catch port_close(Port)),
+            Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
+            case wait_os_exit(OsPid, Deadline) of
+                true -> ok;
+                false ->
+                    logger:warning("actor_cnode ~ts: still running ~b ms after "
+                                   "its port closed; kill -9", [Node, ?STOP_WAIT_MS]),
+                    kill_os_pid(OsPid)
+            end,
+            State#state{port = undefined, os_pid = undefined, status = down}
+    end.
+
+%% Kill the OS process at once (start timeout).
+kill(#state{port = Port, os_pid = OsPid} = State) ->
+    kill_os_pid(OsPid),
+    _ = (catch port_close(Port)),
+    State#state{port = undefined}.
+
+kill_os_pid(undefined) ->
+    ok;
+kill_os_pid(OsPid) ->
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid) ++ " 2>/dev/null"),
+    ok.
+
+wait_os_exit(undefined, _Deadline) ->
+    true;
+wait_os_exit(OsPid, Deadline) ->
+    case os_pid_alive(OsPid) of
+        false -> true;
+        true ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> false;
+                false -> receive after ?POLL_MS -> wait_os_exit(OsPid, Deadline) end
+            end
+    end.
+
+%% erl_child_setup reaps our children, so a dead one leaves /proc at once;
+%% without /proc (macOS) ask kill -0.
+os_pid_alive(OsPid) ->
+    Pid = integer_to_list(OsPid),
+    case filelib:is_dir("/proc/self") of
+        true ->
+            case file:read_file("/proc/" ++ Pid ++ "/stat") of
+                {ok, Stat} -> not zombie(Stat);
+                {error, _} -> false
+            end;
+        false ->
+            os:cmd("kill -0 " ++ Pid ++ " 2>/dev/null && echo alive") =:= "alive\n"
+    end.
+
+%% /proc/PID/stat: "pid (comm) S ..."; comm may hold spaces and parentheses.
+zombie(Stat) ->
+    case string:split(Stat, ")", trailing) of
+        [_, <<" Z", _/binary>>] -> true;
+        [_, <<" X", _/binary>>] -> true;
+        _ -> false
+    end.
+
+info_map(#state{} = State) ->
+    #{node => State#state.node,
+      os_pid => State#state.os_pid,
+      io => State#state.io,
+      status => State#state.status,
+      restarts => State#state.restarts,
+      port => State#state.dist_port}.

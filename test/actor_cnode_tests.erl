@@ -1,0 +1,423 @@
+%% Behaviour of a real C node owned by actor_cnode: the echo node from
+%% priv/actor_echo_node, reached over distributed Erlang like any node.
+%%
+%% One shared echo node serves the cases that leave it running; the cases
+%% that kill or stop a node start their own, with a name of their own. Every
+%% case waits on messages or polls with a deadline, never sleeps, and stops
+%% every OS process it started (C nodes, peers), so no name stays in epmd.
+%%
+%% ACTOR_POOL_IO (uring | epoll) selects the I/O backend of the C nodes;
+%% `make test' runs this module once with each. ACTOR_POOL_ECHO_EXE names
+%% another echo executable (an absolute path) when set.
+-module(actor_cnode_tests).
+
+-include_lib("eunit/include/eunit.hrl").
+
+%% The cases, called through ?MODULE by case_/2.
+-export([call_is_answered_by_the_echo_process/1,
+         call_by_pid_reaches_the_same_process/1,
+         cast_reply_to_sends_the_term/1,
+         plain_message_with_pid_is_forwarded/1,
+         stats_count_messages_and_name_the_backend/1,
+         ping_answers_pong/1,
+         cnode_is_hidden/1,
+         link_delivers_exit_with_the_stop_reason/1,
+         call_to_missing_name_replies_noproc/1,
+         malformed_frames_close_only_that_connection/1,
+         wrong_cookie_is_refused_right_cookie_accepted/1,
+         io_backend_is_the_one_requested/1,
+         await_up_returns_ok_when_up/1,
+         kill_9_fails_calls_fast_and_the_owner_restarts_it/1,
+         stopping_the_owner_ends_the_os_process_and_epmd_entry/1,
+         bad_options_are_badarg/1,
+         missing_executable_fails_the_start/1,
+         executable_that_exits_fails_the_start/1,
+         executable_never_ready_is_killed_after_the_timeout/1]).
+
+-define(CALL_TIMEOUT, 5000).
+-define(POLL_MS, 20).
+
+%% ===================================================================
+%% Fixture
+%% ===================================================================
+
+actor_cnode_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     fun(Ctx) ->
+             [case_(Name, Ctx) || Name <- [
+                 call_is_answered_by_the_echo_process,
+                 call_by_pid_reaches_the_same_process,
+                 cast_reply_to_sends_the_term,
+                 plain_message_with_pid_is_forwarded,
+                 stats_count_messages_and_name_the_backend,
+                 ping_answers_pong,
+                 cnode_is_hidden,
+                 link_delivers_exit_with_the_stop_reason,
+                 call_to_missing_name_replies_noproc,
+                 malformed_frames_close_only_that_connection,
+                 wrong_cookie_is_refused_right_cookie_accepted,
+                 io_backend_is_the_one_requested,
+                 await_up_returns_ok_when_up,
+                 kill_9_fails_calls_fast_and_the_owner_restarts_it,
+                 stopping_the_owner_ends_the_os_process_and_epmd_entry,
+                 bad_options_are_badarg,
+                 missing_executable_fails_the_start,
+                 executable_that_exits_fails_the_start,
+                 executable_never_ready_is_killed_after_the_timeout]]
+     end}.
+
+case_(Name, Ctx) ->
+    {atom_to_list(Name), {timeout, 60, fun() -> ?MODULE:Name(Ctx) end}}.
+
+setup() ->
+    WasAlive = is_alive(),
+    ok = actor_dist:ensure_distributed(),
+    {ok, _} = application:ensure_all_started(actor_pool),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => alive("echo")}),
+    #{owner => Owner, node => actor_cnode:node(Owner), was_alive => WasAlive}.
+
+cleanup(#{owner := Owner, was_alive := WasAlive}) ->
+    catch actor_cnode:stop(Owner),
+    ok = application:stop(actor_pool),
+    case WasAlive of
+        true -> ok;
+        false -> net_kernel:stop()
+    end.
+
+%% ===================================================================
+%% Messages, calls, casts
+%% ===================================================================
+
+call_is_answered_by_the_echo_process(#{node := N}) ->
+    ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+    Req = {any, [term, 1.5, <<"bin">>, #{k => v}], make_ref(), self()},
+    ?assertEqual(Req, gen_server:call({echo, N}, Req, ?CALL_TIMEOUT)).
+
+call_by_pid_reaches_the_same_process(#{node := N}) ->
+    Pid = gen_server:call({echo, N}, pid, ?CALL_TIMEOUT),
+    ?assert(is_pid(Pid)),
+    ?assertEqual(N, node(Pid)),
+    ?assertEqual(pong, gen_server:call(Pid, ping, ?CALL_TIMEOUT)),
+    ?assertEqual({by_pid, 42}, gen_server:call(Pid, {by_pid, 42}, ?CALL_TIMEOUT)).
+
+cast_reply_to_sends_the_term(#{node := N}) ->
+    Ref = make_ref(),
+    ok = gen_server:cast({echo, N}, {reply_to, self(), {cast, Ref}}),
+    ?assertEqual({cast, Ref}, receive {cast, Ref} = M -> M
+                              after ?CALL_TIMEOUT -> timeout end).
+
+plain_message_with_pid_is_forwarded(#{node := N}) ->
+    Ref = make_ref(),
+    {echo, N} ! {self(), {plain, Ref}},
+    ?assertEqual({plain, Ref}, receive {plain, Ref} = M -> M
+                               after ?CALL_TIMEOUT -> timeout end).
+
+stats_count_messages_and_name_the_backend(#{node := N}) ->
+    Before = stats(N),
+    [?assert(is_integer(maps:get(K, Before)))
+     || K <- [received, unknown_name, bad_frames, utime_us, stime_us, connections]],
+    ?assert(lists:member(maps:get(io, Before), [uring, epoll])),
+    {echo, N} ! <<"a plain binary">>,
+    {echo, N} ! {batch, [a, b, c]},
+    _ = gen_server:call({nosuch_for_stats, N}, x, ?CALL_TIMEOUT),
+    After = stats(N),
+    %% The binary and the batch were sent before the second stats call on the
+    %% same connection, so both are counted in its reply: `received' counts
+    %% delivered messages, `tells' (when present) counts a batch of three as
+    %% three.
+    ?assert(maps:get(received, After) >= maps:get(received, Before) + 2),
+    case Before of
+        #{tells := Tells0} -> ?assert(maps:get(tells, After) >= Tells0 + 4);
+        #{} -> ok
+    end,
+    ?assert(maps:get(unknown_name, After) >= maps:get(unknown_name, Before) + 1).
+
+ping_answers_pong(#{node := N}) ->
+    ?assertEqual(pong, net_adm:ping(N)).
+
+cnode_is_hidden(#{node := N}) ->
+    ?assert(lists:member(N, nodes(hidden))),
+    ?assertNot(lists:member(N, nodes())).
+
+link_delivers_exit_with_the_stop_reason(#{node := N}) ->
+    Result = in_fresh_process(
+               fun() ->
+                       process_flag(trap_exit, true),
+                       {ok, P1} = gen_server:call({echo, N}, spawn, ?CALL_TIMEOUT),
+                       true = link(P1),
+                       P1 ! stop,
+                       Exit1 = receive {'EXIT', P1, R1} -> R1
+                               after ?CALL_TIMEOUT -> timeout end,
+                       {ok, P2} = gen_server:call({echo, N}, spawn, ?CALL_TIMEOUT),
+                       true = link(P2),
+                       P2 ! {stop, custom},
+                       Exit2 = receive {'EXIT', P2, R2} -> R2
+                               after ?CALL_TIMEOUT -> timeout end,
+                       {node(P1), node(P2), Exit1, Exit2}
+               end),
+    ?assertEqual({N, N, normal, custom}, Result).
+
+call_to_missing_name_replies_noproc(#{node := N}) ->
+    ?assertEqual({error, noproc}, gen_server:call({nosuch, N}, x, ?CALL_TIMEOUT)).
+
+%% ===================================================================
+%% Hostile peers
+%% ===================================================================
+
+malformed_frames_close_only_that_connection(#{node := N}) ->
+    #{bad_frames := Bad0} = stats(N),
+    %% A 5-byte frame: 'p' then bytes that are no control tuple.
+    ?assertEqual("closed", rawpeer(N, "000000057000000000")),
+    ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+    %% A length header far beyond max_frame.
+    ?assertEqual("closed", rawpeer(N, "FFFFFFFF")),
+    ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+    #{bad_frames := Bad1} = stats(N),
+    ?assert(Bad1 >= Bad0 + 2).
+
+wrong_cookie_is_refused_right_cookie_accepted(#{node := N}) ->
+    ?assertEqual(pang, ping_from_peer(N, "actor_pool_not_the_cookie")),
+    ?assertEqual(pong, ping_from_peer(N, atom_to_list(erlang:get_cookie()))),
+    ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)).
+
+%% ===================================================================
+%% The owner
+%% ===================================================================
+
+io_backend_is_the_one_requested(#{owner := Owner, node := N}) ->
+    #{io := Io, status := up} = actor_cnode:info(Owner),
+    #{io := StatsIo} = stats(N),
+    ?assertEqual(Io, StatsIo),
+    case os:getenv("ACTOR_POOL_IO") of
+        Want when Want =:= "uring"; Want =:= "epoll" ->
+            ?assertEqual(list_to_atom(Want), Io);
+        _ ->
+            ?assert(lists:member(Io, [uring, epoll]))
+    end.
+
+await_up_returns_ok_when_up(#{owner := Owner}) ->
+    ?assertEqual(ok, actor_cnode:await_up(Owner, 1000)).
+
+kill_9_fails_calls_fast_and_the_owner_restarts_it(_Ctx) ->
+    %% A backoff of at least 1 s leaves an outage to call into.
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => alive("kill"),
+                                      backoff => #{min_ms => 2000, max_ms => 2000}}),
+    try
+        N = actor_cnode:node(Owner),
+        #{os_pid := OsPid, status := up, restarts := R0} = actor_cnode:info(Owner),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        wait_until(fun() -> maps:get(status, actor_cnode:info(Owner)) =:= down end,
+                   5000),
+        T0 = erlang:monotonic_time(millisecond),
+        Reason = try gen_server:call({echo, N}, ping, 10000) of
+                     Reply -> {replied, Reply}
+                 catch
+                     exit:{R, {gen_server, call, _}} -> R
+                 end,
+        Elapsed = erlang:monotonic_time(millisecond) - T0,
+        ?assert(lists:member(Reason, [{nodedown, N}, noconnection])),
+        ?assert(Elapsed < 1000),
+        ?assertEqual(ok, actor_cnode:await_up(Owner, 15000)),
+        wait_until(fun() ->
+                           case actor_cnode:info(Owner) of
+                               #{status := up, os_pid := New} -> New =/= OsPid;
+                               _ -> false
+                           end
+                   end, 15000),
+        #{restarts := R1} = actor_cnode:info(Owner),
+        ?assert(R1 > R0),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT))
+    after
+        actor_cnode:stop(Owner)
+    end.
+
+stopping_the_owner_ends_the_os_process_and_epmd_entry(_Ctx) ->
+    Alive = alive("stop"),
+    Registered = list_to_atom(Alive ++ "_owner"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive,
+                                      register => Registered}),
+    ?assertEqual(Owner, whereis(Registered)),
+    #{os_pid := OsPid, node := N, status := up} = actor_cnode:info(Registered),
+    ?assert(lists:member(Alive, epmd_names())),
+    ok = actor_cnode:stop(Registered),
+    ?assertEqual(undefined, whereis(Registered)),
+    wait_until(fun() -> not os_pid_alive(OsPid) end, 5000),
+    wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 5000),
+    wait_until(fun() -> not lists:member(N, nodes(hidden)) end, 5000).
+
+bad_options_are_badarg(_Ctx) ->
+    E = echo_exe(),
+    Children = length(supervisor:which_children(actor_cnode_sup)),
+    Bad = [{not_a_map, {options, not_a_map}},
+           {#{}, {exe, missing}},
+           {#{exe => 42}, {exe, 42}},
+           {#{exe => ""}, {exe, ""}},
+           {#{exe => E, io => bogus}, {io, bogus}},
+           {#{exe => E, max_frame => 0}, {max_frame, 0}},
+           {#{exe => E, idle_timeout_ms => -1}, {idle_timeout_ms, -1}},
+           {#{exe => E, start_timeout_ms => 0}, {start_timeout_ms, 0}},
+           {#{exe => E, stable_ms => soon}, {stable_ms, soon}},
+           {#{exe => E, backoff => #{min_ms => 100, max_ms => 10}},
+            {backoff, #{min_ms => 100, max_ms => 10}}},
+           {#{exe => E, backoff => #{min_ms => 100, typo => 1}},
+            {backoff, #{min_ms => 100, typo => 1}}},
+           {#{exe => E, backoff => 100}, {backoff, 100}},
+           {#{exe => E, name => "has@host"}, {name, "has@host"}},
+           {#{exe => E, name => ""}, {name, ""}},
+           {#{exe => E, args => [1, 2]}, {args, [1, 2]}},
+           {#{exe => E, args => <<"x">>}, {args, <<"x">>}},
+           {#{exe => E, register => "owner"}, {register, "owner"}},
+           {#{exe => E, no_such_option => 1}, {no_such_option, 1}}],
+    [begin
+         ?assertEqual({error, {badarg, Expected}}, actor_cnode:start_link(Opts)),
+         ?assertEqual({error, {badarg, Expected}}, actor_cnode:start(Opts))
+     end || {Opts, Expected} <- Bad],
+    ?assertEqual(Children, length(supervisor:which_children(actor_cnode_sup))).
+
+missing_executable_fails_the_start(_Ctx) ->
+    ?assertMatch({error, {cnode_start_failed, {no_executable, _}}},
+                 actor_cnode:start_link(#{exe => "actor_no_such_node"})).
+
+executable_that_exits_fails_the_start(_Ctx) ->
+    %% start_link fails without killing its (non-trapping) caller.
+    ?assertEqual({error, {cnode_start_failed, {exit_status, 1}}},
+                 actor_cnode:start_link(#{exe => "/bin/false",
+                                          name => alive("false")})),
+    ?assertEqual({error, {cnode_start_failed, {exit_status, 1}}},
+                 actor_cnode:start(#{exe => "/bin/false", name => alive("false")})).
+
+executable_never_ready_is_killed_after_the_timeout(_Ctx) ->
+    Dir = temp_dir(),
+    Script = filename:join(Dir, "never_ready"),
+    PidFile = filename:join(Dir, "pid"),
+    ok = file:write_file(Script, ["#!/bin/sh\necho $$ > '", PidFile, "'\n",
+                                  "exec cat >/dev/null\n"]),
+    ok = file:change_mode(Script, 8#755),
+    try
+        ?assertEqual({error, {cnode_start_failed, timeout}},
+                     actor_cnode:start_link(#{exe => Script,
+                                              name => alive("never"),
+                                              start_timeout_ms => 300})),
+        {ok, PidText} = file:read_file(PidFile),
+        OsPid = binary_to_integer(string:trim(PidText)),
+        wait_until(fun() -> not os_pid_alive(OsPid) end, 5000)
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+echo_exe() ->
+    case os:getenv("ACTOR_POOL_ECHO_EXE") of
+        Exe when is_list(Exe), Exe =/= "" -> Exe;
+        _ -> "actor_echo_node"
+    end.
+
+priv_dir() ->
+    case code:priv_dir(actor_pool) of
+        Dir when is_list(Dir) -> Dir;
+        {error, bad_name} ->
+            Ebin = filename:dirname(code:which(actor_cnode)),
+            filename:join(filename:dirname(Ebin), "priv")
+    end.
+
+%% A C-node alive name unique to this test node and case.
+alive(Tag) ->
+    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
+    Alive ++ "_" ++ Tag.
+
+stats(N) ->
+    Stats = gen_server:call({echo, N}, stats, ?CALL_TIMEOUT),
+    ?assert(is_map(Stats)),
+    Stats.
+
+in_fresh_process(Fun) ->
+    {Pid, Mref} = spawn_monitor(fun() -> exit({result, Fun()}) end),
+    receive
+        {'DOWN', Mref, process, Pid, {result, Result}} -> Result;
+        {'DOWN', Mref, process, Pid, Reason} -> error({helper_failed, Reason})
+    end.
+
+wait_until(Fun, TimeoutMs) ->
+    wait_until(Fun, erlang:monotonic_time(millisecond) + TimeoutMs, TimeoutMs).
+
+wait_until(Fun, Deadline, TimeoutMs) ->
+    case Fun() of
+        true -> ok;
+        false ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> error({condition_not_met_within_ms, TimeoutMs});
+                false ->
+                    receive after ?POLL_MS -> ok end,
+                    wait_until(Fun, Deadline, TimeoutMs)
+            end
+    end.
+
+epmd_names() ->
+    case net_adm:names() of
+        {ok, Names} -> [Name || {Name, _Port} <- Names];
+        {error, _} -> []
+    end.
+
+os_pid_alive(OsPid) ->
+    os:cmd("kill -0 " ++ integer_to_list(OsPid) ++ " 2>/dev/null && echo alive")
+        =:= "alive\n".
+
+temp_dir() ->
+    Base = case os:getenv("TMPDIR") of
+               T when is_list(T), T =/= "" -> T;
+               _ -> "/tmp"
+           end,
+    Dir = filename:join(Base, "actor_cnode_tests_"
+                        ++ integer_to_list(erlang:unique_integer([positive]))
+                        ++ "_" ++ os:getpid()),
+    ok = file:make_dir(Dir),
+    ok = file:change_mode(Dir, 8#700),
+    Dir.
+
+%% Runs priv/actor_rawpeer, which handshakes with Node, writes the bytes and
+%% reports whether Node closed the connection. Returns its last line.
+rawpeer(Node, Hex) ->
+    Dir = temp_dir(),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    try
+        Exe = filename:join(priv_dir(), "actor_rawpeer"),
+        Port = open_port({spawn_executable, Exe},
+                         [{args, [atom_to_list(Node), CookieFile, Hex]},
+                          exit_status, binary, use_stdio]),
+        {Status, Out} = collect(Port, <<>>,
+                                erlang:monotonic_time(millisecond) + 15000),
+        ?assertEqual(0, Status),
+        lists:last(string:lexemes(binary_to_list(Out), "\r\n"))
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
+collect(Port, Acc, Deadline) ->
+    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
+    receive
+        {Port, {data, Data}} -> collect(Port, <<Acc/binary, Data/binary>>, Deadline);
+        {Port, {exit_status, Status}} -> {Status, Acc}
+    after Remaining ->
+        {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        catch port_close(Port),
+        error({rawpeer_timeout, Acc})
+    end.
+
+%% net_adm:ping(Node) from a fresh BEAM peer holding Cookie.
+ping_from_peer(Node, Cookie) ->
+    {ok, Peer, _PeerNode} =
+        peer:start_link(#{name => peer:random_name(actor_pool_peer),
+                          connection => standard_io,
+                          args => ["-hidden", "-setcookie", Cookie]}),
+    try
+        peer:call(Peer, net_adm, ping, [Node], 15000)
+    after
+        peer:stop(Peer)
+    end.
