@@ -54,12 +54,16 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
 	case 12:         /* {12, Unused, To, Token} */
 		if (arity != (op == 2 ? 3 : 4) || dec_skip(buf, &idx) || dec_pid(buf, &idx, &c->to))
 			return -EBADMSG;
+		if (op == 12 && dec_skip(buf, &idx)) /* the trace token */
+			return -EBADMSG;
 		c->op = AP_OP_SEND;
 		break;
 	case AP_OP_REG_SEND: /* {6, From, Unused, ToName} */
 	case 16:             /* {16, From, Unused, ToName, Token} */
 		if (arity != (op == 6 ? 4 : 5) || dec_pid(buf, &idx, &c->from) ||
 		    dec_skip(buf, &idx) || dec_atom(buf, &idx, c->toname))
+			return -EBADMSG;
+		if (op == 16 && dec_skip(buf, &idx)) /* the trace token */
 			return -EBADMSG;
 		c->op = AP_OP_REG_SEND;
 		break;

@@ -2,6 +2,8 @@
 #include "ap_term.h"
 
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 #include "ap_buf.h"
 
@@ -70,10 +72,18 @@ int ap_term_skip(const char *cbuf, size_t len, int *idx)
 			if (left < 9) return -1;
 			i += 9;
 			break;
-		case T_FLOAT:
+		case T_FLOAT: {
+			/* Old text floats: ei rejects text sscanf cannot read, and
+			 * the walk must agree with ei on every term it passes. */
+			char txt[32];
+			double d;
 			if (left < 32) return -1;
+			memcpy(txt, p + 1, 31);
+			txt[31] = 0;
+			if (sscanf(txt, "%lf", &d) != 1) return -1;
 			i += 32;
 			break;
+		}
 		case T_ATOM: case T_ATOM_UTF8: case T_SMALL_ATOM: case T_SMALL_ATOM_UTF8:
 			a = atom_size(p, left);
 			if (a < 0 || (size_t)a > left) return -1;

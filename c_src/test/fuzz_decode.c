@@ -1,0 +1,156 @@
+/* fuzz_decode: libFuzzer target over frame reassembly, control decoding and term validation. */
+/*
+ * Input layout: byte 0 = k (mod 8), then k chunk-size bytes, then the byte
+ * stream a socket would deliver. The stream is fed to ap_frame_rx_feed in
+ * chunks of sizes[i % k] + 1 bytes (one chunk when k is 0); every frame is
+ * decoded with ap_ctrl_decode from an exact-size copy (so ASan sees any read
+ * past it), and whatever the decoder vouches for is checked: a send's message
+ * validates whole, a reason is one term, and ei, which takes no length, walks
+ * both without leaving them. ap_term_skip and ap_term_validate_msg also run
+ * on the raw input, and ei on whatever they accept.
+ */
+#include <ei.h>
+#include <errno.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ap_ctrl.h"
+#include "ap_frame.h"
+#include "ap_term.h"
+
+#define T_MAX_FRAME (1u << 20)
+
+#define t_check(cond)                       \
+	do {                                \
+		if (!(cond))                \
+			__builtin_trap();   \
+	} while (0)
+
+/* ei, which takes no length, walks a term ap_term vouched for at
+ * buf[start..len) without leaving it: buf is always an exact-size block, so
+ * ASan reports any read past len. ei may refuse what ap_term lets through
+ * (FLOAT_EXT text that is not a number, say), and ei_skip_term ignores an
+ * element it cannot read inside a tuple, list or map, returning 0 with the
+ * index left at that element: so all that is checked here is that it never
+ * ends past the span. */
+static void t_ei_stays_inside(const char *buf, int len, int start)
+{
+	int i = start;
+	if (ei_skip_term(buf, &i) == 0)
+		t_check(i >= start && i <= len);
+}
+
+static int t_on_frame(void *arg, const uint8_t *f, size_t len)
+{
+	size_t *frames = arg;
+	(*frames)++;
+	t_check(len <= T_MAX_FRAME);
+	if (len == 0)
+		return 0; /* a tick */
+
+	uint8_t *d = malloc(len);
+	if (!d)
+		return -ENOMEM;
+	memcpy(d, f, len);
+	ap_ctrl c;
+	int r = ap_ctrl_decode(d, len, &c);
+	t_check(r == 0 || r == -EBADMSG || r == -ENOTSUP);
+	if (r == 0) {
+		const char *lo = (const char *)d, *hi = lo + len;
+		switch (c.op) {
+		case AP_OP_SEND:
+		case AP_OP_REG_SEND:
+		case AP_OP_ALIAS_SEND:
+			t_check(c.msg && c.msg >= lo && c.msg_len > 0 && c.msg + c.msg_len == hi);
+			t_check(ap_term_validate_msg(c.msg, (size_t)c.msg_len) == 0);
+			t_ei_stays_inside(c.msg, c.msg_len, 1);
+			if (c.op == AP_OP_REG_SEND)
+				t_check(memchr(c.toname, 0, sizeof c.toname) != NULL);
+			break;
+		case AP_OP_EXIT:
+		case AP_OP_EXIT2: {
+			t_check(c.reason && c.reason >= lo && c.reason_len > 0 && c.reason + c.reason_len <= hi);
+			int i = 0;
+			t_check(ap_term_skip(c.reason, (size_t)c.reason_len, &i) == 0 && i == c.reason_len);
+			/* ei reads a reason in place, so give it exactly the span. */
+			char *rs = malloc((size_t)c.reason_len);
+			if (rs) {
+				memcpy(rs, c.reason, (size_t)c.reason_len);
+				t_ei_stays_inside(rs, c.reason_len, 0);
+				free(rs);
+			}
+			t_check(c.msg == NULL);
+			break;
+		}
+		case AP_OP_LINK:
+		case AP_OP_UNLINK:
+		case AP_OP_UNLINK_ID:
+		case AP_OP_UNLINK_ID_ACK:
+		case AP_OP_GROUP_LEADER:
+			t_check(c.msg == NULL && c.reason == NULL);
+			break;
+		default:
+			t_check(0); /* decoded to an op it does not return */
+		}
+		t_check(memchr(c.from.node, 0, sizeof c.from.node) != NULL);
+		t_check(memchr(c.to.node, 0, sizeof c.to.node) != NULL);
+	}
+	free(d);
+	return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	if (size == 0)
+		return 0;
+
+	/* The raw input as a term and as a message. */
+	int idx = 0;
+	if (ap_term_skip((const char *)data, size, &idx) == 0) {
+		t_check(idx > 0 && (size_t)idx <= size);
+		uint8_t *d = malloc((size_t)idx);
+		if (d) {
+			memcpy(d, data, (size_t)idx);
+			t_ei_stays_inside((const char *)d, idx, 0);
+			free(d);
+		}
+	} else {
+		t_check(idx == 0);
+	}
+	if (ap_term_validate_msg((const char *)data, size) == 0)
+		t_ei_stays_inside((const char *)data, (int)size, 1);
+
+	/* The input as a socket stream. */
+	size_t k = data[0] % 8;
+	if (size < 1 + k)
+		return 0;
+	const uint8_t *sizes = data + 1;
+	const uint8_t *s = data + 1 + k;
+	size_t n = size - 1 - k;
+
+	ap_frame_rx rx;
+	ap_frame_rx_init(&rx, T_MAX_FRAME);
+	size_t frames = 0;
+	int r = 0;
+	for (size_t at = 0, i = 0; at < n && r == 0; i++) {
+		size_t want = k ? (size_t)sizes[i % k] + 1 : n;
+		if (want > n - at)
+			want = n - at;
+		/* Each chunk in its own block, as a read would leave it. */
+		uint8_t *chunk = malloc(want);
+		if (!chunk)
+			break;
+		memcpy(chunk, s + at, want);
+		r = ap_frame_rx_feed(&rx, chunk, want, t_on_frame, &frames);
+		free(chunk);
+		at += want;
+	}
+	t_check(r == 0 || r == -EMSGSIZE || r == -ENOMEM);
+	t_check(rx.part.len <= 4 + (size_t)T_MAX_FRAME);
+	ap_frame_rx_free(&rx);
+	return 0;
+}

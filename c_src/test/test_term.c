@@ -1,0 +1,628 @@
+/* test_term: ap_term_skip/validate_msg take real terms, refuse truncated, unknown, oversized ones. */
+#include "t_helpers.h"
+
+#include "ap_term.h"
+
+/* ---- building terms ----------------------------------------------------- */
+
+/* Every sample is a whole message: 131 and one term. */
+typedef void (*t_build_fn)(ei_x_buff *x);
+
+struct t_sample {
+	const char *name;
+	t_build_fn build;
+};
+
+static void t_raw(ei_x_buff *x, const void *p, size_t n) { assert_int_equal(ei_x_append_buf(x, p, (int)n), 0); }
+
+static void t_byte(ei_x_buff *x, uint8_t b) { t_raw(x, &b, 1); }
+
+static void t_be32(ei_x_buff *x, uint32_t v)
+{
+	uint8_t b[4] = { (uint8_t)(v >> 24), (uint8_t)(v >> 16), (uint8_t)(v >> 8), (uint8_t)v };
+	t_raw(x, b, 4);
+}
+
+static void t_be16(ei_x_buff *x, uint16_t v)
+{
+	uint8_t b[2] = { (uint8_t)(v >> 8), (uint8_t)v };
+	t_raw(x, b, 2);
+}
+
+static void t_term_atom(ei_x_buff *x) { assert_int_equal(ei_x_encode_atom(x, "hello"), 0); }
+static void t_term_atom_empty(ei_x_buff *x) { assert_int_equal(ei_x_encode_atom(x, ""), 0); }
+
+static void t_term_atom_utf8(ei_x_buff *x)
+{
+	/* 255 characters of 2 bytes each: ATOM_UTF8_EXT with a 16-bit length. */
+	char s[511];
+	for (int i = 0; i < 255; i++) {
+		s[2 * i] = (char)0xc3;
+		s[2 * i + 1] = (char)0xa9;
+	}
+	s[510] = 0;
+	assert_int_equal(ei_x_encode_atom_as(x, s, ERLANG_UTF8, ERLANG_UTF8), 0);
+	assert_int_equal((uint8_t)x->buff[1], 118);
+}
+
+static void t_term_atom_latin1_old(ei_x_buff *x)
+{
+	t_byte(x, 100); /* ATOM_EXT */
+	t_be16(x, 3);
+	t_raw(x, "abc", 3);
+}
+
+static void t_term_small_atom_old(ei_x_buff *x)
+{
+	t_byte(x, 115); /* SMALL_ATOM_EXT */
+	t_byte(x, 2);
+	t_raw(x, "ok", 2);
+}
+
+static void t_term_small_int(ei_x_buff *x) { assert_int_equal(ei_x_encode_long(x, 200), 0); }
+static void t_term_int(ei_x_buff *x) { assert_int_equal(ei_x_encode_long(x, -100000), 0); }
+static void t_term_small_big(ei_x_buff *x) { assert_int_equal(ei_x_encode_longlong(x, -(1ll << 62)), 0); }
+static void t_term_small_big_max(ei_x_buff *x) { assert_int_equal(ei_x_encode_ulonglong(x, UINT64_MAX), 0); }
+
+static void t_term_large_big(ei_x_buff *x)
+{
+	/* 2^2400: 301 digit bytes, more than SMALL_BIG_EXT holds. */
+	t_byte(x, 111);
+	t_be32(x, 301);
+	t_byte(x, 0);
+	for (int i = 0; i < 300; i++)
+		t_byte(x, 0);
+	t_byte(x, 1);
+}
+
+static void t_term_float(ei_x_buff *x) { assert_int_equal(ei_x_encode_double(x, -1.5e300), 0); }
+
+static void t_term_float_old(ei_x_buff *x)
+{
+	char s[31];
+	memset(s, 0, sizeof s);
+	snprintf(s, sizeof s, "%.20e", 3.25);
+	t_byte(x, 99); /* FLOAT_EXT: 31 bytes of text */
+	t_raw(x, s, 31);
+}
+
+static void t_term_binary(ei_x_buff *x)
+{
+	char b[1000];
+	for (int i = 0; i < 1000; i++)
+		b[i] = (char)i;
+	assert_int_equal(ei_x_encode_binary(x, b, sizeof b), 0);
+}
+
+static void t_term_binary_empty(ei_x_buff *x) { assert_int_equal(ei_x_encode_binary(x, "", 0), 0); }
+
+static void t_term_bit_binary(ei_x_buff *x)
+{
+	static const char b[] = { (char)0xff, (char)0xa0 };
+	assert_int_equal(ei_x_encode_bitstring(x, b, 0, 13), 0);
+	assert_int_equal((uint8_t)x->buff[1], 77);
+}
+
+static void t_term_pid(ei_x_buff *x)
+{
+	erlang_pid p = t_pid("beam@host", 77, 3, 0x6b0c4b45);
+	assert_int_equal(ei_x_encode_pid(x, &p), 0);
+	assert_int_equal((uint8_t)x->buff[1], 88);
+}
+
+static void t_term_pid_old(ei_x_buff *x)
+{
+	t_byte(x, 103); /* PID_EXT: node, id, serial, 1-byte creation */
+	t_byte(x, 119);
+	t_byte(x, 6);
+	t_raw(x, "a@host", 6);
+	t_be32(x, 5);
+	t_be32(x, 0);
+	t_byte(x, 2);
+}
+
+static void t_term_port(ei_x_buff *x)
+{
+	erlang_port p;
+	memset(&p, 0, sizeof p);
+	strcpy(p.node, "beam@host");
+	p.id = 12;
+	p.creation = 7;
+	assert_int_equal(ei_x_encode_port(x, &p), 0);
+}
+
+static void t_term_port_v4(ei_x_buff *x)
+{
+	erlang_port p;
+	memset(&p, 0, sizeof p);
+	strcpy(p.node, "beam@host");
+	p.id = 1ull << 40;
+	p.creation = 7;
+	assert_int_equal(ei_x_encode_port(x, &p), 0);
+	assert_int_equal((uint8_t)x->buff[1], 120);
+}
+
+static void t_term_port_old(ei_x_buff *x)
+{
+	t_byte(x, 102); /* PORT_EXT */
+	t_byte(x, 115);
+	t_byte(x, 1);
+	t_byte(x, 'n');
+	t_be32(x, 9);
+	t_byte(x, 1);
+}
+
+static void t_term_ref(ei_x_buff *x)
+{
+	erlang_ref r;
+	memset(&r, 0, sizeof r);
+	strcpy(r.node, "beam@host");
+	r.len = 3;
+	r.n[0] = 1;
+	r.n[1] = 2;
+	r.n[2] = 3;
+	r.creation = 0x6b0c4b45;
+	assert_int_equal(ei_x_encode_ref(x, &r), 0);
+	assert_int_equal((uint8_t)x->buff[1], 90);
+}
+
+static void t_term_ref_5words(ei_x_buff *x)
+{
+	erlang_ref r;
+	memset(&r, 0, sizeof r);
+	strcpy(r.node, "n@h");
+	r.len = 5;
+	r.creation = 1;
+	assert_int_equal(ei_x_encode_ref(x, &r), 0);
+}
+
+static void t_term_new_ref_old(ei_x_buff *x)
+{
+	t_byte(x, 114); /* NEW_REFERENCE_EXT: words, node, 1-byte creation, ids */
+	t_be16(x, 2);
+	t_byte(x, 119);
+	t_byte(x, 3);
+	t_raw(x, "n@h", 3);
+	t_byte(x, 1);
+	t_be32(x, 10);
+	t_be32(x, 11);
+}
+
+static void t_term_ref_old(ei_x_buff *x)
+{
+	t_byte(x, 101); /* REFERENCE_EXT */
+	t_byte(x, 119);
+	t_byte(x, 3);
+	t_raw(x, "n@h", 3);
+	t_be32(x, 10);
+	t_byte(x, 1);
+}
+
+static void t_term_tuple(ei_x_buff *x)
+{
+	assert_int_equal(ei_x_encode_tuple_header(x, 3), 0);
+	ei_x_encode_atom(x, "ok");
+	ei_x_encode_long(x, 1);
+	ei_x_encode_binary(x, "xy", 2);
+}
+
+static void t_term_tuple_empty(ei_x_buff *x) { assert_int_equal(ei_x_encode_tuple_header(x, 0), 0); }
+
+static void t_term_large_tuple(ei_x_buff *x)
+{
+	assert_int_equal(ei_x_encode_tuple_header(x, 300), 0);
+	assert_int_equal((uint8_t)x->buff[1], 105);
+	for (int i = 0; i < 300; i++)
+		ei_x_encode_long(x, i);
+}
+
+static void t_term_nil(ei_x_buff *x) { assert_int_equal(ei_x_encode_empty_list(x), 0); }
+
+static void t_term_list(ei_x_buff *x)
+{
+	assert_int_equal(ei_x_encode_list_header(x, 3), 0);
+	ei_x_encode_atom(x, "a");
+	ei_x_encode_long(x, 100000);
+	ei_x_encode_double(x, 2.0);
+	ei_x_encode_empty_list(x);
+}
+
+static void t_term_improper_list(ei_x_buff *x)
+{
+	/* [1, 2 | three] */
+	assert_int_equal(ei_x_encode_list_header(x, 2), 0);
+	ei_x_encode_long(x, 1);
+	ei_x_encode_long(x, 2);
+	ei_x_encode_atom(x, "three");
+}
+
+static void t_term_string(ei_x_buff *x)
+{
+	assert_int_equal(ei_x_encode_string(x, "hello world"), 0);
+	assert_int_equal((uint8_t)x->buff[1], 107);
+}
+
+static void t_term_long_string(ei_x_buff *x)
+{
+	/* Over 65535 characters: ei encodes a list of small integers. */
+	static char s[70001];
+	memset(s, 'z', 70000);
+	s[70000] = 0;
+	assert_int_equal(ei_x_encode_string(x, s), 0);
+	assert_int_equal((uint8_t)x->buff[1], 108);
+}
+
+static void t_term_map(ei_x_buff *x)
+{
+	assert_int_equal(ei_x_encode_map_header(x, 2), 0);
+	ei_x_encode_atom(x, "a");
+	ei_x_encode_long(x, 1);
+	ei_x_encode_binary(x, "k", 1);
+	ei_x_encode_list_header(x, 1);
+	ei_x_encode_atom(x, "x");
+	ei_x_encode_empty_list(x);
+}
+
+static void t_term_map_empty(ei_x_buff *x) { assert_int_equal(ei_x_encode_map_header(x, 0), 0); }
+
+static void t_term_export(ei_x_buff *x)
+{
+	/* fun lists:reverse/1 */
+	t_byte(x, 113);
+	ei_x_encode_atom(x, "lists");
+	ei_x_encode_atom(x, "reverse");
+	ei_x_encode_long(x, 1);
+}
+
+static void t_term_nested(ei_x_buff *x)
+{
+	/* {ok, [#{k => {1, <<"b">>, [a | b]}, 2 => "str"}], -1.5, <<1:3>>} */
+	erlang_pid p = t_pid("n@h", 1, 2, 3);
+	ei_x_encode_tuple_header(x, 5);
+	ei_x_encode_atom(x, "ok");
+	ei_x_encode_list_header(x, 1);
+	ei_x_encode_map_header(x, 2);
+	ei_x_encode_atom(x, "k");
+	ei_x_encode_tuple_header(x, 3);
+	ei_x_encode_long(x, 1);
+	ei_x_encode_binary(x, "b", 1);
+	ei_x_encode_list_header(x, 1);
+	ei_x_encode_atom(x, "a");
+	ei_x_encode_atom(x, "b");
+	ei_x_encode_long(x, 2);
+	ei_x_encode_string(x, "str");
+	ei_x_encode_empty_list(x);
+	ei_x_encode_double(x, -1.5);
+	ei_x_encode_bitstring(x, "\x20", 0, 3);
+	ei_x_encode_pid(x, &p);
+}
+
+#define S(fn) { &(#fn)[7], fn } /* the name without t_term_ */
+static const struct t_sample samples[] = {
+	S(t_term_atom), S(t_term_atom_empty), S(t_term_atom_utf8), S(t_term_atom_latin1_old),
+	S(t_term_small_atom_old), S(t_term_small_int), S(t_term_int), S(t_term_small_big),
+	S(t_term_small_big_max), S(t_term_large_big), S(t_term_float), S(t_term_float_old),
+	S(t_term_binary), S(t_term_binary_empty), S(t_term_bit_binary), S(t_term_pid),
+	S(t_term_pid_old), S(t_term_port), S(t_term_port_v4), S(t_term_port_old), S(t_term_ref),
+	S(t_term_ref_5words), S(t_term_new_ref_old), S(t_term_ref_old), S(t_term_tuple),
+	S(t_term_tuple_empty), S(t_term_large_tuple), S(t_term_nil), S(t_term_list),
+	S(t_term_improper_list), S(t_term_string), S(t_term_long_string), S(t_term_map),
+	S(t_term_map_empty), S(t_term_export), S(t_term_nested),
+};
+#define NSAMPLES (sizeof samples / sizeof samples[0])
+
+static ei_x_buff t_build(const struct t_sample *s)
+{
+	ei_x_buff x;
+	assert_int_equal(ei_x_new_with_version(&x), 0);
+	s->build(&x);
+	return x;
+}
+
+/* ---- tests -------------------------------------------------------------- */
+
+static void test_real_terms_are_accepted_whole(void **state)
+{
+	(void)state;
+	for (size_t k = 0; k < NSAMPLES; k++) {
+		ei_x_buff x = t_build(&samples[k]);
+		uint8_t *m = t_dup(x.buff, (size_t)x.index);
+		int idx = 1, eidx = 1;
+
+		if (ap_term_validate_msg((const char *)m, (size_t)x.index) != 0)
+			fail_msg("%s: valid message refused", samples[k].name);
+		if (ap_term_skip((const char *)m, (size_t)x.index, &idx) != 0 || idx != x.index)
+			fail_msg("%s: skip ended at %d, term is %d bytes", samples[k].name, idx, x.index);
+		/* ei agrees on where the term ends. */
+		assert_int_equal(ei_skip_term(x.buff, &eidx), 0);
+		assert_int_equal(eidx, idx);
+		free(m);
+		ei_x_free(&x);
+	}
+}
+
+static void test_every_truncation_is_refused(void **state)
+{
+	(void)state;
+	for (size_t k = 0; k < NSAMPLES; k++) {
+		ei_x_buff x = t_build(&samples[k]);
+		size_t len = (size_t)x.index;
+		for (size_t n = 0; n < len; n++) {
+			/* Each check walks the prefix, so a sample of 100+ KiB
+			 * would take minutes: past 8 KiB, every prefix near both
+			 * ends and every 61st in between. */
+			if (len > 8192 && n > 4096 && n < len - 4096 && n % 61)
+				continue;
+			/* An exact-size copy: ASan catches a read past the prefix. */
+			uint8_t *m = t_dup(x.buff, n);
+			int idx = 1;
+			if (ap_term_validate_msg((const char *)m, n) != -1)
+				fail_msg("%s: truncated to %zu of %d bytes accepted", samples[k].name, n, x.index);
+			if (n >= 1) {
+				if (ap_term_skip((const char *)m, n, &idx) != -1)
+					fail_msg("%s: skip of %zu of %d bytes succeeded", samples[k].name, n, x.index);
+				if (idx != 1)
+					fail_msg("%s: failed skip moved idx to %d", samples[k].name, idx);
+			}
+			free(m);
+		}
+		ei_x_free(&x);
+	}
+}
+
+static void test_trailing_bytes_are_refused_but_skippable(void **state)
+{
+	(void)state;
+	for (size_t k = 0; k < NSAMPLES; k++) {
+		ei_x_buff x = t_build(&samples[k]);
+		int len = x.index;
+		t_byte(&x, 106); /* a whole extra term: [] */
+		uint8_t *m = t_dup(x.buff, (size_t)x.index);
+		int idx = 1;
+		if (ap_term_validate_msg((const char *)m, (size_t)x.index) != -1)
+			fail_msg("%s: message with a trailing byte accepted", samples[k].name);
+		/* skip reads one term only and stops where it ends. */
+		assert_int_equal(ap_term_skip((const char *)m, (size_t)x.index, &idx), 0);
+		assert_int_equal(idx, len);
+		free(m);
+		ei_x_free(&x);
+	}
+}
+
+static void test_missing_or_wrong_version_byte_is_refused(void **state)
+{
+	(void)state;
+	for (size_t k = 0; k < NSAMPLES; k++) {
+		ei_x_buff x = t_build(&samples[k]);
+		uint8_t *m = t_dup(x.buff + 1, (size_t)x.index - 1);
+		if (ap_term_validate_msg((const char *)m, (size_t)x.index - 1) != -1)
+			fail_msg("%s: message without its version byte accepted", samples[k].name);
+		free(m);
+		m = t_dup(x.buff, (size_t)x.index);
+		m[0] = 130;
+		if (ap_term_validate_msg((const char *)m, (size_t)x.index) != -1)
+			fail_msg("%s: version byte 130 accepted", samples[k].name);
+		free(m);
+		ei_x_free(&x);
+	}
+}
+
+static int t_tag_known(int tag)
+{
+	static const uint8_t known[] = { 70, 77, 88, 89, 90, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106,
+					 107, 108, 109, 110, 111, 113, 114, 115, 116, 118, 119, 120 };
+	return memchr(known, tag, sizeof known) != NULL;
+}
+
+static void test_unknown_tags_are_refused(void **state)
+{
+	(void)state;
+	int unknown = 0;
+	for (int tag = 0; tag < 256; tag++) {
+		if (t_tag_known(tag))
+			continue;
+		unknown++;
+		/* The tag, then enough zeros to satisfy any fixed-size term. */
+		uint8_t b[64] = { 131, (uint8_t)tag };
+		int idx = 1;
+		if (ap_term_validate_msg((const char *)b, sizeof b) != -1 ||
+		    ap_term_skip((const char *)b, sizeof b, &idx) != -1 || idx != 1)
+			fail_msg("unknown tag %d accepted", tag);
+		/* Nor inside a container. */
+		uint8_t t[64] = { 131, 104, 2, 106, (uint8_t)tag };
+		if (ap_term_validate_msg((const char *)t, sizeof t) != -1)
+			fail_msg("unknown tag %d accepted inside a tuple", tag);
+	}
+	/* Atom cache refs, compressed, LOCAL_EXT, FUN_EXT, NEW_FUN, a nested 131. */
+	assert_false(t_tag_known(82) || t_tag_known(80) || t_tag_known(121) || t_tag_known(117) ||
+		     t_tag_known(112) || t_tag_known(131));
+	assert_int_equal(unknown, 256 - 27);
+}
+
+static void test_new_fun_is_refused_by_design(void **state)
+{
+	(void)state;
+	/* A well-formed closure, as erlang:term_to_binary writes one. */
+	erlang_fun f;
+	memset(&f, 0, sizeof f);
+	f.arity = 1;
+	strcpy(f.module, "erl_eval");
+	f.type = EI_FUN_CLOSURE;
+	memset(f.u.closure.md5, 0xab, sizeof f.u.closure.md5);
+	f.u.closure.index = 5;
+	f.u.closure.old_index = 5;
+	f.u.closure.uniq = 1234;
+	f.u.closure.n_free_vars = 0;
+	f.u.closure.pid = t_pid("n@h", 1, 0, 1);
+	ei_x_buff x;
+	ei_x_new_with_version(&x);
+	assert_int_equal(ei_x_encode_fun(&x, &f), 0);
+	assert_int_equal((uint8_t)x.buff[1], 112);
+	int eidx = 1;
+	assert_int_equal(ei_skip_term(x.buff, &eidx), 0); /* ei can read it... */
+	assert_int_equal(eidx, x.index);
+	int idx = 1;
+	assert_int_equal(ap_term_skip(x.buff, (size_t)x.index, &idx), -1); /* ...we do not take it */
+	assert_int_equal(idx, 1);
+	assert_int_equal(ap_term_validate_msg(x.buff, (size_t)x.index), -1);
+
+	/* Nor as an element of a list. */
+	ei_x_buff y;
+	ei_x_new_with_version(&y);
+	ei_x_encode_list_header(&y, 1);
+	ei_x_append_buf(&y, x.buff + 1, x.index - 1);
+	ei_x_encode_empty_list(&y);
+	assert_int_equal(ap_term_validate_msg(y.buff, (size_t)y.index), -1);
+	ei_x_free(&x);
+	ei_x_free(&y);
+}
+
+/* Headers announcing far more than the buffer holds: refused at once, without
+ * reading past the end (ASan) or spinning through 2^32 phantom elements. */
+static void test_huge_announced_sizes_are_refused(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *what;
+		uint8_t b[16];
+		size_t len;
+	} cases[] = {
+		{ "list of 2^32-1 elements in 10 bytes", { 131, 108, 0xff, 0xff, 0xff, 0xff, 106, 106, 106, 106 }, 10 },
+		{ "list of 2^31 elements", { 131, 108, 0x80, 0, 0, 0, 97, 1, 97, 2, 106 }, 11 },
+		{ "large tuple of 2^32-1", { 131, 105, 0xff, 0xff, 0xff, 0xff, 106, 106, 106 }, 9 },
+		{ "small tuple of 255 in 8 bytes", { 131, 104, 255, 106, 106, 106, 106, 106 }, 8 },
+		{ "map of 2^32-1 pairs", { 131, 116, 0xff, 0xff, 0xff, 0xff, 106, 106, 106, 106 }, 10 },
+		{ "map of 2^31 pairs (2^32 terms)", { 131, 116, 0x80, 0, 0, 0, 106, 106 }, 8 },
+		{ "binary of 2^32-1 bytes", { 131, 109, 0xff, 0xff, 0xff, 0xff, 1, 2, 3 }, 9 },
+		{ "bit binary of 2^32-1 bytes", { 131, 77, 0xff, 0xff, 0xff, 0xff, 8, 1, 2 }, 9 },
+		{ "large big of 2^32-1 digits", { 131, 111, 0xff, 0xff, 0xff, 0xff, 0, 1, 2 }, 9 },
+		{ "small big of 255 digits", { 131, 110, 255, 0, 1, 2, 3 }, 7 },
+		{ "string of 65535 chars", { 131, 107, 0xff, 0xff, 'a', 'b' }, 6 },
+		{ "atom of 65535 bytes", { 131, 118, 0xff, 0xff, 'a', 'b' }, 6 },
+		{ "small atom of 255 bytes", { 131, 119, 255, 'a', 'b' }, 5 },
+		{ "pid whose node atom runs off the end", { 131, 88, 119, 200, 'n', 0, 0, 0, 0 }, 9 },
+		{ "ref of 65535 words", { 131, 90, 0xff, 0xff, 119, 1, 'n', 0, 0, 0, 0, 0, 0, 0, 0 }, 15 },
+		{ "list inside list, both huge", { 131, 108, 0, 0, 0, 2, 108, 0xff, 0xff, 0xff, 0xff, 106 }, 12 },
+	};
+	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+		uint8_t *m = t_dup(cases[k].b, cases[k].len);
+		int idx = 1;
+		if (ap_term_validate_msg((const char *)m, cases[k].len) != -1)
+			fail_msg("%s: accepted", cases[k].what);
+		if (ap_term_skip((const char *)m, cases[k].len, &idx) != -1 || idx != 1)
+			fail_msg("%s: skipped", cases[k].what);
+		free(m);
+	}
+}
+
+/* Fields with a fixed range, well inside the buffer but out of range. */
+static void test_out_of_range_fields_are_refused(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *what;
+		uint8_t b[24];
+		size_t len;
+	} bad[] = {
+		{ "bit binary with 0 bits in the last byte", { 131, 77, 0, 0, 0, 1, 0, 0xff }, 8 },
+		{ "bit binary with 9 bits in the last byte", { 131, 77, 0, 0, 0, 1, 9, 0xff }, 8 },
+		{ "small big with sign 2", { 131, 110, 1, 2, 7 }, 5 },
+		{ "large big with sign 255", { 131, 111, 0, 0, 0, 1, 255, 7 }, 8 },
+		{ "ref of 0 words", { 131, 90, 0, 0, 119, 1, 'n', 0, 0, 0, 1 }, 11 },
+		{ "ref of 6 words", { 131, 90, 0, 6, 119, 1, 'n', 0, 0, 0, 1 }, 11 },
+		{ "pid with an integer for a node", { 131, 88, 97, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0 }, 17 },
+		{ "port with a binary for a node", { 131, 89, 109, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1 }, 15 },
+	};
+	static const struct {
+		const char *what;
+		uint8_t b[24];
+		size_t len;
+	} good[] = {
+		{ "bit binary with 1 bit in the last byte", { 131, 77, 0, 0, 0, 1, 1, 0x80 }, 8 },
+		{ "bit binary with 8 bits in the last byte", { 131, 77, 0, 0, 0, 1, 8, 0xff }, 8 },
+		{ "small big with sign 1", { 131, 110, 1, 1, 7 }, 5 },
+		{ "ref of 1 word", { 131, 90, 0, 1, 119, 1, 'n', 0, 0, 0, 1, 0, 0, 0, 1 }, 15 },
+	};
+	for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+		uint8_t *m = t_dup(bad[k].b, bad[k].len);
+		if (ap_term_validate_msg((const char *)m, bad[k].len) != -1)
+			fail_msg("%s: accepted", bad[k].what);
+		free(m);
+	}
+	/* The same shapes with the field in range pass, so the refusals above
+	 * are about the field and not the shape. */
+	for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+		uint8_t *m = t_dup(good[k].b, good[k].len);
+		if (ap_term_validate_msg((const char *)m, good[k].len) != 0)
+			fail_msg("%s: refused", good[k].what);
+		free(m);
+	}
+}
+
+static void test_skip_rejects_bad_index_and_length(void **state)
+{
+	(void)state;
+	static const char b[] = { (char)131, 97, 1 };
+	int idx = -1;
+	assert_int_equal(ap_term_skip(b, sizeof b, &idx), -1);
+	assert_int_equal(idx, -1);
+	idx = 4;
+	assert_int_equal(ap_term_skip(b, sizeof b, &idx), -1);
+	assert_int_equal(idx, 4);
+	idx = 3; /* at the end: no term there */
+	assert_int_equal(ap_term_skip(b, sizeof b, &idx), -1);
+	assert_int_equal(idx, 3);
+	/* A length the int index could not express is refused before any read
+	 * past the term. */
+	idx = 1;
+	assert_int_equal(ap_term_skip(b, (size_t)INT32_MAX + 1, &idx), -1);
+	assert_int_equal(idx, 1);
+	idx = 1;
+	assert_int_equal(ap_term_skip(b, sizeof b, &idx), 0);
+	assert_int_equal(idx, 3);
+	/* Skip from the middle of a buffer: the second of two terms. */
+	static const char two[] = { 97, 1, 106 };
+	idx = 1;
+	assert_int_equal(ap_term_skip(two, sizeof two, &idx), -1); /* 1 is not a tag */
+	idx = 2;
+	assert_int_equal(ap_term_skip(two, sizeof two, &idx), 0);
+	assert_int_equal(idx, 3);
+}
+
+/* The walk is iterative: nesting deeper than any C stack could recurse. */
+static void test_deep_nesting_is_walked_without_recursion(void **state)
+{
+	(void)state;
+	const size_t depth = 1000000;
+	size_t len = 1 + 2 * depth + 1;
+	uint8_t *b = malloc(len);
+	assert_non_null(b);
+	b[0] = 131;
+	for (size_t i = 0; i < depth; i++) {
+		b[1 + 2 * i] = 104; /* {{{...}}} */
+		b[2 + 2 * i] = 1;
+	}
+	b[len - 1] = 106;
+	assert_int_equal(ap_term_validate_msg((const char *)b, len), 0);
+	assert_int_equal(ap_term_validate_msg((const char *)b, len - 1), -1);
+	b[(len / 2) & ~(size_t)1] = 2; /* one tuple claims a second element that is missing */
+	assert_int_equal(ap_term_validate_msg((const char *)b, len), -1);
+	free(b);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_real_terms_are_accepted_whole),
+		cmocka_unit_test(test_every_truncation_is_refused),
+		cmocka_unit_test(test_trailing_bytes_are_refused_but_skippable),
+		cmocka_unit_test(test_missing_or_wrong_version_byte_is_refused),
+		cmocka_unit_test(test_unknown_tags_are_refused),
+		cmocka_unit_test(test_new_fun_is_refused_by_design),
+		cmocka_unit_test(test_huge_announced_sizes_are_refused),
+		cmocka_unit_test(test_out_of_range_fields_are_refused),
+		cmocka_unit_test(test_skip_rejects_bad_index_and_length),
+		cmocka_unit_test(test_deep_nesting_is_walked_without_recursion),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
