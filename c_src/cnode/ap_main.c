@@ -134,7 +134,8 @@ static void usage(const char *prog)
 	fprintf(stderr,
 		"usage: %s --port\n"
 		"       %s --name alive@host --cookie-file FILE [--connect node@host]\n"
-		"          [--io auto|uring|epoll] [--max-frame BYTES] [--idle-timeout-ms MS] [-- ARGS...]\n",
+		"          [--io auto|uring|epoll] [--max-frame BYTES] [--idle-timeout-ms MS]\n"
+		"          [--SERVICE-OPTION VALUE]... [-- ARGS...]\n",
 		prog, prog);
 }
 
@@ -165,7 +166,11 @@ static int parse_cli(int argc, char **argv, struct settings *s)
 			s->max_frame = atoll(v);
 		else if (!strcmp(a, "--idle-timeout-ms"))
 			s->idle_ms = atoll(v);
-		else
+		else if (!strncmp(a, "--", 2) && s->argc + 2 <= MAX_ARGS) {
+			/* A service option (say --pool spec): the service reads it. */
+			s->argv[s->argc++] = strdup(a);
+			s->argv[s->argc++] = strdup(v);
+		} else
 			return -1;
 		i++;
 	}

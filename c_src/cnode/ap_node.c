@@ -40,6 +40,18 @@ struct ap_conn {
 	struct ap_conn *next;
 };
 
+struct ap_timer {
+	int64_t at_ms;
+	ap_loop_fn fn;
+	void *arg;
+	struct ap_timer *next;
+};
+
+struct ap_call_item {
+	ap_loop_fn fn;
+	void *arg;
+};
+
 struct ap_node {
 	ap_node_cfg cfg;
 	char name[MAXNODELEN + 1];
@@ -56,6 +68,8 @@ struct ap_node {
 	int ready_sent;
 	ap_proc *kernel;          /* net_kernel: also the sender of replies we make ourselves */
 	FILE *dump;               /* $ACTOR_POOL_FRAME_DUMP: every received frame, for captures */
+	struct ap_timer *timers;  /* one-shot timers, soonest first */
+	ap_dead_letter_fn dead_letter;
 	volatile int stop;
 };
 
@@ -208,8 +222,8 @@ int ap_send(ap_node *n, const ap_proc *from, const erlang_pid *to, const char *t
 	return 0;
 }
 
-int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
-		    const char *term, int len)
+size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+			    int tag_len)
 {
 	/* A tag [alias | Ref] (OTP 24+) names an alias: reply to it, so a reply
 	 * that comes after the caller gave up is dropped by the BEAM. */
@@ -227,10 +241,21 @@ int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller,
 		}
 	}
 	size_t st = ap_frame_begin(b);
+	if (st == (size_t)-1)
+		return st;
 	if (alias ? ap_enc_alias_send(b, self, alias, alias_len) : ap_enc_send(b, caller))
-		return -1;
+		return (size_t)-1;
 	static const char hdr[] = { (char)131, 104, 2 }; /* {Tag, Reply} */
 	if (ap_buf_append(b, hdr, sizeof hdr) || ap_buf_append(b, tag, (size_t)tag_len))
+		return (size_t)-1;
+	return st;
+}
+
+int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+		    const char *term, int len)
+{
+	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
+	if (st == (size_t)-1)
 		return -1;
 	if (len > 0 && (unsigned char)term[0] == 131) {
 		term++;
@@ -344,6 +369,8 @@ static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, cons
 			ap_log(AP_LOG_WARNING, "message from %s to dead pid <%u.%u> dropped (%llu so far)", c->peer,
 			       ctl->to.num, ctl->to.serial, (unsigned long long)n->stats.unknown_name);
 	}
+	if (n->dead_letter && n->dead_letter(n, n->kernel, &m))
+		return;
 	if (m.kind == AP_MSG_CALL) {
 		/* A caller's monitor never fires on a C-node process: answer, or
 		 * it would wait out its whole timeout. */
@@ -467,6 +494,7 @@ static void drop_links_to(ap_node *n, const char *peer)
 }
 
 static void send_ready(ap_node *n);
+static void run_timers(ap_node *n);
 
 static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 {
@@ -562,6 +590,13 @@ static void drain_queue(ap_node *n)
 			if (res.tag == TAG_PARENT)
 				n->parent_retry_ms = n->now_ms + PARENT_RETRY_MS;
 			break;
+		case AP_Q_CALL: {
+			struct ap_call_item ci;
+			memcpy(&ci, it->data, sizeof ci);
+			n->now_ms = mono_ms();
+			ci.fn(n, ci.arg);
+			break;
+		}
 		}
 		free(it);
 		it = next;
@@ -697,6 +732,11 @@ void ap_node_free(ap_node *n)
 		ap_loop_close(n->loop, c->io, 0);
 	while (n->conns && n->loop)
 		ap_loop_run_once(n->loop, 100);
+	while (n->timers) {
+		struct ap_timer *t = n->timers;
+		n->timers = t->next;
+		free(t);
+	}
 	for (int b = 0; b < PROC_BUCKETS; b++)
 		while (n->procs[b]) {
 			ap_proc *p = n->procs[b];
@@ -746,13 +786,17 @@ int ap_node_run(ap_node *n)
 		period = 10;
 	n->next_tick_ms = n->now_ms + period;
 	while (!n->stop) {
-		int64_t wait = n->next_tick_ms - n->now_ms;
+		int64_t due = n->next_tick_ms;
+		if (n->timers && n->timers->at_ms < due)
+			due = n->timers->at_ms;
+		int64_t wait = due - n->now_ms;
 		int r = ap_loop_run_once(n->loop, wait < 0 ? 0 : (int)wait);
 		if (r < 0) {
 			ap_log(AP_LOG_ERROR, "event loop failed: %s", strerror(-r));
 			return r;
 		}
 		n->now_ms = mono_ms();
+		run_timers(n);
 		if (n->now_ms >= n->next_tick_ms) {
 			on_timer(n);
 			n->next_tick_ms = n->now_ms + period;
@@ -766,3 +810,45 @@ const char *ap_node_name(const ap_node *n) { return n->name; }
 const char *ap_node_backend(const ap_node *n) { return ap_loop_backend(n->loop); }
 const ap_node_stats *ap_node_get_stats(const ap_node *n) { return &n->stats; }
 ei_cnode *ap_node_ei(ap_node *n) { return &n->ec; }
+
+int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg)
+{
+	struct ap_call_item ci = { .fn = fn, .arg = arg };
+	ap_sendq_item *it = ap_sendq_item_new(AP_Q_CALL, NULL, sizeof ci);
+	if (!it)
+		return -1;
+	memcpy(it->data, &ci, sizeof ci);
+	ap_sendq_push(&n->q, it);
+	return 0;
+}
+
+int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg)
+{
+	struct ap_timer *t = malloc(sizeof *t);
+	if (!t)
+		return -1;
+	t->at_ms = mono_ms() + (delay_ms > 0 ? delay_ms : 0);
+	t->fn = fn;
+	t->arg = arg;
+	/* Few timers are live at once (worker restarts, a stats tick): a
+	 * sorted list is enough. */
+	struct ap_timer **pp = &n->timers;
+	while (*pp && (*pp)->at_ms <= t->at_ms)
+		pp = &(*pp)->next;
+	t->next = *pp;
+	*pp = t;
+	return 0;
+}
+
+static void run_timers(ap_node *n)
+{
+	while (n->timers && n->timers->at_ms <= n->now_ms) {
+		struct ap_timer *t = n->timers;
+		n->timers = t->next;
+		t->fn(n, t->arg);
+		free(t);
+	}
+}
+
+void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn) { n->dead_letter = fn; }
+int64_t ap_node_now_ms(const ap_node *n) { return n->now_ms; }

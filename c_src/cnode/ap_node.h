@@ -102,5 +102,27 @@ int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
  * caller. Shared by ap_reply and code replying from other threads. */
 int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
 		    int tag_len, const char *term, int len);
+/* The same in two steps, for replies made later or elsewhere: the head
+ * (frame start, control message, `{Tag, ` of the reply) is appended to b
+ * and its start offset returned ((size_t)-1 on failure); append the reply
+ * term without its 131 byte, then ap_frame_end(b, start). */
+size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+			    int tag_len);
+
+/* Any thread: run fn(n, arg) on the loop thread, in order with frames
+ * posted by the same thread. Returns 0 or -1 (no memory). */
+typedef void (*ap_loop_fn)(ap_node *n, void *arg);
+int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg);
+
+/* Loop thread: run fn(n, arg) once, delay_ms from now. */
+int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg);
+
+/* Loop thread: messages to a name or pid that does not exist go to fn
+ * (after being counted) before the runtime's own handling; fn returns 1
+ * when it answered everything that needed an answer. `self` is a local
+ * process usable as a sender. */
+typedef int (*ap_dead_letter_fn)(ap_node *n, ap_proc *self, const ap_msg *m);
+void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
+int64_t ap_node_now_ms(const ap_node *n);
 
 #endif

@@ -9,7 +9,7 @@
 
 #include "ap_sendq.h"
 
-enum { AP_Q_FRAME = 1, AP_Q_CONN_UP = 2, AP_Q_CONN_FAILED = 3 };
+enum { AP_Q_FRAME = 1, AP_Q_CONN_UP = 2, AP_Q_CONN_FAILED = 3, AP_Q_CALL = 4 };
 
 typedef struct ap_setup_result {
 	int fd;       /* AP_Q_CONN_UP: the connected socket, blocking */

@@ -1,0 +1,51 @@
+/* pool: stateless worker pools inside the pool C node. A pool is a C-node
+ * process (a pid, and a registered name) that routes each message to one of
+ * N worker threads, each with its own bounded mailbox. Loop thread only,
+ * except where noted. */
+#ifndef AP_POOL_H
+#define AP_POOL_H
+
+#include <stdint.h>
+
+#include "actor_pool_handler.h"
+#include "ap_node.h"
+
+typedef enum { AP_ROUTE_ROUND_ROBIN, AP_ROUTE_SMALLEST_MAILBOX, AP_ROUTE_RANDOM } ap_routing;
+
+typedef struct ap_pool_opts {
+	int workers;             /* 1..1024; 0 = the host's online CPUs (4 if unknown) */
+	ap_routing routing;
+	uint32_t mailbox_limit;  /* messages per worker */
+	int backoff_min_ms, backoff_max_ms;
+	double jitter;           /* 0..1: a restart delay is scaled by U(1 - jitter, 1) */
+	int stable_ms;           /* a replacement alive this long resets the backoff */
+} ap_pool_opts;
+
+typedef struct ap_pool ap_pool;
+
+/* Where the answer to a start goes once every worker has run its init:
+ * a reply head made by ap_encode_reply_head and the caller's node. */
+typedef struct ap_pending_reply {
+	ap_buf head;
+	char node[MAXATOMLEN_UTF8];
+} ap_pending_reply;
+
+void ap_pool_opts_default(ap_pool_opts *o);
+/* Start a pool. h/dl/config are owned by the pool from here on (dl may be
+ * NULL for built-ins). On success the answer {ok, Pid} or {error, ...}
+ * goes to `reply` (may be NULL) when the workers are up; returns 0. On an
+ * immediate failure returns -EEXIST (name taken) or -ENOMEM and frees
+ * nothing of h/dl/config. */
+int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const actor_pool_handler *h, void *dl,
+		  const uint8_t *config, size_t config_len, const ap_pool_opts *o, ap_pending_reply *reply);
+/* Stop: the name is free at once; queued asks get {error, stopped}. */
+void ap_pool_stop(ap_node *n, ap_pool *p);
+ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid);
+/* Encode [{Name, Pid}] of live pools, in start order. */
+int ap_pool_encode_list(ei_x_buff *x);
+/* Answer asks inside a batch sent to a pool that is gone. 1 if it was one. */
+int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m);
+/* Once a second: throughput. */
+void ap_pool_tick(ap_node *n, void *arg);
+
+#endif

@@ -1,0 +1,436 @@
+/* actor_pool_node: the pool C node. It hosts any number of stateless worker
+ * pools (pool.c) and a manager process, registered as `actor_pool_node`,
+ * that starts, stops and lists them (docs/pool-protocol.md).
+ *
+ * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
+ *   actor_pool_node --name N@host --cookie-file F --connect app@host \
+ *       [--pool name:handler[:workers[:routing]]]...
+ */
+#include <ei.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ap_log.h"
+#include "ap_main.h"
+#include "handlers.h"
+#include "pool.h"
+
+#define HANDLER_DESC 64
+
+/* ---- decoding the manager's requests ------------------------------------- */
+
+static int get_atom(const char *b, int *i, char *out, size_t cap)
+{
+	int type, size;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_ATOM_EXT || (size_t)size >= cap)
+		return -1;
+	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
+}
+
+static int get_long(const char *b, int *i, long long *v)
+{
+	return ei_decode_longlong(b, i, v) ? -1 : 0;
+}
+
+static int get_number(const char *b, int *i, double *v)
+{
+	long long l;
+	int j = *i;
+	if (ei_decode_double(b, i, v) == 0)
+		return 0;
+	if (ei_decode_longlong(b, &j, &l) == 0) {
+		*i = j;
+		*v = (double)l;
+		return 0;
+	}
+	return -1;
+}
+
+/* A bad option: {error, {badarg, {Key, Value}}}, Value copied as sent. */
+struct badarg {
+	const char *key;
+	const char *val;
+	int val_len;
+};
+
+static int bad(struct badarg *ba, const char *key, const char *b, int vstart)
+{
+	int e = vstart;
+	ei_skip_term(b, &e);
+	ba->key = key;
+	ba->val = b + vstart;
+	ba->val_len = e - vstart;
+	return -1;
+}
+
+static int parse_backoff(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
+{
+	int v0 = *i, n;
+	if (ei_decode_map_header(b, i, &n))
+		return bad(ba, "backoff", b, v0);
+	for (int k = 0; k < n; k++) {
+		char key[16];
+		long long l;
+		double d;
+		if (get_atom(b, i, key, sizeof key))
+			return bad(ba, "backoff", b, v0);
+		if (!strcmp(key, "min_ms")) {
+			if (get_long(b, i, &l) || l < 1 || l > 3600000)
+				return bad(ba, "backoff", b, v0);
+			o->backoff_min_ms = (int)l;
+		} else if (!strcmp(key, "max_ms")) {
+			if (get_long(b, i, &l) || l < 1 || l > 3600000)
+				return bad(ba, "backoff", b, v0);
+			o->backoff_max_ms = (int)l;
+		} else if (!strcmp(key, "jitter")) {
+			if (get_number(b, i, &d) || d < 0 || d > 1)
+				return bad(ba, "backoff", b, v0);
+			o->jitter = d;
+		} else {
+			return bad(ba, "backoff", b, v0);
+		}
+	}
+	if (o->backoff_max_ms < o->backoff_min_ms)
+		return bad(ba, "backoff", b, v0);
+	return 0;
+}
+
+static int parse_opts(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
+{
+	int n, v0 = *i;
+	if (ei_decode_map_header(b, i, &n))
+		return bad(ba, "options", b, v0);
+	for (int k = 0; k < n; k++) {
+		char key[32], a[32];
+		long long l;
+		if (get_atom(b, i, key, sizeof key)) {
+			ei_skip_term(b, i);
+			ei_skip_term(b, i);
+			continue;
+		}
+		int vs = *i;
+		if (!strcmp(key, "workers")) {
+			if (get_long(b, i, &l) || l < 0 || l > 1024)
+				return bad(ba, "workers", b, vs);
+			o->workers = (int)l;
+		} else if (!strcmp(key, "routing")) {
+			if (get_atom(b, i, a, sizeof a))
+				return bad(ba, "routing", b, vs);
+			if (!strcmp(a, "round_robin"))
+				o->routing = AP_ROUTE_ROUND_ROBIN;
+			else if (!strcmp(a, "smallest_mailbox"))
+				o->routing = AP_ROUTE_SMALLEST_MAILBOX;
+			else if (!strcmp(a, "random"))
+				o->routing = AP_ROUTE_RANDOM;
+			else
+				return bad(ba, "routing", b, vs);
+		} else if (!strcmp(key, "mailbox_limit")) {
+			if (get_long(b, i, &l) || l < 1 || l > 1048576)
+				return bad(ba, "mailbox_limit", b, vs);
+			o->mailbox_limit = (uint32_t)l;
+		} else if (!strcmp(key, "stable_ms")) {
+			if (get_long(b, i, &l) || l < 0 || l > 86400000)
+				return bad(ba, "stable_ms", b, vs);
+			o->stable_ms = (int)l;
+		} else if (!strcmp(key, "backoff")) {
+			if (parse_backoff(b, i, o, ba))
+				return -1;
+		} else {
+			/* Options the Erlang side keeps for itself (node, ...). */
+			ei_skip_term(b, i);
+		}
+	}
+	return 0;
+}
+
+/* Handler: echo | json_validate | {plugin, Path} | {plugin, Path, Config}.
+ * Returns 0, or an error term appended to err. */
+static int resolve_handler(const char *b, int *i, const actor_pool_handler **h, void **dl, const char **config,
+			   int *config_len, char *desc, ei_x_buff *err)
+{
+	int v0 = *i, arity, type, size;
+	char a[32];
+	*dl = NULL;
+	*config = NULL;
+	*config_len = 0;
+	if (get_atom(b, i, a, sizeof a) == 0) {
+		*h = ap_builtin_handler(a);
+		if (*h) {
+			snprintf(desc, HANDLER_DESC, "%s", a);
+			return 0;
+		}
+	} else if (ei_decode_tuple_header(b, i, &arity) == 0 && (arity == 2 || arity == 3) &&
+		   get_atom(b, i, a, sizeof a) == 0 && !strcmp(a, "plugin") && ei_get_type(b, i, &type, &size) == 0 &&
+		   type == ERL_BINARY_EXT && size > 0 && size < 4096) {
+		char path[4096], why[256];
+		long len;
+		ei_decode_binary(b, i, path, &len);
+		path[len] = 0;
+		if (arity == 3) {
+			*config = b + *i;
+			ei_skip_term(b, i);
+			*config_len = (int)(b + *i - *config);
+		}
+		uint32_t got = 0;
+		int r = ap_plugin_load(path, h, dl, &got, why, sizeof why);
+		if (r == 0) {
+			const char *base = strrchr(path, '/');
+			snprintf(desc, HANDLER_DESC, "plugin:%.55s", base ? base + 1 : path);
+			return 0;
+		}
+		ei_x_encode_tuple_header(err, r == -2 ? 3 : 3);
+		if (r == -2) {
+			ei_x_encode_atom(err, "abi_mismatch");
+			ei_x_encode_ulong(err, got);
+			ei_x_encode_ulong(err, ACTOR_POOL_HANDLER_ABI);
+		} else {
+			ei_x_encode_atom(err, "plugin_load_failed");
+			ei_x_encode_binary(err, path, len);
+			ei_x_encode_binary(err, why, (long)strlen(why));
+		}
+		return -1;
+	}
+	/* {badarg, {handler, Handler}} */
+	int e = v0;
+	ei_skip_term(b, &e);
+	ei_x_encode_tuple_header(err, 2);
+	ei_x_encode_atom(err, "badarg");
+	ei_x_encode_tuple_header(err, 2);
+	ei_x_encode_atom(err, "handler");
+	ei_x_append_buf(err, b + v0, e - v0);
+	return -1;
+}
+
+/* ---- the manager ---------------------------------------------------------- */
+
+static void reply_error(ap_node *n, ap_proc *self, const ap_msg *m, ei_x_buff *reason)
+{
+	ei_x_buff x;
+	ei_x_new(&x);
+	ei_x_encode_tuple_header(&x, 2);
+	ei_x_encode_atom(&x, "error");
+	ei_x_append_buf(&x, reason->buff, reason->index);
+	ap_reply(n, self, m, x.buff, x.index);
+	ei_x_free(&x);
+}
+
+static void reply_error_atom(ap_node *n, ap_proc *self, const ap_msg *m, const char *atom)
+{
+	ei_x_buff r;
+	ei_x_new(&r);
+	ei_x_encode_atom(&r, atom);
+	reply_error(n, self, m, &r);
+	ei_x_free(&r);
+}
+
+static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b, int i)
+{
+	char name[MAXATOMLEN_UTF8], desc[HANDLER_DESC];
+	const actor_pool_handler *h;
+	void *dl;
+	const char *config;
+	int config_len;
+	ap_pool_opts o;
+	struct badarg ba;
+	ei_x_buff err;
+	ei_x_new(&err);
+
+	ap_pool_opts_default(&o);
+	if (get_atom(b, &i, name, sizeof name)) {
+		ei_x_encode_tuple_header(&err, 2);
+		ei_x_encode_atom(&err, "badarg");
+		ei_x_encode_tuple_header(&err, 2);
+		ei_x_encode_atom(&err, "name");
+		int e = i;
+		ei_skip_term(b, &e);
+		ei_x_append_buf(&err, b + i, e - i);
+		goto fail;
+	}
+	int hstart = i;
+	int he = i;
+	ei_skip_term(b, &he);
+	i = he; /* options first: a bad option must not leave a plugin loaded */
+	if (parse_opts(b, &i, &o, &ba)) {
+		ei_x_encode_tuple_header(&err, 2);
+		ei_x_encode_atom(&err, "badarg");
+		ei_x_encode_tuple_header(&err, 2);
+		ei_x_encode_atom(&err, ba.key);
+		ei_x_append_buf(&err, ba.val, ba.val_len);
+		goto fail;
+	}
+	if (ap_proc_whereis(n, name)) {
+		reply_error_atom(n, self, m, "already_started");
+		ei_x_free(&err);
+		return;
+	}
+	i = hstart;
+	if (resolve_handler(b, &i, &h, &dl, &config, &config_len, desc, &err))
+		goto fail;
+
+	ap_pending_reply *pr = calloc(1, sizeof *pr);
+	size_t st = pr ? ap_encode_reply_head(&pr->head, &self->pid, &m->from, m->tag, m->tag_len) : (size_t)-1;
+	if (st == (size_t)-1) {
+		if (pr)
+			ap_buf_free(&pr->head);
+		free(pr);
+		if (dl)
+			ap_plugin_unload(dl);
+		reply_error_atom(n, self, m, "enomem");
+		ei_x_free(&err);
+		return;
+	}
+	snprintf(pr->node, sizeof pr->node, "%s", m->from.node);
+	/* The plugin's Config goes to init with its version byte. */
+	uint8_t *cfg = NULL;
+	if (config_len) {
+		cfg = malloc((size_t)config_len + 1);
+		if (cfg) {
+			cfg[0] = 131;
+			memcpy(cfg + 1, config, (size_t)config_len);
+		}
+	}
+	int r = ap_pool_start(n, name, desc, h, dl, cfg, cfg ? (size_t)config_len + 1 : 0, &o, pr);
+	free(cfg);
+	if (r) {
+		ap_buf_free(&pr->head);
+		free(pr);
+		if (dl)
+			ap_plugin_unload(dl);
+		reply_error_atom(n, self, m, r == -EEXIST ? "already_started" : "enomem");
+	}
+	ei_x_free(&err);
+	return;
+fail:
+	reply_error(n, self, m, &err);
+	ei_x_free(&err);
+}
+
+static void stop_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b, int i)
+{
+	char name[MAXATOMLEN_UTF8];
+	erlang_pid pid;
+	int type, size;
+	ap_pool *p = NULL;
+	if (get_atom(b, &i, name, sizeof name) == 0)
+		p = ap_pool_find(n, name, NULL);
+	else if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &pid) == 0)
+		p = ap_pool_find(n, NULL, &pid);
+	if (!p) {
+		reply_error_atom(n, self, m, "noproc");
+		return;
+	}
+	ap_pool_stop(n, p);
+	ap_reply_atom(n, self, m, "ok");
+}
+
+static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	const char *b = m->buf;
+	int i = m->index, arity;
+	char op[32];
+	if (m->kind != AP_MSG_CALL)
+		return;
+	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "which_pools")) {
+		ei_x_buff x;
+		ei_x_new(&x);
+		ap_pool_encode_list(&x);
+		ap_reply(n, self, m, x.buff, x.index);
+		ei_x_free(&x);
+		return;
+	}
+	i = m->index;
+	if (ei_decode_tuple_header(b, &i, &arity) == 0 && get_atom(b, &i, op, sizeof op) == 0) {
+		if (arity == 4 && !strcmp(op, "start_pool")) {
+			start_pool(n, self, m, b, i);
+			return;
+		}
+		if (arity == 2 && !strcmp(op, "stop_pool")) {
+			stop_pool(n, self, m, b, i);
+			return;
+		}
+	}
+	reply_error_atom(n, self, m, "unknown_request");
+}
+
+/* ---- standalone pools: --pool name:handler[:workers[:routing]] ------------- */
+
+static int start_spec(ap_node *n, const char *spec)
+{
+	char buf[512], *save = NULL;
+	snprintf(buf, sizeof buf, "%s", spec);
+	char *name = strtok_r(buf, ":", &save);
+	char *handler = strtok_r(NULL, ":", &save);
+	char *workers = strtok_r(NULL, ":", &save);
+	char *routing = strtok_r(NULL, ":", &save);
+	ap_pool_opts o;
+	ap_pool_opts_default(&o);
+	if (!name || !handler) {
+		ap_log(AP_LOG_ERROR, "bad --pool '%s': want name:handler[:workers[:routing]]", spec);
+		return -1;
+	}
+	if (workers) {
+		char *end;
+		long w = strtol(workers, &end, 10);
+		if (*end || w < 0 || w > 1024) {
+			ap_log(AP_LOG_ERROR, "bad worker count in --pool '%s'", spec);
+			return -1;
+		}
+		o.workers = (int)w;
+	}
+	if (routing) {
+		if (!strcmp(routing, "round_robin"))
+			o.routing = AP_ROUTE_ROUND_ROBIN;
+		else if (!strcmp(routing, "smallest_mailbox"))
+			o.routing = AP_ROUTE_SMALLEST_MAILBOX;
+		else if (!strcmp(routing, "random"))
+			o.routing = AP_ROUTE_RANDOM;
+		else {
+			ap_log(AP_LOG_ERROR, "bad routing in --pool '%s'", spec);
+			return -1;
+		}
+	}
+	const actor_pool_handler *h = ap_builtin_handler(handler);
+	void *dl = NULL;
+	char desc[HANDLER_DESC];
+	snprintf(desc, sizeof desc, "%s", handler);
+	if (!h) {
+		/* Not a built-in: a plugin path. */
+		char why[256];
+		uint32_t got = 0;
+		if (ap_plugin_load(handler, &h, &dl, &got, why, sizeof why)) {
+			ap_log(AP_LOG_ERROR, "--pool '%s': cannot load handler: %s", spec, why);
+			return -1;
+		}
+	}
+	if (ap_pool_start(n, name, desc, h, dl, NULL, 0, &o, NULL)) {
+		if (dl)
+			ap_plugin_unload(dl);
+		ap_log(AP_LOG_ERROR, "--pool '%s': cannot start (name taken?)", spec);
+		return -1;
+	}
+	return 0;
+}
+
+static int pool_node_init(ap_node *n, int argc, char **argv)
+{
+	if (!ap_proc_spawn(n, "actor_pool_node", manager_fn, NULL))
+		return 1;
+	ap_node_set_dead_letter(n, ap_pool_dead_letter);
+	ap_node_timer(n, 1000, ap_pool_tick, NULL);
+	for (int k = 0; k < argc; k++) {
+		if (!strcmp(argv[k], "--pool") && k + 1 < argc) {
+			if (start_spec(n, argv[++k]))
+				return 1;
+		} else {
+			ap_log(AP_LOG_ERROR, "unknown argument '%s'", argv[k]);
+			return 1;
+		}
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	return ap_cnode_main(argc, argv, "actor_pool_node", pool_node_init);
+}
