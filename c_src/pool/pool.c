@@ -33,6 +33,8 @@
 
 typedef struct ap_job {
 	struct ap_job *_Atomic next;
+	struct ap_job *free_next;  /* on the recycle stack */
+	uint32_t cap;              /* bytes of data[] allocated */
 	uint8_t is_ask, is_binary;
 	uint32_t head_len; /* asks: the reply head (ap_encode_reply_head) */
 	uint32_t msg_len;  /* the message: a binary's bytes, or 131 + term */
@@ -44,6 +46,10 @@ typedef struct ap_mbox {
 	ap_job *head; /* consumer: the dummy before the first job */
 	ap_job *tail; /* producer: the last job */
 	_Atomic uint64_t enq, deq;
+	/* Jobs the consumer is done with go back to the producer, which
+	 * reuses them: malloc on one thread and free on another would fight
+	 * over the allocator's arena lock on every message. */
+	ap_job *_Atomic recycled;
 } ap_mbox;
 
 static int mbox_init(ap_mbox *m)
@@ -52,6 +58,7 @@ static int mbox_init(ap_mbox *m)
 	if (!stub)
 		return -1;
 	m->head = m->tail = stub;
+	atomic_init(&m->recycled, NULL);
 	atomic_init(&m->enq, 0);
 	atomic_init(&m->deq, 0);
 	return 0;
@@ -74,7 +81,11 @@ static ap_job *mbox_pop(ap_mbox *m)
 	ap_job *next = atomic_load_explicit(&m->head->next, memory_order_acquire);
 	if (!next)
 		return NULL;
-	free(m->head);
+	ap_job *old = m->head, *top = atomic_load_explicit(&m->recycled, memory_order_relaxed);
+	do
+		old->free_next = top;
+	while (!atomic_compare_exchange_weak_explicit(&m->recycled, &top, old, memory_order_release,
+						     memory_order_relaxed));
 	m->head = next;
 	atomic_store_explicit(&m->deq, atomic_load_explicit(&m->deq, memory_order_relaxed) + 1, memory_order_relaxed);
 	return next;
@@ -89,13 +100,42 @@ static uint64_t mbox_depth(ap_mbox *m)
 	return e > d ? e - d : 0;
 }
 
+static void free_list(ap_job *j)
+{
+	while (j) {
+		ap_job *next = j->free_next;
+		free(j);
+		j = next;
+	}
+}
+
 static void mbox_destroy(ap_mbox *m)
 {
 	ap_job *j;
 	while ((j = mbox_pop(m)))
 		;
 	free(m->head);
+	free_list(atomic_exchange(&m->recycled, NULL));
 	m->head = m->tail = NULL;
+}
+
+/* Producer: a job with room for `need` bytes, reused when one came back. */
+static ap_job *job_alloc(ap_mbox *m, ap_job **cache, size_t need)
+{
+	if (!*cache)
+		*cache = atomic_exchange_explicit(&m->recycled, NULL, memory_order_acquire);
+	ap_job *j = *cache;
+	if (j) {
+		*cache = j->free_next;
+		if (j->cap >= need)
+			return j;
+		free(j);
+	}
+	size_t cap = need < 256 ? 256 : need;
+	j = malloc(sizeof *j + cap);
+	if (j)
+		j->cap = (uint32_t)cap;
+	return j;
 }
 
 /* ---- pools and workers --------------------------------------------------- */
@@ -112,6 +152,8 @@ typedef struct ap_worker {
 	_Atomic int alive;         /* routing skips a slot waiting for its replacement */
 	_Atomic int sleeping;
 	_Atomic int stop;
+	int wake_pending;          /* loop: jobs pushed since the last wake pass */
+	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	_Atomic uint64_t processed, errors, crashes;
@@ -154,6 +196,8 @@ struct ap_pool {
 	int64_t tp_last_ms;
 	double throughput;
 	ap_buf scratch;            /* reply heads built by the loop */
+	int *wake_list;            /* workers with jobs pushed but not yet woken */
+	int nwake;
 	struct ap_pool *next;
 };
 
@@ -435,10 +479,26 @@ static ap_worker *route(ap_pool *p)
 	return NULL;
 }
 
+/* Wakes are deferred to the end of the message being dispatched (see
+ * wake_pushed): a worker woken per job would drain its one job and sleep
+ * again while the loop is still unpacking the rest of a batch. */
 static void push(ap_worker *w, ap_job *j)
 {
 	mbox_push(&w->mb, j);
-	wake(w, 0);
+	if (!w->wake_pending) {
+		w->wake_pending = 1;
+		w->pool->wake_list[w->pool->nwake++] = w->id;
+	}
+}
+
+static void wake_pushed(ap_pool *p)
+{
+	for (int k = 0; k < p->nwake; k++) {
+		ap_worker *w = &p->w[p->wake_list[k]];
+		w->wake_pending = 0;
+		wake(w, 0);
+	}
+	p->nwake = 0;
 }
 
 /* Route one message. msg/msg_len: a term without its 131 byte. For an ask,
@@ -460,7 +520,7 @@ static void dispatch(ap_pool *p, const char *msg, int msg_len, int is_ask, size_
 	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
 	size_t head = is_ask ? p->scratch.len - head_start : 0;
 	size_t nodelen = is_ask ? strlen(node) + 1 : 0;
-	ap_job *j = malloc(sizeof *j + head + body + nodelen);
+	ap_job *j = job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {
 		if (is_ask)
 			loop_error_reply(p, head_start, node, "enomem");
@@ -520,6 +580,14 @@ static int batch(ap_pool *p, const char *b, int i)
 		int e = term_end(b, i);
 		if (e < 0)
 			return 1;
+		static const char tell_hdr[] = { 104, 2, 119, 4, 't', 'e', 'l', 'l' };
+		if (e - i > (int)sizeof tell_hdr && !memcmp(b + i, tell_hdr, sizeof tell_hdr)) {
+			/* The common case, {tell, Msg} as a BEAM encodes it. */
+			i += sizeof tell_hdr;
+			dispatch(p, b + i, e - i, 0, 0, NULL);
+			i = e;
+			continue;
+		}
 		if (ei_decode_tuple_header(b, &i, &arity) || ei_get_type(b, &i, &type, &size) ||
 		    type != ERL_ATOM_EXT || size >= (int)sizeof tag ||
 		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL)) {
@@ -594,6 +662,7 @@ static void pool_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	case AP_MSG_EXIT:
 		break;
 	}
+	wake_pushed(p);
 }
 
 /* ---- life cycle ------------------------------------------------------------------ */
@@ -615,6 +684,7 @@ static void pool_free(ap_pool *p)
 					send_error_atom(w, j, "stopped");
 			mbox_destroy(&w->mb);
 		}
+		free_list(w->job_cache);
 		pthread_mutex_destroy(&w->mu);
 		pthread_cond_destroy(&w->cv);
 		free(w->reply.data);
@@ -623,6 +693,7 @@ static void pool_free(ap_pool *p)
 	if (p->dl)
 		ap_plugin_unload(p->dl);
 	free(p->w);
+	free(p->wake_list);
 	free(p->config);
 	ap_buf_free(&p->scratch);
 	free(p);
@@ -724,11 +795,6 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		/* The loop is the consumer now: the worker thread is joined. A
 		 * popped job stays the dummy, so copy it before re-queueing. */
 		j = mbox_pop(&dead->mb);
-		size_t sz = sizeof *j + j->head_len + j->msg_len + j->node_len;
-		ap_job *c = malloc(sz);
-		if (!c)
-			break;
-		memcpy(c, j, sz);
 		ap_worker *w = route(p);
 		if (!w) {
 			/* Everyone is full: over the limit rather than lost. */
@@ -738,9 +804,20 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 					break;
 				}
 		}
+		size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
+		ap_job *c = job_alloc(&w->mb, &w->job_cache, need);
+		if (!c)
+			break;
+		c->is_ask = j->is_ask;
+		c->is_binary = j->is_binary;
+		c->head_len = j->head_len;
+		c->msg_len = j->msg_len;
+		c->node_len = j->node_len;
+		memcpy(c->data, j->data, need);
 		push(w, c);
 		moved++;
 	}
+	wake_pushed(p);
 	if (moved)
 		ap_log(AP_LOG_INFO, "pool %s: moved %llu queued messages off crashed worker %d", p->name,
 		       (unsigned long long)moved, dead->id);
@@ -814,12 +891,13 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	snprintf(p->name, sizeof p->name, "%s", name);
 	snprintf(p->handler_desc, sizeof p->handler_desc, "%s", handler_desc);
 	p->w = calloc((size_t)p->o.workers, sizeof *p->w);
+	p->wake_list = calloc((size_t)p->o.workers, sizeof *p->wake_list);
 	if (config_len) {
 		p->config = malloc(config_len);
 		if (p->config)
 			memcpy(p->config, config, config_len);
 	}
-	if (!p->w || (config_len && !p->config))
+	if (!p->w || !p->wake_list || (config_len && !p->config))
 		goto nomem;
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
@@ -860,6 +938,7 @@ nomem:
 			if (p->w[i].mb.head)
 				mbox_destroy(&p->w[i].mb);
 	free(p->w);
+	free(p->wake_list);
 	free(p->config);
 	free(p);
 	return -ENOMEM;
