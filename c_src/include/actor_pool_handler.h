@@ -53,9 +53,11 @@ typedef enum actor_pool_reply_kind {
 	AP_REPLY_ATOM = 2,   /* the bytes are an atom's UTF-8 name (e.g. "ok") */
 } actor_pool_reply_kind;
 
-/* Where a handler writes its reply. The pool resets it before each call
- * (len 0, kind AP_REPLY_ATOM with "ok" as the default reply). The buffer
- * belongs to the worker and is reused. */
+/* Where a handler writes its reply. Before each call the pool presets it to
+ * the atom ok (kind AP_REPLY_ATOM, data "ok", len 2): a handler that writes
+ * nothing replies ok, and one that writes its own reply starts again from
+ * len 0 (actor_pool_reply_set does). The buffer belongs to the worker and
+ * is reused: keep no pointer into it after the call. */
 typedef struct actor_pool_reply {
 	actor_pool_reply_kind kind;
 	uint8_t *data;
