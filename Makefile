@@ -4,7 +4,7 @@
 REBAR ?= rebar3
 EPMD  ?= epmd
 
-.PHONY: all compile deps epmd test eunit dep-test dialyzer demo bench bench-run \
+.PHONY: all compile deps epmd test eunit eunit-asan dep-test dialyzer demo bench bench-run \
         fuzz clean
 
 all: compile
@@ -32,6 +32,20 @@ test: deps
 eunit: epmd
 	ACTOR_POOL_IO=uring $(REBAR) eunit --sname ap_eunit_uring_$$$$
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
+	$(MAKE) eunit-asan
+
+# The pool suite once more against the ASan+UBSan build of the pool node; any
+# sanitizer report (written under ASAN_LOG_DIR) fails the run.
+ASAN_LOG_DIR = _build/asan-logs
+eunit-asan: epmd
+	$(MAKE) -C c_src build/actor_pool_node_asan
+	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
+	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
+	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
+	  $(REBAR) eunit --module=actor_pool_tests --sname ap_eunit_asan_$$$$
+	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
+	  echo "sanitizer reports from the pool node (above)"; exit 1; fi
 
 dep-test:
 	bash test/dep_project/run
@@ -39,7 +53,8 @@ dep-test:
 dialyzer:
 	$(REBAR) dialyzer
 
-# Starts the application and the echo C node, talks to it, stops it all.
+# Starts the application (and its pool C node), validates JSON documents on a
+# pool, echoes through another, prints results and stats, stops it all.
 demo: deps compile
 	escript scripts/demo.erl
 

@@ -2,10 +2,19 @@
 %% -*- erlang -*-
 %%
 %% `make demo': starts the actor_pool application (which makes this node
-%% distributed), starts the echo C node through actor_cnode, talks to it with
-%% plain distributed Erlang, and stops everything. Exits 1 if any step does
-%% not give the expected result.
+%% distributed and starts its pool C node), then puts two pools to work:
+%%
+%%   - a json_validate pool validates a few thousand generated JSON documents
+%%     (orders with nested items; about one in eight broken on purpose) from
+%%     eight concurrent callers, then takes as many again as fire-and-forget
+%%     tells, and prints what it found and its stats;
+%%   - an echo pool answers asks, gen_server:call and tells.
+%%
+%% Exits 1 if any step does not give the expected result.
 -mode(compile).
+
+-define(DOCS, 3000).
+-define(CALLERS, 8).
 
 main(_Args) ->
     Root = filename:dirname(filename:dirname(filename:absname(escript:script_name()))),
@@ -25,47 +34,178 @@ main(_Args) ->
 run() ->
     {ok, _} = application:ensure_all_started(actor_pool),
     show("this BEAM node", node()),
+    show("actor_pool:pool_node()", actor_pool:pool_node()),
 
-    {ok, Owner} = actor_cnode:start(#{exe => "actor_echo_node"}),
-    put(owner, Owner),
-    Node = actor_cnode:node(Owner),
-    show("actor_cnode:info(Owner)", actor_cnode:info(Owner)),
+    %% ---- JSON validation ------------------------------------------------
+    section("a json_validate pool"),
+    {ok, Json} = actor_pool:start_pool(demo_json, json_validate, #{workers => 4}),
+    show("actor_pool:start_pool(demo_json, json_validate, #{workers => 4})", {ok, Json}),
+    rand:seed(exsss, {1, 2, 3}),
+    Docs = [document(I) || I <- lists:seq(1, ?DOCS)],
+    Bytes = lists:sum([byte_size(D) || {_, D} <- Docs]),
+    Broken = length([x || {broken, _} <- Docs]),
+    show("documents generated", {?DOCS, {bytes, Bytes}, {broken_on_purpose, Broken}}),
 
-    expect("net_adm:ping(CNode)", pong, net_adm:ping(Node)),
-    show("nodes(hidden)", nodes(hidden)),
-    show("nodes()", nodes()),
-    true = lists:member(Node, nodes(hidden)),
+    T0 = erlang:monotonic_time(microsecond),
+    Results = parallel_asks(Json, Docs),
+    Us = erlang:monotonic_time(microsecond) - T0,
+    Valid = [ok || {valid, {ok, ok}} <- Results],
+    Invalid = [{D, E} || {{broken, D}, {error, {Offset, _}} = E} <- Results, is_integer(Offset)],
+    Wrong = [R || R <- Results, not expected(R)],
+    show("asks answered {ok, ok}", length(Valid)),
+    show("asks answered {error, {Offset, Reason}}", length(Invalid)),
+    show("answers that disagree with the generator", length(Wrong)),
+    [] = Wrong,
+    show("throughput of the asks (8 callers)",
+         {round(?DOCS * 1.0e6 / max(1, Us)), docs_per_s}),
+    io:format("~nsome broken documents and where the validator stopped:~n"),
+    [explain(D, E) || {D, E} <- lists:sublist(Invalid, 4)],
 
-    Hello = {hello, self()},
-    expect("gen_server:call({echo, CNode}, {hello, self()})", Hello,
-           gen_server:call({echo, Node}, Hello)),
-    expect("gen_server:call({echo, CNode}, ping)", pong,
-           gen_server:call({echo, Node}, ping)),
+    %% The same documents again, as tells: nothing waits for an answer.
+    #{processed := P0} = actor_pool:stats(Json),
+    [ok = actor_pool:tell(Json, D) || {_, D} <- Docs],
+    Stats = wait_processed(Json, P0 + ?DOCS, 30000),
+    io:format("~n"),
+    show("after the tells: actor_pool:stats(demo_json)", summary(Stats)),
+    [show("  worker " ++ integer_to_list(Id), W)
+     || #{id := Id} = W0 <- maps:get(workers, Stats),
+        W <- [maps:with([alive, mailbox, processed, restarts], W0)]],
+    expect("errors counted (each broken document twice)", 2 * Broken, maps:get(errors, Stats)),
+    expect("documents processed (asks and tells)", 2 * ?DOCS, maps:get(processed, Stats)),
 
-    Ref = make_ref(),
-    ok = gen_server:cast({echo, Node}, {reply_to, self(), {cast_came_back, Ref}}),
-    Back = receive {cast_came_back, Ref} = M -> M after 5000 -> timeout end,
-    expect("cast {reply_to, self(), Term}: Term came back",
-           {cast_came_back, Ref}, Back),
+    %% ---- echo -----------------------------------------------------------
+    section("an echo pool"),
+    {ok, Echo} = actor_pool:start_pool(demo_echo, echo, #{workers => 2,
+                                                          routing => smallest_mailbox}),
+    Term = {order, 42, [<<"widget">>, 3.5], #{paid => true}},
+    expect("actor_pool:ask(demo_echo, Term)", {ok, Term}, actor_pool:ask(demo_echo, Term)),
+    expect("gen_server:call(EchoPid, <<\"hi\">>)", {ok, <<"hi">>}, gen_server:call(Echo, <<"hi">>)),
+    [ok = actor_pool:tell(Echo, <<"fire and forget">>) || _ <- lists:seq(1, 10000)],
+    EchoStats = wait_processed(Echo, 10002, 30000),
+    show("actor_pool:stats(demo_echo)", summary(EchoStats)),
 
-    show("gen_server:call({echo, CNode}, stats)", gen_server:call({echo, Node}, stats)),
-
-    ok = actor_cnode:stop(Owner),
-    erase(owner),
-    show("actor_cnode:stop(Owner)", ok),
+    show("actor_pool:which_pools()", actor_pool:which_pools()),
+    expect("actor_pool:stop_pool(demo_json)", ok, actor_pool:stop_pool(demo_json)),
+    expect("actor_pool:stop_pool(Echo)", ok, actor_pool:stop_pool(Echo)),
+    expect("actor_pool:ask(demo_json, <<\"{}\">>) after the stop", {error, noproc},
+           actor_pool:ask(demo_json, <<"{}">>)),
     ok = application:stop(actor_pool),
     show("application:stop(actor_pool)", ok),
     _ = net_kernel:stop(),
     ok.
 
+%% ===================================================================
+%% Work
+%% ===================================================================
+
+%% Every document goes to the pool as an ask, from ?CALLERS processes at once.
+parallel_asks(Pool, Docs) ->
+    Self = self(),
+    Chunks = chunks(lists:zip(lists:seq(1, length(Docs)), Docs), ?CALLERS),
+    Pids = [spawn_link(fun() ->
+                               Self ! {done, self(),
+                                       [{I, {Kind, D}, actor_pool:ask(Pool, D, 10000)}
+                                        || {I, {Kind, D}} <- Chunk]}
+                       end) || Chunk <- Chunks],
+    Answers = lists:append([receive {done, Pid, R} -> R end || Pid <- Pids]),
+    [{kind(Kind, D), Reply} || {_, {Kind, D}, Reply} <- lists:keysort(1, Answers)].
+
+kind(valid, _D) -> valid;
+kind(broken, D) -> {broken, D}.
+
+expected({valid, {ok, ok}}) -> true;
+expected({{broken, _}, {error, {Offset, _}}}) when is_integer(Offset) -> true;
+expected(_) -> false.
+
+chunks(List, N) ->
+    Size = (length(List) + N - 1) div N,
+    chunk(List, Size).
+
+chunk([], _) -> [];
+chunk(List, Size) when length(List) =< Size -> [List];
+chunk(List, Size) ->
+    {A, B} = lists:split(Size, List),
+    [A | chunk(B, Size)].
+
+wait_processed(Pool, N, Timeout) ->
+    Deadline = erlang:monotonic_time(millisecond) + Timeout,
+    wait_processed_until(Pool, N, Deadline).
+
+wait_processed_until(Pool, N, Deadline) ->
+    Stats = actor_pool:stats(Pool),
+    case Stats of
+        #{processed := P} when P >= N -> Stats;
+        _ ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> error({not_processed_in_time, N, Stats});
+                false -> receive after 10 -> wait_processed_until(Pool, N, Deadline) end
+            end
+    end.
+
+summary(Stats) ->
+    maps:with([size, routing, processed, errors, crashes, restarts, overloaded,
+               dropped_tells, throughput], Stats).
+
+explain(Doc, {error, {Offset, Reason}}) ->
+    From = max(0, Offset - 24),
+    Around = binary:part(Doc, From, min(byte_size(Doc) - From, 40)),
+    io:format("  ~-22s at byte ~5b of ~5b: ...~ts...~n",
+              [io_lib:format("~p", [Reason]), Offset, byte_size(Doc),
+               printable(Around)]).
+
+printable(Bin) ->
+    [case C >= 32 andalso C < 127 of true -> C; false -> $? end || <<C>> <= Bin].
+
+%% ===================================================================
+%% Documents: an order with nested items; one in eight broken
+%% ===================================================================
+
+document(I) ->
+    Valid = order(I),
+    case I rem 8 of
+        0 -> {broken, break(I div 8 rem 5, Valid)};
+        _ -> {valid, Valid}
+    end.
+
+order(I) ->
+    Items = [[{<<"sku">>, str(<<"SKU-", (integer_to_binary(rand:uniform(99999)))/binary>>)},
+              {<<"qty">>, integer_to_binary(rand:uniform(20))},
+              {<<"price">>, float_to_binary(rand:uniform() * 500, [{decimals, 2}])},
+              {<<"tags">>, array([str(T) || T <- lists:sublist([<<"new">>, <<"sale">>, <<"eco">>],
+                                                                rand:uniform(3))])}]
+             || _ <- lists:seq(1, rand:uniform(12))],
+    iolist_to_binary(
+      object([{<<"id">>, integer_to_binary(I)},
+              {<<"customer">>, object([{<<"name">>, str(<<"Zo\\u00eb \\\"Q\\\" Doe">>)},
+                                       {<<"email">>, str(<<"zoe@example.com">>)}])},
+              {<<"paid">>, <<"true">>},
+              {<<"coupon">>, <<"null">>},
+              {<<"items">>, array([object(It) || It <- Items])},
+              {<<"total">>, <<"1.25e3">>}])).
+
+object(Pairs) -> [${, lists:join($,, [[str(K), $:, V] || {K, V} <- Pairs]), $}].
+array(Values) -> [$[, lists:join($,, Values), $]].
+str(S) -> [$", S, $"].
+
+%% Ways to break a document; each leaves it invalid whatever the content.
+break(0, Doc) -> binary:part(Doc, 0, rand:uniform(byte_size(Doc)) - 1);   % truncated
+break(1, Doc) -> binary:replace(Doc, <<"]">>, <<",]">>);                    % trailing comma
+break(2, Doc) -> binary:replace(Doc, <<"true">>, <<"tru">>);                % bad literal
+break(3, Doc) -> binary:replace(Doc, <<"\"paid\"">>, <<"paid">>);           % unquoted key
+break(4, Doc) -> <<Doc/binary, " {}">>.                                     % trailing data
+
+%% ===================================================================
+%% Output
+%% ===================================================================
+
 cleanup() ->
-    case get(owner) of
-        undefined -> ok;
-        Owner -> catch actor_cnode:stop(Owner)
-    end,
+    _ = [catch actor_pool:stop_pool(P) || {_, P} <- catch actor_pool:which_pools()],
     _ = application:stop(actor_pool),
     _ = net_kernel:stop(),
     ok.
+
+section(Title) ->
+    io:format("~n== ~ts~n", [Title]).
 
 show(What, Value) ->
     io:format("~ts ~0tp~n", [string:pad(What, 58), Value]).

@@ -3,10 +3,13 @@
 %% Starting the application makes sure the node is distributed (C nodes talk
 %% to the BEAM over distributed Erlang, so a non-distributed node gets a
 %% generated short name, see {@link actor_dist}) and then starts the
-%% supervision tree. No C node is started by default yet: pools and the
-%% receptionist will add their owners to the tree.
+%% supervision tree ({@link actor_pool_sup}): by default that includes this
+%% node's pool C node, so {@link actor_pool:start_pool/3} works as soon as
+%% `application:ensure_all_started(actor_pool)' returns.
 -module(actor_pool_app).
 -behaviour(application).
+
+-include("actor_pool_int.hrl").
 
 %% application callbacks.
 -export([start/2]).
@@ -21,4 +24,6 @@ start(_StartType, _StartArgs) ->
 
 -spec stop(term()) -> ok.
 stop(_State) ->
-    ok.
+    %% The pool C node is gone: a pool name must not resolve to it any more.
+    _ = persistent_term:erase(?POOL_NODE_KEY),
+    actor_pool_batcher:unpublish_all().

@@ -1,14 +1,28 @@
 %% @doc Top supervisor of actor_pool.
 %%
-%% Today it holds only {@link actor_cnode_sup}, the home of every C-node owner
-%% started at run time. Pools and the receptionist join it in later versions.
+%% Children, in start order (one_for_one):
+%% <ol>
+%% <li>{@link actor_cnode_sup}, the home of C-node owners started at run
+%%     time;</li>
+%% <li>`actor_pool_node', the {@link actor_cnode} owner (registered
+%%     `actor_pool_node_owner') of this node's pool C node,
+%%     `priv/actor_pool_node', unless the application environment says
+%%     `{pool_node, false}'. `pool_node_opts' (a map of {@link
+%%     actor_cnode:opts()} such as `name', `io' or `args') is passed on;</li>
+%% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
+%% </ol>
+%% The owner restarts its C node when it dies; the pools it hosted are gone
+%% with it (see docs/stateless-workers.md, "Known limitations").
 -module(actor_pool_sup).
 -behaviour(supervisor).
+
+-include("actor_pool_int.hrl").
 
 %% API.
 -export([start_link/0]).
 
-%% supervisor callbacks.
+%% Supervisor internals.
+-export([start_pool_node/0]).
 -export([init/1]).
 
 %% @doc Starts the top supervisor, registered as `actor_pool_sup'.
@@ -16,13 +30,54 @@
 start_link() ->
     supervisor:start_link({local, ?MODULE}, ?MODULE, []).
 
+%% @private
+%% @doc Starts the owner of the local pool C node and records the C node's
+%% name for {@link actor_pool:pool_node/0}.
+-spec start_pool_node() -> {ok, pid()} | {error, term()}.
+start_pool_node() ->
+    Extra = case application:get_env(actor_pool, pool_node_opts, #{}) of
+                M when is_map(M) -> M;
+                _ -> #{}
+            end,
+    %% ACTOR_POOL_NODE_EXE (an absolute path) swaps the executable, so the
+    %% test suite can run against a sanitizer build of the pool node.
+    Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
+    Opts = maps:merge(Extra, #{exe => Exe,
+                               register => ?POOL_NODE_OWNER}),
+    case actor_cnode:start_link(Opts) of
+        {ok, Pid} ->
+            %% The same value on every restart of the owner, so this put is
+            %% free after the first (persistent_term compares first).
+            persistent_term:put(?POOL_NODE_KEY, {node(), actor_cnode:node(Pid)}),
+            {ok, Pid};
+        {error, _} = Error ->
+            Error
+    end.
+
 -spec init([]) -> {ok, {supervisor:sup_flags(), [supervisor:child_spec()]}}.
 init([]) ->
     Flags = #{strategy => one_for_one, intensity => 5, period => 10},
-    Children = [#{id => actor_cnode_sup,
-                  start => {actor_cnode_sup, start_link, []},
-                  restart => permanent,
-                  shutdown => infinity,
-                  type => supervisor,
-                  modules => [actor_cnode_sup]}],
+    CnodeSup = #{id => actor_cnode_sup,
+                 start => {actor_cnode_sup, start_link, []},
+                 restart => permanent,
+                 shutdown => infinity,
+                 type => supervisor,
+                 modules => [actor_cnode_sup]},
+    PoolNode = #{id => actor_pool_node,
+                 start => {?MODULE, start_pool_node, []},
+                 restart => permanent,
+                 %% the owner waits up to 2 s for its C node to exit
+                 shutdown => 5000,
+                 type => worker,
+                 modules => [actor_cnode]},
+    BatchSup = #{id => actor_pool_batch_sup,
+                 start => {actor_pool_batch_sup, start_link, []},
+                 restart => permanent,
+                 shutdown => infinity,
+                 type => supervisor,
+                 modules => [actor_pool_batch_sup]},
+    Children = case application:get_env(actor_pool, pool_node, true) of
+                   false -> [CnodeSup, BatchSup];
+                   _ -> [CnodeSup, PoolNode, BatchSup]
+               end,
     {ok, {Flags, Children}}.

@@ -13,7 +13,7 @@ enum {
 	T_NEWER_REF = 90, T_SMALL_INT = 97, T_INT = 98, T_FLOAT = 99, T_ATOM = 100,
 	T_REF = 101, T_PORT = 102, T_PID = 103, T_SMALL_TUPLE = 104,
 	T_LARGE_TUPLE = 105, T_NIL = 106, T_STRING = 107, T_LIST = 108,
-	T_BINARY = 109, T_SMALL_BIG = 110, T_LARGE_BIG = 111,
+	T_BINARY = 109, T_SMALL_BIG = 110, T_LARGE_BIG = 111, T_NEW_FUN = 112,
 	T_EXPORT = 113, T_NEW_REF = 114, T_SMALL_ATOM = 115, T_MAP = 116,
 	T_ATOM_UTF8 = 118, T_SMALL_ATOM_UTF8 = 119, T_V4_PORT = 120,
 };
@@ -178,11 +178,22 @@ int ap_term_skip(const char *cbuf, size_t len, int *idx)
 			pending += 3;
 			i += 1;
 			break;
+		case T_NEW_FUN: {
+			/* Tag, Size(4) Arity(1) Uniq(16) Index(4) NumFree(4), then
+			 * Module, OldIndex, OldUniq, Pid and NumFree free variables:
+			 * walked like any other terms. ei trusts Size to find the
+			 * free variables, so Size must stay inside the buffer too. */
+			if (left < 30) return -1;
+			uint64_t size = ap_get32be(p + 1);
+			if (size < 29 || 1 + size > left) return -1;
+			pending += 4 + (uint64_t)ap_get32be(p + 26);
+			i += 30;
+			break;
+		}
 		default:
 			/* Atom cache refs, LOCAL_EXT, compressed and unknown terms:
-			 * none is negotiated with an ei node. Closures (NEW_FUN) are
-			 * refused too: no C node can run one, and their nested size
-			 * fields would need a recursive walk. */
+			 * none is negotiated with an ei node. Old FUN_EXT closures
+			 * are refused: no OTP since R8 sends them. */
 			return -1;
 		}
 	}

@@ -87,8 +87,15 @@ static ap_job *mbox_pop(ap_mbox *m)
 	while (!atomic_compare_exchange_weak_explicit(&m->recycled, &top, old, memory_order_release,
 						     memory_order_relaxed));
 	m->head = next;
-	atomic_store_explicit(&m->deq, atomic_load_explicit(&m->deq, memory_order_relaxed) + 1, memory_order_relaxed);
 	return next;
+}
+
+/* The consumer finished the job it popped last. Counting here rather than
+ * at the pop keeps the message being handled in the depth, so a worker busy
+ * on one long message does not look idle to smallest_mailbox. */
+static void mbox_done(ap_mbox *m)
+{
+	atomic_store_explicit(&m->deq, atomic_load_explicit(&m->deq, memory_order_relaxed) + 1, memory_order_relaxed);
 }
 
 static int mbox_empty(ap_mbox *m) { return atomic_load(&m->head->next) == NULL; }
@@ -111,9 +118,8 @@ static void free_list(ap_job *j)
 
 static void mbox_destroy(ap_mbox *m)
 {
-	ap_job *j;
-	while ((j = mbox_pop(m)))
-		;
+	while (mbox_pop(m))
+		mbox_done(m);
 	free(m->head);
 	free_list(atomic_exchange(&m->recycled, NULL));
 	m->head = m->tail = NULL;
@@ -385,6 +391,7 @@ static void *worker_main(void *arg)
 			/* Stopping: everything still queued is answered, not run. */
 			if (j->is_ask)
 				send_error_atom(w, j, "stopped");
+			mbox_done(&w->mb);
 			continue;
 		}
 		actor_pool_request req = {
@@ -401,6 +408,7 @@ static void *worker_main(void *arg)
 			atomic_fetch_add(&w->crashes, 1);
 			if (j->is_ask)
 				send_error_atom(w, j, "worker_crashed");
+			mbox_done(&w->mb);
 			w->exit_reason = EXIT_CRASH;
 			break;
 		}
@@ -409,6 +417,7 @@ static void *worker_main(void *arg)
 			atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
 		if (j->is_ask)
 			send_result(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply);
+		mbox_done(&w->mb);
 	}
 	if (p->h->terminate)
 		p->h->terminate(state);
@@ -449,7 +458,9 @@ static ap_worker *route(ap_pool *p)
 		break;
 	case AP_ROUTE_SMALLEST_MAILBOX: {
 		uint64_t r = xorshift(&p->rng);
-		uint32_t a = (uint32_t)(r % (uint64_t)nw), b = (uint32_t)((r >> 32) % (uint64_t)nw);
+		uint32_t a = (uint32_t)(r % (uint64_t)nw), b = a;
+		if (nw > 1) /* two distinct slots: comparing one with itself picks blindly */
+			b = (a + 1 + (uint32_t)((r >> 32) % (uint64_t)(nw - 1))) % (uint32_t)nw;
 		ap_worker *wa = &p->w[a], *wb = &p->w[b];
 		if (!alive(wa) || (alive(wb) && mbox_depth(&wb->mb) < mbox_depth(&wa->mb)))
 			a = b;
@@ -679,9 +690,11 @@ static void pool_free(ap_pool *p)
 		if (w->mb.head) {
 			/* A slot that never got its replacement: answer what waits. */
 			ap_job *j;
-			while ((j = mbox_pop(&w->mb)))
+			while ((j = mbox_pop(&w->mb))) {
 				if (j->is_ask)
 					send_error_atom(w, j, "stopped");
+				mbox_done(&w->mb);
+			}
 			mbox_destroy(&w->mb);
 		}
 		free_list(w->job_cache);
@@ -795,6 +808,7 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		/* The loop is the consumer now: the worker thread is joined. A
 		 * popped job stays the dummy, so copy it before re-queueing. */
 		j = mbox_pop(&dead->mb);
+		mbox_done(&dead->mb);
 		ap_worker *w = route(p);
 		if (!w) {
 			/* Everyone is full: over the limit rather than lost. */

@@ -1,0 +1,605 @@
+%% @doc Pool benchmark (issue 3): the pools of the pool C node, driven
+%% through the `actor_pool' API, against the same work done by the BEAM, in
+%% one run on one machine. Run it with `make bench' (after the runtime
+%% benchmark, `ap_bench').
+%%
+%% <ul>
+%% <li>echo pool (`workers' = online CPUs, 100-byte binaries): tell
+%%     throughput through `actor_pool:tell/2' from 8 senders; asks through
+%%     `actor_pool:ask/2' from 64 callers; lone-ask p50/p99 through
+%%     `actor_pool:ask/2' and through an unbatched `gen_server:call(PoolPid,
+%%     Msg)'. Anchors: the same pool fed unbatched (`PoolPid ! Msg',
+%%     `gen_server:call'), and an echo gen_server on a BEAM peer node.</li>
+%% <li>json_validate pool on ~2 KB documents (a few hundred distinct,
+%%     generated at start, see `ap_bench_json'): asks from 64 callers.
+%%     Anchors: a plain Erlang round-robin pool of `workers' gen_servers
+%%     (`ap_bench_erlpool') and poolboy, both validating with
+%%     `jiffy:decode/1'.</li>
+%% </ul>
+%%
+%% Each cell is the median of `BENCH_POOL_RUNS' runs; the runs of the pool
+%% and of its anchors are interleaved, so load that drifts during the bench
+%% hits all columns alike. Tells are counted by the receiver (the pool's
+%% `processed' in `actor_pool:stats/1', polled; the peer's own counter), so a
+%% message lost or still queued is never counted as delivered; the pool's
+%% `dropped_tells', `overloaded', `errors' and `crashes' must stay 0, and
+%% every reply is checked. The CPU table splits each cell's CPU time between
+%% this BEAM, the pool node and the peer (from /proc/PID/stat), plus what the
+%% rest of the host used meanwhile.
+%%
+%% Knobs (environment, defaults in brackets): BENCH_POOL_TELLS (tells through
+%% actor_pool:tell/2 per run [1000000]), BENCH_POOL_ANCHOR_TELLS (unbatched
+%% tells per run [120000]), BENCH_POOL_ASKS (asks per 64-caller run [32000]),
+%% BENCH_POOL_LONE_ASKS (sequential asks per kind and run [6000]),
+%% BENCH_POOL_JSON_ASKS [24000], BENCH_POOL_JSON_DOCS (distinct documents
+%% [300]), BENCH_POOL_RUNS [5], BENCH_POOL_TIMEOUT_S (the whole bench [300]),
+%% BENCH_STRICT=1 (exit 2 when a target is missed), BENCH_POOL_ANCHORS_ONLY=1
+%% (measure the anchors only, without the pool node).
+%%
+%% Exit status: 0, 1 when something failed (lost, dropped or wrong replies, a
+%% pool that does not start, a timeout; the message says what), 2 for a
+%% missed target under BENCH_STRICT=1.
+-module(ap_pool_bench).
+
+-export([main/0, main/1]).
+
+-define(PAYLOAD, <<0:800>>).
+-define(SENDERS, 8).
+-define(CALLERS, 64).
+-define(MAILBOX_LIMIT, 1048576).
+-define(WAIT_MS, 120000).
+
+-spec main() -> no_return().
+main() -> main([]).
+
+-spec main([string()]) -> no_return().
+main(_Args) ->
+    Timeout = env_int("BENCH_POOL_TIMEOUT_S", 300),
+    _ = spawn(fun() ->
+                      timer:sleep(Timeout * 1000),
+                      io:format("pool bench failed: not done after ~p s "
+                                "(BENCH_POOL_TIMEOUT_S)~n", [Timeout]),
+                      halt(1)
+              end),
+    Code = try run() of
+               ok -> 0;
+               missed -> 2
+           catch
+               throw:{bench_failed, Fmt, Args} ->
+                   io:format("~npool bench failed: " ++ Fmt ++ "~n", Args), 1;
+               C:R:St ->
+                   io:format("~npool bench failed: ~p:~p~n~p~n", [C, R, St]), 1
+           end,
+    halt(Code).
+
+fail(Fmt, Args) -> throw({bench_failed, Fmt, Args}).
+
+%% ---- setup -------------------------------------------------------------------
+
+run() ->
+    Cfg = #{tells => env_int("BENCH_POOL_TELLS", 1000000),
+            anchor_tells => env_int("BENCH_POOL_ANCHOR_TELLS", 120000),
+            asks => env_int("BENCH_POOL_ASKS", 32000),
+            lone => env_int("BENCH_POOL_LONE_ASKS", 6000),
+            json_asks => env_int("BENCH_POOL_JSON_ASKS", 24000),
+            json_docs => env_int("BENCH_POOL_JSON_DOCS", 300),
+            runs => env_int("BENCH_POOL_RUNS", 5),
+            anchors_only => os:getenv("BENCH_POOL_ANCHORS_ONLY") =:= "1",
+            workers => online_cpus()},
+    [code:which(M) =:= non_existing andalso
+         fail("~p is not installed (Debian ~s; run `make deps')", [M, Pkg])
+     || {M, Pkg} <- [{jiffy, "erlang-jiffy"}, {poolboy, "erlang-poolboy"}]],
+    Docs = list_to_tuple(ap_bench_json:docs(maps:get(json_docs, Cfg))),
+    [ok = ap_bench_json:validate(D) || D <- tuple_to_list(Docs)],
+    Cleanup = fun(F) -> try F() catch _:_ -> ok end end,
+    {Peer, PeerNode} = start_peer(),
+    Anchors = start_anchors(Cfg, PeerNode),
+    try
+        Pools = case maps:get(anchors_only, Cfg) of
+                    true -> #{};
+                    false -> start_pools(Cfg)
+                end,
+        try
+            bench(Cfg#{docs => Docs}, Pools, Anchors)
+        after
+            stop_pools(Pools)
+        end
+    after
+        Cleanup(fun() -> ap_bench_erlpool:stop(maps:get(erlpool, Anchors)) end),
+        Cleanup(fun() -> poolboy:stop(maps:get(poolboy, Anchors)) end),
+        Cleanup(fun() -> peer:stop(Peer) end),
+        Cleanup(fun() -> application:stop(actor_pool) end)
+    end.
+
+online_cpus() ->
+    case erlang:system_info(logical_processors_online) of
+        N when is_integer(N), N > 0 -> N;
+        _ -> 4
+    end.
+
+start_peer() ->
+    Name = list_to_atom("ap_pool_bench_peer_" ++ os:getpid()),
+    BenchDir = filename:dirname(code:which(?MODULE)),
+    {ok, Peer, Node} = peer:start_link(#{name => Name, args => ["-pa", BenchDir]}),
+    {ok, _} = erpc:call(Node, ap_bench_echo, start, []),
+    {Peer, Node}.
+
+start_anchors(#{workers := W}, PeerNode) ->
+    Echo = gen_server:call({echo, PeerNode}, pid, 10000),
+    Validate = fun ap_bench_json:validate/1,
+    EP = ap_bench_erlpool:start(W, Validate),
+    {ok, PB} = poolboy:start_link([{worker_module, ap_bench_poolboy_worker},
+                                   {size, W}, {max_overflow, 0}], []),
+    #{peer_echo => Echo, peer_os_pid => erpc:call(PeerNode, os, getpid, []),
+      erlpool => EP, poolboy => PB}.
+
+start_pools(#{workers := W}) ->
+    case application:ensure_all_started(actor_pool) of
+        {ok, _} -> ok;
+        {error, Why} -> fail("application:ensure_all_started(actor_pool): ~p", [Why])
+    end,
+    Opts = #{workers => W, mailbox_limit => ?MAILBOX_LIMIT},
+    Echo = start_pool(ap_bench_echo_pool, echo, Opts),
+    Json = start_pool(ap_bench_json_pool, json_validate, Opts),
+    #{echo => Echo, json => Json, pool_os_pid => pool_node_os_pid(Echo)}.
+
+start_pool(Name, Handler, Opts) ->
+    case actor_pool:start_pool(Name, Handler, Opts) of
+        {ok, Pool} when is_pid(Pool) ->
+            S = actor_pool:stats(Pool),
+            maps:get(size, S, undefined) =:= maps:get(workers, Opts) orelse
+                fail("pool ~p: stats size ~p, expected ~p workers",
+                     [Name, maps:get(size, S, undefined), maps:get(workers, Opts)]),
+            Pool;
+        {ok, Other} ->
+            fail("actor_pool:start_pool(~p, ~p, ...) returned {ok, ~p}, not a pid",
+                 [Name, Handler, Other]);
+        Error ->
+            fail("actor_pool:start_pool(~p, ~p, ~p): ~p", [Name, Handler, Opts, Error])
+    end.
+
+stop_pools(Pools) ->
+    maps:foreach(
+      fun(K, Pool) when K =:= echo; K =:= json ->
+              case catch actor_pool:stop_pool(Pool) of
+                  ok -> ok;
+                  Other -> io:format("warning: actor_pool:stop_pool(~p): ~p~n", [Pool, Other])
+              end;
+         (_, _) -> ok
+      end, Pools).
+
+%% The pool node's OS pid, for its CPU time: the actor_cnode owner whose node
+%% hosts the pool. undefined when it cannot be found (no CPU column then).
+pool_node_os_pid(Pool) ->
+    PoolNode = node(Pool),
+    Owners = [P || Sup <- [actor_pool_sup, actor_cnode_sup],
+                   {_, P, worker, _} <- (catch supervisor:which_children(Sup)),
+                   is_pid(P)],
+    Found = [maps:get(os_pid, I) || P <- Owners,
+                                    I <- [catch actor_cnode:info(P)],
+                                    is_map(I), maps:get(node, I, x) =:= PoolNode],
+    case Found of
+        [OsPid | _] when is_integer(OsPid) -> integer_to_list(OsPid);
+        _ -> undefined
+    end.
+
+%% ---- the bench ---------------------------------------------------------------
+
+bench(Cfg, Pools, Anchors) ->
+    #{tells := Tells, anchor_tells := ATells, asks := Asks, lone := Lone,
+      json_asks := JAsks, runs := Runs, workers := W, docs := Docs} = Cfg,
+    AO = maps:get(anchors_only, Cfg),
+    #{peer_echo := PeerEcho, erlpool := EP, poolboy := PB} = Anchors,
+    Echo = maps:get(echo, Pools, undefined),
+    Json = maps:get(json, Pools, undefined),
+    P = ?PAYLOAD,
+    %% {Key, Fun returning {[{SubKey, Value}], Messages}}, all run once per round.
+    PoolCells =
+        [{ap_tell, fun() -> pool_tells(Echo, Tells, fun(Pl) -> actor_pool:tell(Echo, Pl) end) end},
+         {pool_bang, fun() -> pool_tells(Echo, ATells, fun(Pl) -> Echo ! Pl end) end},
+         {ap_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(Echo, P) end) end},
+         {pool_call64, fun() -> asks(Asks, fun(_) -> {ok, P} = gen_server:call(Echo, P) end) end},
+         {ap_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(Json, doc(Docs, I)) end) end}],
+    AnchorCells =
+        [{peer_tell, fun() -> peer_tells(PeerEcho, ATells) end},
+         {peer_ask64, fun() -> asks(Asks, fun(_) -> P = gen_server:call(PeerEcho, P) end) end},
+         {lone, fun() -> lone(Lone, AO, Echo, PeerEcho) end},
+         {erlpool_json64, fun() -> asks(JAsks, fun(I) -> ok = ap_bench_erlpool:call(EP, doc(Docs, I)) end) end},
+         {poolboy_json64,
+          fun() -> asks(JAsks, fun(I) ->
+                                       D = doc(Docs, I),
+                                       ok = poolboy:transaction(
+                                              PB, fun(Wk) -> gen_server:call(Wk, {validate, D}) end, 60000)
+                               end) end}],
+    Cells = case AO of
+                true -> AnchorCells;
+                false -> PoolCells ++ AnchorCells
+            end,
+    Counters0 = pool_counters(Pools),
+    io:format("~nactor_pool pool benchmark: pool node (io ~s) vs the same work in the BEAM~n",
+              [io_backend(Pools)]),
+    io:format("~p workers per pool (online CPUs), payload ~p bytes, ~p senders, ~p callers, "
+              "median of ~p runs~n", [W, byte_size(P), ?SENDERS, ?CALLERS, Runs]),
+    io:format("per run: ~p tells via actor_pool:tell/2, ~p unbatched tells, ~p asks (64 callers), "
+              "~p lone asks per kind, ~p json asks~n",
+              [Tells, ATells, Asks, Lone, JAsks]),
+    io:format("json: ~p distinct documents, ~p..~p bytes (avg ~p); the BEAM pools validate "
+              "with jiffy:decode/1 (jiffy ~s)~n",
+              [tuple_size(Docs) | doc_sizes(Docs)] ++ [app_vsn(jiffy)]),
+    io:format("host: ~p online CPUs, load average at start ~s~n", [online_cpus(), loadavg()]),
+    AO andalso io:format("BENCH_POOL_ANCHORS_ONLY=1: the actor_pool column is not measured~n"),
+    Samples = lists:foldl(
+                fun(Round, Acc) ->
+                        lists:foldl(fun({Key, F}, Acc1) ->
+                                            S = sample(F, Pools, Anchors),
+                                            check_counters(Key, Round, Pools),
+                                            maps:update_with(Key, fun(L) -> [S | L] end, [S], Acc1)
+                                    end, Acc, Cells)
+                end, #{}, lists:seq(1, Runs)),
+    Med = medians(Samples),
+    V = fun(Key, Sub) -> maps:get({Key, Sub}, Med, undefined) end,
+    Rows =
+        [{"echo tell, 8 senders (msg/s)", V(ap_tell, rate),
+          [{"same pool, unbatched Pool ! Msg", V(pool_bang, rate)},
+           {"BEAM peer echo, Pid ! Msg", V(peer_tell, rate)}],
+          ">= 1M msg/s", fun(A, _) -> A >= 1.0e6 end},
+         {"echo ask, 64 callers (asks/s)", V(ap_ask64, rate),
+          [{"BEAM peer echo, gen_server:call", V(peer_ask64, rate)},
+           {"same pool, unbatched gen_server:call", V(pool_call64, rate)}],
+          "ratio >= 3.0 (vs peer)", fun(A, [Pe | _]) -> A >= 3 * Pe end},
+         {"echo lone ask p50 (us)", V(lone, ap_p50),
+          [{"same pool, unbatched gen_server:call", V(lone, call_p50)},
+           {"BEAM peer echo, gen_server:call", V(lone, peer_p50)}],
+          "ratio <= 1.10 (vs unbatched)", fun(A, [U | _]) -> A =< 1.10 * U end},
+         {"echo lone ask p99 (us)", V(lone, ap_p99),
+          [{"same pool, unbatched gen_server:call", V(lone, call_p99)},
+           {"BEAM peer echo, gen_server:call", V(lone, peer_p99)}],
+          "", none},
+         {"json_validate ask, 64 callers (docs/s)", V(ap_json64, rate),
+          [{"Erlang round-robin pool, jiffy", V(erlpool_json64, rate)},
+           {"poolboy, jiffy", V(poolboy_json64, rate)}],
+          "ratio > 1.0 (vs both)", fun(A, As) -> lists:all(fun(X) -> A > X end, As) end}],
+    Verdicts = print_rows(Rows),
+    print_cpu(Samples, Cells),
+    print_contention(Samples),
+    print_counters(Counters0, Pools),
+    Missed = [M || {M, missed} <- Verdicts],
+    Met = [M || {M, met} <- Verdicts],
+    io:format("targets: ~p met, ~p missed~s~n~n",
+              [length(Met), length(Missed),
+               [[" | missed: ", lists:join("; ", Missed)] || Missed =/= []]]),
+    case Missed =/= [] andalso os:getenv("BENCH_STRICT") =:= "1" of
+        true -> missed;
+        false -> ok
+    end.
+
+doc(Docs, I) -> element(I rem tuple_size(Docs) + 1, Docs).
+
+doc_sizes(Docs) ->
+    S = [byte_size(D) || D <- tuple_to_list(Docs)],
+    [lists:min(S), lists:max(S), lists:sum(S) div length(S)].
+
+app_vsn(App) ->
+    _ = application:load(App),
+    case application:get_key(App, vsn) of
+        {ok, V} -> V;
+        _ -> "?"
+    end.
+
+io_backend(#{echo := Pool}) ->
+    Node = node(Pool),
+    case [I || Sup <- [actor_pool_sup, actor_cnode_sup],
+               {_, P, worker, _} <- (catch supervisor:which_children(Sup)), is_pid(P),
+               I <- [catch actor_cnode:info(P)], is_map(I), maps:get(node, I, x) =:= Node] of
+        [#{io := Io} | _] -> atom_to_list(Io);
+        _ -> "?"
+    end;
+io_backend(_) -> "-".
+
+%% ---- measures ----------------------------------------------------------------
+
+%% Runs F under CPU accounting; F returns {[{Sub, Value}], Messages}.
+sample(F, Pools, Anchors) ->
+    Pids = [{beam, os:getpid()},
+            {pool, maps:get(pool_os_pid, Pools, undefined)},
+            {peer, maps:get(peer_os_pid, Anchors)}],
+    C0 = [{K, proc_cpu_us(P)} || {K, P} <- Pids],
+    H0 = host_cpu_us(),
+    T0 = erlang:monotonic_time(microsecond),
+    {Values, N} = F(),
+    Wall = erlang:monotonic_time(microsecond) - T0,
+    C1 = [{K, proc_cpu_us(P)} || {K, P} <- Pids],
+    H1 = host_cpu_us(),
+    Cpu = [{K, sub(B, A)} || {{K, A}, {K, B}} <- lists:zip(C0, C1)],
+    Ours = lists:sum([X || {_, X} <- Cpu, is_number(X)]),
+    #{values => Values, n => N, wall => Wall,
+      %% /proc counts in clock ticks: clamp the rounding below zero
+      cpu => Cpu ++ [{others, case sub(sub(H1, H0), Ours) of
+                                  X when is_number(X) -> max(0, X);
+                                  X -> X
+                              end}]}.
+
+sub(A, B) when is_number(A), is_number(B) -> A - B;
+sub(_, _) -> undefined.
+
+%% Tells into a pool from 8 senders; the clock stops when the pool has
+%% processed them all.
+pool_tells(Pool, Total, Send) ->
+    #{processed := Base} = actor_pool:stats(Pool),
+    Per = Total div ?SENDERS,
+    Pl = ?PAYLOAD,
+    T0 = erlang:monotonic_time(microsecond),
+    par(?SENDERS, fun(_) -> send_n(Send, Pl, Per) end),
+    Expected = Base + Per * ?SENDERS,
+    wait_processed(Pool, Expected, erlang:monotonic_time(millisecond) + ?WAIT_MS),
+    Us = erlang:monotonic_time(microsecond) - T0,
+    {[{rate, Per * ?SENDERS / (Us / 1.0e6)}], Per * ?SENDERS}.
+
+send_n(_Send, _Pl, 0) -> ok;
+send_n(Send, Pl, N) -> Send(Pl), send_n(Send, Pl, N - 1).
+
+wait_processed(Pool, Expected, Deadline) ->
+    S = actor_pool:stats(Pool),
+    #{processed := Done, dropped_tells := Dropped} = S,
+    if Done >= Expected -> ok;
+       Done + Dropped >= Expected ->
+           fail("~p tells dropped by the pool (stats: ~p)", [Expected - Done, S]);
+       true ->
+           erlang:monotonic_time(millisecond) < Deadline orelse
+               fail("tells lost or stuck: the pool processed ~p fewer than sent "
+                    "after ~p s (stats: ~p)", [Expected - Done, ?WAIT_MS div 1000, S]),
+           timer:sleep(2),
+           wait_processed(Pool, Expected, Deadline)
+    end.
+
+peer_tells(Echo, Total) ->
+    Base = peer_seen(Echo),
+    Per = Total div ?SENDERS,
+    Pl = ?PAYLOAD,
+    T0 = erlang:monotonic_time(microsecond),
+    par(?SENDERS, fun(_) -> send_n(fun(M) -> Echo ! M end, Pl, Per) end),
+    Expected = Base + Per * ?SENDERS,
+    wait_peer(Echo, Expected, erlang:monotonic_time(millisecond) + ?WAIT_MS),
+    Us = erlang:monotonic_time(microsecond) - T0,
+    {[{rate, Per * ?SENDERS / (Us / 1.0e6)}], Per * ?SENDERS}.
+
+peer_seen(Echo) -> maps:get(tells, gen_server:call(Echo, stats, 60000)).
+
+wait_peer(Echo, Expected, Deadline) ->
+    case peer_seen(Echo) of
+        N when N >= Expected -> ok;
+        N ->
+            erlang:monotonic_time(millisecond) < Deadline orelse
+                fail("peer echo: ~p tells lost", [Expected - N]),
+            timer:sleep(2),
+            wait_peer(Echo, Expected, Deadline)
+    end.
+
+%% Total asks from 64 callers; Ask(I) must crash on a wrong reply.
+asks(Total, Ask) ->
+    Per = Total div ?CALLERS,
+    T0 = erlang:monotonic_time(microsecond),
+    par(?CALLERS, fun(C) -> ask_n(Ask, C * Per, Per) end),
+    Us = erlang:monotonic_time(microsecond) - T0,
+    {[{rate, Per * ?CALLERS / (Us / 1.0e6)}], Per * ?CALLERS}.
+
+ask_n(_Ask, _I, 0) -> ok;
+ask_n(Ask, I, N) -> Ask(I), ask_n(Ask, I + 1, N - 1).
+
+%% N sequential asks of each kind, interleaved (one of each, in a fresh random
+%% order, then the next round), so drifting load hits every kind alike and
+%% each kind follows each other kind equally often (an ask right after another
+%% ask to the same node finds the pool node's threads awake and is faster).
+lone(N, AO, Pool, PeerEcho) ->
+    P = ?PAYLOAD,
+    Kinds = [{peer, fun() -> P = gen_server:call(PeerEcho, P) end}
+             | case AO of
+                   true -> [];
+                   false -> [{ap, fun() -> {ok, P} = actor_pool:ask(Pool, P) end},
+                             {call, fun() -> {ok, P} = gen_server:call(Pool, P) end}]
+               end],
+    [F() || _ <- lists:seq(1, 500), {_, F} <- Kinds], % warm up
+    Ts = lone_loop(N, Kinds, #{}),
+    Values = lists:append(
+               [begin
+                    S = lists:sort(L),
+                    Len = length(S),
+                    [{list_to_atom(atom_to_list(K) ++ "_p50"), pct(S, Len, 50)},
+                     {list_to_atom(atom_to_list(K) ++ "_p99"), pct(S, Len, 99)}]
+                end || {K, L} <- maps:to_list(Ts)]),
+    {Values, N * length(Kinds)}.
+
+lone_loop(0, _Kinds, Acc) -> Acc;
+lone_loop(N, Kinds, Acc) ->
+    Shuffled = [KF || {_, KF} <- lists:sort([{rand:uniform(), KF} || KF <- Kinds])],
+    Acc1 = lists:foldl(
+             fun({K, F}, A) ->
+                     T0 = erlang:monotonic_time(nanosecond),
+                     F(),
+                     T = erlang:monotonic_time(nanosecond) - T0,
+                     maps:update_with(K, fun(L) -> [T | L] end, [T], A)
+             end, Acc, Shuffled),
+    lone_loop(N - 1, Kinds, Acc1).
+
+pct(Sorted, Len, P) -> lists:nth(max(1, (Len * P) div 100), Sorted) / 1000.
+
+%% Runs F(1..N) in N processes; fails if one of them does.
+par(N, F) ->
+    Ms = [spawn_monitor(fun() -> exit({par_done, F(I)}) end) || I <- lists:seq(1, N)],
+    [receive
+         {'DOWN', Ref, process, Pid, {par_done, R}} -> R;
+         {'DOWN', Ref, process, Pid, Why} ->
+             [exit(P, kill) || {P, _} <- Ms],
+             fail("a sender/caller failed: ~p", [Why])
+     after ?WAIT_MS ->
+             [exit(P, kill) || {P, _} <- Ms],
+             fail("a sender/caller did not finish in ~p s", [?WAIT_MS div 1000])
+     end || {Pid, Ref} <- Ms].
+
+%% ---- pool counters -----------------------------------------------------------
+
+-define(LOSS_KEYS, [dropped_tells, overloaded, errors, crashes]).
+
+pool_counters(Pools) ->
+    maps:from_list([{K, maps:with([processed | ?LOSS_KEYS], actor_pool:stats(P))}
+                    || {K, P} <- maps:to_list(Pools), K =:= echo orelse K =:= json]).
+
+check_counters(Key, Round, Pools) ->
+    maps:foreach(
+      fun(K, Pool) when K =:= echo; K =:= json ->
+              S = actor_pool:stats(Pool),
+              Bad = [{C, maps:get(C, S)} || C <- ?LOSS_KEYS, maps:get(C, S, 0) =/= 0],
+              Bad =:= [] orelse
+                  fail("after ~p (run ~p) the ~p pool reports ~p: messages were dropped, "
+                       "refused or crashed (stats: ~p)", [Key, Round, K, Bad, S]);
+         (_, _) -> ok
+      end, Pools).
+
+print_counters(Before, Pools) ->
+    After = pool_counters(Pools),
+    maps:foreach(
+      fun(K, A) ->
+              B = maps:get(K, Before),
+              io:format("~p pool over the whole bench: ~s~n",
+                        [K, lists:join(", ", [io_lib:format("~p ~p", [C, maps:get(C, A) - maps:get(C, B)])
+                                              || C <- [processed | ?LOSS_KEYS]])])
+      end, After).
+
+%% ---- output ------------------------------------------------------------------
+
+medians(Samples) ->
+    maps:from_list(
+      [{{Key, Sub}, median([proplists:get_value(Sub, maps:get(values, S)) || S <- L])}
+       || {Key, L} <- maps:to_list(Samples),
+          {Sub, _} <- maps:get(values, hd(L))]).
+
+print_rows(Rows) ->
+    io:format("~n~-40s ~10s ~10s  ~-38s ~7s  ~-28s ~s~n",
+              ["measure", "actor_pool", "anchor", "anchor is", "ratio", "target", ""]),
+    io:format("~s~n", [lists:duplicate(146, $-)]),
+    lists:map(
+      fun({Name, Ap, [{A1Name, A1} | More], Target, Check}) ->
+              Verdict = case {Check, Ap} of
+                            {none, _} -> none;
+                            {_, undefined} -> none;
+                            _ ->
+                                case lists:member(undefined, [A1 | [X || {_, X} <- More]]) of
+                                    true -> none;
+                                    false ->
+                                        case Check(Ap, [A1 | [X || {_, X} <- More]]) of
+                                            true -> met;
+                                            false -> missed
+                                        end
+                                end
+                        end,
+              io:format("~-40s ~10s ~10s  ~-38s ~7s  ~-28s ~s~n",
+                        [Name, fmt(Ap), fmt(A1), A1Name, fmt_ratio(Ap, A1), Target,
+                         case Verdict of met -> "met"; missed -> "MISSED"; none -> "" end]),
+              [io:format("~-40s ~10s ~10s  ~-38s ~7s~n", ["", "", fmt(X), XN, fmt_ratio(Ap, X)])
+               || {XN, X} <- More],
+              {Name, Verdict}
+      end, Rows).
+
+print_cpu(Samples, Cells) ->
+    io:format("~nCPU per message (us), median of runs: this BEAM, the pool node, the peer node, "
+              "the rest of the host; wall = elapsed us per message~n"),
+    io:format("~-28s ~9s ~9s ~9s ~9s ~9s   ~s~n",
+              ["cell", "wall", "BEAM", "pool node", "peer", "others", "spread of the runs"]),
+    lists:foreach(
+      fun({Key, _}) when Key =/= lone ->
+              L = maps:get(Key, Samples),
+              Per = fun(X) -> median([per_msg(X, S) || S <- L]) end,
+              Rates = lists:sort([proplists:get_value(rate, maps:get(values, S)) || S <- L]),
+              io:format("~-28s ~9s ~9s ~9s ~9s ~9s   ~s..~s/s~n",
+                        [atom_to_list(Key), fmt(Per(wall)), fmt(Per(beam)), fmt(Per(pool)),
+                         fmt(Per(peer)), fmt(Per(others)), fmt(hd(Rates)), fmt(lists:last(Rates))]);
+         (_) -> ok
+      end, Cells),
+    io:format("(cells: ap_* through the actor_pool API, pool_* the same pool unbatched, "
+              "peer_* the BEAM peer, erlpool/poolboy in this BEAM)~n~n").
+
+%% How much of the host the rest of the machine took while the cells ran:
+%% the figures above are only comparable between runs on an equally idle host.
+print_contention(Samples) ->
+    All = lists:append(maps:values(Samples)),
+    Wall = lists:sum([W || #{wall := W} <- All]),
+    Others = lists:sum([X || #{cpu := Cpu} <- All, {others, X} <- Cpu, is_number(X)]),
+    Share = Others / (Wall * online_cpus()),
+    io:format("host: other processes used ~p% of the CPU while the cells ran; "
+              "load average at the end ~s~n", [round(100 * Share), loadavg()]),
+    Share > 0.15 andalso
+        io:format("warning: the host was busy with other work; every figure above "
+                  "is deflated by it~n").
+
+loadavg() ->
+    case file:read_file("/proc/loadavg") of
+        {ok, B} -> lists:join(" ", lists:sublist(string:lexemes(B, " "), 3));
+        _ -> "?"
+    end.
+
+per_msg(wall, #{wall := W, n := N}) -> W / N;
+per_msg(K, #{cpu := Cpu, n := N}) ->
+    case proplists:get_value(K, Cpu) of
+        X when is_number(X) -> X / N;
+        _ -> undefined
+    end.
+
+median(L0) ->
+    case [X || X <- L0, is_number(X)] of
+        [] -> undefined;
+        L -> lists:nth((length(L) + 1) div 2, lists:sort(L))
+    end.
+
+fmt(undefined) -> "-";
+fmt(V) when V >= 1.0e6 -> io_lib:format("~.2fM", [V / 1.0e6]);
+fmt(V) when V >= 1.0e4 -> io_lib:format("~.1fK", [V / 1.0e3]);
+fmt(V) when V >= 100 -> integer_to_list(round(V));
+fmt(V) -> io_lib:format("~.3f", [float(V)]).
+
+fmt_ratio(undefined, _) -> "-";
+fmt_ratio(_, undefined) -> "-";
+fmt_ratio(_, P) when P == 0 -> "-";
+fmt_ratio(C, P) -> io_lib:format("~.2f", [C / P]).
+
+%% ---- CPU time from /proc -----------------------------------------------------
+
+clk_tck() ->
+    case persistent_term:get({?MODULE, clk_tck}, undefined) of
+        undefined ->
+            T = try list_to_integer(string:trim(os:cmd("getconf CLK_TCK"))) catch _:_ -> 100 end,
+            persistent_term:put({?MODULE, clk_tck}, T),
+            T;
+        T -> T
+    end.
+
+%% utime + stime of an OS process, all threads, in us.
+proc_cpu_us(undefined) -> undefined;
+proc_cpu_us(OsPid) ->
+    case file:read_file("/proc/" ++ OsPid ++ "/stat") of
+        {ok, B} ->
+            %% fields after "(comm) ": state is field 3, utime 14, stime 15
+            [_, Rest] = string:split(B, ") ", trailing),
+            F = string:lexemes(Rest, " "),
+            (binary_to_integer(lists:nth(12, F)) + binary_to_integer(lists:nth(13, F)))
+                * 1000000 div clk_tck();
+        _ -> undefined
+    end.
+
+%% Busy CPU time of the whole host (all cores), in us.
+host_cpu_us() ->
+    case file:read_file("/proc/stat") of
+        {ok, B} ->
+            [Line | _] = string:split(B, "\n"),
+            [<<"cpu">> | Fs] = string:lexemes(Line, " "),
+            [User, Nice, Sys, _Idle, _IoWait, Irq, SoftIrq | _] =
+                [binary_to_integer(X) || X <- Fs],
+            (User + Nice + Sys + Irq + SoftIrq) * 1000000 div clk_tck();
+        _ -> undefined
+    end.
+
+env_int(Name, Default) ->
+    case os:getenv(Name) of
+        false -> Default;
+        "" -> Default;
+        S -> list_to_integer(S)
+    end.

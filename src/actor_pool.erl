@@ -1,0 +1,459 @@
+%% @doc Stateless worker pools: N identical native workers on a pool C node.
+%%
+%% A pool is a process on a pool C node (`priv/actor_pool_node') that routes
+%% each message to one of its worker threads, each with its own bounded
+%% mailbox; the worker runs a C handler (`echo', `json_validate' or a `.so'
+%% plugin) and, for an ask, replies straight to the caller. The application
+%% starts one pool C node per BEAM node ({@link pool_node/0}); a standalone
+%% pool node elsewhere in the cluster is used with the `node' option and
+%% `{Name, Node}' references. The wire contract is docs/pool-protocol.md; the
+%% guide is docs/stateless-workers.md.
+%%
+%% A pool reference ({@type pool()}) is the pool's pid (what {@link
+%% start_pool/3} returns), its name (an atom: the pool of that name on this
+%% node's pool node), or `{Name, PoolNode}'. `gen_server:call/2,3' and
+%% `gen_server:cast/2' on it work too (Elixir's `GenServer.call/2'), unbatched.
+%%
+%% {@link tell/2} and {@link ask/3} go through {@link actor_pool_batcher}: a
+%% message is sent at once when the connection to the pool node is idle, and
+%% coalesced with others while it is busy. Everything one process sends to one
+%% pool node through this module (tells, asks, stats, stop) arrives in the
+%% order it was sent.
+-module(actor_pool).
+
+-include("actor_pool_int.hrl").
+
+%% API.
+-export([start_pool/3]).
+-export([stop_pool/1]).
+-export([tell/2]).
+-export([ask/2]).
+-export([ask/3]).
+-export([stats/1]).
+-export([which_pools/0]).
+-export([which_pools/1]).
+-export([pool_node/0]).
+
+-export_type([pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
+              stats/0, worker_stats/0]).
+
+-type name() :: atom().
+-type pool() :: pid() | name() | {name(), node()}.
+%% A pool's pid, its name on this node's pool node, or `{Name, PoolNode}'.
+
+-type handler() :: echo
+                 | json_validate
+                 | {plugin, Path :: file:filename_all()}
+                 | {plugin, Path :: file:filename_all(), Config :: term()}.
+%% `echo' answers what it is sent; `json_validate' answers `ok' or
+%% `{error, {Offset, Reason}}' for a JSON document (a binary); a plugin is a
+%% `.so' built against `c_src/include/actor_pool_handler.h'. `Config' reaches
+%% the plugin's `init' in the external term format.
+
+-type routing() :: round_robin | smallest_mailbox | random.
+
+-type backoff() :: #{min_ms => pos_integer(),
+                     max_ms => pos_integer(),
+                     jitter => float()}.
+%% Restart delay of a crashed worker: `min(max_ms, min_ms * 2^n)', scaled by
+%% a random factor in `[1 - jitter, 1]'; `n' counts its crashes since it was
+%% last stable.
+
+-type opts() :: #{workers => 1..1024,
+                  routing => routing(),
+                  mailbox_limit => 1..1048576,
+                  backoff => backoff(),
+                  stable_ms => 0..86400000,
+                  node => node()}.
+%% Options of {@link start_pool/3}; see its doc for the defaults.
+
+-type worker_stats() :: #{id := non_neg_integer(),
+                          alive := boolean(),
+                          mailbox := non_neg_integer(),
+                          processed := non_neg_integer(),
+                          restarts := non_neg_integer(),
+                          crashes := non_neg_integer(),
+                          next_restart_ms := non_neg_integer()}.
+
+-type stats() :: #{name := name(),
+                   size := pos_integer(),
+                   routing := routing(),
+                   handler := binary(),
+                   mailbox_limit := pos_integer(),
+                   processed := non_neg_integer(),
+                   errors := non_neg_integer(),
+                   crashes := non_neg_integer(),
+                   restarts := non_neg_integer(),
+                   overloaded := non_neg_integer(),
+                   dropped_tells := non_neg_integer(),
+                   throughput := number(),
+                   uptime_ms := non_neg_integer(),
+                   workers := [worker_stats()]}.
+%% Documented field by field in docs/stateless-workers.md ("Metrics").
+
+-define(DEFAULT_TIMEOUT, 5000).
+%% Starting a pool runs every worker's handler init; stopping one waits for
+%% the handlers that are running.
+-define(MANAGER_TIMEOUT, 30000).
+-define(MAX_WORKERS, 1024).
+-define(MAX_MAILBOX, 1048576).
+-define(MAX_BACKOFF_MS, 3600000).
+-define(MAX_STABLE_MS, 86400000).
+%% The pool node reads plugin paths into a 4 KiB buffer.
+-define(MAX_PATH, 4095).
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc Starts a pool named `Name' running `Handler' on a pool node.
+%%
+%% Options (all optional; unknown keys are errors):
+%% <ul>
+%% <li>`workers' (1..1024): the pool size. Default: the online CPUs of the
+%%     pool node's host (4 if it cannot tell).</li>
+%% <li>`routing': `round_robin' (default), `smallest_mailbox' (the less
+%%     loaded of two random workers) or `random'.</li>
+%% <li>`mailbox_limit' (1..1048576, default 10000): messages per worker; a
+%%     full mailbox answers an ask `{error, overloaded}' and drops (counts) a
+%%     tell.</li>
+%% <li>`backoff': `#{min_ms => 50, max_ms => 5000, jitter => 0.2}', merged
+%%     with what you give; `1 =< min_ms =< max_ms =< 3600000', `jitter' in
+%%     0.0..1.0.</li>
+%% <li>`stable_ms' (0..86400000, default 10000): a replacement worker that
+%%     lived this long resets its backoff.</li>
+%% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
+%% </ul>
+%% Everything is checked before the pool node is asked: a bad name gives
+%% `{error, {badarg, {name, Name}}}', a bad handler (or a plugin file that
+%% does not exist) `{error, {badarg, {handler, Handler}}}', a bad option
+%% `{error, {badarg, {Key, Value}}}'. The pool node answers `{error,
+%% already_started}' for a name in use, `{error, {abi_mismatch, Got, Want}}'
+%% or `{error, {plugin_load_failed, Path, Why}}' for a plugin it cannot use,
+%% `{error, {handler_init_failed, Code}}'. `{error, noproc}': no pool node
+%% (the application is not running, or runs with `{pool_node, false}' and no
+%% `node' was given); `{error, {nodedown, Node}}': the pool node is not
+%% reachable.
+-spec start_pool(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
+start_pool(Name, Handler, Opts) ->
+    case validate(Name, Handler, Opts) of
+        {ok, PoolNode, Handler1, Full} ->
+            Manager = {?MANAGER, PoolNode},
+            case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
+                      ?MANAGER_TIMEOUT) of
+                {ok, Pid} when is_pid(Pid) -> {ok, Pid};
+                {error, _} = Error -> Error;
+                Other -> {error, {unexpected_reply, Other}}
+            end;
+        {error, _} = Error ->
+            Error
+    end.
+
+%% @doc Stops a pool: every worker stops, the name is free again, and asks
+%% still queued in it get `{error, stopped}'. `{error, noproc}' if there is no
+%% such pool (or its pool node is gone).
+-spec stop_pool(pool()) -> ok | {error, noproc | timeout}.
+stop_pool(Pool) ->
+    {PoolNode, Target} = case Pool of
+                             Pid when is_pid(Pid) -> {node(Pid), Pid};
+                             Name when is_atom(Name) -> {pool_node(), Name};
+                             {Name, Node} when is_atom(Name), is_atom(Node) -> {Node, Name};
+                             _ -> erlang:error(badarg, [Pool])
+                         end,
+    case PoolNode of
+        undefined ->
+            {error, noproc};
+        _ ->
+            case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
+                      ?MANAGER_TIMEOUT) of
+                ok -> ok;
+                {error, timeout} -> {error, timeout};
+                {error, _} -> {error, noproc}
+            end
+    end.
+
+%% @doc Sends `Msg' to one worker of the pool (fire and forget; the pool's
+%% routing picks the worker). Always `ok', as `!' is: a tell to a pool that
+%% does not exist, or that finds every mailbox full, is dropped (the pool
+%% counts the latter in `dropped_tells').
+%%
+%% A binary reaches the handler as its bytes; any other term in the external
+%% term format. A message that holds a closure (a fun other than `fun M:F/A')
+%% raises `badarg' here: a C node cannot decode one, and would close the whole
+%% connection, failing every ask in flight to that pool node.
+-spec tell(pool(), term()) -> ok.
+tell(Pool, Msg) ->
+    case sendable(Msg) andalso dest(Pool) of
+        {ok, Dest, Node} -> actor_pool_batcher:send(Node, Dest, {tell, Msg});
+        undefined -> ok;
+        _ -> erlang:error(badarg, [Pool, Msg])
+    end.
+
+%% @equiv ask(Pool, Msg, 5000)
+-spec ask(pool(), term()) -> {ok, term()} | {error, term()}.
+ask(Pool, Msg) ->
+    ask(Pool, Msg, ?DEFAULT_TIMEOUT).
+
+%% @doc Sends `Msg' to one worker of the pool and waits for its reply.
+%%
+%% `{ok, Reply}': a binary when the handler replied bytes, else the term it
+%% encoded. `{error, Reason}': the handler refused the message (`Reason' is
+%% its); `overloaded' (the mailboxes tried were full); `worker_crashed' (the
+%% handler crashed on this message); `stopped' (the pool stopped first);
+%% `noproc' (no such pool); `{nodedown, PoolNode}' (the connection to the
+%% pool node was lost: the message may or may not have been handled);
+%% `timeout' (a reply that comes later is dropped, never left in the
+%% caller's mailbox). Raises `badarg' for a message that holds a closure
+%% (see {@link tell/2}).
+-spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
+ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
+                             Timeout =:= infinity ->
+    case sendable(Msg) andalso dest(Pool) of
+        {ok, Dest, Node} ->
+            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+        undefined ->
+            {error, noproc};
+        _ ->
+            erlang:error(badarg, [Pool, Msg, Timeout])
+    end;
+ask(Pool, Msg, Timeout) ->
+    erlang:error(badarg, [Pool, Msg, Timeout]).
+
+%% @doc The pool's metrics: size and routing, counters (`processed',
+%% `errors', `crashes', `restarts', `overloaded', `dropped_tells'),
+%% `throughput' (messages per second over the last full second), `uptime_ms',
+%% and per worker `id', `alive', `mailbox' (depth gauge), `processed',
+%% `restarts', `crashes', `next_restart_ms'. See docs/stateless-workers.md.
+-spec stats(pool()) -> stats() | {error, noproc | timeout}.
+stats(Pool) ->
+    case dest(Pool) of
+        {ok, Dest, Node} ->
+            case call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT) of
+                #{} = Stats -> Stats;
+                {ok, #{} = Stats} -> Stats;
+                {error, timeout} -> {error, timeout};
+                _ -> {error, noproc}
+            end;
+        undefined ->
+            {error, noproc};
+        badarg ->
+            erlang:error(badarg, [Pool])
+    end.
+
+%% @doc The pools on this node's pool node, `[{Name, Pid}]' in start order;
+%% `[]' when there is none.
+-spec which_pools() -> [{name(), pid()}].
+which_pools() ->
+    case pool_node() of
+        undefined -> [];
+        Node -> which_pools(Node)
+    end.
+
+%% @doc The pools on pool node `PoolNode', `[{Name, Pid}]' in start order;
+%% `[]' when it cannot be reached.
+-spec which_pools(node()) -> [{name(), pid()}].
+which_pools(PoolNode) when is_atom(PoolNode) ->
+    case call(PoolNode, {?MANAGER, PoolNode}, which_pools, ?DEFAULT_TIMEOUT) of
+        Pools when is_list(Pools) -> Pools;
+        _ -> []
+    end.
+
+%% @doc The node name of the pool C node that the application started on
+%% this node (the same across its restarts); `undefined' when the
+%% application is not running or runs with `{pool_node, false}'.
+-spec pool_node() -> node() | undefined.
+pool_node() ->
+    case persistent_term:get(?POOL_NODE_KEY, undefined) of
+        {Self, PoolNode} when Self =:= node() -> PoolNode;
+        _ -> undefined
+    end.
+
+%% ===================================================================
+%% Messages
+%% ===================================================================
+
+dest(Pid) when is_pid(Pid) ->
+    {ok, Pid, node(Pid)};
+dest(Name) when is_atom(Name) ->
+    case pool_node() of
+        undefined -> undefined;
+        Node -> {ok, {Name, Node}, Node}
+    end;
+dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->
+    {ok, Dest, Node};
+dest(_) ->
+    badarg.
+
+%% A call to a pool or to a manager, kept in order with this process's tells
+%% and asks; never batched. The reply as sent, or {error, noproc |
+%% {nodedown, Node} | timeout}.
+call(Node, Dest, Request, Timeout) ->
+    request(Node, Dest, fun(Tag) -> {call, self(), Tag, Request} end, Timeout).
+
+%% As gen_server:call does it: a monitor that is also an alias, so that a
+%% reply after the timeout is dropped by the runtime. A monitor on a C-node
+%% process fires only when the connection goes (noconnection), or at once
+%% (noproc) for a pid of an earlier incarnation of the node; a name or pid
+%% the node does not know is answered {error, noproc} by the node itself.
+-dialyzer({no_improper_lists, request/4}).
+request(Node, Dest, MakeItem, Timeout) ->
+    Mref = erlang:monitor(process, Dest, [{alias, demonitor}]),
+    Tag = [alias | Mref],
+    ok = actor_pool_batcher:send(Node, Dest, MakeItem(Tag)),
+    receive
+        {Tag, Reply} ->
+            erlang:demonitor(Mref, [flush]),
+            Reply;
+        {'DOWN', Mref, _, _, noproc} ->
+            {error, noproc};
+        {'DOWN', Mref, _, _, noconnection} ->
+            {error, {nodedown, Node}};
+        {'DOWN', Mref, _, _, Reason} ->
+            {error, {down, Reason}}
+    after Timeout ->
+        erlang:demonitor(Mref, [flush]),
+        %% A reply that raced the timeout is taken, not left behind.
+        receive
+            {Tag, Reply} -> Reply
+        after 0 ->
+            {error, timeout}
+        end
+    end.
+
+%% ===================================================================
+%% Validation
+%% ===================================================================
+
+validate(Name, _Handler, _Opts) when not is_atom(Name) ->
+    {error, {badarg, {name, Name}}};
+validate(_Name, _Handler, Opts) when not is_map(Opts) ->
+    {error, {badarg, {opts, Opts}}};
+validate(_Name, Handler, Opts) ->
+    case options(maps:to_list(Opts), defaults()) of
+        {ok, Full0} ->
+            {PoolNode, Full} = case maps:take(node, Full0) of
+                                   {N, Rest} -> {N, Rest};
+                                   error -> {pool_node(), Full0}
+                               end,
+            case PoolNode of
+                undefined ->
+                    {error, noproc};
+                _ ->
+                    case handler(Handler, PoolNode) of
+                        {ok, Handler1} -> {ok, PoolNode, Handler1, Full};
+                        error -> {error, {badarg, {handler, Handler}}}
+                    end
+            end;
+        {error, _} = Error ->
+            Error
+    end.
+
+defaults() ->
+    #{workers => 0,
+      routing => round_robin,
+      mailbox_limit => 10000,
+      backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
+      stable_ms => 10000}.
+
+options([], Acc) ->
+    {ok, Acc};
+options([{Key, Value} | Rest], Acc) ->
+    case option(Key, Value) of
+        {ok, Valid} -> options(Rest, Acc#{Key => Valid});
+        error -> {error, {badarg, {Key, Value}}}
+    end.
+
+option(workers, N) when is_integer(N), N >= 1, N =< ?MAX_WORKERS ->
+    {ok, N};
+option(routing, R) when R =:= round_robin; R =:= smallest_mailbox; R =:= random ->
+    {ok, R};
+option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?MAX_MAILBOX ->
+    {ok, N};
+option(stable_ms, N) when is_integer(N), N >= 0, N =< ?MAX_STABLE_MS ->
+    {ok, N};
+option(backoff, #{} = B) ->
+    Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),
+    case Merged of
+        #{min_ms := Min, max_ms := Max, jitter := J}
+          when map_size(Merged) =:= 3,
+               is_integer(Min), Min >= 1,
+               is_integer(Max), Max >= Min, Max =< ?MAX_BACKOFF_MS,
+               is_number(J), J >= 0, J =< 1 ->
+            {ok, Merged#{jitter := float(J)}};
+        _ ->
+            error
+    end;
+option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
+    case lists:member($@, atom_to_list(Node)) of
+        true -> {ok, Node};
+        false -> error
+    end;
+option(_Key, _Value) ->
+    error.
+
+handler(echo, _PoolNode) ->
+    {ok, echo};
+handler(json_validate, _PoolNode) ->
+    {ok, json_validate};
+handler({plugin, Path}, PoolNode) ->
+    case plugin_path(Path, PoolNode) of
+        {ok, Abs} -> {ok, {plugin, Abs}};
+        error -> error
+    end;
+handler({plugin, Path, Config}, PoolNode) ->
+    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) of
+        true ->
+            {ok, Abs} = plugin_path(Path, PoolNode),
+            {ok, {plugin, Abs, Config}};
+        false ->
+            error
+    end;
+handler(_, _PoolNode) ->
+    error.
+
+%% An absolute binary path. The file must exist when the pool node runs on
+%% this host (a pool node elsewhere checks on its own host and answers
+%% {plugin_load_failed, Path, Why}).
+plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
+    try unicode:characters_to_binary(Path) of
+        Bin when is_binary(Bin), byte_size(Bin) > 0 ->
+            Abs = filename:absname(Bin),
+            case byte_size(Abs) =< ?MAX_PATH
+                andalso binary:match(Abs, <<0>>) =:= nomatch
+                andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
+                true -> {ok, Abs};
+                false -> error
+            end;
+        _ ->
+            error
+    catch
+        error:_ -> error
+    end;
+plugin_path(_, _PoolNode) ->
+    error.
+
+same_host(PoolNode) ->
+    host(PoolNode) =:= host(node()).
+
+host(Node) ->
+    case string:split(atom_to_list(Node), "@") of
+        [_, Host] -> Host;
+        _ -> ""
+    end.
+
+%% True unless T holds a closure. A C node decodes every other term (export
+%% funs `fun M:F/A' included), but closes the whole connection on a closure,
+%% failing every ask in flight to that node. Binaries, the usual message,
+%% cost one test.
+sendable(T) when is_binary(T); is_atom(T); is_number(T) -> true;
+sendable([H | T]) -> sendable(H) andalso sendable(T);
+sendable(T) when is_tuple(T) -> sendable_tuple(T, tuple_size(T));
+sendable(T) when is_map(T) -> sendable_map(maps:next(maps:iterator(T)));
+sendable(F) when is_function(F) -> erlang:fun_info(F, type) =:= {type, external};
+sendable(_) -> true.
+
+sendable_tuple(_T, 0) -> true;
+sendable_tuple(T, I) -> sendable(element(I, T)) andalso sendable_tuple(T, I - 1).
+
+sendable_map(none) -> true;
+sendable_map({K, V, Next}) -> sendable(K) andalso sendable(V) andalso sendable_map(maps:next(Next)).
