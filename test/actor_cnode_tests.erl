@@ -11,6 +11,8 @@
 %% another echo executable (an absolute path) when set.
 -module(actor_cnode_tests).
 
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+
 -include_lib("eunit/include/eunit.hrl").
 
 %% The cases, called through ?MODULE by case_/2.
@@ -35,7 +37,6 @@
          executable_never_ready_is_killed_after_the_timeout/1]).
 
 -define(CALL_TIMEOUT, 5000).
--define(POLL_MS, 20).
 
 %% ===================================================================
 %% Fixture
@@ -340,31 +341,6 @@ in_fresh_process(Fun) ->
         {'DOWN', Mref, process, Pid, {result, Result}} -> Result;
         {'DOWN', Mref, process, Pid, Reason} -> error({helper_failed, Reason})
     end.
-
-wait_until(Fun, TimeoutMs) ->
-    wait_until(Fun, erlang:monotonic_time(millisecond) + TimeoutMs, TimeoutMs).
-
-wait_until(Fun, Deadline, TimeoutMs) ->
-    case Fun() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({condition_not_met_within_ms, TimeoutMs});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    wait_until(Fun, Deadline, TimeoutMs)
-            end
-    end.
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [Name || {Name, _Port} <- Names];
-        {error, _} -> []
-    end.
-
-os_pid_alive(OsPid) ->
-    os:cmd("kill -0 " ++ integer_to_list(OsPid) ++ " 2>/dev/null && echo alive")
-        =:= "alive\n".
 
 temp_dir() ->
     Base = case os:getenv("TMPDIR") of

@@ -7,6 +7,8 @@
 %% here is stopped, and its name leaves epmd.
 -module(actor_pool_cluster_tests).
 
+-import(ap_test_util, [wait_until/2, epmd_names/0]).
+
 -include_lib("eunit/include/eunit.hrl").
 
 -export([peer_without_a_pool_node_uses_this_nodes/1,
@@ -128,24 +130,4 @@ wait_stats(P, Pred, Deadline) ->
                 true -> error({stats_condition_not_met, S});
                 false -> receive after ?POLL_MS -> wait_stats(P, Pred, Deadline) end
             end
-    end.
-
-wait_until(Fun, TimeoutMs) ->
-    Deadline = erlang:monotonic_time(millisecond) + TimeoutMs,
-    wait_until_deadline(Fun, Deadline, TimeoutMs).
-
-wait_until_deadline(Fun, Deadline, TimeoutMs) ->
-    case Fun() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({condition_not_met_within_ms, TimeoutMs});
-                false -> receive after ?POLL_MS -> wait_until_deadline(Fun, Deadline, TimeoutMs) end
-            end
-    end.
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [Name || {Name, _Port} <- Names];
-        {error, _} -> []
     end.

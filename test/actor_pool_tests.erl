@@ -16,6 +16,8 @@
 %% this module once with each.
 -module(actor_pool_tests).
 
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+
 -include_lib("eunit/include/eunit.hrl").
 
 -export([workers_option_sets_the_pool_size/1,
@@ -780,21 +782,6 @@ wait_stats_until(P, Pred, Deadline) ->
             end
     end.
 
-wait_until(Fun, TimeoutMs) ->
-    wait_until(Fun, erlang:monotonic_time(millisecond) + TimeoutMs, TimeoutMs).
-
-wait_until(Fun, Deadline, TimeoutMs) ->
-    case Fun() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({condition_not_met_within_ms, TimeoutMs});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    wait_until(Fun, Deadline, TimeoutMs)
-            end
-    end.
-
 %% Runs Fun(I) in N linked processes at once; their results in order.
 parallel(N, Fun) ->
     Self = self(),
@@ -822,12 +809,6 @@ alive(Tag) ->
     [Alive, _Host] = string:split(atom_to_list(node()), "@"),
     Alive ++ "_" ++ Tag.
 
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [Name || {Name, _Port} <- Names];
-        {error, _} -> []
-    end.
-
 kill_os_process(OsPid) ->
     Pid = integer_to_list(OsPid),
     _ = os:cmd("kill -TERM " ++ Pid ++ " 2>/dev/null"),
@@ -837,16 +818,6 @@ kill_os_process(OsPid) ->
         error:_ -> _ = os:cmd("kill -9 " ++ Pid ++ " 2>/dev/null")
     end,
     wait_until(fun() -> not os_pid_alive(OsPid) end, 5000).
-
-os_pid_alive(OsPid) ->
-    case file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat") of
-        {ok, Stat} ->
-            case string:split(Stat, ")", trailing) of
-                [_, <<" Z", _/binary>>] -> false;
-                _ -> true
-            end;
-        {error, _} -> false
-    end.
 
 temp_dir() ->
     Base = case os:getenv("TMPDIR") of
