@@ -79,11 +79,7 @@ setup() ->
 
 cleanup(#{owner := Owner, was_alive := WasAlive}) ->
     catch actor_cnode:stop(Owner),
-    ok = application:stop(actor_pool),
-    case WasAlive of
-        true -> ok;
-        false -> net_kernel:stop()
-    end.
+    ap_test_util:stop_app(WasAlive).
 
 %% ===================================================================
 %% Messages, calls, casts
@@ -289,7 +285,7 @@ executable_that_exits_fails_the_start(_Ctx) ->
                  actor_cnode:start(#{exe => "/bin/false", name => alive("false")})).
 
 executable_never_ready_is_killed_after_the_timeout(_Ctx) ->
-    Dir = temp_dir(),
+    Dir = ap_test_util:temp_dir("actor_cnode_tests"),
     Script = filename:join(Dir, "never_ready"),
     PidFile = filename:join(Dir, "pid"),
     ok = file:write_file(Script, ["#!/bin/sh\necho $$ > '", PidFile, "'\n",
@@ -342,22 +338,10 @@ in_fresh_process(Fun) ->
         {'DOWN', Mref, process, Pid, Reason} -> error({helper_failed, Reason})
     end.
 
-temp_dir() ->
-    Base = case os:getenv("TMPDIR") of
-               T when is_list(T), T =/= "" -> T;
-               _ -> "/tmp"
-           end,
-    Dir = filename:join(Base, "actor_cnode_tests_"
-                        ++ integer_to_list(erlang:unique_integer([positive]))
-                        ++ "_" ++ os:getpid()),
-    ok = file:make_dir(Dir),
-    ok = file:change_mode(Dir, 8#700),
-    Dir.
-
 %% Runs priv/actor_rawpeer, which handshakes with Node, writes the bytes and
 %% reports whether Node closed the connection. Returns its last line.
 rawpeer(Node, Hex) ->
-    Dir = temp_dir(),
+    Dir = ap_test_util:temp_dir("actor_cnode_tests"),
     CookieFile = filename:join(Dir, "cookie"),
     ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
     ok = file:change_mode(CookieFile, 8#600),

@@ -32,11 +32,7 @@ setup() ->
     #{pool_node => actor_pool:pool_node(), was_alive => WasAlive}.
 
 cleanup(#{was_alive := WasAlive}) ->
-    ok = application:stop(actor_pool),
-    case WasAlive of
-        true -> ok;
-        false -> net_kernel:stop()
-    end.
+    ap_test_util:stop_app(WasAlive).
 
 %% ===================================================================
 %% Cases

@@ -114,11 +114,7 @@ setup() ->
 
 cleanup(#{was_alive := WasAlive}) ->
     _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
-    ok = application:stop(actor_pool),
-    case WasAlive of
-        true -> ok;
-        false -> net_kernel:stop()
-    end.
+    ap_test_util:stop_app(WasAlive).
 
 %% ===================================================================
 %% The seed's test plan
@@ -443,7 +439,7 @@ plugin_with_wrong_abi_is_refused(_Ctx) ->
     ?assertEqual(Before, actor_pool:which_pools()).
 
 plugin_that_cannot_load_is_refused(_Ctx) ->
-    Dir = temp_dir(),
+    Dir = ap_test_util:temp_dir("actor_pool_tests"),
     NotElf = filename:join(Dir, "not_a_plugin.so"),
     ok = file:write_file(NotElf, <<"this is not a shared object\n">>),
     try
@@ -677,7 +673,7 @@ stalled_batcher_makes_its_senders_wait(#{pool_node := N}) ->
 %% priv/actor_pool_node run by hand joins this node as a hidden node and
 %% serves the pool given on its command line.
 standalone_pool_node_joins_as_a_hidden_node(_Ctx) ->
-    Dir = temp_dir(),
+    Dir = ap_test_util:temp_dir("actor_pool_tests"),
     CookieFile = filename:join(Dir, "cookie"),
     ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
     ok = file:change_mode(CookieFile, 8#600),
@@ -819,14 +815,3 @@ kill_os_process(OsPid) ->
     end,
     wait_until(fun() -> not os_pid_alive(OsPid) end, 5000).
 
-temp_dir() ->
-    Base = case os:getenv("TMPDIR") of
-               T when is_list(T), T =/= "" -> T;
-               _ -> "/tmp"
-           end,
-    Dir = filename:join(Base, "actor_pool_tests_"
-                        ++ integer_to_list(erlang:unique_integer([positive]))
-                        ++ "_" ++ os:getpid()),
-    ok = file:make_dir(Dir),
-    ok = file:change_mode(Dir, 8#700),
-    Dir.

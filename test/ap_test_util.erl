@@ -2,7 +2,7 @@
 %% of sleeping, and checks that a test left no OS process or epmd name behind.
 -module(ap_test_util).
 
--export([wait_until/2, epmd_names/0, os_pid_alive/1]).
+-export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, stop_app/1]).
 
 -define(POLL_MS, 10).
 
@@ -41,4 +41,27 @@ os_pid_alive(OsPid) ->
                 _ -> true
             end;
         {error, _} -> false
+    end.
+
+%% A fresh 0700 directory under $TMPDIR (or /tmp), named after Prefix.
+-spec temp_dir(string()) -> file:filename().
+temp_dir(Prefix) ->
+    Base = case os:getenv("TMPDIR") of
+               T when is_list(T), T =/= "" -> T;
+               _ -> "/tmp"
+           end,
+    Dir = filename:join(Base, Prefix ++ "_"
+                        ++ integer_to_list(erlang:unique_integer([positive]))
+                        ++ "_" ++ os:getpid()),
+    ok = file:make_dir(Dir),
+    ok = file:change_mode(Dir, 8#700),
+    Dir.
+
+%% Stops the application, and distribution too when the test setup started it.
+-spec stop_app(WasAlive :: boolean()) -> ok.
+stop_app(WasAlive) ->
+    ok = application:stop(actor_pool),
+    case WasAlive of
+        true -> ok;
+        false -> ok = net_kernel:stop()
     end.
