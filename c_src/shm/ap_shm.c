@@ -1,0 +1,777 @@
+/* ap_shm: the receptionist's shared-memory snapshot: one writer, lock-free
+ * readers that trust nothing (see ap_shm.h for the layout).
+ *
+ * Publication protocol, writer side. Readers of gen g read half g & 1, and
+ * that half only ever changes in two ways:
+ *
+ *  - while it is active: an entry is appended past `used` (bytes no slot
+ *    points at yet), then its slot is stored with a release store. A reader
+ *    that loads the slot (acquire) sees the whole entry; entries a slot
+ *    points at never change while their half is active.
+ *
+ *  - while it is inactive (gen & 1 is the other half): a compaction or a
+ *    rebuild rewrites it wholesale, then bumps gen with a release store.
+ *    The only readers still in it are ones that loaded an older gen of the
+ *    same parity; gen has moved past their g1 before the rewrite starts,
+ *    and a release fence sits between that gen store and the first store
+ *    of the rewrite. So if such a reader sees any byte of the rewrite, the
+ *    fence synchronises with the reader's acquire fence and its second gen
+ *    load sees the newer gen: it retries. Readers that see none of the
+ *    rewrite read what was there before, which their gen names.
+ *
+ * Data goes in with plain stores (memcpy, memset): the compiler cannot sink
+ * them below the release store of a slot or of gen, nor hoist them above
+ * the release fence, which is all the protocol needs. Readers copy bytes
+ * with plain loads too. Where a reader overlaps a rewrite that is formally
+ * a data race, as in every seqlock written in C; the reader discards what
+ * it read (gen changed), and it validated every offset and length it used
+ * from locals read once, so torn bytes can cost it a retry, never a fault.
+ * Slots and the few header/half words are read with atomic loads so that
+ * the compiler cannot re-read them after they were checked.
+ */
+#include "ap_shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HALF_HDR ((uint64_t)sizeof(struct ap_shm_half))
+#define ENT_HDR ((uint64_t)sizeof(struct ap_shm_entry))
+#define SLOT_OFF_MASK 0xffffffffull
+
+/* Segment sizes the writer accepts. A created segment is at least 1 MiB
+ * (sparse, so that costs nothing); caller memory (tests, fuzzing) may be
+ * as small as two halves with a minimal index and a page of arena. */
+#define SEG_MIN_CREATE (1ull << 20)
+#define ARENA_MIN 4096ull
+#define SEG_MIN_MEM (AP_SHM_HDR_SIZE + 2 * (HALF_HDR + AP_SHM_MIN_CAP * 8ull + ARENA_MIN))
+#define SEG_MAX (64ull << 30)
+
+/* The smallest half a reader accepts: its header, a minimal index and the
+ * reserved arena word. */
+#define HALF_MIN (HALF_HDR + AP_SHM_MIN_CAP * 8ull + 8)
+
+_Static_assert(sizeof(struct ap_shm_hdr) <= AP_SHM_HDR_SIZE, "header too big");
+_Static_assert(sizeof(struct ap_shm_half) == 64, "half header layout");
+_Static_assert(sizeof(struct ap_shm_entry) == 16, "entry header layout");
+/* off32 counts 8-byte units: every arena offset of a half below 32 GiB fits. */
+_Static_assert(SEG_MAX / 2 <= (1ull << 35), "arena offsets must fit off32");
+
+static inline uint64_t pad8(uint64_t n) { return (n + 7) & ~7ull; }
+
+static inline uint64_t ent_size(uint64_t klen, uint64_t vlen) { return ENT_HDR + pad8(klen) + pad8(vlen); }
+
+static inline uint64_t slot_make(uint64_t hash, uint64_t off) { return (hash & ~SLOT_OFF_MASK) | off >> 3; }
+
+static inline uint64_t pow2_at_least(uint64_t n)
+{
+	uint64_t c = 1;
+	while (c < n)
+		c <<= 1;
+	return c;
+}
+
+/* FNV-1a is cheap but its low bits (the probe start) depend weakly on the
+ * last bytes; splitmix64's finaliser spreads every input bit over all 64. */
+uint64_t ap_shm_hash(const void *key, size_t klen)
+{
+	const uint8_t *p = key;
+	uint64_t h = 0xcbf29ce484222325ull;
+	for (size_t i = 0; i < klen; i++) {
+		h ^= p[i];
+		h *= 0x100000001b3ull;
+	}
+	h ^= h >> 30;
+	h *= 0xbf58476d1ce4e5b9ull;
+	h ^= h >> 27;
+	h *= 0x94d049bb133111ebull;
+	h ^= h >> 31;
+	return h;
+}
+
+/* ---- writer ------------------------------------------------------------- */
+
+/* A half as the writer laid it out: the writer never re-reads layout from
+ * the segment, so a stray write there cannot mislead it. */
+struct whalf {
+	uint8_t *p;
+	uint64_t *slots;
+	uint8_t *arena;
+	uint64_t cap, arena_size;
+	uint64_t used;   /* arena bytes in use, the reserved word at 0 included */
+	uint64_t nslots; /* slots in use, tombstones included */
+};
+
+struct ap_shm_writer {
+	uint8_t *base;
+	size_t len;
+	struct ap_shm_hdr *hdr;
+	int created; /* we mapped it: munmap (and maybe shm_unlink) on close */
+	char name[NAME_MAX + 2];
+	uint64_t half_size;
+	uint64_t gen;
+	uint32_t state;
+	struct whalf act;          /* the active half, gen & 1 */
+	uint64_t live, live_bytes; /* keys with a value, and their entries' bytes */
+	uint64_t compactions;
+};
+
+static uint8_t *w_half_at(const ap_shm_writer *w, uint64_t h)
+{
+	return w->base + AP_SHM_HDR_SIZE + (h & 1) * w->half_size;
+}
+
+/* Lay out half h: header, cap empty slots, an arena holding only the
+ * reserved word. Counters are published with the half (w_publish). */
+static void w_half_layout(ap_shm_writer *w, uint64_t h, uint64_t cap, struct whalf *x)
+{
+	uint64_t aoff = HALF_HDR + cap * 8;
+	struct ap_shm_half *hh;
+
+	x->p = w_half_at(w, h);
+	x->slots = (uint64_t *)(x->p + HALF_HDR);
+	x->arena = x->p + aoff;
+	x->cap = cap;
+	x->arena_size = w->half_size - aoff;
+	x->used = 8;
+	x->nslots = 0;
+	hh = (struct ap_shm_half *)x->p;
+	hh->cap = cap;
+	hh->arena_off = aoff;
+	hh->arena_size = x->arena_size;
+	memset(hh->pad, 0, sizeof hh->pad);
+	memset(x->slots, 0, cap * 8);
+	memset(x->arena, 0, 8);
+}
+
+static void w_half_counters(const struct whalf *x)
+{
+	struct ap_shm_half *hh = (struct ap_shm_half *)x->p;
+	__atomic_store_n(&hh->used, x->used, __ATOMIC_RELAXED);
+	__atomic_store_n(&hh->nkeys, x->nslots, __ATOMIC_RELAXED);
+}
+
+/* Append an entry at the arena's end (the caller checked it fits); returns
+ * its offset. Padding is written too: a reused half holds old bytes. */
+static uint64_t w_append(struct whalf *x, uint64_t hash, const void *key, size_t klen, const void *val,
+			 size_t vlen)
+{
+	uint64_t off = x->used;
+	uint8_t *e = x->arena + off;
+	struct ap_shm_entry eh = { .hash = hash, .key_len = (uint32_t)klen, .val_len = (uint32_t)vlen };
+	uint8_t *k = e + ENT_HDR, *v = k + pad8(klen);
+
+	memcpy(e, &eh, sizeof eh);
+	if (klen)
+		memcpy(k, key, klen);
+	memset(k + klen, 0, pad8(klen) - klen);
+	if (vlen)
+		memcpy(v, val, vlen);
+	memset(v + vlen, 0, pad8(vlen) - vlen);
+	x->used += ent_size(klen, vlen);
+	return off;
+}
+
+/* key's slot in x, or the empty slot that ends its probe (*ep NULL). The
+ * writer keeps the load at most 1/2, so an empty slot always comes. */
+static uint64_t w_probe(const struct whalf *x, uint64_t hash, const void *key, size_t klen,
+			const struct ap_shm_entry **ep)
+{
+	uint64_t mask = x->cap - 1, i = hash & mask;
+
+	for (;; i = (i + 1) & mask) {
+		uint64_t s = x->slots[i];
+		const struct ap_shm_entry *e;
+
+		if (!(s & SLOT_OFF_MASK)) {
+			*ep = NULL;
+			return i;
+		}
+		if (s >> 32 != hash >> 32)
+			continue;
+		e = (const struct ap_shm_entry *)(x->arena + ((s & SLOT_OFF_MASK) << 3));
+		if (e->hash == hash && e->key_len == klen && (!klen || !memcmp(e + 1, key, klen))) {
+			*ep = e;
+			return i;
+		}
+	}
+}
+
+/* An index size for n live keys of `bytes` entry bytes: a power of two >=
+ * max(MIN_CAP, 4n) when the arena still holds twice the bytes (the next
+ * compaction is then ~n puts away: amortised O(1)), else the smallest that
+ * keeps the load at 1/2 if the bytes fit at all. */
+static int w_plan(uint64_t half_size, uint64_t n, uint64_t bytes, uint64_t *capp)
+{
+	uint64_t lo = pow2_at_least(n * 2 > AP_SHM_MIN_CAP ? n * 2 : AP_SHM_MIN_CAP);
+	uint64_t hi = pow2_at_least(n * 4 > AP_SHM_MIN_CAP ? n * 4 : AP_SHM_MIN_CAP);
+	uint64_t maxcap = (half_size - HALF_HDR) / 8;
+
+	for (uint64_t c = hi; c >= lo; c >>= 1)
+		if (c <= maxcap && half_size - HALF_HDR - c * 8 >= 8 + 2 * bytes) {
+			*capp = c;
+			return 0;
+		}
+	if (lo <= maxcap && half_size - HALF_HDR - lo * 8 >= 8 + bytes) {
+		*capp = lo;
+		return 0;
+	}
+	return -ENOSPC;
+}
+
+/* Start rewriting the inactive half. See the protocol note at the top: the
+ * fence orders the last gen store before every store of the rewrite, for
+ * readers still in this half under an older gen. */
+static void w_begin(ap_shm_writer *w, uint64_t cap, struct whalf *x)
+{
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	w_half_layout(w, w->gen + 1, cap, x);
+}
+
+/* Switch readers to x: everything written before is visible to whoever
+ * loads the new gen (acquire). */
+static void w_publish(ap_shm_writer *w, const struct whalf *x)
+{
+	w_half_counters(x);
+	w->gen++;
+	__atomic_store_n(&w->hdr->gen, w->gen, __ATOMIC_RELEASE);
+	w->act = *x;
+}
+
+static void w_set_state(ap_shm_writer *w, uint32_t st)
+{
+	w->state = st;
+	__atomic_store_n(&w->hdr->state, st, __ATOMIC_RELEASE);
+}
+
+/* A key known not to be in x (compaction copies distinct keys). */
+static void w_insert_new(struct whalf *x, uint64_t hash, uint64_t off)
+{
+	uint64_t mask = x->cap - 1, i = hash & mask;
+
+	while (x->slots[i] & SLOT_OFF_MASK)
+		i = (i + 1) & mask;
+	x->slots[i] = slot_make(hash, off);
+	x->nslots++;
+}
+
+/* Rebuild the live entries of the active half into the other one, minus
+ * the slot `skip` (the put's key) plus the pending put, and publish. */
+static int w_compact(ap_shm_writer *w, uint64_t hash, const void *key, size_t klen, const void *val, size_t vlen,
+		     uint64_t skip, uint64_t live, uint64_t live_bytes)
+{
+	struct whalf nx;
+	uint64_t cap;
+
+	if (w_plan(w->half_size, live, live_bytes, &cap) < 0) {
+		/* Nothing written yet: the active half stays as it was. */
+		w_set_state(w, AP_SHM_STATE_STALE);
+		return -ENOSPC;
+	}
+	w_begin(w, cap, &nx);
+	for (uint64_t i = 0; i < w->act.cap; i++) {
+		uint64_t s = w->act.slots[i], sz, off;
+		const struct ap_shm_entry *e;
+
+		if (!(s & SLOT_OFF_MASK) || i == skip)
+			continue;
+		e = (const struct ap_shm_entry *)(w->act.arena + ((s & SLOT_OFF_MASK) << 3));
+		if (!e->val_len)
+			continue; /* a tombstone: dropped here */
+		sz = ent_size(e->key_len, e->val_len);
+		off = nx.used;
+		memcpy(nx.arena + off, e, sz);
+		nx.used += sz;
+		w_insert_new(&nx, e->hash, off);
+	}
+	if (vlen)
+		w_insert_new(&nx, hash, w_append(&nx, hash, key, klen, val, vlen));
+	w->live = live;
+	w->live_bytes = live_bytes;
+	w->compactions++;
+	w_publish(w, &nx);
+	return 0;
+}
+
+int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, size_t vlen)
+{
+	const struct ap_shm_entry *old;
+	uint64_t hash, i, esz, old_bytes, live, live_bytes;
+
+	if (klen > AP_SHM_MAX_KEY || vlen > AP_SHM_MAX_VAL)
+		return -E2BIG;
+	/* STALE: the segment already misses puts; only a rebuild helps. */
+	if (w->state != AP_SHM_STATE_LIVE)
+		return -ENOSPC;
+	hash = ap_shm_hash(key, klen);
+	i = w_probe(&w->act, hash, key, klen, &old);
+	old_bytes = old && old->val_len ? ent_size(old->key_len, old->val_len) : 0;
+	if (!old_bytes && !vlen)
+		return 0; /* removing what is not there */
+	esz = ent_size(klen, vlen);
+	live = w->live + (vlen ? 1 : 0) - (old_bytes ? 1 : 0);
+	live_bytes = w->live_bytes + (vlen ? esz : 0) - old_bytes;
+	if (esz > w->act.arena_size - w->act.used || (!old && w->act.nslots + 1 > w->act.cap / 2))
+		return w_compact(w, hash, key, klen, val, vlen, old ? i : UINT64_MAX, live, live_bytes);
+
+	uint64_t off = w_append(&w->act, hash, key, klen, val, vlen);
+	__atomic_store_n(&w->act.slots[i], slot_make(hash, off), __ATOMIC_RELEASE);
+	if (!old)
+		w->act.nslots++;
+	w_half_counters(&w->act);
+	w->live = live;
+	w->live_bytes = live_bytes;
+	return 0;
+}
+
+/* The iterator's count is unknown until it ends, and the index size
+ * depends on it: entries go first right after a minimal index, and once
+ * the count is known the arena moves up past the real index (entry offsets
+ * are arena-relative, so a move keeps them). */
+int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
+{
+	uint64_t tmp_off = HALF_HDR + AP_SHM_MIN_CAP * 8ull, room = w->half_size - tmp_off;
+	struct whalf t = { 0 }, nx;
+	uint64_t n = 0, cap, live = 0, live_bytes = 0;
+	int err = 0;
+
+	__atomic_thread_fence(__ATOMIC_RELEASE); /* as in w_begin */
+	t.arena = w_half_at(w, w->gen + 1) + tmp_off;
+	t.used = 8;
+	for (;;) {
+		const void *k = NULL, *v = NULL;
+		size_t kl = 0, vl = 0;
+		int r = next(arg, &k, &kl, &v, &vl);
+
+		if (r <= 0) {
+			err = r;
+			break;
+		}
+		if (kl > AP_SHM_MAX_KEY || vl > AP_SHM_MAX_VAL) {
+			err = -E2BIG;
+			break;
+		}
+		if (!vl)
+			continue;
+		if (ent_size(kl, vl) > room - t.used) {
+			err = -ENOSPC;
+			break;
+		}
+		w_append(&t, ap_shm_hash(k, kl), k, kl, v, vl);
+		n++;
+	}
+	if (!err && w_plan(w->half_size, n, t.used - 8, &cap) < 0)
+		err = -ENOSPC;
+	if (err) {
+		/* The content is not what the caller asked for: readers must
+		 * ask the receptionist. gen is unchanged. */
+		w_set_state(w, AP_SHM_STATE_STALE);
+		return err;
+	}
+	/* The move first: the new index overlaps where the entries were. */
+	memmove(w_half_at(w, w->gen + 1) + HALF_HDR + cap * 8, t.arena, t.used);
+	w_half_layout(w, w->gen + 1, cap, &nx);
+	for (uint64_t off = 8; off < t.used;) {
+		const struct ap_shm_entry *e = (const struct ap_shm_entry *)(nx.arena + off), *old;
+		uint64_t sz = ent_size(e->key_len, e->val_len);
+		uint64_t i = w_probe(&nx, e->hash, e + 1, e->key_len, &old);
+
+		/* A key the iterator yielded twice: the later value wins. */
+		if (old) {
+			live_bytes -= ent_size(old->key_len, old->val_len);
+		} else {
+			nx.nslots++;
+			live++;
+		}
+		nx.slots[i] = slot_make(e->hash, off);
+		live_bytes += sz;
+		off += sz;
+	}
+	nx.used = t.used;
+	w->live = live;
+	w->live_bytes = live_bytes;
+	w_publish(w, &nx);
+	/* After the gen bump: a reader that sees LIVE (acquire) sees the new
+	 * gen, never the content from before the failure. */
+	w_set_state(w, AP_SHM_STATE_LIVE);
+	return 0;
+}
+
+static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, const char *node, uint64_t incarnation)
+{
+	ap_shm_writer *w = calloc(1, sizeof *w);
+	struct ap_shm_hdr *hdr = (struct ap_shm_hdr *)base;
+
+	if (!w)
+		return -ENOMEM;
+	w->base = base;
+	w->len = len;
+	w->hdr = hdr;
+	w->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
+	w->state = AP_SHM_STATE_LIVE;
+
+	hdr->version = AP_SHM_VERSION;
+	hdr->hdr_size = AP_SHM_HDR_SIZE;
+	hdr->seg_size = len;
+	hdr->half_size = w->half_size;
+	hdr->gen = 0;
+	hdr->heartbeat_ms = 0;
+	hdr->writer_pid = (uint64_t)getpid();
+	hdr->incarnation = incarnation;
+	hdr->pad = 0;
+	memset(hdr->node, 0, sizeof hdr->node);
+	if (node)
+		strncpy(hdr->node, node, sizeof hdr->node - 1);
+	w_half_layout(w, 0, AP_SHM_MIN_CAP, &w->act);
+	w_half_counters(&w->act);
+	hdr->state = AP_SHM_STATE_LIVE;
+	/* The magic last: a reader that sees it sees everything above. */
+	__atomic_store_n(&hdr->magic, AP_SHM_MAGIC, __ATOMIC_RELEASE);
+	*wp = w;
+	return 0;
+}
+
+int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, const char *node,
+			 uint64_t incarnation)
+{
+	size_t nlen = name ? strnlen(name, NAME_MAX + 1) : 0;
+	void *p = MAP_FAILED;
+	int fd, err = 0;
+
+	*wp = NULL;
+	if (nlen < 2 || nlen > NAME_MAX || name[0] != '/' || strchr(name + 1, '/'))
+		return -EINVAL;
+	if (seg_size < SEG_MIN_CREATE || seg_size > SEG_MAX)
+		return -EINVAL;
+	/* A reader still mapping an old object keeps it; new readers get ours. */
+	if (shm_unlink(name) < 0 && errno != ENOENT)
+		return -errno;
+	fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+	if (fd < 0)
+		return -errno;
+	/* 0600 whatever the umask: a umask of 0700 would lock us out too. */
+	if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)seg_size) < 0)
+		err = -errno;
+	else if ((p = mmap(NULL, seg_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
+		err = -errno;
+	close(fd);
+	if (!err)
+		err = w_start(wp, p, seg_size, node, incarnation);
+	if (err) {
+		if (p != MAP_FAILED)
+			munmap(p, seg_size);
+		shm_unlink(name);
+		return err;
+	}
+	(*wp)->created = 1;
+	memcpy((*wp)->name, name, nlen + 1);
+	return 0;
+}
+
+int ap_shm_writer_init_mem(ap_shm_writer **wp, void *mem, size_t len, const char *node, uint64_t incarnation)
+{
+	*wp = NULL;
+	if (!mem || ((uintptr_t)mem & 7) || len < SEG_MIN_MEM || len > SEG_MAX)
+		return -EINVAL;
+	return w_start(wp, mem, len, node, incarnation);
+}
+
+void ap_shm_heartbeat(ap_shm_writer *w, uint64_t now_ms)
+{
+	__atomic_store_n(&w->hdr->heartbeat_ms, now_ms, __ATOMIC_RELAXED);
+}
+
+uint32_t ap_shm_state(const ap_shm_writer *w) { return w->state; }
+
+void ap_shm_writer_stats(const ap_shm_writer *w, uint64_t *keys, uint64_t *used, uint64_t *compactions)
+{
+	if (keys)
+		*keys = w->live;
+	if (used)
+		*used = w->act.used;
+	if (compactions)
+		*compactions = w->compactions;
+}
+
+void ap_shm_writer_close(ap_shm_writer *w, int unlink_it)
+{
+	if (!w)
+		return;
+	w_set_state(w, AP_SHM_STATE_CLOSED);
+	if (w->created) {
+		munmap(w->base, w->len);
+		if (unlink_it)
+			shm_unlink(w->name);
+	}
+	free(w);
+}
+
+/* ---- reader ------------------------------------------------------------- */
+
+/* Every value below is read once into a local and checked before use: the
+ * segment may change (or be hostile) between two reads of the same word. */
+
+static inline uint64_t ld64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+static inline uint32_t ld32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+/* The header's fixed fields, checked. */
+struct rseg {
+	const uint8_t *base;
+	const struct ap_shm_hdr *hdr;
+	uint64_t half_size;
+};
+
+/* A half's layout, checked against the half. */
+struct rhalf {
+	const uint64_t *slots;
+	const uint8_t *arena;
+	uint64_t cap, arena_size;
+};
+
+/* An entry, checked to lie whole inside its arena. */
+struct rent {
+	uint64_t hash;
+	uint32_t klen, vlen;
+	const uint8_t *key, *val;
+};
+
+static int r_hdr(const void *base, size_t len, struct rseg *s)
+{
+	const struct ap_shm_hdr *h = base;
+	uint64_t seg, half;
+
+	/* Atomic loads need natural alignment; a mapping is page-aligned. */
+	if (!base || ((uintptr_t)base & 7) || len < sizeof *h)
+		return AP_SHM_EBAD;
+	if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != AP_SHM_MAGIC)
+		return AP_SHM_EBAD;
+	if (ld32(&h->version) != AP_SHM_VERSION || ld32(&h->hdr_size) != AP_SHM_HDR_SIZE)
+		return AP_SHM_EBAD;
+	seg = ld64(&h->seg_size);
+	half = ld64(&h->half_size);
+	if (seg > (uint64_t)len || seg < AP_SHM_HDR_SIZE)
+		return AP_SHM_EBAD;
+	if ((half & 7) || half < HALF_MIN || half > (seg - AP_SHM_HDR_SIZE) / 2)
+		return AP_SHM_EBAD;
+	s->base = base;
+	s->hdr = h;
+	s->half_size = half;
+	return AP_SHM_OK;
+}
+
+static int r_live(const struct rseg *s)
+{
+	return __atomic_load_n(&s->hdr->state, __ATOMIC_ACQUIRE) == AP_SHM_STATE_LIVE ? AP_SHM_OK : AP_SHM_ESTALE;
+}
+
+static int r_half(const struct rseg *s, uint64_t gen, struct rhalf *x)
+{
+	const uint8_t *p = s->base + AP_SHM_HDR_SIZE + (gen & 1) * s->half_size;
+	const struct ap_shm_half *hh = (const struct ap_shm_half *)p;
+	uint64_t cap = ld64(&hh->cap), aoff = ld64(&hh->arena_off), asz = ld64(&hh->arena_size);
+
+	if (cap < AP_SHM_MIN_CAP || (cap & (cap - 1)) || cap > (s->half_size - HALF_HDR) / 8)
+		return AP_SHM_EBAD;
+	if ((aoff & 7) || aoff < HALF_HDR + cap * 8 || aoff > s->half_size)
+		return AP_SHM_EBAD;
+	if ((asz & 7) || asz > s->half_size - aoff)
+		return AP_SHM_EBAD;
+	x->slots = (const uint64_t *)(p + HALF_HDR);
+	x->arena = p + aoff;
+	x->cap = cap;
+	x->arena_size = asz;
+	return AP_SHM_OK;
+}
+
+static int r_ent(const struct rhalf *x, uint64_t off, struct rent *e)
+{
+	const struct ap_shm_entry *eh;
+	uint64_t rest, kp, vp;
+
+	if (!off || (off & 7) || x->arena_size < ENT_HDR || off > x->arena_size - ENT_HDR)
+		return AP_SHM_EBAD;
+	eh = (const struct ap_shm_entry *)(x->arena + off);
+	e->hash = ld64(&eh->hash);
+	e->klen = ld32(&eh->key_len);
+	e->vlen = ld32(&eh->val_len);
+	if (e->klen > AP_SHM_MAX_KEY || e->vlen > AP_SHM_MAX_VAL)
+		return AP_SHM_EBAD;
+	rest = x->arena_size - off - ENT_HDR;
+	kp = pad8(e->klen);
+	vp = pad8(e->vlen);
+	if (kp > rest || vp > rest - kp)
+		return AP_SHM_EBAD;
+	e->key = (const uint8_t *)(eh + 1);
+	e->val = e->key + kp;
+	return AP_SHM_OK;
+}
+
+/* At most cap probes; an empty slot ends the chain. */
+static int r_probe(const struct rhalf *x, uint64_t hash, const void *key, size_t klen, struct rent *e,
+		   uint64_t *off)
+{
+	uint64_t mask = x->cap - 1, i = hash & mask;
+
+	for (uint64_t n = 0; n < x->cap; n++, i = (i + 1) & mask) {
+		uint64_t s = __atomic_load_n(&x->slots[i], __ATOMIC_ACQUIRE);
+		uint64_t o = (s & SLOT_OFF_MASK) << 3;
+		int r;
+
+		if (!o)
+			return AP_SHM_ENOTFOUND;
+		if (s >> 32 != hash >> 32)
+			continue;
+		if ((r = r_ent(x, o, e)))
+			return r;
+		/* memcmp over bytes a rewrite may race with: see the top. */
+		if (e->hash != hash || e->klen != klen || (klen && memcmp(e->key, key, klen)))
+			continue;
+		*off = o;
+		return e->vlen ? AP_SHM_OK : AP_SHM_ENOTFOUND;
+	}
+	return AP_SHM_EBAD; /* a full index: the writer keeps it half empty */
+}
+
+/* The end of a read section: did gen stay g throughout? */
+static int r_stable(const struct rseg *s, uint64_t g)
+{
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	return __atomic_load_n(&s->hdr->gen, __ATOMIC_RELAXED) == g;
+}
+
+/* One read section: state, gen, the active half, the probe and, when copy
+ * is set, the value. The caller then checks that gen stayed the same. */
+static int r_try(const struct rseg *s, uint64_t hash, const void *key, size_t klen, uint64_t *g, uint64_t *off,
+		 uint32_t *vlen, int copy, void *out, size_t cap)
+{
+	struct rhalf x;
+	struct rent e;
+	int r;
+
+	if ((r = r_live(s)))
+		return r;
+	*g = __atomic_load_n(&s->hdr->gen, __ATOMIC_ACQUIRE);
+	if ((r = r_half(s, *g, &x)))
+		return r;
+	if ((r = r_probe(&x, hash, key, klen, &e, off)))
+		return r;
+	*vlen = e.vlen;
+	if (copy) {
+		if (e.vlen > cap)
+			return AP_SHM_ETOOBIG;
+		memcpy(out, e.val, e.vlen); /* vlen > 0: a removal is ENOTFOUND */
+	}
+	return AP_SHM_OK;
+}
+
+int ap_shm_check(const void *base, size_t len)
+{
+	struct rseg s;
+	struct rhalf x;
+	int r;
+
+	if ((r = r_hdr(base, len, &s)))
+		return r;
+	if (!memchr(s.hdr->node, 0, sizeof s.hdr->node))
+		return AP_SHM_EBAD;
+	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
+		uint64_t g;
+
+		if ((r = r_live(&s)))
+			return r;
+		g = __atomic_load_n(&s.hdr->gen, __ATOMIC_ACQUIRE);
+		r = r_half(&s, g, &x);
+		if (r_stable(&s, g))
+			return r;
+	}
+	return AP_SHM_EBUSY;
+}
+
+int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,
+		uint32_t *vlen)
+{
+	struct rseg s;
+	uint64_t hash;
+	int r;
+
+	if ((r = r_hdr(base, len, &s)))
+		return r;
+	hash = ap_shm_hash(key, klen);
+	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
+		uint64_t g = 0, o = 0;
+		uint32_t vl = 0;
+
+		r = r_try(&s, hash, key, klen, &g, &o, &vl, 0, NULL, 0);
+		if (r == AP_SHM_ESTALE)
+			return r;
+		if (!r_stable(&s, g))
+			continue;
+		if (r == AP_SHM_OK) {
+			*gen = g;
+			*off = o;
+			*vlen = vl;
+		}
+		return r;
+	}
+	return AP_SHM_EBUSY;
+}
+
+int ap_shm_read(const void *base, size_t len, uint64_t gen, uint64_t off, void *out, size_t cap, uint32_t *vlen)
+{
+	struct rseg s;
+	struct rhalf x;
+	struct rent e;
+	int r;
+
+	if ((r = r_hdr(base, len, &s)))
+		return r;
+	r = r_half(&s, gen, &x);
+	if (!r)
+		r = r_ent(&x, off, &e);
+	if (!r && !e.vlen)
+		r = AP_SHM_EBAD; /* find never names a removal */
+	if (!r && (e.vlen > cap || !out))
+		r = AP_SHM_ETOOBIG;
+	if (!r)
+		memcpy(out, e.val, e.vlen);
+	/* Whatever went wrong may be a rewrite of half gen & 1. */
+	if (!r_stable(&s, gen))
+		return AP_SHM_EBUSY;
+	if (r == AP_SHM_OK || r == AP_SHM_ETOOBIG)
+		*vlen = e.vlen;
+	return r;
+}
+
+int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, void *out, size_t cap,
+		  uint32_t *vlen)
+{
+	struct rseg s;
+	uint64_t hash;
+	int r;
+
+	if ((r = r_hdr(base, len, &s)))
+		return r;
+	if (!out)
+		cap = 0;
+	hash = ap_shm_hash(key, klen);
+	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
+		uint64_t g = 0, o = 0;
+		uint32_t vl = 0;
+
+		r = r_try(&s, hash, key, klen, &g, &o, &vl, 1, out, cap);
+		if (r == AP_SHM_ESTALE)
+			return r;
+		if (!r_stable(&s, g))
+			continue;
+		if (r == AP_SHM_OK || r == AP_SHM_ETOOBIG)
+			*vlen = vl;
+		return r;
+	}
+	return AP_SHM_EBUSY;
+}

@@ -1,0 +1,181 @@
+/* ap_shm: the receptionist's shared-memory snapshot (one writer, the
+ * receptionist C node; lock-free readers, the NIF in the BEAM).
+ *
+ * Maps a key (bytes) to a value (bytes: the external term format of the
+ * key's listing, a list of pids, 131 byte included). Lookups are O(1): an
+ * open-addressing index over an append-only arena.
+ *
+ * Segment layout (native endianness, every field 8-byte aligned):
+ *
+ *   [header: AP_SHM_HDR_SIZE bytes][half 0: half_size][half 1: half_size]
+ *
+ *   header   magic, version, sizes, `gen`, writer pid, incarnation, state,
+ *            node name (struct ap_shm_hdr).
+ *   half     struct ap_shm_half, then `cap` index slots (uint64 each), then
+ *            the arena: `arena_size` bytes starting at `arena_off` (from the
+ *            half's start). Arena offset 0 is reserved (means "empty").
+ *   slot     (tag32 << 32) | off32: tag32 is the upper 32 bits of the key's
+ *            64-bit hash, off32 the entry's arena offset in 8-byte units
+ *            (0: an empty slot). Linear probing from hash & (cap - 1).
+ *   entry    struct ap_shm_entry {hash, key_len, val_len}, the key bytes,
+ *            zero padding to 8, the value bytes, zero padding to 8.
+ *
+ * Concurrency. The active half is `gen & 1`. Within a half, entries are
+ * append-only and never change once a slot points at them; an update
+ * appends a new entry and stores the slot (one 64-bit release store), a
+ * removal appends an entry with an empty value (val_len 0). When the arena
+ * or the index is full, the writer compacts: it rebuilds the live entries
+ * into the other half and then bumps `gen` (release), which switches the
+ * active half. A reader loads `gen` (acquire) before and after its reads
+ * (acquire fence, then load), seqlock style, and retries if it changed: the
+ * half it read may be under rewrite. (gen, off) therefore names immutable
+ * bytes for as long as `gen` does not change, which lets readers cache
+ * decoded values.
+ *
+ * Readers trust nothing: every offset and length is checked against the
+ * mapping before it is dereferenced, probes are bounded by `cap`, retries by
+ * AP_SHM_MAX_RETRIES, so a torn or hostile segment yields AP_SHM_EBAD (or
+ * AP_SHM_EBUSY), never a fault.
+ */
+#ifndef AP_SHM_H
+#define AP_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define AP_SHM_MAGIC 0x31535450435241ULL /* "ARCPTS1" little-endian, plus a 0 byte */
+#define AP_SHM_VERSION 1u
+#define AP_SHM_HDR_SIZE 4096u
+#define AP_SHM_MAX_KEY 1024u          /* bytes */
+#define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
+#define AP_SHM_MAX_RETRIES 16
+#define AP_SHM_MIN_CAP 1024u          /* index slots per half, at least */
+
+/* Segment states (hdr.state). */
+#define AP_SHM_STATE_LIVE 1u     /* the writer keeps it current */
+#define AP_SHM_STATE_STALE 2u    /* the writer could not keep it current (full): ask the receptionist */
+#define AP_SHM_STATE_CLOSED 3u   /* the writer exited cleanly */
+
+/* Reader results. */
+#define AP_SHM_OK 0
+#define AP_SHM_ENOTFOUND 1 /* no such key (or a removed one): the listing is [] */
+#define AP_SHM_EBUSY 2     /* gen kept changing for AP_SHM_MAX_RETRIES tries */
+#define AP_SHM_EBAD 3      /* the segment fails a check: magic, version, a size, an offset */
+#define AP_SHM_ESTALE 4    /* state is not LIVE: ask the receptionist */
+#define AP_SHM_ETOOBIG 5   /* the value does not fit the caller's buffer; *vlen says how big */
+
+struct ap_shm_hdr {
+	uint64_t magic;
+	uint32_t version;
+	uint32_t hdr_size;     /* AP_SHM_HDR_SIZE */
+	uint64_t seg_size;     /* whole segment, bytes */
+	uint64_t half_size;    /* bytes per half; hdr_size + 2 * half_size <= seg_size */
+	uint64_t gen;          /* atomic: active half = gen & 1 */
+	uint64_t heartbeat_ms; /* atomic: writer's CLOCK_MONOTONIC ms, updated at least every second */
+	uint64_t writer_pid;
+	uint64_t incarnation;  /* the receptionist's creation */
+	uint32_t state;        /* atomic: AP_SHM_STATE_* */
+	uint32_t pad;
+	char node[256];        /* the receptionist node's name, NUL-terminated */
+};
+
+struct ap_shm_half {
+	uint64_t cap;        /* index slots, a power of two >= AP_SHM_MIN_CAP */
+	uint64_t arena_off;  /* from the half's start; 8-aligned; after the index */
+	uint64_t arena_size; /* bytes; arena_off + arena_size <= half_size */
+	uint64_t used;       /* atomic: arena bytes in use (writer's bookkeeping, informational for readers) */
+	uint64_t nkeys;      /* atomic: slots in use (informational) */
+	uint64_t pad[3];
+	/* then uint64_t slots[cap] */
+};
+
+struct ap_shm_entry {
+	uint64_t hash;
+	uint32_t key_len;
+	uint32_t val_len;
+	/* then key bytes, pad to 8, value bytes, pad to 8 */
+};
+
+/* FNV-1a 64, then splitmix64's finaliser. Part of the format: the writer
+ * and every reader must use this very function. */
+uint64_t ap_shm_hash(const void *key, size_t klen);
+
+/* ---- writer (one thread) ------------------------------------------------ */
+
+typedef struct ap_shm_writer ap_shm_writer;
+
+/* Create the POSIX shm object `name` ("/..."), replacing any object of that
+ * name (shm_unlink first: a reader still mapping the old one keeps it),
+ * mode 0600 whatever the umask, sized seg_size (sparse: pages cost memory
+ * only once written), mapped read-write. Returns 0 or a negative errno;
+ * -EINVAL unless name is "/" plus 1..254 bytes with no other '/' and
+ * seg_size is 1 MiB..64 GiB. */
+int ap_shm_writer_create(ap_shm_writer **w, const char *name, size_t seg_size, const char *node,
+			 uint64_t incarnation);
+/* The same over caller memory (tests, fuzz seeds): mem must be 8-aligned,
+ * zeroed, len bytes, and outlive the writer. len may be as small as
+ * 28800 bytes (two halves of a minimal index and 4 KiB of arena); close
+ * neither unmaps nor frees it. */
+int ap_shm_writer_init_mem(ap_shm_writer **w, void *mem, size_t len, const char *node, uint64_t incarnation);
+
+/* Set key's value (vlen 0 removes the key). Compacts into the other half
+ * when the active one is full. Returns 0; -E2BIG for a key or value over
+ * the limits (the segment is unchanged); -ENOSPC when even a compaction
+ * cannot fit the live entries (the state becomes STALE: readers must ask
+ * the receptionist until ap_shm_rebuild succeeds; gen is unchanged). While
+ * STALE every put returns -ENOSPC and changes nothing: the segment already
+ * misses an update, only a rebuild can bring it back. Removing a key that
+ * has no value is a no-op. */
+int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, size_t vlen);
+
+/* Replace the whole content: the callback yields the live keys and values
+ * one at a time (return 1 with *key and *val set, 0 at the end); the new
+ * content is built in the other half and published with one gen bump, and
+ * the state becomes LIVE again if it fits. Empty values are skipped; a key
+ * yielded twice keeps its last value. Returns 0 or -ENOSPC / -E2BIG (a key
+ * or value over the limits) / the callback's negative return: then nothing
+ * is published (gen unchanged) and the state becomes STALE, since the
+ * content is not what the caller asked for. */
+typedef int (*ap_shm_iter_fn)(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen);
+int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg);
+
+void ap_shm_heartbeat(ap_shm_writer *w, uint64_t now_ms);
+uint32_t ap_shm_state(const ap_shm_writer *w);
+/* Live keys, arena bytes in use in the active half (the reserved word at
+ * offset 0 included), and compactions so far (rebuilds not counted). */
+void ap_shm_writer_stats(const ap_shm_writer *w, uint64_t *keys, uint64_t *used, uint64_t *compactions);
+/* Mark CLOSED, unmap, and (created segments) shm_unlink when unlink_it. */
+void ap_shm_writer_close(ap_shm_writer *w, int unlink_it);
+
+/* ---- reader (any thread, any process; nothing is trusted) -------------- */
+
+/* Every reader call takes base as mapped (8-aligned; anything else is
+ * AP_SHM_EBAD) and len, the mapping's length, and reads nothing outside
+ * [base, base + len). */
+
+/* Check the header of a mapping of len bytes: magic, version, hdr_size,
+ * seg_size <= len, half sizes, a NUL in node, the active half's cap/arena
+ * bounds. Returns AP_SHM_OK, AP_SHM_EBAD or AP_SHM_ESTALE, or AP_SHM_EBUSY
+ * in the unlikely case that gen kept changing while it looked. */
+int ap_shm_check(const void *base, size_t len);
+
+/* Where key's current value is: *gen and *off (the entry's arena offset in
+ * bytes, within half gen & 1) identify immutable bytes for as long as gen
+ * stays the same; *vlen is the value's length. Returns AP_SHM_OK,
+ * AP_SHM_ENOTFOUND (also for a removed key), AP_SHM_EBUSY, AP_SHM_EBAD or
+ * AP_SHM_ESTALE. */
+int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,
+		uint32_t *vlen);
+
+/* Copy the value of the entry found by ap_shm_find into out (cap bytes),
+ * then confirm gen has not changed. Returns AP_SHM_OK, AP_SHM_ETOOBIG
+ * (*vlen set, out untouched), AP_SHM_EBUSY (gen changed: find again) or
+ * AP_SHM_EBAD. The state is not looked at again: find did. */
+int ap_shm_read(const void *base, size_t len, uint64_t gen, uint64_t off, void *out, size_t cap, uint32_t *vlen);
+
+/* Both in one: find, copy, retry on a gen change (bounded). Returns what
+ * find does, or AP_SHM_ETOOBIG with *vlen set (out NULL counts as cap 0). */
+int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, void *out, size_t cap,
+		  uint32_t *vlen);
+
+#endif

@@ -1,0 +1,1115 @@
+/* test_shm: the snapshot writer against real shm segments, read back through
+ * separate read-only mappings (as the NIF reads them); readers racing the
+ * writer; hostile and truncated segments. */
+#include "t_helpers.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ap_shm.h"
+
+/* Caller memory the writer accepts, at least: the header and two halves of
+ * a minimal index and a page of arena. */
+#define T_SMALL_SEG 32768u
+
+/* ---- values that prove whose they are ----------------------------------- */
+
+#define T_VAL_HDR 12u
+#define T_VAL_BIG 2500u /* added to a big value's length */
+#define T_VAL_MAX (T_VAL_HDR + 500u + T_VAL_BIG)
+
+/* Big values (ver's top bit set) fill a small segment nearly to the brim,
+ * so that it compacts every few dozen puts. */
+static size_t t_val_len(uint32_t id, uint32_t ver)
+{
+	return T_VAL_HDR + (id * 31u + ver * 17u) % 500u + (ver >> 31 ? T_VAL_BIG : 0);
+}
+
+static uint64_t t_val_stream(uint32_t id, uint32_t ver) { return ((uint64_t)id << 32 | ver) * 1024; }
+
+/* A value of key id at version ver: id, ver, its length, then stream bytes
+ * that depend on all three, so a torn or misdirected value cannot pass. */
+static size_t t_val(uint8_t *buf, uint32_t id, uint32_t ver)
+{
+	uint32_t n = (uint32_t)t_val_len(id, ver);
+	memcpy(buf, &id, 4);
+	memcpy(buf + 4, &ver, 4);
+	memcpy(buf + 8, &n, 4);
+	t_stream_fill(buf + T_VAL_HDR, n - T_VAL_HDR, t_val_stream(id, ver));
+	return n;
+}
+
+/* 0 when buf[0..n) is exactly a value of key id; its version in *ver. */
+static int t_val_check(const uint8_t *buf, size_t n, uint32_t id, uint32_t *ver)
+{
+	uint32_t i, v, l;
+	if (n < T_VAL_HDR)
+		return -1;
+	memcpy(&i, buf, 4);
+	memcpy(&v, buf + 4, 4);
+	memcpy(&l, buf + 8, 4);
+	if (i != id || l != n || n != t_val_len(id, v))
+		return -1;
+	if (t_stream_check(buf + T_VAL_HDR, n - T_VAL_HDR, t_val_stream(id, v)) != n - T_VAL_HDR)
+		return -1;
+	*ver = v;
+	return 0;
+}
+
+static size_t t_key(char *buf, uint32_t id) { return (size_t)sprintf(buf, "key-%06u", id); }
+
+/* ---- segments ------------------------------------------------------------ */
+
+static void t_name(char *buf, size_t n, const char *what)
+{
+	static unsigned seq;
+	snprintf(buf, n, "/ap_shm_test_%d_%s_%u", (int)getpid(), what, seq++);
+}
+
+/* A second, read-only mapping of the whole object, as a reader makes it. */
+static const void *t_map_ro(const char *name, size_t *len)
+{
+	int fd = shm_open(name, O_RDONLY, 0);
+	assert_true(fd >= 0);
+	struct stat st;
+	assert_int_equal(fstat(fd, &st), 0);
+	void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+	assert_true(p != MAP_FAILED);
+	close(fd);
+	*len = (size_t)st.st_size;
+	return p;
+}
+
+/* A writer on a fresh shm object and a reader's mapping of it. */
+struct t_seg {
+	char name[64];
+	ap_shm_writer *w;
+	const void *ro;
+	size_t len;
+};
+
+static void t_seg_open(struct t_seg *s, const char *what, size_t size)
+{
+	t_name(s->name, sizeof s->name, what);
+	assert_int_equal(ap_shm_writer_create(&s->w, s->name, size, "rcpt@test", 7), 0);
+	s->ro = t_map_ro(s->name, &s->len);
+	assert_int_equal(s->len, size);
+}
+
+static void t_seg_close(struct t_seg *s)
+{
+	ap_shm_writer_close(s->w, 1);
+	munmap((void *)s->ro, s->len);
+}
+
+static uint64_t t_gen(const void *seg) { return __atomic_load_n(&((const struct ap_shm_hdr *)seg)->gen, __ATOMIC_ACQUIRE); }
+
+static uint32_t t_state(const void *seg)
+{
+	return __atomic_load_n(&((const struct ap_shm_hdr *)seg)->state, __ATOMIC_ACQUIRE);
+}
+
+static uint64_t t_compactions(ap_shm_writer *w)
+{
+	uint64_t c;
+	ap_shm_writer_stats(w, NULL, NULL, &c);
+	return c;
+}
+
+static uint64_t t_keys(ap_shm_writer *w)
+{
+	uint64_t k;
+	ap_shm_writer_stats(w, &k, NULL, NULL);
+	return k;
+}
+
+static int t_put_str(ap_shm_writer *w, const char *k, const char *v)
+{
+	return ap_shm_put(w, k, strlen(k), v, v ? strlen(v) : 0);
+}
+
+/* Lookup of k must give exactly v. */
+static void t_assert_val(const void *seg, size_t len, const char *k, const void *v, size_t vlen)
+{
+	static uint8_t out[1 << 17];
+	uint32_t got = 0;
+	int r = ap_shm_lookup(seg, len, k, strlen(k), out, sizeof out, &got);
+	if (r != AP_SHM_OK)
+		fail_msg("lookup %s: %d", k, r);
+	assert_int_equal(got, vlen);
+	assert_memory_equal(out, v, vlen);
+}
+
+static void t_assert_str(const void *seg, size_t len, const char *k, const char *v)
+{
+	t_assert_val(seg, len, k, v, strlen(v));
+}
+
+static int t_lookup_rc(const void *seg, size_t len, const char *k)
+{
+	uint8_t out[64];
+	uint32_t got;
+	return ap_shm_lookup(seg, len, k, strlen(k), out, sizeof out, &got);
+}
+
+/* ---- tests --------------------------------------------------------------- */
+
+static void test_create_sets_mode_0600_and_a_live_header(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	/* Even a umask that would lock the owner out gives 0600. */
+	mode_t old = umask(0777);
+	t_name(s.name, sizeof s.name, "mode");
+	int r = ap_shm_writer_create(&s.w, s.name, 1u << 20, "rcpt@host", 42);
+	umask(old);
+	assert_int_equal(r, 0);
+
+	int fd = shm_open(s.name, O_RDONLY, 0);
+	assert_true(fd >= 0);
+	struct stat st;
+	assert_int_equal(fstat(fd, &st), 0);
+	assert_int_equal(st.st_mode & 07777, 0600);
+	assert_int_equal(st.st_size, 1u << 20);
+	close(fd);
+
+	s.ro = t_map_ro(s.name, &s.len);
+	const struct ap_shm_hdr *h = s.ro;
+	assert_true(h->magic == AP_SHM_MAGIC);
+	assert_int_equal(h->version, AP_SHM_VERSION);
+	assert_int_equal(h->hdr_size, AP_SHM_HDR_SIZE);
+	assert_int_equal(h->seg_size, 1u << 20);
+	assert_true(AP_SHM_HDR_SIZE + 2 * h->half_size <= h->seg_size);
+	assert_int_equal(h->half_size % 8, 0);
+	assert_int_equal(h->gen, 0);
+	assert_int_equal(h->writer_pid, (uint64_t)getpid());
+	assert_int_equal(h->incarnation, 42);
+	assert_int_equal(h->state, AP_SHM_STATE_LIVE);
+	assert_string_equal(h->node, "rcpt@host");
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_LIVE);
+	assert_int_equal(ap_shm_check(s.ro, s.len), AP_SHM_OK);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "nobody"), AP_SHM_ENOTFOUND);
+
+	ap_shm_heartbeat(s.w, 123456);
+	assert_int_equal(__atomic_load_n(&h->heartbeat_ms, __ATOMIC_RELAXED), 123456);
+	t_seg_close(&s);
+}
+
+static void test_create_and_init_reject_bad_arguments(void **state)
+{
+	(void)state;
+	ap_shm_writer *w = (ap_shm_writer *)1;
+	char longname[300];
+	memset(longname, 'a', sizeof longname);
+	longname[0] = '/';
+	longname[sizeof longname - 1] = 0;
+	const char *bad[] = { NULL, "", "/", "noslash", "/a/b", longname };
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		assert_int_equal(ap_shm_writer_create(&w, bad[i], 1u << 20, "n", 1), -EINVAL);
+		assert_null(w);
+	}
+	char name[64];
+	t_name(name, sizeof name, "badsize");
+	assert_int_equal(ap_shm_writer_create(&w, name, (1u << 20) - 1, "n", 1), -EINVAL);
+	assert_int_equal(ap_shm_writer_create(&w, name, (size_t)65 << 30, "n", 1), -EINVAL);
+	errno = 0;
+	assert_true(shm_open(name, O_RDONLY, 0) < 0 && errno == ENOENT);
+
+	uint64_t *mem = calloc(1, T_SMALL_SEG + 8);
+	assert_int_equal(ap_shm_writer_init_mem(&w, (uint8_t *)mem + 4, T_SMALL_SEG, "n", 1), -EINVAL);
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, 8192, "n", 1), -EINVAL);
+	assert_int_equal(ap_shm_writer_init_mem(&w, NULL, T_SMALL_SEG, "n", 1), -EINVAL);
+	/* A node name longer than the field is cut, NUL-terminated. */
+	char node[400];
+	memset(node, 'n', sizeof node);
+	node[sizeof node - 1] = 0;
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, T_SMALL_SEG, node, 1), 0);
+	const struct ap_shm_hdr *h = (const void *)mem;
+	assert_int_equal(strlen(h->node), sizeof h->node - 1);
+	assert_int_equal(ap_shm_check(mem, T_SMALL_SEG), AP_SHM_OK);
+	ap_shm_writer_close(w, 1); /* caller memory: neither unmapped nor freed */
+	assert_int_equal(h->state, AP_SHM_STATE_CLOSED);
+	free(mem);
+}
+
+static void test_put_update_remove_round_trip(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "rt", 1u << 20);
+
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "a"), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_put_str(s.w, "a", "one"), 0);
+	t_assert_str(s.ro, s.len, "a", "one");
+	assert_int_equal(t_put_str(s.w, "a", "two, longer"), 0);
+	t_assert_str(s.ro, s.len, "a", "two, longer");
+	assert_int_equal(t_keys(s.w), 1);
+
+	/* Removing: a tombstone, so ENOTFOUND; removing twice or removing a
+	 * key never seen changes nothing. */
+	assert_int_equal(t_put_str(s.w, "a", NULL), 0);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "a"), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_keys(s.w), 0);
+	uint64_t used0, used1;
+	ap_shm_writer_stats(s.w, NULL, &used0, NULL);
+	assert_int_equal(t_put_str(s.w, "a", NULL), 0);
+	assert_int_equal(t_put_str(s.w, "never", NULL), 0);
+	ap_shm_writer_stats(s.w, NULL, &used1, NULL);
+	assert_int_equal(used0, used1);
+	assert_int_equal(t_put_str(s.w, "a", "back"), 0);
+	t_assert_str(s.ro, s.len, "a", "back");
+
+	/* The empty key and binary keys are keys like any other. */
+	assert_int_equal(ap_shm_put(s.w, "", 0, "empty", 5), 0);
+	uint8_t bin[] = { 0, 1, 0, 255 }, out[16];
+	assert_int_equal(ap_shm_put(s.w, bin, sizeof bin, "bin", 3), 0);
+	uint32_t vl = 0;
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, "", 0, out, sizeof out, &vl), AP_SHM_OK);
+	assert_int_equal(vl, 5);
+	assert_memory_equal(out, "empty", 5);
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, bin, sizeof bin, out, sizeof out, &vl), AP_SHM_OK);
+	assert_int_equal(vl, 3);
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, bin, 3, out, sizeof out, &vl), AP_SHM_ENOTFOUND);
+
+	/* find + read: (gen, off) names the value. */
+	uint64_t gen = 99, off = 0;
+	assert_int_equal(ap_shm_find(s.ro, s.len, "a", 1, &gen, &off, &vl), AP_SHM_OK);
+	assert_int_equal(gen, 0);
+	assert_int_equal(vl, 4);
+	assert_true(off > 0 && off % 8 == 0);
+	memset(out, 0, sizeof out);
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, off, out, sizeof out, &vl), AP_SHM_OK);
+	assert_memory_equal(out, "back", 4);
+	/* An update appends: the old (gen, off) still reads the old bytes. */
+	assert_int_equal(t_put_str(s.w, "a", "newer"), 0);
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, off, out, sizeof out, &vl), AP_SHM_OK);
+	assert_memory_equal(out, "back", 4);
+	assert_int_equal(ap_shm_find(s.ro, s.len, "missing", 7, &gen, &off, &vl), AP_SHM_ENOTFOUND);
+	t_seg_close(&s);
+}
+
+static void test_etoobig_reports_the_length(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "toobig", 1u << 20);
+	uint8_t v[100], out[100];
+	for (size_t i = 0; i < sizeof v; i++)
+		v[i] = (uint8_t)i;
+	assert_int_equal(ap_shm_put(s.w, "k", 1, v, sizeof v), 0);
+
+	uint32_t vl = 0;
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, "k", 1, out, 99, &vl), AP_SHM_ETOOBIG);
+	assert_int_equal(vl, 100);
+	vl = 0;
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, "k", 1, NULL, 0, &vl), AP_SHM_ETOOBIG);
+	assert_int_equal(vl, 100);
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, "k", 1, out, 100, &vl), AP_SHM_OK);
+	assert_memory_equal(out, v, 100);
+
+	uint64_t gen, off;
+	assert_int_equal(ap_shm_find(s.ro, s.len, "k", 1, &gen, &off, &vl), AP_SHM_OK);
+	vl = 0;
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, off, out, 10, &vl), AP_SHM_ETOOBIG);
+	assert_int_equal(vl, 100);
+	/* A (gen, off) that names no entry: EBAD, never a read elsewhere. */
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, off + 8, out, sizeof out, &vl), AP_SHM_EBAD);
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, 0, out, sizeof out, &vl), AP_SHM_EBAD);
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, 3, out, sizeof out, &vl), AP_SHM_EBAD);
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen, UINT64_MAX - 7, out, sizeof out, &vl), AP_SHM_EBAD);
+	/* A gen that is not the current one: EBUSY. */
+	assert_int_equal(ap_shm_read(s.ro, s.len, gen + 2, off, out, sizeof out, &vl), AP_SHM_EBUSY);
+	t_seg_close(&s);
+}
+
+static void test_many_keys_are_all_found_with_their_latest_values(void **state)
+{
+	(void)state;
+	enum { N = 100000 };
+	struct t_seg s;
+	t_seg_open(&s, "many", 64u << 20);
+	uint8_t v[T_VAL_MAX], out[T_VAL_MAX];
+	char k[32];
+
+	for (uint32_t i = 0; i < N; i++)
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, 1)), 0);
+	/* Every third key updated, every seventh removed. */
+	for (uint32_t i = 0; i < N; i += 3)
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, 2)), 0);
+	for (uint32_t i = 0; i < N; i += 7)
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), NULL, 0), 0);
+	uint64_t keys, used, comp;
+	ap_shm_writer_stats(s.w, &keys, &used, &comp);
+	assert_int_equal(keys, N - (N + 6) / 7);
+	print_message("[ info     ] %u keys: %" PRIu64 " compactions, gen %" PRIu64 ", %" PRIu64 " arena bytes\n",
+		      N, comp, t_gen(s.ro), used);
+	assert_true(comp > 0);
+	assert_int_equal(t_gen(s.ro), comp);
+
+	for (uint32_t i = 0; i < N; i++) {
+		uint32_t vl = 0, ver = 0;
+		int r = ap_shm_lookup(s.ro, s.len, k, t_key(k, i), out, sizeof out, &vl);
+		if (i % 7 == 0) {
+			assert_int_equal(r, AP_SHM_ENOTFOUND);
+			continue;
+		}
+		if (r != AP_SHM_OK)
+			fail_msg("key %u: %d", i, r);
+		assert_int_equal(t_val_check(out, vl, i, &ver), 0);
+		assert_int_equal(ver, i % 3 == 0 ? 2 : 1);
+	}
+	t_seg_close(&s);
+}
+
+static void test_compaction_switches_gen_and_keeps_everything(void **state)
+{
+	(void)state;
+	enum { N = 200 };
+	struct t_seg s;
+	t_seg_open(&s, "compact", 1u << 20);
+	uint8_t v[T_VAL_MAX], out[T_VAL_MAX];
+	char k[32];
+	uint32_t ver[N];
+
+	for (uint32_t i = 0; i < N; i++) {
+		ver[i] = 1;
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, 1)), 0);
+	}
+	uint64_t gen0 = t_gen(s.ro), c0 = t_compactions(s.w), ogen, ooff;
+	uint32_t vl;
+	assert_int_equal(ap_shm_find(s.ro, s.len, "key-000005", 10, &ogen, &ooff, &vl), AP_SHM_OK);
+
+	/* Updates only: the arena fills, the index does not. */
+	t_rng rng;
+	t_rng_seed(&rng, t_seed("compaction"));
+	for (int n = 0; n < 20000; n++) {
+		uint32_t i = t_rand32(&rng) % N;
+		ver[i]++;
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, ver[i])), 0);
+		if (t_compactions(s.w) == c0 + 1 && t_gen(s.ro) == gen0 + 1) {
+			/* Right after the switch: the old (gen, off) is refused. */
+			uint8_t o[T_VAL_MAX];
+			assert_int_equal(ap_shm_read(s.ro, s.len, ogen, ooff, o, sizeof o, &vl), AP_SHM_EBUSY);
+		}
+	}
+	uint64_t comp = t_compactions(s.w);
+	assert_true(comp >= 10);
+	assert_int_equal(t_gen(s.ro), gen0 + comp - c0);
+	assert_int_equal(t_keys(s.w), N);
+	for (uint32_t i = 0; i < N; i++) {
+		uint32_t got;
+		assert_int_equal(ap_shm_lookup(s.ro, s.len, k, t_key(k, i), out, sizeof out, &vl), AP_SHM_OK);
+		assert_int_equal(t_val_check(out, vl, i, &got), 0);
+		assert_int_equal(got, ver[i]);
+	}
+
+	/* New keys: the index fills too (load 1/2), compactions grow it. */
+	for (uint32_t i = N; i < N + 5000; i++)
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), "x", 1), 0);
+	assert_true(t_compactions(s.w) > comp);
+	for (uint32_t i = N; i < N + 5000; i++) {
+		t_key(k, i);
+		t_assert_str(s.ro, s.len, k, "x");
+	}
+	const struct ap_shm_half *hh =
+		(const void *)((const uint8_t *)s.ro + AP_SHM_HDR_SIZE + (t_gen(s.ro) & 1) * ((const struct ap_shm_hdr *)s.ro)->half_size);
+	assert_true(hh->cap >= 2 * (N + 5000));
+	assert_true(hh->nkeys <= hh->cap / 2);
+	t_seg_close(&s);
+}
+
+static void test_e2big_changes_nothing(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "e2big", 64u << 20);
+	char key[AP_SHM_MAX_KEY + 1];
+	memset(key, 'k', sizeof key);
+	uint8_t *big = calloc(1, AP_SHM_MAX_VAL + 1);
+	assert_non_null(big);
+
+	assert_int_equal(t_put_str(s.w, "a", "one"), 0);
+	uint64_t k0, u0, c0, g0 = t_gen(s.ro);
+	ap_shm_writer_stats(s.w, &k0, &u0, &c0);
+
+	assert_int_equal(ap_shm_put(s.w, key, sizeof key, "v", 1), -E2BIG);
+	assert_int_equal(ap_shm_put(s.w, "a", 1, big, AP_SHM_MAX_VAL + 1), -E2BIG);
+	assert_int_equal(ap_shm_put(s.w, key, sizeof key, NULL, 0), -E2BIG);
+	uint64_t k1, u1, c1;
+	ap_shm_writer_stats(s.w, &k1, &u1, &c1);
+	assert_int_equal(k0, k1);
+	assert_int_equal(u0, u1);
+	assert_int_equal(c0, c1);
+	assert_int_equal(t_gen(s.ro), g0);
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_LIVE);
+	t_assert_str(s.ro, s.len, "a", "one");
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, key, sizeof key, big, 16, &(uint32_t){ 0 }), AP_SHM_ENOTFOUND);
+
+	/* The limits themselves are fine. */
+	assert_int_equal(ap_shm_put(s.w, key, AP_SHM_MAX_KEY, "max key", 7), 0);
+	for (size_t i = 0; i < AP_SHM_MAX_VAL; i++)
+		big[i] = (uint8_t)(i * 7);
+	assert_int_equal(ap_shm_put(s.w, "a", 1, big, AP_SHM_MAX_VAL), 0);
+	key[AP_SHM_MAX_KEY] = 0;
+	t_assert_str(s.ro, s.len, key, "max key");
+	uint8_t *out = malloc(AP_SHM_MAX_VAL);
+	assert_non_null(out);
+	uint32_t vl = 0;
+	assert_int_equal(ap_shm_lookup(s.ro, s.len, "a", 1, out, AP_SHM_MAX_VAL, &vl), AP_SHM_OK);
+	assert_int_equal(vl, AP_SHM_MAX_VAL);
+	assert_memory_equal(out, big, AP_SHM_MAX_VAL);
+	t_seg_close(&s);
+	free(out);
+	free(big);
+}
+
+/* An iterator over a fixed list; a NULL value is an empty one. */
+struct t_iter {
+	const char **k, **v;
+	size_t n, at;
+	const uint8_t *big; /* when set, every value is big[0..big_len) */
+	size_t big_len;
+};
+
+static int t_iter_next(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
+{
+	struct t_iter *it = arg;
+	if (it->at == it->n)
+		return 0;
+	*key = it->k[it->at];
+	*klen = strlen(it->k[it->at]);
+	if (it->big) {
+		*val = it->big;
+		*vlen = it->big_len;
+	} else {
+		*val = it->v[it->at];
+		*vlen = it->v[it->at] ? strlen(it->v[it->at]) : 0;
+	}
+	it->at++;
+	return 1;
+}
+
+static void test_enospc_goes_stale_and_rebuild_brings_it_back(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "nospc", 1u << 20);
+	static uint8_t big[64 << 10];
+	memset(big, 0xab, sizeof big);
+	char k[32];
+	int r = 0, n = 0;
+
+	assert_int_equal(t_put_str(s.w, "small", "s"), 0);
+	uint64_t gen = t_gen(s.ro);
+	for (n = 0; n < 64 && r == 0; n++) {
+		sprintf(k, "big-%d", n);
+		gen = t_gen(s.ro);
+		r = ap_shm_put(s.w, k, strlen(k), big, sizeof big);
+	}
+	assert_int_equal(r, -ENOSPC);
+	assert_true(n > 2);
+	assert_int_equal(t_gen(s.ro), gen); /* a failed put publishes nothing */
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_STALE);
+	assert_int_equal(t_state(s.ro), AP_SHM_STATE_STALE);
+	assert_int_equal(ap_shm_check(s.ro, s.len), AP_SHM_ESTALE);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "small"), AP_SHM_ESTALE);
+	uint64_t g, o;
+	uint32_t vl;
+	assert_int_equal(ap_shm_find(s.ro, s.len, "small", 5, &g, &o, &vl), AP_SHM_ESTALE);
+	/* Stale stays stale, even for a put that would fit. */
+	assert_int_equal(t_put_str(s.w, "tiny", "t"), -ENOSPC);
+	assert_int_equal(t_put_str(s.w, "small", NULL), -ENOSPC);
+	assert_int_equal(t_gen(s.ro), gen);
+
+	/* Too much for a half: still stale, gen unchanged. */
+	const char *ks[16];
+	char kbuf[16][16];
+	for (int i = 0; i < 16; i++) {
+		sprintf(kbuf[i], "big-%d", i);
+		ks[i] = kbuf[i];
+	}
+	struct t_iter it = { .k = ks, .n = 16, .big = big, .big_len = sizeof big };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), -ENOSPC);
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_STALE);
+	assert_int_equal(t_gen(s.ro), gen);
+
+	/* What fits: live again, with exactly that content. */
+	it = (struct t_iter){ .k = ks, .n = 3, .big = big, .big_len = sizeof big };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), 0);
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_LIVE);
+	assert_int_equal(t_state(s.ro), AP_SHM_STATE_LIVE);
+	assert_int_equal(t_gen(s.ro), gen + 1);
+	assert_int_equal(ap_shm_check(s.ro, s.len), AP_SHM_OK);
+	assert_int_equal(t_keys(s.w), 3);
+	for (int i = 0; i < 3; i++)
+		t_assert_val(s.ro, s.len, ks[i], big, sizeof big);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "big-3"), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "small"), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_put_str(s.w, "small", "again"), 0);
+	t_assert_str(s.ro, s.len, "small", "again");
+
+	/* Empty values are skipped, a repeated key keeps its last value. */
+	const char *k2[] = { "x", "gone", "y", "x" }, *v2[] = { "x1", NULL, "y1", "x2" };
+	it = (struct t_iter){ .k = k2, .v = v2, .n = 4 };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), 0);
+	assert_int_equal(t_keys(s.w), 2);
+	t_assert_str(s.ro, s.len, "x", "x2");
+	t_assert_str(s.ro, s.len, "y", "y1");
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "gone"), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "big-0"), AP_SHM_ENOTFOUND);
+	/* Still a working segment afterwards: updates, removals, compaction. */
+	uint64_t c0 = t_compactions(s.w);
+	for (int i = 0; i < 200 && t_compactions(s.w) == c0; i++) {
+		sprintf(k, "p-%d", i % 5);
+		assert_int_equal(ap_shm_put(s.w, k, strlen(k), big, 4096 + (size_t)i), 0);
+	}
+	assert_true(t_compactions(s.w) > c0);
+	t_assert_str(s.ro, s.len, "x", "x2");
+	assert_int_equal(t_put_str(s.w, "x", NULL), 0);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "x"), AP_SHM_ENOTFOUND);
+
+	/* A value over the limit: -E2BIG, stale, gen unchanged. */
+	static uint8_t huge[1];
+	struct t_iter it3 = { .k = k2, .n = 1, .big = huge, .big_len = (size_t)AP_SHM_MAX_VAL + 1 };
+	gen = t_gen(s.ro);
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it3), -E2BIG);
+	assert_int_equal(ap_shm_state(s.w), AP_SHM_STATE_STALE);
+	assert_int_equal(t_gen(s.ro), gen);
+	t_seg_close(&s);
+}
+
+static void test_close_unlinks_and_marks_closed(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "close", 1u << 20);
+	assert_int_equal(t_put_str(s.w, "a", "b"), 0);
+	ap_shm_writer_close(s.w, 1);
+	errno = 0;
+	assert_true(shm_open(s.name, O_RDONLY, 0) < 0);
+	assert_int_equal(errno, ENOENT);
+	/* The mapping made before keeps the object, and says it is closed. */
+	assert_int_equal(t_state(s.ro), AP_SHM_STATE_CLOSED);
+	assert_int_equal(ap_shm_check(s.ro, s.len), AP_SHM_ESTALE);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "a"), AP_SHM_ESTALE);
+	munmap((void *)s.ro, s.len);
+
+	/* Without unlink the name stays; a new create replaces it. */
+	t_seg_open(&s, "keep", 1u << 20);
+	assert_int_equal(t_put_str(s.w, "a", "b"), 0);
+	ap_shm_writer_close(s.w, 0);
+	size_t len;
+	const void *again = t_map_ro(s.name, &len);
+	assert_int_equal(t_state(again), AP_SHM_STATE_CLOSED);
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_create(&w, s.name, 2u << 20, "n", 2), 0);
+	assert_int_equal(t_state(again), AP_SHM_STATE_CLOSED); /* the old object, still mapped */
+	size_t len2;
+	const void *fresh = t_map_ro(s.name, &len2);
+	assert_int_equal(len2, 2u << 20);
+	assert_int_equal(ap_shm_check(fresh, len2), AP_SHM_OK);
+	assert_int_equal(t_lookup_rc(fresh, len2, "a"), AP_SHM_ENOTFOUND);
+	ap_shm_writer_close(w, 1);
+	munmap((void *)again, len);
+	munmap((void *)fresh, len2);
+	munmap((void *)s.ro, s.len);
+}
+
+/* ---- readers racing the writer ------------------------------------------ */
+
+#define T_CONC_KEYS 300u
+#define T_CONC_VER0 (1u << 31) /* big values: ~850 KB live in a ~1 MB arena */
+
+struct t_conc {
+	const void *seg;
+	size_t len;
+	ap_shm_writer *w;
+	int stop;
+	uint64_t puts;
+};
+
+struct t_reader {
+	struct t_conc *c;
+	int use_find; /* find + read instead of lookup */
+	uint64_t seed;
+	uint64_t ok, busy, notfound, wrong_notfound, bad, torn, backwards;
+	int last_rc;
+};
+
+/* Keys id % 10 == 0 are removed and put back now and then; the others are
+ * always there once the first round is in. The segment is nearly full, so
+ * the writer compacts every few dozen puts and spends most of its time
+ * rewriting the inactive half: readers that fall behind a gen (preempted,
+ * say) are then likely to read it mid-rewrite, which the gen check must
+ * catch. */
+static void *t_conc_writer(void *arg)
+{
+	struct t_conc *c = arg;
+	uint8_t v[T_VAL_MAX];
+	char k[32];
+	t_rng rng;
+	uint32_t ver = T_CONC_VER0;
+	t_rng_seed(&rng, 0x77);
+	while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+		uint32_t id = t_rand32(&rng) % T_CONC_KEYS;
+		ver++;
+		int r;
+		if (id % 10 == 0 && ver % 3 == 0)
+			r = ap_shm_put(c->w, k, t_key(k, id), NULL, 0);
+		else
+			r = ap_shm_put(c->w, k, t_key(k, id), v, t_val(v, id, ver));
+		if (r)
+			return (void *)(intptr_t)r;
+		c->puts++;
+		if ((ver & 1023) == 0)
+			ap_shm_heartbeat(c->w, (uint64_t)t_now_ms());
+	}
+	return NULL;
+}
+
+static void *t_conc_reader(void *arg)
+{
+	struct t_reader *rd = arg;
+	struct t_conc *c = rd->c;
+	static __thread uint32_t last[T_CONC_KEYS];
+	uint8_t out[T_VAL_MAX];
+	char k[32];
+	t_rng rng;
+	t_rng_seed(&rng, rd->seed);
+	while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+		uint32_t id = t_rand32(&rng) % T_CONC_KEYS, vl = 0, ver;
+		size_t kl = t_key(k, id);
+		int r;
+		if (rd->use_find) {
+			uint64_t gen, off;
+			r = ap_shm_find(c->seg, c->len, k, kl, &gen, &off, &vl);
+			if (r == AP_SHM_OK)
+				r = ap_shm_read(c->seg, c->len, gen, off, out, sizeof out, &vl);
+		} else {
+			r = ap_shm_lookup(c->seg, c->len, k, kl, out, sizeof out, &vl);
+		}
+		switch (r) {
+		case AP_SHM_OK:
+			if (t_val_check(out, vl, id, &ver)) {
+				rd->torn++;
+				break;
+			}
+			if (ver < last[id])
+				rd->backwards++;
+			last[id] = ver;
+			rd->ok++;
+			break;
+		case AP_SHM_EBUSY:
+			rd->busy++;
+			break;
+		case AP_SHM_ENOTFOUND:
+			rd->notfound++;
+			if (id % 10)
+				rd->wrong_notfound++;
+			break;
+		default:
+			rd->bad++;
+			rd->last_rc = r;
+		}
+	}
+	return NULL;
+}
+
+static void test_readers_racing_the_writer_see_whole_values(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "conc", 2u << 20);
+	uint8_t v[T_VAL_MAX];
+	char k[32];
+	for (uint32_t i = 0; i < T_CONC_KEYS; i++)
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, T_CONC_VER0)), 0);
+
+	struct t_conc c = { .seg = s.ro, .len = s.len, .w = s.w };
+	struct t_reader rd[2] = { { .c = &c, .seed = 1 }, { .c = &c, .use_find = 1, .seed = 2 } };
+	pthread_t wt, rt[2];
+	uint64_t c0 = t_compactions(s.w);
+	for (int i = 0; i < 2; i++)
+		assert_int_equal(pthread_create(&rt[i], NULL, t_conc_reader, &rd[i]), 0);
+	assert_int_equal(pthread_create(&wt, NULL, t_conc_writer, &c), 0);
+	usleep(1500 * 1000);
+	__atomic_store_n(&c.stop, 1, __ATOMIC_RELAXED);
+	void *wr;
+	pthread_join(wt, &wr);
+	for (int i = 0; i < 2; i++)
+		pthread_join(rt[i], NULL);
+	assert_null(wr);
+
+	uint64_t comp = t_compactions(s.w) - c0;
+	print_message("[ info     ] %" PRIu64 " puts, %" PRIu64 " compactions\n", c.puts, comp);
+	for (int i = 0; i < 2; i++) {
+		print_message("[ info     ] reader %d (%s): ok %" PRIu64 " busy %" PRIu64 " notfound %" PRIu64
+			      " bad %" PRIu64 " torn %" PRIu64 " backwards %" PRIu64 "\n",
+			      i, rd[i].use_find ? "find+read" : "lookup", rd[i].ok, rd[i].busy, rd[i].notfound,
+			      rd[i].bad, rd[i].torn, rd[i].backwards);
+		assert_int_equal(rd[i].torn, 0);
+		assert_int_equal(rd[i].backwards, 0);
+		assert_int_equal(rd[i].wrong_notfound, 0);
+		if (rd[i].bad)
+			fail_msg("reader %d: %" PRIu64 " unexpected results, last %d", i, rd[i].bad, rd[i].last_rc);
+		assert_true(rd[i].ok > 10000);
+	}
+	assert_true(comp > 20);
+
+	/* Quiet again: every key at its latest value. */
+	uint8_t out[T_VAL_MAX];
+	for (uint32_t i = 0; i < T_CONC_KEYS; i++) {
+		uint32_t vl, ver;
+		int r = ap_shm_lookup(s.ro, s.len, k, t_key(k, i), out, sizeof out, &vl);
+		if (i % 10 == 0 && r == AP_SHM_ENOTFOUND)
+			continue;
+		assert_int_equal(r, AP_SHM_OK);
+		assert_int_equal(t_val_check(out, vl, i, &ver), 0);
+	}
+	t_seg_close(&s);
+}
+
+/* ---- hostile segments ---------------------------------------------------- */
+
+static const char *t_hkeys[] = { "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta" };
+#define T_NHKEYS (sizeof t_hkeys / sizeof t_hkeys[0])
+
+/* A small valid segment: the keys with values, one removed, and enough
+ * updates that it compacted (gen > 0) when `compacted`. */
+static uint8_t *t_small_seg(int compacted)
+{
+	uint8_t *mem = aligned_alloc(8, T_SMALL_SEG);
+	assert_non_null(mem);
+	memset(mem, 0, T_SMALL_SEG);
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, T_SMALL_SEG, "hostile@test", 1), 0);
+	char v[200];
+	for (size_t i = 0; i < T_NHKEYS; i++) {
+		snprintf(v, sizeof v, "value of %s", t_hkeys[i]);
+		assert_int_equal(t_put_str(w, t_hkeys[i], v), 0);
+	}
+	assert_int_equal(t_put_str(w, "eta", NULL), 0);
+	if (compacted) {
+		memset(v, 'u', sizeof v - 1);
+		v[sizeof v - 1] = 0;
+		for (int i = 0; t_compactions(w) < 1; i++)
+			assert_int_equal(t_put_str(w, t_hkeys[i % 3], v), 0);
+		for (size_t i = 0; i < 3; i++) {
+			snprintf(v, sizeof v, "value of %s", t_hkeys[i]);
+			assert_int_equal(t_put_str(w, t_hkeys[i], v), 0);
+		}
+	}
+	ap_shm_writer_close(w, 0);
+	/* Closed marks it CLOSED: readers would refuse it. Make it LIVE. */
+	((struct ap_shm_hdr *)mem)->state = AP_SHM_STATE_LIVE;
+	assert_int_equal(ap_shm_check(mem, T_SMALL_SEG), AP_SHM_OK);
+	return mem;
+}
+
+static struct ap_shm_hdr *t_hdr(uint8_t *seg) { return (struct ap_shm_hdr *)seg; }
+
+static struct ap_shm_half *t_active(uint8_t *seg)
+{
+	struct ap_shm_hdr *h = t_hdr(seg);
+	return (struct ap_shm_half *)(seg + AP_SHM_HDR_SIZE + (h->gen & 1) * h->half_size);
+}
+
+/* key's slot in the active half of a valid segment. */
+static uint64_t *t_slot(uint8_t *seg, const char *key)
+{
+	struct ap_shm_half *hh = t_active(seg);
+	uint64_t *slots = (uint64_t *)(hh + 1), h = ap_shm_hash(key, strlen(key));
+	for (uint64_t i = h & (hh->cap - 1);; i = (i + 1) & (hh->cap - 1)) {
+		assert_true(slots[i] != 0);
+		if (slots[i] >> 32 == h >> 32)
+			return &slots[i];
+	}
+}
+
+static struct ap_shm_entry *t_entry(uint8_t *seg, const char *key)
+{
+	struct ap_shm_half *hh = t_active(seg);
+	return (struct ap_shm_entry *)((uint8_t *)hh + hh->arena_off + ((*t_slot(seg, key) & 0xffffffffu) << 3));
+}
+
+/* Every reader call over seg[0..len) (an exact-size copy, so ASan sees any
+ * read past it): results must be ones the API names, and no crash. Returns
+ * a bitmask of the lookup results seen. */
+static unsigned t_read_all(const uint8_t *seg, size_t len)
+{
+	uint8_t *d = t_dup(seg, len);
+	unsigned seen = 0;
+	int r = ap_shm_check(d, len);
+	assert_true(r == AP_SHM_OK || r == AP_SHM_EBAD || r == AP_SHM_ESTALE);
+	for (size_t i = 0; i <= T_NHKEYS; i++) {
+		const char *k = i < T_NHKEYS ? t_hkeys[i] : "missing";
+		static uint8_t big[1 << 16]; /* more than a small segment: a value past the arena gets copied */
+		uint8_t small[4];
+		uint32_t vl = 0;
+		uint64_t gen = 0, off = 0;
+		r = ap_shm_lookup(d, len, k, strlen(k), big, sizeof big, &vl);
+		assert_true(r >= AP_SHM_OK && r <= AP_SHM_ETOOBIG && r != AP_SHM_EBUSY);
+		if (r == AP_SHM_OK)
+			assert_true(vl <= sizeof big);
+		seen |= 1u << r;
+		r = ap_shm_lookup(d, len, k, strlen(k), small, sizeof small, &vl);
+		assert_true(r >= AP_SHM_OK && r <= AP_SHM_ETOOBIG && r != AP_SHM_EBUSY);
+		r = ap_shm_find(d, len, k, strlen(k), &gen, &off, &vl);
+		assert_true(r >= AP_SHM_OK && r <= AP_SHM_ESTALE && r != AP_SHM_EBUSY);
+		if (r == AP_SHM_OK) {
+			r = ap_shm_read(d, len, gen, off, big, sizeof big, &vl);
+			assert_true(r == AP_SHM_OK || r == AP_SHM_ETOOBIG);
+		}
+	}
+	free(d);
+	return seen;
+}
+
+#define T_ONLY(code) (1u << (code))
+
+typedef void (*t_mutate_fn)(uint8_t *seg);
+
+#define T_MUT(name, ...)                         \
+	static void name(uint8_t *seg)           \
+	{                                        \
+		(void)seg;                       \
+		__VA_ARGS__;                     \
+	}
+
+T_MUT(m_magic, t_hdr(seg)->magic ^= 1)
+T_MUT(m_version, t_hdr(seg)->version = AP_SHM_VERSION + 1)
+T_MUT(m_hdr_size, t_hdr(seg)->hdr_size = 64)
+T_MUT(m_seg_big, t_hdr(seg)->seg_size = T_SMALL_SEG + 8)
+T_MUT(m_seg_max, t_hdr(seg)->seg_size = UINT64_MAX)
+T_MUT(m_seg_tiny, t_hdr(seg)->seg_size = 100)
+T_MUT(m_half_huge, t_hdr(seg)->half_size = UINT64_MAX - 7)
+T_MUT(m_half_wrap, t_hdr(seg)->half_size = 1ull << 63)
+T_MUT(m_half_odd, t_hdr(seg)->half_size -= 4)
+T_MUT(m_half_small, t_hdr(seg)->half_size = 64)
+T_MUT(m_half_zero, t_hdr(seg)->half_size = 0)
+T_MUT(m_gen_flip, t_hdr(seg)->gen ^= 1)
+T_MUT(m_stale, t_hdr(seg)->state = AP_SHM_STATE_STALE)
+T_MUT(m_closed, t_hdr(seg)->state = AP_SHM_STATE_CLOSED)
+T_MUT(m_state_junk, t_hdr(seg)->state = 0xdead)
+T_MUT(m_node_unterminated, memset(t_hdr(seg)->node, 'x', sizeof t_hdr(seg)->node))
+T_MUT(m_cap_odd, t_active(seg)->cap = AP_SHM_MIN_CAP + 1)
+T_MUT(m_cap_small, t_active(seg)->cap = AP_SHM_MIN_CAP / 2)
+T_MUT(m_cap_zero, t_active(seg)->cap = 0)
+T_MUT(m_cap_huge, t_active(seg)->cap = 1ull << 40)
+T_MUT(m_cap_top, t_active(seg)->cap = 1ull << 63)
+T_MUT(m_cap_bigger, t_active(seg)->cap = 2048) /* a power of two past the arena start */
+T_MUT(m_aoff_out, t_active(seg)->arena_off = t_hdr(seg)->half_size + 8)
+T_MUT(m_aoff_odd, t_active(seg)->arena_off += 4)
+T_MUT(m_aoff_in_index, t_active(seg)->arena_off -= 8)
+T_MUT(m_aoff_huge, t_active(seg)->arena_off = UINT64_MAX - 7)
+T_MUT(m_asize_huge, t_active(seg)->arena_size = UINT64_MAX - 7)
+T_MUT(m_asize_wrap, t_active(seg)->arena_size = UINT64_MAX - t_active(seg)->arena_off + 9)
+T_MUT(m_asize_past, t_active(seg)->arena_size += 8)
+T_MUT(m_asize_odd, t_active(seg)->arena_size -= 3)
+T_MUT(m_asize_zero, t_active(seg)->arena_size = 0)
+T_MUT(m_slot_out, *t_slot(seg, "alpha") |= 0xffffffffu)
+T_MUT(m_slot_past, *t_slot(seg, "alpha") = (*t_slot(seg, "alpha") & ~0xffffffffull) |
+				     (t_active(seg)->arena_size >> 3))
+T_MUT(m_slot_last, *t_slot(seg, "alpha") = (*t_slot(seg, "alpha") & ~0xffffffffull) |
+				     ((t_active(seg)->arena_size - 8) >> 3))
+T_MUT(m_slot_zero_tag, *t_slot(seg, "alpha") &= 0xffffffffull)
+T_MUT(m_klen_huge, t_entry(seg, "alpha")->key_len = UINT32_MAX)
+T_MUT(m_klen_max, t_entry(seg, "alpha")->key_len = AP_SHM_MAX_KEY)
+T_MUT(m_vlen_huge, t_entry(seg, "alpha")->val_len = UINT32_MAX)
+T_MUT(m_vlen_wrap, t_entry(seg, "alpha")->val_len = UINT32_MAX - 6)
+T_MUT(m_vlen_past, t_entry(seg, "alpha")->val_len = AP_SHM_MAX_VAL)
+T_MUT(m_vlen_arena, t_entry(seg, "alpha")->val_len = (uint32_t)t_active(seg)->arena_size)
+T_MUT(m_hash, t_entry(seg, "alpha")->hash ^= 1)
+/* One byte past the arena's end, which for gen 1 is the segment's end. */
+T_MUT(m_vlen_edge, {
+	struct ap_shm_entry *e = t_entry(seg, "alpha");
+	uint64_t at = (uint64_t)((uint8_t *)e - ((uint8_t *)t_active(seg) + t_active(seg)->arena_off));
+	e->val_len = (uint32_t)(t_active(seg)->arena_size - at - 16 - ((e->key_len + 7) & ~7u) + 1);
+})
+/* alpha's entry header moved to the arena's last 16 bytes: no room for its key. */
+T_MUT(m_klen_edge, {
+	struct ap_shm_half *hh = t_active(seg);
+	uint64_t at = hh->arena_size - 16, *slot = t_slot(seg, "alpha");
+	memcpy((uint8_t *)hh + hh->arena_off + at, t_entry(seg, "alpha"), 16);
+	*slot = (*slot & ~0xffffffffull) | at >> 3;
+})
+T_MUT(m_index_full, {
+	struct ap_shm_half *hh = t_active(seg);
+	uint64_t *slots = (uint64_t *)(hh + 1);
+	for (uint64_t i = 0; i < hh->cap; i++)
+		if (!slots[i])
+			slots[i] = 0x0000000100000001ull; /* tag 1, offset 8: a real entry, another key */
+})
+T_MUT(m_index_full_bad, {
+	struct ap_shm_half *hh = t_active(seg);
+	uint64_t *slots = (uint64_t *)(hh + 1);
+	for (uint64_t i = 0; i < hh->cap; i++)
+		slots[i] = 0xffffffffffffffffull;
+})
+
+struct t_mutation {
+	const char *name;
+	t_mutate_fn fn;
+	unsigned allowed; /* lookup results allowed (bitmask); 0: anything but a crash */
+};
+
+#define T_M(fn, allowed) { #fn, fn, allowed }
+
+static void test_hostile_segments_never_crash(void **state)
+{
+	(void)state;
+	const unsigned bad = T_ONLY(AP_SHM_EBAD), stale = T_ONLY(AP_SHM_ESTALE);
+	const unsigned soft = T_ONLY(AP_SHM_EBAD) | T_ONLY(AP_SHM_ENOTFOUND) | T_ONLY(AP_SHM_OK) | T_ONLY(AP_SHM_ETOOBIG);
+	const struct t_mutation muts[] = {
+		T_M(m_magic, bad),          T_M(m_version, bad),        T_M(m_hdr_size, bad),
+		T_M(m_seg_big, bad),        T_M(m_seg_max, bad),        T_M(m_seg_tiny, bad),
+		T_M(m_half_huge, bad),      T_M(m_half_wrap, bad),      T_M(m_half_odd, bad),
+		T_M(m_half_small, bad),     T_M(m_half_zero, bad),      T_M(m_gen_flip, 0),
+		T_M(m_stale, stale),        T_M(m_closed, stale),       T_M(m_state_junk, stale),
+		T_M(m_node_unterminated, 0), T_M(m_cap_odd, bad),       T_M(m_cap_small, bad),
+		T_M(m_cap_zero, bad),       T_M(m_cap_huge, bad),       T_M(m_cap_top, bad),
+		T_M(m_cap_bigger, bad),     T_M(m_aoff_out, bad),       T_M(m_aoff_odd, bad),
+		T_M(m_aoff_in_index, bad),  T_M(m_aoff_huge, bad),      T_M(m_asize_huge, bad),
+		T_M(m_asize_wrap, bad),     T_M(m_asize_past, bad),     T_M(m_asize_odd, bad),
+		T_M(m_asize_zero, soft),    T_M(m_slot_out, soft),      T_M(m_slot_past, soft),
+		T_M(m_slot_last, soft),     T_M(m_slot_zero_tag, soft), T_M(m_klen_huge, soft),
+		T_M(m_klen_max, soft),      T_M(m_vlen_huge, soft),     T_M(m_vlen_wrap, soft),
+		T_M(m_vlen_past, soft),     T_M(m_vlen_arena, soft),    T_M(m_hash, soft),
+		T_M(m_index_full, soft),    T_M(m_index_full_bad, soft), T_M(m_vlen_edge, soft),
+		T_M(m_klen_edge, soft),
+	};
+	for (int compacted = 0; compacted < 2; compacted++) {
+		uint8_t *seg = t_small_seg(compacted);
+		assert_int_equal(t_gen(seg) != 0, compacted);
+		unsigned seen = t_read_all(seg, T_SMALL_SEG);
+		assert_int_equal(seen, T_ONLY(AP_SHM_OK) | T_ONLY(AP_SHM_ENOTFOUND));
+		for (size_t i = 0; i < T_NHKEYS; i++)
+			if (strcmp(t_hkeys[i], "eta")) {
+				char v[64];
+				snprintf(v, sizeof v, "value of %s", t_hkeys[i]);
+				t_assert_str(seg, T_SMALL_SEG, t_hkeys[i], v);
+			}
+
+		uint8_t *m = malloc(T_SMALL_SEG);
+		assert_non_null(m);
+		for (size_t i = 0; i < sizeof muts / sizeof muts[0]; i++) {
+			memcpy(m, seg, T_SMALL_SEG);
+			muts[i].fn(m);
+			seen = t_read_all(m, T_SMALL_SEG);
+			if (muts[i].allowed && (seen & ~muts[i].allowed))
+				fail_msg("%s (compacted %d): lookups gave 0x%x, allowed 0x%x", muts[i].name, compacted,
+					 seen, muts[i].allowed);
+		}
+		/* The entry corruptions hit alpha only: its result is EBAD
+		 * (or not found: a hash or tag that no longer matches). */
+		memcpy(m, seg, T_SMALL_SEG);
+		m_vlen_wrap(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_EBAD);
+		t_assert_str(m, T_SMALL_SEG, "beta", "value of beta");
+		memcpy(m, seg, T_SMALL_SEG);
+		m_vlen_edge(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_EBAD);
+		memcpy(m, seg, T_SMALL_SEG);
+		m_klen_edge(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_EBAD);
+		memcpy(m, seg, T_SMALL_SEG);
+		m_slot_out(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_EBAD);
+		memcpy(m, seg, T_SMALL_SEG);
+		m_hash(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_ENOTFOUND);
+		memcpy(m, seg, T_SMALL_SEG);
+		m_index_full(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "missing"), AP_SHM_EBAD);
+		/* Not 8-aligned: refused before any load. */
+		memcpy(m, seg, T_SMALL_SEG);
+		assert_int_equal(ap_shm_check(m + 1, T_SMALL_SEG - 1), AP_SHM_EBAD);
+		assert_int_equal(ap_shm_check(NULL, T_SMALL_SEG), AP_SHM_EBAD);
+		free(m);
+		free(seg);
+	}
+}
+
+/* Random bytes over random spots of a valid segment. */
+static void test_random_corruption_never_crashes(void **state)
+{
+	(void)state;
+	t_rng rng;
+	t_rng_seed(&rng, t_seed("corruption"));
+	uint8_t *segs[2] = { t_small_seg(0), t_small_seg(1) };
+	uint8_t *m = malloc(T_SMALL_SEG);
+	assert_non_null(m);
+	for (int n = 0; n < 3000; n++) {
+		memcpy(m, segs[n & 1], T_SMALL_SEG);
+		int k = (int)t_rand_range(&rng, 1, 8);
+		for (int j = 0; j < k; j++) {
+			/* Mostly where the structure is: header, half headers, index, arena starts. */
+			size_t at;
+			switch (t_rand32(&rng) % 4) {
+			case 0: at = t_rand_range(&rng, 0, 72); break;
+			case 1: at = AP_SHM_HDR_SIZE + t_rand_range(&rng, 0, 64); break;
+			case 2: at = AP_SHM_HDR_SIZE + t_hdr(segs[1])->half_size + t_rand_range(&rng, 0, 64); break;
+			default: at = t_rand_range(&rng, 0, T_SMALL_SEG - 1);
+			}
+			size_t l = t_rand_range(&rng, 1, 8);
+			for (size_t b = 0; b < l && at + b < T_SMALL_SEG; b++)
+				m[at + b] = (uint8_t)t_rand32(&rng);
+		}
+		size_t len = t_rand32(&rng) % 8 ? T_SMALL_SEG : t_rand_range(&rng, 0, T_SMALL_SEG);
+		t_read_all(m, len);
+	}
+	free(m);
+	free(segs[0]);
+	free(segs[1]);
+}
+
+/* Every truncation: as a short mapping (seg_size > len: EBAD), and as a
+ * header that claims the short length (whatever the result, no read past it). */
+static void test_truncations_never_read_past_len(void **state)
+{
+	(void)state;
+	uint8_t *seg = t_small_seg(1);
+	uint8_t *liar = malloc(T_SMALL_SEG);
+	assert_non_null(liar);
+	for (size_t len = 0; len < T_SMALL_SEG; len++) {
+		uint8_t *d = t_dup(seg, len);
+		uint8_t out[64];
+		uint32_t vl;
+		assert_int_equal(ap_shm_check(d, len), AP_SHM_EBAD);
+		assert_int_equal(ap_shm_lookup(d, len, "alpha", 5, out, sizeof out, &vl), AP_SHM_EBAD);
+		free(d);
+		if (len % 8 == 0 || len < 4200 || len > T_SMALL_SEG - 200) {
+			memcpy(liar, seg, T_SMALL_SEG);
+			if (len >= AP_SHM_HDR_SIZE) {
+				t_hdr(liar)->seg_size = len;
+				t_hdr(liar)->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
+			}
+			t_read_all(liar, len);
+		}
+	}
+	free(liar);
+	free(seg);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_create_sets_mode_0600_and_a_live_header),
+		cmocka_unit_test(test_create_and_init_reject_bad_arguments),
+		cmocka_unit_test(test_put_update_remove_round_trip),
+		cmocka_unit_test(test_etoobig_reports_the_length),
+		cmocka_unit_test(test_many_keys_are_all_found_with_their_latest_values),
+		cmocka_unit_test(test_compaction_switches_gen_and_keeps_everything),
+		cmocka_unit_test(test_e2big_changes_nothing),
+		cmocka_unit_test(test_enospc_goes_stale_and_rebuild_brings_it_back),
+		cmocka_unit_test(test_close_unlinks_and_marks_closed),
+		cmocka_unit_test(test_readers_racing_the_writer_see_whole_values),
+		cmocka_unit_test(test_hostile_segments_never_crash),
+		cmocka_unit_test(test_random_corruption_never_crashes),
+		cmocka_unit_test(test_truncations_never_read_past_len),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
