@@ -1,0 +1,776 @@
+/* actor_receptionist_node: the receptionist C node. One registered process,
+ * `actor_receptionist`, holds the registry (registry.c) and keeps the
+ * shared-memory snapshot (ap_shm) that lookups read without a message.
+ *
+ * Run by actor_cnode (--port), or by hand:
+ *   actor_receptionist_node --name N@host --cookie-file F [--connect app@host]
+ *       [--shm /NAME] [--shm-mb MB] [--max-listing-bytes N]
+ * --shm     the POSIX shm object of the snapshot; default "/actor_pool." and
+ *           the node name (e.g. /actor_pool.rcpt@host).
+ * --shm-mb  its size in MiB (sparse: pages cost memory once written);
+ *           default 256; 0: no snapshot (shm_state none).
+ * --max-listing-bytes  the largest listing (external format, 131 included)
+ *           a key may reach; registers past it get {error, too_many_refs}.
+ *           Default and maximum AP_SHM_MAX_VAL (16 MiB); smaller for tests.
+ *
+ * Protocol (one BEAM-side gen_server talks to it; Key is a binary of
+ * 1..1024 bytes, refs and subscribers are pids):
+ *   info/cast {register, Key, Ref, ReplyTo | undefined}
+ *               ReplyTo ! {registered, {service_key, Key}, Ref}, also when
+ *               it was there already; {register_failed, {service_key, Key},
+ *               Ref, too_many_refs} when the key's
+ *               listing would exceed --max-listing-bytes (16 MiB: about
+ *               700K refs on a short node name): the ref is not added.
+ *             {deregister, Key, Ref, ReplyTo | undefined}
+ *               ReplyTo ! {deregistered, {service_key, Key}, Ref}, always.
+ *             {find, Key, ReplyTo}       ReplyTo ! {listing, {service_key, Key}, Refs}
+ *             {subscribe, Key, Pid}      Pid ! the listing now, and on every change
+ *             {unsubscribe, Key, Pid}
+ *             {unsubscribe_all, Pid}
+ *             {send, Pid, Term}          Pid ! Term, in order with the rest
+ *             {batch, [Msg]}             each in order
+ *   call      {lookup, Key} -> Refs; sync -> ok; stats -> #{...};
+ *             {dump, Max} -> [{Key, Refs}] (at most Max keys);
+ *             anything else -> {error, badarg}.
+ *
+ * Ordering: a change reaches the snapshot (ap_shm_put) before any listing
+ * or reply about it is sent, so a lookup from the snapshot reflects every
+ * registration whose `registered` has been sent. Everything goes out from
+ * the loop thread through ap_send, so what one pid gets arrives in order.
+ *
+ * The snapshot: when a put finds the segment full (-ENOSPC) the writer marks
+ * it STALE (readers ask this node instead); from then on puts stop and a
+ * rebuild from the registry is tried once a second until it fits. Any other
+ * put failure (none is expected: the registry refuses keys and listings over
+ * the snapshot's limits) also forces STALE, never a silently old value.
+ *
+ * Exit: stdin EOF (port mode), SIGTERM, or SIGINT (not under a port: there
+ * Ctrl-C at the owner's shell must not take the registry away) stop the
+ * loop; the snapshot is then marked CLOSED and its name unlinked. A second
+ * signal while stopping unlinks the name and exits at once.
+ */
+#include <ei.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ap_log.h"
+#include "ap_main.h"
+#include "ap_shm.h"
+#include "registry.h"
+
+#define PROC_NAME "actor_receptionist"
+#define DEFAULT_SHM_MB 256
+#define HEARTBEAT_MS 500  /* the header promises at least one a second */
+#define REBUILD_MS 1000
+#define MAX_BATCH_DEPTH 4 /* a batch inside a batch: fine; deeper: malformed */
+#define LOG_WINDOW_MS 10000
+#define LOG_PER_WINDOW 20
+
+_Static_assert(REGISTRY_MAX_KEY == AP_SHM_MAX_KEY, "key limits differ");
+
+struct rcpt {
+	ap_node *n;
+	ap_proc *self;
+	registry *reg;
+	ap_shm_writer *w;
+	char shm_name[256];
+	size_t shm_bytes;
+	int shm_full;      /* puts stopped: a rebuild is due */
+	int rebuild_armed; /* its timer is pending */
+	ei_x_buff x;       /* replies, reused */
+	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, shm_errors,
+		rebuilds;
+	/* rate-limited logging */
+	int64_t log_window;
+	unsigned log_count;
+	uint64_t log_dropped;
+	int torn_down;
+	int port_mode;
+	size_t max_listing;
+};
+
+static struct rcpt st;
+
+/* ---- logging, rate-limited ------------------------------------------------- */
+
+static int log_ok(void)
+{
+	int64_t now = st.n ? ap_node_now_ms(st.n) : 0;
+	if (now - st.log_window >= LOG_WINDOW_MS) {
+		if (st.log_dropped)
+			ap_log(AP_LOG_WARNING, "receptionist: %llu more log lines suppressed",
+			       (unsigned long long)st.log_dropped);
+		st.log_window = now;
+		st.log_count = 0;
+		st.log_dropped = 0;
+	}
+	if (st.log_count >= LOG_PER_WINDOW) {
+		st.log_dropped++;
+		return 0;
+	}
+	st.log_count++;
+	return 1;
+}
+
+#define RLOG(lvl, ...)                                                                             \
+	do {                                                                                       \
+		if (log_ok())                                                                      \
+			ap_log(lvl, __VA_ARGS__);                                                  \
+	} while (0)
+
+static void malformed(const char *what)
+{
+	st.malformed++;
+	RLOG(AP_LOG_WARNING, "receptionist: malformed %s ignored (%llu so far)", what,
+	     (unsigned long long)st.malformed);
+}
+
+/* ---- the snapshot ----------------------------------------------------------- */
+
+static int iter_next(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
+{
+	size_t *cursor = arg;
+	const uint8_t *k, *v;
+	int rc = registry_next(st.reg, cursor, &k, klen, &v, vlen);
+	*key = k;
+	*val = v;
+	return rc;
+}
+
+static int iter_fail(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
+{
+	(void)arg, (void)key, (void)klen, (void)val, (void)vlen;
+	return -ECANCELED;
+}
+
+static void rebuild_tick(ap_node *n, void *arg);
+
+static void arm_rebuild(void)
+{
+	if (st.rebuild_armed)
+		return;
+	if (ap_node_timer(st.n, REBUILD_MS, rebuild_tick, NULL) == 0)
+		st.rebuild_armed = 1;
+}
+
+/* Readers must stop trusting the snapshot: a failed rebuild leaves it
+ * STALE (gen unchanged), which is all this does. */
+static void force_stale(void)
+{
+	ap_shm_rebuild(st.w, iter_fail, NULL);
+	st.shm_full = 1;
+	arm_rebuild();
+}
+
+static void rebuild_tick(ap_node *n, void *arg)
+{
+	(void)n, (void)arg;
+	st.rebuild_armed = 0;
+	if (!st.w || !st.shm_full)
+		return;
+	size_t cursor = 0;
+	st.rebuilds++;
+	int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
+	if (rc == 0) {
+		uint64_t keys, used;
+		ap_shm_writer_stats(st.w, &keys, &used, NULL);
+		st.shm_full = 0;
+		ap_log(AP_LOG_NOTICE, "receptionist: snapshot %s rebuilt, live again (%llu keys, %llu bytes)",
+		       st.shm_name, (unsigned long long)keys, (unsigned long long)used);
+		return;
+	}
+	RLOG(AP_LOG_DEBUG, "receptionist: snapshot rebuild failed (%s), retrying", strerror(-rc));
+	arm_rebuild();
+}
+
+/* CLOCK_MONOTONIC ms, as the header says (the loop's cached clock is 0
+ * before it runs). */
+static uint64_t mono_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void heartbeat_tick(ap_node *n, void *arg)
+{
+	(void)arg;
+	if (!st.w)
+		return;
+	ap_shm_heartbeat(st.w, mono_ms());
+	ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
+}
+
+/* The registry's hook: a key's refs changed; runs before any listing or
+ * reply about the change goes out. */
+static void on_change(void *arg, const uint8_t *key, size_t klen, const uint8_t *val, size_t vlen, size_t nrefs)
+{
+	(void)arg;
+	if (!st.w || st.shm_full)
+		return; /* no snapshot, or one a rebuild will rewrite whole */
+	if (!val) {
+		st.shm_errors++;
+		RLOG(AP_LOG_ERROR, "receptionist: no memory to encode a listing; snapshot marked stale");
+		force_stale();
+		return;
+	}
+	int rc = ap_shm_put(st.w, key, klen, val, nrefs ? vlen : 0);
+	if (rc == 0)
+		return;
+	st.shm_errors++;
+	if (rc == -ENOSPC) {
+		/* Logged once per episode: the writer marked the segment STALE. */
+		uint64_t keys, used;
+		ap_shm_writer_stats(st.w, &keys, &used, NULL);
+		ap_log(AP_LOG_WARNING,
+		       "receptionist: snapshot %s is full (%zu bytes, %llu keys): lookups go to the receptionist "
+		       "until a rebuild fits (tried every %d ms)",
+		       st.shm_name, st.shm_bytes, (unsigned long long)keys, REBUILD_MS);
+		st.shm_full = 1;
+		arm_rebuild();
+		return;
+	}
+	/* -E2BIG cannot happen (the registry caps keys and listings at the
+	 * snapshot's limits); if it did, the key's old value would stay
+	 * readable, which is wrong: readers must ask us until a rebuild. */
+	RLOG(AP_LOG_ERROR, "receptionist: snapshot put failed (%s); snapshot marked stale", strerror(-rc));
+	force_stale();
+}
+
+static void on_listing(void *arg, const erlang_pid *to, const uint8_t *key, size_t klen, const uint8_t *msg,
+		       size_t mlen)
+{
+	(void)arg, (void)key, (void)klen;
+	ap_send(st.n, st.self, to, (const char *)msg, (int)mlen);
+}
+
+static const char *shm_state_name(void)
+{
+	if (!st.w)
+		return "none";
+	switch (ap_shm_state(st.w)) {
+	case AP_SHM_STATE_LIVE: return "live";
+	case AP_SHM_STATE_STALE: return "stale";
+	case AP_SHM_STATE_CLOSED: return "closed";
+	default: return "none";
+	}
+}
+
+/* ---- decoding ------------------------------------------------------------------ */
+
+static int get_atom(const char *b, int *i, char *out, size_t cap)
+{
+	int type, size;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_ATOM_EXT || (size_t)size >= cap)
+		return -1;
+	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
+}
+
+/* A binary key of 1..1024 bytes, by reference into b. */
+static int get_key(const char *b, int *i, const char **key, size_t *klen)
+{
+	int type, size;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_BINARY_EXT || (unsigned char)b[*i] != 109 || size < 1 ||
+	    (unsigned)size > REGISTRY_MAX_KEY)
+		return -1;
+	*key = b + *i + 5;
+	*klen = (size_t)size;
+	return ei_skip_term(b, i) ? -1 : 0;
+}
+
+static int get_pid(const char *b, int *i, erlang_pid *p)
+{
+	int type, size;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_PID_EXT)
+		return -1;
+	return ei_decode_pid(b, i, p) ? -1 : 0;
+}
+
+/* A pid, or `undefined` (*has 0). */
+static int get_reply_to(const char *b, int *i, erlang_pid *p, int *has)
+{
+	char a[16];
+	int j = *i;
+	if (get_atom(b, &j, a, sizeof a) == 0) {
+		*has = 0;
+		*i = j;
+		return strcmp(a, "undefined") ? -1 : 0;
+	}
+	*has = 1;
+	return get_pid(b, i, p);
+}
+
+/* ---- sending ---------------------------------------------------------------------- */
+
+static void send_x(const erlang_pid *to)
+{
+	ap_send(st.n, st.self, to, st.x.buff, st.x.index);
+}
+
+static void x_reset(void)
+{
+	st.x.index = 0;
+	ei_x_encode_version(&st.x);
+}
+
+/* {Tag, {service_key, Key}, Ref} */
+static void send_ack(const erlang_pid *to, const char *tag, const char *key, size_t klen, const erlang_pid *ref)
+{
+	x_reset();
+	ei_x_encode_tuple_header(&st.x, 3);
+	ei_x_encode_atom(&st.x, tag);
+	ei_x_encode_tuple_header(&st.x, 2);
+	ei_x_encode_atom(&st.x, "service_key");
+	ei_x_encode_binary(&st.x, key, (long)klen);
+	ei_x_encode_pid(&st.x, ref);
+	send_x(to);
+}
+
+/* {register_failed, {service_key, Key}, Ref, Reason}: names what failed, so a
+ * ReplyTo with several registrations in flight can tell which. */
+static void send_error(const erlang_pid *to, const char *key, size_t klen, const erlang_pid *ref,
+		       const char *reason)
+{
+	x_reset();
+	ei_x_encode_tuple_header(&st.x, 4);
+	ei_x_encode_atom(&st.x, "register_failed");
+	ei_x_encode_tuple_header(&st.x, 2);
+	ei_x_encode_atom(&st.x, "service_key");
+	ei_x_encode_binary(&st.x, key, (long)klen);
+	ei_x_encode_pid(&st.x, ref);
+	ei_x_encode_atom(&st.x, reason);
+	send_x(to);
+}
+
+/* ---- messages --------------------------------------------------------------------- */
+
+static void handle(const char *b, int i, int depth);
+
+static void do_register(const char *b, int i, int reg)
+{
+	const char *key;
+	size_t klen;
+	erlang_pid ref, to;
+	int has_to;
+	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref) || get_reply_to(b, &i, &to, &has_to)) {
+		malformed(reg ? "register" : "deregister");
+		return;
+	}
+	if (!reg) {
+		st.deregisters++;
+		registry_deregister(st.reg, key, klen, &ref);
+		if (has_to)
+			send_ack(&to, "deregistered", key, klen, &ref);
+		return;
+	}
+	st.registers++;
+	int rc = registry_register(st.reg, key, klen, &ref, REGISTRY_ORIGIN_LOCAL);
+	if (rc >= 0) {
+		if (has_to)
+			send_ack(&to, "registered", key, klen, &ref);
+		return;
+	}
+	st.refused++;
+	if (rc == -E2BIG) {
+		RLOG(AP_LOG_WARNING,
+		     "receptionist: register refused: the listing of key '%.*s' (%zu refs) would exceed %zu bytes",
+		     (int)(klen > 64 ? 64 : klen), key, registry_count(st.reg, key, klen), st.max_listing);
+		if (has_to)
+			send_error(&to, key, klen, &ref, "too_many_refs");
+	} else {
+		RLOG(AP_LOG_ERROR, "receptionist: register failed: %s", strerror(-rc));
+		if (has_to)
+			send_error(&to, key, klen, &ref, rc == -ENOMEM ? "enomem" : "badarg");
+	}
+}
+
+static void do_find(const char *b, int i)
+{
+	const char *key;
+	size_t klen;
+	erlang_pid to;
+	const uint8_t *msg;
+	size_t mlen;
+	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &to)) {
+		malformed("find");
+		return;
+	}
+	st.finds++;
+	if (registry_listing(st.reg, key, klen, &msg, &mlen) == 0)
+		ap_send(st.n, st.self, &to, (const char *)msg, (int)mlen);
+}
+
+static void do_subscribe(const char *b, int i, int sub)
+{
+	const char *key;
+	size_t klen;
+	erlang_pid pid;
+	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &pid)) {
+		malformed(sub ? "subscribe" : "unsubscribe");
+		return;
+	}
+	if (sub) {
+		st.subscribes++;
+		int rc = registry_subscribe(st.reg, key, klen, &pid);
+		if (rc < 0)
+			RLOG(AP_LOG_ERROR, "receptionist: subscribe failed: %s", strerror(-rc));
+	} else {
+		st.unsubscribes++;
+		registry_unsubscribe(st.reg, key, klen, &pid);
+	}
+}
+
+static void do_batch(const char *b, int i, int depth)
+{
+	int n, type, size;
+	if (depth >= MAX_BATCH_DEPTH || ei_get_type(b, &i, &type, &size) ||
+	    (type != ERL_LIST_EXT && type != ERL_NIL_EXT) || ei_decode_list_header(b, &i, &n)) {
+		malformed("batch");
+		return;
+	}
+	for (int k = 0; k < n; k++) {
+		int end = i;
+		if (ei_skip_term(b, &end))
+			return;
+		handle(b, i, depth + 1);
+		i = end;
+	}
+}
+
+static void handle(const char *b, int i, int depth)
+{
+	int arity;
+	char op[24];
+	if (ei_decode_tuple_header(b, &i, &arity) || arity < 2 || get_atom(b, &i, op, sizeof op)) {
+		malformed("message");
+		return;
+	}
+	if (arity == 4 && !strcmp(op, "register"))
+		do_register(b, i, 1);
+	else if (arity == 4 && !strcmp(op, "deregister"))
+		do_register(b, i, 0);
+	else if (arity == 3 && !strcmp(op, "find"))
+		do_find(b, i);
+	else if (arity == 3 && !strcmp(op, "subscribe"))
+		do_subscribe(b, i, 1);
+	else if (arity == 3 && !strcmp(op, "unsubscribe"))
+		do_subscribe(b, i, 0);
+	else if (arity == 2 && !strcmp(op, "unsubscribe_all")) {
+		erlang_pid pid;
+		if (get_pid(b, &i, &pid)) {
+			malformed("unsubscribe_all");
+			return;
+		}
+		st.unsubscribes++;
+		registry_unsubscribe_all(st.reg, &pid);
+	} else if (arity == 2 && !strcmp(op, "batch")) {
+		do_batch(b, i, depth);
+	} else if (arity == 3 && !strcmp(op, "send")) {
+		/* {send, Pid, Term}: the BEAM's own messages to a subscriber (a
+		 * rejection) go out in order with our listings to it. */
+		erlang_pid to;
+		if (get_pid(b, &i, &to)) {
+			malformed("send");
+			return;
+		}
+		int t0 = i;
+		if (ei_skip_term(b, &i)) {
+			malformed("send");
+			return;
+		}
+		ap_send(st.n, st.self, &to, b + t0, i - t0);
+	} else {
+		malformed("message");
+	}
+}
+
+/* ---- calls ---------------------------------------------------------------------------- */
+
+static void reply_badarg(ap_node *n, ap_proc *self, const ap_msg *m, const char *what)
+{
+	malformed(what);
+	x_reset();
+	ei_x_encode_tuple_header(&st.x, 2);
+	ei_x_encode_atom(&st.x, "error");
+	ei_x_encode_atom(&st.x, "badarg");
+	ap_reply(n, self, m, st.x.buff, st.x.index);
+}
+
+static void x_counter(const char *name, uint64_t v)
+{
+	ei_x_encode_atom(&st.x, name);
+	ei_x_encode_ulonglong(&st.x, v);
+}
+
+static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	registry_stats rs;
+	uint64_t skeys = 0, used = 0, compactions = 0;
+	registry_get_stats(st.reg, &rs);
+	if (st.w)
+		ap_shm_writer_stats(st.w, &skeys, &used, &compactions);
+	x_reset();
+	ei_x_encode_map_header(&st.x, 24);
+	x_counter("keys", rs.keys);
+	x_counter("refs", rs.refs);
+	x_counter("subscriptions", rs.subscriptions);
+	x_counter("subscribers", rs.subscribers);
+	x_counter("listings_sent", rs.listings_sent);
+	x_counter("registers", st.registers);
+	x_counter("deregisters", st.deregisters);
+	x_counter("finds", st.finds);
+	x_counter("subscribes", st.subscribes);
+	x_counter("unsubscribes", st.unsubscribes);
+	x_counter("malformed", st.malformed);
+	x_counter("refused", st.refused);
+	x_counter("entries", rs.entries);
+	x_counter("nodes", rs.nodes);
+	x_counter("memory", registry_mem_bytes(st.reg));
+	ei_x_encode_atom(&st.x, "shm_state");
+	ei_x_encode_atom(&st.x, shm_state_name());
+	x_counter("shm_keys", skeys);
+	x_counter("shm_used", used);
+	x_counter("shm_compactions", compactions);
+	x_counter("shm_errors", st.shm_errors);
+	x_counter("shm_rebuilds", st.rebuilds);
+	x_counter("shm_size", st.w ? st.shm_bytes : 0);
+	ei_x_encode_atom(&st.x, "shm_name");
+	ei_x_encode_binary(&st.x, st.shm_name, st.w ? (long)strlen(st.shm_name) : 0);
+	ei_x_encode_atom(&st.x, "io");
+	ei_x_encode_atom(&st.x, ap_node_backend(n));
+	ap_reply(n, self, m, st.x.buff, st.x.index);
+}
+
+static void reply_dump(ap_node *n, ap_proc *self, const ap_msg *m, long long max)
+{
+	registry_stats rs;
+	registry_get_stats(st.reg, &rs);
+	uint64_t count = (uint64_t)max < rs.keys ? (uint64_t)max : rs.keys;
+	size_t cursor = 0;
+	x_reset();
+	if (count)
+		ei_x_encode_list_header(&st.x, (long)count);
+	for (uint64_t k = 0; k < count; k++) {
+		const uint8_t *key, *val;
+		size_t klen, vlen;
+		if (registry_next(st.reg, &cursor, &key, &klen, &val, &vlen) != 1)
+			break; /* cannot happen: count keys exist */
+		ei_x_encode_tuple_header(&st.x, 2);
+		ei_x_encode_binary(&st.x, key, (long)klen);
+		ei_x_append_buf(&st.x, (const char *)val + 1, (int)vlen - 1);
+	}
+	ei_x_encode_empty_list(&st.x);
+	ap_reply(n, self, m, st.x.buff, st.x.index);
+}
+
+static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	const char *b = m->buf;
+	int i = m->index, arity;
+	char op[16];
+	if (get_atom(b, &i, op, sizeof op) == 0) {
+		if (!strcmp(op, "sync"))
+			ap_reply_atom(n, self, m, "ok");
+		else if (!strcmp(op, "stats"))
+			reply_stats(n, self, m);
+		else
+			reply_badarg(n, self, m, "call");
+		return;
+	}
+	i = m->index;
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || get_atom(b, &i, op, sizeof op)) {
+		reply_badarg(n, self, m, "call");
+		return;
+	}
+	if (!strcmp(op, "lookup")) {
+		const char *key;
+		size_t klen;
+		const uint8_t *val;
+		size_t vlen;
+		if (get_key(b, &i, &key, &klen) || registry_value(st.reg, key, klen, &val, &vlen)) {
+			reply_badarg(n, self, m, "lookup");
+			return;
+		}
+		ap_reply(n, self, m, (const char *)val, (int)vlen);
+	} else if (!strcmp(op, "dump")) {
+		long long max;
+		if (ei_decode_longlong(b, &i, &max) || max < 0) {
+			reply_badarg(n, self, m, "dump");
+			return;
+		}
+		reply_dump(n, self, m, max);
+	} else {
+		reply_badarg(n, self, m, "call");
+	}
+}
+
+static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	switch (m->kind) {
+	case AP_MSG_CALL:
+		handle_call(n, self, m);
+		break;
+	case AP_MSG_INFO:
+	case AP_MSG_CAST:
+		handle(m->buf, m->index, 0);
+		break;
+	case AP_MSG_EXIT:
+		break;
+	}
+}
+
+/* ---- signals: SIGTERM (and SIGINT by hand) stop the loop, so the exit path runs -------- */
+
+static pthread_t sig_thread;
+static int sig_thread_started;
+static sigset_t stop_sigs;
+
+static void stop_on_loop(ap_node *n, void *arg)
+{
+	(void)arg;
+	ap_log(AP_LOG_INFO, "receptionist: signal received, stopping");
+	ap_node_stop(n);
+}
+
+/* The first signal asks the loop to stop; a second one (the loop is stuck)
+ * unlinks the segment's name and exits at once. */
+static void *sig_main(void *arg)
+{
+	ap_node *n = arg;
+	int sig, got = 0;
+	while (sigwait(&stop_sigs, &sig) == 0) {
+		if (got++ == 0 && ap_node_call_on_loop(n, stop_on_loop, NULL) == 0)
+			continue;
+		if (st.w)
+			shm_unlink(st.shm_name);
+		_exit(128 + sig);
+	}
+	return NULL;
+}
+
+/* Before any other thread exists (the runtime starts its helper in
+ * ap_node_run): every thread then inherits the blocked mask, and the
+ * signals reach only sigwait. Under a port, SIGINT is ignored: a Ctrl-C at
+ * the owner's shell reaches its whole process group, and the registry must
+ * not vanish if the user then continues; the owner ends us by closing
+ * stdin. */
+static int start_signal_thread(ap_node *n, int port_mode)
+{
+	sigemptyset(&stop_sigs);
+	sigaddset(&stop_sigs, SIGTERM);
+	if (port_mode)
+		signal(SIGINT, SIG_IGN);
+	else
+		sigaddset(&stop_sigs, SIGINT);
+	if (pthread_sigmask(SIG_BLOCK, &stop_sigs, NULL))
+		return -1;
+	if (pthread_create(&sig_thread, NULL, sig_main, n))
+		return -1;
+	sig_thread_started = 1;
+	return 0;
+}
+
+/* ---- life cycle ---------------------------------------------------------------------------- */
+
+static void teardown(void)
+{
+	if (st.torn_down)
+		return;
+	st.torn_down = 1;
+	if (sig_thread_started) {
+		pthread_cancel(sig_thread);
+		pthread_join(sig_thread, NULL);
+		sig_thread_started = 0;
+	}
+	if (st.w) {
+		ap_shm_writer_close(st.w, 1);
+		st.w = NULL;
+	}
+	registry_free(st.reg);
+	st.reg = NULL;
+	ei_x_free(&st.x);
+}
+
+static int parse_args(int argc, char **argv, long long *mb, long long *max_listing)
+{
+	for (int k = 0; k < argc; k++) {
+		if (!strcmp(argv[k], "--shm") && k + 1 < argc) {
+			const char *v = argv[++k];
+			if (strlen(v) >= sizeof st.shm_name) {
+				ap_log(AP_LOG_ERROR, "--shm name too long");
+				return -1;
+			}
+			snprintf(st.shm_name, sizeof st.shm_name, "%s", v);
+		} else if (!strcmp(argv[k], "--shm-mb") && k + 1 < argc) {
+			char *end;
+			*mb = strtoll(argv[++k], &end, 10);
+			if (*end || *mb < 0 || *mb > 65536) {
+				ap_log(AP_LOG_ERROR, "bad --shm-mb '%s': want 0..65536 (MiB)", argv[k]);
+				return -1;
+			}
+		} else if (!strcmp(argv[k], "--max-listing-bytes") && k + 1 < argc) {
+			char *end;
+			*max_listing = strtoll(argv[++k], &end, 10);
+			if (*end || *max_listing < 2 || *max_listing > (long long)AP_SHM_MAX_VAL) {
+				ap_log(AP_LOG_ERROR, "bad --max-listing-bytes '%s': want 2..%u", argv[k], AP_SHM_MAX_VAL);
+				return -1;
+			}
+		} else {
+			ap_log(AP_LOG_ERROR, "unknown argument '%s'", argv[k]);
+			return -1;
+		}
+	}
+	return 0;
+}
+
+static int rcpt_init(ap_node *n, int argc, char **argv)
+{
+	long long mb = DEFAULT_SHM_MB, max_listing = AP_SHM_MAX_VAL;
+	st.n = n;
+	if (parse_args(argc, argv, &mb, &max_listing))
+		return 1;
+	if (!st.shm_name[0])
+		snprintf(st.shm_name, sizeof st.shm_name, "/actor_pool.%s", ap_node_name(n));
+	static const registry_ops ops = { .on_change = on_change, .on_listing = on_listing };
+	st.max_listing = (size_t)max_listing;
+	if (ei_x_new(&st.x) || !(st.reg = registry_new(&ops, NULL, (size_t)max_listing)))
+		return 1;
+	st.self = ap_proc_spawn(n, PROC_NAME, rcpt_fn, &st);
+	if (!st.self)
+		return 1;
+	if (start_signal_thread(n, st.port_mode))
+		ap_log(AP_LOG_WARNING, "receptionist: cannot handle SIGTERM/SIGINT: %s", strerror(errno));
+	if (mb > 0) {
+		st.shm_bytes = (size_t)mb << 20;
+		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
+		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(n), incarnation);
+		if (rc) {
+			/* Lookups still work, through the receptionist. */
+			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s; running without",
+			       st.shm_name, st.shm_bytes, strerror(-rc));
+			st.w = NULL;
+		} else {
+			ap_shm_heartbeat(st.w, mono_ms());
+			ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
+			ap_log(AP_LOG_INFO, "receptionist: snapshot %s, %lld MiB", st.shm_name, mb);
+		}
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	/* Also on exit() from elsewhere: the segment name must not outlive us. */
+	atexit(teardown);
+	st.port_mode = argc == 2 && !strcmp(argv[1], "--port");
+	int rc = ap_cnode_main(argc, argv, "actor_receptionist_node", rcpt_init);
+	teardown();
+	return rc;
+}

@@ -1,0 +1,1438 @@
+/* registry: the receptionist's registry core (see registry.h).
+ *
+ * Structures (all open addressing with linear probing and backward-shift
+ * deletion, so there are no tombstones and tables shrink back):
+ *
+ *   keys      rkey* by key bytes (SipHash-1-3 with a random key: key bytes
+ *             come from users, so collisions must not be choosable).
+ *   rkey      the key bytes, its refs in order (one inline, else a heap
+ *             array), and for more than RSET_MIN ref slots a set of
+ *             positions in the same allocation, for O(1) duplicate checks.
+ *   nodes     interned node names (rnode: name, and the bytes ei_encode_pid
+ *             writes before num/serial/creation), by id and by name.
+ *   groups    interned (origin, node) pairs (rgroup), by id and by pair;
+ *             each ref names its group. A group keeps the set of keys that
+ *             hold its refs (with a count per key), so dropping an origin or
+ *             a node visits only the keys concerned.
+ *   subs      subscribers (rsub) by pid; subns the (key, subscriber) pairs
+ *             (rsubn), each in two lists: its key's and its subscriber's.
+ */
+#include "registry.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RSET_MIN 8    /* keys with more ref slots than this get a set */
+#define TAB_MIN 16u   /* smallest hash table */
+#define PID_SUFFIX 12 /* NEW_PID_EXT after the node atom: num, serial, creation */
+/* The listing message's head: 131, {listing, {service_key, <<Key>>}, ... */
+#define HEAD_LEN(klen) (32 + (klen))
+/* The scratch buffer holds a head, then from LIST_AT on a list of pids. */
+#define LIST_AT (HEAD_LEN(REGISTRY_MAX_KEY) + 8)
+
+struct rref {
+	uint32_t grp, num, serial, creation;
+};
+
+struct rsubn;
+
+struct rkey {
+	uint32_t klen;
+	uint32_t nrefs;
+	uint32_t cap;   /* ref slots, a power of two: 1 is the inline one */
+	uint32_t vsize; /* sum of the refs' encoded sizes */
+	union {
+		struct rref one;
+		struct rref *many; /* cap refs, then (cap > RSET_MIN) 2 * cap uint32 positions + 1 */
+	} r;
+	struct rsubn *subs;
+	uint8_t key[];
+};
+
+struct rnode {
+	uint64_t hash;
+	uint32_t id;
+	uint32_t refs; /* groups and subscribers naming it */
+	uint32_t plen; /* prefix bytes: 88, the node atom */
+	uint32_t nlen;
+	uint8_t data[]; /* prefix, then the name and a NUL */
+};
+#define NODE_NAME(nd) ((const char *)(nd)->data + (nd)->plen)
+
+struct kslot {
+	struct rkey *k;
+	uint32_t n; /* refs of the group in k */
+};
+
+struct rgroup {
+	uint64_t hash;
+	uint32_t id, origin, node;
+	uint32_t draining; /* its key set is being walked: leave it alone */
+	uint64_t nrefs;
+	struct kslot *ks;
+	uint32_t kcap, kn;
+};
+
+struct rsub {
+	uint64_t hash;
+	uint32_t node, num, serial, creation;
+	struct rsubn *keys;
+};
+
+struct rsubn {
+	uint64_t hash;
+	struct rkey *k;
+	struct rsub *s;
+	struct rsubn *kprev, *knext; /* in k->subs */
+	struct rsubn *sprev, *snext; /* in s->keys */
+};
+
+/* A table of pointers with their hashes beside them: a probe compares
+ * hashes without touching the entries (cache misses at 100K+ keys). */
+struct pslot {
+	uint64_t h;
+	void *e; /* NULL: empty */
+};
+
+typedef struct ptab {
+	struct pslot *s;
+	size_t cap, n;
+} ptab;
+
+/* Ids for nodes and groups: slot i holds the object with id i, or NULL. */
+typedef struct idvec {
+	void **v;
+	uint32_t *freeids;
+	uint32_t n, cap, nfree;
+} idvec;
+
+struct registry {
+	registry_ops ops;
+	void *arg;
+	size_t max_value;
+	uint64_t k0, k1, seed;
+	ptab keys, subs, subns, node_tab, group_tab;
+	idvec nodes, groups;
+	uint32_t last_node, last_group; /* lookup caches (ids, checked before use) */
+	uint8_t *buf;
+	size_t bufcap;
+	erlang_pid to;
+	uint64_t nkeys, nrefs, nsubscriptions, listings;
+	size_t mem;
+};
+
+#define NODE(r, id) ((struct rnode *)(r)->nodes.v[id])
+#define GROUP(r, id) ((struct rgroup *)(r)->groups.v[id])
+
+/* ---- memory, with accounting ---------------------------------------------- */
+
+static void *rmalloc(registry *r, size_t n)
+{
+	void *p = malloc(n);
+	if (p)
+		r->mem += n;
+	return p;
+}
+
+static void *rcalloc(registry *r, size_t n, size_t size)
+{
+	void *p = calloc(n, size);
+	if (p)
+		r->mem += n * size;
+	return p;
+}
+
+static void rfree(registry *r, void *p, size_t n)
+{
+	if (!p)
+		return;
+	r->mem -= n;
+	free(p);
+}
+
+/* ---- hashing -------------------------------------------------------------- */
+
+static inline uint64_t rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+
+#define SIPROUND                                                                                   \
+	do {                                                                                       \
+		v0 += v1;                                                                          \
+		v1 = rotl(v1, 13);                                                                 \
+		v1 ^= v0;                                                                          \
+		v0 = rotl(v0, 32);                                                                 \
+		v2 += v3;                                                                          \
+		v3 = rotl(v3, 16);                                                                 \
+		v3 ^= v2;                                                                          \
+		v0 += v3;                                                                          \
+		v3 = rotl(v3, 21);                                                                 \
+		v3 ^= v0;                                                                          \
+		v2 += v1;                                                                          \
+		v1 = rotl(v1, 17);                                                                 \
+		v1 ^= v2;                                                                          \
+		v2 = rotl(v2, 32);                                                                 \
+	} while (0)
+
+/* SipHash-1-3 (one compression round, three finalisation rounds). */
+static uint64_t siphash13(uint64_t k0, uint64_t k1, const uint8_t *in, size_t len)
+{
+	uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
+	uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+	uint64_t b = (uint64_t)len << 56;
+	const uint8_t *end = in + (len & ~(size_t)7);
+	for (; in != end; in += 8) {
+		uint64_t m;
+		memcpy(&m, in, 8);
+		v3 ^= m;
+		SIPROUND;
+		v0 ^= m;
+	}
+	switch (len & 7) {
+	case 7: b |= (uint64_t)in[6] << 48; /* fall through */
+	case 6: b |= (uint64_t)in[5] << 40; /* fall through */
+	case 5: b |= (uint64_t)in[4] << 32; /* fall through */
+	case 4: b |= (uint64_t)in[3] << 24; /* fall through */
+	case 3: b |= (uint64_t)in[2] << 16; /* fall through */
+	case 2: b |= (uint64_t)in[1] << 8;  /* fall through */
+	case 1: b |= (uint64_t)in[0];       /* fall through */
+	default: break;
+	}
+	v3 ^= b;
+	SIPROUND;
+	v0 ^= b;
+	v2 ^= 0xff;
+	SIPROUND;
+	SIPROUND;
+	SIPROUND;
+	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+static inline uint64_t mix64(uint64_t x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdULL;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ULL;
+	x ^= x >> 33;
+	return x;
+}
+
+static inline uint64_t key_hash(const registry *r, const void *key, size_t klen)
+{
+	return siphash13(r->k0, r->k1, key, klen);
+}
+
+static inline uint64_t pid_hash(const registry *r, uint32_t nid, uint32_t num, uint32_t serial, uint32_t creation)
+{
+	return mix64(((uint64_t)nid << 32 | num) ^ r->seed ^ mix64((uint64_t)serial << 32 | creation));
+}
+
+static inline uint64_t ptr_hash(const registry *r, const void *p) { return mix64((uintptr_t)p ^ r->seed); }
+
+static inline void put32be(uint8_t *p, uint32_t v)
+{
+	p[0] = (uint8_t)(v >> 24);
+	p[1] = (uint8_t)(v >> 16);
+	p[2] = (uint8_t)(v >> 8);
+	p[3] = (uint8_t)v;
+}
+
+/* ---- generic pointer tables ----------------------------------------------- */
+
+static int ptab_resize(registry *r, ptab *t, size_t cap)
+{
+	struct pslot *s = rcalloc(r, cap, sizeof *s);
+	if (!s)
+		return -1;
+	size_t m = cap - 1;
+	for (size_t i = 0; i < t->cap; i++) {
+		if (!t->s[i].e)
+			continue;
+		size_t j = t->s[i].h & m;
+		while (s[j].e)
+			j = (j + 1) & m;
+		s[j] = t->s[i];
+	}
+	rfree(r, t->s, t->cap * sizeof *s);
+	t->s = s;
+	t->cap = cap;
+	return 0;
+}
+
+/* Room for one more entry at a load of at most 3/4. */
+static int ptab_reserve(registry *r, ptab *t)
+{
+	if ((t->n + 1) * 4 <= t->cap * 3)
+		return 0;
+	return ptab_resize(r, t, t->cap ? t->cap * 2 : TAB_MIN);
+}
+
+static void ptab_put(ptab *t, uint64_t h, void *e)
+{
+	size_t m = t->cap - 1, j = h & m;
+	while (t->s[j].e)
+		j = (j + 1) & m;
+	t->s[j].h = h;
+	t->s[j].e = e;
+	t->n++;
+}
+
+static void ptab_del(registry *r, ptab *t, uint64_t h, const void *e)
+{
+	size_t m = t->cap - 1, i = h & m;
+	while (t->s[i].e != e)
+		i = (i + 1) & m;
+	/* Backward shift: pull later entries of the run into the hole when
+	 * their home slot is not between the hole and where they are. */
+	for (size_t j = i;;) {
+		j = (j + 1) & m;
+		if (!t->s[j].e)
+			break;
+		size_t home = t->s[j].h & m;
+		if (((j - home) & m) >= ((j - i) & m)) {
+			t->s[i] = t->s[j];
+			i = j;
+		}
+	}
+	t->s[i].e = NULL;
+	t->s[i].h = 0;
+	t->n--;
+	if (t->cap > TAB_MIN && t->n * 8 < t->cap)
+		ptab_resize(r, t, t->cap / 2); /* on failure it just stays larger */
+}
+
+/* ---- ids -------------------------------------------------------------------- */
+
+static int idvec_alloc(registry *r, idvec *iv, uint32_t *id)
+{
+	if (iv->nfree) {
+		*id = iv->freeids[--iv->nfree];
+		return 0;
+	}
+	if (iv->n == iv->cap) {
+		uint32_t cap = iv->cap ? iv->cap * 2 : 8;
+		void **v = rcalloc(r, cap, sizeof *v);
+		uint32_t *f = rmalloc(r, cap * sizeof *f);
+		if (!v || !f) {
+			rfree(r, v, cap * sizeof *v);
+			rfree(r, f, cap * sizeof *f);
+			return -1;
+		}
+		if (iv->n)
+			memcpy(v, iv->v, iv->n * sizeof *v);
+		rfree(r, iv->v, iv->cap * sizeof *v);
+		rfree(r, iv->freeids, iv->cap * sizeof *f);
+		iv->v = v;
+		iv->freeids = f;
+		iv->cap = cap;
+	}
+	*id = iv->n++;
+	return 0;
+}
+
+/* Never allocates: freeids has room for every id. */
+static void idvec_release(idvec *iv, uint32_t id)
+{
+	iv->v[id] = NULL;
+	iv->freeids[iv->nfree++] = id;
+}
+
+/* ---- nodes ------------------------------------------------------------------ */
+
+/* The id of node `name`, interned if create. -ENOENT (not create),
+ * -EINVAL (a name ei cannot encode), -ENOMEM. */
+static int node_get(registry *r, const char *name, int create)
+{
+	if (r->last_node < r->nodes.n && NODE(r, r->last_node) && !strcmp(NODE_NAME(NODE(r, r->last_node)), name))
+		return (int)r->last_node;
+	size_t nlen = strnlen(name, MAXATOMLEN_UTF8);
+	if (nlen >= MAXATOMLEN_UTF8)
+		return -EINVAL;
+	uint64_t h = siphash13(r->k1, r->k0, (const uint8_t *)name, nlen);
+	if (r->node_tab.cap) {
+		size_t m = r->node_tab.cap - 1;
+		for (size_t j = h & m; r->node_tab.s[j].e; j = (j + 1) & m) {
+			struct rnode *nd = r->node_tab.s[j].e;
+			if (r->node_tab.s[j].h == h && nd->nlen == nlen && !memcmp(NODE_NAME(nd), name, nlen)) {
+				r->last_node = nd->id;
+				return (int)nd->id;
+			}
+		}
+	}
+	if (!create)
+		return -ENOENT;
+	/* The bytes ei_encode_pid writes before num, serial and creation. */
+	erlang_pid pid, *p = &pid;
+	char enc[MAXATOMLEN_UTF8 + 32];
+	int idx = 0;
+	memset(p, 0, sizeof *p);
+	memcpy(p->node, name, nlen + 1);
+	p->creation = 4;
+	if (ei_encode_pid(NULL, &idx, p) || idx <= PID_SUFFIX || idx > (int)sizeof enc)
+		return -EINVAL;
+	idx = 0;
+	if (ei_encode_pid(enc, &idx, p) || enc[0] != 88 /* NEW_PID_EXT */)
+		return -EINVAL;
+	uint32_t plen = (uint32_t)idx - PID_SUFFIX, id;
+	if (ptab_reserve(r, &r->node_tab))
+		return -ENOMEM;
+	struct rnode *nd = rmalloc(r, sizeof *nd + plen + nlen + 1);
+	if (!nd)
+		return -ENOMEM;
+	if (idvec_alloc(r, &r->nodes, &id)) {
+		rfree(r, nd, sizeof *nd + plen + nlen + 1);
+		return -ENOMEM;
+	}
+	nd->hash = h;
+	nd->id = id;
+	nd->refs = 0;
+	nd->plen = plen;
+	nd->nlen = (uint32_t)nlen;
+	memcpy(nd->data, enc, plen);
+	memcpy(nd->data + plen, name, nlen + 1);
+	r->nodes.v[id] = nd;
+	ptab_put(&r->node_tab, h, nd);
+	r->last_node = id;
+	return (int)id;
+}
+
+/* Free node id if nothing names it any more. */
+static void node_gc(registry *r, uint32_t id)
+{
+	struct rnode *nd = id < r->nodes.n ? NODE(r, id) : NULL;
+	if (!nd || nd->refs)
+		return;
+	ptab_del(r, &r->node_tab, nd->hash, nd);
+	idvec_release(&r->nodes, id);
+	rfree(r, nd, sizeof *nd + nd->plen + nd->nlen + 1);
+}
+
+static void node_unref(registry *r, uint32_t id)
+{
+	NODE(r, id)->refs--;
+	node_gc(r, id);
+}
+
+/* ---- groups ----------------------------------------------------------------- */
+
+static inline uint64_t group_hash(const registry *r, uint32_t origin, uint32_t node)
+{
+	return mix64(((uint64_t)origin << 32 | node) ^ r->seed ^ 0x5bd1e995u);
+}
+
+static struct rgroup *group_get(registry *r, uint32_t origin, uint32_t node, int create)
+{
+	struct rgroup *g = r->last_group < r->groups.n ? GROUP(r, r->last_group) : NULL;
+	if (g && g->origin == origin && g->node == node)
+		return g;
+	uint64_t h = group_hash(r, origin, node);
+	if (r->group_tab.cap) {
+		size_t m = r->group_tab.cap - 1;
+		for (size_t j = h & m; r->group_tab.s[j].e; j = (j + 1) & m) {
+			g = r->group_tab.s[j].e;
+			if (r->group_tab.s[j].h == h && g->origin == origin && g->node == node) {
+				r->last_group = g->id;
+				return g;
+			}
+		}
+	}
+	if (!create || ptab_reserve(r, &r->group_tab))
+		return NULL;
+	uint32_t id;
+	g = rcalloc(r, 1, sizeof *g);
+	if (!g)
+		return NULL;
+	if (idvec_alloc(r, &r->groups, &id)) {
+		rfree(r, g, sizeof *g);
+		return NULL;
+	}
+	g->hash = h;
+	g->id = id;
+	g->origin = origin;
+	g->node = node;
+	r->groups.v[id] = g;
+	ptab_put(&r->group_tab, h, g);
+	NODE(r, node)->refs++;
+	r->last_group = id;
+	return g;
+}
+
+/* Free g if it has no refs left (and is not being drained). */
+static void group_gc(registry *r, struct rgroup *g)
+{
+	if (g->nrefs || g->draining)
+		return;
+	uint32_t node = g->node;
+	ptab_del(r, &r->group_tab, g->hash, g);
+	idvec_release(&r->groups, g->id);
+	rfree(r, g->ks, g->kcap * sizeof *g->ks);
+	rfree(r, g, sizeof *g);
+	node_unref(r, node);
+}
+
+/* A group's keys: rkey* -> refs of the group in that key. */
+
+static int kset_resize(registry *r, struct rgroup *g, uint32_t cap)
+{
+	struct kslot *s = rcalloc(r, cap, sizeof *s);
+	if (!s)
+		return -1;
+	uint32_t m = cap - 1;
+	for (uint32_t i = 0; i < g->kcap; i++) {
+		if (!g->ks[i].k)
+			continue;
+		size_t j = ptr_hash(r, g->ks[i].k) & m;
+		while (s[j].k)
+			j = (j + 1) & m;
+		s[j] = g->ks[i];
+	}
+	rfree(r, g->ks, g->kcap * sizeof *s);
+	g->ks = s;
+	g->kcap = cap;
+	return 0;
+}
+
+static int kset_reserve(registry *r, struct rgroup *g)
+{
+	if ((uint64_t)(g->kn + 1) * 4 <= (uint64_t)g->kcap * 3)
+		return 0;
+	return kset_resize(r, g, g->kcap ? g->kcap * 2 : 8);
+}
+
+static struct kslot *kset_find(const registry *r, const struct rgroup *g, const struct rkey *k)
+{
+	if (!g->kcap)
+		return NULL;
+	uint32_t m = g->kcap - 1;
+	for (size_t j = ptr_hash(r, k) & m; g->ks[j].k; j = (j + 1) & m)
+		if (g->ks[j].k == k)
+			return &g->ks[j];
+	return NULL;
+}
+
+/* Count one more ref of g in k (room reserved). */
+static void kset_inc(registry *r, struct rgroup *g, struct rkey *k)
+{
+	uint32_t m = g->kcap - 1;
+	size_t j = ptr_hash(r, k) & m;
+	for (; g->ks[j].k; j = (j + 1) & m)
+		if (g->ks[j].k == k) {
+			g->ks[j].n++;
+			return;
+		}
+	g->ks[j].k = k;
+	g->ks[j].n = 1;
+	g->kn++;
+}
+
+static void kset_dec(registry *r, struct rgroup *g, struct rkey *k)
+{
+	if (g->draining)
+		return;
+	struct kslot *s = kset_find(r, g, k);
+	if (!s || --s->n)
+		return;
+	uint32_t m = g->kcap - 1;
+	size_t i = (size_t)(s - g->ks);
+	for (size_t j = i;;) {
+		j = (j + 1) & m;
+		if (!g->ks[j].k)
+			break;
+		size_t home = ptr_hash(r, g->ks[j].k) & m;
+		if (((j - home) & m) >= ((j - i) & m)) {
+			g->ks[i] = g->ks[j];
+			i = j;
+		}
+	}
+	g->ks[i].k = NULL;
+	g->ks[i].n = 0;
+	g->kn--;
+	if (g->kcap > 8 && g->kn * 8 < g->kcap)
+		kset_resize(r, g, g->kcap / 2);
+}
+
+/* ---- a key's refs ----------------------------------------------------------- */
+
+static inline struct rref *refs_of(struct rkey *k) { return k->cap <= 1 ? &k->r.one : k->r.many; }
+
+static inline uint32_t *rset_of(struct rkey *k)
+{
+	return k->cap > RSET_MIN ? (uint32_t *)(k->r.many + k->cap) : NULL;
+}
+
+static inline size_t refs_bytes(uint32_t cap)
+{
+	if (cap <= 1)
+		return 0;
+	return cap * sizeof(struct rref) + (cap > RSET_MIN ? 2 * (size_t)cap * sizeof(uint32_t) : 0);
+}
+
+static inline uint32_t ref_node(const registry *r, const struct rref *x) { return GROUP(r, x->grp)->node; }
+
+static inline uint64_t ref_hash(const registry *r, const struct rref *x)
+{
+	return pid_hash(r, ref_node(r, x), x->num, x->serial, x->creation);
+}
+
+static void rset_insert(const registry *r, struct rkey *k, uint32_t pos)
+{
+	uint32_t *set = rset_of(k), m = 2 * k->cap - 1;
+	size_t j = ref_hash(r, &k->r.many[pos]) & m;
+	while (set[j])
+		j = (j + 1) & m;
+	set[j] = pos + 1;
+}
+
+static void rset_build(const registry *r, struct rkey *k)
+{
+	uint32_t *set = rset_of(k);
+	if (!set)
+		return;
+	memset(set, 0, 2 * (size_t)k->cap * sizeof *set);
+	for (uint32_t i = 0; i < k->nrefs; i++)
+		rset_insert(r, k, i);
+}
+
+/* Where pid (on node nid) is in k's refs, or -1. */
+static long ref_find(const registry *r, struct rkey *k, uint32_t nid, const erlang_pid *p)
+{
+	struct rref *v = refs_of(k);
+	uint32_t *set = rset_of(k);
+	if (!set) {
+		for (uint32_t i = 0; i < k->nrefs; i++)
+			if (v[i].num == p->num && v[i].serial == p->serial && v[i].creation == p->creation &&
+			    ref_node(r, &v[i]) == nid)
+				return i;
+		return -1;
+	}
+	uint32_t m = 2 * k->cap - 1;
+	for (size_t j = pid_hash(r, nid, p->num, p->serial, p->creation) & m; set[j]; j = (j + 1) & m) {
+		struct rref *x = &v[set[j] - 1];
+		if (x->num == p->num && x->serial == p->serial && x->creation == p->creation && ref_node(r, x) == nid)
+			return set[j] - 1;
+	}
+	return -1;
+}
+
+/* Move k's refs into cap slots (a power of two >= nrefs; 1 is inline). */
+static int refs_resize(registry *r, struct rkey *k, uint32_t cap)
+{
+	struct rref *old = refs_of(k);
+	if (cap <= 1) {
+		struct rref one = k->nrefs ? old[0] : (struct rref){ 0 };
+		if (k->cap > 1)
+			rfree(r, k->r.many, refs_bytes(k->cap));
+		k->r.one = one;
+		k->cap = 1;
+		return 0;
+	}
+	struct rref *v = rmalloc(r, refs_bytes(cap));
+	if (!v)
+		return -1;
+	memcpy(v, old, k->nrefs * sizeof *v);
+	if (k->cap > 1)
+		rfree(r, k->r.many, refs_bytes(k->cap));
+	k->r.many = v;
+	k->cap = cap;
+	rset_build(r, k);
+	return 0;
+}
+
+/* Take the ref at pos out of k's set (before the refs after it move down
+ * one place): O(set size) with no hashing but for the probe run. */
+static void rset_remove(const registry *r, struct rkey *k, uint32_t pos)
+{
+	uint32_t *set = rset_of(k), m = 2 * k->cap - 1;
+	size_t i = ref_hash(r, &k->r.many[pos]) & m;
+	while (set[i] != pos + 1)
+		i = (i + 1) & m;
+	for (size_t j = i;;) {
+		j = (j + 1) & m;
+		if (!set[j])
+			break;
+		size_t home = ref_hash(r, &k->r.many[set[j] - 1]) & m;
+		if (((j - home) & m) >= ((j - i) & m)) {
+			set[i] = set[j];
+			i = j;
+		}
+	}
+	set[i] = 0;
+	for (uint32_t j = 0; j <= m; j++)
+		if (set[j] > pos + 1)
+			set[j]--;
+}
+
+/* After removals: shrink when a quarter full; re-index when asked (the set
+ * was not kept up to date) and not shrunk (which re-indexes). */
+static void refs_settle(registry *r, struct rkey *k, int reindex)
+{
+	uint32_t cap = k->cap;
+	if (k->nrefs <= 1)
+		cap = 1;
+	else
+		while (cap > 2 && k->nrefs <= cap / 4)
+			cap /= 2;
+	if (cap != k->cap && refs_resize(r, k, cap) == 0)
+		return;
+	if (reindex)
+		rset_build(r, k);
+}
+
+static inline size_t list_size(uint32_t n, size_t vsize) { return n ? 5 + vsize + 1 : 1; }
+
+/* Bookkeeping for one ref x taken out of k (x already out of the array). */
+static void unref(registry *r, struct rkey *k, const struct rref *x)
+{
+	struct rgroup *g = GROUP(r, x->grp);
+	k->vsize -= NODE(r, g->node)->plen + PID_SUFFIX;
+	kset_dec(r, g, k);
+	g->nrefs--;
+	r->nrefs--;
+	group_gc(r, g);
+}
+
+/* ---- keys ------------------------------------------------------------------- */
+
+static struct rkey *key_find(const registry *r, const void *key, size_t klen, uint64_t h)
+{
+	if (!r->keys.cap)
+		return NULL;
+	size_t m = r->keys.cap - 1;
+	for (size_t j = h & m; r->keys.s[j].e; j = (j + 1) & m) {
+		struct rkey *k = r->keys.s[j].e;
+		if (r->keys.s[j].h == h && k->klen == klen && !memcmp(k->key, key, klen))
+			return k;
+	}
+	return NULL;
+}
+
+static struct rkey *key_new(registry *r, const void *key, size_t klen, uint64_t h)
+{
+	if (ptab_reserve(r, &r->keys))
+		return NULL;
+	struct rkey *k = rmalloc(r, sizeof *k + klen);
+	if (!k)
+		return NULL;
+	memset(k, 0, sizeof *k);
+	k->klen = (uint32_t)klen;
+	k->cap = 1;
+	memcpy(k->key, key, klen);
+	ptab_put(&r->keys, h, k);
+	return k;
+}
+
+/* Free k if it has neither refs nor subscribers. */
+static void key_gc(registry *r, struct rkey *k)
+{
+	if (k->nrefs || k->subs)
+		return;
+	ptab_del(r, &r->keys, key_hash(r, k->key, k->klen), k);
+	if (k->cap > 1)
+		rfree(r, k->r.many, refs_bytes(k->cap));
+	rfree(r, k, sizeof *k + k->klen);
+}
+
+/* ---- encoding ---------------------------------------------------------------- */
+
+static int scratch_reserve(registry *r, size_t list)
+{
+	size_t need = LIST_AT + list;
+	if (need <= r->bufcap)
+		return 0;
+	size_t cap = r->bufcap ? r->bufcap : 4096;
+	while (cap < need)
+		cap *= 2;
+	uint8_t *b = realloc(r->buf, cap);
+	if (!b)
+		return -1;
+	r->mem += cap - r->bufcap;
+	r->buf = b;
+	r->bufcap = cap;
+	return 0;
+}
+
+/* k's value (131 + list) into the scratch buffer; k may be NULL (unknown key). */
+static int encode_value(registry *r, struct rkey *k, const uint8_t **val, size_t *vlen)
+{
+	size_t ls = k ? list_size(k->nrefs, k->vsize) : 1;
+	if (scratch_reserve(r, ls))
+		return -ENOMEM;
+	uint8_t *p = r->buf + LIST_AT;
+	if (k && k->nrefs) {
+		const struct rref *v = refs_of(k);
+		*p++ = 108; /* LIST_EXT */
+		put32be(p, k->nrefs);
+		p += 4;
+		for (uint32_t i = 0; i < k->nrefs; i++) {
+			const struct rnode *nd = NODE(r, ref_node(r, &v[i]));
+			memcpy(p, nd->data, nd->plen);
+			p += nd->plen;
+			put32be(p, v[i].num);
+			put32be(p + 4, v[i].serial);
+			put32be(p + 8, v[i].creation);
+			p += PID_SUFFIX;
+		}
+	}
+	*p = 106; /* NIL_EXT */
+	r->buf[LIST_AT - 1] = 131;
+	*val = r->buf + LIST_AT - 1;
+	*vlen = ls + 1;
+	return 0;
+}
+
+/* The message head in front of the list encode_value left (overwriting its
+ * 131): {listing, {service_key, <<Key>>}, List}. */
+static void encode_head(registry *r, const void *key, size_t klen, size_t vlen, const uint8_t **msg, size_t *mlen)
+{
+	uint8_t *p = r->buf + LIST_AT - HEAD_LEN(klen);
+	*msg = p;
+	*mlen = HEAD_LEN(klen) + vlen - 1;
+	static const uint8_t h1[] = { 131, 104, 3, 119, 7, 'l', 'i', 's', 't', 'i', 'n', 'g', 104, 2, 119, 11,
+				      's', 'e', 'r', 'v', 'i', 'c', 'e', '_', 'k', 'e', 'y', 109 };
+	memcpy(p, h1, sizeof h1);
+	p += sizeof h1;
+	put32be(p, (uint32_t)klen);
+	memcpy(p + 4, key, klen);
+}
+
+static void send_to(registry *r, const struct rsub *s, const struct rkey *k, const uint8_t *msg, size_t mlen)
+{
+	const struct rnode *nd = NODE(r, s->node);
+	memcpy(r->to.node, NODE_NAME(nd), nd->nlen + 1);
+	r->to.num = s->num;
+	r->to.serial = s->serial;
+	r->to.creation = s->creation;
+	r->listings++;
+	if (r->ops.on_listing)
+		r->ops.on_listing(r->arg, &r->to, k->key, k->klen, msg, mlen);
+}
+
+/* k's refs changed: the snapshot hook, then every subscriber. */
+static void changed(registry *r, struct rkey *k)
+{
+	const uint8_t *val, *msg;
+	size_t vlen, mlen;
+	if (!r->ops.on_change && !k->subs)
+		return;
+	if (encode_value(r, k, &val, &vlen)) {
+		if (r->ops.on_change)
+			r->ops.on_change(r->arg, k->key, k->klen, NULL, 0, k->nrefs);
+		return;
+	}
+	if (r->ops.on_change)
+		r->ops.on_change(r->arg, k->key, k->klen, val, vlen, k->nrefs);
+	if (!k->subs)
+		return;
+	encode_head(r, k->key, k->klen, vlen, &msg, &mlen);
+	for (const struct rsubn *sn = k->subs; sn; sn = sn->knext)
+		send_to(r, sn->s, k, msg, mlen);
+}
+
+/* ---- life cycle --------------------------------------------------------------- */
+
+registry *registry_new(const registry_ops *ops, void *arg, size_t max_value)
+{
+	registry *r = calloc(1, sizeof *r);
+	if (!r)
+		return NULL;
+	if (ops)
+		r->ops = *ops;
+	r->arg = arg;
+	r->max_value = max_value ? max_value : REGISTRY_DEFAULT_MAX_VAL;
+	if (r->max_value > UINT32_MAX / 2)
+		r->max_value = UINT32_MAX / 2; /* vsize is 32 bits */
+	uint64_t seed[3];
+	if (getrandom(seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		seed[0] = mix64((uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 32);
+		seed[1] = mix64((uint64_t)ts.tv_sec ^ (uintptr_t)r);
+		seed[2] = mix64(seed[0] ^ seed[1]);
+	}
+	r->k0 = seed[0];
+	r->k1 = seed[1];
+	r->seed = seed[2];
+	r->last_node = r->last_group = UINT32_MAX;
+	if (scratch_reserve(r, 4096)) {
+		free(r);
+		return NULL;
+	}
+	return r;
+}
+
+void registry_free(registry *r)
+{
+	if (!r)
+		return;
+	for (size_t i = 0; i < r->subns.cap; i++)
+		free(r->subns.s[i].e);
+	for (size_t i = 0; i < r->subs.cap; i++)
+		free(r->subs.s[i].e);
+	for (size_t i = 0; i < r->keys.cap; i++) {
+		struct rkey *k = r->keys.s[i].e;
+		if (k && k->cap > 1)
+			free(k->r.many);
+		free(k);
+	}
+	for (uint32_t i = 0; i < r->groups.n; i++) {
+		struct rgroup *g = r->groups.v[i];
+		if (g)
+			free(g->ks);
+		free(g);
+	}
+	for (uint32_t i = 0; i < r->nodes.n; i++)
+		free(r->nodes.v[i]);
+	free(r->nodes.v);
+	free(r->nodes.freeids);
+	free(r->groups.v);
+	free(r->groups.freeids);
+	free(r->keys.s);
+	free(r->subs.s);
+	free(r->subns.s);
+	free(r->node_tab.s);
+	free(r->group_tab.s);
+	free(r->buf);
+	free(r);
+}
+
+/* ---- registrations -------------------------------------------------------------- */
+
+int registry_register(registry *r, const void *key, size_t klen, const erlang_pid *ref, uint32_t origin)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	int nid = node_get(r, ref->node, 1);
+	if (nid < 0)
+		return nid;
+	struct rgroup *g = group_get(r, origin, (uint32_t)nid, 1);
+	if (!g) {
+		node_gc(r, (uint32_t)nid);
+		return -ENOMEM;
+	}
+	uint64_t h = key_hash(r, key, klen);
+	struct rkey *k = key_find(r, key, klen, h);
+	int rc = -ENOMEM;
+	if (k && ref_find(r, k, (uint32_t)nid, ref) >= 0) {
+		rc = 0;
+		goto out;
+	}
+	size_t esz = NODE(r, nid)->plen + PID_SUFFIX;
+	size_t vsize = (k ? k->vsize : 0) + esz;
+	uint32_t n = (k ? k->nrefs : 0) + 1;
+	if (1 + list_size(n, vsize) > r->max_value) {
+		rc = -E2BIG;
+		goto out;
+	}
+	/* Everything that can fail first: the commit below cannot. */
+	if (scratch_reserve(r, list_size(n, vsize)))
+		goto out;
+	if (!k && !(k = key_new(r, key, klen, h)))
+		goto out;
+	if (k->nrefs == k->cap && refs_resize(r, k, k->cap * 2))
+		goto out_key;
+	if (kset_reserve(r, g))
+		goto out_key;
+
+	struct rref *v = refs_of(k);
+	v[k->nrefs] = (struct rref){ g->id, ref->num, ref->serial, ref->creation };
+	if (rset_of(k))
+		rset_insert(r, k, k->nrefs);
+	if (k->nrefs++ == 0)
+		r->nkeys++;
+	k->vsize = (uint32_t)vsize;
+	kset_inc(r, g, k);
+	g->nrefs++;
+	r->nrefs++;
+	changed(r, k);
+	return 1;
+out_key:
+	key_gc(r, k);
+out:
+	group_gc(r, g);
+	node_gc(r, (uint32_t)nid);
+	return rc;
+}
+
+int registry_deregister(registry *r, const void *key, size_t klen, const erlang_pid *ref)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	int nid = node_get(r, ref->node, 0);
+	if (nid < 0)
+		return 0;
+	struct rkey *k = key_find(r, key, klen, key_hash(r, key, klen));
+	if (!k)
+		return 0;
+	long i = ref_find(r, k, (uint32_t)nid, ref);
+	if (i < 0)
+		return 0;
+	struct rref *v = refs_of(k), x = v[i];
+	if (rset_of(k))
+		rset_remove(r, k, (uint32_t)i);
+	memmove(v + i, v + i + 1, (k->nrefs - (size_t)i - 1) * sizeof *v);
+	if (--k->nrefs == 0)
+		r->nkeys--;
+	unref(r, k, &x);
+	refs_settle(r, k, 0);
+	changed(r, k);
+	key_gc(r, k);
+	return 1;
+}
+
+/* Walk g's keys and take out every ref matching (by_node, what): all of
+ * g's refs match, and maybe refs of other groups. */
+static size_t drain(registry *r, struct rgroup *g, int by_node, uint32_t what)
+{
+	size_t total = 0;
+	struct kslot *ks = g->ks;
+	uint32_t kcap = g->kcap;
+	g->ks = NULL;
+	g->kcap = g->kn = 0;
+	g->draining = 1;
+	for (uint32_t i = 0; i < kcap; i++) {
+		struct rkey *k = ks[i].k;
+		if (!k)
+			continue;
+		struct rref *v = refs_of(k);
+		uint32_t w = 0, n = k->nrefs;
+		for (uint32_t j = 0; j < n; j++) {
+			struct rref x = v[j];
+			const struct rgroup *xg = GROUP(r, x.grp);
+			if ((by_node ? xg->node : xg->origin) != what) {
+				v[w++] = x;
+				continue;
+			}
+			unref(r, k, &x);
+		}
+		if (w == n)
+			continue;
+		k->nrefs = w;
+		if (!w)
+			r->nkeys--;
+		total += n - w;
+		refs_settle(r, k, 1);
+		changed(r, k);
+		key_gc(r, k);
+	}
+	rfree(r, ks, kcap * sizeof *ks);
+	g->draining = 0;
+	group_gc(r, g);
+	return total;
+}
+
+size_t registry_drop_origin(registry *r, uint32_t origin)
+{
+	size_t total = 0;
+	for (uint32_t id = 0; id < r->groups.n; id++) {
+		struct rgroup *g = GROUP(r, id);
+		if (g && g->origin == origin)
+			total += drain(r, g, 0, origin);
+	}
+	return total;
+}
+
+size_t registry_drop_node(registry *r, const char *node)
+{
+	int nid = node_get(r, node, 0);
+	if (nid < 0)
+		return 0;
+	size_t total = 0;
+	for (uint32_t id = 0; id < r->groups.n; id++) {
+		struct rgroup *g = GROUP(r, id);
+		if (g && g->node == (uint32_t)nid)
+			total += drain(r, g, 1, (uint32_t)nid);
+	}
+	return total;
+}
+
+/* ---- subscriptions ------------------------------------------------------------- */
+
+static struct rsub *sub_get(registry *r, uint32_t nid, const erlang_pid *p, int create)
+{
+	uint64_t h = pid_hash(r, nid, p->num, p->serial, p->creation);
+	if (r->subs.cap) {
+		size_t m = r->subs.cap - 1;
+		for (size_t j = h & m; r->subs.s[j].e; j = (j + 1) & m) {
+			struct rsub *s = r->subs.s[j].e;
+			if (r->subs.s[j].h == h && s->node == nid && s->num == p->num && s->serial == p->serial &&
+			    s->creation == p->creation)
+				return s;
+		}
+	}
+	if (!create || ptab_reserve(r, &r->subs))
+		return NULL;
+	struct rsub *s = rcalloc(r, 1, sizeof *s);
+	if (!s)
+		return NULL;
+	s->hash = h;
+	s->node = nid;
+	s->num = p->num;
+	s->serial = p->serial;
+	s->creation = p->creation;
+	ptab_put(&r->subs, h, s);
+	NODE(r, nid)->refs++;
+	return s;
+}
+
+static void sub_gc(registry *r, struct rsub *s)
+{
+	if (s->keys)
+		return;
+	uint32_t nid = s->node;
+	ptab_del(r, &r->subs, s->hash, s);
+	rfree(r, s, sizeof *s);
+	node_unref(r, nid);
+}
+
+static inline uint64_t subn_hash(const registry *r, const struct rkey *k, const struct rsub *s)
+{
+	return mix64((uintptr_t)k ^ mix64((uintptr_t)s ^ r->seed));
+}
+
+static struct rsubn *subn_find(const registry *r, const struct rkey *k, const struct rsub *s)
+{
+	if (!r->subns.cap)
+		return NULL;
+	uint64_t h = subn_hash(r, k, s);
+	size_t m = r->subns.cap - 1;
+	for (size_t j = h & m; r->subns.s[j].e; j = (j + 1) & m) {
+		struct rsubn *sn = r->subns.s[j].e;
+		if (r->subns.s[j].h == h && sn->k == k && sn->s == s)
+			return sn;
+	}
+	return NULL;
+}
+
+/* Unlink and free one subscription (its key and subscriber stay). */
+static void subn_free(registry *r, struct rsubn *sn)
+{
+	if (sn->kprev)
+		sn->kprev->knext = sn->knext;
+	else
+		sn->k->subs = sn->knext;
+	if (sn->knext)
+		sn->knext->kprev = sn->kprev;
+	if (sn->sprev)
+		sn->sprev->snext = sn->snext;
+	else
+		sn->s->keys = sn->snext;
+	if (sn->snext)
+		sn->snext->sprev = sn->sprev;
+	ptab_del(r, &r->subns, sn->hash, sn);
+	rfree(r, sn, sizeof *sn);
+	r->nsubscriptions--;
+}
+
+int registry_subscribe(registry *r, const void *key, size_t klen, const erlang_pid *sub)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	int nid = node_get(r, sub->node, 1);
+	if (nid < 0)
+		return nid;
+	struct rsub *s = sub_get(r, (uint32_t)nid, sub, 1);
+	if (!s) {
+		node_gc(r, (uint32_t)nid);
+		return -ENOMEM;
+	}
+	uint64_t h = key_hash(r, key, klen);
+	struct rkey *k = key_find(r, key, klen, h);
+	if (!k && !(k = key_new(r, key, klen, h))) {
+		sub_gc(r, s);
+		return -ENOMEM;
+	}
+	struct rsubn *sn = subn_find(r, k, s);
+	int rc = 0;
+	if (!sn) {
+		if (ptab_reserve(r, &r->subns) || !(sn = rmalloc(r, sizeof *sn))) {
+			key_gc(r, k);
+			sub_gc(r, s);
+			return -ENOMEM;
+		}
+		sn->hash = subn_hash(r, k, s);
+		sn->k = k;
+		sn->s = s;
+		sn->kprev = sn->sprev = NULL;
+		sn->knext = k->subs;
+		if (k->subs)
+			k->subs->kprev = sn;
+		k->subs = sn;
+		sn->snext = s->keys;
+		if (s->keys)
+			s->keys->sprev = sn;
+		s->keys = sn;
+		ptab_put(&r->subns, sn->hash, sn);
+		r->nsubscriptions++;
+		rc = 1;
+	}
+	const uint8_t *val, *msg;
+	size_t vlen, mlen;
+	if (encode_value(r, k, &val, &vlen))
+		return -ENOMEM; /* subscribed, but the first listing is owed */
+	encode_head(r, k->key, k->klen, vlen, &msg, &mlen);
+	send_to(r, s, k, msg, mlen);
+	return rc;
+}
+
+int registry_unsubscribe(registry *r, const void *key, size_t klen, const erlang_pid *sub)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	int nid = node_get(r, sub->node, 0);
+	if (nid < 0)
+		return 0;
+	struct rsub *s = sub_get(r, (uint32_t)nid, sub, 0);
+	struct rkey *k = s ? key_find(r, key, klen, key_hash(r, key, klen)) : NULL;
+	struct rsubn *sn = k ? subn_find(r, k, s) : NULL;
+	if (!sn)
+		return 0;
+	subn_free(r, sn);
+	key_gc(r, k);
+	sub_gc(r, s);
+	return 1;
+}
+
+size_t registry_unsubscribe_all(registry *r, const erlang_pid *sub)
+{
+	int nid = node_get(r, sub->node, 0);
+	if (nid < 0)
+		return 0;
+	struct rsub *s = sub_get(r, (uint32_t)nid, sub, 0);
+	if (!s)
+		return 0;
+	size_t n = 0;
+	while (s->keys) {
+		struct rsubn *sn = s->keys;
+		struct rkey *k = sn->k;
+		subn_free(r, sn);
+		key_gc(r, k);
+		n++;
+	}
+	sub_gc(r, s);
+	return n;
+}
+
+/* ---- reading ------------------------------------------------------------------- */
+
+size_t registry_count(const registry *r, const void *key, size_t klen)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return 0;
+	const struct rkey *k = key_find(r, key, klen, key_hash(r, key, klen));
+	return k ? k->nrefs : 0;
+}
+
+int registry_value(registry *r, const void *key, size_t klen, const uint8_t **val, size_t *vlen)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	return encode_value(r, key_find(r, key, klen, key_hash(r, key, klen)), val, vlen);
+}
+
+int registry_listing(registry *r, const void *key, size_t klen, const uint8_t **msg, size_t *mlen)
+{
+	const uint8_t *val;
+	size_t vlen;
+	int rc = registry_value(r, key, klen, &val, &vlen);
+	if (rc)
+		return rc;
+	encode_head(r, key, klen, vlen, msg, mlen);
+	return 0;
+}
+
+int registry_next(registry *r, size_t *cursor, const uint8_t **key, size_t *klen, const uint8_t **val,
+		  size_t *vlen)
+{
+	for (size_t j = *cursor; j < r->keys.cap; j++) {
+		struct rkey *k = r->keys.s[j].e;
+		if (!k || !k->nrefs)
+			continue;
+		if (encode_value(r, k, val, vlen))
+			return -ENOMEM;
+		*key = k->key;
+		*klen = k->klen;
+		*cursor = j + 1;
+		return 1;
+	}
+	*cursor = r->keys.cap;
+	return 0;
+}
+
+void registry_get_stats(const registry *r, registry_stats *s)
+{
+	s->keys = r->nkeys;
+	s->entries = r->keys.n;
+	s->refs = r->nrefs;
+	s->subscriptions = r->nsubscriptions;
+	s->subscribers = r->subs.n;
+	s->listings_sent = r->listings;
+	s->nodes = r->node_tab.n;
+	s->groups = r->group_tab.n;
+}
+
+size_t registry_mem_bytes(const registry *r) { return r->mem + sizeof *r; }
+
+/* ---- invariants ------------------------------------------------------------------ */
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			snprintf(why, cap, __VA_ARGS__);                                           \
+			rc = -1;                                                                   \
+			goto done;                                                                 \
+		}                                                                                  \
+	} while (0)
+
+static int ptab_has(const ptab *t, uint64_t h, const void *e)
+{
+	if (!t->cap)
+		return 0;
+	size_t m = t->cap - 1;
+	for (size_t j = h & m; t->s[j].e; j = (j + 1) & m)
+		if (t->s[j].e == e)
+			return t->s[j].h == h;
+	return 0;
+}
+
+static size_t ptab_count(const ptab *t)
+{
+	size_t n = 0;
+	for (size_t i = 0; i < t->cap; i++)
+		n += t->s[i].e != NULL;
+	return n;
+}
+
+int registry_check(const registry *r, char *why, size_t cap)
+{
+	int rc = 0;
+	uint64_t *gcount = calloc(r->groups.n + 1, sizeof *gcount); /* refs per group, whole registry */
+	uint32_t *kcount = calloc(r->groups.n + 1, sizeof *kcount); /* refs per group, one key */
+	uint64_t *nrefs = calloc(r->nodes.n + 1, sizeof *nrefs);    /* expected node refcounts */
+	uint64_t keys = 0, refs = 0, subns = 0;
+	snprintf(why, cap, "ok");
+	CHECK(gcount && kcount && nrefs, "out of memory");
+	CHECK(ptab_count(&r->keys) == r->keys.n, "key table count");
+	CHECK(ptab_count(&r->subs) == r->subs.n, "subscriber table count");
+	CHECK(ptab_count(&r->subns) == r->subns.n, "subscription table count");
+	CHECK(ptab_count(&r->node_tab) == r->node_tab.n, "node table count");
+	CHECK(ptab_count(&r->group_tab) == r->group_tab.n, "group table count");
+	for (size_t i = 0; i < r->keys.cap; i++) {
+		struct rkey *k = r->keys.s[i].e;
+		if (!k)
+			continue;
+		CHECK(k->klen >= 1 && k->klen <= REGISTRY_MAX_KEY, "key length %u", k->klen);
+		CHECK(r->keys.s[i].h == key_hash(r, k->key, k->klen), "key hash");
+		CHECK(key_find(r, k->key, k->klen, r->keys.s[i].h) == k, "key not findable");
+		CHECK(k->nrefs || k->subs, "empty key kept");
+		CHECK(k->cap >= 1 && !(k->cap & (k->cap - 1)) && k->nrefs <= k->cap, "key cap %u nrefs %u", k->cap,
+		      k->nrefs);
+		CHECK(k->cap == 1 || k->nrefs > k->cap / 8, "key cap %u too big for %u refs", k->cap, k->nrefs);
+		keys += k->nrefs > 0;
+		refs += k->nrefs;
+		struct rref *v = refs_of(k);
+		size_t vsize = 0;
+		for (uint32_t j = 0; j < k->nrefs; j++) {
+			CHECK(v[j].grp < r->groups.n && GROUP(r, v[j].grp), "ref of a dead group");
+			const struct rgroup *g = GROUP(r, v[j].grp);
+			CHECK(g->node < r->nodes.n && NODE(r, g->node), "group of a dead node");
+			vsize += NODE(r, g->node)->plen + PID_SUFFIX;
+			gcount[v[j].grp]++;
+			kcount[v[j].grp]++;
+			erlang_pid p;
+			p.num = v[j].num;
+			p.serial = v[j].serial;
+			p.creation = v[j].creation;
+			CHECK(ref_find(r, k, g->node, &p) == (long)j, "ref %u not found at its place (dup or index)", j);
+		}
+		CHECK(vsize == k->vsize, "vsize %u, refs say %zu", k->vsize, vsize);
+		uint32_t *set = rset_of(k);
+		if (set) {
+			uint32_t used = 0;
+			for (uint32_t j = 0; j < 2 * k->cap; j++) {
+				CHECK(set[j] <= k->nrefs, "set entry out of range");
+				used += set[j] != 0;
+			}
+			CHECK(used == k->nrefs, "set holds %u of %u refs", used, k->nrefs);
+		}
+		for (uint32_t j = 0; j < k->nrefs; j++) {
+			uint32_t gid = v[j].grp;
+			if (!kcount[gid])
+				continue; /* already checked */
+			const struct kslot *s = kset_find(r, GROUP(r, gid), k);
+			CHECK(s && s->n == kcount[gid], "group %u counts %u refs in a key, it has %u", gid, s ? s->n : 0,
+			      kcount[gid]);
+			kcount[gid] = 0;
+		}
+		uint32_t nsub = 0;
+		for (const struct rsubn *sn = k->subs; sn; sn = sn->knext, nsub++) {
+			CHECK(sn->k == k, "subscription in the wrong key list");
+			CHECK(!sn->knext || sn->knext->kprev == sn, "key list links");
+			CHECK(ptab_has(&r->subns, sn->hash, sn), "subscription not in its table");
+			CHECK(subn_find(r, k, sn->s) == sn, "subscription not findable");
+			CHECK(nsub <= r->subns.n, "key list loops");
+		}
+		subns += nsub;
+	}
+	CHECK(keys == r->nkeys, "nkeys %llu, counted %llu", (unsigned long long)r->nkeys, (unsigned long long)keys);
+	CHECK(refs == r->nrefs, "nrefs %llu, counted %llu", (unsigned long long)r->nrefs, (unsigned long long)refs);
+	CHECK(subns == r->nsubscriptions && subns == r->subns.n, "subscriptions: %llu counted, %llu, %zu",
+	      (unsigned long long)subns, (unsigned long long)r->nsubscriptions, r->subns.n);
+	size_t ngroups = 0;
+	for (uint32_t id = 0; id < r->groups.n; id++) {
+		const struct rgroup *g = GROUP(r, id);
+		if (!g)
+			continue;
+		ngroups++;
+		CHECK(g->id == id && ptab_has(&r->group_tab, g->hash, g), "group %u indexing", id);
+		CHECK(!g->draining, "group %u left draining", id);
+		CHECK(g->nrefs && g->nrefs == gcount[id], "group %u: %llu refs, counted %llu", id,
+		      (unsigned long long)g->nrefs, (unsigned long long)gcount[id]);
+		uint64_t inks = 0, kn = 0;
+		for (uint32_t j = 0; j < g->kcap; j++)
+			if (g->ks[j].k) {
+				CHECK(ptab_has(&r->keys, key_hash(r, g->ks[j].k->key, g->ks[j].k->klen), g->ks[j].k),
+				      "group %u names a dead key", id);
+				inks += g->ks[j].n;
+				kn++;
+			}
+		CHECK(kn == g->kn && inks == g->nrefs, "group %u key set: %llu keys (%u), %llu refs", id,
+		      (unsigned long long)kn, g->kn, (unsigned long long)inks);
+		CHECK(g->node < r->nodes.n && NODE(r, g->node), "group %u of a dead node", id);
+		nrefs[g->node]++;
+	}
+	CHECK(ngroups == r->group_tab.n, "groups: %zu by id, %zu by pair", ngroups, r->group_tab.n);
+	uint64_t subns2 = 0;
+	for (size_t i = 0; i < r->subs.cap; i++) {
+		const struct rsub *s = r->subs.s[i].e;
+		if (!s)
+			continue;
+		CHECK(s->keys, "subscriber without subscriptions kept");
+		CHECK(s->node < r->nodes.n && NODE(r, s->node), "subscriber on a dead node");
+		nrefs[s->node]++;
+		for (const struct rsubn *sn = s->keys; sn; sn = sn->snext) {
+			CHECK(sn->s == s && (!sn->snext || sn->snext->sprev == sn), "subscriber list links");
+			CHECK(++subns2 <= r->subns.n, "subscriber lists too long");
+		}
+	}
+	CHECK(subns2 == r->subns.n, "subscriber lists hold %llu of %zu", (unsigned long long)subns2, r->subns.n);
+	size_t nnodes = 0;
+	for (uint32_t id = 0; id < r->nodes.n; id++) {
+		const struct rnode *nd = NODE(r, id);
+		if (!nd)
+			continue;
+		nnodes++;
+		CHECK(nd->id == id && ptab_has(&r->node_tab, nd->hash, nd), "node %u indexing", id);
+		CHECK(nd->refs && nd->refs == nrefs[id], "node %u: refs %u, counted %llu", id, nd->refs,
+		      (unsigned long long)nrefs[id]);
+	}
+	CHECK(nnodes == r->node_tab.n, "nodes: %zu by id, %zu by name", nnodes, r->node_tab.n);
+done:
+	free(gcount);
+	free(kcount);
+	free(nrefs);
+	return rc;
+}
