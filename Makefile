@@ -34,18 +34,20 @@ eunit: epmd
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
 	$(MAKE) eunit-asan
 
-# The pool suite once more against the ASan+UBSan build of the pool node; any
-# sanitizer report (written under ASAN_LOG_DIR) fails the run.
+# The pool and receptionist suites once more against ASan+UBSan builds of
+# their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
+# run.
 ASAN_LOG_DIR = _build/asan-logs
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan
+	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
+	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=actor_pool_tests --sname ap_eunit_asan_$$$$
+	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
-	  echo "sanitizer reports from the pool node (above)"; exit 1; fi
+	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
 
 dep-test:
 	bash test/dep_project/run

@@ -68,9 +68,14 @@
                   backoff => #{min_ms => pos_integer(), max_ms => pos_integer()},
                   stable_ms => non_neg_integer(),
                   start_timeout_ms => pos_integer(),
-                  register => atom()}.
+                  register => atom(),
+                  notify => atom() | pid()}.
 %% Options of {@link start_link/1}. Only `exe' is required; the others default
-%% to the application environment of `actor_pool'.
+%% to the application environment of `actor_pool'. `notify' names a process
+%% (a pid, or a registered name looked up at each event) that gets
+%% `{actor_cnode, Owner, Node, up | down}' whenever an incarnation becomes
+%% ready or is gone; a name that is not registered at that moment gets
+%% nothing.
 
 -type info() :: #{node := node(),
                   os_pid := non_neg_integer() | undefined,
@@ -302,7 +307,8 @@ defaults() ->
       backoff => Env(cnode_backoff, #{min_ms => 100, max_ms => 5000}),
       stable_ms => Env(cnode_stable_ms, 10000),
       start_timeout_ms => Env(cnode_start_timeout_ms, 10000),
-      register => undefined}.
+      register => undefined,
+      notify => undefined}.
 
 %% Every key is checked, the defaults from the application environment too;
 %% unknown keys are errors. Returns the options with every key present.
@@ -333,8 +339,12 @@ check(exe, [_ | _] = Exe) ->
         true -> {ok, Exe};
         false -> error
     end;
-check(Key, undefined) when Key =:= name; Key =:= register ->
+check(Key, undefined) when Key =:= name; Key =:= register; Key =:= notify ->
     {ok, undefined};
+check(notify, Pid) when is_pid(Pid) ->
+    {ok, Pid};
+check(notify, Name) when is_atom(Name) ->
+    {ok, Name};
 check(name, Name) when is_atom(Name) ->
     check(name, atom_to_list(Name));
 check(name, Name) when is_binary(Name) ->
@@ -588,9 +598,22 @@ ready(Ready, #state{node = Node} = State0) ->
                           _ = erlang:cancel_timer(TRef),
                           gen_server:reply(From, ok)
                   end, State#state.waiters),
+    notify(up, State),
     State#state{status = up, io = Io, dist_port = DistPort, os_pid = OsPid,
                 up_since = erlang:monotonic_time(millisecond),
                 monitoring = Monitoring, waiters = []}.
+
+notify(Event, #state{node = Node} = State) ->
+    Msg = {actor_cnode, self(), Node, Event},
+    case opt(notify, State) of
+        undefined -> ok;
+        Pid when is_pid(Pid) -> Pid ! Msg, ok;
+        Name ->
+            case whereis(Name) of
+                undefined -> ok;
+                Pid -> Pid ! Msg, ok
+            end
+    end.
 
 %% The C node connected to us before it said ready, so this only fails if
 %% it is gone already; the port will tell.
@@ -634,6 +657,7 @@ start_failed(#state{up_since = UpSince, failures = Failures0} = State) ->
                end,
     Delay = backoff(opt(backoff, State), Failures),
     logger:notice("actor_cnode ~ts: restart in ~b ms", [State#state.node, Delay]),
+    _ = State#state.status =:= up andalso notify(down, State),
     TRef = erlang:start_timer(Delay, self(), restart),
     State#state{status = down, port = undefined, os_pid = undefined,
                 dist_port = undefined, up_since = undefined,

@@ -26,4 +26,5 @@ start(_StartType, _StartArgs) ->
 stop(_State) ->
     %% The pool C node is gone: a pool name must not resolve to it any more.
     _ = persistent_term:erase(?POOL_NODE_KEY),
+    _ = persistent_term:erase(?RCPT_NODE_KEY),
     actor_pool_batcher:unpublish_all().

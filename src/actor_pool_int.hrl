@@ -15,3 +15,20 @@
 %% ETS table (public, read_concurrency) of batcher groups, one row per pool
 %% node: {Node, Atomics, {Batcher1, ..., BatcherN}, IdleUs}.
 -define(BATCH_TAB, actor_pool_batchers).
+
+%% persistent_term key: {node(), ReceptionistNode} of the receptionist C node
+%% that the application started on this node.
+-define(RCPT_NODE_KEY, {actor_pool, receptionist_node}).
+
+%% Registered names: the actor_cnode owner of the receptionist C node, the
+%% BEAM-side receptionist server, and the registry process on the C node.
+-define(RCPT_OWNER, actor_receptionist_owner).
+-define(RCPT_SERVER, actor_receptionist_server).
+-define(RCPT_PROC, actor_receptionist).
+
+%% ETS tables of the receptionist server, owned by actor_receptionist_sup so
+%% that they outlive a crash of the server: the local registrations
+%% ({Id, Ref}, a bag: insertion order per key) and the local subscriptions
+%% ({Pid, Id}, a bag).
+-define(RCPT_REGS, actor_receptionist_regs).
+-define(RCPT_SUBS, actor_receptionist_subs).

@@ -9,6 +9,9 @@
 %%     `priv/actor_pool_node', unless the application environment says
 %%     `{pool_node, false}'. `pool_node_opts' (a map of {@link
 %%     actor_cnode:opts()} such as `name', `io' or `args') is passed on;</li>
+%% <li>{@link actor_receptionist_sup}, this node's receptionist (its C node
+%%     and BEAM-side server), unless the application environment says
+%%     `{receptionist, false}';</li>
 %% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
 %% </ol>
 %% The owner restarts its C node when it dies; the pools it hosted are gone
@@ -76,8 +79,15 @@ init([]) ->
                  shutdown => infinity,
                  type => supervisor,
                  modules => [actor_pool_batch_sup]},
-    Children = case application:get_env(actor_pool, pool_node, true) of
-                   false -> [CnodeSup, BatchSup];
-                   _ -> [CnodeSup, PoolNode, BatchSup]
-               end,
+    RcptSup = #{id => actor_receptionist_sup,
+                start => {actor_receptionist_sup, start_link, []},
+                restart => permanent,
+                shutdown => infinity,
+                type => supervisor,
+                modules => [actor_receptionist_sup]},
+    Enabled = fun(Key) -> application:get_env(actor_pool, Key, true) =/= false end,
+    Children = [CnodeSup]
+        ++ [PoolNode || Enabled(pool_node)]
+        ++ [RcptSup || Enabled(receptionist)]
+        ++ [BatchSup],
     {ok, {Flags, Children}}.

@@ -1,0 +1,227 @@
+%% @doc The receptionist: a service registry. Processes register under a
+%% service key; anyone can find, subscribe to, or look up the processes
+%% serving a key.
+%%
+%% The registry lives in a C node (`priv/actor_receptionist_node', one per
+%% BEAM node, started by the application); {@link actor_receptionist_server}
+%% is its BEAM-side front. Every call below goes through that server, in the
+%% order the caller made it, so a `register' followed by a `find' from one
+%% process always sees the registration. {@link lookup/1} is the exception:
+%% it reads the C node's shared-memory snapshot through a NIF, with no
+%% message at all, and reflects every registration whose `registered' reply
+%% has been sent.
+%%
+%% Rules (docs/receptionist.md has the guide):
+%% <ul>
+%% <li>The same id is the same key. Ids are binaries; atoms and strings are
+%%     accepted and normalised to binaries.</li>
+%% <li>Many refs per key, listed in registration order; registering the same
+%%     ref twice changes nothing.</li>
+%% <li>Registered refs are not watched: a registration lives until {@link
+%%     deregister/2}, even when its process has died. Guard against stale
+%%     refs (monitor the ref for high-value work).</li>
+%% <li>Subscribers are watched: one that dies frees its slot. Subscriptions
+%%     are bounded (`max_subscribers_per_key', `max_subscribers_total' in the
+%%     application environment); a subscribe over a limit gets
+%%     `{receptionist_subscribe_rejected, Key, Reason, Limit}' and never a
+%%     listing.</li>
+%% <li>A subscriber gets `{listing, Key, Refs}' at once and again whenever
+%%     the set of refs for the key changes, never for a non-change; the
+%%     listings for one subscriber arrive in order.</li>
+%% </ul>
+%% Messages are plain tuples; `include/actor_receptionist.hrl' has records
+%% of the same shape.
+-module(actor_receptionist).
+
+-include("actor_pool_int.hrl").
+
+%% register/2 is this module's, not the BIF.
+-compile({no_auto_import, [register/2]}).
+
+%% API.
+-export([service_key/1]).
+-export([register/2, register/3]).
+-export([deregister/2, deregister/3]).
+-export([find/2]).
+-export([subscribe/2]).
+-export([unsubscribe/2]).
+-export([lookup/1]).
+-export([receptionist_node/0]).
+-export([stats/0]).
+
+%% Internal: also used by the server and tests.
+-export([id/1]).
+
+-export_type([key/0, id/0, listing/0]).
+
+-type key() :: {service_key, binary()}.
+%% What {@link service_key/1} returns; the key in every message.
+
+-type id() :: binary() | atom() | string().
+%% A key's id as given by users: normalised to a binary of 1..1024 bytes.
+
+-type listing() :: {listing, key(), [pid()]}.
+
+-define(MAX_ID, 1024).
+-define(CALL_TIMEOUT, 5000).
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc The key for `Id'. Keys are values: two keys with the same id are the
+%% same key. Raises `badarg' for an id that is not a binary, atom or string
+%% of 1..1024 bytes (UTF-8).
+-spec service_key(id() | key()) -> key().
+service_key(Id) ->
+    case id(Id) of
+        {ok, Bin} -> {service_key, Bin};
+        error -> erlang:error(badarg, [Id])
+    end.
+
+%% @doc Registers `Ref' under `Key' (a key or an id). Asynchronous: see
+%% {@link register/3} for an acknowledgement. `{error, {badarg, _}}' for a
+%% bad key or ref (nothing changes); `{error, noproc}' when the receptionist
+%% is not running.
+-spec register(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+register(Key, Ref) ->
+    reg(register, Key, Ref, undefined).
+
+%% @doc As {@link register/2}; `ReplyTo' gets `{registered, Key, Ref}' once
+%% the registration is recorded (and visible to {@link lookup/1}).
+-spec register(key() | id(), pid(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+register(Key, Ref, ReplyTo) when is_pid(ReplyTo) ->
+    reg(register, Key, Ref, ReplyTo);
+register(_Key, _Ref, ReplyTo) ->
+    {error, {badarg, {reply_to, ReplyTo}}}.
+
+%% @doc Removes the registration of `Ref' under `Key' (nothing happens if
+%% there is none).
+-spec deregister(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+deregister(Key, Ref) ->
+    reg(deregister, Key, Ref, undefined).
+
+%% @doc As {@link deregister/2}; `ReplyTo' gets `{deregistered, Key, Ref}'.
+-spec deregister(key() | id(), pid(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+deregister(Key, Ref, ReplyTo) when is_pid(ReplyTo) ->
+    reg(deregister, Key, Ref, ReplyTo);
+deregister(_Key, _Ref, ReplyTo) ->
+    {error, {badarg, {reply_to, ReplyTo}}}.
+
+%% @doc `ReplyTo' gets one `{listing, Key, Refs}': the current view.
+-spec find(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+find(Key, ReplyTo) ->
+    case {id(Key), is_pid(ReplyTo)} of
+        {{ok, Id}, true} -> cast({find, Id, ReplyTo});
+        {error, _} -> {error, {badarg, {key, Key}}};
+        {_, false} -> {error, {badarg, {reply_to, ReplyTo}}}
+    end.
+
+%% @doc `Subscriber' gets `{listing, Key, Refs}' now and whenever the refs
+%% for `Key' change, until {@link unsubscribe/2} or its death; or, over a
+%% limit, one `{receptionist_subscribe_rejected, Key, Reason, Limit}' and
+%% nothing else. Subscribing twice is one subscription (and a fresh
+%% listing).
+-spec subscribe(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+subscribe(Key, Subscriber) ->
+    case {id(Key), is_pid(Subscriber)} of
+        {{ok, Id}, true} -> cast({subscribe, Id, Subscriber});
+        {error, _} -> {error, {badarg, {key, Key}}};
+        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
+    end.
+
+%% @doc Ends a subscription; no listing arrives after the ones already
+%% sent.
+-spec unsubscribe(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
+unsubscribe(Key, Subscriber) ->
+    case {id(Key), is_pid(Subscriber)} of
+        {{ok, Id}, true} -> cast({unsubscribe, Id, Subscriber});
+        {error, _} -> {error, {badarg, {key, Key}}};
+        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
+    end.
+
+%% @doc The refs registered under `Key', read from the receptionist's
+%% shared-memory snapshot by a NIF: no message, no copy of the registry.
+%% Falls back to asking the receptionist when no snapshot is mapped (or it
+%% is stale); `[]' when neither answers. Raises `badarg' for a bad key.
+-spec lookup(key() | id()) -> [pid()].
+lookup({service_key, Id}) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID ->
+    fast_lookup(Id);
+lookup(Key) ->
+    case id(Key) of
+        {ok, Id} -> fast_lookup(Id);
+        error -> erlang:error(badarg, [Key])
+    end.
+
+%% @doc The receptionist C node of this node, `undefined' when the
+%% application does not run one.
+-spec receptionist_node() -> node() | undefined.
+receptionist_node() ->
+    case persistent_term:get(?RCPT_NODE_KEY, undefined) of
+        {Self, Node} when Self =:= node() -> Node;
+        _ -> undefined
+    end.
+
+%% @doc Counters of the receptionist C node (keys, refs, subscriptions,
+%% listings sent, the snapshot's state and size) and of the BEAM side
+%% (`local_registrations', `local_subscriptions', `status').
+-spec stats() -> map() | {error, noproc | timeout}.
+stats() ->
+    case whereis(?RCPT_SERVER) of
+        undefined -> {error, noproc};
+        _ -> gen_server:call(?RCPT_SERVER, stats, ?CALL_TIMEOUT)
+    end.
+
+%% ===================================================================
+%% Internals
+%% ===================================================================
+
+%% @private
+%% @doc The binary id of a key or id; `error' if it is not one.
+-spec id(term()) -> {ok, binary()} | error.
+id({service_key, Id}) -> id(Id);
+id(Id) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID -> {ok, Id};
+id(Id) when is_atom(Id), Id =/= undefined -> id(atom_to_binary(Id, utf8));
+id(Id) when is_list(Id) ->
+    try unicode:characters_to_binary(Id) of
+        Bin when is_binary(Bin) -> id(Bin);
+        _ -> error
+    catch
+        error:_ -> error
+    end;
+id(_) -> error.
+
+reg(Op, Key, Ref, ReplyTo) ->
+    case {id(Key), is_pid(Ref)} of
+        {{ok, Id}, true} -> cast({Op, Id, Ref, ReplyTo});
+        {error, _} -> {error, {badarg, {key, Key}}};
+        {_, false} -> {error, {badarg, {ref, Ref}}}
+    end.
+
+cast(Msg) ->
+    case whereis(?RCPT_SERVER) of
+        undefined -> {error, noproc};
+        Pid -> gen_server:cast(Pid, Msg)
+    end.
+
+fast_lookup(Id) ->
+    try actor_nif:lookup(Id) of
+        Refs when is_list(Refs) -> Refs;
+        {error, _} -> slow_lookup(Id)
+    catch
+        error:_ -> slow_lookup(Id)
+    end.
+
+%% No snapshot: ask the C node itself (it answers from its registry).
+slow_lookup(Id) ->
+    case receptionist_node() of
+        undefined ->
+            [];
+        Node ->
+            try gen_server:call({?RCPT_PROC, Node}, {lookup, Id}, ?CALL_TIMEOUT) of
+                Refs when is_list(Refs) -> Refs;
+                _ -> []
+            catch
+                exit:_ -> []
+            end
+    end.

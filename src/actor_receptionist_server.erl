@@ -1,0 +1,325 @@
+%% @doc The BEAM-side front of this node's receptionist C node.
+%%
+%% Why a front at all: a C node cannot monitor a BEAM process, must never be
+%% linked to one, and loses its state when it dies. So this server
+%% <ul>
+%% <li>keeps the journal of this node's registrations and subscriptions
+%%     (ETS tables owned by {@link actor_receptionist_sup}, so they survive
+%%     a crash of this server) and replays it into every new incarnation of
+%%     the C node, before the NIF is pointed at the new snapshot: lookups go
+%%     on answering from the old snapshot meanwhile;</li>
+%% <li>monitors subscribers and tells the C node when one dies;</li>
+%% <li>enforces the subscriber limits (every local subscription passes
+%%     here, so the counts are exact) and sends the rejections;</li>
+%% <li>forwards everything else to the C node in arrival order, coalescing
+%%     what arrives in a burst into one `{batch, Msgs}' message, and queues
+%%     it while the C node is down.</li>
+%% </ul>
+%% The protocol to the C node is in docs/receptionist.md ("Internals").
+-module(actor_receptionist_server).
+-behaviour(gen_server).
+
+-include("actor_pool_int.hrl").
+
+%% API.
+-export([start_link/1]).
+-export([shm_name/1]).
+
+%% gen_server callbacks.
+-export([init/1]).
+-export([handle_call/3]).
+-export([handle_cast/2]).
+-export([handle_info/2]).
+-export([terminate/2]).
+
+-export_type([opts/0]).
+
+-type opts() :: #{owner := atom() | pid(),
+                  max_subscribers_per_key := non_neg_integer(),
+                  max_subscribers_total := non_neg_integer()}.
+
+%% Messages per {batch, Msgs} to the C node.
+-define(MAX_BATCH, 1024).
+%% How long a replay may take before the incarnation is given up on.
+-define(SYNC_TIMEOUT, 15000).
+
+-record(state, {
+    rcpt :: node(),
+    owner :: atom() | pid(),
+    per_key :: non_neg_integer(),
+    total_limit :: non_neg_integer(),
+    %% the C node is up and has had the journal replayed
+    up = false :: boolean(),
+    %% messages not yet sent to the C node, newest first
+    out = [] :: [term()],
+    out_len = 0 :: non_neg_integer(),
+    %% a flush message is on its way to us
+    flushing = false :: boolean(),
+    %% live subscriptions per key id, and in all
+    counts = #{} :: #{binary() => pos_integer()},
+    total = 0 :: non_neg_integer(),
+    %% one monitor per subscriber pid
+    monitors = #{} :: #{pid() => reference()},
+    incarnations = 0 :: non_neg_integer()
+}).
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc Starts the server, registered as `actor_receptionist_server'.
+-spec start_link(opts()) -> {ok, pid()} | {error, term()}.
+start_link(Opts) ->
+    gen_server:start_link({local, ?RCPT_SERVER}, ?MODULE, Opts, []).
+
+%% @doc The POSIX shared-memory name of the snapshot of receptionist node
+%% `Node' (the C node's default for `--shm').
+-spec shm_name(node()) -> string().
+shm_name(Node) ->
+    "/actor_pool." ++ atom_to_list(Node).
+
+%% ===================================================================
+%% gen_server callbacks
+%% ===================================================================
+
+-spec init(opts()) -> {ok, #state{}} | {stop, no_receptionist_node}.
+init(#{owner := Owner, max_subscribers_per_key := PerKey,
+       max_subscribers_total := Total}) ->
+    %% Recorded by actor_receptionist_sup when it started the owner.
+    Node = actor_receptionist:receptionist_node(),
+    init(Node, Owner, PerKey, Total).
+
+init(undefined, _Owner, _PerKey, _Total) ->
+    {stop, no_receptionist_node};
+init(Node, Owner, PerKey, Total) ->
+    State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total},
+    %% A restarted server takes the subscriptions over from the journal; a
+    %% subscriber that died meanwhile is reported at once (noproc).
+    State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
+                        ets:tab2list(?RCPT_SUBS)),
+    %% The owner notifies us of each new incarnation; the current one may
+    %% have come up before we were registered.
+    case catch actor_cnode:info(Owner) of
+        #{status := up} -> {ok, replay(State)};
+        _ -> {ok, State}
+    end.
+
+-spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
+handle_call(stats, _From, State) ->
+    Own = #{status => case State#state.up of true -> up; false -> down end,
+            local_registrations => ets:info(?RCPT_REGS, size),
+            local_subscriptions => State#state.total,
+            incarnations => State#state.incarnations,
+            queued => State#state.out_len},
+    Remote = case State#state.up of
+                 true ->
+                     try gen_server:call({?RCPT_PROC, State#state.rcpt}, stats, 5000) of
+                         #{} = M -> M;
+                         _ -> #{}
+                     catch
+                         exit:_ -> #{}
+                     end;
+                 false ->
+                     #{}
+             end,
+    {reply, maps:merge(Remote, Own), State};
+handle_call(sync, _From, State0) ->
+    %% Tests and benchmarks: everything sent before has been applied.
+    State = flush(State0),
+    Reply = case State#state.up of
+                true -> call_rcpt(sync, State);
+                false -> {error, down}
+            end,
+    {reply, Reply, State};
+handle_call(Request, _From, State) ->
+    {reply, {error, {unknown_call, Request}}, State}.
+
+-spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
+handle_cast({register, Id, Ref, _ReplyTo} = Msg, State) ->
+    true = ets:insert(?RCPT_REGS, {Id, Ref}),
+    {noreply, out(Msg, State)};
+handle_cast({deregister, Id, Ref, _ReplyTo} = Msg, State) ->
+    true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
+    {noreply, out(Msg, State)};
+handle_cast({find, _Id, _ReplyTo} = Msg, State) ->
+    {noreply, out(Msg, State)};
+handle_cast({subscribe, Id, Pid} = Msg, State) ->
+    case subscribed(Pid, Id) of
+        true ->
+            %% One subscription; the C node sends a fresh listing.
+            {noreply, out(Msg, State)};
+        false ->
+            case limit(Id, State) of
+                ok ->
+                    true = ets:insert(?RCPT_SUBS, {Pid, Id}),
+                    {noreply, out(Msg, count_sub(Pid, Id, State))};
+                {Reason, Limit} ->
+                    %% Through the C node, so that it reaches the subscriber
+                    %% in order with the listings of its earlier requests.
+                    Rejected = {receptionist_subscribe_rejected, {service_key, Id}, Reason, Limit},
+                    {noreply, out({send, Pid, Rejected}, State)}
+            end
+    end;
+handle_cast({unsubscribe, Id, Pid} = Msg, State) ->
+    case subscribed(Pid, Id) of
+        true ->
+            true = ets:delete_object(?RCPT_SUBS, {Pid, Id}),
+            {noreply, out(Msg, uncount_sub(Pid, Id, State))};
+        false ->
+            {noreply, State}
+    end;
+handle_cast(Msg, State) ->
+    logger:warning("actor_receptionist_server: unexpected cast ~0p", [Msg]),
+    {noreply, State}.
+
+-spec handle_info(term(), #state{}) -> {noreply, #state{}}.
+handle_info(flush, State) ->
+    {noreply, flush(State#state{flushing = false})};
+handle_info({'DOWN', Mref, process, Pid, _}, #state{monitors = Mons} = State0) ->
+    case maps:find(Pid, Mons) of
+        {ok, Mref} ->
+            Ids = [Id || {_, Id} <- ets:lookup(?RCPT_SUBS, Pid)],
+            true = ets:delete(?RCPT_SUBS, Pid),
+            State1 = lists:foldl(fun(Id, S) -> uncount(Id, S) end, State0, Ids),
+            State = State1#state{monitors = maps:remove(Pid, Mons)},
+            {noreply, out({unsubscribe_all, Pid}, State)};
+        _ ->
+            {noreply, State0}
+    end;
+handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node} = State) ->
+    {noreply, replay(State)};
+handle_info({actor_cnode, _Owner, Node, down}, #state{rcpt = Node} = State) ->
+    logger:warning("actor_receptionist: receptionist node ~ts is down; "
+                   "requests are queued until it is back", [Node]),
+    {noreply, State#state{up = false}};
+handle_info(Msg, State) ->
+    logger:warning("actor_receptionist_server: unexpected message ~0p", [Msg]),
+    {noreply, State}.
+
+-spec terminate(term(), #state{}) -> ok.
+terminate(Reason, _State) when Reason =:= normal; Reason =:= shutdown ->
+    %% The application stops: lookups must not answer from a dead snapshot.
+    _ = (catch actor_nif:detach()),
+    ok;
+terminate(_Reason, _State) ->
+    %% A crash: the supervisor restarts us, the snapshot is still current.
+    ok.
+
+%% ===================================================================
+%% Internals
+%% ===================================================================
+
+subscribed(Pid, Id) ->
+    ets:match_object(?RCPT_SUBS, {Pid, Id}) =/= [].
+
+limit(Id, #state{counts = Counts, per_key = PerKey, total = Total, total_limit = TotalLimit}) ->
+    case maps:get(Id, Counts, 0) >= PerKey of
+        true -> {max_subscribers_per_key, PerKey};
+        false when Total >= TotalLimit -> {max_subscribers_total, TotalLimit};
+        false -> ok
+    end.
+
+count_sub(Pid, Id, #state{counts = Counts, total = Total, monitors = Mons} = State) ->
+    Mons1 = case maps:is_key(Pid, Mons) of
+                true -> Mons;
+                false -> Mons#{Pid => erlang:monitor(process, Pid)}
+            end,
+    State#state{counts = maps:update_with(Id, fun(N) -> N + 1 end, 1, Counts),
+                total = Total + 1, monitors = Mons1}.
+
+uncount_sub(Pid, Id, State0) ->
+    State = uncount(Id, State0),
+    case ets:member(?RCPT_SUBS, Pid) of
+        true ->
+            State;
+        false ->
+            {Mref, Mons} = maps:take(Pid, State#state.monitors),
+            true = erlang:demonitor(Mref, [flush]),
+            State#state{monitors = Mons}
+    end.
+
+uncount(Id, #state{counts = Counts, total = Total} = State) ->
+    Counts1 = case maps:get(Id, Counts) of
+                  1 -> maps:remove(Id, Counts);
+                  N -> Counts#{Id := N - 1}
+              end,
+    State#state{counts = Counts1, total = Total - 1}.
+
+%% Queue Msg for the C node; the first message of a burst asks for a flush,
+%% which arrives after everything already in our mailbox: one batch per
+%% burst, and a lone message waits for one self-message only.
+out(Msg, #state{out = Out, out_len = Len} = State) ->
+    State1 = State#state{out = [Msg | Out], out_len = Len + 1},
+    case State1 of
+        #state{up = true, flushing = false} ->
+            self() ! flush,
+            State1#state{flushing = true};
+        _ ->
+            State1
+    end.
+
+flush(#state{up = false} = State) ->
+    State;
+flush(#state{out = []} = State) ->
+    State;
+flush(#state{out = Out} = State) ->
+    send_all(lists:reverse(Out), State),
+    State#state{out = [], out_len = 0}.
+
+send_all([], _State) ->
+    ok;
+send_all([Msg], State) ->
+    send(Msg, State);
+send_all(Msgs, State) ->
+    {Batch, Rest} = take(Msgs, ?MAX_BATCH, []),
+    send({batch, Batch}, State),
+    send_all(Rest, State).
+
+take(Rest, 0, Acc) -> {lists:reverse(Acc), Rest};
+take([], _N, Acc) -> {lists:reverse(Acc), []};
+take([M | Rest], N, Acc) -> take(Rest, N - 1, [M | Acc]).
+
+send(Msg, #state{rcpt = Node}) ->
+    _ = erlang:send({?RCPT_PROC, Node}, Msg, [noconnect]),
+    ok.
+
+call_rcpt(Request, #state{rcpt = Node}) ->
+    try gen_server:call({?RCPT_PROC, Node}, Request, ?SYNC_TIMEOUT)
+    catch
+        exit:Reason -> {error, Reason}
+    end.
+
+%% A new incarnation of the C node: give it the journal (registrations,
+%% then subscriptions, so every subscriber gets a current listing), wait
+%% until it has applied it, then point the NIF at its snapshot, then send
+%% what was queued meanwhile.
+replay(#state{rcpt = Node, incarnations = N} = State0) ->
+    Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
+    Subs = [{subscribe, Id, Pid} || {Pid, Id} <- ets:tab2list(?RCPT_SUBS)],
+    State = State0#state{incarnations = N + 1},
+    send_all(Regs ++ Subs, State),
+    case call_rcpt(sync, State) of
+        ok ->
+            attach(Node),
+            logger:info("actor_receptionist: ~ts up; replayed ~b registrations and "
+                        "~b subscriptions", [Node, length(Regs), length(Subs)]),
+            flush(State#state{up = true});
+        {error, Reason} ->
+            %% It died again: its owner will tell us about the next one.
+            logger:warning("actor_receptionist: replay into ~ts failed: ~0p", [Node, Reason]),
+            State#state{up = false}
+    end.
+
+attach(Node) ->
+    Name = list_to_binary(shm_name(Node)),
+    try actor_nif:attach(Name, atom_to_binary(Node, utf8)) of
+        ok ->
+            ok;
+        {error, Reason} ->
+            logger:warning("actor_receptionist: cannot map the snapshot ~ts (~0p); "
+                           "lookup/1 asks the receptionist instead", [Name, Reason])
+    catch
+        error:Reason ->
+            logger:warning("actor_receptionist: the NIF is not loaded (~0p); "
+                           "lookup/1 asks the receptionist instead", [Reason])
+    end.

@@ -1,0 +1,110 @@
+%% A PropEr property of the receptionist against a simple model: random
+%% sequences of register / deregister / subscribe / unsubscribe / subscriber
+%% deaths on a few keys; afterwards `find', `lookup' and the last listing
+%% each live subscriber got for each key it subscribes to all equal the
+%% model. Run from actor_receptionist_tests (the application must run).
+%% Kept apart from the EUnit module because proper.hrl and eunit.hrl define
+%% the same macros.
+-module(actor_receptionist_prop).
+
+-include_lib("proper/include/proper.hrl").
+
+-export([prop_matches_model/0]).
+
+-define(KEYS, 3).
+-define(REFS, 4).
+-define(SUBS, 3).
+-define(WAIT_MS, 10000).
+
+prop_matches_model() ->
+    ?FORALL(Ops, list(op()), run(Ops)).
+
+op() ->
+    frequency([{4, {register, key(), ref()}},
+               {3, {deregister, key(), ref()}},
+               {2, {subscribe, key(), sub()}},
+               {1, {unsubscribe, key(), sub()}},
+               {1, {kill, sub()}}]).
+
+key() -> choose(1, ?KEYS).
+ref() -> choose(1, ?REFS).
+sub() -> choose(1, ?SUBS).
+
+run(Ops) ->
+    Run = erlang:unique_integer([positive]),
+    Keys = list_to_tuple([actor_receptionist:service_key(
+                            iolist_to_binary(io_lib:format("prop_~b_~b", [Run, I])))
+                          || I <- lists:seq(1, ?KEYS)]),
+    Refs = list_to_tuple([spawn(fun idle/0) || _ <- lists:seq(1, ?REFS)]),
+    Subs0 = list_to_tuple([spawn(fun() -> collect([]) end) || _ <- lists:seq(1, ?SUBS)]),
+    Model0 = {#{}, sets:new([{version, 2}])},
+    {Subs, {Regs, Subscribed}} = lists:foldl(fun(Op, {S, M}) -> step(Op, Keys, Refs, S, M) end,
+                                             {Subs0, Model0}, Ops),
+    barrier(),
+    Want = fun(KI) -> [element(RI, Refs) || RI <- maps:get(KI, Regs, [])] end,
+    Found = [begin
+                 K = element(KI, Keys),
+                 ok = actor_receptionist:find(K, self()),
+                 receive {listing, K, L} -> {KI, L} after ?WAIT_MS -> {KI, timeout} end
+             end || KI <- lists:seq(1, ?KEYS)],
+    Looked = [{KI, actor_receptionist:lookup(element(KI, Keys))} || KI <- lists:seq(1, ?KEYS)],
+    Expected = [{KI, Want(KI)} || KI <- lists:seq(1, ?KEYS)],
+    LastListings = [{{SI, KI}, last_listing(element(SI, Subs), element(KI, Keys))}
+                    || {SI, KI} <- lists:sort(sets:to_list(Subscribed))],
+    ExpectedListings = [{{SI, KI}, Want(KI)} || {SI, KI} <- lists:sort(sets:to_list(Subscribed))],
+    %% Leave nothing behind for the next run.
+    [ok = actor_receptionist:deregister(element(KI, Keys), element(RI, Refs))
+     || {KI, RIs} <- maps:to_list(Regs), RI <- RIs],
+    [exit(P, kill) || P <- tuple_to_list(Refs) ++ tuple_to_list(Subs)],
+    ?WHENFAIL(io:format(user, "ops ~p~nfind ~p~nlookup ~p~nwant ~p~nlistings ~p~nwant ~p~n",
+                        [Ops, Found, Looked, Expected, LastListings, ExpectedListings]),
+              Found =:= Expected andalso Looked =:= Expected
+              andalso LastListings =:= ExpectedListings).
+
+step({register, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed}) ->
+    ok = actor_receptionist:register(element(KI, Keys), element(RI, Refs)),
+    L = maps:get(KI, Regs, []),
+    L1 = case lists:member(RI, L) of
+             true -> L;
+             false -> L ++ [RI]
+         end,
+    {Subs, {Regs#{KI => L1}, Subscribed}};
+step({deregister, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed}) ->
+    ok = actor_receptionist:deregister(element(KI, Keys), element(RI, Refs)),
+    {Subs, {Regs#{KI => lists:delete(RI, maps:get(KI, Regs, []))}, Subscribed}};
+step({subscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    ok = actor_receptionist:subscribe(element(KI, Keys), element(SI, Subs)),
+    {Subs, {Regs, sets:add_element({SI, KI}, Subscribed)}};
+step({unsubscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    ok = actor_receptionist:unsubscribe(element(KI, Keys), element(SI, Subs)),
+    {Subs, {Regs, sets:del_element({SI, KI}, Subscribed)}};
+step({kill, SI}, _Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    exit(element(SI, Subs), kill),
+    New = spawn(fun() -> collect([]) end),
+    Left = sets:filter(fun({S, _}) -> S =/= SI end, Subscribed),
+    {setelement(SI, Subs, New), {Regs, Left}}.
+
+idle() ->
+    receive stop -> ok end.
+
+collect(Acc) ->
+    receive
+        {'$collected', From} -> From ! {self(), lists:reverse(Acc)}, collect(Acc);
+        Msg -> collect([Msg | Acc])
+    end.
+
+last_listing(Sub, Key) ->
+    Sub ! {'$collected', self()},
+    receive
+        {Sub, Msgs} ->
+            case [L || {listing, K, L} <- Msgs, K =:= Key] of
+                [] -> none;
+                Ls -> lists:last(Ls)
+            end
+    after ?WAIT_MS -> timeout
+    end.
+
+barrier() ->
+    K = actor_receptionist:service_key(<<"$barrier">>),
+    ok = actor_receptionist:find(K, self()),
+    receive {listing, K, _} -> ok after ?WAIT_MS -> error(barrier_timeout) end.

@@ -1,0 +1,527 @@
+%% Behaviour of the receptionist (actor_receptionist) on one node, against
+%% the real receptionist C node that the application starts
+%% (priv/actor_receptionist_node) and the NIF that reads its snapshot.
+%%
+%% Every example and rule of the seed (docs/receptionist.md) is a case
+%% here. Cases use keys named after themselves (registrations are not
+%% watched, so they outlive their case), wait on messages, and use a
+%% barrier instead of sleeping: a `find' from the test process is answered
+%% after everything sent before it, so a listing that was going to arrive
+%% has arrived by then.
+%%
+%% ACTOR_POOL_IO (uring | epoll) selects the I/O backend; `make eunit' runs
+%% this module once with each.
+-module(actor_receptionist_tests).
+
+-import(ap_test_util, [wait_until/2, os_pid_alive/1]).
+
+-include_lib("eunit/include/eunit.hrl").
+-include("../include/actor_receptionist.hrl").
+-include_lib("kernel/include/file.hrl").
+
+-export([register_then_find_sees_it/1,
+         many_refs_per_key_in_registration_order/1,
+         one_ref_per_key_by_convention/1,
+         registering_twice_is_idempotent/1,
+         deregister_with_reply/1,
+         deregister_without_reply/1,
+         subscribe_then_changes/1,
+         no_listing_without_a_change/1,
+         listings_for_one_subscriber_arrive_in_order/1,
+         unsubscribe_stops_listings/1,
+         per_key_limit_rejects_with_reason_and_limit/1,
+         total_limit_rejects_with_reason_and_limit/1,
+         subscriber_death_frees_its_slot/1,
+         registrations_persist_after_the_process_dies/1,
+         same_id_same_key/1,
+         bad_keys_and_refs_are_badarg_and_change_nothing/1,
+         lookup_reflects_every_acknowledged_registration/1,
+         lookup_of_unknown_key_is_empty/1,
+         lookup_falls_back_when_no_snapshot_is_mapped/1,
+         single_node_mode_needs_no_cluster/1,
+         bad_start_options_are_badarg/1,
+         the_model_property_holds/1,
+         receptionist_crash_is_replayed/1]).
+
+-define(WAIT_MS, 10000).
+
+%% ===================================================================
+%% Fixture
+%% ===================================================================
+
+actor_receptionist_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     fun(Ctx) ->
+             [case_(Name, Ctx) || Name <- [
+                 register_then_find_sees_it,
+                 many_refs_per_key_in_registration_order,
+                 one_ref_per_key_by_convention,
+                 registering_twice_is_idempotent,
+                 deregister_with_reply,
+                 deregister_without_reply,
+                 subscribe_then_changes,
+                 no_listing_without_a_change,
+                 listings_for_one_subscriber_arrive_in_order,
+                 unsubscribe_stops_listings,
+                 per_key_limit_rejects_with_reason_and_limit,
+                 total_limit_rejects_with_reason_and_limit,
+                 subscriber_death_frees_its_slot,
+                 registrations_persist_after_the_process_dies,
+                 same_id_same_key,
+                 bad_keys_and_refs_are_badarg_and_change_nothing,
+                 lookup_reflects_every_acknowledged_registration,
+                 lookup_of_unknown_key_is_empty,
+                 lookup_falls_back_when_no_snapshot_is_mapped,
+                 single_node_mode_needs_no_cluster,
+                 bad_start_options_are_badarg,
+                 the_model_property_holds,
+                 %% last: it kills the receptionist C node
+                 receptionist_crash_is_replayed]]
+     end}.
+
+case_(Name, Ctx) ->
+    {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
+
+setup() ->
+    WasAlive = is_alive(),
+    ok = actor_dist:ensure_distributed(),
+    {ok, _} = application:ensure_all_started(actor_pool),
+    Node = actor_receptionist:receptionist_node(),
+    ?assert(is_atom(Node) andalso Node =/= undefined),
+    #{rcpt_node => Node, was_alive => WasAlive}.
+
+cleanup(#{was_alive := WasAlive, rcpt_node := Node}) ->
+    Shm = "/dev/shm" ++ actor_receptionist_server:shm_name(Node),
+    ap_test_util:stop_app(WasAlive),
+    %% A clean stop unlinks the snapshot.
+    ?assertEqual(false, filelib:is_file(Shm)).
+
+%% ===================================================================
+%% The seed's examples and rules
+%% ===================================================================
+
+register_then_find_sees_it(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    ?assertEqual({registered, K, self()}, next()),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [self()]}, next()),
+    %% Without waiting for anything: a register then a find from one
+    %% process always sees it.
+    K2 = key(register_then_find_without_reply),
+    ok = actor_receptionist:register(K2, self()),
+    ok = actor_receptionist:find(K2, self()),
+    ?assertEqual(#listing{key = K2, refs = [self()]}, next()).
+
+many_refs_per_key_in_registration_order(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    Refs = [spawn_idle() || _ <- lists:seq(1, 20)],
+    [ok = actor_receptionist:register(K, R) || R <- Refs],
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, Refs}, next()),
+    ?assertEqual(Refs, actor_receptionist:lookup(K)),
+    stop_all(Refs).
+
+one_ref_per_key_by_convention(_Ctx) ->
+    %% A singleton-like service: one ref; consumers take the first, with a
+    %% fallback for the empty case. Nothing enforces a single instance.
+    K = key(?FUNCTION_NAME),
+    First = fun() -> case actor_receptionist:lookup(K) of
+                         [Ref | _] -> Ref;
+                         [] -> none
+                     end
+            end,
+    ?assertEqual(none, First()),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ?assertEqual(self(), First()),
+    Other = spawn_idle(),
+    ok = actor_receptionist:register(K, Other, self()),
+    {registered, K, _} = next(),
+    ?assertEqual([self(), Other], actor_receptionist:lookup(K)),
+    stop_all([Other]).
+
+registering_twice_is_idempotent(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    ok = actor_receptionist:register(K, self(), self()),
+    %% Both are acknowledged; the ref is listed once.
+    ?assertEqual({registered, K, self()}, next()),
+    ?assertEqual({registered, K, self()}, next()),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [self()]}, next()).
+
+deregister_with_reply(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ok = actor_receptionist:deregister(K, self(), self()),
+    ?assertEqual({deregistered, K, self()}, next()),
+    ?assertEqual([], actor_receptionist:lookup(K)),
+    %% Deregistering what is not there is acknowledged too.
+    ok = actor_receptionist:deregister(K, self(), self()),
+    ?assertEqual(#deregistered{key = K, ref = self()}, next()).
+
+deregister_without_reply(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    Other = spawn_idle(),
+    ok = actor_receptionist:register(K, self()),
+    ok = actor_receptionist:register(K, Other),
+    ok = actor_receptionist:deregister(K, self()),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [Other]}, next()),
+    stop_all([Other]).
+
+subscribe_then_changes(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:subscribe(K, self()),
+    ?assertEqual({listing, K, []}, next()),
+    A = spawn_idle(),
+    B = spawn_idle(),
+    ok = actor_receptionist:register(K, A),
+    ?assertEqual({listing, K, [A]}, next()),
+    ok = actor_receptionist:register(K, B),
+    ?assertEqual({listing, K, [A, B]}, next()),
+    ok = actor_receptionist:deregister(K, A),
+    ?assertEqual({listing, K, [B]}, next()),
+    ok = actor_receptionist:deregister(K, B),
+    ?assertEqual({listing, K, []}, next()),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    stop_all([A, B]).
+
+no_listing_without_a_change(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    A = spawn_idle(),
+    ok = actor_receptionist:register(K, A),
+    ok = actor_receptionist:subscribe(K, self()),
+    ?assertEqual({listing, K, [A]}, next()),
+    ok = actor_receptionist:register(K, A),            %% already there
+    ok = actor_receptionist:deregister(K, spawn_idle()), %% never there
+    ok = actor_receptionist:register(key(other_key_of_no_listing), A),
+    barrier(),
+    ?assertEqual([], drain()),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    stop_all([A]).
+
+listings_for_one_subscriber_arrive_in_order(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:subscribe(K, self()),
+    {listing, K, []} = next(),
+    Refs = [spawn_idle() || _ <- lists:seq(1, 50)],
+    [ok = actor_receptionist:register(K, R) || R <- Refs],
+    Got = [next() || _ <- Refs],
+    Want = [{listing, K, lists:sublist(Refs, N)} || N <- lists:seq(1, 50)],
+    ?assertEqual(Want, Got),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    stop_all(Refs).
+
+unsubscribe_stops_listings(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:subscribe(K, self()),
+    {listing, K, []} = next(),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    ok = actor_receptionist:register(K, self()),
+    barrier(),
+    ?assertEqual([], drain()).
+
+per_key_limit_rejects_with_reason_and_limit(_Ctx) ->
+    with_limits(#{max_subscribers_per_key => 2, max_subscribers_total => 100}, fun() ->
+        K = key(?FUNCTION_NAME),
+        [S1, S2, S3] = [spawn_collector() || _ <- [1, 2, 3]],
+        [ok = actor_receptionist:subscribe(K, S) || S <- [S1, S2, S3]],
+        ok = actor_receptionist:register(K, self()),
+        barrier(),
+        ?assertEqual([{listing, K, []}, {listing, K, [self()]}], collected(S1)),
+        ?assertEqual([{listing, K, []}, {listing, K, [self()]}], collected(S2)),
+        %% Rejected, and nothing after the rejection.
+        ?assertEqual([#receptionist_subscribe_rejected{key = K, reason = max_subscribers_per_key,
+                                                       limit = 2}], collected(S3)),
+        %% Other keys still have room.
+        ok = actor_receptionist:subscribe(key(per_key_limit_other), S3),
+        barrier(),
+        ?assertMatch([_, {listing, _, []}], collected(S3)),
+        stop_all([S1, S2, S3])
+    end).
+
+total_limit_rejects_with_reason_and_limit(_Ctx) ->
+    with_limits(#{max_subscribers_per_key => 100, max_subscribers_total => 3}, fun() ->
+        Keys = [key({?FUNCTION_NAME, I}) || I <- [1, 2, 3, 4]],
+        S = spawn_collector(),
+        [ok = actor_receptionist:subscribe(K, S) || K <- Keys],
+        ok = actor_receptionist:register(lists:last(Keys), self()),
+        barrier(),
+        [K1, K2, K3, K4] = Keys,
+        ?assertEqual([{listing, K1, []}, {listing, K2, []}, {listing, K3, []},
+                      {receptionist_subscribe_rejected, K4, max_subscribers_total, 3}],
+                     collected(S)),
+        stop_all([S])
+    end).
+
+subscriber_death_frees_its_slot(_Ctx) ->
+    with_limits(#{max_subscribers_per_key => 1, max_subscribers_total => 100}, fun() ->
+        K = key(?FUNCTION_NAME),
+        S1 = spawn_collector(),
+        ok = actor_receptionist:subscribe(K, S1),
+        barrier(),
+        ?assertEqual([{listing, K, []}], collected(S1)),
+        Mref = monitor(process, S1),
+        exit(S1, kill),
+        receive {'DOWN', Mref, _, _, _} -> ok end,
+        %% The server learns of the death by its own monitor; retry with a
+        %% fresh subscriber until the slot is free.
+        wait_until(fun() ->
+                           S = spawn_collector(),
+                           ok = actor_receptionist:subscribe(K, S),
+                           barrier(),
+                           case collected(S) of
+                               [{listing, K, []}] -> true;
+                               [{receptionist_subscribe_rejected, K, _, 1}] -> stop_all([S]), false
+                           end
+                   end, ?WAIT_MS),
+        #{local_subscriptions := N} = actor_receptionist:stats(),
+        ?assertEqual(1, N)
+    end).
+
+registrations_persist_after_the_process_dies(_Ctx) ->
+    %% Refs are not watched: a dead ref stays until deregistered.
+    K = key(?FUNCTION_NAME),
+    P = spawn_idle(),
+    ok = actor_receptionist:register(K, P, self()),
+    {registered, K, P} = next(),
+    stop_all([P]),
+    ?assertNot(is_process_alive(P)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [P]}, next()),
+    ?assertEqual([P], actor_receptionist:lookup(K)),
+    ok = actor_receptionist:deregister(K, P, self()),
+    {deregistered, K, P} = next().
+
+same_id_same_key(_Ctx) ->
+    Bin = <<"same_id_same_key">>,
+    ?assertEqual({service_key, Bin}, actor_receptionist:service_key(Bin)),
+    ?assertEqual(actor_receptionist:service_key(Bin), actor_receptionist:service_key(same_id_same_key)),
+    ?assertEqual(actor_receptionist:service_key(Bin), actor_receptionist:service_key("same_id_same_key")),
+    ?assertEqual(#service_key{id = Bin}, actor_receptionist:service_key(actor_receptionist:service_key(Bin))),
+    %% Unicode ids normalise to UTF-8.
+    ?assertEqual({service_key, <<"caf", 195, 169>>}, actor_receptionist:service_key([$c, $a, $f, 233])),
+    ok = actor_receptionist:register(same_id_same_key, self()),
+    ok = actor_receptionist:find("same_id_same_key", self()),
+    ?assertEqual({listing, {service_key, Bin}, [self()]}, next()),
+    ?assertEqual([self()], actor_receptionist:lookup(Bin)),
+    ok = actor_receptionist:deregister({service_key, Bin}, self()).
+
+bad_keys_and_refs_are_badarg_and_change_nothing(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    Long = binary:copy(<<"x">>, 1025),
+    ?assertError(badarg, actor_receptionist:service_key(<<>>)),
+    ?assertError(badarg, actor_receptionist:service_key(Long)),
+    ?assertError(badarg, actor_receptionist:service_key(42)),
+    ?assertError(badarg, actor_receptionist:service_key([-1])),
+    ?assertEqual({error, {badarg, {key, 42}}}, actor_receptionist:register(42, self())),
+    ?assertEqual({error, {badarg, {key, Long}}}, actor_receptionist:register(Long, self())),
+    ?assertEqual({error, {badarg, {ref, not_a_pid}}}, actor_receptionist:register(K, not_a_pid)),
+    ?assertEqual({error, {badarg, {reply_to, x}}}, actor_receptionist:register(K, self(), x)),
+    ?assertEqual({error, {badarg, {ref, "p"}}}, actor_receptionist:deregister(K, "p")),
+    ?assertEqual({error, {badarg, {reply_to, 1}}}, actor_receptionist:find(K, 1)),
+    ?assertEqual({error, {badarg, {subscriber, x}}}, actor_receptionist:subscribe(K, x)),
+    ?assertEqual({error, {badarg, {key, {service_key, 1}}}},
+                 actor_receptionist:unsubscribe({service_key, 1}, self())),
+    ?assertError(badarg, actor_receptionist:lookup(<<>>)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, []}, next()).
+
+lookup_reflects_every_acknowledged_registration(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    ?assertMatch(#{mapped := true}, actor_nif:info()),
+    Refs = [spawn_idle() || _ <- lists:seq(1, 200)],
+    lists:foldl(fun(R, Acc) ->
+                        ok = actor_receptionist:register(K, R, self()),
+                        {registered, K, R} = next(),
+                        %% Straight from the snapshot: no message involved.
+                        ?assertEqual(Acc ++ [R], actor_nif:lookup(element(2, K))),
+                        Acc ++ [R]
+                end, [], Refs),
+    [begin
+         ok = actor_receptionist:deregister(K, R, self()),
+         {deregistered, K, R} = next(),
+         ?assertNot(lists:member(R, actor_receptionist:lookup(K)))
+     end || R <- Refs],
+    ?assertEqual([], actor_receptionist:lookup(K)),
+    stop_all(Refs).
+
+lookup_of_unknown_key_is_empty(_Ctx) ->
+    ?assertEqual([], actor_receptionist:lookup(key(?FUNCTION_NAME))),
+    ?assertEqual([], actor_receptionist:lookup(binary:copy(<<"z">>, 1024))).
+
+lookup_falls_back_when_no_snapshot_is_mapped(#{rcpt_node := Node}) ->
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ok = actor_nif:detach(),
+    try
+        ?assertEqual({error, unmapped}, actor_nif:lookup(element(2, K))),
+        %% Answered by the receptionist C node itself.
+        ?assertEqual([self()], actor_receptionist:lookup(K))
+    after
+        Name = list_to_binary(actor_receptionist_server:shm_name(Node)),
+        ok = actor_nif:attach(Name, atom_to_binary(Node, utf8))
+    end,
+    ?assertEqual([self()], actor_nif:lookup(element(2, K))).
+
+single_node_mode_needs_no_cluster(#{rcpt_node := Node}) ->
+    %% No other BEAM node: the receptionist serves the same API locally.
+    ?assertEqual([], nodes()),
+    ?assert(lists:member(Node, nodes(hidden))),
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:subscribe(K, self()),
+    {listing, K, []} = next(),
+    ok = actor_receptionist:register(K, self()),
+    ?assertEqual({listing, K, [self()]}, next()),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    #{keys := Keys, refs := RefCount, shm_state := live} = actor_receptionist:stats(),
+    ?assert(Keys >= 1 andalso RefCount >= 1).
+
+bad_start_options_are_badarg(_Ctx) ->
+    ?assertEqual({error, {badarg, {max_subscribers_per_key, -1}}},
+                 actor_receptionist_sup:start_link(#{max_subscribers_per_key => -1})),
+    ?assertEqual({error, {badarg, {max_subscribers_total, x}}},
+                 actor_receptionist_sup:start_link(#{max_subscribers_total => x})),
+    ?assertEqual({error, {badarg, {shm_mb, 0}}}, actor_receptionist_sup:start_link(#{shm_mb => 0})),
+    ?assertEqual({error, {badarg, {bogus, 1}}}, actor_receptionist_sup:start_link(#{bogus => 1})),
+    ?assertEqual({error, {badarg, {opts, x}}}, actor_receptionist_sup:start_link(x)).
+
+the_model_property_holds(_Ctx) ->
+    ?assert(proper:quickcheck(actor_receptionist_prop:prop_matches_model(),
+                              [{numtests, 60}, {to_file, user}, noshrink])).
+
+%% ===================================================================
+%% Durability
+%% ===================================================================
+
+receptionist_crash_is_replayed(#{rcpt_node := Node}) ->
+    K = key(?FUNCTION_NAME),
+    Refs = [spawn_idle() || _ <- lists:seq(1, 5)],
+    [ok = actor_receptionist:register(K, R) || R <- Refs],
+    ok = actor_receptionist:subscribe(K, self()),
+    ?assertEqual({listing, K, Refs}, next()),
+    #{os_pid := OsPid, restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    Shm = "/dev/shm" ++ actor_receptionist_server:shm_name(Node),
+    {ok, #file_info{inode = Inode0}} = file:read_file_info(Shm),
+    os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+    wait_until(fun() -> not os_pid_alive(OsPid) end, ?WAIT_MS),
+    %% Lookups answer from the last snapshot, whether or not the new
+    %% incarnation is up yet.
+    ?assertEqual(Refs, actor_receptionist:lookup(K)),
+    %% Once the owner has seen the exit (and so told the server), a request
+    %% is queued while the C node is down, or sent if it is back already:
+    %% either way it is not lost.
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_receptionist_owner) of
+                           #{status := down} -> true;
+                           #{restarts := R} -> R > R0
+                       end
+               end, ?WAIT_MS),
+    New = spawn_idle(),
+    ok = actor_receptionist:register(K, New, self()),
+    %% The subscriber gets a current listing from the new incarnation, and
+    %% the new registration is acknowledged and listed.
+    Got = until_listed(K, New, []),
+    ?assert(lists:member({registered, K, New}, Got)),
+    Listings = [L || {listing, _, L} <- Got],
+    ?assertEqual(Refs ++ [New], lists:last(Listings)),
+    ?assert(lists:all(fun(L) -> L =:= Refs orelse L =:= Refs ++ [New] end, Listings)),
+    barrier(),
+    ?assertEqual([], drain()),
+    wait_until(fun() -> maps:get(status, actor_cnode:info(actor_receptionist_owner)) =:= up end,
+               ?WAIT_MS),
+    #{restarts := R1, status := up} = actor_cnode:info(actor_receptionist_owner),
+    ?assertEqual(R0 + 1, R1),
+    %% A new segment replaced the old one and the NIF follows it.
+    {ok, #file_info{inode = Inode1}} = file:read_file_info(Shm),
+    ?assertNotEqual(Inode0, Inode1),
+    ?assertEqual(Refs ++ [New], actor_receptionist:lookup(K)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, Refs ++ [New]}, next()),
+    ok = actor_receptionist:unsubscribe(K, self()),
+    stop_all([New | Refs]).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+key(Name) ->
+    actor_receptionist:service_key(iolist_to_binary(io_lib:format("~0p", [Name]))).
+
+%% Messages until both the acknowledgement of New and a listing with New
+%% under K have come.
+until_listed(K, New, Acc0) ->
+    Acc = Acc0 ++ [next()],
+    case lists:member({registered, K, New}, Acc)
+        andalso lists:any(fun({listing, K1, L}) -> K1 =:= K andalso lists:member(New, L);
+                             (_) -> false
+                          end, Acc) of
+        true -> Acc;
+        false -> until_listed(K, New, Acc)
+    end.
+
+%% The next message, which must come within WAIT_MS.
+next() ->
+    receive Msg -> Msg
+    after ?WAIT_MS -> error(no_message)
+    end.
+
+drain() ->
+    receive Msg -> [Msg | drain()]
+    after 0 -> []
+    end.
+
+%% Everything the receptionist sent before this call has been delivered.
+barrier() ->
+    K = actor_receptionist:service_key(<<"$barrier">>),
+    ok = actor_receptionist:find(K, self()),
+    receive {listing, K, _} -> ok
+    after ?WAIT_MS -> error(barrier_timeout)
+    end.
+
+spawn_idle() ->
+    spawn(fun() -> receive stop -> ok end end).
+
+%% A process that keeps what it receives, and hands it over on request.
+spawn_collector() ->
+    spawn(fun() -> collect([]) end).
+
+collect(Acc) ->
+    receive
+        {'$collected', From} -> From ! {self(), lists:reverse(Acc)}, collect(Acc);
+        stop -> ok;
+        Msg -> collect([Msg | Acc])
+    end.
+
+%% What S got so far; call after barrier/0.
+collected(S) ->
+    S ! {'$collected', self()},
+    receive {S, Msgs} -> Msgs
+    after ?WAIT_MS -> error(collector_timeout)
+    end.
+
+stop_all(Pids) ->
+    [begin
+         Mref = monitor(process, P),
+         P ! stop,
+         receive {'DOWN', Mref, _, _, _} -> ok end
+     end || P <- Pids],
+    ok.
+
+%% Run Fun with the receptionist restarted under other limits (from the
+%% application environment), then restore the defaults.
+with_limits(Limits, Fun) ->
+    restart_receptionist(Limits),
+    try Fun()
+    after restart_receptionist(#{max_subscribers_per_key => 1000, max_subscribers_total => 10000})
+    end.
+
+restart_receptionist(Limits) ->
+    maps:foreach(fun(K, V) -> ok = application:set_env(actor_pool, K, V) end, Limits),
+    ok = supervisor:terminate_child(actor_pool_sup, actor_receptionist_sup),
+    {ok, _} = supervisor:restart_child(actor_pool_sup, actor_receptionist_sup),
+    ok.
