@@ -59,20 +59,24 @@ run() ->
     %% 100K keys, one ref each: registration throughput and memory.
     Keys = [actor_receptionist:service_key(<<"bench-key-", (integer_to_binary(I))/binary>>)
             || I <- lists:seq(1, ?KEYS)],
-    Groups = [{bench_group, I} || I <- lists:seq(1, ?KEYS)],
+    %% pg keeps a list of groups per member pid and pg:leave/3 walks it, so
+    %% 100K groups of one pid would make leave quadratic: 1000 member pids,
+    %% 100 groups each.
+    Members = list_to_tuple([spawn(fun idle/0) || _ <- lists:seq(1, 1000)]),
+    Groups = [{{bench_group, I}, element(1 + I rem 1000, Members)} || I <- lists:seq(1, ?KEYS)],
     Self = self(),
     Rss0 = rcpt_rss(),
     Ets0 = journal_bytes(),
     Pg0 = pg_bytes(PgPid),
     Reg1 = rate(?KEYS, fun() -> [ok = actor_receptionist:register(K, Self) || K <- Keys], ok = sync() end),
-    PgJoin1 = rate(?KEYS, fun() -> [ok = pg:join(?SCOPE, G, Self) || G <- Groups], ok end),
+    PgJoin1 = rate(?KEYS, fun() -> [ok = pg:join(?SCOPE, G, P) || {G, P} <- Groups], ok end),
     Rss1 = rcpt_rss(),
     Ets1 = journal_bytes(),
     Pg1 = pg_bytes(PgPid),
     Stats = actor_receptionist:stats(),
     Big = lookups(N, Runs, K10, Tab),
     Dereg1 = rate(?KEYS, fun() -> [ok = actor_receptionist:deregister(K, Self) || K <- Keys], ok = sync() end),
-    PgLeave1 = rate(?KEYS, fun() -> [ok = pg:leave(?SCOPE, G, Self) || G <- Groups], ok end),
+    PgLeave1 = rate(?KEYS, fun() -> [ok = pg:leave(?SCOPE, G, P) || {G, P} <- Groups], ok end),
     %% From 8 processes, each its own keys.
     Parts = split(Keys, 8),
     GParts = split(Groups, 8),
@@ -81,14 +85,14 @@ run() ->
                                     || Ks <- Parts]),
                                ok = sync()
                        end),
-    PgJoin8 = rate(?KEYS, fun() -> par([fun() -> [ok = pg:join(?SCOPE, G, Self) || G <- Gs] end
+    PgJoin8 = rate(?KEYS, fun() -> par([fun() -> [ok = pg:join(?SCOPE, G, P) || {G, P} <- Gs] end
                                         || Gs <- GParts]) end),
     Dereg8 = rate(?KEYS, fun() ->
                                  par([fun() -> [ok = actor_receptionist:deregister(K, Self) || K <- Ks] end
                                       || Ks <- Parts]),
                                  ok = sync()
                          end),
-    PgLeave8 = rate(?KEYS, fun() -> par([fun() -> [ok = pg:leave(?SCOPE, G, Self) || G <- Gs] end
+    PgLeave8 = rate(?KEYS, fun() -> par([fun() -> [ok = pg:leave(?SCOPE, G, P) || {G, P} <- Gs] end
                                          || Gs <- GParts]) end),
     [] = actor_receptionist:lookup(hd(Keys)),
 

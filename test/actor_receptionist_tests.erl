@@ -379,7 +379,14 @@ single_node_mode_needs_no_cluster(#{rcpt_node := Node}) ->
     ?assertEqual({listing, K, [self()]}, next()),
     ok = actor_receptionist:unsubscribe(K, self()),
     #{keys := Keys, refs := RefCount, shm_state := live} = actor_receptionist:stats(),
-    ?assert(Keys >= 1 andalso RefCount >= 1).
+    ?assert(Keys >= 1 andalso RefCount >= 1),
+    %% The snapshot is named after the receptionist node, readable by this
+    %% user only, and mapped by the NIF.
+    Shm = "/dev/shm" ++ actor_receptionist_server:shm_name(Node),
+    {ok, #file_info{mode = Mode, type = regular}} = file:read_file_info(Shm),
+    ?assertEqual(8#600, Mode band 8#777),
+    ?assertMatch(#{mapped := true, state := live}, actor_nif:info()),
+    ?assertEqual(atom_to_binary(Node, utf8), maps:get(node, actor_nif:info())).
 
 bad_start_options_are_badarg(_Ctx) ->
     ?assertEqual({error, {badarg, {max_subscribers_per_key, -1}}},
