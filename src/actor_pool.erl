@@ -101,6 +101,10 @@
 -define(MAX_STABLE_MS, 86400000).
 %% The pool node reads plugin paths into a 4 KiB buffer.
 -define(MAX_PATH, 4095).
+%% Container nesting of a message: a C node accepts 1024 levels
+%% (AP_TERM_MAX_DEPTH in c_src/cnode/ap_term.h), and a batch wraps a message
+%% in three more ({'$ap_batch', [{ask, ...}]}).
+-define(MAX_DEPTH, 1000).
 
 %% ===================================================================
 %% API
@@ -178,9 +182,10 @@ stop_pool(Pool) ->
 %% counts the latter in `dropped_tells').
 %%
 %% A binary reaches the handler as its bytes; any other term in the external
-%% term format. A message that holds a closure (a fun other than `fun M:F/A')
-%% raises `badarg' here: a C node cannot decode one, and would close the whole
-%% connection, failing every ask in flight to that pool node.
+%% term format. A message that holds a closure (a fun other than `fun M:F/A'),
+%% or containers nested more than 1000 deep, raises `badarg' here: a C node
+%% refuses such a term by closing the whole connection, failing every ask in
+%% flight to that pool node.
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
     case sendable(Msg) andalso dest(Pool) of
@@ -441,19 +446,30 @@ host(Node) ->
         _ -> ""
     end.
 
-%% True unless T holds a closure. A C node decodes every other term (export
-%% funs `fun M:F/A' included), but closes the whole connection on a closure,
-%% failing every ask in flight to that node. Binaries, the usual message,
-%% cost one test.
-sendable(T) when is_binary(T); is_atom(T); is_number(T) -> true;
-sendable([H | T]) -> sendable(H) andalso sendable(T);
-sendable(T) when is_tuple(T) -> sendable_tuple(T, tuple_size(T));
-sendable(T) when is_map(T) -> sendable_map(maps:next(maps:iterator(T)));
-sendable(F) when is_function(F) -> erlang:fun_info(F, type) =:= {type, external};
-sendable(_) -> true.
+%% True unless T holds a closure or nests deeper than a C node accepts. A C
+%% node decodes every other term (export funs `fun M:F/A' included), but
+%% closes the whole connection on a closure or on containers nested deeper
+%% than it accepts (see ?MAX_DEPTH), failing every ask in flight
+%% to that node. Binaries, the usual message, cost one test.
+sendable(T) -> sendable(T, 0).
 
-sendable_tuple(_T, 0) -> true;
-sendable_tuple(T, I) -> sendable(element(I, T)) andalso sendable_tuple(T, I - 1).
+%% D: containers open above T.
+sendable(T, _D) when is_binary(T); is_atom(T); is_number(T) -> true;
+sendable([], _D) -> true;
+sendable([_ | _] = L, D) when D < ?MAX_DEPTH -> sendable_list(L, D + 1);
+sendable(T, D) when is_tuple(T), D < ?MAX_DEPTH -> sendable_tuple(T, tuple_size(T), D + 1);
+sendable(T, D) when is_map(T), D < ?MAX_DEPTH -> sendable_map(maps:next(maps:iterator(T)), D + 1);
+sendable(F, D) when is_function(F), D < ?MAX_DEPTH -> erlang:fun_info(F, type) =:= {type, external};
+sendable(T, _D) when is_pid(T); is_port(T); is_reference(T); is_bitstring(T) -> true;
+sendable(_T, _D) -> false.
 
-sendable_map(none) -> true;
-sendable_map({K, V, Next}) -> sendable(K) andalso sendable(V) andalso sendable_map(maps:next(Next)).
+sendable_list([H | T], D) -> sendable(H, D) andalso sendable_list(T, D);
+sendable_list([], _D) -> true;
+sendable_list(Tail, D) -> sendable(Tail, D).
+
+sendable_tuple(_T, 0, _D) -> true;
+sendable_tuple(T, I, D) -> sendable(element(I, T), D) andalso sendable_tuple(T, I - 1, D).
+
+sendable_map(none, _D) -> true;
+sendable_map({K, V, Next}, D) ->
+    sendable(K, D) andalso sendable(V, D) andalso sendable_map(maps:next(Next), D).

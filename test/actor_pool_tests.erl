@@ -522,7 +522,15 @@ terms_of_every_kind_round_trip(_Ctx) ->
                  -(1 bsl 70), 1.5, #{a => [1, {2}], <<"k">> => #{}}, [a | b], <<1:3>>,
                  'héllo', "string", [], {}, <<>>, alias([explicit_unalias])],
         [?assertEqual({ok, T}, actor_pool:ask(P, T)) || T <- Terms],
-        ?assertEqual({ok, Terms}, actor_pool:ask(P, Terms))
+        ?assertEqual({ok, Terms}, actor_pool:ask(P, Terms)),
+        %% Nesting up to 1000 levels crosses; deeper would make the C node
+        %% close the connection (it refuses terms its decoder would have to
+        %% recurse into without bound), so it is refused here.
+        Deep = fun Nest(0, A) -> A; Nest(N, A) -> Nest(N - 1, {A}) end,
+        ?assertEqual({ok, Deep(1000, x)}, actor_pool:ask(P, Deep(1000, x))),
+        ?assertEqual({ok, Deep(999, [x])}, actor_pool:ask(P, Deep(999, [x]))),
+        ?assertError(badarg, actor_pool:ask(P, Deep(1001, x))),
+        ?assertError(badarg, actor_pool:tell(P, Deep(1000, [x])))
     end).
 
 %% The pool is a process that answers gen_server:call/cast and `!' directly

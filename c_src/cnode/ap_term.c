@@ -49,11 +49,20 @@ int ap_term_skip(const char *cbuf, size_t len, int *idx)
 	 * larger than the bytes left can be rejected at once; that also bounds
 	 * the count and keeps it from overflowing. */
 	uint64_t pending = 1;
+	/* Elements left in each open container: ei's skip and decoders recurse
+	 * once per level, so the nesting depth must be bounded as well. */
+	uint64_t left_in[AP_TERM_MAX_DEPTH + 1];
+	int depth = 0;
+	left_in[0] = 1;
 
 	while (pending > 0) {
 		if (pending > len - i)
 			return -1;
 		pending--;
+		while (left_in[depth] == 0)
+			depth--; /* pending > 0: some open container has elements left */
+		left_in[depth]--;
+		uint64_t before = pending;
 		const uint8_t *p = buf + i;
 		size_t left = len - i;
 		uint64_t n;
@@ -195,6 +204,11 @@ int ap_term_skip(const char *cbuf, size_t len, int *idx)
 			 * none is negotiated with an ei node. Old FUN_EXT closures
 			 * are refused: no OTP since R8 sends them. */
 			return -1;
+		}
+		if (pending > before) {
+			if (depth == AP_TERM_MAX_DEPTH)
+				return -1;
+			left_in[++depth] = pending - before;
 		}
 	}
 	*idx = (int)i;

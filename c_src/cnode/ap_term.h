@@ -8,6 +8,11 @@
 
 #include <stddef.h>
 
+/* Containers (tuples, lists, maps, funs) nested deeper than this are refused
+ * as malformed: ei's skip and decoders recurse once per level, and a term
+ * nested a million deep would overflow a thread's stack. */
+#define AP_TERM_MAX_DEPTH 1024
+
 /* Skip one term (no version byte) starting at buf[*idx], never reading at or
  * past buf[len]. On success advances *idx past the term and returns 0; on a
  * truncated, unknown or malformed term returns -1 and leaves *idx alone. */
