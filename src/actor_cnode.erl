@@ -41,6 +41,7 @@
 -export([info/1]).
 -export([node/1]).
 -export([await_up/2]).
+-export([restart/1]).
 
 %% proc_lib entry point.
 -export([init_it/1]).
@@ -175,6 +176,14 @@ node(Ref) ->
 await_up(Ref, TimeoutMs) when is_integer(TimeoutMs), TimeoutMs >= 0 ->
     gen_server:call(Ref, {await_up, TimeoutMs}, infinity).
 
+%% @doc Kills the running incarnation (kill -9) so that it is restarted like
+%% a crashed one: `down' now, a new incarnation after the backoff. For a
+%% user that finds the C node out of step (its connection dropped, a call
+%% timed out). `ok' also when it is down already.
+-spec restart(ref()) -> ok.
+restart(Ref) ->
+    gen_server:call(Ref, restart).
+
 %% ===================================================================
 %% gen_server callbacks
 %% ===================================================================
@@ -244,6 +253,12 @@ handle_call({await_up, _}, _From, #state{status = up} = State) ->
 handle_call({await_up, TimeoutMs}, From, #state{waiters = Waiters} = State) ->
     TRef = erlang:start_timer(TimeoutMs, self(), {await_up, From}),
     {noreply, State#state{waiters = [{From, TRef} | Waiters]}};
+handle_call(restart, _From, #state{port = undefined} = State) ->
+    {reply, ok, State};
+handle_call(restart, _From, #state{node = Node} = State0) ->
+    logger:warning("actor_cnode ~ts: restart requested; killing the running incarnation", [Node]),
+    State = kill(monitor_node_off(cancel_timer(State0))),
+    {reply, ok, start_failed(State)};
 handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
@@ -259,7 +274,7 @@ handle_info({Port, {data, Data}}, #state{port = Port} = State) ->
 handle_info({Port, {exit_status, Status}}, #state{port = Port} = State) ->
     {noreply, exited(Status, State)};
 handle_info({timeout, TRef, restart}, #state{timer = {TRef, restart}} = State) ->
-    {noreply, restart(State#state{timer = undefined})};
+    {noreply, respawn(State#state{timer = undefined})};
 handle_info({timeout, TRef, start_timeout},
             #state{timer = {TRef, start_timeout}} = State) ->
     logger:warning("actor_cnode ~ts: not ready after ~b ms; killing it",
@@ -531,7 +546,7 @@ await_ready(#state{port = Port} = State, Deadline) ->
     end.
 
 %% A new incarnation after a crash: asynchronous, unlike the first one.
-restart(#state{restarts = Restarts} = State) ->
+respawn(#state{restarts = Restarts} = State) ->
     logger:notice("actor_cnode ~ts: restarting the C node", [State#state.node]),
     try open(State#state{restarts = Restarts + 1}) of
         Opened ->

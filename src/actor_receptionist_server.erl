@@ -15,6 +15,16 @@
 %%     what arrives in a burst into one `{batch, Msgs}' message, and queues
 %%     it while the C node is down.</li>
 %% </ul>
+%% Every incarnation is addressed by the pid of its registry process, so a
+%% message meant for an earlier incarnation is dropped by the runtime instead
+%% of landing in the next one ahead of the replay. Replies (acknowledgements,
+%% find listings, rejections) are kept until the C node confirms, in the same
+%% batch, that it has sent them; those of an incarnation that died first are
+%% sent again by the next one (so a reply may come twice, never not at all).
+%% A lost connection to a live incarnation (nodedown) makes the server
+%% restart it, since what was in flight is unknown; and a server that
+%% restarts while its C node is up does the same, since the C node may hold
+%% changes the journal no longer has.
 %% The protocol to the C node is in docs/receptionist.md ("Internals").
 -module(actor_receptionist_server).
 -behaviour(gen_server).
@@ -46,6 +56,11 @@
 -record(state, {
     rcpt :: node(),
     owner :: atom() | pid(),
+    %% the registry process of the current incarnation
+    pid :: pid() | undefined,
+    %% replies sent but not yet confirmed: [{Seq, [Msg]}], oldest first
+    unconfirmed = [] :: [{non_neg_integer(), [term()]}],
+    seq = 0 :: non_neg_integer(),
     per_key :: non_neg_integer(),
     total_limit :: non_neg_integer(),
     %% the C node is up and has had the journal replayed
@@ -98,10 +113,23 @@ init(Node, Owner, PerKey, Total) ->
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
                         ets:tab2list(?RCPT_SUBS)),
     %% The owner notifies us of each new incarnation; the current one may
-    %% have come up before we were registered.
+    %% have come up before we were registered. If it has served requests
+    %% already, this server is a restarted one: the C node may hold changes
+    %% that were applied to the journal but never sent (or the reverse), so
+    %% it is restarted and gets the journal from scratch.
     case catch actor_cnode:info(Owner) of
-        #{status := up} -> {ok, replay(State)};
-        _ -> {ok, State}
+        #{status := up} ->
+            case fresh(Node) of
+                true ->
+                    {ok, replay(State)};
+                false ->
+                    logger:notice("actor_receptionist: server restarted; restarting ~ts "
+                                  "to replay the journal into a clean registry", [Node]),
+                    ok = actor_cnode:restart(Owner),
+                    {ok, State}
+            end;
+        _ ->
+            {ok, State}
     end.
 
 -spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
@@ -175,6 +203,14 @@ handle_cast(Msg, State) ->
 -spec handle_info(term(), #state{}) -> {noreply, #state{}}.
 handle_info(flush, State) ->
     {noreply, flush(State#state{flushing = false})};
+handle_info({rcpt_confirmed, Seq}, #state{unconfirmed = Un} = State) ->
+    {noreply, State#state{unconfirmed = [E || {S, _} = E <- Un, S > Seq]}};
+handle_info({nodedown, Node}, #state{rcpt = Node, up = true, owner = Owner} = State) ->
+    logger:warning("actor_receptionist: connection to ~ts lost; restarting it", [Node]),
+    ok = actor_cnode:restart(Owner),
+    {noreply, State#state{up = false, pid = undefined}};
+handle_info({nodedown, _Node}, State) ->
+    {noreply, State};
 handle_info({'DOWN', Mref, process, Pid, _}, #state{monitors = Mons} = State0) ->
     case maps:find(Pid, Mons) of
         {ok, Mref} ->
@@ -186,12 +222,19 @@ handle_info({'DOWN', Mref, process, Pid, _}, #state{monitors = Mons} = State0) -
         _ ->
             {noreply, State0}
     end;
+handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node, up = true, pid = Pid} = State) ->
+    %% Seen already (init/1 replayed into it) unless the pid changed.
+    case call_rcpt(pid, State) of
+        Pid -> {noreply, State};
+        _ -> {noreply, replay(State#state{up = false})}
+    end;
 handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node} = State) ->
     {noreply, replay(State)};
 handle_info({actor_cnode, _Owner, Node, down}, #state{rcpt = Node} = State) ->
     logger:warning("actor_receptionist: receptionist node ~ts is down; "
                    "requests are queued until it is back", [Node]),
-    {noreply, State#state{up = false}};
+    monitor_off(Node),
+    {noreply, State#state{up = false, pid = undefined}};
 handle_info(Msg, State) ->
     logger:warning("actor_receptionist_server: unexpected message ~0p", [Msg]),
     {noreply, State}.
@@ -262,9 +305,37 @@ flush(#state{up = false} = State) ->
     State;
 flush(#state{out = []} = State) ->
     State;
-flush(#state{out = Out} = State) ->
-    send_all(lists:reverse(Out), State),
-    State#state{out = [], out_len = 0}.
+flush(#state{out = Out, seq = Seq0, unconfirmed = Un} = State) ->
+    Msgs = lists:reverse(Out),
+    %% Replies ride with a confirmation that the C node sends back after
+    %% them: until it comes, they are owed.
+    {Msgs1, State1} = case [M || M <- Msgs, replies(M)] of
+                          [] ->
+                              {Msgs, State};
+                          Owed ->
+                              Seq = Seq0 + 1,
+                              {Msgs ++ [{send, self(), {rcpt_confirmed, Seq}}],
+                               State#state{seq = Seq, unconfirmed = Un ++ [{Seq, Owed}]}}
+                      end,
+    send_all(Msgs1, State1),
+    State1#state{out = [], out_len = 0}.
+
+%% Messages whose loss someone would notice.
+replies({register, _, _, ReplyTo}) -> ReplyTo =/= undefined;
+replies({deregister, _, _, ReplyTo}) -> ReplyTo =/= undefined;
+replies({find, _, _}) -> true;
+replies({send, _, _}) -> true;
+replies(_) -> false.
+
+%% After a replay the journal already holds every state change; what is
+%% left to do for a queued or unconfirmed message is its reply.
+owed({register, Id, Ref, ReplyTo}) when is_pid(ReplyTo) ->
+    [{send, ReplyTo, {registered, {service_key, Id}, Ref}}];
+owed({deregister, Id, Ref, ReplyTo}) when is_pid(ReplyTo) ->
+    [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}}];
+owed({find, _, _} = Find) -> [Find];
+owed({send, _, _} = Send) -> [Send];
+owed(_) -> [].
 
 send_all([], _State) ->
     ok;
@@ -279,12 +350,20 @@ take(Rest, 0, Acc) -> {lists:reverse(Acc), Rest};
 take([], _N, Acc) -> {lists:reverse(Acc), []};
 take([M | Rest], N, Acc) -> take(Rest, N - 1, [M | Acc]).
 
-send(Msg, #state{rcpt = Node}) ->
-    _ = erlang:send({?RCPT_PROC, Node}, Msg, [noconnect]),
+send(_Msg, #state{pid = undefined}) ->
+    ok;
+send(Msg, #state{pid = Pid}) ->
+    _ = erlang:send(Pid, Msg, [noconnect]),
     ok.
 
-call_rcpt(Request, #state{rcpt = Node}) ->
-    try gen_server:call({?RCPT_PROC, Node}, Request, ?SYNC_TIMEOUT)
+call_rcpt(Request, #state{rcpt = Node, pid = Pid}) ->
+    %% By pid once known: a call to an incarnation that is gone fails
+    %% instead of reaching the next one.
+    Dest = case Pid of
+               undefined -> {?RCPT_PROC, Node};
+               _ -> Pid
+           end,
+    try gen_server:call(Dest, Request, ?SYNC_TIMEOUT)
     catch
         exit:Reason -> {error, Reason}
     end.
@@ -292,23 +371,61 @@ call_rcpt(Request, #state{rcpt = Node}) ->
 %% A new incarnation of the C node: give it the journal (registrations,
 %% then subscriptions, so every subscriber gets a current listing), wait
 %% until it has applied it, then point the NIF at its snapshot, then send
-%% what was queued meanwhile.
-replay(#state{rcpt = Node, incarnations = N} = State0) ->
-    Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
-    Subs = [{subscribe, Id, Pid} || {Pid, Id} <- ets:tab2list(?RCPT_SUBS)],
-    State = State0#state{incarnations = N + 1},
-    send_all(Regs ++ Subs, State),
-    case call_rcpt(sync, State) of
-        ok ->
-            attach(Node),
-            logger:info("actor_receptionist: ~ts up; replayed ~b registrations and "
-                        "~b subscriptions", [Node, length(Regs), length(Subs)]),
-            flush(State#state{up = true});
+%% the replies still owed (unconfirmed ones of the previous incarnation,
+%% then those of requests queued meanwhile: their state changes are in the
+%% journal already).
+replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
+    case call_rcpt(pid, State0) of
+        Pid when is_pid(Pid) ->
+            monitor_on(Node),
+            Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
+            Subs = [{subscribe, Id, P} || {P, Id} <- ets:tab2list(?RCPT_SUBS)],
+            State = State0#state{incarnations = N + 1, pid = Pid},
+            send_all(Regs ++ Subs, State),
+            case call_rcpt(sync, State) of
+                ok ->
+                    attach(Node),
+                    logger:info("actor_receptionist: ~ts up; replayed ~b registrations and "
+                                "~b subscriptions", [Node, length(Regs), length(Subs)]),
+                    Owed = lists:append([owed(M) || {_, Ms} <- State#state.unconfirmed, M <- Ms]
+                                        ++ [owed(M) || M <- lists:reverse(State#state.out)]),
+                    flush(State#state{up = true, out = lists:reverse(Owed), out_len = length(Owed),
+                                      unconfirmed = []});
+                {error, Reason} ->
+                    replay_failed(Reason, Owner, State)
+            end;
         {error, Reason} ->
-            %% It died again: its owner will tell us about the next one.
-            logger:warning("actor_receptionist: replay into ~ts failed: ~0p", [Node, Reason]),
-            State#state{up = false}
+            replay_failed(Reason, Owner, State0);
+        Other ->
+            replay_failed({unexpected, Other}, Owner, State0)
     end.
+
+%% Dead again (its owner tells us about the next one), or alive but not
+%% answering: restart it, or the server would wait for an `up' that never
+%% comes.
+replay_failed(Reason, Owner, #state{rcpt = Node} = State) ->
+    logger:warning("actor_receptionist: replay into ~ts failed (~0p); restarting it", [Node, Reason]),
+    ok = actor_cnode:restart(Owner),
+    monitor_off(Node),
+    State#state{up = false, pid = undefined}.
+
+%% A C node that has served no request since it started.
+fresh(Node) ->
+    try gen_server:call({?RCPT_PROC, Node}, stats, ?SYNC_TIMEOUT) of
+        #{registers := 0, deregisters := 0, subscribes := 0, finds := 0} -> true;
+        _ -> false
+    catch
+        exit:_ -> false
+    end.
+
+monitor_on(Node) ->
+    monitor_off(Node),
+    _ = (catch erlang:monitor_node(Node, true)),
+    ok.
+
+monitor_off(Node) ->
+    _ = (catch erlang:monitor_node(Node, false)),
+    receive {nodedown, Node} -> ok after 0 -> ok end.
 
 attach(Node) ->
     Name = list_to_binary(shm_name(Node)),

@@ -19,6 +19,7 @@
 -include("../include/actor_receptionist.hrl").
 -include_lib("kernel/include/file.hrl").
 
+-export([log/2]).
 -export([register_then_find_sees_it/1,
          many_refs_per_key_in_registration_order/1,
          one_ref_per_key_by_convention/1,
@@ -41,7 +42,11 @@
          single_node_mode_needs_no_cluster/1,
          bad_start_options_are_badarg/1,
          the_model_property_holds/1,
-         receptionist_crash_is_replayed/1]).
+         receptionist_crash_is_replayed/1,
+         requests_while_down_are_applied_once_back/1,
+         server_crash_restarts_the_node_and_keeps_the_journal/1,
+         lost_connection_restarts_the_node_and_keeps_the_journal/1,
+         deeply_nested_message_does_not_crash_the_node/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -75,8 +80,12 @@ actor_receptionist_test_() ->
                  single_node_mode_needs_no_cluster,
                  bad_start_options_are_badarg,
                  the_model_property_holds,
-                 %% last: it kills the receptionist C node
-                 receptionist_crash_is_replayed]]
+                 %% these kill or cut off the receptionist C node
+                 receptionist_crash_is_replayed,
+                 requests_while_down_are_applied_once_back,
+                 server_crash_restarts_the_node_and_keeps_the_journal,
+                 lost_connection_restarts_the_node_and_keeps_the_journal,
+                 deeply_nested_message_does_not_crash_the_node]]
      end}.
 
 case_(Name, Ctx) ->
@@ -452,6 +461,122 @@ receptionist_crash_is_replayed(#{rcpt_node := Node}) ->
     ok = actor_receptionist:unsubscribe(K, self()),
     stop_all([New | Refs]).
 
+requests_while_down_are_applied_once_back(_Ctx) ->
+    %% A slow restart leaves a window in which requests are queued.
+    with_env(#{receptionist_node_opts => #{backoff => #{min_ms => 1500, max_ms => 2000}}}, fun() ->
+        K = key(?FUNCTION_NAME),
+        A = spawn_idle(),
+        B = spawn_idle(),
+        ok = actor_receptionist:register(K, A, self()),
+        {registered, K, A} = next(),
+        S = spawn_collector(),
+        #{os_pid := OsPid} = actor_cnode:info(actor_receptionist_owner),
+        os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        wait_until(fun() -> maps:get(status, actor_cnode:info(actor_receptionist_owner)) =:= down end,
+                   ?WAIT_MS),
+        ok = actor_receptionist:subscribe(K, S),
+        ok = actor_receptionist:register(K, B, self()),
+        ok = actor_receptionist:find(K, self()),
+        ?assertMatch(#{status := down, queued := 3}, actor_receptionist:stats()),
+        %% Back: each is applied once, in order.
+        ?assertEqual({registered, K, B}, next()),
+        ?assertEqual({listing, K, [A, B]}, next()),
+        barrier(),
+        ?assertEqual([{listing, K, [A, B]}], collected(S)),
+        ?assertEqual([A, B], actor_receptionist:lookup(K)),
+        stop_all([A, B, S])
+    end).
+
+server_crash_restarts_the_node_and_keeps_the_journal(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    A = spawn_idle(),
+    ok = actor_receptionist:register(K, A, self()),
+    {registered, K, A} = next(),
+    S = spawn_collector(),
+    ok = actor_receptionist:subscribe(K, S),
+    barrier(),
+    ?assertEqual([{listing, K, [A]}], collected(S)),
+    #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    Server = whereis(actor_receptionist_server),
+    exit(Server, kill),
+    wait_until(fun() -> is_pid(whereis(actor_receptionist_server))
+                            andalso whereis(actor_receptionist_server) =/= Server end, ?WAIT_MS),
+    %% The C node may hold changes the journal lost with the server: it is
+    %% restarted and the journal replayed into it.
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_receptionist_owner) of
+                           #{restarts := R, status := up} -> R =:= R0 + 1;
+                           _ -> false
+                       end
+               end, ?WAIT_MS),
+    barrier(),
+    ?assertEqual([{listing, K, [A]}, {listing, K, [A]}], collected(S)),
+    ?assertEqual([A], actor_receptionist:lookup(K)),
+    %% The new server took the subscription over: counted, and watched.
+    ?assertMatch(#{local_subscriptions := 1}, actor_receptionist:stats()),
+    stop_all([S]),
+    wait_until(fun() -> maps:get(local_subscriptions, actor_receptionist:stats()) =:= 0 end, ?WAIT_MS),
+    stop_all([A]).
+
+lost_connection_restarts_the_node_and_keeps_the_journal(#{rcpt_node := Node}) ->
+    K = key(?FUNCTION_NAME),
+    A = spawn_idle(),
+    ok = actor_receptionist:register(K, A, self()),
+    {registered, K, A} = next(),
+    #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    true = erlang:disconnect_node(Node),
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_receptionist_owner) of
+                           #{restarts := R, status := up} -> R =:= R0 + 1;
+                           _ -> false
+                       end
+               end, ?WAIT_MS),
+    B = spawn_idle(),
+    ok = actor_receptionist:register(K, B, self()),
+    ?assertEqual({registered, K, B}, next()),
+    ?assertEqual([A, B], actor_receptionist:lookup(K)),
+    stop_all([A, B]).
+
+deeply_nested_message_does_not_crash_the_node(#{rcpt_node := Node}) ->
+    %% Not something the server sends: any process can write to the C node.
+    %% A term nested beyond what the C node accepts closes the connection
+    %% (logged); the server restarts the node and nothing is lost.
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    ok = logger:add_handler(?MODULE, ?MODULE, #{level => warning, config => #{pid => self()}}),
+    try
+        Deep = lists:foldl(fun(_, Acc) -> {Acc} end, x, lists:seq(1, 100000)),
+        {actor_receptionist, Node} ! {send, self(), Deep},
+        %% The C node refused it with a log line (it did not crash) ...
+        receive
+            {cnode_log, Node, Text} ->
+                ?assertNotEqual(nomatch, string:find(Text, "malformed"))
+        after ?WAIT_MS ->
+            error(no_log_line)
+        end
+    after
+        ok = logger:remove_handler(?MODULE)
+    end,
+    %% ... and the server restarted it, since what was in flight is unknown.
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_receptionist_owner) of
+                           #{restarts := R, status := up} -> R =:= R0 + 1;
+                           _ -> false
+                       end
+               end, ?WAIT_MS),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [self()]}, next()).
+
+%% logger handler callback: C-node log lines of at least warning level go
+%% to the test process.
+log(#{msg := {Format, Args}, meta := #{cnode := Node}}, #{config := #{pid := Pid}})
+  when is_list(Format) ->
+    Pid ! {cnode_log, Node, lists:flatten(io_lib:format(Format, Args))};
+log(_Event, _Config) ->
+    ok.
+
 %% ===================================================================
 %% Helpers
 %% ===================================================================
@@ -522,13 +647,20 @@ stop_all(Pids) ->
 %% Run Fun with the receptionist restarted under other limits (from the
 %% application environment), then restore the defaults.
 with_limits(Limits, Fun) ->
-    restart_receptionist(Limits),
+    with_env(Limits, Fun).
+
+%% Run Fun with the receptionist restarted under Env, then restarted again
+%% with the keys of Env unset (the defaults).
+with_env(Env, Fun) ->
+    restart_receptionist(Env),
     try Fun()
-    after restart_receptionist(#{max_subscribers_per_key => 1000, max_subscribers_total => 10000})
+    after
+        maps:foreach(fun(K, _) -> application:unset_env(actor_pool, K) end, Env),
+        restart_receptionist(#{})
     end.
 
-restart_receptionist(Limits) ->
-    maps:foreach(fun(K, V) -> ok = application:set_env(actor_pool, K, V) end, Limits),
+restart_receptionist(Env) ->
+    maps:foreach(fun(K, V) -> ok = application:set_env(actor_pool, K, V) end, Env),
     ok = supervisor:terminate_child(actor_pool_sup, actor_receptionist_sup),
     {ok, _} = supervisor:restart_child(actor_pool_sup, actor_receptionist_sup),
     ok.

@@ -29,7 +29,8 @@
  *             {unsubscribe_all, Pid}
  *             {send, Pid, Term}          Pid ! Term, in order with the rest
  *             {batch, [Msg]}             each in order
- *   call      {lookup, Key} -> Refs; sync -> ok; stats -> #{...};
+ *   call      {lookup, Key} -> Refs; sync -> ok; pid -> this process's pid;
+ *             stats -> #{...};
  *             {dump, Max} -> [{Key, Refs}] (at most Max keys);
  *             anything else -> {error, badarg}.
  *
@@ -576,12 +577,19 @@ static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
 	int i = m->index, arity;
 	char op[16];
 	if (get_atom(b, &i, op, sizeof op) == 0) {
-		if (!strcmp(op, "sync"))
+		if (!strcmp(op, "sync")) {
 			ap_reply_atom(n, self, m, "ok");
-		else if (!strcmp(op, "stats"))
+		} else if (!strcmp(op, "pid")) {
+			/* The BEAM addresses this incarnation by pid: a message meant
+			 * for an earlier one is then dropped, not applied here. */
+			x_reset();
+			ei_x_encode_pid(&st.x, &self->pid);
+			ap_reply(n, self, m, st.x.buff, st.x.index);
+		} else if (!strcmp(op, "stats")) {
 			reply_stats(n, self, m);
-		else
+		} else {
 			reply_badarg(n, self, m, "call");
+		}
 		return;
 	}
 	i = m->index;
