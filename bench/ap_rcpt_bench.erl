@@ -238,5 +238,5 @@ ratio(_V, A) when A == 0 -> "-";
 ratio(V, A) -> io_lib:format("~.2f", [V / A]).
 
 fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
-fmt(V) when V >= 1000 -> io_lib:format("~.0f", [float(V)]);
+fmt(V) when V >= 1000 -> integer_to_list(round(V));
 fmt(V) -> io_lib:format("~.1f", [float(V)]).

@@ -28,6 +28,9 @@
          hostile_values_are_bad_segment/1,
          random_corruption_never_crashes/1,
          stale_and_closed_state/1,
+         key_cache_follows_counted_updates/1,
+         key_cache_never_survives_a_reattach/1,
+         key_cache_honours_the_state/1,
          reattach_while_others_look_up/1,
          many_reattaches_retire_old_mappings/1,
          remote_pids_are_answered/1,
@@ -36,7 +39,7 @@
          info_describes_the_mapping/1]).
 
 -define(MAGIC, 16#31535450435241).
--define(VERSION, 1).
+-define(VERSION, 2).
 -define(HDR_SIZE, 4096).
 -define(CAP, 1024).
 -define(ARENA, 262144).
@@ -47,6 +50,8 @@
 %% Header field offsets (struct ap_shm_hdr).
 -define(GEN_POS, 32).
 -define(STATE_POS, 64).
+-define(CHANGES_POS, 72).
+-define(NODE_POS, 80).
 %% Half header (struct ap_shm_half) and entry header sizes.
 -define(HALF_HDR, 64).
 -define(ENTRY_HDR, 16).
@@ -76,6 +81,9 @@ actor_nif_test_() ->
                           hostile_values_are_bad_segment,
                           random_corruption_never_crashes,
                           stale_and_closed_state,
+                          key_cache_follows_counted_updates,
+                          key_cache_never_survives_a_reattach,
+                          key_cache_honours_the_state,
                           reattach_while_others_look_up,
                           many_reattaches_retire_old_mappings,
                           remote_pids_are_answered,
@@ -203,8 +211,9 @@ removed_key_is_empty(Ctx) ->
 
 %% What the writer does, done by hand: append an entry and repoint its slot
 %% (same gen); rebuild the other half and bump gen; later rebuild half 0
-%% again with other values at the same offsets. The per-thread cache is
-%% keyed by (mapping, gen, offset) and must follow every step.
+%% again with other values at the same offsets; and, like the writer, count
+%% each change once it is published. The per-thread caches are keyed by
+%% (mapping, gen, offset) and by (key, changes) and must follow every step.
 update_in_place_and_gen_flips(#{pids := [P1, P2, P3 | _]} = Ctx) ->
     Name = name(Ctx),
     V1 = [{<<"a">>, term_to_binary([P1])}, {<<"b">>, term_to_binary([P2])}],
@@ -215,6 +224,7 @@ update_in_place_and_gen_flips(#{pids := [P1, P2, P3 | _]} = Ctx) ->
     %% Same gen: a new entry for "a", its slot repointed.
     V2 = V1 ++ [{<<"a">>, term_to_binary([P3, P1])}],
     pwrite_half(Name, 0, V2),
+    count(Name),
     ?assertEqual([P3, P1], actor_nif:lookup(<<"a">>)),
     ?assertEqual([P2], actor_nif:lookup(<<"b">>)),
     %% Compaction into half 1, then gen 1.
@@ -222,6 +232,7 @@ update_in_place_and_gen_flips(#{pids := [P1, P2, P3 | _]} = Ctx) ->
     pwrite_half(Name, 1, V3),
     ?assertEqual([P3, P1], actor_nif:lookup(<<"a">>)),
     pwrite_gen(Name, 1),
+    count(Name),
     ?assertEqual([P1], actor_nif:lookup(<<"a">>)),
     ?assertEqual([P2, P2], actor_nif:lookup(<<"b">>)),
     %% Back to half 0 (gen 2) with other values at the very same offsets as
@@ -229,6 +240,7 @@ update_in_place_and_gen_flips(#{pids := [P1, P2, P3 | _]} = Ctx) ->
     V4 = [{<<"a">>, term_to_binary([P2])}, {<<"b">>, term_to_binary([P3])}],
     pwrite_half(Name, 0, V4),
     pwrite_gen(Name, 2),
+    count(Name),
     ?assertEqual([P2], actor_nif:lookup(<<"a">>)),
     ?assertEqual([P3], actor_nif:lookup(<<"b">>)),
     ?assertMatch(#{gen := 2}, actor_nif:info()),
@@ -280,13 +292,13 @@ hostile_headers_are_bad_segment(Ctx) ->
     HalfSize = (SegSize - ?HDR_SIZE) div 2,
     Half0 = ?HDR_SIZE,
     Bad = [{magic, patch(Good, 0, <<0:64>>)},
-           {version, patch(Good, 8, <<2:32/native>>)},
+           {version, patch(Good, 8, <<3:32/native>>)},
            {hdr_size, patch(Good, 12, <<8192:32/native>>)},
            {seg_size_over_file, patch(Good, 16, <<(SegSize * 2):64/native>>)},
            {seg_size_huge, patch(Good, 16, <<?MASK64:64/native>>)},
            {half_size_huge, patch(Good, 24, <<(1 bsl 62):64/native>>)},
            {half_size_over, patch(Good, 24, <<(HalfSize + 8):64/native>>)},
-           {node_unterminated, patch(Good, 72, binary:copy(<<"n">>, 256))},
+           {node_unterminated, patch(Good, ?NODE_POS, binary:copy(<<"n">>, 256))},
            {cap_not_pow2, patch(Good, Half0, <<1025:64/native>>)},
            {cap_huge, patch(Good, Half0, <<(1 bsl 40):64/native>>)},
            {cap_zero, patch(Good, Half0, <<0:64/native>>)},
@@ -374,7 +386,7 @@ random_corruption_never_crashes(#{pids := Pids} = Ctx) ->
     Good = segment(#{half0 => [{K, term_to_binary(lists:sublist(Pids, 1 + I rem 10))}
                                || {I, K} <- lists:enumerate(Keys)]}),
     <<_:(?HDR_SIZE + 24)/binary, ArenaUsed:64/native, _/binary>> = Good,
-    Regions = [{0, 80}, {?HDR_SIZE, ?HALF_HDR}, {?HDR_SIZE + ?HALF_HDR, ?CAP * 8},
+    Regions = [{0, ?NODE_POS}, {?HDR_SIZE, ?HALF_HDR}, {?HDR_SIZE + ?HALF_HDR, ?CAP * 8},
                {entry_pos(0, 0), ArenaUsed}],
     rand:seed(exsss, {7, 11, 13}),
     Results = lists:map(
@@ -407,6 +419,101 @@ stale_and_closed_state(Ctx) ->
     ?assertMatch(#{state := closed}, actor_nif:info()),
     pwrite_state(Name, 77),
     ?assertMatch(#{state := unknown}, actor_nif:info()),
+    rm(Name).
+
+%% Repeated lookups are answered from the key cache, labelled with the
+%% segment's `changes': an update the writer counted is seen at once, at a
+%% new offset (same gen) as after a gen switch, for found keys and for
+%% missing ones. What an uncounted update gives is not specified (either
+%% value), but counting it makes it visible. A segment whose counter is 0
+%% (no label) is looked up every time.
+key_cache_follows_counted_updates(#{pids := [P1, P2, P3 | _]} = Ctx) ->
+    Name = name(Ctx),
+    V1 = [{<<"a">>, term_to_binary([P1])}, {<<"b">>, term_to_binary([P2])}],
+    write_seg(Name, segment(#{half0 => V1})),
+    ok = actor_nif:attach(Name, ?NODE),
+    [?assertEqual([P1], actor_nif:lookup(<<"a">>)) || _ <- [1, 2, 3]],
+    [?assertEqual([], actor_nif:lookup(<<"new">>)) || _ <- [1, 2, 3]],
+    %% Same gen, a new entry for "a" at a new offset, and a new key.
+    V2 = V1 ++ [{<<"a">>, term_to_binary([P3, P1])}, {<<"new">>, term_to_binary([P2])}],
+    pwrite_half(Name, 0, V2),
+    [?assert(lists:member(actor_nif:lookup(<<"a">>), [[P1], [P3, P1]])) || _ <- [1, 2]],
+    count(Name),
+    ?assertEqual(2, changes(Name)),
+    [?assertEqual([P3, P1], actor_nif:lookup(<<"a">>)) || _ <- [1, 2, 3]],
+    [?assertEqual([P2], actor_nif:lookup(<<"new">>)) || _ <- [1, 2, 3]],
+    [?assertEqual([P2], actor_nif:lookup(<<"b">>)) || _ <- [1, 2, 3]],
+    %% A removal (an empty value appended), counted.
+    pwrite_half(Name, 0, V2 ++ [{<<"new">>, <<>>}]),
+    count(Name),
+    [?assertEqual([], actor_nif:lookup(<<"new">>)) || _ <- [1, 2]],
+    %% A compaction into half 1 and a gen switch, counted.
+    pwrite_half(Name, 1, [{<<"a">>, term_to_binary([P2])}, {<<"b">>, term_to_binary([P1])}]),
+    pwrite_gen(Name, 1),
+    count(Name),
+    [?assertEqual([P2], actor_nif:lookup(<<"a">>)) || _ <- [1, 2]],
+    [?assertEqual([P1], actor_nif:lookup(<<"b">>)) || _ <- [1, 2]],
+    %% Many keys, more than the key cache has slots, and keys around its
+    %% longest (64 bytes): each its own answer.
+    Keys = [{<<"key-", (integer_to_binary(I))/binary>>, lists:sublist([P1, P2, P3], 1 + I rem 3)}
+            || I <- lists:seq(1, 400)]
+        ++ [{binary:copy(<<"L">>, N), lists:sublist([P3, P2, P1], 1 + N rem 3)}
+            || N <- [7, 8, 9, 63, 64, 65, 200]],
+    Many = name(Ctx),
+    write_seg(Many, segment(#{arena => 1 bsl 20,
+                              half0 => [{K, term_to_binary(V)} || {K, V} <- Keys]})),
+    ok = actor_nif:attach(Many, ?NODE),
+    [?assertEqual(V, actor_nif:lookup(K)) || _ <- [1, 2], {K, V} <- Keys],
+    %% No label: every lookup looks, counted or not.
+    Zero = name(Ctx),
+    write_seg(Zero, segment(#{changes => 0, half0 => V1})),
+    ok = actor_nif:attach(Zero, ?NODE),
+    [?assertEqual([P1], actor_nif:lookup(<<"a">>)) || _ <- [1, 2]],
+    pwrite_half(Zero, 0, V2),
+    ?assertEqual([P3, P1], actor_nif:lookup(<<"a">>)),
+    [rm(N) || N <- [Name, Many, Zero]].
+
+%% Two segments with the same layout, the same gen, offsets and counter but
+%% other values: only the mapping tells the cached answers apart.
+key_cache_never_survives_a_reattach(#{pids := Pids} = Ctx) ->
+    {PidsA, PidsB} = lists:split(5, Pids),
+    A = name(Ctx),
+    B = name(Ctx),
+    write_seg(A, segment(#{changes => 5, half0 => [{<<"k">>, term_to_binary(PidsA)}]})),
+    write_seg(B, segment(#{changes => 5, half0 => [{<<"k">>, term_to_binary(PidsB)}]})),
+    lists:foreach(fun(N) ->
+                          ok = actor_nif:attach(N, ?NODE),
+                          Expect = case N of A -> PidsA; B -> PidsB end,
+                          [?assertEqual(Expect, actor_nif:lookup(<<"k">>)) || _ <- [1, 2, 3]]
+                  end, [A, B, A, B]),
+    %% Another segment under the same name: a new mapping too.
+    rm(A),
+    write_seg(A, segment(#{changes => 5, half0 => [{<<"k">>, term_to_binary(PidsB)}]})),
+    ok = actor_nif:attach(A, ?NODE),
+    [?assertEqual(PidsB, actor_nif:lookup(<<"k">>)) || _ <- [1, 2]],
+    ok = actor_nif:detach(),
+    ?assertEqual({error, unmapped}, actor_nif:lookup(<<"k">>)),
+    rm(A),
+    rm(B).
+
+%% The state is read on every lookup, cached or not: STALE (or CLOSED, or
+%% junk) with the counter unchanged is {error, stale}; LIVE again answers.
+key_cache_honours_the_state(Ctx) ->
+    Name = name(Ctx),
+    write_seg(Name, segment(#{half0 => [{<<"k">>, pids_val(Ctx)}]})),
+    ok = actor_nif:attach(Name, ?NODE),
+    [?assertEqual(pids(Ctx), actor_nif:lookup(<<"k">>)) || _ <- [1, 2, 3]],
+    [?assertEqual([], actor_nif:lookup(<<"none">>)) || _ <- [1, 2, 3]],
+    C = changes(Name),
+    lists:foreach(fun(State) ->
+                          pwrite_state(Name, State),
+                          ?assertEqual(C, changes(Name)),
+                          ?assertEqual({error, stale}, actor_nif:lookup(<<"k">>)),
+                          ?assertEqual({error, stale}, actor_nif:lookup(<<"none">>)),
+                          pwrite_state(Name, ?LIVE),
+                          ?assertEqual(pids(Ctx), actor_nif:lookup(<<"k">>)),
+                          ?assertEqual([], actor_nif:lookup(<<"none">>))
+                  end, [?STALE, ?CLOSED, 77]),
     rm(Name).
 
 %% Lookups on every scheduler while the mapping is replaced over and over:
@@ -573,7 +680,8 @@ header(O) ->
             (maps:get(seg_size, O)):64/native, (maps:get(half_size, O)):64/native,
             (maps:get(gen, O, 0)):64/native, (maps:get(heartbeat_ms, O, 1)):64/native,
             (maps:get(writer_pid, O, 1)):64/native, (maps:get(incarnation, O, 1)):64/native,
-            (maps:get(state, O, ?LIVE)):32/native, 0:32, (pad_to(Node, 256))/binary>>,
+            (maps:get(state, O, ?LIVE)):32/native, 0:32, (maps:get(changes, O, 1)):64/native,
+            (pad_to(Node, 256))/binary>>,
     pad_to(Bin, ?HDR_SIZE).
 
 half(Entries, ArenaSize) ->
@@ -685,8 +793,22 @@ pwrite_half(Name, Half, Entries) ->
 pwrite_gen(Name, Gen) ->
     pwrite(Name, ?GEN_POS, <<Gen:64/native>>).
 
+%% The state alone: the writer would count the change too (see count/1).
 pwrite_state(Name, State) ->
     pwrite(Name, ?STATE_POS, <<State:32/native>>).
+
+%% What the writer does after each change it published: changes + 1.
+count(Name) ->
+    {ok, Fd} = file:open(shm_path(Name), [read, write, raw, binary]),
+    {ok, <<C:64/native>>} = file:pread(Fd, ?CHANGES_POS, 8),
+    ok = file:pwrite(Fd, ?CHANGES_POS, <<(C + 1):64/native>>),
+    ok = file:close(Fd).
+
+changes(Name) ->
+    {ok, Fd} = file:open(shm_path(Name), [read, raw, binary]),
+    {ok, <<C:64/native>>} = file:pread(Fd, ?CHANGES_POS, 8),
+    ok = file:close(Fd),
+    C.
 
 %% Lines of /proc/self/maps that map one of this run's segments.
 segment_maps(Prefix) ->

@@ -42,6 +42,14 @@
  *   probe, so a hit reads no value bytes. Local pids are cached as
  *   ErlNifPid and a hit builds the list in one heap allocation; lists with
  *   remote pids are cached as a term and copied out.
+ *
+ *   In front of that, a second direct-mapped cache keyed by the key bytes
+ *   (keys up to KEY_MAX bytes) skips ap_shm_find as well: an entry holds
+ *   the mapping, the segment's `changes` label it was found under, and the
+ *   (gen, off) of its value in the first cache (or "not found"). A hit
+ *   reads two words of the header (ap_shm_changes: `changes` and the
+ *   state) and no other shared byte; see lookup_in for why it is never
+ *   older than a registration already acknowledged.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -61,6 +69,8 @@
 #define NORMAL_MAX (64u << 10)    /* larger values are copied and decoded on a dirty scheduler */
 #define CACHE_MAX (16u << 10)     /* larger values are not cached (memory per thread) */
 #define CACHE_SLOTS 256u          /* per scheduler thread, direct-mapped */
+#define KEY_SLOTS 256u            /* the key cache, per scheduler thread, direct-mapped */
+#define KEY_MAX 64u               /* longer keys skip the key cache */
 #define LOCAL_MAX 256u            /* most local pids kept as ErlNifPid in a slot */
 #define RETIRE_KEEP 64u           /* retired regions always kept mapped (as zero pages) */
 #define RETIRE_AGE_MS 1000u       /* ... and any retired this recently, */
@@ -95,12 +105,26 @@ struct cslot {
 	ERL_NIF_TERM term;
 };
 
+/* A key's answer under one `changes` label: [] (found 0), or the value
+ * held by slots[slot] while that slot still names (map_id, gen, off). */
+struct kslot {
+	uint64_t map_id;         /* 0: empty */
+	uint64_t label;          /* ap_shm_changes read before the lookup that filled it */
+	uint64_t gen;
+	uint64_t off;
+	uint32_t klen;
+	uint16_t slot;           /* in tcache.slots */
+	uint16_t found;
+	unsigned char key[KEY_MAX];
+};
+
 struct tcache {
 	struct tcache *next;     /* g_caches */
 	unsigned char *buf;      /* private copy of a value, up to NORMAL_MAX */
 	size_t cap;
 	ErlNifEnv *scratch;      /* decodes land here first */
 	struct cslot slots[CACHE_SLOTS];
+	struct kslot keys[KEY_SLOTS];
 };
 
 /* A thread's cache is used only when inst matches g_instance: after an
@@ -351,6 +375,45 @@ static unsigned slot_of(uint64_t id, uint64_t gen, uint64_t off)
 	return (unsigned)(h >> 56);
 }
 
+_Static_assert(KEY_SLOTS == 256, "key_slot_of takes the top 8 bits");
+_Static_assert(CACHE_SLOTS <= 65536, "kslot.slot is 16 bits");
+
+/* Any key up to KEY_MAX bytes, 8 at a time: the bytes only choose a slot,
+ * the whole key is compared on a hit. */
+static unsigned key_slot_of(const unsigned char *p, size_t n)
+{
+	uint64_t h = (n + 1) * 0x9E3779B97F4A7C15ULL, w;
+
+	for (; n >= 8; p += 8, n -= 8) {
+		memcpy(&w, p, 8);
+		h = (h ^ w) * 0xC2B2AE3D27D4EB4FULL;
+		h ^= h >> 29;
+	}
+	if (n) {
+		w = 0;
+		memcpy(&w, p, n);
+		h = (h ^ w) * 0xC2B2AE3D27D4EB4FULL;
+	}
+	h *= 0x9E3779B97F4A7C15ULL;
+	return (unsigned)(h >> 56);
+}
+
+/* memcmp(a, b, n) == 0 for n <= KEY_MAX, inline: a call to libc's costs
+ * more than comparing the usual few words. */
+static int key_eq(const unsigned char *a, const unsigned char *b, size_t n)
+{
+	uint64_t x, y, d = 0;
+
+	for (; n >= 8; a += 8, b += 8, n -= 8) {
+		memcpy(&x, a, 8);
+		memcpy(&y, b, 8);
+		d |= x ^ y;
+	}
+	while (n--)
+		d |= (uint64_t)(*a++ ^ *b++);
+	return !d;
+}
+
 /* The thread's copy buffer, at least n (<= NORMAL_MAX) bytes. */
 static unsigned char *cache_buf(struct tcache *c, size_t n)
 {
@@ -476,15 +539,69 @@ static ERL_NIF_TERM slot_term(ErlNifEnv *env, const struct cslot *s)
 	return enif_make_list_from_array(env, a, s->npids);
 }
 
+/* Remembers key's answer in m under label: [] when s is NULL, else the
+ * value s holds for (gen, off). */
+static void key_store(struct kslot *ks, const struct mapping *m, uint64_t label, const ErlNifBinary *key,
+		      const struct tcache *c, const struct cslot *s, uint64_t gen, uint64_t off)
+{
+	if (!ks || label == AP_SHM_NO_CHANGES)
+		return;
+	ks->map_id = m->id;
+	ks->label = label;
+	ks->klen = (uint32_t)key->size;
+	memcpy(ks->key, key->data, key->size);
+	ks->found = s != NULL;
+	ks->slot = s ? (uint16_t)(s - c->slots) : 0;
+	ks->gen = gen;
+	ks->off = off;
+}
+
 enum { L_DONE, L_DIRTY, L_RAISED };
 
-/* Looks key up in m. Normal schedulers (dirty == 0) use the thread's cache
- * and copy buffer and hand values over NORMAL_MAX to a dirty scheduler. */
+/* Looks key up in m. Normal schedulers (dirty == 0) use the thread's caches
+ * and copy buffer and hand values over NORMAL_MAX to a dirty scheduler.
+ *
+ * The key cache answers without ap_shm_find when the segment's `changes`
+ * still reads the label an answer was stored under. The label is read
+ * BEFORE the lookup that makes the answer, never after, and that is the
+ * whole argument (ap_shm.h, "Changes"): the writer counts each put before
+ * put returns, and acknowledges a registration only after. So for a put
+ * acknowledged before this call, the load of `changes` below returns its
+ * count or a later one; if that is the label, the put had been counted
+ * when the label was loaded, and the lookup that followed saw its slot
+ * (acquire): the answer reflects it. A put racing with that lookup may or
+ * may not be in the answer, but it is counted after the label was read,
+ * so once it completes the entry can only miss, never answer stale.
+ * ap_shm_changes gives no label unless the state is LIVE (and the writer
+ * counts state changes too): a STALE or CLOSED segment is never answered
+ * from here. The hit reads nothing of the segment but those header words;
+ * the value comes from the (gen, off) cache, which owns its bytes. */
 static int lookup_in(ErlNifEnv *env, const struct mapping *m, const ErlNifBinary *key, int dirty,
 		     ERL_NIF_TERM *out)
 {
 	struct tcache *c = dirty ? NULL : thread_cache();
+	struct kslot *ks = NULL;
+	uint64_t label = AP_SHM_NO_CHANGES;
 	int i;
+
+	if (c && key->size <= KEY_MAX) {
+		label = ap_shm_changes(m->base, m->len);
+		ks = &c->keys[key_slot_of(key->data, key->size)];
+		if (label != AP_SHM_NO_CHANGES && ks->map_id == m->id && ks->label == label &&
+		    ks->klen == key->size && key_eq(ks->key, key->data, key->size)) {
+			const struct cslot *s = &c->slots[ks->slot];
+
+			if (!ks->found) {
+				*out = enif_make_list(env, 0);
+				return L_DONE;
+			}
+			/* Unless the slot was reused since. */
+			if (s->map_id == m->id && s->gen == ks->gen && s->off == ks->off) {
+				*out = slot_term(env, s);
+				return L_DONE;
+			}
+		}
+	}
 
 	for (i = 0; i < AP_SHM_MAX_RETRIES; i++) {
 		uint64_t gen, off;
@@ -499,6 +616,7 @@ static int lookup_in(ErlNifEnv *env, const struct mapping *m, const ErlNifBinary
 		case AP_SHM_OK:
 			break;
 		case AP_SHM_ENOTFOUND:
+			key_store(ks, m, label, key, c, NULL, 0, 0);
 			*out = enif_make_list(env, 0);
 			return L_DONE;
 		case AP_SHM_ESTALE:
@@ -520,6 +638,7 @@ static int lookup_in(ErlNifEnv *env, const struct mapping *m, const ErlNifBinary
 		if (c && vlen <= CACHE_MAX) {
 			s = &c->slots[slot_of(m->id, gen, off)];
 			if (s->map_id == m->id && s->gen == gen && s->off == off) {
+				key_store(ks, m, label, key, c, s, gen, off);
 				*out = slot_term(env, s);
 				return L_DONE;
 			}
@@ -564,6 +683,7 @@ static int lookup_in(ErlNifEnv *env, const struct mapping *m, const ErlNifBinary
 				s->gen = gen;
 				s->off = off;
 				s->map_id = m->id;
+				key_store(ks, m, label, key, c, s, gen, off);
 				*out = slot_term(env, s);
 			}
 		} else {

@@ -19,6 +19,11 @@
  *    load sees the newer gen: it retries. Readers that see none of the
  *    rewrite read what was there before, which their gen names.
  *
+ * Counting. Every change ends with w_count, a release store of
+ * `changes` after the change's own release stores (slot, gen, state), so
+ * a reader that loads the new count (acquire) sees the whole change. The
+ * writer keeps its own copy and never reads the segment's.
+ *
  * Data goes in with plain stores (memcpy, memset): the compiler cannot sink
  * them below the release store of a slot or of gen, nor hoist them above
  * the release fence, which is all the protocol needs. Readers copy bytes
@@ -57,6 +62,10 @@
 #define HALF_MIN (HALF_HDR + AP_SHM_MIN_CAP * 8ull + 8)
 
 _Static_assert(sizeof(struct ap_shm_hdr) <= AP_SHM_HDR_SIZE, "header too big");
+/* Readers (and test encoders) rely on these offsets. */
+_Static_assert(offsetof(struct ap_shm_hdr, state) == 64 && offsetof(struct ap_shm_hdr, changes) == 72 &&
+		       offsetof(struct ap_shm_hdr, node) == 80,
+	       "header layout");
 _Static_assert(sizeof(struct ap_shm_half) == 64, "half header layout");
 _Static_assert(sizeof(struct ap_shm_entry) == 16, "entry header layout");
 /* off32 counts 8-byte units: every arena offset of a half below 32 GiB fits. */
@@ -115,6 +124,7 @@ struct ap_shm_writer {
 	char name[NAME_MAX + 2];
 	uint64_t half_size;
 	uint64_t gen;
+	uint64_t changes; /* the segment's `changes`, as last stored */
 	uint32_t state;
 	struct whalf act;          /* the active half, gen & 1 */
 	uint64_t live, live_bytes; /* keys with a value, and their entries' bytes */
@@ -243,10 +253,19 @@ static void w_publish(ap_shm_writer *w, const struct whalf *x)
 	w->act = *x;
 }
 
+/* Count a change, once it is published: see "Changes" in ap_shm.h. */
+static void w_count(ap_shm_writer *w)
+{
+	__atomic_store_n(&w->hdr->changes, ++w->changes, __ATOMIC_RELEASE);
+}
+
+/* A state store is a change too: readers that cache by `changes` must not
+ * keep answering across STALE (the content misses an update) or CLOSED. */
 static void w_set_state(ap_shm_writer *w, uint32_t st)
 {
 	w->state = st;
 	__atomic_store_n(&w->hdr->state, st, __ATOMIC_RELEASE);
+	w_count(w);
 }
 
 /* A key known not to be in x (compaction copies distinct keys). */
@@ -316,8 +335,14 @@ int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, 
 	esz = ent_size(klen, vlen);
 	live = w->live + (vlen ? 1 : 0) - (old_bytes ? 1 : 0);
 	live_bytes = w->live_bytes + (vlen ? esz : 0) - old_bytes;
-	if (esz > w->act.arena_size - w->act.used || (!old && w->act.nslots + 1 > w->act.cap / 2))
-		return w_compact(w, hash, key, klen, val, vlen, old ? i : UINT64_MAX, live, live_bytes);
+	if (esz > w->act.arena_size - w->act.used || (!old && w->act.nslots + 1 > w->act.cap / 2)) {
+		/* A failed compaction counted its STALE already. */
+		int r = w_compact(w, hash, key, klen, val, vlen, old ? i : UINT64_MAX, live, live_bytes);
+
+		if (!r)
+			w_count(w);
+		return r;
+	}
 
 	uint64_t off = w_append(&w->act, hash, key, klen, val, vlen);
 	__atomic_store_n(&w->act.slots[i], slot_make(hash, off), __ATOMIC_RELEASE);
@@ -326,6 +351,8 @@ int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, 
 	w_half_counters(&w->act);
 	w->live = live;
 	w->live_bytes = live_bytes;
+	/* Before we return: the caller replies "registered" only after. */
+	w_count(w);
 	return 0;
 }
 
@@ -397,7 +424,8 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 	w->live_bytes = live_bytes;
 	w_publish(w, &nx);
 	/* After the gen bump: a reader that sees LIVE (acquire) sees the new
-	 * gen, never the content from before the failure. */
+	 * gen, never the content from before the failure. Counts the rebuild
+	 * too (after both). */
 	w_set_state(w, AP_SHM_STATE_LIVE);
 	return 0;
 }
@@ -414,6 +442,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, const char *no
 	w->hdr = hdr;
 	w->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
 	w->state = AP_SHM_STATE_LIVE;
+	w->changes = 1; /* never AP_SHM_NO_CHANGES */
 
 	hdr->version = AP_SHM_VERSION;
 	hdr->hdr_size = AP_SHM_HDR_SIZE;
@@ -424,6 +453,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, const char *no
 	hdr->writer_pid = (uint64_t)getpid();
 	hdr->incarnation = incarnation;
 	hdr->pad = 0;
+	hdr->changes = w->changes;
 	memset(hdr->node, 0, sizeof hdr->node);
 	if (node)
 		strncpy(hdr->node, node, sizeof hdr->node - 1);
@@ -691,6 +721,26 @@ int ap_shm_check(const void *base, size_t len)
 			return r;
 	}
 	return AP_SHM_EBUSY;
+}
+
+uint64_t ap_shm_changes(const void *base, size_t len)
+{
+	const struct ap_shm_hdr *h = base;
+	uint64_t c;
+
+	if (!base || ((uintptr_t)base & 7) || len < AP_SHM_HDR_SIZE)
+		return AP_SHM_NO_CHANGES;
+	if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != AP_SHM_MAGIC)
+		return AP_SHM_NO_CHANGES;
+	if (ld32(&h->version) != AP_SHM_VERSION || ld32(&h->hdr_size) != AP_SHM_HDR_SIZE)
+		return AP_SHM_NO_CHANGES;
+	c = __atomic_load_n(&h->changes, __ATOMIC_ACQUIRE);
+	/* The writer counts every state store, so the count alone would do;
+	 * the state is checked as well for writers that do not (and costs a
+	 * load from the same line). */
+	if (__atomic_load_n(&h->state, __ATOMIC_ACQUIRE) != AP_SHM_STATE_LIVE)
+		return AP_SHM_NO_CHANGES;
+	return c;
 }
 
 int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,

@@ -10,7 +10,7 @@
  *   [header: AP_SHM_HDR_SIZE bytes][half 0: half_size][half 1: half_size]
  *
  *   header   magic, version, sizes, `gen`, writer pid, incarnation, state,
- *            node name (struct ap_shm_hdr).
+ *            `changes`, node name (struct ap_shm_hdr).
  *   half     struct ap_shm_half, then `cap` index slots (uint64 each), then
  *            the arena: `arena_size` bytes starting at `arena_off` (from the
  *            half's start). Arena offset 0 is reserved (means "empty").
@@ -32,6 +32,33 @@
  * bytes for as long as `gen` does not change, which lets readers cache
  * decoded values.
  *
+ * Changes. `changes` counts the writer's completed changes. It starts at 1
+ * and only ever grows (64 bits: it never wraps, so a value is never seen
+ * twice). The writer increments it with a release store
+ *
+ *  - in ap_shm_put, after a put that changed anything published it (its
+ *    slot, or the gen of the compaction it caused), before put returns;
+ *  - in ap_shm_rebuild, after the new half's gen and the state LIVE;
+ *  - after every store of `state` (STALE, LIVE, CLOSED), failures included.
+ *
+ * Nothing else changes it: not lookups, not heartbeats, not a put that
+ * changed nothing (E2BIG, removing what is not there, any put while STALE).
+ * So `changes` names the content: a reader that loads changes == C
+ * (acquire) sees everything the writer did before counting C, and if it
+ * later loads changes == C again, no put, rebuild or state change was
+ * counted in between. The guarantee readers may build on: an answer
+ * obtained by a lookup that STARTED after loading C reflects every change
+ * counted up to C, hence, while changes still reads C, every put that has
+ * returned (the receptionist replies only after put returns); it may be
+ * given again without looking. The label of such an answer must be the C
+ * loaded BEFORE the lookup: a put racing with the lookup may or may not be
+ * in its answer, and is counted only in a later value, which then no
+ * longer matches the label. Not promised: that the bytes of the segment
+ * are unchanged while changes reads C (puts in flight append entries and
+ * store slots before they are counted), or anything at all about a
+ * hostile segment's counter: a reader may trust it no further than it
+ * trusts the values.
+ *
  * Readers trust nothing: every offset and length is checked against the
  * mapping before it is dereferenced, probes are bounded by `cap`, retries by
  * AP_SHM_MAX_RETRIES, so a torn or hostile segment yields AP_SHM_EBAD (or
@@ -44,12 +71,13 @@
 #include <stdint.h>
 
 #define AP_SHM_MAGIC 0x31535450435241ULL /* "ARCPTS1" little-endian, plus a 0 byte */
-#define AP_SHM_VERSION 1u
+#define AP_SHM_VERSION 2u   /* 2: `changes` in the header */
 #define AP_SHM_HDR_SIZE 4096u
 #define AP_SHM_MAX_KEY 1024u          /* bytes */
 #define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
 #define AP_SHM_MAX_RETRIES 16
 #define AP_SHM_MIN_CAP 1024u          /* index slots per half, at least */
+#define AP_SHM_NO_CHANGES 0u          /* ap_shm_changes: no label (never a value of `changes`) */
 
 /* Segment states (hdr.state). */
 #define AP_SHM_STATE_LIVE 1u     /* the writer keeps it current */
@@ -76,6 +104,7 @@ struct ap_shm_hdr {
 	uint64_t incarnation;  /* the receptionist's creation */
 	uint32_t state;        /* atomic: AP_SHM_STATE_* */
 	uint32_t pad;
+	uint64_t changes;      /* atomic: changes counted so far, >= 1 (see "Changes" above) */
 	char node[256];        /* the receptionist node's name, NUL-terminated */
 };
 
@@ -125,7 +154,8 @@ int ap_shm_writer_init_mem(ap_shm_writer **w, void *mem, size_t len, const char 
  * the receptionist until ap_shm_rebuild succeeds; gen is unchanged). While
  * STALE every put returns -ENOSPC and changes nothing: the segment already
  * misses an update, only a rebuild can bring it back. Removing a key that
- * has no value is a no-op. */
+ * has no value is a no-op. A put that changed anything is counted in
+ * `changes` before it returns (see "Changes"). */
 int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, size_t vlen);
 
 /* Replace the whole content: the callback yields the live keys and values
@@ -158,6 +188,13 @@ void ap_shm_writer_close(ap_shm_writer *w, int unlink_it);
  * bounds. Returns AP_SHM_OK, AP_SHM_EBAD or AP_SHM_ESTALE, or AP_SHM_EBUSY
  * in the unlikely case that gen kept changing while it looked. */
 int ap_shm_check(const void *base, size_t len);
+
+/* The segment's `changes` (acquire), the label of its current content;
+ * AP_SHM_NO_CHANGES when the cheap checks fail (base NULL or misaligned,
+ * len under a header, magic, version, hdr_size) or the state is not LIVE:
+ * a reader may answer from a cache only while the writer keeps the segment
+ * current. Reads the header only (its first 80 bytes), checks no sizes. */
+uint64_t ap_shm_changes(const void *base, size_t len);
 
 /* Where key's current value is: *gen and *off (the entry's arena offset in
  * bytes, within half gen & 1) identify immutable bytes for as long as gen

@@ -98,6 +98,13 @@ static void t_read(const uint8_t *seg, size_t len, const uint8_t *payload, size_
 	t_check(r == AP_SHM_OK || r == AP_SHM_EBAD || r == AP_SHM_ESTALE || r == AP_SHM_EBUSY);
 	if (exact)
 		t_check(r == AP_SHM_OK);
+	/* The label reads the header only: never past len, and on the template
+	 * exactly the counter the writer left. */
+	uint64_t label = ap_shm_changes(seg, len);
+	if (label != AP_SHM_NO_CHANGES)
+		t_check(len >= AP_SHM_HDR_SIZE);
+	if (exact)
+		t_check(label == ((const struct ap_shm_hdr *)seg)->changes);
 	for (size_t i = 0; i <= T_NKEYS + 1; i++) {
 		const void *k;
 		size_t kl;

@@ -112,6 +112,12 @@ static uint32_t t_state(const void *seg)
 	return __atomic_load_n(&((const struct ap_shm_hdr *)seg)->state, __ATOMIC_ACQUIRE);
 }
 
+/* The counter itself, whatever the state. */
+static uint64_t t_changes(const void *seg)
+{
+	return __atomic_load_n(&((const struct ap_shm_hdr *)seg)->changes, __ATOMIC_ACQUIRE);
+}
+
 static uint64_t t_compactions(ap_shm_writer *w)
 {
 	uint64_t c;
@@ -581,6 +587,160 @@ static void test_enospc_goes_stale_and_rebuild_brings_it_back(void **state)
 	t_seg_close(&s);
 }
 
+/* `changes` counts every put that changed something, compactions and
+ * rebuilds once each, and every state store; nothing else. ap_shm_changes
+ * gives it while LIVE, AP_SHM_NO_CHANGES otherwise. */
+static void test_changes_counts_every_change_and_nothing_else(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "changes", 1u << 20);
+	static uint8_t big[64 << 10];
+	uint8_t out[64];
+	uint64_t c = ap_shm_changes(s.ro, s.len), g, o;
+	uint32_t vl;
+	char k[32];
+
+	assert_int_equal(c, 1);
+	assert_int_equal(t_changes(s.ro), 1);
+	/* Lookups, finds, reads, checks and heartbeats count nothing. */
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "a"), AP_SHM_ENOTFOUND);
+	assert_int_equal(ap_shm_check(s.ro, s.len), AP_SHM_OK);
+	ap_shm_heartbeat(s.w, 99);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), c);
+
+	assert_int_equal(t_put_str(s.w, "a", "one"), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	assert_int_equal(t_put_str(s.w, "a", "two"), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	assert_int_equal(t_put_str(s.w, "b", "bee"), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	assert_int_equal(ap_shm_find(s.ro, s.len, "a", 1, &g, &o, &vl), AP_SHM_OK);
+	assert_int_equal(ap_shm_read(s.ro, s.len, g, o, out, sizeof out, &vl), AP_SHM_OK);
+	t_assert_str(s.ro, s.len, "b", "bee");
+	assert_int_equal(ap_shm_changes(s.ro, s.len), c);
+	assert_int_equal(t_put_str(s.w, "a", NULL), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	/* Puts that change nothing are not counted. */
+	assert_int_equal(t_put_str(s.w, "a", NULL), 0);
+	assert_int_equal(t_put_str(s.w, "never", NULL), 0);
+	memset(k, 'k', sizeof k);
+	assert_int_equal(ap_shm_put(s.w, "a", 1, big, AP_SHM_MAX_VAL + 1), -E2BIG);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), c);
+
+	/* A put that compacts: one change, visible with the new gen. */
+	uint64_t c0 = t_compactions(s.w), gen = t_gen(s.ro);
+	for (int i = 0; t_compactions(s.w) == c0; i++) {
+		sprintf(k, "p-%d", i % 3);
+		assert_int_equal(ap_shm_put(s.w, k, strlen(k), big, 8192 + (size_t)i), 0);
+		assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	}
+	assert_int_equal(t_gen(s.ro), gen + 1);
+
+	/* Full: STALE is counted, and read as no label; puts while STALE
+	 * change nothing and count nothing. */
+	int r = 0;
+	for (int n = 0; n < 64 && r == 0; n++) {
+		sprintf(k, "big-%d", n);
+		r = ap_shm_put(s.w, k, strlen(k), big, sizeof big);
+		if (!r)
+			assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	}
+	assert_int_equal(r, -ENOSPC);
+	assert_int_equal(t_state(s.ro), AP_SHM_STATE_STALE);
+	assert_int_equal(t_changes(s.ro), ++c);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), AP_SHM_NO_CHANGES);
+	assert_int_equal(t_put_str(s.w, "tiny", "t"), -ENOSPC);
+	assert_int_equal(t_changes(s.ro), c);
+
+	/* A rebuild: one change (publish and LIVE together). */
+	const char *ks[] = { "x", "y" }, *vs[] = { "x1", "y1" };
+	struct t_iter it = { .k = ks, .v = vs, .n = 2 };
+	gen = t_gen(s.ro);
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), 0);
+	assert_int_equal(t_gen(s.ro), gen + 1);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	it = (struct t_iter){ .k = ks, .v = vs, .n = 2 };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	/* A failed one: STALE, counted. */
+	struct t_iter it2 = { .k = ks, .n = 1, .big = big, .big_len = (size_t)AP_SHM_MAX_VAL + 1 };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it2), -E2BIG);
+	assert_int_equal(t_changes(s.ro), ++c);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), AP_SHM_NO_CHANGES);
+	it = (struct t_iter){ .k = ks, .v = vs, .n = 2 };
+	assert_int_equal(ap_shm_rebuild(s.w, t_iter_next, &it), 0);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), ++c);
+	t_assert_str(s.ro, s.len, "x", "x1");
+
+	/* Closing is a state change too; the mapping keeps the object. */
+	ap_shm_writer_close(s.w, 1);
+	assert_int_equal(t_changes(s.ro), ++c);
+	assert_int_equal(ap_shm_changes(s.ro, s.len), AP_SHM_NO_CHANGES);
+	munmap((void *)s.ro, s.len);
+}
+
+/* ap_shm_changes reads the header only, and nothing of it unless len
+ * covers it: exact-size copies (ASan) of every short length, misaligned
+ * and NULL bases, and each checked field broken. */
+static void test_changes_on_hostile_headers_is_no_label(void **state)
+{
+	(void)state;
+	uint8_t *mem = aligned_alloc(8, T_SMALL_SEG);
+	assert_non_null(mem);
+	memset(mem, 0, T_SMALL_SEG);
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, T_SMALL_SEG, "n@h", 1), 0);
+	assert_int_equal(t_put_str(w, "k", "v"), 0);
+	uint64_t c = ap_shm_changes(mem, T_SMALL_SEG);
+	assert_int_equal(c, 2);
+
+	for (size_t len = 0; len <= AP_SHM_HDR_SIZE + 8; len++) {
+		uint8_t *d = t_dup(mem, len);
+		assert_int_equal(ap_shm_changes(d, len), len < AP_SHM_HDR_SIZE ? AP_SHM_NO_CHANGES : c);
+		free(d);
+	}
+	assert_int_equal(ap_shm_changes(NULL, T_SMALL_SEG), AP_SHM_NO_CHANGES);
+	uint64_t *odd = malloc(T_SMALL_SEG + 8);
+	assert_non_null(odd);
+	memcpy((uint8_t *)odd + 4, mem, T_SMALL_SEG);
+	assert_int_equal(ap_shm_changes((uint8_t *)odd + 4, T_SMALL_SEG), AP_SHM_NO_CHANGES);
+	free(odd);
+
+	uint8_t *m = t_dup(mem, AP_SHM_HDR_SIZE);
+	struct ap_shm_hdr *h = (struct ap_shm_hdr *)m;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), c);
+	h->magic ^= 1;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), AP_SHM_NO_CHANGES);
+	h->magic ^= 1;
+	h->version++;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), AP_SHM_NO_CHANGES);
+	h->version--;
+	h->hdr_size = 64;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), AP_SHM_NO_CHANGES);
+	h->hdr_size = AP_SHM_HDR_SIZE;
+	const uint32_t states[] = { 0, AP_SHM_STATE_STALE, AP_SHM_STATE_CLOSED, 0xdead };
+	for (size_t i = 0; i < sizeof states / sizeof states[0]; i++) {
+		h->state = states[i];
+		assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), AP_SHM_NO_CHANGES);
+	}
+	h->state = AP_SHM_STATE_LIVE;
+	/* The counter is just a number: any value but 0 is a label. */
+	h->changes = UINT64_MAX;
+	assert_true(ap_shm_changes(m, AP_SHM_HDR_SIZE) == UINT64_MAX);
+	h->changes = 0;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), AP_SHM_NO_CHANGES);
+	/* Sizes are not its business: a header ap_shm_check refuses still
+	 * has a label, and lookups then say EBAD. */
+	h->changes = 5;
+	h->seg_size = UINT64_MAX;
+	assert_int_equal(ap_shm_changes(m, AP_SHM_HDR_SIZE), 5);
+	assert_int_equal(ap_shm_check(m, AP_SHM_HDR_SIZE), AP_SHM_EBAD);
+	free(m);
+	ap_shm_writer_close(w, 0);
+	free(mem);
+}
+
 static void test_close_unlinks_and_marks_closed(void **state)
 {
 	(void)state;
@@ -772,6 +932,125 @@ static void test_readers_racing_the_writer_see_whole_values(void **state)
 	t_seg_close(&s);
 }
 
+/* A reader that caches answers by key under the label ap_shm_changes gave
+ * BEFORE its lookup (as the NIF does) never answers a version older than
+ * one whose put had returned before it started: the writer acknowledges
+ * each version (acked[id]) after put returns, and the reader compares what
+ * it answers with what was acknowledged before it began. Few keys, and a
+ * writer that pauses between puts, so that most answers are cache hits;
+ * big values, so that puts compact too. */
+#define T_LBL_KEYS 4u
+
+struct t_lbl {
+	const void *seg;
+	size_t len;
+	ap_shm_writer *w;
+	int stop;
+	uint32_t acked[T_LBL_KEYS];
+	uint64_t puts;
+};
+
+struct t_lbl_reader {
+	struct t_lbl *c;
+	uint64_t hits, misses, other, late, torn;
+};
+
+static void *t_lbl_writer(void *arg)
+{
+	struct t_lbl *c = arg;
+	uint8_t v[T_VAL_MAX];
+	char k[32];
+	t_rng rng;
+	uint32_t ver = T_CONC_VER0;
+	t_rng_seed(&rng, 0x1abe1);
+	while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+		uint32_t id = t_rand32(&rng) % T_LBL_KEYS;
+		int r = ap_shm_put(c->w, k, t_key(k, id), v, t_val(v, id, ++ver));
+		if (r)
+			return (void *)(intptr_t)r;
+		__atomic_store_n(&c->acked[id], ver, __ATOMIC_RELEASE);
+		c->puts++;
+		for (uint32_t n = t_rand32(&rng) % 4096; n; n--)
+			__asm__ __volatile__("" ::: "memory");
+	}
+	return NULL;
+}
+
+static void *t_lbl_read(void *arg)
+{
+	struct t_lbl_reader *rd = arg;
+	struct t_lbl *c = rd->c;
+	struct {
+		uint64_t label;
+		uint32_t ver;
+	} cache[T_LBL_KEYS] = { { 0, 0 } };
+	uint8_t out[T_VAL_MAX];
+	char k[32];
+	t_rng rng;
+	t_rng_seed(&rng, 0x5ead);
+	while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+		uint32_t id = t_rand32(&rng) % T_LBL_KEYS, vl = 0, ver;
+		uint32_t acked = __atomic_load_n(&c->acked[id], __ATOMIC_ACQUIRE);
+		/* The label first, then the lookup: never the other way. */
+		uint64_t label = ap_shm_changes(c->seg, c->len);
+		if (label != AP_SHM_NO_CHANGES && cache[id].label == label) {
+			ver = cache[id].ver;
+			rd->hits++;
+		} else {
+			int r = ap_shm_lookup(c->seg, c->len, k, t_key(k, id), out, sizeof out, &vl);
+			if (r != AP_SHM_OK) {
+				rd->other++;
+				continue;
+			}
+			if (t_val_check(out, vl, id, &ver)) {
+				rd->torn++;
+				continue;
+			}
+			cache[id].label = label;
+			cache[id].ver = ver;
+			rd->misses++;
+		}
+		if (ver < acked)
+			rd->late++;
+	}
+	return NULL;
+}
+
+static void test_changes_label_never_answers_an_acknowledged_put_late(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	t_seg_open(&s, "label", 1u << 20);
+	uint8_t v[T_VAL_MAX];
+	char k[32];
+	struct t_lbl c = { .w = s.w };
+	for (uint32_t i = 0; i < T_LBL_KEYS; i++) {
+		assert_int_equal(ap_shm_put(s.w, k, t_key(k, i), v, t_val(v, i, T_CONC_VER0)), 0);
+		c.acked[i] = T_CONC_VER0;
+	}
+	c.seg = s.ro;
+	c.len = s.len;
+	struct t_lbl_reader rd = { .c = &c };
+	pthread_t wt, rt;
+	uint64_t c0 = t_compactions(s.w);
+	assert_int_equal(pthread_create(&rt, NULL, t_lbl_read, &rd), 0);
+	assert_int_equal(pthread_create(&wt, NULL, t_lbl_writer, &c), 0);
+	usleep(1000 * 1000);
+	__atomic_store_n(&c.stop, 1, __ATOMIC_RELAXED);
+	void *wr;
+	pthread_join(wt, &wr);
+	pthread_join(rt, NULL);
+	assert_null(wr);
+	print_message("[ info     ] %" PRIu64 " puts, %" PRIu64 " compactions; hits %" PRIu64 " misses %" PRIu64
+		      " other %" PRIu64 " late %" PRIu64 " torn %" PRIu64 "\n",
+		      c.puts, t_compactions(s.w) - c0, rd.hits, rd.misses, rd.other, rd.late, rd.torn);
+	assert_int_equal(rd.late, 0);
+	assert_int_equal(rd.torn, 0);
+	assert_true(rd.hits > 10000 && rd.misses > 1000);
+	assert_true(t_compactions(s.w) > c0);
+	t_seg_close(&s);
+}
+
 /* ---- hostile segments ---------------------------------------------------- */
 
 static const char *t_hkeys[] = { "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta" };
@@ -864,6 +1143,13 @@ static unsigned t_read_all(const uint8_t *seg, size_t len)
 			assert_true(r == AP_SHM_OK || r == AP_SHM_ETOOBIG);
 		}
 	}
+	/* A label only for a header that passes the cheap checks and is LIVE
+	 * (seg holds at least len bytes: its header is d's when len covers it). */
+	uint64_t c = ap_shm_changes(d, len);
+	if (c != AP_SHM_NO_CHANGES)
+		assert_true(len >= AP_SHM_HDR_SIZE && c == t_changes(seg) && t_state(seg) == AP_SHM_STATE_LIVE);
+	if (ap_shm_check(d, len) == AP_SHM_OK)
+		assert_true(c == t_changes(seg));
 	free(d);
 	return seen;
 }
@@ -1049,7 +1335,7 @@ static void test_random_corruption_never_crashes(void **state)
 			/* Mostly where the structure is: header, half headers, index, arena starts. */
 			size_t at;
 			switch (t_rand32(&rng) % 4) {
-			case 0: at = t_rand_range(&rng, 0, 72); break;
+			case 0: at = t_rand_range(&rng, 0, 80); break;
 			case 1: at = AP_SHM_HDR_SIZE + t_rand_range(&rng, 0, 64); break;
 			case 2: at = AP_SHM_HDR_SIZE + t_hdr(segs[1])->half_size + t_rand_range(&rng, 0, 64); break;
 			default: at = t_rand_range(&rng, 0, T_SMALL_SEG - 1);
@@ -1105,8 +1391,11 @@ int main(void)
 		cmocka_unit_test(test_compaction_switches_gen_and_keeps_everything),
 		cmocka_unit_test(test_e2big_changes_nothing),
 		cmocka_unit_test(test_enospc_goes_stale_and_rebuild_brings_it_back),
+		cmocka_unit_test(test_changes_counts_every_change_and_nothing_else),
+		cmocka_unit_test(test_changes_on_hostile_headers_is_no_label),
 		cmocka_unit_test(test_close_unlinks_and_marks_closed),
 		cmocka_unit_test(test_readers_racing_the_writer_see_whole_values),
+		cmocka_unit_test(test_changes_label_never_answers_an_acknowledged_put_late),
 		cmocka_unit_test(test_hostile_segments_never_crash),
 		cmocka_unit_test(test_random_corruption_never_crashes),
 		cmocka_unit_test(test_truncations_never_read_past_len),
