@@ -33,6 +33,21 @@
  * from locals read once, so torn bytes can cost it a retry, never a fault.
  * Slots and the few header/half words are read with atomic loads so that
  * the compiler cannot re-read them after they were checked.
+ *
+ * Backing. A created segment is sparse (ftruncate only), and on tmpfs a
+ * store to a page the filesystem cannot back (it is full: Docker's
+ * /dev/shm is 64 MiB by default) raises SIGBUS. So the writer never
+ * stores to a byte it has not reserved with posix_fallocate: it keeps the
+ * fd, the header page is reserved at create, and each half has a
+ * watermark (`committed`, bytes from the half's start) below which it is
+ * backed. Every write that goes past it (laying out a half, an append, a
+ * compaction's or rebuild's copies) first reserves up to the next
+ * RESERVE_CHUNK (capped at the half's end). A reservation that fails
+ * writes nothing and fails the operation as -ENOSPC, with the usual
+ * consequences (STALE, counted; a later rebuild tries again). Reserved
+ * pages stay reserved (tmpfs never takes them back while the object
+ * lives), so the watermarks only grow. Writers over caller memory have
+ * no fd and reserve nothing.
  */
 #include "ap_shm.h"
 
@@ -60,6 +75,10 @@
 /* The smallest half a reader accepts: its header, a minimal index and the
  * reserved arena word. */
 #define HALF_MIN (HALF_HDR + AP_SHM_MIN_CAP * 8ull + 8)
+
+/* posix_fallocate granularity, a multiple of the page size: one call per
+ * MiB of growth. */
+#define RESERVE_CHUNK (1ull << 20)
 
 _Static_assert(sizeof(struct ap_shm_hdr) <= AP_SHM_HDR_SIZE, "header too big");
 /* Readers (and test encoders) rely on these offsets. */
@@ -121,6 +140,8 @@ struct ap_shm_writer {
 	size_t len;
 	struct ap_shm_hdr *hdr;
 	int created; /* we mapped it: munmap (and maybe shm_unlink) on close */
+	int fd;      /* created: the shm object, for posix_fallocate; else -1 */
+	uint64_t committed[2]; /* per half: bytes from its start known backed (see "Backing") */
 	char name[NAME_MAX + 2];
 	uint64_t half_size;
 	uint64_t gen;
@@ -136,13 +157,47 @@ static uint8_t *w_half_at(const ap_shm_writer *w, uint64_t h)
 	return w->base + AP_SHM_HDR_SIZE + (h & 1) * w->half_size;
 }
 
+/* Make bytes [0, end) of half h backed before anything is stored there
+ * (see "Backing" at the top). 0, or -ENOSPC (whatever posix_fallocate
+ * said) with nothing reserved beyond the old watermark. */
+static int w_reserve(ap_shm_writer *w, uint64_t h, uint64_t end)
+{
+	uint64_t *c = &w->committed[h & 1], to;
+
+	if (w->fd < 0 || end <= *c)
+		return 0;
+	if (end > w->half_size)
+		return -ENOSPC; /* a caller bug: never past the half */
+	to = (end + RESERVE_CHUNK - 1) & ~(RESERVE_CHUNK - 1);
+	if (to > w->half_size)
+		to = w->half_size;
+	/* An error number, not -1/errno. On tmpfs a failed call keeps none
+	 * of the pages it allocated. */
+	if (posix_fallocate(w->fd, (off_t)(AP_SHM_HDR_SIZE + (h & 1) * w->half_size + *c), (off_t)(to - *c)))
+		return -ENOSPC;
+	*c = to;
+	return 0;
+}
+
+/* Which half x is. */
+static uint64_t w_half_no(const ap_shm_writer *w, const struct whalf *x) { return x->p == w_half_at(w, 1); }
+
+/* Make x's arena backed up to arena offset end. */
+static int w_reserve_arena(ap_shm_writer *w, const struct whalf *x, uint64_t end)
+{
+	return w_reserve(w, w_half_no(w, x), (uint64_t)(x->arena - x->p) + end);
+}
+
 /* Lay out half h: header, cap empty slots, an arena holding only the
- * reserved word. Counters are published with the half (w_publish). */
-static void w_half_layout(ap_shm_writer *w, uint64_t h, uint64_t cap, struct whalf *x)
+ * reserved word. Counters are published with the half (w_publish).
+ * -ENOSPC when that cannot be backed: then nothing is written. */
+static int w_half_layout(ap_shm_writer *w, uint64_t h, uint64_t cap, struct whalf *x)
 {
 	uint64_t aoff = HALF_HDR + cap * 8;
 	struct ap_shm_half *hh;
 
+	if (w_reserve(w, h, aoff + 8) < 0)
+		return -ENOSPC;
 	x->p = w_half_at(w, h);
 	x->slots = (uint64_t *)(x->p + HALF_HDR);
 	x->arena = x->p + aoff;
@@ -157,6 +212,7 @@ static void w_half_layout(ap_shm_writer *w, uint64_t h, uint64_t cap, struct wha
 	memset(hh->pad, 0, sizeof hh->pad);
 	memset(x->slots, 0, cap * 8);
 	memset(x->arena, 0, 8);
+	return 0;
 }
 
 static void w_half_counters(const struct whalf *x)
@@ -166,8 +222,8 @@ static void w_half_counters(const struct whalf *x)
 	__atomic_store_n(&hh->nkeys, x->nslots, __ATOMIC_RELAXED);
 }
 
-/* Append an entry at the arena's end (the caller checked it fits); returns
- * its offset. Padding is written too: a reused half holds old bytes. */
+/* Append an entry at the arena's end (the caller checked it fits and
+ * reserved it: w_reserve_arena); returns its offset. Padding is written too: a reused half holds old bytes. */
 static uint64_t w_append(struct whalf *x, uint64_t hash, const void *key, size_t klen, const void *val,
 			 size_t vlen)
 {
@@ -237,10 +293,10 @@ static int w_plan(uint64_t half_size, uint64_t n, uint64_t bytes, uint64_t *capp
 /* Start rewriting the inactive half. See the protocol note at the top: the
  * fence orders the last gen store before every store of the rewrite, for
  * readers still in this half under an older gen. */
-static void w_begin(ap_shm_writer *w, uint64_t cap, struct whalf *x)
+static int w_begin(ap_shm_writer *w, uint64_t cap, struct whalf *x)
 {
 	__atomic_thread_fence(__ATOMIC_RELEASE);
-	w_half_layout(w, w->gen + 1, cap, x);
+	return w_half_layout(w, w->gen + 1, cap, x);
 }
 
 /* Switch readers to x: everything written before is visible to whoever
@@ -287,12 +343,11 @@ static int w_compact(ap_shm_writer *w, uint64_t hash, const void *key, size_t kl
 	struct whalf nx;
 	uint64_t cap;
 
-	if (w_plan(w->half_size, live, live_bytes, &cap) < 0) {
-		/* Nothing written yet: the active half stays as it was. */
-		w_set_state(w, AP_SHM_STATE_STALE);
-		return -ENOSPC;
-	}
-	w_begin(w, cap, &nx);
+	/* Nothing published on failure (a reservation that fails may leave
+	 * the inactive half part rewritten, which gen does not name): the
+	 * active half stays as it was. */
+	if (w_plan(w->half_size, live, live_bytes, &cap) < 0 || w_begin(w, cap, &nx) < 0)
+		goto full;
 	for (uint64_t i = 0; i < w->act.cap; i++) {
 		uint64_t s = w->act.slots[i], sz, off;
 		const struct ap_shm_entry *e;
@@ -304,17 +359,25 @@ static int w_compact(ap_shm_writer *w, uint64_t hash, const void *key, size_t kl
 			continue; /* a tombstone: dropped here */
 		sz = ent_size(e->key_len, e->val_len);
 		off = nx.used;
+		if (w_reserve_arena(w, &nx, off + sz) < 0)
+			goto full;
 		memcpy(nx.arena + off, e, sz);
 		nx.used += sz;
 		w_insert_new(&nx, e->hash, off);
 	}
-	if (vlen)
+	if (vlen) {
+		if (w_reserve_arena(w, &nx, nx.used + ent_size(klen, vlen)) < 0)
+			goto full;
 		w_insert_new(&nx, hash, w_append(&nx, hash, key, klen, val, vlen));
+	}
 	w->live = live;
 	w->live_bytes = live_bytes;
 	w->compactions++;
 	w_publish(w, &nx);
 	return 0;
+full:
+	w_set_state(w, AP_SHM_STATE_STALE);
+	return -ENOSPC;
 }
 
 int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, size_t vlen)
@@ -344,6 +407,11 @@ int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, 
 		return r;
 	}
 
+	if (w_reserve_arena(w, &w->act, w->act.used + esz) < 0) {
+		/* Nothing written: as a failed compaction. */
+		w_set_state(w, AP_SHM_STATE_STALE);
+		return -ENOSPC;
+	}
 	uint64_t off = w_append(&w->act, hash, key, klen, val, vlen);
 	__atomic_store_n(&w->act.slots[i], slot_make(hash, off), __ATOMIC_RELEASE);
 	if (!old)
@@ -368,7 +436,8 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 	int err = 0;
 
 	__atomic_thread_fence(__ATOMIC_RELEASE); /* as in w_begin */
-	t.arena = w_half_at(w, w->gen + 1) + tmp_off;
+	t.p = w_half_at(w, w->gen + 1);
+	t.arena = t.p + tmp_off;
 	t.used = 8;
 	for (;;) {
 		const void *k = NULL, *v = NULL;
@@ -385,7 +454,7 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 		}
 		if (!vl)
 			continue;
-		if (ent_size(kl, vl) > room - t.used) {
+		if (ent_size(kl, vl) > room - t.used || w_reserve_arena(w, &t, t.used + ent_size(kl, vl)) < 0) {
 			err = -ENOSPC;
 			break;
 		}
@@ -393,6 +462,9 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 		n++;
 	}
 	if (!err && w_plan(w->half_size, n, t.used - 8, &cap) < 0)
+		err = -ENOSPC;
+	/* The moved arena's end: the layout's part comes before it. */
+	if (!err && w_reserve(w, w->gen + 1, HALF_HDR + cap * 8 + t.used) < 0)
 		err = -ENOSPC;
 	if (err) {
 		/* The content is not what the caller asked for: readers must
@@ -402,7 +474,7 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 	}
 	/* The move first: the new index overlaps where the entries were. */
 	memmove(w_half_at(w, w->gen + 1) + HALF_HDR + cap * 8, t.arena, t.used);
-	w_half_layout(w, w->gen + 1, cap, &nx);
+	(void)w_half_layout(w, w->gen + 1, cap, &nx); /* reserved just above */
 	for (uint64_t off = 8; off < t.used;) {
 		const struct ap_shm_entry *e = (const struct ap_shm_entry *)(nx.arena + off), *old;
 		uint64_t sz = ent_size(e->key_len, e->val_len);
@@ -430,19 +502,27 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 	return 0;
 }
 
-static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, const char *node, uint64_t incarnation)
+/* fd: the created object (its header page already reserved), or -1. */
+static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const char *node, uint64_t incarnation)
 {
 	ap_shm_writer *w = calloc(1, sizeof *w);
 	struct ap_shm_hdr *hdr = (struct ap_shm_hdr *)base;
 
 	if (!w)
 		return -ENOMEM;
+	w->fd = fd;
 	w->base = base;
 	w->len = len;
 	w->hdr = hdr;
 	w->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
 	w->state = AP_SHM_STATE_LIVE;
 	w->changes = 1; /* never AP_SHM_NO_CHANGES */
+	/* Half 0 first, before any header store: a create that cannot back
+	 * it fails with the header untouched. */
+	if (w_half_layout(w, 0, AP_SHM_MIN_CAP, &w->act) < 0) {
+		free(w);
+		return -ENOSPC;
+	}
 
 	hdr->version = AP_SHM_VERSION;
 	hdr->hdr_size = AP_SHM_HDR_SIZE;
@@ -457,7 +537,6 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, const char *no
 	memset(hdr->node, 0, sizeof hdr->node);
 	if (node)
 		strncpy(hdr->node, node, sizeof hdr->node - 1);
-	w_half_layout(w, 0, AP_SHM_MIN_CAP, &w->act);
 	w_half_counters(&w->act);
 	hdr->state = AP_SHM_STATE_LIVE;
 	/* The magic last: a reader that sees it sees everything above. */
@@ -489,12 +568,16 @@ int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, 
 		err = -errno;
 	else if ((p = mmap(NULL, seg_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
 		err = -errno;
-	close(fd);
+	/* The header page is backed before it is written (see "Backing"). */
+	else if (posix_fallocate(fd, 0, AP_SHM_HDR_SIZE))
+		err = -ENOSPC;
+	/* The fd stays open: later reservations need it. */
 	if (!err)
-		err = w_start(wp, p, seg_size, node, incarnation);
+		err = w_start(wp, p, seg_size, fd, node, incarnation);
 	if (err) {
 		if (p != MAP_FAILED)
 			munmap(p, seg_size);
+		close(fd);
 		shm_unlink(name);
 		return err;
 	}
@@ -508,7 +591,7 @@ int ap_shm_writer_init_mem(ap_shm_writer **wp, void *mem, size_t len, const char
 	*wp = NULL;
 	if (!mem || ((uintptr_t)mem & 7) || len < SEG_MIN_MEM || len > SEG_MAX)
 		return -EINVAL;
-	return w_start(wp, mem, len, node, incarnation);
+	return w_start(wp, mem, len, -1, node, incarnation);
 }
 
 void ap_shm_heartbeat(ap_shm_writer *w, uint64_t now_ms)
@@ -535,6 +618,7 @@ void ap_shm_writer_close(ap_shm_writer *w, int unlink_it)
 	w_set_state(w, AP_SHM_STATE_CLOSED);
 	if (w->created) {
 		munmap(w->base, w->len);
+		close(w->fd);
 		if (unlink_it)
 			shm_unlink(w->name);
 	}

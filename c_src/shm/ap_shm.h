@@ -135,10 +135,14 @@ typedef struct ap_shm_writer ap_shm_writer;
 
 /* Create the POSIX shm object `name` ("/..."), replacing any object of that
  * name (shm_unlink first: a reader still mapping the old one keeps it),
- * mode 0600 whatever the umask, sized seg_size (sparse: pages cost memory
- * only once written), mapped read-write. Returns 0 or a negative errno;
- * -EINVAL unless name is "/" plus 1..254 bytes with no other '/' and
- * seg_size is 1 MiB..64 GiB. */
+ * mode 0600 whatever the umask, sized seg_size (sparse), mapped read-write.
+ * The writer keeps the object's fd and backs pages with posix_fallocate,
+ * a chunk at a time, before it first writes to them: it never stores to a
+ * page the filesystem could not back (on a full tmpfs that would be
+ * SIGBUS); a reservation that fails is -ENOSPC, as a full segment. Returns
+ * 0 or a negative errno; -EINVAL unless name is "/" plus 1..254 bytes with
+ * no other '/' and seg_size is 1 MiB..64 GiB; -ENOSPC when the header page
+ * or half 0's index cannot be backed (nothing is left behind). */
 int ap_shm_writer_create(ap_shm_writer **w, const char *name, size_t seg_size, const char *node,
 			 uint64_t incarnation);
 /* The same over caller memory (tests, fuzz seeds): mem must be 8-aligned,
@@ -150,7 +154,8 @@ int ap_shm_writer_init_mem(ap_shm_writer **w, void *mem, size_t len, const char 
 /* Set key's value (vlen 0 removes the key). Compacts into the other half
  * when the active one is full. Returns 0; -E2BIG for a key or value over
  * the limits (the segment is unchanged); -ENOSPC when even a compaction
- * cannot fit the live entries (the state becomes STALE: readers must ask
+ * cannot fit the live entries, or the filesystem cannot back the bytes the
+ * put would write (either way the state becomes STALE: readers must ask
  * the receptionist until ap_shm_rebuild succeeds; gen is unchanged). While
  * STALE every put returns -ENOSPC and changes nothing: the segment already
  * misses an update, only a rebuild can bring it back. Removing a key that
@@ -165,7 +170,8 @@ int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, 
  * yielded twice keeps its last value. Returns 0 or -ENOSPC / -E2BIG (a key
  * or value over the limits) / the callback's negative return: then nothing
  * is published (gen unchanged) and the state becomes STALE, since the
- * content is not what the caller asked for. */
+ * content is not what the caller asked for. -ENOSPC covers bytes the
+ * filesystem cannot back too (see ap_shm_writer_create). */
 typedef int (*ap_shm_iter_fn)(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen);
 int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg);
 
@@ -174,7 +180,8 @@ uint32_t ap_shm_state(const ap_shm_writer *w);
 /* Live keys, arena bytes in use in the active half (the reserved word at
  * offset 0 included), and compactions so far (rebuilds not counted). */
 void ap_shm_writer_stats(const ap_shm_writer *w, uint64_t *keys, uint64_t *used, uint64_t *compactions);
-/* Mark CLOSED, unmap, and (created segments) shm_unlink when unlink_it. */
+/* Mark CLOSED, unmap and close the fd, and (created segments) shm_unlink
+ * when unlink_it. */
 void ap_shm_writer_close(ap_shm_writer *w, int unlink_it);
 
 /* ---- reader (any thread, any process; nothing is trusted) -------------- */

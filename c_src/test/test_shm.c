@@ -5,8 +5,12 @@
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ap_shm.h"
@@ -789,7 +793,18 @@ struct t_conc {
 	ap_shm_writer *w;
 	int stop;
 	uint64_t puts;
+	uint64_t comps; /* atomic: compactions so far, as the writer thread saw them */
 };
+
+/* Run the threads for at least min_ms and until done(arg) holds, at most
+ * 30 s: a loaded machine gets more time instead of a failed threshold. */
+static void t_run_until(int *stop, int (*done)(void *), void *arg, int min_ms)
+{
+	int64_t t0 = t_now_ms();
+	while (t_now_ms() - t0 < 30000 && (t_now_ms() - t0 < min_ms || !done(arg)))
+		usleep(20 * 1000);
+	__atomic_store_n(stop, 1, __ATOMIC_RELAXED);
+}
 
 struct t_reader {
 	struct t_conc *c;
@@ -824,10 +839,25 @@ static void *t_conc_writer(void *arg)
 		if (r)
 			return (void *)(intptr_t)r;
 		c->puts++;
+		__atomic_store_n(&c->comps, t_compactions(c->w), __ATOMIC_RELAXED);
 		if ((ver & 1023) == 0)
 			ap_shm_heartbeat(c->w, (uint64_t)t_now_ms());
 	}
 	return NULL;
+}
+
+struct t_conc_run {
+	struct t_conc *c;
+	struct t_reader *rd;
+	uint64_t c0;
+};
+
+static int t_conc_done(void *arg)
+{
+	struct t_conc_run *r = arg;
+	return __atomic_load_n(&r->rd[0].ok, __ATOMIC_RELAXED) > 10000 &&
+	       __atomic_load_n(&r->rd[1].ok, __ATOMIC_RELAXED) > 10000 &&
+	       __atomic_load_n(&r->c->comps, __ATOMIC_RELAXED) > r->c0 + 20;
 }
 
 static void *t_conc_reader(void *arg)
@@ -860,7 +890,7 @@ static void *t_conc_reader(void *arg)
 			if (ver < last[id])
 				rd->backwards++;
 			last[id] = ver;
-			rd->ok++;
+			__atomic_fetch_add(&rd->ok, 1, __ATOMIC_RELAXED);
 			break;
 		case AP_SHM_EBUSY:
 			rd->busy++;
@@ -895,8 +925,8 @@ static void test_readers_racing_the_writer_see_whole_values(void **state)
 	for (int i = 0; i < 2; i++)
 		assert_int_equal(pthread_create(&rt[i], NULL, t_conc_reader, &rd[i]), 0);
 	assert_int_equal(pthread_create(&wt, NULL, t_conc_writer, &c), 0);
-	usleep(1500 * 1000);
-	__atomic_store_n(&c.stop, 1, __ATOMIC_RELAXED);
+	struct t_conc_run run = { &c, rd, c0 };
+	t_run_until(&c.stop, t_conc_done, &run, 1500);
 	void *wr;
 	pthread_join(wt, &wr);
 	for (int i = 0; i < 2; i++)
@@ -948,6 +978,7 @@ struct t_lbl {
 	int stop;
 	uint32_t acked[T_LBL_KEYS];
 	uint64_t puts;
+	uint64_t comps; /* atomic, as for t_conc */
 };
 
 struct t_lbl_reader {
@@ -970,6 +1001,7 @@ static void *t_lbl_writer(void *arg)
 			return (void *)(intptr_t)r;
 		__atomic_store_n(&c->acked[id], ver, __ATOMIC_RELEASE);
 		c->puts++;
+		__atomic_store_n(&c->comps, t_compactions(c->w), __ATOMIC_RELAXED);
 		for (uint32_t n = t_rand32(&rng) % 4096; n; n--)
 			__asm__ __volatile__("" ::: "memory");
 	}
@@ -995,7 +1027,7 @@ static void *t_lbl_read(void *arg)
 		uint64_t label = ap_shm_changes(c->seg, c->len);
 		if (label != AP_SHM_NO_CHANGES && cache[id].label == label) {
 			ver = cache[id].ver;
-			rd->hits++;
+			__atomic_fetch_add(&rd->hits, 1, __ATOMIC_RELAXED);
 		} else {
 			int r = ap_shm_lookup(c->seg, c->len, k, t_key(k, id), out, sizeof out, &vl);
 			if (r != AP_SHM_OK) {
@@ -1008,12 +1040,26 @@ static void *t_lbl_read(void *arg)
 			}
 			cache[id].label = label;
 			cache[id].ver = ver;
-			rd->misses++;
+			__atomic_fetch_add(&rd->misses, 1, __ATOMIC_RELAXED);
 		}
 		if (ver < acked)
 			rd->late++;
 	}
 	return NULL;
+}
+
+struct t_lbl_run {
+	struct t_lbl *c;
+	struct t_lbl_reader *rd;
+	uint64_t c0;
+};
+
+static int t_lbl_done(void *arg)
+{
+	struct t_lbl_run *r = arg;
+	return __atomic_load_n(&r->rd->hits, __ATOMIC_RELAXED) > 10000 &&
+	       __atomic_load_n(&r->rd->misses, __ATOMIC_RELAXED) > 1000 &&
+	       __atomic_load_n(&r->c->comps, __ATOMIC_RELAXED) > r->c0;
 }
 
 static void test_changes_label_never_answers_an_acknowledged_put_late(void **state)
@@ -1035,8 +1081,8 @@ static void test_changes_label_never_answers_an_acknowledged_put_late(void **sta
 	uint64_t c0 = t_compactions(s.w);
 	assert_int_equal(pthread_create(&rt, NULL, t_lbl_read, &rd), 0);
 	assert_int_equal(pthread_create(&wt, NULL, t_lbl_writer, &c), 0);
-	usleep(1000 * 1000);
-	__atomic_store_n(&c.stop, 1, __ATOMIC_RELAXED);
+	struct t_lbl_run run = { &c, &rd, c0 };
+	t_run_until(&c.stop, t_lbl_done, &run, 1000);
 	void *wr;
 	pthread_join(wt, &wr);
 	pthread_join(rt, NULL);
@@ -1380,6 +1426,228 @@ static void test_truncations_never_read_past_len(void **state)
 	free(seg);
 }
 
+/* ---- a tmpfs smaller than the segment ----------------------------------- */
+
+/* A forked child mounts a 4 MiB tmpfs on /dev/shm in a private mount
+ * namespace (root only: otherwise the tests skip) and runs a writer there
+ * whose segment is larger than the filesystem. Before the writer reserved
+ * its pages, the first store past the filesystem's end was SIGBUS. The
+ * child cannot use cmocka (a failed assert would longjmp into the child's
+ * copy of the runner): it checks with T_CK and exits 1; the parent checks
+ * that it exited 0 and was not killed by a signal. */
+#define T_FS_SIZE "size=4m"
+#define T_CHILD_SKIP 77
+
+#define T_CK(c)                                                                                    \
+	do {                                                                                       \
+		if (!(c)) {                                                                        \
+			fprintf(stderr, "%s:%d: in the child: %s\n", __FILE__, __LINE__, #c);      \
+			_exit(1);                                                                  \
+		}                                                                                  \
+	} while (0)
+
+static const void *t_child_map_ro(const char *name, size_t *len)
+{
+	struct stat st;
+	int fd = shm_open(name, O_RDONLY, 0);
+	T_CK(fd >= 0);
+	T_CK(fstat(fd, &st) == 0);
+	void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+	T_CK(p != MAP_FAILED);
+	close(fd);
+	*len = (size_t)st.st_size;
+	return p;
+}
+
+/* A shm object of `bytes` backed bytes; bytes 0: as many as still fit
+ * (the filesystem is then full to the last page). */
+static void t_filler(const char *name, size_t bytes)
+{
+	int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+	T_CK(fd >= 0);
+	if (bytes) {
+		T_CK(posix_fallocate(fd, 0, (off_t)bytes) == 0);
+	} else {
+		int e = 0;
+		for (off_t off = 0; !e; off += 4096)
+			e = posix_fallocate(fd, off, 4096);
+		T_CK(e == ENOSPC);
+	}
+	close(fd);
+}
+
+static int t_shm_exists(const char *name)
+{
+	int fd = shm_open(name, O_RDONLY, 0);
+	if (fd >= 0)
+		close(fd);
+	return fd >= 0;
+}
+
+/* Distinct keys until the filesystem is full: arena appends. Then a
+ * rebuild that cannot be backed, a create that cannot, and a rebuild once
+ * there is room again. */
+static void t_child_appends(void)
+{
+	char name[64], filler[64], top[64], other[64], k[32];
+	static uint8_t big[64 << 10];
+	size_t len;
+	ap_shm_writer *w, *w2 = NULL;
+	int r = 0, n;
+
+	t_name(name, sizeof name, "smallfs");
+	t_name(filler, sizeof filler, "filler");
+	t_name(top, sizeof top, "top");
+	t_name(other, sizeof other, "other");
+	memset(big, 0xab, sizeof big);
+	t_filler(filler, 1u << 20);
+	T_CK(ap_shm_writer_create(&w, name, 64u << 20, "rcpt@test", 7) == 0);
+	const void *ro = t_child_map_ro(name, &len);
+	T_CK(t_put_str(w, "small", "s") == 0);
+	uint64_t gen = t_gen(ro), c = 0;
+	for (n = 0; n < 1000 && r == 0; n++) {
+		sprintf(k, "big-%d", n);
+		c = t_changes(ro);
+		r = ap_shm_put(w, k, strlen(k), big, sizeof big);
+	}
+	T_CK(r == -ENOSPC);
+	T_CK(n > 4 && n < 1000);
+	T_CK(t_gen(ro) == gen);         /* nothing published */
+	T_CK(t_changes(ro) == c + 1);   /* the STALE store, counted */
+	T_CK(ap_shm_state(w) == AP_SHM_STATE_STALE);
+	T_CK(t_state(ro) == AP_SHM_STATE_STALE);
+	T_CK(ap_shm_check(ro, len) == AP_SHM_ESTALE);
+	T_CK(t_lookup_rc(ro, len, "small") == AP_SHM_ESTALE);
+	T_CK(t_lookup_rc(ro, len, "big-0") == AP_SHM_ESTALE);
+	T_CK(ap_shm_changes(ro, len) == AP_SHM_NO_CHANGES);
+	T_CK(t_put_str(w, "tiny", "t") == -ENOSPC);
+	T_CK(t_changes(ro) == c + 1);
+
+	/* Full to the last page: a rebuild fails (still STALE, gen kept),
+	 * and so does a create, leaving nothing behind. */
+	t_filler(top, 0);
+	const char *ks[] = { "a", "b", "c" }, *vs[] = { "1", "2", "3" };
+	struct t_iter it = { .k = ks, .v = vs, .n = 3 };
+	T_CK(ap_shm_rebuild(w, t_iter_next, &it) == -ENOSPC);
+	T_CK(ap_shm_state(w) == AP_SHM_STATE_STALE);
+	T_CK(t_gen(ro) == gen);
+	T_CK(ap_shm_check(ro, len) == AP_SHM_ESTALE);
+	T_CK(ap_shm_writer_create(&w2, other, 1u << 20, "rcpt@test", 8) == -ENOSPC);
+	T_CK(w2 == NULL);
+	T_CK(!t_shm_exists(other));
+
+	/* Room again: the next rebuild fits. */
+	T_CK(shm_unlink(top) == 0);
+	T_CK(shm_unlink(filler) == 0);
+	it.at = 0;
+	T_CK(ap_shm_rebuild(w, t_iter_next, &it) == 0);
+	T_CK(ap_shm_state(w) == AP_SHM_STATE_LIVE);
+	T_CK(t_gen(ro) == gen + 1);
+	T_CK(ap_shm_check(ro, len) == AP_SHM_OK);
+	uint8_t out[8];
+	uint32_t vl = 0;
+	T_CK(ap_shm_lookup(ro, len, "b", 1, out, sizeof out, &vl) == AP_SHM_OK && vl == 1 && out[0] == '2');
+	T_CK(t_lookup_rc(ro, len, "big-0") == AP_SHM_ENOTFOUND);
+	T_CK(t_put_str(w, "d", "4") == 0);
+	T_CK(ap_shm_lookup(ro, len, "d", 1, out, sizeof out, &vl) == AP_SHM_OK && vl == 1 && out[0] == '4');
+	ap_shm_writer_close(w, 1);
+	munmap((void *)ro, len);
+	T_CK(!t_shm_exists(name));
+}
+
+/* Updates of a few keys until the active half is full: the compaction
+ * into the other half cannot be backed. A rebuild once there is room, and
+ * compactions afterwards (both halves backed by then). */
+static void t_child_compaction(void)
+{
+	char name[64], filler[64], k[32];
+	static uint8_t big[60 << 10];
+	size_t len;
+	ap_shm_writer *w;
+	int r = 0, n;
+
+	t_name(name, sizeof name, "smallfs_c");
+	t_name(filler, sizeof filler, "filler_c");
+	memset(big, 0xcd, sizeof big);
+	/* 4 MiB: the 4 MiB segment's half 0 fits, the second half does not. */
+	t_filler(filler, 3u << 19);
+	T_CK(ap_shm_writer_create(&w, name, 4u << 20, "rcpt@test", 7) == 0);
+	const void *ro = t_child_map_ro(name, &len);
+	uint64_t gen = t_gen(ro), c = 0;
+	for (n = 0; n < 1000 && r == 0; n++) {
+		sprintf(k, "k-%d", n % 4);
+		c = t_changes(ro);
+		r = ap_shm_put(w, k, strlen(k), big, sizeof big - (size_t)n);
+	}
+	T_CK(r == -ENOSPC);
+	T_CK(n > 20); /* the half filled up: it was a compaction that failed */
+	T_CK(t_compactions(w) == 0);
+	T_CK(t_gen(ro) == gen);
+	T_CK(t_changes(ro) == c + 1);
+	T_CK(ap_shm_state(w) == AP_SHM_STATE_STALE);
+	T_CK(ap_shm_check(ro, len) == AP_SHM_ESTALE);
+	T_CK(t_lookup_rc(ro, len, "k-0") == AP_SHM_ESTALE);
+
+	T_CK(shm_unlink(filler) == 0);
+	const char *ks[] = { "k-0", "k-1", "k-2", "k-3" };
+	struct t_iter it = { .k = ks, .n = 4, .big = big, .big_len = sizeof big };
+	T_CK(ap_shm_rebuild(w, t_iter_next, &it) == 0);
+	T_CK(ap_shm_state(w) == AP_SHM_STATE_LIVE);
+	T_CK(t_gen(ro) == gen + 1);
+	uint64_t c0 = t_compactions(w);
+	for (n = 0; n < 1000 && t_compactions(w) < c0 + 3; n++) {
+		sprintf(k, "k-%d", n % 4);
+		T_CK(ap_shm_put(w, k, strlen(k), big, sizeof big - (size_t)n) == 0);
+	}
+	T_CK(t_compactions(w) >= c0 + 3);
+	static uint8_t out[sizeof big];
+	uint32_t vl = 0;
+	sprintf(k, "k-%d", (n - 1) % 4);
+	T_CK(ap_shm_lookup(ro, len, k, strlen(k), out, sizeof out, &vl) == AP_SHM_OK);
+	T_CK(vl == sizeof big - (size_t)(n - 1) && !memcmp(out, big, vl));
+	ap_shm_writer_close(w, 1);
+	munmap((void *)ro, len);
+	T_CK(!t_shm_exists(name));
+}
+
+static void t_in_small_tmpfs(void (*fn)(void))
+{
+	int st = 0;
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		/* Private first, so that the mount does not propagate out. */
+		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+		    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, T_FS_SIZE ",mode=1777") < 0) {
+			fprintf(stderr, "no private tmpfs (%s): skipped\n", strerror(errno));
+			_exit(T_CHILD_SKIP);
+		}
+		fn();
+		_exit(0);
+	}
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	if (WIFSIGNALED(st))
+		fail_msg("the writer's process was killed by signal %d (SIGBUS is %d)", WTERMSIG(st), SIGBUS);
+	assert_true(WIFEXITED(st));
+	if (WEXITSTATUS(st) == T_CHILD_SKIP)
+		skip();
+	assert_int_equal(WEXITSTATUS(st), 0);
+}
+
+static void test_full_tmpfs_is_enospc_not_sigbus(void **state)
+{
+	(void)state;
+	t_in_small_tmpfs(t_child_appends);
+}
+
+static void test_full_tmpfs_compaction_is_enospc_not_sigbus(void **state)
+{
+	(void)state;
+	t_in_small_tmpfs(t_child_compaction);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1399,6 +1667,8 @@ int main(void)
 		cmocka_unit_test(test_hostile_segments_never_crash),
 		cmocka_unit_test(test_random_corruption_never_crashes),
 		cmocka_unit_test(test_truncations_never_read_past_len),
+		cmocka_unit_test(test_full_tmpfs_is_enospc_not_sigbus),
+		cmocka_unit_test(test_full_tmpfs_compaction_is_enospc_not_sigbus),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
