@@ -1,8 +1,9 @@
 %% A PropEr property of the receptionist against a simple model: random
 %% sequences of register / deregister / subscribe / unsubscribe / subscriber
-%% deaths on a few keys; afterwards `find', `lookup' and the last listing
-%% each live subscriber got for each key it subscribes to all equal the
-%% model. Run from actor_receptionist_tests (the application must run).
+%% deaths on a few keys; afterwards `find' and `lookup' equal the model, and
+%% every live subscriber got, for each key, exactly the listings the model
+%% predicts, in order: one per subscribe and one per change of the key's
+%% refs while subscribed, none for a non-change, none after unsubscribing. Run from actor_receptionist_tests (the application must run).
 %% Kept apart from the EUnit module because proper.hrl and eunit.hrl define
 %% the same macros.
 -module(actor_receptionist_prop).
@@ -37,9 +38,9 @@ run(Ops) ->
                           || I <- lists:seq(1, ?KEYS)]),
     Refs = list_to_tuple([spawn(fun idle/0) || _ <- lists:seq(1, ?REFS)]),
     Subs0 = list_to_tuple([spawn(fun() -> collect([]) end) || _ <- lists:seq(1, ?SUBS)]),
-    Model0 = {#{}, sets:new([{version, 2}])},
-    {Subs, {Regs, Subscribed}} = lists:foldl(fun(Op, {S, M}) -> step(Op, Keys, Refs, S, M) end,
-                                             {Subs0, Model0}, Ops),
+    Model0 = {#{}, sets:new([{version, 2}]), #{}},
+    {Subs, {Regs, Subscribed, ExpMap}} =
+        lists:foldl(fun(Op, {S, M}) -> step(Op, Keys, Refs, S, M) end, {Subs0, Model0}, Ops),
     barrier(),
     Want = fun(KI) -> [element(RI, Refs) || RI <- maps:get(KI, Regs, [])] end,
     Found = [begin
@@ -49,40 +50,61 @@ run(Ops) ->
              end || KI <- lists:seq(1, ?KEYS)],
     Looked = [{KI, actor_receptionist:lookup(element(KI, Keys))} || KI <- lists:seq(1, ?KEYS)],
     Expected = [{KI, Want(KI)} || KI <- lists:seq(1, ?KEYS)],
-    LastListings = [{{SI, KI}, last_listing(element(SI, Subs), element(KI, Keys))}
-                    || {SI, KI} <- lists:sort(sets:to_list(Subscribed))],
-    ExpectedListings = [{{SI, KI}, Want(KI)} || {SI, KI} <- lists:sort(sets:to_list(Subscribed))],
+    Pairs = [{SI, KI} || SI <- lists:seq(1, ?SUBS), KI <- lists:seq(1, ?KEYS)],
+    GotListings = [{P, listings(element(SI, Subs), element(KI, Keys))} || {SI, KI} = P <- Pairs],
+    ExpectedListings = [{P, [[element(RI, Refs) || RI <- L] || L <- lists:reverse(maps:get(P, ExpMap, []))]}
+                        || P <- Pairs],
     %% Leave nothing behind for the next run.
     [ok = actor_receptionist:deregister(element(KI, Keys), element(RI, Refs))
      || {KI, RIs} <- maps:to_list(Regs), RI <- RIs],
     [exit(P, kill) || P <- tuple_to_list(Refs) ++ tuple_to_list(Subs)],
+    _ = Subscribed,
     ?WHENFAIL(io:format(user, "ops ~p~nfind ~p~nlookup ~p~nwant ~p~nlistings ~p~nwant ~p~n",
-                        [Ops, Found, Looked, Expected, LastListings, ExpectedListings]),
+                        [Ops, Found, Looked, Expected, GotListings, ExpectedListings]),
               Found =:= Expected andalso Looked =:= Expected
-              andalso LastListings =:= ExpectedListings).
+              andalso GotListings =:= ExpectedListings).
 
-step({register, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed}) ->
+%% The model: {Regs, Subscribed, Expected}: the refs of each key in order,
+%% the {Sub, Key} subscriptions, and per {Sub, Key} the listings (lists of
+%% ref indices) the current process of slot Sub should have got, newest
+%% first.
+step({register, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed, Exp}) ->
     ok = actor_receptionist:register(element(KI, Keys), element(RI, Refs)),
     L = maps:get(KI, Regs, []),
-    L1 = case lists:member(RI, L) of
-             true -> L;
-             false -> L ++ [RI]
-         end,
-    {Subs, {Regs#{KI => L1}, Subscribed}};
-step({deregister, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed}) ->
+    case lists:member(RI, L) of
+        true -> {Subs, {Regs, Subscribed, Exp}};
+        false -> changed(KI, L ++ [RI], Subs, {Regs, Subscribed, Exp})
+    end;
+step({deregister, KI, RI}, Keys, Refs, Subs, {Regs, Subscribed, Exp}) ->
     ok = actor_receptionist:deregister(element(KI, Keys), element(RI, Refs)),
-    {Subs, {Regs#{KI => lists:delete(RI, maps:get(KI, Regs, []))}, Subscribed}};
-step({subscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    L = maps:get(KI, Regs, []),
+    case lists:member(RI, L) of
+        true -> changed(KI, lists:delete(RI, L), Subs, {Regs, Subscribed, Exp});
+        false -> {Subs, {Regs, Subscribed, Exp}}
+    end;
+step({subscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed, Exp}) ->
     ok = actor_receptionist:subscribe(element(KI, Keys), element(SI, Subs)),
-    {Subs, {Regs, sets:add_element({SI, KI}, Subscribed)}};
-step({unsubscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    %% A listing now, also for a second subscribe.
+    {Subs, {Regs, sets:add_element({SI, KI}, Subscribed),
+            add_listing({SI, KI}, maps:get(KI, Regs, []), Exp)}};
+step({unsubscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed, Exp}) ->
     ok = actor_receptionist:unsubscribe(element(KI, Keys), element(SI, Subs)),
-    {Subs, {Regs, sets:del_element({SI, KI}, Subscribed)}};
-step({kill, SI}, _Keys, _Refs, Subs, {Regs, Subscribed}) ->
+    {Subs, {Regs, sets:del_element({SI, KI}, Subscribed), Exp}};
+step({kill, SI}, _Keys, _Refs, Subs, {Regs, Subscribed, Exp}) ->
     exit(element(SI, Subs), kill),
     New = spawn(fun() -> collect([]) end),
     Left = sets:filter(fun({S, _}) -> S =/= SI end, Subscribed),
-    {setelement(SI, Subs, New), {Regs, Left}}.
+    {setelement(SI, Subs, New), {Regs, Left, maps:filter(fun({S, _}, _) -> S =/= SI end, Exp)}}.
+
+%% Key KI's refs changed to L: every subscriber of KI gets a listing.
+changed(KI, L, Subs, {Regs, Subscribed, Exp}) ->
+    Exp1 = sets:fold(fun({SI, K}, E) when K =:= KI -> add_listing({SI, KI}, L, E);
+                        (_, E) -> E
+                     end, Exp, Subscribed),
+    {Subs, {Regs#{KI => L}, Subscribed, Exp1}}.
+
+add_listing(Pair, L, Exp) ->
+    maps:update_with(Pair, fun(Ls) -> [L | Ls] end, [L], Exp).
 
 idle() ->
     receive stop -> ok end.
@@ -93,14 +115,11 @@ collect(Acc) ->
         Msg -> collect([Msg | Acc])
     end.
 
-last_listing(Sub, Key) ->
+%% Every listing for Key that Sub got, in order.
+listings(Sub, Key) ->
     Sub ! {'$collected', self()},
     receive
-        {Sub, Msgs} ->
-            case [L || {listing, K, L} <- Msgs, K =:= Key] of
-                [] -> none;
-                Ls -> lists:last(Ls)
-            end
+        {Sub, Msgs} -> [L || {listing, K, L} <- Msgs, K =:= Key]
     after ?WAIT_MS -> timeout
     end.
 
