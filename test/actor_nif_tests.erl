@@ -13,6 +13,7 @@
 
 %% The cases, called through ?MODULE by run/2.
 -export([nif_is_loaded/1,
+         hash_matches_the_c_vectors/1,
          not_attached_is_unmapped/1,
          attach_missing_is_enoent/1,
          attach_too_small/1,
@@ -39,7 +40,7 @@
          info_describes_the_mapping/1]).
 
 -define(MAGIC, 16#31535450435241).
--define(VERSION, 2).
+-define(VERSION, 3).
 -define(HDR_SIZE, 4096).
 -define(CAP, 1024).
 -define(ARENA, 262144).
@@ -51,7 +52,10 @@
 -define(GEN_POS, 32).
 -define(STATE_POS, 64).
 -define(CHANGES_POS, 72).
--define(NODE_POS, 80).
+-define(SEED_POS, 80).
+-define(NODE_POS, 88).
+%% The hash_seed of every segment built here (a writer draws a random one).
+-define(SEED, 16#5EED0123456789AB).
 %% Half header (struct ap_shm_half) and entry header sizes.
 -define(HALF_HDR, 64).
 -define(ENTRY_HDR, 16).
@@ -66,6 +70,7 @@ actor_nif_test_() ->
      fun(Ctx) ->
              [{atom_to_list(Name), {timeout, 120, fun() -> run(Name, Ctx) end}}
               || Name <- [nif_is_loaded,
+                          hash_matches_the_c_vectors,
                           not_attached_is_unmapped,
                           attach_missing_is_enoent,
                           attach_too_small,
@@ -116,6 +121,34 @@ run(Name, Ctx) ->
 
 nif_is_loaded(_) ->
     ?assert(actor_nif:loaded()).
+
+%% hash/2 is ap_shm_hash: SipHash-1-3 keyed (Seed, Seed bxor K1). Vectors
+%% from c_src/test/test_shm.c (test_hash_known_vectors), plus the SipHash
+%% paper's SipHash-2-4 vector through the same code with 2 and 4 rounds.
+hash_matches_the_c_vectors(_) ->
+    Seq = fun(N) -> list_to_binary(lists:seq(0, N - 1)) end,
+    ?assertEqual(16#a129ca6149be45e5,
+                 siphash(2, 4, 16#0706050403020100, 16#0f0e0d0c0b0a0908, Seq(15))),
+    Vectors = [{0, <<>>, 16#61d1b8495b88d5e1},
+               {0, <<"a">>, 16#6cd2f1583967b431},
+               {0, <<"abcdefg">>, 16#b23b9bf39130a21d},
+               {0, <<"abcdefgh">>, 16#3d09067e6f99cbe8},
+               {0, Seq(15), 16#8e92628c2674d2fe},
+               {0, <<"key-000042">>, 16#b105583196c4a5d9},
+               {0, Seq(64), 16#7e56f13b96de6ecb},
+               {16#0706050403020100, <<>>, 16#b8caed77a440bbba},
+               {16#0706050403020100, <<"abcdefgh">>, 16#3c599e837f03032b},
+               {16#0706050403020100, Seq(15), 16#1f8336568070576d},
+               {16#0123456789abcdef, <<"a">>, 16#9d3d0c2d828ea9a6},
+               {16#0123456789abcdef, <<"abcdefg">>, 16#cfd190c99671d713},
+               {16#0123456789abcdef, <<"key-000042">>, 16#416b62d8a7317b42},
+               {16#0123456789abcdef, Seq(64), 16#fed88c2f19252a0f},
+               {?MASK64, <<>>, 16#3e35ada38e8df913},
+               {?MASK64, Seq(15), 16#829b447612f9d75c},
+               {?MASK64, <<"key-000042">>, 16#de3f65e916ea5c83},
+               {?MASK64, Seq(64), 16#99087a07ff64a5ae}],
+    [?assertEqual({S, M, W}, {S, M, hash(S, M)}) || {S, M, W} <- Vectors],
+    ok.
 
 not_attached_is_unmapped(_) ->
     ?assertEqual({error, unmapped}, actor_nif:lookup(<<"k">>)),
@@ -292,7 +325,8 @@ hostile_headers_are_bad_segment(Ctx) ->
     HalfSize = (SegSize - ?HDR_SIZE) div 2,
     Half0 = ?HDR_SIZE,
     Bad = [{magic, patch(Good, 0, <<0:64>>)},
-           {version, patch(Good, 8, <<3:32/native>>)},
+           {version, patch(Good, 8, <<(?VERSION + 1):32/native>>)},
+           {version_old, patch(Good, 8, <<(?VERSION - 1):32/native>>)},
            {hdr_size, patch(Good, 12, <<8192:32/native>>)},
            {seg_size_over_file, patch(Good, 16, <<(SegSize * 2):64/native>>)},
            {seg_size_huge, patch(Good, 16, <<?MASK64:64/native>>)},
@@ -336,7 +370,9 @@ hostile_entries_are_bad_segment_or_empty(Ctx) ->
            %% every probe runs the whole index and finds nothing
            {every_slot_full, patch(Good, slot_pos(0, 0),
                                    binary:copy(<<((16#DEADBEEF bsl 32) bor 1):64/native>>, ?CAP))},
-           {hash_mismatch, patch(Good, Entry, <<0:64>>)}],
+           {hash_mismatch, patch(Good, Entry, <<0:64>>)},
+           %% another seed: every key hashes elsewhere, so nothing is found
+           {seed_changed, patch(Good, ?SEED_POS, <<(?SEED bxor 1):64/native>>)}],
     lists:foreach(
       fun({What, Bin}) ->
               Name = name(Ctx),
@@ -681,7 +717,7 @@ header(O) ->
             (maps:get(gen, O, 0)):64/native, (maps:get(heartbeat_ms, O, 1)):64/native,
             (maps:get(writer_pid, O, 1)):64/native, (maps:get(incarnation, O, 1)):64/native,
             (maps:get(state, O, ?LIVE)):32/native, 0:32, (maps:get(changes, O, 1)):64/native,
-            (pad_to(Node, 256))/binary>>,
+            ?SEED:64/native, (pad_to(Node, 256))/binary>>,
     pad_to(Bin, ?HDR_SIZE).
 
 half(Entries, ArenaSize) ->
@@ -732,17 +768,41 @@ entry_pos(Half, Off, ArenaSize) ->
 half_pos(Half, ArenaSize) ->
     ?HDR_SIZE + Half * half_size(ArenaSize).
 
-%% ap_shm_hash from c_src/shm/ap_shm.c: FNV-1a, then splitmix64's finaliser.
+%% ap_shm_hash from c_src/shm/ap_shm.c with this module's seed.
 hash(Key) ->
-    H0 = fnv1a(Key, 16#cbf29ce484222325),
-    H1 = ((H0 bxor (H0 bsr 30)) * 16#bf58476d1ce4e5b9) band ?MASK64,
-    H2 = ((H1 bxor (H1 bsr 27)) * 16#94d049bb133111eb) band ?MASK64,
-    H2 bxor (H2 bsr 31).
+    hash(?SEED, Key).
 
-fnv1a(<<B, Rest/binary>>, H) ->
-    fnv1a(Rest, ((H bxor B) * 16#100000001b3) band ?MASK64);
-fnv1a(<<>>, H) ->
-    H.
+%% ap_shm_hash(Seed, Key): SipHash-1-3 with the key (Seed, Seed bxor K1).
+hash(Seed, Key) ->
+    siphash(1, 3, Seed, Seed bxor 16#9e3779b97f4a7c15, Key).
+
+%% SipHash-C-D over 64-bit words (band ?MASK64 after every add and shift),
+%% the message read as little-endian words.
+siphash(C, D, K0, K1, Msg) ->
+    V = {K0 bxor 16#736f6d6570736575, K1 bxor 16#646f72616e646f6d,
+         K0 bxor 16#6c7967656e657261, K1 bxor 16#7465646279746573},
+    sip_blocks(C, D, V, Msg, byte_size(Msg)).
+
+sip_blocks(C, D, {V0, V1, V2, V3}, <<M:64/little, Rest/binary>>, Len) ->
+    {W0, W1, W2, W3} = sip_rounds(C, {V0, V1, V2, V3 bxor M}),
+    sip_blocks(C, D, {W0 bxor M, W1, W2, W3}, Rest, Len);
+sip_blocks(C, D, {V0, V1, V2, V3}, Tail, Len) ->
+    B = ((Len band 16#ff) bsl 56) bor binary:decode_unsigned(Tail, little),
+    {W0, W1, W2, W3} = sip_rounds(C, {V0, V1, V2, V3 bxor B}),
+    {X0, X1, X2, X3} = sip_rounds(D, {W0 bxor B, W1, W2 bxor 16#ff, W3}),
+    X0 bxor X1 bxor X2 bxor X3.
+
+sip_rounds(0, V) ->
+    V;
+sip_rounds(N, {V0, V1, V2, V3}) ->
+    A0 = (V0 + V1) band ?MASK64, A1 = rotl(V1, 13) bxor A0, B0 = rotl(A0, 32),
+    A2 = (V2 + V3) band ?MASK64, A3 = rotl(V3, 16) bxor A2,
+    C0 = (B0 + A3) band ?MASK64, B3 = rotl(A3, 21) bxor C0,
+    B2 = (A2 + A1) band ?MASK64, B1 = rotl(A1, 17) bxor B2, C2 = rotl(B2, 32),
+    sip_rounds(N - 1, {C0, B1, C2, B3}).
+
+rotl(X, B) ->
+    ((X bsl B) bor (X bsr (64 - B))) band ?MASK64.
 
 pad8(B) ->
     pad_to(B, (byte_size(B) + 7) band -8).

@@ -57,7 +57,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define HALF_HDR ((uint64_t)sizeof(struct ap_shm_half))
@@ -83,7 +85,7 @@
 _Static_assert(sizeof(struct ap_shm_hdr) <= AP_SHM_HDR_SIZE, "header too big");
 /* Readers (and test encoders) rely on these offsets. */
 _Static_assert(offsetof(struct ap_shm_hdr, state) == 64 && offsetof(struct ap_shm_hdr, changes) == 72 &&
-		       offsetof(struct ap_shm_hdr, node) == 80,
+		       offsetof(struct ap_shm_hdr, hash_seed) == 80 && offsetof(struct ap_shm_hdr, node) == 88,
 	       "header layout");
 _Static_assert(sizeof(struct ap_shm_half) == 64, "half header layout");
 _Static_assert(sizeof(struct ap_shm_entry) == 16, "entry header layout");
@@ -104,22 +106,86 @@ static inline uint64_t pow2_at_least(uint64_t n)
 	return c;
 }
 
-/* FNV-1a is cheap but its low bits (the probe start) depend weakly on the
- * last bytes; splitmix64's finaliser spreads every input bit over all 64. */
-uint64_t ap_shm_hash(const void *key, size_t klen)
+/* SipHash-1-3 (Aumasson and Bernstein's SipHash with c = 1, d = 3, as in
+ * CPython and Rust's std): a keyed PRF, so without the seed nobody can
+ * pick keys that collide (see "Hashing" in ap_shm.h). Keys are short: the
+ * cost is one round per 8 bytes plus four, ~20 ns for 16 bytes. */
+#define SIP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIP_ROUND                                   \
+	do {                                        \
+		v0 += v1;                           \
+		v1 = SIP_ROTL(v1, 13);              \
+		v1 ^= v0;                           \
+		v0 = SIP_ROTL(v0, 32);              \
+		v2 += v3;                           \
+		v3 = SIP_ROTL(v3, 16);              \
+		v3 ^= v2;                           \
+		v0 += v3;                           \
+		v3 = SIP_ROTL(v3, 21);              \
+		v3 ^= v0;                           \
+		v2 += v1;                           \
+		v1 = SIP_ROTL(v1, 17);              \
+		v1 ^= v2;                           \
+		v2 = SIP_ROTL(v2, 32);              \
+	} while (0)
+
+static inline uint64_t ld_le64(const uint8_t *p)
+{
+	uint64_t v;
+	memcpy(&v, p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+	v = __builtin_bswap64(v);
+#endif
+	return v;
+}
+
+uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen)
 {
 	const uint8_t *p = key;
-	uint64_t h = 0xcbf29ce484222325ull;
-	for (size_t i = 0; i < klen; i++) {
-		h ^= p[i];
-		h *= 0x100000001b3ull;
+	const uint64_t k0 = seed, k1 = seed ^ AP_SHM_SEED_K1;
+	uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
+	uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
+	uint64_t b = (uint64_t)klen << 56;
+	size_t i = 0, tail = klen & 7;
+
+	for (; i + 8 <= klen; i += 8) {
+		uint64_t m = ld_le64(p + i);
+		v3 ^= m;
+		SIP_ROUND;
+		v0 ^= m;
 	}
-	h ^= h >> 30;
-	h *= 0xbf58476d1ce4e5b9ull;
-	h ^= h >> 27;
-	h *= 0x94d049bb133111ebull;
-	h ^= h >> 31;
-	return h;
+	for (size_t j = 0; j < tail; j++)
+		b |= (uint64_t)p[i + j] << (8 * j);
+	v3 ^= b;
+	SIP_ROUND;
+	v0 ^= b;
+	v2 ^= 0xff;
+	SIP_ROUND;
+	SIP_ROUND;
+	SIP_ROUND;
+	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/* A fresh segment's seed: getrandom(2) (never blocking: this runs at the
+ * receptionist's start), else the time, the pid and an address (ASLR)
+ * through splitmix64's finaliser. Unpredictable enough either way for a
+ * hash-flooding defence; it need not be secret from the segment's readers. */
+static uint64_t w_new_seed(void)
+{
+	uint64_t seed = 0;
+	struct timespec ts = { 0 };
+
+	if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) == (ssize_t)sizeof seed)
+		return seed;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	seed = ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 32) ^
+	       (uint64_t)(uintptr_t)&seed;
+	seed ^= seed >> 30;
+	seed *= 0xbf58476d1ce4e5b9ull;
+	seed ^= seed >> 27;
+	seed *= 0x94d049bb133111ebull;
+	seed ^= seed >> 31;
+	return seed;
 }
 
 /* ---- writer ------------------------------------------------------------- */
@@ -146,6 +212,7 @@ struct ap_shm_writer {
 	uint64_t half_size;
 	uint64_t gen;
 	uint64_t changes; /* the segment's `changes`, as last stored */
+	uint64_t seed;    /* the segment's hash_seed: never re-read from the segment */
 	uint32_t state;
 	struct whalf act;          /* the active half, gen & 1 */
 	uint64_t live, live_bytes; /* keys with a value, and their entries' bytes */
@@ -390,7 +457,7 @@ int ap_shm_put(ap_shm_writer *w, const void *key, size_t klen, const void *val, 
 	/* STALE: the segment already misses puts; only a rebuild helps. */
 	if (w->state != AP_SHM_STATE_LIVE)
 		return -ENOSPC;
-	hash = ap_shm_hash(key, klen);
+	hash = ap_shm_hash(w->seed, key, klen);
 	i = w_probe(&w->act, hash, key, klen, &old);
 	old_bytes = old && old->val_len ? ent_size(old->key_len, old->val_len) : 0;
 	if (!old_bytes && !vlen)
@@ -458,7 +525,7 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 			err = -ENOSPC;
 			break;
 		}
-		w_append(&t, ap_shm_hash(k, kl), k, kl, v, vl);
+		w_append(&t, ap_shm_hash(w->seed, k, kl), k, kl, v, vl);
 		n++;
 	}
 	if (!err && w_plan(w->half_size, n, t.used - 8, &cap) < 0)
@@ -517,6 +584,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	w->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
 	w->state = AP_SHM_STATE_LIVE;
 	w->changes = 1; /* never AP_SHM_NO_CHANGES */
+	w->seed = w_new_seed();
 	/* Half 0 first, before any header store: a create that cannot back
 	 * it fails with the header untouched. */
 	if (w_half_layout(w, 0, AP_SHM_MIN_CAP, &w->act) < 0) {
@@ -534,6 +602,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	hdr->incarnation = incarnation;
 	hdr->pad = 0;
 	hdr->changes = w->changes;
+	hdr->hash_seed = w->seed;
 	memset(hdr->node, 0, sizeof hdr->node);
 	if (node)
 		strncpy(hdr->node, node, sizeof hdr->node - 1);
@@ -639,6 +708,7 @@ struct rseg {
 	const uint8_t *base;
 	const struct ap_shm_hdr *hdr;
 	uint64_t half_size;
+	uint64_t seed; /* hash_seed: a number like any other, read once */
 };
 
 /* A half's layout, checked against the half. */
@@ -676,6 +746,9 @@ static int r_hdr(const void *base, size_t len, struct rseg *s)
 	s->base = base;
 	s->hdr = h;
 	s->half_size = half;
+	/* Fixed for the segment's life and stored before the magic; any
+	 * value is safe (a wrong one only makes lookups miss). */
+	s->seed = ld64(&h->hash_seed);
 	return AP_SHM_OK;
 }
 
@@ -726,13 +799,15 @@ static int r_ent(const struct rhalf *x, uint64_t off, struct rent *e)
 	return AP_SHM_OK;
 }
 
-/* At most cap probes; an empty slot ends the chain. */
+/* At most min(cap, AP_SHM_MAX_PROBES) probes; an empty slot ends the
+ * chain. A longer chain is hostile (see "Hashing" in ap_shm.h). */
 static int r_probe(const struct rhalf *x, uint64_t hash, const void *key, size_t klen, struct rent *e,
 		   uint64_t *off)
 {
 	uint64_t mask = x->cap - 1, i = hash & mask;
+	uint64_t max = x->cap < AP_SHM_MAX_PROBES ? x->cap : AP_SHM_MAX_PROBES;
 
-	for (uint64_t n = 0; n < x->cap; n++, i = (i + 1) & mask) {
+	for (uint64_t n = 0; n < max; n++, i = (i + 1) & mask) {
 		uint64_t s = __atomic_load_n(&x->slots[i], __ATOMIC_ACQUIRE);
 		uint64_t o = (s & SLOT_OFF_MASK) << 3;
 		int r;
@@ -749,7 +824,7 @@ static int r_probe(const struct rhalf *x, uint64_t hash, const void *key, size_t
 		*off = o;
 		return e->vlen ? AP_SHM_OK : AP_SHM_ENOTFOUND;
 	}
-	return AP_SHM_EBAD; /* a full index: the writer keeps it half empty */
+	return AP_SHM_EBAD; /* a full index or an overlong chain: the writer keeps it half empty */
 }
 
 /* The end of a read section: did gen stay g throughout? */
@@ -836,7 +911,7 @@ int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint
 
 	if ((r = r_hdr(base, len, &s)))
 		return r;
-	hash = ap_shm_hash(key, klen);
+	hash = ap_shm_hash(s.seed, key, klen);
 	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
 		uint64_t g = 0, o = 0;
 		uint32_t vl = 0;
@@ -893,7 +968,7 @@ int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, vo
 		return r;
 	if (!out)
 		cap = 0;
-	hash = ap_shm_hash(key, klen);
+	hash = ap_shm_hash(s.seed, key, klen);
 	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
 		uint64_t g = 0, o = 0;
 		uint32_t vl = 0;

@@ -10,13 +10,15 @@
  *   [header: AP_SHM_HDR_SIZE bytes][half 0: half_size][half 1: half_size]
  *
  *   header   magic, version, sizes, `gen`, writer pid, incarnation, state,
- *            `changes`, node name (struct ap_shm_hdr).
+ *            `changes`, `hash_seed`, node name (struct ap_shm_hdr).
  *   half     struct ap_shm_half, then `cap` index slots (uint64 each), then
  *            the arena: `arena_size` bytes starting at `arena_off` (from the
  *            half's start). Arena offset 0 is reserved (means "empty").
  *   slot     (tag32 << 32) | off32: tag32 is the upper 32 bits of the key's
  *            64-bit hash, off32 the entry's arena offset in 8-byte units
  *            (0: an empty slot). Linear probing from hash & (cap - 1).
+ *            The hash is ap_shm_hash(hash_seed, key): keyed by the
+ *            segment's seed (see "Hashing" below).
  *   entry    struct ap_shm_entry {hash, key_len, val_len}, the key bytes,
  *            zero padding to 8, the value bytes, zero padding to 8.
  *
@@ -59,10 +61,29 @@
  * hostile segment's counter: a reader may trust it no further than it
  * trusts the values.
  *
+ * Hashing. Keys may come from outside input, so the index must not let
+ * anyone pick keys that collide: with an unkeyed hash, keys chosen to share
+ * the low bits build linear-probe chains of O(n) slots, walked by every
+ * lookup (on a normal BEAM scheduler) and every put. So the hash is keyed:
+ * SipHash-1-3 with the 128-bit key (hash_seed, hash_seed ^
+ * AP_SHM_SEED_K1), where hash_seed is a random 64-bit number the writer
+ * draws when it creates (or inits) the segment (getrandom(2); time ^ pid
+ * if that fails) and stores in the header before the magic. It never
+ * changes for the segment's life; the writer keeps its own copy and never
+ * reads it back. A reader loads it (relaxed) once per call, after the
+ * magic and version checks, and treats it as just a number: a wrong seed
+ * can only make lookups miss. Without the seed, chosen collisions are as
+ * hard as forging SipHash.
+ *
  * Readers trust nothing: every offset and length is checked against the
- * mapping before it is dereferenced, probes are bounded by `cap`, retries by
- * AP_SHM_MAX_RETRIES, so a torn or hostile segment yields AP_SHM_EBAD (or
- * AP_SHM_EBUSY), never a fault.
+ * mapping before it is dereferenced, probes are bounded by
+ * min(`cap`, AP_SHM_MAX_PROBES), retries by AP_SHM_MAX_RETRIES, so a torn
+ * or hostile segment yields AP_SHM_EBAD (or AP_SHM_EBUSY), never a fault
+ * nor an unbounded walk. The probe bound: the writer keeps every index at
+ * most half full and the seed keeps the hash uniform, so an honest chain
+ * is a few slots long (a chain of AP_SHM_MAX_PROBES is astronomically
+ * unlikely); a chain longer than that is hostile (or torn) and the lookup
+ * is AP_SHM_EBAD, so the NIF asks the receptionist instead.
  */
 #ifndef AP_SHM_H
 #define AP_SHM_H
@@ -71,11 +92,13 @@
 #include <stdint.h>
 
 #define AP_SHM_MAGIC 0x31535450435241ULL /* "ARCPTS1" little-endian, plus a 0 byte */
-#define AP_SHM_VERSION 2u   /* 2: `changes` in the header */
+#define AP_SHM_VERSION 3u   /* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3 */
 #define AP_SHM_HDR_SIZE 4096u
 #define AP_SHM_MAX_KEY 1024u          /* bytes */
 #define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
 #define AP_SHM_MAX_RETRIES 16
+#define AP_SHM_MAX_PROBES 4096u       /* index slots a reader probes per lookup, at most */
+#define AP_SHM_SEED_K1 0x9e3779b97f4a7c15ull /* SipHash key = (hash_seed, hash_seed ^ AP_SHM_SEED_K1) */
 #define AP_SHM_MIN_CAP 1024u          /* index slots per half, at least */
 #define AP_SHM_NO_CHANGES 0u          /* ap_shm_changes: no label (never a value of `changes`) */
 
@@ -105,6 +128,7 @@ struct ap_shm_hdr {
 	uint32_t state;        /* atomic: AP_SHM_STATE_* */
 	uint32_t pad;
 	uint64_t changes;      /* atomic: changes counted so far, >= 1 (see "Changes" above) */
+	uint64_t hash_seed;    /* the hash's key, fixed for the segment's life (see "Hashing" above) */
 	char node[256];        /* the receptionist node's name, NUL-terminated */
 };
 
@@ -125,9 +149,12 @@ struct ap_shm_entry {
 	/* then key bytes, pad to 8, value bytes, pad to 8 */
 };
 
-/* FNV-1a 64, then splitmix64's finaliser. Part of the format: the writer
- * and every reader must use this very function. */
-uint64_t ap_shm_hash(const void *key, size_t klen);
+/* SipHash-1-3 (1 compression round, 3 finalisation rounds; the message
+ * read as little-endian 64-bit words, whatever the host's endianness) of
+ * the key bytes, with the 128-bit key k0 = seed, k1 = seed ^
+ * AP_SHM_SEED_K1. Part of the format: the writer and every reader must use
+ * this very function with the segment's hash_seed. */
+uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen);
 
 /* ---- writer (one thread) ------------------------------------------------ */
 
@@ -206,7 +233,8 @@ uint64_t ap_shm_changes(const void *base, size_t len);
 /* Where key's current value is: *gen and *off (the entry's arena offset in
  * bytes, within half gen & 1) identify immutable bytes for as long as gen
  * stays the same; *vlen is the value's length. Returns AP_SHM_OK,
- * AP_SHM_ENOTFOUND (also for a removed key), AP_SHM_EBUSY, AP_SHM_EBAD or
+ * AP_SHM_ENOTFOUND (also for a removed key), AP_SHM_EBUSY, AP_SHM_EBAD
+ * (also for a probe chain longer than AP_SHM_MAX_PROBES) or
  * AP_SHM_ESTALE. */
 int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,
 		uint32_t *vlen);

@@ -167,6 +167,153 @@ static int t_lookup_rc(const void *seg, size_t len, const char *k)
 
 /* ---- tests --------------------------------------------------------------- */
 
+/* ---- the hash ------------------------------------------------------------ */
+
+/* ap_shm_hash is SipHash-1-3 keyed (seed, seed ^ AP_SHM_SEED_K1). The
+ * expected values come from this Python reference, which gives the
+ * SipHash paper's SipHash-2-4 vector (key 00..0f, message 00..0e:
+ * 0xa129ca6149be45e5) with c, d = 2, 4, and, with c, d = 1, 3 and a zero
+ * key, CPython 3.11's own hash() of bytes under PYTHONHASHSEED=0
+ * (sys.hash_info.algorithm == 'siphash13'):
+ *
+ *   M = (1 << 64) - 1
+ *   def rotl(x, b): return ((x << b) | (x >> (64 - b))) & M
+ *   def siphash(c, d, k0, k1, msg):
+ *       v0 = k0 ^ 0x736f6d6570736575; v1 = k1 ^ 0x646f72616e646f6d
+ *       v2 = k0 ^ 0x6c7967656e657261; v3 = k1 ^ 0x7465646279746573
+ *       def rnd():
+ *           nonlocal v0, v1, v2, v3
+ *           v0 = (v0 + v1) & M; v1 = rotl(v1, 13); v1 ^= v0; v0 = rotl(v0, 32)
+ *           v2 = (v2 + v3) & M; v3 = rotl(v3, 16); v3 ^= v2
+ *           v0 = (v0 + v3) & M; v3 = rotl(v3, 21); v3 ^= v0
+ *           v2 = (v2 + v1) & M; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32)
+ *       n = len(msg) // 8 * 8
+ *       for i in range(0, n, 8):
+ *           m = int.from_bytes(msg[i:i+8], 'little'); v3 ^= m
+ *           for _ in range(c): rnd()
+ *           v0 ^= m
+ *       b = ((len(msg) & 0xff) << 56) | int.from_bytes(msg[n:], 'little')
+ *       v3 ^= b
+ *       for _ in range(c): rnd()
+ *       v0 ^= b; v2 ^= 0xff
+ *       for _ in range(d): rnd()
+ *       return v0 ^ v1 ^ v2 ^ v3
+ *   def ap_hash(seed, msg): return siphash(1, 3, seed, seed ^ 0x9e3779b97f4a7c15, msg)
+ */
+static void test_hash_known_vectors(void **state)
+{
+	(void)state;
+	uint8_t seq[64];
+	for (int i = 0; i < 64; i++)
+		seq[i] = (uint8_t)i;
+	static const struct {
+		uint64_t seed;
+		const char *msg; /* NULL: seq[0..len) */
+		size_t len;
+		uint64_t want;
+	} v[] = {
+		{ 0, "", 0, 0x61d1b8495b88d5e1ull },
+		{ 0, "a", 1, 0x6cd2f1583967b431ull },
+		{ 0, "abcdefg", 7, 0xb23b9bf39130a21dull },
+		{ 0, "abcdefgh", 8, 0x3d09067e6f99cbe8ull },
+		{ 0, NULL, 15, 0x8e92628c2674d2feull },
+		{ 0, "key-000042", 10, 0xb105583196c4a5d9ull },
+		{ 0, NULL, 64, 0x7e56f13b96de6ecbull },
+		{ 0x0706050403020100ull, "", 0, 0xb8caed77a440bbbaull },
+		{ 0x0706050403020100ull, "abcdefgh", 8, 0x3c599e837f03032bull },
+		{ 0x0706050403020100ull, NULL, 15, 0x1f8336568070576dull },
+		{ 0x0123456789abcdefull, "a", 1, 0x9d3d0c2d828ea9a6ull },
+		{ 0x0123456789abcdefull, "abcdefg", 7, 0xcfd190c99671d713ull },
+		{ 0x0123456789abcdefull, "key-000042", 10, 0x416b62d8a7317b42ull },
+		{ 0x0123456789abcdefull, NULL, 64, 0xfed88c2f19252a0full },
+		{ UINT64_MAX, "", 0, 0x3e35ada38e8df913ull },
+		{ UINT64_MAX, NULL, 15, 0x829b447612f9d75cull },
+		{ UINT64_MAX, "key-000042", 10, 0xde3f65e916ea5c83ull },
+		{ UINT64_MAX, NULL, 64, 0x99087a07ff64a5aeull },
+	};
+	for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+		const void *m = v[i].msg ? (const void *)v[i].msg : (const void *)seq;
+		uint64_t got = ap_shm_hash(v[i].seed, m, v[i].len);
+		if (got != v[i].want)
+			fail_msg("vector %zu: 0x%016" PRIx64 ", want 0x%016" PRIx64, i, got, v[i].want);
+	}
+	/* Unaligned keys hash the same. */
+	uint8_t buf[80];
+	memcpy(buf + 3, seq, 64);
+	assert_true(ap_shm_hash(0x0123456789abcdefull, buf + 3, 64) == 0xfed88c2f19252a0full);
+	/* A NULL key of length 0 is fine. */
+	assert_true(ap_shm_hash(0, NULL, 0) == 0x61d1b8495b88d5e1ull);
+}
+
+/* key's slot index in the active half of the segment at seg (found by
+ * its stored hash: the index the writer put it at), or UINT64_MAX. */
+static uint64_t t_slot_index(const uint8_t *seg, const char *key)
+{
+	const struct ap_shm_hdr *h = (const void *)seg;
+	const struct ap_shm_half *hh = (const void *)(seg + AP_SHM_HDR_SIZE + (h->gen & 1) * h->half_size);
+	const uint64_t *slots = (const uint64_t *)(hh + 1);
+	uint64_t hash = ap_shm_hash(h->hash_seed, key, strlen(key));
+	for (uint64_t n = 0, i = hash & (hh->cap - 1); n < hh->cap; n++, i = (i + 1) & (hh->cap - 1)) {
+		if (!slots[i])
+			return UINT64_MAX;
+		const struct ap_shm_entry *e =
+			(const void *)((const uint8_t *)hh + hh->arena_off + ((slots[i] & 0xffffffffu) << 3));
+		if (slots[i] >> 32 == hash >> 32 && e->hash == hash && e->key_len == strlen(key) &&
+		    !memcmp(e + 1, key, e->key_len))
+			return i;
+	}
+	return UINT64_MAX;
+}
+
+/* Every segment draws its own seed; the writer hashes with it (the
+ * entries' hashes are ap_shm_hash(hdr seed, key)), so the same keys land
+ * in different slots in two segments. */
+static void test_each_segment_has_its_own_seed(void **state)
+{
+	(void)state;
+	struct t_seg a, b;
+	char k[32];
+	t_seg_open(&a, "seed_a", 1u << 20);
+	t_seg_open(&b, "seed_b", 1u << 20);
+	const struct ap_shm_hdr *ha = a.ro, *hb = b.ro;
+	uint64_t sa = __atomic_load_n(&ha->hash_seed, __ATOMIC_RELAXED);
+	uint64_t sb = __atomic_load_n(&hb->hash_seed, __ATOMIC_RELAXED);
+	assert_true(sa != sb);
+	/* Caller memory gets a seed of its own too. */
+	uint8_t *mem = aligned_alloc(8, T_SMALL_SEG);
+	assert_non_null(mem);
+	memset(mem, 0, T_SMALL_SEG);
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, T_SMALL_SEG, "seed@test", 1), 0);
+	uint64_t sm = ((struct ap_shm_hdr *)mem)->hash_seed;
+	assert_true(sm != sa && sm != sb);
+	ap_shm_writer_close(w, 0);
+	free(mem);
+
+	const unsigned n = 200;
+	for (unsigned i = 0; i < n; i++) {
+		t_key(k, i);
+		assert_int_equal(t_put_str(a.w, k, k), 0);
+		assert_int_equal(t_put_str(b.w, k, k), 0);
+	}
+	unsigned differ = 0;
+	for (unsigned i = 0; i < n; i++) {
+		t_key(k, i);
+		t_assert_str(a.ro, a.len, k, k);
+		t_assert_str(b.ro, b.len, k, k);
+		uint64_t ia = t_slot_index(a.ro, k), ib = t_slot_index(b.ro, k);
+		assert_true(ia != UINT64_MAX && ib != UINT64_MAX);
+		differ += ia != ib;
+	}
+	/* Independent seeds: a key shares its slot with probability ~1/cap. */
+	assert_true(differ > n * 9 / 10);
+	assert_int_equal(t_lookup_rc(a.ro, a.len, "key-999999"), AP_SHM_ENOTFOUND);
+	/* The seed never changes for a segment's life. */
+	assert_true(__atomic_load_n(&ha->hash_seed, __ATOMIC_RELAXED) == sa);
+	t_seg_close(&a);
+	t_seg_close(&b);
+}
+
 static void test_create_sets_mode_0600_and_a_live_header(void **state)
 {
 	(void)state;
@@ -1146,7 +1293,7 @@ static struct ap_shm_half *t_active(uint8_t *seg)
 static uint64_t *t_slot(uint8_t *seg, const char *key)
 {
 	struct ap_shm_half *hh = t_active(seg);
-	uint64_t *slots = (uint64_t *)(hh + 1), h = ap_shm_hash(key, strlen(key));
+	uint64_t *slots = (uint64_t *)(hh + 1), h = ap_shm_hash(t_hdr(seg)->hash_seed, key, strlen(key));
 	for (uint64_t i = h & (hh->cap - 1);; i = (i + 1) & (hh->cap - 1)) {
 		assert_true(slots[i] != 0);
 		if (slots[i] >> 32 == h >> 32)
@@ -1255,6 +1402,7 @@ T_MUT(m_vlen_wrap, t_entry(seg, "alpha")->val_len = UINT32_MAX - 6)
 T_MUT(m_vlen_past, t_entry(seg, "alpha")->val_len = AP_SHM_MAX_VAL)
 T_MUT(m_vlen_arena, t_entry(seg, "alpha")->val_len = (uint32_t)t_active(seg)->arena_size)
 T_MUT(m_hash, t_entry(seg, "alpha")->hash ^= 1)
+T_MUT(m_seed, t_hdr(seg)->hash_seed ^= 1) /* every key hashes elsewhere: all miss */
 /* One byte past the arena's end, which for gen 1 is the segment's end. */
 T_MUT(m_vlen_edge, {
 	struct ap_shm_entry *e = t_entry(seg, "alpha");
@@ -1311,7 +1459,7 @@ static void test_hostile_segments_never_crash(void **state)
 		T_M(m_klen_max, soft),      T_M(m_vlen_huge, soft),     T_M(m_vlen_wrap, soft),
 		T_M(m_vlen_past, soft),     T_M(m_vlen_arena, soft),    T_M(m_hash, soft),
 		T_M(m_index_full, soft),    T_M(m_index_full_bad, soft), T_M(m_vlen_edge, soft),
-		T_M(m_klen_edge, soft),
+		T_M(m_klen_edge, soft),     T_M(m_seed, T_ONLY(AP_SHM_ENOTFOUND)),
 	};
 	for (int compacted = 0; compacted < 2; compacted++) {
 		uint8_t *seg = t_small_seg(compacted);
@@ -1354,6 +1502,9 @@ static void test_hostile_segments_never_crash(void **state)
 		m_hash(m);
 		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_ENOTFOUND);
 		memcpy(m, seg, T_SMALL_SEG);
+		m_seed(m);
+		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "alpha"), AP_SHM_ENOTFOUND);
+		memcpy(m, seg, T_SMALL_SEG);
 		m_index_full(m);
 		assert_int_equal(t_lookup_rc(m, T_SMALL_SEG, "missing"), AP_SHM_EBAD);
 		/* Not 8-aligned: refused before any load. */
@@ -1363,6 +1514,89 @@ static void test_hostile_segments_never_crash(void **state)
 		free(m);
 		free(seg);
 	}
+}
+
+/* A hostile segment whose index (cap T_CHAIN_CAP, more than
+ * AP_SHM_MAX_PROBES) holds a chain of `chain` slots from "victim"'s home
+ * slot, every one with victim's tag but pointing at another key's entry
+ * (the costliest probe: an entry check and a compare), except victim's own
+ * at position key_at (< 0: nowhere). Past the chain, an empty slot. */
+#define T_CHAIN_CAP 8192u
+#define T_CHAIN_HALF (64u + T_CHAIN_CAP * 8u + 4096u)
+#define T_CHAIN_SEG (AP_SHM_HDR_SIZE + 2u * T_CHAIN_HALF)
+
+static uint8_t *t_chain_seg(uint64_t chain, int64_t key_at)
+{
+	uint8_t *mem = aligned_alloc(8, T_CHAIN_SEG);
+	assert_non_null(mem);
+	memset(mem, 0, T_CHAIN_SEG);
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_init_mem(&w, mem, T_CHAIN_SEG, "chain@test", 1), 0);
+	ap_shm_writer_close(w, 0);
+	struct ap_shm_hdr *h = t_hdr(mem);
+	h->state = AP_SHM_STATE_LIVE;
+	assert_int_equal(h->gen, 0);
+	struct ap_shm_half *hh = t_active(mem);
+	hh->cap = T_CHAIN_CAP;
+	hh->arena_off = 64 + T_CHAIN_CAP * 8;
+	hh->arena_size = h->half_size - hh->arena_off;
+	uint64_t *slots = (uint64_t *)(hh + 1);
+	uint8_t *arena = (uint8_t *)hh + hh->arena_off;
+	memset(slots, 0, T_CHAIN_CAP * 8);
+
+	uint64_t hv = ap_shm_hash(h->hash_seed, "victim", 6), ho = ap_shm_hash(h->hash_seed, "other!", 6);
+	struct ap_shm_entry ev = { hv, 6, 3 }, eo = { ho, 6, 3 };
+	memcpy(arena + 8, &ev, 16);
+	memcpy(arena + 24, "victim\0\0hit\0\0\0\0\0", 16);
+	memcpy(arena + 40, &eo, 16);
+	memcpy(arena + 56, "other!\0\0mis\0\0\0\0\0", 16);
+	uint64_t tag = hv & ~0xffffffffull, mask = T_CHAIN_CAP - 1;
+	for (uint64_t n = 0; n < chain; n++)
+		slots[(hv + n) & mask] = tag | (40 >> 3);
+	if (key_at >= 0)
+		slots[(hv + (uint64_t)key_at) & mask] = tag | (8 >> 3);
+	assert_int_equal(ap_shm_check(mem, T_CHAIN_SEG), AP_SHM_OK);
+	return mem;
+}
+
+static int t_chain_rc(uint64_t chain, int64_t key_at)
+{
+	uint8_t *seg = t_chain_seg(chain, key_at);
+	uint8_t out[16];
+	uint32_t vl = 0;
+	uint64_t gen, off;
+	int r = ap_shm_lookup(seg, T_CHAIN_SEG, "victim", 6, out, sizeof out, &vl);
+	if (r == AP_SHM_OK)
+		assert_true(vl == 3 && !memcmp(out, "hit", 3));
+	/* find agrees with lookup. */
+	assert_int_equal(ap_shm_find(seg, T_CHAIN_SEG, "victim", 6, &gen, &off, &vl), r);
+	free(seg);
+	return r;
+}
+
+/* Chains past AP_SHM_MAX_PROBES are EBAD, found in bounded time; shorter
+ * ones are walked to their end. */
+static void test_overlong_probe_chain_is_ebad(void **state)
+{
+	(void)state;
+	assert_true(T_CHAIN_CAP > AP_SHM_MAX_PROBES + 1000);
+	/* Within the bound: walked, not found / found at the last probe. */
+	assert_int_equal(t_chain_rc(AP_SHM_MAX_PROBES - 1, -1), AP_SHM_ENOTFOUND);
+	assert_int_equal(t_chain_rc(AP_SHM_MAX_PROBES + 1000, AP_SHM_MAX_PROBES - 1), AP_SHM_OK);
+	/* Past it: EBAD, though an empty slot (or the key) comes later. */
+	assert_int_equal(t_chain_rc(AP_SHM_MAX_PROBES, -1), AP_SHM_EBAD);
+	assert_int_equal(t_chain_rc(AP_SHM_MAX_PROBES + 1000, -1), AP_SHM_EBAD);
+	assert_int_equal(t_chain_rc(AP_SHM_MAX_PROBES + 1000, AP_SHM_MAX_PROBES), AP_SHM_EBAD);
+	/* The whole index full: EBAD too. */
+	assert_int_equal(t_chain_rc(T_CHAIN_CAP, -1), AP_SHM_EBAD);
+	/* And quickly: a bounded walk is microseconds, not a hang. */
+	uint8_t *seg = t_chain_seg(T_CHAIN_CAP, -1);
+	uint32_t vl;
+	int64_t t0 = t_now_ms();
+	for (int i = 0; i < 100; i++)
+		assert_int_equal(ap_shm_lookup(seg, T_CHAIN_SEG, "victim", 6, NULL, 0, &vl), AP_SHM_EBAD);
+	assert_true(t_now_ms() - t0 < 5000);
+	free(seg);
 }
 
 /* Random bytes over random spots of a valid segment. */
@@ -1651,6 +1885,8 @@ static void test_full_tmpfs_compaction_is_enospc_not_sigbus(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_hash_known_vectors),
+		cmocka_unit_test(test_each_segment_has_its_own_seed),
 		cmocka_unit_test(test_create_sets_mode_0600_and_a_live_header),
 		cmocka_unit_test(test_create_and_init_reject_bad_arguments),
 		cmocka_unit_test(test_put_update_remove_round_trip),
@@ -1665,6 +1901,7 @@ int main(void)
 		cmocka_unit_test(test_readers_racing_the_writer_see_whole_values),
 		cmocka_unit_test(test_changes_label_never_answers_an_acknowledged_put_late),
 		cmocka_unit_test(test_hostile_segments_never_crash),
+		cmocka_unit_test(test_overlong_probe_chain_is_ebad),
 		cmocka_unit_test(test_random_corruption_never_crashes),
 		cmocka_unit_test(test_truncations_never_read_past_len),
 		cmocka_unit_test(test_full_tmpfs_is_enospc_not_sigbus),
