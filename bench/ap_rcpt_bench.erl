@@ -109,7 +109,10 @@ run() ->
       {"lookup/1 with 100K more keys (ns)", L100k,
        [{"lookup/1 with 10 keys", L10}, {"pg:get_members/2 at 100K groups", Pg100k},
         {"ets:lookup/2", Ets100k}],
-       {le, L10, 1.5, "<= 1.5x (O(1))"}},
+       %% 10000x the keys: an O(N) lookup would be thousands of times slower;
+       %% cache misses (and drift between the two measurements, which pg and
+       %% ets show too) move it by tens of percent.
+       {le, L10, 2.0, "<= 2x at 10000x keys (O(1))"}},
       {"register, 1 process (regs/s)", Reg1, [{"pg:join/3, 1 process", PgJoin1}],
        {ge_abs, 100000, ">= 100K/s"}},
       {"register, 8 processes (regs/s)", Reg8, [{"pg:join/3, 8 processes", PgJoin8}],
