@@ -71,9 +71,7 @@ case_(Name, Ctx) ->
     {atom_to_list(Name), {timeout, 60, fun() -> ?MODULE:Name(Ctx) end}}.
 
 setup() ->
-    WasAlive = is_alive(),
-    ok = actor_dist:ensure_distributed(),
-    {ok, _} = application:ensure_all_started(actor_pool),
+    WasAlive = ap_test_util:start_app(),
     {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => alive("echo")}),
     #{owner => Owner, node => actor_cnode:node(Owner), was_alive => WasAlive}.
 

@@ -26,9 +26,7 @@ actor_pool_cluster_test_() ->
      end}.
 
 setup() ->
-    WasAlive = is_alive(),
-    ok = actor_dist:ensure_distributed(),
-    {ok, _} = application:ensure_all_started(actor_pool),
+    WasAlive = ap_test_util:start_app(),
     #{pool_node => actor_pool:pool_node(), was_alive => WasAlive}.
 
 cleanup(#{was_alive := WasAlive}) ->

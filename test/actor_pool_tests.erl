@@ -105,9 +105,7 @@ case_(Name, Ctx) ->
     {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
 
 setup() ->
-    WasAlive = is_alive(),
-    ok = actor_dist:ensure_distributed(),
-    {ok, _} = application:ensure_all_started(actor_pool),
+    WasAlive = ap_test_util:start_app(),
     PoolNode = actor_pool:pool_node(),
     ?assert(is_atom(PoolNode) andalso PoolNode =/= undefined),
     #{pool_node => PoolNode, was_alive => WasAlive}.

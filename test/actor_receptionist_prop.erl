@@ -37,11 +37,11 @@ run(Ops) ->
                             iolist_to_binary(io_lib:format("prop_~b_~b", [Run, I])))
                           || I <- lists:seq(1, ?KEYS)]),
     Refs = list_to_tuple([spawn(fun idle/0) || _ <- lists:seq(1, ?REFS)]),
-    Subs0 = list_to_tuple([spawn(fun() -> collect([]) end) || _ <- lists:seq(1, ?SUBS)]),
+    Subs0 = list_to_tuple([ap_test_util:spawn_collector() || _ <- lists:seq(1, ?SUBS)]),
     Model0 = {#{}, sets:new([{version, 2}]), #{}},
     {Subs, {Regs, Subscribed, ExpMap}} =
         lists:foldl(fun(Op, {S, M}) -> step(Op, Keys, Refs, S, M) end, {Subs0, Model0}, Ops),
-    barrier(),
+    ap_test_util:rcpt_barrier(),
     Want = fun(KI) -> [element(RI, Refs) || RI <- maps:get(KI, Regs, [])] end,
     Found = [begin
                  K = element(KI, Keys),
@@ -92,7 +92,7 @@ step({unsubscribe, KI, SI}, Keys, _Refs, Subs, {Regs, Subscribed, Exp}) ->
     {Subs, {Regs, sets:del_element({SI, KI}, Subscribed), Exp}};
 step({kill, SI}, _Keys, _Refs, Subs, {Regs, Subscribed, Exp}) ->
     exit(element(SI, Subs), kill),
-    New = spawn(fun() -> collect([]) end),
+    New = ap_test_util:spawn_collector(),
     Left = sets:filter(fun({S, _}) -> S =/= SI end, Subscribed),
     {setelement(SI, Subs, New), {Regs, Left, maps:filter(fun({S, _}, _) -> S =/= SI end, Exp)}}.
 
@@ -109,21 +109,6 @@ add_listing(Pair, L, Exp) ->
 idle() ->
     receive stop -> ok end.
 
-collect(Acc) ->
-    receive
-        {'$collected', From} -> From ! {self(), lists:reverse(Acc)}, collect(Acc);
-        Msg -> collect([Msg | Acc])
-    end.
-
 %% Every listing for Key that Sub got, in order.
 listings(Sub, Key) ->
-    Sub ! {'$collected', self()},
-    receive
-        {Sub, Msgs} -> [L || {listing, K, L} <- Msgs, K =:= Key]
-    after ?WAIT_MS -> timeout
-    end.
-
-barrier() ->
-    K = actor_receptionist:service_key(<<"$barrier">>),
-    ok = actor_receptionist:find(K, self()),
-    receive {listing, K, _} -> ok after ?WAIT_MS -> error(barrier_timeout) end.
+    [L || {listing, K, L} <- ap_test_util:collected(Sub), K =:= Key].

@@ -13,7 +13,7 @@
 %% this module once with each.
 -module(actor_receptionist_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, os_pid_alive/1, spawn_collector/0, collected/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 -include("../include/actor_receptionist.hrl").
@@ -92,9 +92,7 @@ case_(Name, Ctx) ->
     {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
 
 setup() ->
-    WasAlive = is_alive(),
-    ok = actor_dist:ensure_distributed(),
-    {ok, _} = application:ensure_all_started(actor_pool),
+    WasAlive = ap_test_util:start_app(),
     Node = actor_receptionist:receptionist_node(),
     ?assert(is_atom(Node) andalso Node =/= undefined),
     #{rcpt_node => Node, was_alive => WasAlive}.
@@ -234,7 +232,7 @@ unsubscribe_stops_listings(_Ctx) ->
     ?assertEqual([], drain()).
 
 per_key_limit_rejects_with_reason_and_limit(_Ctx) ->
-    with_limits(#{max_subscribers_per_key => 2, max_subscribers_total => 100}, fun() ->
+    with_env(#{max_subscribers_per_key => 2, max_subscribers_total => 100}, fun() ->
         K = key(?FUNCTION_NAME),
         [S1, S2, S3] = [spawn_collector() || _ <- [1, 2, 3]],
         [ok = actor_receptionist:subscribe(K, S) || S <- [S1, S2, S3]],
@@ -253,7 +251,7 @@ per_key_limit_rejects_with_reason_and_limit(_Ctx) ->
     end).
 
 total_limit_rejects_with_reason_and_limit(_Ctx) ->
-    with_limits(#{max_subscribers_per_key => 100, max_subscribers_total => 3}, fun() ->
+    with_env(#{max_subscribers_per_key => 100, max_subscribers_total => 3}, fun() ->
         Keys = [key({?FUNCTION_NAME, I}) || I <- [1, 2, 3, 4]],
         S = spawn_collector(),
         [ok = actor_receptionist:subscribe(K, S) || K <- Keys],
@@ -267,7 +265,7 @@ total_limit_rejects_with_reason_and_limit(_Ctx) ->
     end).
 
 subscriber_death_frees_its_slot(_Ctx) ->
-    with_limits(#{max_subscribers_per_key => 1, max_subscribers_total => 100}, fun() ->
+    with_env(#{max_subscribers_per_key => 1, max_subscribers_total => 100}, fun() ->
         K = key(?FUNCTION_NAME),
         S1 = spawn_collector(),
         ok = actor_receptionist:subscribe(K, S1),
@@ -503,12 +501,7 @@ server_crash_restarts_the_node_and_keeps_the_journal(_Ctx) ->
                             andalso whereis(actor_receptionist_server) =/= Server end, ?WAIT_MS),
     %% The C node may hold changes the journal lost with the server: it is
     %% restarted and the journal replayed into it.
-    wait_until(fun() ->
-                       case actor_cnode:info(actor_receptionist_owner) of
-                           #{restarts := R, status := up} -> R =:= R0 + 1;
-                           _ -> false
-                       end
-               end, ?WAIT_MS),
+    wait_restarted(R0),
     barrier(),
     ?assertEqual([{listing, K, [A]}, {listing, K, [A]}], collected(S)),
     ?assertEqual([A], actor_receptionist:lookup(K)),
@@ -525,12 +518,7 @@ lost_connection_restarts_the_node_and_keeps_the_journal(#{rcpt_node := Node}) ->
     {registered, K, A} = next(),
     #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
     true = erlang:disconnect_node(Node),
-    wait_until(fun() ->
-                       case actor_cnode:info(actor_receptionist_owner) of
-                           #{restarts := R, status := up} -> R =:= R0 + 1;
-                           _ -> false
-                       end
-               end, ?WAIT_MS),
+    wait_restarted(R0),
     B = spawn_idle(),
     ok = actor_receptionist:register(K, B, self()),
     ?assertEqual({registered, K, B}, next()),
@@ -560,12 +548,7 @@ deeply_nested_message_does_not_crash_the_node(#{rcpt_node := Node}) ->
         ok = logger:remove_handler(?MODULE)
     end,
     %% ... and the server restarted it, since what was in flight is unknown.
-    wait_until(fun() ->
-                       case actor_cnode:info(actor_receptionist_owner) of
-                           #{restarts := R, status := up} -> R =:= R0 + 1;
-                           _ -> false
-                       end
-               end, ?WAIT_MS),
+    wait_restarted(R0),
     ok = actor_receptionist:find(K, self()),
     ?assertEqual({listing, K, [self()]}, next()).
 
@@ -607,34 +590,20 @@ drain() ->
     after 0 -> []
     end.
 
-%% Everything the receptionist sent before this call has been delivered.
 barrier() ->
-    K = actor_receptionist:service_key(<<"$barrier">>),
-    ok = actor_receptionist:find(K, self()),
-    receive {listing, K, _} -> ok
-    after ?WAIT_MS -> error(barrier_timeout)
-    end.
+    ap_test_util:rcpt_barrier().
 
 spawn_idle() ->
     spawn(fun() -> receive stop -> ok end end).
 
-%% A process that keeps what it receives, and hands it over on request.
-spawn_collector() ->
-    spawn(fun() -> collect([]) end).
-
-collect(Acc) ->
-    receive
-        {'$collected', From} -> From ! {self(), lists:reverse(Acc)}, collect(Acc);
-        stop -> ok;
-        Msg -> collect([Msg | Acc])
-    end.
-
-%% What S got so far; call after barrier/0.
-collected(S) ->
-    S ! {'$collected', self()},
-    receive {S, Msgs} -> Msgs
-    after ?WAIT_MS -> error(collector_timeout)
-    end.
+%% The receptionist C node is up again, one incarnation after R0.
+wait_restarted(R0) ->
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_receptionist_owner) of
+                           #{restarts := R, status := up} -> R =:= R0 + 1;
+                           _ -> false
+                       end
+               end, ?WAIT_MS).
 
 stop_all(Pids) ->
     [begin
@@ -643,11 +612,6 @@ stop_all(Pids) ->
          receive {'DOWN', Mref, _, _, _} -> ok end
      end || P <- Pids],
     ok.
-
-%% Run Fun with the receptionist restarted under other limits (from the
-%% application environment), then restore the defaults.
-with_limits(Limits, Fun) ->
-    with_env(Limits, Fun).
 
 %% Run Fun with the receptionist restarted under Env, then restarted again
 %% with the keys of Env unset (the defaults).

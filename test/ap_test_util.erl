@@ -2,7 +2,8 @@
 %% of sleeping, and checks that a test left no OS process or epmd name behind.
 -module(ap_test_util).
 
--export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, stop_app/1]).
+-export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
+         rcpt_barrier/0, spawn_collector/0, collected/1]).
 
 -define(POLL_MS, 10).
 
@@ -57,6 +58,15 @@ temp_dir(Prefix) ->
     ok = file:change_mode(Dir, 8#700),
     Dir.
 
+%% Starts distribution (if needed) and the application; whether the node
+%% was distributed before, for stop_app/1.
+-spec start_app() -> WasAlive :: boolean().
+start_app() ->
+    WasAlive = is_alive(),
+    ok = actor_dist:ensure_distributed(),
+    {ok, _} = application:ensure_all_started(actor_pool),
+    WasAlive.
+
 %% Stops the application, and distribution too when the test setup started it.
 -spec stop_app(WasAlive :: boolean()) -> ok.
 stop_app(WasAlive) ->
@@ -64,4 +74,35 @@ stop_app(WasAlive) ->
     case WasAlive of
         true -> ok;
         false -> ok = net_kernel:stop()
+    end.
+
+%% Everything the receptionist sent before this call has been delivered: a
+%% find from this process is answered after it, over the same connection.
+-spec rcpt_barrier() -> ok.
+rcpt_barrier() ->
+    K = actor_receptionist:service_key(<<"$barrier">>),
+    ok = actor_receptionist:find(K, self()),
+    receive {listing, K, _} -> ok
+    after 10000 -> error(barrier_timeout)
+    end.
+
+%% A process that keeps what it receives, and hands it over on request
+%% (collected/1); `stop' ends it.
+-spec spawn_collector() -> pid().
+spawn_collector() ->
+    spawn(fun() -> collect([]) end).
+
+collect(Acc) ->
+    receive
+        {'$collected', From} -> From ! {self(), lists:reverse(Acc)}, collect(Acc);
+        stop -> ok;
+        Msg -> collect([Msg | Acc])
+    end.
+
+%% What collector S got so far, in order; call after rcpt_barrier/0.
+-spec collected(pid()) -> [term()].
+collected(S) ->
+    S ! {'$collected', self()},
+    receive {S, Msgs} -> Msgs
+    after 10000 -> error(collector_timeout)
     end.

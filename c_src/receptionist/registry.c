@@ -19,6 +19,8 @@
  */
 #include "registry.h"
 
+#include "ap_shm.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,60 +159,6 @@ static void rfree(registry *r, void *p, size_t n)
 
 /* ---- hashing -------------------------------------------------------------- */
 
-static inline uint64_t rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
-
-#define SIPROUND                                                                                   \
-	do {                                                                                       \
-		v0 += v1;                                                                          \
-		v1 = rotl(v1, 13);                                                                 \
-		v1 ^= v0;                                                                          \
-		v0 = rotl(v0, 32);                                                                 \
-		v2 += v3;                                                                          \
-		v3 = rotl(v3, 16);                                                                 \
-		v3 ^= v2;                                                                          \
-		v0 += v3;                                                                          \
-		v3 = rotl(v3, 21);                                                                 \
-		v3 ^= v0;                                                                          \
-		v2 += v1;                                                                          \
-		v1 = rotl(v1, 17);                                                                 \
-		v1 ^= v2;                                                                          \
-		v2 = rotl(v2, 32);                                                                 \
-	} while (0)
-
-/* SipHash-1-3 (one compression round, three finalisation rounds). */
-static uint64_t siphash13(uint64_t k0, uint64_t k1, const uint8_t *in, size_t len)
-{
-	uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
-	uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
-	uint64_t b = (uint64_t)len << 56;
-	const uint8_t *end = in + (len & ~(size_t)7);
-	for (; in != end; in += 8) {
-		uint64_t m;
-		memcpy(&m, in, 8);
-		v3 ^= m;
-		SIPROUND;
-		v0 ^= m;
-	}
-	switch (len & 7) {
-	case 7: b |= (uint64_t)in[6] << 48; /* fall through */
-	case 6: b |= (uint64_t)in[5] << 40; /* fall through */
-	case 5: b |= (uint64_t)in[4] << 32; /* fall through */
-	case 4: b |= (uint64_t)in[3] << 24; /* fall through */
-	case 3: b |= (uint64_t)in[2] << 16; /* fall through */
-	case 2: b |= (uint64_t)in[1] << 8;  /* fall through */
-	case 1: b |= (uint64_t)in[0];       /* fall through */
-	default: break;
-	}
-	v3 ^= b;
-	SIPROUND;
-	v0 ^= b;
-	v2 ^= 0xff;
-	SIPROUND;
-	SIPROUND;
-	SIPROUND;
-	return v0 ^ v1 ^ v2 ^ v3;
-}
-
 static inline uint64_t mix64(uint64_t x)
 {
 	x ^= x >> 33;
@@ -223,7 +171,7 @@ static inline uint64_t mix64(uint64_t x)
 
 static inline uint64_t key_hash(const registry *r, const void *key, size_t klen)
 {
-	return siphash13(r->k0, r->k1, key, klen);
+	return ap_siphash13(r->k0, r->k1, key, klen);
 }
 
 static inline uint64_t pid_hash(const registry *r, uint32_t nid, uint32_t num, uint32_t serial, uint32_t creation)
@@ -352,7 +300,7 @@ static int node_get(registry *r, const char *name, int create)
 	size_t nlen = strnlen(name, MAXATOMLEN_UTF8);
 	if (nlen >= MAXATOMLEN_UTF8)
 		return -EINVAL;
-	uint64_t h = siphash13(r->k1, r->k0, (const uint8_t *)name, nlen);
+	uint64_t h = ap_siphash13(r->k1, r->k0, name, nlen);
 	if (r->node_tab.cap) {
 		size_t m = r->node_tab.cap - 1;
 		for (size_t j = h & m; r->node_tab.s[j].e; j = (j + 1) & m) {

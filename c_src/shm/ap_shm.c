@@ -139,10 +139,9 @@ static inline uint64_t ld_le64(const uint8_t *p)
 	return v;
 }
 
-uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen)
+uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t klen)
 {
-	const uint8_t *p = key;
-	const uint64_t k0 = seed, k1 = seed ^ AP_SHM_SEED_K1;
+	const uint8_t *p = in;
 	uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
 	uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
 	uint64_t b = (uint64_t)klen << 56;
@@ -164,6 +163,11 @@ uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen)
 	SIP_ROUND;
 	SIP_ROUND;
 	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen)
+{
+	return ap_siphash13(seed, seed ^ AP_SHM_SEED_K1, key, klen);
 }
 
 /* A fresh segment's seed: getrandom(2) (never blocking: this runs at the
@@ -902,8 +906,9 @@ uint64_t ap_shm_changes(const void *base, size_t len)
 	return c;
 }
 
-int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,
-		uint32_t *vlen)
+/* find and lookup: r_try until a gen held still for it (bounded). */
+static int r_search(const void *base, size_t len, const void *key, size_t klen, int copy, void *out, size_t cap,
+		    uint64_t *gen, uint64_t *off, uint32_t *vlen)
 {
 	struct rseg s;
 	uint64_t hash;
@@ -916,12 +921,12 @@ int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint
 		uint64_t g = 0, o = 0;
 		uint32_t vl = 0;
 
-		r = r_try(&s, hash, key, klen, &g, &o, &vl, 0, NULL, 0);
+		r = r_try(&s, hash, key, klen, &g, &o, &vl, copy, out, cap);
 		if (r == AP_SHM_ESTALE)
 			return r;
 		if (!r_stable(&s, g))
 			continue;
-		if (r == AP_SHM_OK) {
+		if (r == AP_SHM_OK || (copy && r == AP_SHM_ETOOBIG)) {
 			*gen = g;
 			*off = o;
 			*vlen = vl;
@@ -929,6 +934,12 @@ int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint
 		return r;
 	}
 	return AP_SHM_EBUSY;
+}
+
+int ap_shm_find(const void *base, size_t len, const void *key, size_t klen, uint64_t *gen, uint64_t *off,
+		uint32_t *vlen)
+{
+	return r_search(base, len, key, klen, 0, NULL, 0, gen, off, vlen);
 }
 
 int ap_shm_read(const void *base, size_t len, uint64_t gen, uint64_t off, void *out, size_t cap, uint32_t *vlen)
@@ -960,27 +971,7 @@ int ap_shm_read(const void *base, size_t len, uint64_t gen, uint64_t off, void *
 int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, void *out, size_t cap,
 		  uint32_t *vlen)
 {
-	struct rseg s;
-	uint64_t hash;
-	int r;
+	uint64_t gen, off;
 
-	if ((r = r_hdr(base, len, &s)))
-		return r;
-	if (!out)
-		cap = 0;
-	hash = ap_shm_hash(s.seed, key, klen);
-	for (int t = 0; t < AP_SHM_MAX_RETRIES; t++) {
-		uint64_t g = 0, o = 0;
-		uint32_t vl = 0;
-
-		r = r_try(&s, hash, key, klen, &g, &o, &vl, 1, out, cap);
-		if (r == AP_SHM_ESTALE)
-			return r;
-		if (!r_stable(&s, g))
-			continue;
-		if (r == AP_SHM_OK || r == AP_SHM_ETOOBIG)
-			*vlen = vl;
-		return r;
-	}
-	return AP_SHM_EBUSY;
+	return r_search(base, len, key, klen, 1, out, out ? cap : 0, &gen, &off, vlen);
 }
