@@ -34,7 +34,8 @@ eunit: epmd
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
 	$(MAKE) eunit-asan
 
-# The pool and receptionist suites once more against ASan+UBSan builds of
+# The pool and receptionist suites (the cluster one too: its peers inherit
+# the variables) once more against ASan+UBSan builds of
 # their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
@@ -45,7 +46,7 @@ eunit-asan: epmd
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests --sname ap_eunit_asan_$$$$
+	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
 	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
 

@@ -43,7 +43,8 @@
 -export([register/2, register/3]).
 -export([deregister/2, deregister/3]).
 -export([find/2]).
--export([subscribe/2]).
+-export([subscribe/2, subscribe/3]).
+-export([status/0]).
 -export([unsubscribe/2]).
 -export([lookup/1]).
 -export([receptionist_node/0]).
@@ -129,6 +130,35 @@ subscribe(Key, Subscriber) ->
         {error, _} -> {error, {badarg, {key, Key}}};
         {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
     end.
+
+%% @doc As {@link subscribe/2}; with `#{complete => true}' the subscription
+%% (and so its first listing) waits until this node's view of the cluster is
+%% complete: the initial sync with every member it knows is done (see
+%% {@link status/0}). A node that has just joined then never reports an
+%% empty or partial listing that is only unsynced. `#{}' is subscribe/2.
+-spec subscribe(key() | id(), pid(), #{complete => boolean()}) ->
+          ok | {error, {badarg, term()} | noproc}.
+subscribe(Key, Subscriber, #{complete := true} = Opts) when map_size(Opts) =:= 1 ->
+    case {id(Key), is_pid(Subscriber)} of
+        {{ok, Id}, true} -> actor_receptionist_gossip:subscribe_when_complete(Id, Subscriber);
+        {error, _} -> {error, {badarg, {key, Key}}};
+        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
+    end;
+subscribe(Key, Subscriber, Opts) when Opts =:= #{}; Opts =:= #{complete => false} ->
+    subscribe(Key, Subscriber);
+subscribe(_Key, _Subscriber, Opts) ->
+    {error, {badarg, {opts, Opts}}}.
+
+%% @doc This node's view of the cluster: `complete' (the initial sync with
+%% every member this node knows of is done: each visible node has sent its
+%% state or turned out to run no receptionist), `members' (the nodes whose
+%% receptionists this one exchanges with), `syncing' (those not synced
+%% yet), `origins' (per node whose registrations are held here, its
+%% incarnation and version), and this node's own `incarnation' and
+%% `version' (one per change of its registrations).
+-spec status() -> actor_receptionist_gossip:status() | {error, noproc}.
+status() ->
+    actor_receptionist_gossip:status().
 
 %% @doc Ends a subscription; no listing arrives after the ones already
 %% sent.

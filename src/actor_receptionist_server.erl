@@ -75,7 +75,9 @@
     total = 0 :: non_neg_integer(),
     %% one monitor per subscriber pid
     monitors = #{} :: #{pid() => reference()},
-    incarnations = 0 :: non_neg_integer()
+    incarnations = 0 :: non_neg_integer(),
+    %% origins (other members) with rows in ?RCPT_REMOTE, and how many
+    origins = #{} :: #{node() => non_neg_integer()}
 }).
 
 %% ===================================================================
@@ -107,7 +109,10 @@ init(#{owner := Owner, max_subscribers_per_key := PerKey,
 init(undefined, _Owner, _PerKey, _Total) ->
     {stop, no_receptionist_node};
 init(Node, Owner, PerKey, Total) ->
-    State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total},
+    Origins = ets:foldl(fun({{O, _, _}}, Acc) -> maps:update_with(O, fun(N) -> N + 1 end, 1, Acc) end,
+                        #{}, ?RCPT_REMOTE),
+    State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
+                    origins = Origins},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
@@ -164,11 +169,59 @@ handle_call(Request, _From, State) ->
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
 handle_cast({register, Id, Ref, _ReplyTo} = Msg, State) ->
-    true = ets:insert(?RCPT_REGS, {Id, Ref}),
+    case journaled(Id, Ref) of
+        true ->
+            ok;
+        false ->
+            true = ets:insert(?RCPT_REGS, {Id, Ref}),
+            %% Held by another member too: see "Shared refs" below.
+            _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
+            gossip(reg, Id, Ref)
+    end,
     {noreply, out(Msg, State)};
-handle_cast({deregister, Id, Ref, _ReplyTo} = Msg, State) ->
-    true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
-    {noreply, out(Msg, State)};
+handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State) ->
+    case journaled(Id, Ref) of
+        true ->
+            true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
+            gossip(dereg, Id, Ref),
+            case let_go(Id, Ref, State) of
+                remove ->
+                    {noreply, out(Msg, State)};
+                {keep, Retag} ->
+                    Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
+                    {noreply, lists:foldl(fun out/2, State, [Retag | Ack])}
+            end;
+        false ->
+            %% Not ours: nothing to remove (a member may hold the same ref
+            %% under the same key, and keeps it). The reply still goes
+            %% through the C node, in order with its listings.
+            Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
+            {noreply, lists:foldl(fun out/2, State, Ack)}
+    end;
+handle_cast({remote, Origin, Ops}, State) ->
+    %% From actor_receptionist_gossip: a member's changes, in its order.
+    {noreply, lists:foldl(fun({reg, Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S);
+                             ({dereg, Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S);
+                             (_, S) -> S
+                          end, State, Ops)};
+handle_cast({replace_origin, Origin, Regs}, State) ->
+    {noreply, replace_origin(Origin, Regs, State)};
+handle_cast({drop_origin, Origin}, State) ->
+    {noreply, drop_origin(Origin, State)};
+handle_cast(reset_remote, #state{origins = Os} = State) ->
+    {noreply, lists:foldl(fun drop_origin/2, State, maps:keys(Os))};
+handle_cast({origin_state, To, From, Origin, Inc, Ver}, State) ->
+    %% A member relays Origin to another: the rows as of version Ver.
+    Regs = [{Id, Ref} || {{_, Id, Ref}} <- origin_rows(Origin)],
+    _ = erlang:send(To, {origin_state, From, Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
+    {noreply, State};
+handle_cast({drop_refs_on, Node}, State) ->
+    %% That node is gone: our registrations of its processes end.
+    Gone = ets:select(?RCPT_REGS, [{{'_', '$1'}, [{'==', {node, '$1'}, Node}], ['$_']}]),
+    {noreply, lists:foldl(fun({Id, Ref}, S) ->
+                                  {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
+                                  S1
+                          end, State, Gone)};
 handle_cast({find, _Id, _ReplyTo} = Msg, State) ->
     {noreply, out(Msg, State)};
 handle_cast({subscribe, Id, Pid} = Msg, State) ->
@@ -251,6 +304,119 @@ terminate(_Reason, _State) ->
 %% ===================================================================
 %% Internals
 %% ===================================================================
+
+%% ---- Other members' registrations -----------------------------------
+%%
+%% ?RCPT_REMOTE holds {{Origin, Id, Ref}} for every registration this node
+%% has learnt from another member (this server is its only writer; a
+%% replay reads it). The C node tags each ref with one origin, so that a
+%% member that leaves is dropped in one step (`drop_origin').
+%%
+%% Shared refs: the same ref under the same key may be held by several
+%% origins (this node and others). The C node holds it once, tagged with
+%% one of them; ?RCPT_SHARED lists such {Id, Ref} pairs. When the origin
+%% it is tagged with lets go while another still holds it, it is re-tagged
+%% (`retag', no listing) instead of removed; before a member is dropped,
+%% its shared refs are re-tagged to a remaining holder. A pair not in
+%% ?RCPT_SHARED has exactly one holder.
+
+remote_reg(Origin, Id, Ref, #state{origins = Os} = State) ->
+    case ets:member(?RCPT_REMOTE, {Origin, Id, Ref}) of
+        true ->
+            State;
+        false ->
+            Shared = journaled(Id, Ref) orelse remote_holders(Id, Ref, State) =/= [],
+            true = ets:insert(?RCPT_REMOTE, {{Origin, Id, Ref}}),
+            State1 = State#state{origins = maps:update_with(Origin, fun(N) -> N + 1 end, 1, Os)},
+            case Shared of
+                true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), State1;
+                false -> out({rregister, Origin, Id, Ref}, State1)
+            end
+    end.
+
+remote_dereg(Origin, Id, Ref, #state{origins = Os} = State) ->
+    case ets:member(?RCPT_REMOTE, {Origin, Id, Ref}) of
+        false ->
+            State;
+        true ->
+            true = ets:delete(?RCPT_REMOTE, {Origin, Id, Ref}),
+            State1 = State#state{origins = uncount_origin(Origin, Os)},
+            case let_go(Id, Ref, State1) of
+                remove -> out({rderegister, Origin, Id, Ref}, State1);
+                {keep, Retag} -> out(Retag, State1)
+            end
+    end.
+
+%% A holder of {Id, Ref} let go of it (it is out of the tables already):
+%% remove it from the C node, or keep it for a remaining holder.
+let_go(Id, Ref, State) ->
+    case ets:member(?RCPT_SHARED, {Id, Ref}) of
+        false ->
+            remove;
+        true ->
+            case holders(Id, Ref, State) of
+                [] ->
+                    true = ets:delete(?RCPT_SHARED, {Id, Ref}),
+                    remove;
+                [H | More] ->
+                    _ = More =:= [] andalso ets:delete(?RCPT_SHARED, {Id, Ref}),
+                    {keep, {retag, Id, Ref, c_origin(H)}}
+            end
+    end.
+
+replace_origin(Origin, Regs, State) ->
+    Old = sets:from_list([{Id, Ref} || {{_, Id, Ref}} <- origin_rows(Origin)], [{version, 2}]),
+    New = sets:from_list([{Id, Ref} || {Id, Ref} <- Regs, is_binary(Id), is_pid(Ref)], [{version, 2}]),
+    State1 = sets:fold(fun({Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S) end, State,
+                       sets:subtract(Old, New)),
+    lists:foldl(fun({Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S) end, State1,
+                [E || {Id, Ref} = E <- Regs, is_binary(Id), is_pid(Ref), not sets:is_element(E, Old)]).
+
+%% A member left: its shared refs move to a remaining holder, then the C
+%% node drops the rest of its refs at once (O(its refs), in C); our
+%% tables are cleaned after that message is on its way.
+drop_origin(Origin, #state{origins = Os} = State0) ->
+    case maps:is_key(Origin, Os) of
+        false ->
+            State0;
+        true ->
+            State1 = State0#state{origins = maps:remove(Origin, Os)},
+            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?RCPT_SHARED),
+                               ets:member(?RCPT_REMOTE, {Origin, Id, Ref}),
+                               {keep, Retag} <- [let_go(Id, Ref, State1)]],
+            State2 = flush(lists:foldl(fun out/2, State1, Retags ++ [{drop_origin, Origin}])),
+            _ = ets:select_delete(?RCPT_REMOTE, [{{{Origin, '_', '_'}}, [], [true]}]),
+            State2
+    end.
+
+origin_rows(Origin) ->
+    ets:select(?RCPT_REMOTE, [{{{Origin, '_', '_'}}, [], ['$_']}]).
+
+uncount_origin(Origin, Os) ->
+    case maps:get(Origin, Os, 0) of
+        N when N > 1 -> Os#{Origin := N - 1};
+        _ -> Os#{Origin => 0}
+    end.
+
+%% Who holds {Id, Ref}: `local' (our journal) and the other members.
+holders(Id, Ref, State) ->
+    [local || journaled(Id, Ref)] ++ remote_holders(Id, Ref, State).
+
+remote_holders(Id, Ref, #state{origins = Os}) ->
+    [O || O <- maps:keys(Os), ets:member(?RCPT_REMOTE, {O, Id, Ref})].
+
+c_origin(local) -> undefined;
+c_origin(Origin) -> Origin.
+
+journaled(Id, Ref) ->
+    lists:member({Id, Ref}, ets:lookup(?RCPT_REGS, Id)).
+
+%% A change of the journal, for the members (see actor_receptionist_gossip).
+gossip(Op, Id, Ref) ->
+    case whereis(?RCPT_GOSSIP) of
+        undefined -> ok;
+        G -> G ! {local, Op, Id, Ref}, ok
+    end.
 
 subscribed(Pid, Id) ->
     ets:match_object(?RCPT_SUBS, {Pid, Id}) =/= [].
@@ -379,9 +545,10 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
         Pid when is_pid(Pid) ->
             monitor_on(Node),
             Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
+            Remote = [{rregister, O, Id, Ref} || {{O, Id, Ref}} <- ets:tab2list(?RCPT_REMOTE)],
             Subs = [{subscribe, Id, P} || {P, Id} <- ets:tab2list(?RCPT_SUBS)],
             State = State0#state{incarnations = N + 1, pid = Pid},
-            send_all(Regs ++ Subs, State),
+            send_all(Regs ++ Remote ++ Subs, State),
             case call_rcpt(sync, State) of
                 ok ->
                     attach(Node),

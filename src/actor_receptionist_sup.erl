@@ -48,7 +48,8 @@ options(Opts) ->
     Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
     Defaults = #{max_subscribers_per_key => Env(max_subscribers_per_key, 1000),
                  max_subscribers_total => Env(max_subscribers_total, 10000),
-                 shm_mb => Env(receptionist_shm_mb, 256)},
+                 shm_mb => Env(receptionist_shm_mb, 256),
+                 gossip_interval_ms => Env(gossip_interval_ms, 1000)},
     check(maps:to_list(maps:merge(Defaults, Opts)), #{}).
 
 check([], Acc) ->
@@ -59,6 +60,8 @@ check([{Key, V} | Rest], Acc)
     check(Rest, Acc#{Key => V});
 check([{shm_mb, V} | Rest], Acc) when is_integer(V), V >= 2, V =< 65536 ->
     check(Rest, Acc#{shm_mb => V});
+check([{gossip_interval_ms, V} | Rest], Acc) when is_integer(V), V >= 10, V =< 3600000 ->
+    check(Rest, Acc#{gossip_interval_ms => V});
 check([{Key, V} | _], _Acc) ->
     {error, {badarg, {Key, V}}}.
 
@@ -92,6 +95,8 @@ init(Opts) ->
     Tab = [public, named_table, bag, {write_concurrency, false}],
     ?RCPT_REGS = ets:new(?RCPT_REGS, Tab),
     ?RCPT_SUBS = ets:new(?RCPT_SUBS, Tab),
+    ?RCPT_REMOTE = ets:new(?RCPT_REMOTE, [public, named_table, ordered_set]),
+    ?RCPT_SHARED = ets:new(?RCPT_SHARED, [public, named_table, set]),
     Flags = #{strategy => rest_for_one, intensity => 5, period => 10},
     Node = #{id => actor_receptionist_node,
              start => {?MODULE, start_node, [Opts]},
@@ -108,4 +113,11 @@ init(Opts) ->
                shutdown => 5000,
                type => worker,
                modules => [actor_receptionist_server]},
-    {ok, {Flags, [Node, Server]}}.
+    Gossip = #{id => actor_receptionist_gossip,
+               start => {actor_receptionist_gossip, start_link,
+                         [#{gossip_interval_ms => maps:get(gossip_interval_ms, Opts)}]},
+               restart => permanent,
+               shutdown => 5000,
+               type => worker,
+               modules => [actor_receptionist_gossip]},
+    {ok, {Flags, [Node, Server, Gossip]}}.

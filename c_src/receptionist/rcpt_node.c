@@ -73,6 +73,8 @@
 #define MAX_BATCH_DEPTH 4 /* a batch inside a batch: fine; deeper: malformed */
 #define LOG_WINDOW_MS 10000
 #define LOG_PER_WINDOW 20
+/* Distinct origin nodes a receptionist keeps ids for. */
+#define MAX_ORIGINS 65536u
 
 _Static_assert(REGISTRY_MAX_KEY == AP_SHM_MAX_KEY, "key limits differ");
 
@@ -87,7 +89,13 @@ struct rcpt {
 	int rebuild_armed; /* its timer is pending */
 	ei_x_buff x;       /* replies, reused */
 	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, shm_errors,
-		rebuilds;
+		rebuilds, remote_ops, origin_drops;
+	/* Origins learnt by gossip: node names, interned to registry origin
+	 * ids (index + 1; REGISTRY_ORIGIN_LOCAL is 0). A cluster has few
+	 * members, so a linear search is enough; the slot of a dropped origin
+	 * is kept (its id stays that node's). */
+	char (*origins)[MAXATOMLEN_UTF8];
+	uint32_t norigins, cap_origins;
 	/* rate-limited logging */
 	int64_t log_window;
 	unsigned log_count;
@@ -392,6 +400,85 @@ static void do_register(const char *b, int i, int reg)
 	}
 }
 
+/* The registry origin id of node `name`, interned on first use; 0 when the
+ * table cannot grow (the message is then refused as malformed). */
+static uint32_t origin_id(const char *name, int add)
+{
+	for (uint32_t k = 0; k < st.norigins; k++)
+		if (!strcmp(st.origins[k], name))
+			return k + 1;
+	if (!add)
+		return 0;
+	if (st.norigins == st.cap_origins) {
+		uint32_t cap = st.cap_origins ? st.cap_origins * 2 : 16;
+		if (cap > MAX_ORIGINS)
+			return 0;
+		void *o = realloc(st.origins, (size_t)cap * sizeof *st.origins);
+		if (!o)
+			return 0;
+		st.origins = o;
+		st.cap_origins = cap;
+	}
+	snprintf(st.origins[st.norigins], sizeof st.origins[0], "%s", name);
+	return ++st.norigins;
+}
+
+/* {rregister | rderegister, OriginNode, Key, Ref}: a change made on another
+ * receptionist, learnt by gossip. No reply: the origin acknowledged it. */
+static void do_remote(const char *b, int i, int reg)
+{
+	char origin[MAXATOMLEN_UTF8];
+	const char *key;
+	size_t klen;
+	erlang_pid ref;
+	uint32_t id;
+	if (get_atom(b, &i, origin, sizeof origin) || get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref)) {
+		malformed(reg ? "rregister" : "rderegister");
+		return;
+	}
+	/* A deregistration needs no id: it removes the ref whatever its origin. */
+	id = origin_id(origin, reg);
+	if (reg && !id) {
+		malformed("rregister: too many origins");
+		return;
+	}
+	st.remote_ops++;
+	if (!reg) {
+		registry_deregister(st.reg, key, klen, &ref);
+		return;
+	}
+	int rc = registry_register(st.reg, key, klen, &ref, id);
+	if (rc < 0) {
+		st.refused++;
+		RLOG(AP_LOG_WARNING, "receptionist: a registration from %s under '%.*s' refused: %s", origin,
+		     (int)(klen > 64 ? 64 : klen), key, rc == -E2BIG ? "listing too large" : strerror(-rc));
+	}
+}
+
+/* {retag, Key, Ref, OriginNode | undefined}: Ref under Key is now held for
+ * that origin (undefined: this node's own), because the origin it was held
+ * for let go of it while another still holds it. No listing: no change. */
+static void do_retag(const char *b, int i)
+{
+	char origin[MAXATOMLEN_UTF8];
+	const char *key;
+	size_t klen;
+	erlang_pid ref;
+	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
+		malformed("retag");
+		return;
+	}
+	uint32_t id = strcmp(origin, "undefined") ? origin_id(origin, 1) : REGISTRY_ORIGIN_LOCAL;
+	if (strcmp(origin, "undefined") && !id) {
+		malformed("retag: too many origins");
+		return;
+	}
+	st.remote_ops++;
+	int rc = registry_set_origin(st.reg, key, klen, &ref, id);
+	if (rc < 0)
+		RLOG(AP_LOG_ERROR, "receptionist: retag failed: %s", strerror(-rc));
+}
+
 static void do_find(const char *b, int i)
 {
 	const char *key;
@@ -457,7 +544,25 @@ static void handle(const char *b, int i, int depth)
 		do_register(b, i, 1);
 	else if (arity == 4 && !strcmp(op, "deregister"))
 		do_register(b, i, 0);
-	else if (arity == 3 && !strcmp(op, "find"))
+	else if (arity == 4 && !strcmp(op, "rregister"))
+		do_remote(b, i, 1);
+	else if (arity == 4 && !strcmp(op, "rderegister"))
+		do_remote(b, i, 0);
+	else if (arity == 4 && !strcmp(op, "retag"))
+		do_retag(b, i);
+	else if (arity == 2 && !strcmp(op, "drop_origin")) {
+		/* {drop_origin, Node}: that member left; its registrations go,
+		 * each changed key reported once. */
+		char origin[MAXATOMLEN_UTF8];
+		if (get_atom(b, &i, origin, sizeof origin)) {
+			malformed("drop_origin");
+			return;
+		}
+		uint32_t id = origin_id(origin, 0);
+		st.origin_drops++;
+		if (id)
+			registry_drop_origin(st.reg, id);
+	} else if (arity == 3 && !strcmp(op, "find"))
 		do_find(b, i);
 	else if (arity == 3 && !strcmp(op, "subscribe"))
 		do_subscribe(b, i, 1);
@@ -518,7 +623,7 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	if (st.w)
 		ap_shm_writer_stats(st.w, &skeys, &used, &compactions);
 	x_reset();
-	ei_x_encode_map_header(&st.x, 24);
+	ei_x_encode_map_header(&st.x, 27);
 	x_counter("keys", rs.keys);
 	x_counter("refs", rs.refs);
 	x_counter("subscriptions", rs.subscriptions);
@@ -531,6 +636,9 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	x_counter("unsubscribes", st.unsubscribes);
 	x_counter("malformed", st.malformed);
 	x_counter("refused", st.refused);
+	x_counter("remote_ops", st.remote_ops);
+	x_counter("origin_drops", st.origin_drops);
+	x_counter("origins", st.norigins);
 	x_counter("entries", rs.entries);
 	x_counter("nodes", rs.nodes);
 	x_counter("memory", registry_mem_bytes(st.reg));
@@ -702,6 +810,7 @@ static void teardown(void)
 		st.w = NULL;
 	}
 	registry_free(st.reg);
+	free(st.origins);
 	st.reg = NULL;
 	ei_x_free(&st.x);
 }

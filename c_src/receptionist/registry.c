@@ -931,6 +931,42 @@ int registry_deregister(registry *r, const void *key, size_t klen, const erlang_
 	return 1;
 }
 
+int registry_set_origin(registry *r, const void *key, size_t klen, const erlang_pid *ref, uint32_t origin)
+{
+	if (!klen || klen > REGISTRY_MAX_KEY)
+		return -EINVAL;
+	int nid = node_get(r, ref->node, 0);
+	if (nid < 0)
+		return 0;
+	struct rkey *k = key_find(r, key, klen, key_hash(r, key, klen));
+	if (!k)
+		return 0;
+	long i = ref_find(r, k, (uint32_t)nid, ref);
+	if (i < 0)
+		return 0;
+	struct rref *v = refs_of(k);
+	struct rgroup *old = GROUP(r, v[i].grp);
+	if (old->origin == origin)
+		return 0;
+	if (old->draining)
+		return -EBUSY; /* cannot happen: callbacks may not call back in */
+	struct rgroup *g = group_get(r, origin, (uint32_t)nid, 1);
+	if (!g)
+		return -ENOMEM;
+	if (kset_reserve(r, g)) {
+		group_gc(r, g);
+		return -ENOMEM;
+	}
+	/* The same node, so the encoded listing does not change: no report. */
+	kset_inc(r, g, k);
+	g->nrefs++;
+	v[i].grp = g->id;
+	kset_dec(r, old, k);
+	old->nrefs--;
+	group_gc(r, old);
+	return 1;
+}
+
 /* Walk g's keys and take out every ref matching (by_node, what): all of
  * g's refs match, and maybe refs of other groups. */
 static size_t drain(registry *r, struct rgroup *g, int by_node, uint32_t what)

@@ -80,6 +80,12 @@ int registry_register(registry *r, const void *key, size_t klen, const erlang_pi
  * not there (nothing reported), -EINVAL bad key. */
 int registry_deregister(registry *r, const void *key, size_t klen, const erlang_pid *ref);
 
+/* Make origin the origin of ref under key (the cluster layer keeps a ref
+ * that several origins registered under one origin that still holds it).
+ * Nothing is reported: the listing is the same. 1 changed, 0 not there or
+ * already that origin, -EINVAL, -ENOMEM (nothing changed). */
+int registry_set_origin(registry *r, const void *key, size_t klen, const erlang_pid *ref, uint32_t origin);
+
 /* Subscribe sub to key and send it the current listing (also when it was
  * already subscribed). 1 new, 0 already subscribed, -EINVAL, -ENOMEM. */
 int registry_subscribe(registry *r, const void *key, size_t klen, const erlang_pid *sub);

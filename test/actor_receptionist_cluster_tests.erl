@@ -1,0 +1,425 @@
+%% The receptionist across a cluster: real BEAM peers (the `peer' module),
+%% each running the actor_pool application with its own receptionist C node,
+%% connected to each other by distributed Erlang.
+%%
+%% The test node itself runs no receptionist and is not connected to the
+%% peers' cluster: it drives them over the peers' standard_io control
+%% channel, so that disconnecting peers from each other is a real partition.
+%% Subscribers and refs are processes on the peers (a receptionist C node
+%% talks to its own BEAM only). Waits poll with a deadline; listings are
+%% compared as sets (refs from different origins arrive in different orders
+%% on different nodes). Every peer is stopped (or killed and reaped) by the
+%% case that started it, and its names leave epmd.
+-module(actor_receptionist_cluster_tests).
+
+-import(ap_test_util, [wait_until/2, epmd_names/0]).
+
+-include_lib("eunit/include/eunit.hrl").
+%% PropEr by its functions: proper.hrl and eunit.hrl both define ?LET.
+
+-export([three_nodes_register_find_subscribe_deregister/0,
+         a_stopped_node_takes_its_registrations/0,
+         a_killed_node_takes_its_registrations/0,
+         refs_on_a_node_that_left_go_too/0,
+         receptionist_crash_drops_then_regains/0,
+         a_killed_c_node_changes_nothing_for_the_peers/0,
+         partition_heals_and_converges/0,
+         complete_view_holds_the_first_listing/0,
+         bad_options_are_badarg/0,
+         cluster_property/0]).
+
+-define(WAIT_MS, 20000).
+-define(GOSSIP_MS, 200).
+
+actor_receptionist_cluster_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     [{atom_to_list(Name), {timeout, 180, fun ?MODULE:Name/0}}
+      || Name <- [three_nodes_register_find_subscribe_deregister,
+                  a_stopped_node_takes_its_registrations,
+                  a_killed_node_takes_its_registrations,
+                  refs_on_a_node_that_left_go_too,
+                  receptionist_crash_drops_then_regains,
+                  a_killed_c_node_changes_nothing_for_the_peers,
+                  partition_heals_and_converges,
+                  complete_view_holds_the_first_listing,
+                  bad_options_are_badarg,
+                  cluster_property]]}.
+
+setup() ->
+    %% peer needs this node alive only for names; the cluster is the peers'.
+    WasAlive = is_alive(),
+    ok = actor_dist:ensure_distributed(),
+    WasAlive.
+
+cleanup(WasAlive) ->
+    case WasAlive of
+        true -> ok;
+        false -> ok = net_kernel:stop()
+    end.
+
+%% ===================================================================
+%% Cases
+%% ===================================================================
+
+three_nodes_register_find_subscribe_deregister() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        K = key(basic),
+        Subs = [{M, subscriber(M, K)} || M <- Ms],
+        [wait_listing(M, S, K, []) || {M, S} <- Subs],
+        RA = ref(A),
+        ok = call(A, actor_receptionist, register, [K, RA]),
+        converge(Ms, K, [RA]),
+        %% find on another node sees it.
+        ?assertEqual([RA], find(B, K)),
+        RB = ref(B), RC = ref(C),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        ok = call(C, actor_receptionist, register, [K, RC]),
+        converge(Ms, K, [RA, RB, RC]),
+        [wait_listing(M, S, K, [RA, RB, RC]) || {M, S} <- Subs],
+        ok = call(B, actor_receptionist, deregister, [K, RB]),
+        converge(Ms, K, [RA, RC]),
+        [wait_listing(M, S, K, [RA, RC]) || {M, S} <- Subs],
+        %% Every subscriber saw each change once: no listing repeats.
+        [?assertEqual(no_repeats, repeats(listings(M, S, K))) || {M, S} <- Subs],
+        [?assertMatch(#{complete := true}, call(M, actor_receptionist, status, [])) || M <- Ms],
+        #{members := Members} = call(A, actor_receptionist, status, []),
+        ?assertEqual(lists:sort([node_of(B), node_of(C)]), Members)
+    end).
+
+a_stopped_node_takes_its_registrations() ->
+    removal(fun(Peer) -> peer:stop(Peer) end).
+
+a_killed_node_takes_its_registrations() ->
+    removal(fun(Peer) ->
+                    OsPid = call(Peer, os, getpid, []),
+                    _ = os:cmd("kill -9 " ++ OsPid),
+                    wait_until(fun() -> not ap_test_util:os_pid_alive(list_to_integer(OsPid)) end,
+                               ?WAIT_MS)
+            end).
+
+removal(Stop) ->
+    with_members(2, fun([A, C] = Ms) ->
+        K = key(removal),
+        SA = subscriber(A, K), SC = subscriber(C, K),
+        RA = ref(A),
+        ok = call(A, actor_receptionist, register, [K, RA]),
+        {B, BName} = start_member(),
+        try
+            mesh([A, B, C]),
+            RB1 = ref(B), RB2 = ref(B),
+            ok = call(B, actor_receptionist, register, [K, RB1]),
+            ok = call(B, actor_receptionist, register, [K, RB2]),
+            converge([A, B, C], K, [RA, RB1, RB2]),
+            Stop(B),
+            %% Gone everywhere; subscribers got the smaller listing.
+            converge(Ms, K, [RA]),
+            wait_listing(A, SA, K, [RA]),
+            wait_listing(C, SC, K, [RA])
+        after
+            stop_member(B)
+        end,
+        %% It comes back (same name), and its new registrations appear.
+        {B2, BName} = start_member(BName),
+        try
+            mesh([A, B2, C]),
+            RB3 = ref(B2),
+            ok = call(B2, actor_receptionist, register, [K, RB3]),
+            converge([A, B2, C], K, [RA, RB3]),
+            wait_listing(A, SA, K, [RA, RB3])
+        after
+            stop_member(B2)
+        end,
+        converge(Ms, K, [RA])
+    end).
+
+refs_on_a_node_that_left_go_too() ->
+    with_members(2, fun([A, C] = Ms) ->
+        K = key(refs_elsewhere),
+        {B, _} = start_member(),
+        try
+            mesh([A, B, C]),
+            %% A registers a process that lives on B.
+            RonB = ref(B), RA = ref(A),
+            ok = call(A, actor_receptionist, register, [K, RonB]),
+            ok = call(A, actor_receptionist, register, [K, RA]),
+            converge([A, B, C], K, [RonB, RA]),
+            peer:stop(B),
+            converge(Ms, K, [RA])
+        after
+            stop_member(B)
+        end
+    end).
+
+receptionist_crash_drops_then_regains() ->
+    with_members(3, fun([A, B, _C] = Ms) ->
+        K = key(crash),
+        SA = subscriber(A, K),
+        RA = ref(A), RB = ref(B),
+        ok = call(A, actor_receptionist, register, [K, RA]),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        converge(Ms, K, [RA, RB]),
+        wait_listing(A, SA, K, [RA, RB]),
+        #{incarnation := Inc0} = call(B, actor_receptionist, status, []),
+        Server = call(B, erlang, whereis, [actor_receptionist_server]),
+        true = call(B, erlang, exit, [Server, kill]),
+        %% A new incarnation on B; the peers dropped and regained its refs.
+        wait_until(fun() ->
+                           case call(B, actor_receptionist, status, []) of
+                               #{incarnation := I} -> I =/= Inc0;
+                               _ -> false
+                           end
+                   end, ?WAIT_MS),
+        converge(Ms, K, [RA, RB]),
+        wait_listing(A, SA, K, [RA, RB]),
+        Ls = listings(A, SA, K),
+        ?assertEqual(no_repeats, repeats(Ls)),
+        %% In between, A's subscriber saw B's ref go (then come back).
+        ?assert(lists:member(lists:sort([RA]), Ls)),
+        [?assertEqual(lists:sort([RA, RB]), lists:sort(lookup(M, K))) || M <- Ms],
+        [?assertEqual(2, length(lookup(M, K))) || M <- Ms]
+    end).
+
+a_killed_c_node_changes_nothing_for_the_peers() ->
+    with_members(2, fun([A, B] = Ms) ->
+        K = key(cnode_kill),
+        SA = subscriber(A, K),
+        RB = ref(B),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        converge(Ms, K, [RB]),
+        wait_listing(A, SA, K, [RB]),
+        RN = call(B, actor_receptionist, receptionist_node, []),
+        #{os_pid := OsPid} = call(B, actor_cnode, info, [actor_receptionist_owner]),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        %% B's node comes back with B's own registrations and A's.
+        RA = ref(A),
+        ok = call(A, actor_receptionist, register, [K, RA]),
+        wait_until(fun() ->
+                           case call(B, actor_cnode, info, [actor_receptionist_owner]) of
+                               #{status := up, os_pid := P} -> P =/= OsPid;
+                               _ -> false
+                           end
+                   end, ?WAIT_MS),
+        ?assertEqual(RN, call(B, actor_receptionist, receptionist_node, [])),
+        converge(Ms, K, [RA, RB]),
+        %% A never saw B's ref go.
+        ?assertNot(lists:member([], listings(A, SA, K) -- [hd(listings(A, SA, K))]))
+    end).
+
+partition_heals_and_converges() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        K = key(partition),
+        RA = ref(A), RB = ref(B), RC = ref(C),
+        [ok = call(M, actor_receptionist, register, [K, R]) || {M, R} <- [{A, RA}, {B, RB}, {C, RC}]],
+        converge(Ms, K, [RA, RB, RC]),
+        %% Cut A from B; both still reach C, which relays.
+        true = call(A, erlang, disconnect_node, [node_of(B)]),
+        wait_until(fun() -> not lists:member(node_of(B), call(A, erlang, nodes, [])) end, ?WAIT_MS),
+        RA2 = ref(A), RB2 = ref(B),
+        ok = call(A, actor_receptionist, register, [K, RA2]),
+        ok = call(B, actor_receptionist, register, [K, RB2]),
+        ok = call(B, actor_receptionist, deregister, [K, RB]),
+        %% Through C, A and B converge while cut.
+        converge(Ms, K, [RA, RA2, RB2, RC]),
+        %% Heal.
+        true = call(A, net_kernel, connect_node, [node_of(B)]),
+        ok = call(C, actor_receptionist, deregister, [K, RC]),
+        converge(Ms, K, [RA, RA2, RB2]),
+        wait_until(fun() ->
+                           lists:all(fun(M) ->
+                                             maps:get(complete, call(M, actor_receptionist, status, []))
+                                     end, Ms)
+                   end, ?WAIT_MS),
+        #{members := MembersA} = call(A, actor_receptionist, status, []),
+        ?assertEqual(lists:sort([node_of(B), node_of(C)]), MembersA)
+    end).
+
+complete_view_holds_the_first_listing() ->
+    with_members(2, fun([A, B] = Ms) ->
+        K = key(complete),
+        Refs = [ref(A) || _ <- lists:seq(1, 200)],
+        [ok = call(A, actor_receptionist, register, [K, R]) || R <- Refs],
+        converge(Ms, K, Refs),
+        %% A fresh member: its first complete-view listing already has
+        %% every ref, where a plain subscription may start empty.
+        {D, _} = start_member(),
+        try
+            true = call(D, net_kernel, connect_node, [node_of(A)]),
+            true = call(D, net_kernel, connect_node, [node_of(B)]),
+            S = call(D, ap_test_util, spawn_collector, []),
+            ok = call(D, actor_receptionist, subscribe, [K, S, #{complete => true}]),
+            wait_until(fun() -> listings(D, S, K) =/= [] end, ?WAIT_MS),
+            [First | _] = listings(D, S, K),
+            ?assertEqual(lists:sort(Refs), First),
+            ?assertMatch(#{complete := true, syncing := []}, call(D, actor_receptionist, status, []))
+        after
+            stop_member(D)
+        end
+    end).
+
+bad_options_are_badarg() ->
+    with_members(1, fun([A]) ->
+        S = ref(A),
+        ?assertEqual({error, {badarg, {opts, #{complete => maybe}}}},
+                     call(A, actor_receptionist, subscribe, [k, S, #{complete => maybe}])),
+        ?assertEqual({error, {badarg, {opts, nope}}},
+                     call(A, actor_receptionist, subscribe, [k, S, nope])),
+        ?assertEqual({error, {badarg, {gossip_interval_ms, 0}}},
+                     call(A, actor_receptionist_sup, start_link, [#{gossip_interval_ms => 0}])),
+        ?assertMatch(#{complete := true, members := []}, call(A, actor_receptionist, status, []))
+    end).
+
+%% Random registrations and deregistrations on 3 nodes, of processes on all
+%% of them; once quiet, every node's view equals the union of what each
+%% node still has registered locally.
+cluster_property() ->
+    with_members(3, fun(Ms) ->
+        %% Few keys and refs, so that one ref under one key is often held by
+        %% several nodes at once (the C node holds it once for all).
+        Refs = list_to_tuple([ref(M) || M <- Ms]),
+        Counter = counters:new(1, []),
+        Gen = proper_types:list({proper_types:oneof([reg, dereg]), proper_types:range(1, 3),
+                                 proper_types:range(1, 2), proper_types:range(1, tuple_size(Refs))}),
+        Prop = proper:forall(Gen, fun(Ops) ->
+                           counters:add(Counter, 1, 1),
+                           Case = counters:get(Counter, 1),
+                           Keys = [key({prop, Case, I}) || I <- [1, 2]],
+                           Model = lists:foldl(
+                                     fun({Op, N, KI, RI}, Acc) ->
+                                             M = lists:nth(N, Ms),
+                                             K = lists:nth(KI, Keys),
+                                             R = element(RI, Refs),
+                                             ok = call(M, actor_receptionist,
+                                                       case Op of reg -> register; dereg -> deregister end,
+                                                       [K, R]),
+                                             case Op of
+                                                 reg -> sets:add_element({N, K, R}, Acc);
+                                                 dereg -> sets:del_element({N, K, R}, Acc)
+                                             end
+                                     end, sets:new([{version, 2}]), Ops),
+                           lists:all(fun(K) ->
+                                             Want = lists:usort([R || {_, K2, R} <- sets:to_list(Model), K2 =:= K]),
+                                             converged(Ms, K, Want)
+                                     end, Keys)
+                       end),
+        ?assert(proper:quickcheck(Prop, [{numtests, 40}, {max_size, 40}, quiet,
+                                         {on_output, fun(F, A) -> io:format(user, F, A) end}]))
+    end).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+key(Name) ->
+    actor_receptionist:service_key(iolist_to_binary(io_lib:format("cluster.~0p", [Name]))).
+
+call(Peer, M, F, A) ->
+    peer:call(Peer, M, F, A, 30000).
+
+node_of(Peer) ->
+    call(Peer, erlang, node, []).
+
+%% A long-lived process on the member: a ref to register.
+ref(Peer) ->
+    call(Peer, erlang, spawn, [timer, sleep, [infinity]]).
+
+subscriber(Peer, K) ->
+    S = call(Peer, ap_test_util, spawn_collector, []),
+    ok = call(Peer, actor_receptionist, subscribe, [K, S]),
+    S.
+
+%% The listings for K that collector S got, each as a sorted list.
+listings(Peer, S, {service_key, _} = K) ->
+    [lists:sort(Refs) || {listing, K2, Refs} <- call(Peer, ap_test_util, collected, [S]), K2 =:= K].
+
+repeats([A, A | _]) -> {repeated, A};
+repeats([_ | T]) -> repeats(T);
+repeats([]) -> no_repeats.
+
+wait_listing(Peer, S, K, Want) ->
+    W = lists:sort(Want),
+    wait_until(fun() ->
+                       case listings(Peer, S, K) of
+                           [] -> false;
+                           Ls -> lists:last(Ls) =:= W
+                       end
+               end, ?WAIT_MS).
+
+lookup(Peer, K) ->
+    call(Peer, actor_receptionist, lookup, [K]).
+
+find(Peer, K) ->
+    call(Peer, erlang, apply,
+         [fun() ->
+                  ok = actor_receptionist:find(K, self()),
+                  receive {listing, K, Refs} -> Refs after 10000 -> timeout end
+          end, []]).
+
+converged(Ms, K, Want) ->
+    W = lists:sort(Want),
+    try wait_until(fun() -> lists:all(fun(M) -> lists:sort(lookup(M, K)) =:= W end, Ms) end, ?WAIT_MS) of
+        _ -> true
+    catch
+        _:_ ->
+            io:format(user, "not converged on ~p: want ~p, have ~p~n",
+                      [K, W, [lookup(M, K) || M <- Ms]]),
+            false
+    end.
+
+converge(Ms, K, Want) ->
+    ?assert(converged(Ms, K, Want)).
+
+%% N members, meshed and synced; stopped (and out of epmd) afterwards.
+with_members(N, Fun) ->
+    Started = [start_member() || _ <- lists:seq(1, N)],
+    Peers = [P || {P, _} <- Started],
+    try
+        mesh(Peers),
+        Fun(Peers)
+    after
+        [stop_member(P) || P <- Peers]
+    end.
+
+start_member() ->
+    start_member(peer:random_name(rcpt_cluster)).
+
+start_member(Name) ->
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
+    %% Not linked: a case kills members. Only explicit connections (no
+    %% global mesh), and no partition prevention, so cuts stay cuts.
+    {ok, Peer, _Node} =
+        peer:start(#{name => Name,
+                     connection => standard_io,
+                     args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                              "-connect_all", "false",
+                              "-kernel", "prevent_overlapping_partitions", "false",
+                              "-pa" | Paths]}),
+    ok = call(Peer, application, load, [actor_pool]),
+    ok = call(Peer, application, set_env, [actor_pool, pool_node, false]),
+    ok = call(Peer, application, set_env, [actor_pool, gossip_interval_ms, ?GOSSIP_MS]),
+    ok = call(Peer, application, set_env, [actor_pool, receptionist_shm_mb, 16]),
+    {ok, _} = call(Peer, application, ensure_all_started, [actor_pool]),
+    %% Its names, to see them leave epmd even if the case kills it.
+    put({member, Peer}, [call(Peer, erlang, node, []),
+                         call(Peer, actor_receptionist, receptionist_node, [])]),
+    {Peer, Name}.
+
+stop_member(Peer) ->
+    catch call(Peer, application, stop, [actor_pool]),
+    catch peer:stop(Peer),
+    wait_gone(get({member, Peer})).
+
+wait_gone(Nodes) ->
+    Alives = [hd(string:split(atom_to_list(N), "@")) || N <- Nodes, is_atom(N), N =/= undefined],
+    wait_until(fun() -> [A || A <- Alives, lists:member(A, epmd_names())] =:= [] end, ?WAIT_MS).
+
+%% Connect every pair and wait until every member sees the others synced.
+mesh(Peers) ->
+    Nodes = [node_of(P) || P <- Peers],
+    [true = call(P, net_kernel, connect_node, [N]) || P <- Peers, N <- Nodes, N =/= node_of(P)],
+    [wait_until(fun() ->
+                        case call(P, actor_receptionist, status, []) of
+                            #{complete := true, members := Mem} -> Mem =:= lists:sort(Nodes -- [node_of(P)]);
+                            _ -> false
+                        end
+                end, ?WAIT_MS) || P <- Peers],
+    ok.
