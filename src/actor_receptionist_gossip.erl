@@ -24,11 +24,11 @@
 %% cannot reach itself, and drops such a relayed origin when the member that
 %% relayed it no longer lists it.
 %%
-%% What this node holds of the others lives in ETS (`{{Origin, Key, Ref}}',
-%% ordered by origin; owned by the supervisor so that the server can replay
-%% it into a new incarnation of the C node) and in the C node, where each
-%% origin's refs are tagged, so a member that leaves is dropped with one
-%% message (`drop_origin'), O(its refs) in C.
+%% What this node holds of the others is kept by {@link
+%% actor_receptionist_server} (ETS `{{Origin, Key, Ref}}', replayed into a
+%% new incarnation of the C node), which this process tells what changed;
+%% in the C node each ref is tagged with its origin, so a member that leaves
+%% is dropped with one message (`drop_origin'), O(its refs) in C.
 %%
 %% <h3>Removal</h3>
 %% On `nodedown' of any node (hidden ones too) this node deregisters its own
@@ -156,8 +156,13 @@ handle_info({local, Op, Id, Ref}, #st{pending = P, ver = V} = St) ->
     end;
 handle_info(flush, St) ->
     {noreply, flush(St#st{flushing = false})};
-handle_info(tick, #st{interval = Interval} = St) ->
+handle_info(tick, #st{interval = Interval, peers = Peers, probing = Pr} = St0) ->
     _ = erlang:send_after(Interval, self(), tick),
+    %% Sends may be dropped (nosuspend): a hello or a state that never came
+    %% is asked for again, once per round.
+    St1 = St0#st{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers)},
+    St = maps:fold(fun(Node, _, S) -> out({?RCPT_GOSSIP, Node}, {hello, self(), S#st.inc}, S) end,
+                   St1, Pr),
     {noreply, digest(flush(St))};
 handle_info({nodeup, Node, Info}, St) ->
     case proplists:get_value(node_type, Info) of

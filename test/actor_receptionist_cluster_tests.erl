@@ -277,14 +277,26 @@ cluster_property() ->
         %% several nodes at once (the C node holds it once for all).
         Refs = list_to_tuple([ref(M) || M <- Ms]),
         Counter = counters:new(1, []),
-        Gen = proper_types:list({proper_types:oneof([reg, dereg]), proper_types:range(1, 3),
+        %% Now and then a receptionist C node is killed mid-sequence: its
+        %% BEAM replays its own registrations and what it learnt.
+        Gen = proper_types:list({proper_types:frequency([{10, reg}, {10, dereg}, {1, kill_cnode}]),
+                                 proper_types:range(1, 3),
                                  proper_types:range(1, 2), proper_types:range(1, tuple_size(Refs))}),
         Prop = proper:forall(Gen, fun(Ops) ->
                            counters:add(Counter, 1, 1),
                            Case = counters:get(Counter, 1),
                            Keys = [key({prop, Case, I}) || I <- [1, 2]],
                            Model = lists:foldl(
-                                     fun({Op, N, KI, RI}, Acc) ->
+                                     fun({kill_cnode, N, _, _}, Acc) ->
+                                             M = lists:nth(N, Ms),
+                                             case call(M, actor_cnode, info, [actor_receptionist_owner]) of
+                                                 #{os_pid := OsPid} when is_integer(OsPid) ->
+                                                     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid));
+                                                 _ ->
+                                                     down_already
+                                             end,
+                                             Acc;
+                                        ({Op, N, KI, RI}, Acc) ->
                                              M = lists:nth(N, Ms),
                                              K = lists:nth(KI, Keys),
                                              R = element(RI, Refs),

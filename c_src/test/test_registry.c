@@ -594,6 +594,63 @@ static void test_drop_origin_removes_its_refs_and_reports_each_key_once(void **s
 	t_rec_free(&rec);
 }
 
+/* The cluster layer moves a ref held by two origins to the one that still
+ * holds it: no report, order kept, and the next drop_origin follows the new
+ * tag. */
+static void test_set_origin_moves_a_ref_to_another_origin_silently(void **state)
+{
+	(void)state;
+	struct t_rec rec = { 0 };
+	registry *r = registry_new(&t_ops, &rec, 0);
+	erlang_pid s = t_pid("app@host", 100, 0, 7);
+	erlang_pid a = t_pid("b@host", 1, 0, 7), b = t_pid("b@host", 2, 0, 7), c = P(3);
+	assert_int_equal(registry_subscribe(r, K("k"), &s), 1);
+	assert_int_equal(registry_register(r, K("k"), &a, 1), 1);
+	assert_int_equal(registry_register(r, K("k"), &b, 1), 1);
+	assert_int_equal(registry_register(r, K("k"), &c, 0), 1);
+	assert_int_equal(registry_register(r, K("other"), &a, 1), 1);
+	uint64_t changes = rec.changes;
+	size_t listings = rec.nlistings;
+	/* a under k: origin 1 -> 2; the same origin again is a no-op. */
+	assert_int_equal(registry_set_origin(r, K("k"), &a, 2), 1);
+	assert_int_equal(registry_set_origin(r, K("k"), &a, 2), 0);
+	/* Unknown key, ref or node: nothing. */
+	assert_int_equal(registry_set_origin(r, K("nokey"), &a, 2), 0);
+	erlang_pid stranger = t_pid("z@host", 9, 0, 7);
+	assert_int_equal(registry_set_origin(r, K("k"), &stranger, 2), 0);
+	assert_int_equal(registry_set_origin(r, "", 0, &a, 2), -EINVAL);
+	assert_int_equal(rec.changes, changes);
+	assert_int_equal(rec.nlistings, listings);
+	t_check(r);
+	{
+		erlang_pid want[] = { a, b, c };
+		t_assert_refs(r, "k", want, 3);
+	}
+	/* Origin 1 leaves: a stays under k (now origin 2), b goes, and a under
+	 * "other" (still origin 1) goes. */
+	assert_int_equal(registry_drop_origin(r, 1), 2);
+	t_check(r);
+	{
+		erlang_pid want[] = { a, c };
+		t_assert_refs(r, "k", want, 2);
+	}
+	assert_int_equal(registry_count(r, K("other")), 0);
+	/* To the local origin and back out with origin 0. */
+	assert_int_equal(registry_set_origin(r, K("k"), &a, 0), 1);
+	assert_int_equal(registry_drop_origin(r, 2), 0);
+	t_check(r);
+	registry_stats st;
+	registry_get_stats(r, &st);
+	assert_int_equal(st.groups, 2); /* (0, app) and (0, b) */
+	assert_int_equal(registry_drop_origin(r, 0), 2);
+	registry_get_stats(r, &st);
+	assert_int_equal(st.refs, 0);
+	assert_int_equal(st.groups, 0);
+	t_check(r);
+	registry_free(r);
+	t_rec_free(&rec);
+}
+
 static void test_drop_node_removes_refs_on_that_node_from_every_origin(void **state)
 {
 	(void)state;
@@ -1033,6 +1090,7 @@ int main(void)
 		cmocka_unit_test(test_unsubscribe_stops_listings_and_frees_empty_keys),
 		cmocka_unit_test(test_unsubscribe_all_removes_every_subscription_of_a_pid),
 		cmocka_unit_test(test_drop_origin_removes_its_refs_and_reports_each_key_once),
+		cmocka_unit_test(test_set_origin_moves_a_ref_to_another_origin_silently),
 		cmocka_unit_test(test_drop_node_removes_refs_on_that_node_from_every_origin),
 		cmocka_unit_test(test_100k_keys),
 		cmocka_unit_test(test_10k_refs_in_one_key),
