@@ -21,9 +21,11 @@
          a_stopped_node_takes_its_registrations/0,
          a_killed_node_takes_its_registrations/0,
          refs_on_a_node_that_left_go_too/0,
+         a_hidden_node_is_no_member_and_its_refs_live_with_its_connection/0,
          receptionist_crash_drops_then_regains/0,
          a_killed_c_node_changes_nothing_for_the_peers/0,
          partition_heals_and_converges/0,
+         a_network_cut_heals_and_converges/0,
          complete_view_holds_the_first_listing/0,
          bad_options_are_badarg/0,
          cluster_property/0]).
@@ -38,9 +40,11 @@ actor_receptionist_cluster_test_() ->
                   a_stopped_node_takes_its_registrations,
                   a_killed_node_takes_its_registrations,
                   refs_on_a_node_that_left_go_too,
+                  a_hidden_node_is_no_member_and_its_refs_live_with_its_connection,
                   receptionist_crash_drops_then_regains,
                   a_killed_c_node_changes_nothing_for_the_peers,
                   partition_heals_and_converges,
+                  a_network_cut_heals_and_converges,
                   complete_view_holds_the_first_listing,
                   bad_options_are_badarg,
                   cluster_property]]}.
@@ -150,6 +154,33 @@ refs_on_a_node_that_left_go_too() ->
         end
     end).
 
+a_hidden_node_is_no_member_and_its_refs_live_with_its_connection() ->
+    with_members(2, fun([A, C] = Ms) ->
+        K = key(hidden),
+        %% A hidden BEAM running the application (a receptionist of its own).
+        {H, _} = start_member(peer:random_name(rcpt_hidden), ["-hidden"]),
+        try
+            true = call(H, net_kernel, connect_node, [node_of(A)]),
+            true = call(H, net_kernel, connect_node, [node_of(C)]),
+            RH = ref(H), RA = ref(A),
+            ok = call(A, actor_receptionist, register, [K, RH]),
+            ok = call(A, actor_receptionist, register, [K, RA]),
+            %% Registered on H itself: stays on H, never replicated.
+            ok = call(H, actor_receptionist, register, [K, RH]),
+            converge(Ms, K, [RH, RA]),
+            [?assertMatch(#{members := [_]}, call(M, actor_receptionist, status, [])) || M <- Ms],
+            ?assertMatch(#{members := []}, call(H, actor_receptionist, status, [])),
+            ?assert(lists:member(node_of(H), call(A, erlang, nodes, [hidden]))),
+            %% Its connection to A goes: A's registration of RH ends, on every
+            %% member, though H still runs and C is still connected to it.
+            true = call(A, erlang, disconnect_node, [node_of(H)]),
+            converge(Ms, K, [RA]),
+            ?assertEqual([RH], lookup(H, K))
+        after
+            stop_member(H)
+        end
+    end).
+
 receptionist_crash_drops_then_regains() ->
     with_members(3, fun([A, B, _C] = Ms) ->
         K = key(crash),
@@ -232,6 +263,151 @@ partition_heals_and_converges() ->
         #{members := MembersA} = call(A, actor_receptionist, status, []),
         ?assertEqual(lists:sort([node_of(B), node_of(C)]), MembersA)
     end).
+
+%% A real cut: three members in network namespaces of their own, linked
+%% pairwise by veth pairs with static routes (no forwarding), so taking the
+%% A-B link down partitions A from B while C still reaches both. Needs root
+%% and iproute2 (`ip netns'); ACTOR_POOL_NO_NETNS=1 turns the case into a
+%% no-op for a machine without them, on purpose and visibly.
+a_network_cut_heals_and_converges() ->
+    case os:getenv("ACTOR_POOL_NO_NETNS") of
+        "1" ->
+            io:format(user, "~nnetwork-namespace case not run (ACTOR_POOL_NO_NETNS=1)~n", []);
+        _ ->
+            Net = netns_up(),
+            try
+                network_cut(Net)
+            after
+                netns_down(Net)
+            end
+    end.
+
+network_cut(#{ns := [_, _, _] = Nss} = Net) ->
+    Started = [start_member_in(Ns, Net) || Ns <- Nss],
+    [A, B, C] = Ms = [P || {P, _} <- Started],
+    try
+        [?assertMatch([_, "10.78.0." ++ _], string:split(atom_to_list(node_of(P)), "@")) || P <- Ms],
+        mesh(Ms),
+        K = key(netcut),
+        RA = ref(A), RB = ref(B), RC = ref(C),
+        [ok = call(M, actor_receptionist, register, [K, R]) || {M, R} <- [{A, RA}, {B, RB}, {C, RC}]],
+        converge(Ms, K, [RA, RB, RC]),
+        link(Net, ab, down),
+        %% Distribution notices by its ticks (net_ticktime 2 s here).
+        wait_until(fun() -> not lists:member(node_of(B), call(A, erlang, nodes, [])) end, ?WAIT_MS),
+        ?assert(lists:member(node_of(B), call(C, erlang, nodes, []))),
+        RA2 = ref(A), RB2 = ref(B),
+        ok = call(A, actor_receptionist, register, [K, RA2]),
+        ok = call(B, actor_receptionist, register, [K, RB2]),
+        ok = call(B, actor_receptionist, deregister, [K, RB]),
+        %% Through C, the two sides converge while cut.
+        converge(Ms, K, [RA, RA2, RB2, RC]),
+        link(Net, ab, up),
+        true = call(A, net_kernel, connect_node, [node_of(B)]),
+        ok = call(A, actor_receptionist, deregister, [K, RA]),
+        converge(Ms, K, [RA2, RB2, RC]),
+        wait_until(fun() ->
+                           lists:all(fun(M) ->
+                                             #{complete := Co, members := Mem} =
+                                                 call(M, actor_receptionist, status, []),
+                                             Co andalso length(Mem) =:= 2
+                                     end, Ms)
+                   end, ?WAIT_MS)
+    after
+        [stop_member(P) || P <- Ms]
+    end.
+
+netns_up() ->
+    Tag = integer_to_list(list_to_integer(os:getpid()) rem 100000),
+    Ns = ["apns" ++ Tag ++ X || X <- ["a", "b", "c"]],
+    Addr = fun(I) -> "10.78.0." ++ integer_to_list(I) end,
+    %% Links: {Name, I, J, Subnet}: veth "apv<Tag><x><y>" between ns I and J.
+    Links = [{ab, 1, 2, "10.79.1."}, {ac, 1, 3, "10.79.2."}, {bc, 2, 3, "10.79.3."}],
+    Net = #{ns => Ns, addr => Addr, tag => Tag, links => Links},
+    try
+        [sh("ip netns add " ++ N) || N <- Ns],
+        [begin
+             sh(in(N, "ip link set lo up")),
+             sh(in(N, "ip addr add " ++ Addr(I) ++ "/32 dev lo"))
+         end || {I, N} <- lists:zip([1, 2, 3], Ns)],
+        [begin
+             {DevI, DevJ} = devs(Net, L),
+             sh("ip link add " ++ DevI ++ " type veth peer name " ++ DevJ),
+             sh("ip link set " ++ DevI ++ " netns " ++ lists:nth(I, Ns)),
+             sh("ip link set " ++ DevJ ++ " netns " ++ lists:nth(J, Ns)),
+             sh(in(lists:nth(I, Ns), "ip addr add " ++ Sub ++ "1/30 dev " ++ DevI)),
+             sh(in(lists:nth(J, Ns), "ip addr add " ++ Sub ++ "2/30 dev " ++ DevJ)),
+             link(Net, L, up)
+         end || {L, I, J, Sub} <- Links],
+        Net
+    catch
+        C:R:St ->
+            netns_down(Net),
+            erlang:raise(C, R, St)
+    end.
+
+devs(#{tag := Tag}, Name) ->
+    {"apv" ++ Tag ++ atom_to_list(Name), "apw" ++ Tag ++ atom_to_list(Name)}.
+
+%% Both ends of link Name up (with the routes over it) or down.
+link(#{ns := Ns, addr := Addr, links := Links} = Net, Name, UpDown) ->
+    {Name, I, J, Sub} = lists:keyfind(Name, 1, Links),
+    {DevI, DevJ} = devs(Net, Name),
+    Updown = atom_to_list(UpDown),
+    sh(in(lists:nth(I, Ns), "ip link set " ++ DevI ++ " " ++ Updown)),
+    sh(in(lists:nth(J, Ns), "ip link set " ++ DevJ ++ " " ++ Updown)),
+    case UpDown of
+        up ->
+            sh(in(lists:nth(I, Ns), "ip route replace " ++ Addr(J) ++ "/32 via " ++ Sub ++ "2")),
+            sh(in(lists:nth(J, Ns), "ip route replace " ++ Addr(I) ++ "/32 via " ++ Sub ++ "1"));
+        down ->
+            ok
+    end.
+
+%% Kill whatever still runs in the namespaces (their epmds: erl started
+%% one in each), then remove them; the veths go with them.
+netns_down(#{ns := Ns}) ->
+    [begin
+         Pids = string:lexemes(os:cmd("ip netns pids " ++ N ++ " 2>/dev/null"), "\n"),
+         _ = [os:cmd("kill -9 " ++ P) || P <- Pids],
+         _ = os:cmd("ip netns del " ++ N ++ " 2>/dev/null")
+     end || N <- Ns],
+    ok.
+
+in(Ns, Cmd) -> "ip netns exec " ++ Ns ++ " " ++ Cmd.
+
+sh(Cmd) ->
+    case string:trim(os:cmd(Cmd ++ " 2>&1; echo \"rc=$?\"")) of
+        "rc=0" -> ok;
+        Out ->
+            case lists:suffix("rc=0", Out) of
+                true -> ok;
+                false -> error({command_failed, Cmd, Out})
+            end
+    end.
+
+%% A member whose BEAM (and so its C nodes and epmd) runs in namespace Ns,
+%% named after the address of that namespace.
+start_member_in(Ns, #{ns := Nss, addr := Addr}) ->
+    I = length(lists:takewhile(fun(N) -> N =/= Ns end, Nss)) + 1,
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
+    {ok, Peer, _} =
+        peer:start(#{name => list_to_atom(Ns), host => Addr(I), longnames => true,
+                     exec => {os:find_executable("ip"), ["netns", "exec", Ns, os:find_executable("erl")]},
+                     connection => standard_io,
+                     args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                              "-connect_all", "false",
+                              "-kernel", "prevent_overlapping_partitions", "false",
+                              "-kernel", "net_ticktime", "2",
+                              "-pa" | Paths]}),
+    ok = call(Peer, application, load, [actor_pool]),
+    ok = call(Peer, application, set_env, [actor_pool, pool_node, false]),
+    ok = call(Peer, application, set_env, [actor_pool, gossip_interval_ms, ?GOSSIP_MS]),
+    ok = call(Peer, application, set_env, [actor_pool, receptionist_shm_mb, 16]),
+    {ok, _} = call(Peer, application, ensure_all_started, [actor_pool]),
+    %% Its epmd is the namespace's own: netns_down kills it.
+    put({member, Peer}, []),
+    {Peer, Ns}.
 
 complete_view_holds_the_first_listing() ->
     with_members(2, fun([A, B] = Ms) ->
@@ -395,6 +571,9 @@ start_member() ->
     start_member(peer:random_name(rcpt_cluster)).
 
 start_member(Name) ->
+    start_member(Name, []).
+
+start_member(Name, Extra) ->
     Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
     %% Not linked: a case kills members. Only explicit connections (no
     %% global mesh), and no partition prevention, so cuts stay cuts.
@@ -403,8 +582,8 @@ start_member(Name) ->
                      connection => standard_io,
                      args => ["-setcookie", atom_to_list(erlang:get_cookie()),
                               "-connect_all", "false",
-                              "-kernel", "prevent_overlapping_partitions", "false",
-                              "-pa" | Paths]}),
+                              "-kernel", "prevent_overlapping_partitions", "false"]
+                             ++ Extra ++ ["-pa" | Paths]}),
     ok = call(Peer, application, load, [actor_pool]),
     ok = call(Peer, application, set_env, [actor_pool, pool_node, false]),
     ok = call(Peer, application, set_env, [actor_pool, gossip_interval_ms, ?GOSSIP_MS]),
