@@ -1,0 +1,697 @@
+%% @doc Cluster benchmark of the receptionist: BEAM peers on this
+%% host (the `peer' module), each running the actor_pool application with
+%% its own receptionist C node (no pool node), connected pairwise by
+%% distributed Erlang. The bench node itself runs no actor_pool; it starts
+%% the peers and drives them by `erpc'. In one run:
+%% <ul>
+%% <li>convergence, for N = 3 and N = 5 members: BENCH_CLUSTER_CHANGES
+%%     [1000] registrations, one at a time, each of a fresh ref (an idle
+%%     process on node 1) under its own key, by a driver process on node 1;
+%%     every other node has one local subscriber per key, which notes
+%%     `os:system_time(microsecond)' when a `{listing, Key, Refs}' with the
+%%     new ref arrives. Latency of a change: the last node's note minus the
+%%     driver's time just before `actor_receptionist:register/2' (the peers
+%%     share the host's clock). p50 and p99 (and, below the table, the p50
+%%     per receiving node). Anchor, same shape: `pg' (one
+%%     scope on every node; `pg:join/3' on node 1, a `pg:monitor/2' watcher
+%%     per group on every other node, noting the `join' notice, which pg
+%%     sends right after its ETS shows the member). The two kinds run in
+%%     alternating batches (BENCH_CLUSTER_BATCHES [10] of each), so host
+%%     noise hits both alike;</li>
+%% <li>gossip bytes per change: the `bytes' counters of every member's
+%%     `actor_receptionist_gossip' (external size of every message it sent)
+%%     around each receptionist batch, summed over the members, divided by
+%%     the changes (periodic digests sent meanwhile included). Anchor: the
+%%     external size of the `{join, ScopePid, Group, Pid}' message pg sends
+%%     to each other scope per join (kernel's pg.erl), times N-1;</li>
+%% <li>removal, N = 3: node 2 registers BENCH_CLUSTER_REMOVAL_KEYS [100000]
+%%     keys (one ref each, 100 idle processes on node 2) as fast as it can;
+%%     once node 1 and node 3 hold them all (their C nodes' `refs' stat),
+%%     node 2 halts (`erlang:halt/0' by `erpc:cast'). Time from just before
+%%     the halt until a watcher on node 1 (and one on node 3) polling
+%%     `actor_receptionist:stats()' every 1 ms sees `refs' back to what it
+%%     was before the registrations (the target applies to both). The
+%%     breakdown rows, from helper processes beside each watcher: when
+%%     `nodedown' arrived; when the first and the last of 100 sampled keys
+%%     read `[]' through `lookup/1' (the snapshot, polled every 1 ms); when
+%%     the C node's own `refs' (asked directly, not behind the receptionist
+%%     server) was back; and the CPU time (/proc, 10 ms ticks) the C node
+%%     and the BEAM of that node used from `loaded' to done. Also printed:
+%%     how long the K registrations took to reach nodes 1 and 3. Anchor: a
+%%     fresh peer joins as many pg groups (1000 processes x 100 groups, as
+%%     in ap_rcpt_bench) and halts; time until the scope's ETS table on
+%%     node 1 (node 3) is back to its size before (what
+%%     `pg:which_groups/1' reads).</li>
+%% </ul>
+%% Targets: convergence p99 < 50 ms and p50 <= 2x pg's p50 (N = 3 and
+%% N = 5); removal of 100K registrations < 200 ms.
+%%
+%% Knobs (environment, defaults in brackets): BENCH_CLUSTER_CHANGES [1000],
+%% BENCH_CLUSTER_BATCHES [10], BENCH_CLUSTER_REMOVAL_KEYS [100000],
+%% BENCH_CLUSTER_GOSSIP_MS (the members' `gossip_interval_ms'; the
+%% application's default when unset), BENCH_CLUSTER_PEER_ARGS (extra `erl'
+%% arguments of the peers, e.g. "+sbwt none"), BENCH_CLUSTER_TIMEOUT_S
+%% (the whole bench [240]), BENCH_STRICT=1 (exit 2 when a target is
+%% missed). ACTOR_POOL_IO (set by bench/run) reaches the peers' C nodes
+%% through the environment.
+%%
+%% Every peer is stopped at the end, also on failure, and the bench checks
+%% that their names (BEAM and receptionist C node) left epmd and their OS
+%% processes are gone. Exit status: 0; 1 when something failed (a timeout,
+%% a wrong listing, a peer that does not start or does not go; the message
+%% says what); 2 for a missed target under BENCH_STRICT=1.
+-module(ap_cluster_bench).
+
+-export([main/0]).
+
+%% Run on the peers (spawned there by name, or called by erpc).
+-export([idle/0, spawn_idle/1, driver/0, subscribe_all/3, rcpt_sub/5, pg_sub/5,
+         pg_join_size/1, pg_ready_join/0, register_many/2, join_many/3, watch/5, probe/1]).
+
+-define(SCOPE, ap_cluster_bench_pg).
+%% Any single wait: mesh, listings, a batch, a watcher phase.
+-define(WAIT_MS, 30000).
+%% A change not seen everywhere in this long fails the bench.
+-define(SEEN_MS, 10000).
+%% Loading the removal keys (registration plus replication).
+-define(LOAD_MS, 120000).
+%% Removal: the pg peer's member processes (K/1000 groups each), and the
+%% idle processes on node 2 that are the refs of its K keys.
+-define(PG_PROCS, 1000).
+-define(RM_PROCS, 100).
+
+-spec main() -> no_return().
+main() ->
+    Timeout = env_int("BENCH_CLUSTER_TIMEOUT_S", 240),
+    %% The peers are linked to this node's control processes: they halt
+    %% with it.
+    _ = spawn(fun() ->
+                      timer:sleep(Timeout * 1000),
+                      io:format("cluster bench failed: not done after ~p s "
+                                "(BENCH_CLUSTER_TIMEOUT_S)~n", [Timeout]),
+                      halt(1)
+              end),
+    Result = try run() of
+                 M -> {ok, M}
+             catch
+                 throw:{bench_failed, Fmt, Args} ->
+                     io:format("~ncluster bench failed: " ++ Fmt ++ "~n", Args),
+                     failed;
+                 C:R:St ->
+                     io:format("~ncluster bench failed: ~p:~p~n~p~n", [C, R, St]),
+                     failed
+             end,
+    Clean = try stop_peers() of
+                ok -> ok
+            catch
+                throw:{bench_failed, Fmt2, Args2} ->
+                    io:format("cluster bench failed: " ++ Fmt2 ++ "~n", Args2),
+                    failed;
+                C2:R2:St2 ->
+                    io:format("cluster bench failed stopping the peers: ~p:~p~n~p~n",
+                              [C2, R2, St2]),
+                    failed
+            end,
+    Strict = os:getenv("BENCH_STRICT") =:= "1",
+    halt(case {Result, Clean} of
+             {{ok, Missed}, ok} when Missed > 0, Strict -> 2;
+             {{ok, _}, ok} -> 0;
+             _ -> 1
+         end).
+
+fail(Fmt, Args) -> throw({bench_failed, Fmt, Args}).
+
+run() ->
+    Cfg = #{changes => env_int("BENCH_CLUSTER_CHANGES", 1000),
+            batches => env_int("BENCH_CLUSTER_BATCHES", 10),
+            rm_keys => env_int("BENCH_CLUSTER_REMOVAL_KEYS", 100000),
+            gossip_ms => env_int("BENCH_CLUSTER_GOSSIP_MS", undefined),
+            peer_args => string:lexemes(os:getenv("BENCH_CLUSTER_PEER_ARGS", ""), " ")},
+    #{changes := Changes, batches := Batches} = Cfg,
+    Changes rem Batches =:= 0 orelse
+        fail("BENCH_CLUSTER_CHANGES (~p) is not a multiple of BENCH_CLUSTER_BATCHES (~p)",
+             [Changes, Batches]),
+    is_alive() orelse fail("the bench node is not distributed (run it with -sname)", []),
+    code:ensure_loaded(pg) =:= {module, pg} andalso erlang:function_exported(pg, monitor, 2)
+        orelse fail("pg:monitor/2 is missing (OTP 25.1 or later needed)", []),
+    T0 = erlang:monotonic_time(millisecond),
+    %% N = 3: convergence, then removal on the same members.
+    Nodes3 = start_cluster(3, Cfg),
+    Io = erpc:call(hd(Nodes3), actor_cnode, info, [actor_receptionist_owner]),
+    io:format("~n== cluster benchmark (io ~p, ~p changes in ~p batches per kind, "
+              "~p CPUs on the host, gossip_interval_ms ~p)~n",
+              [maps:get(io, Io), Changes, Batches, erlang:system_info(logical_processors_online),
+               erpc:call(hd(Nodes3), application, get_env, [actor_pool, gossip_interval_ms, 1000])]),
+    Conv3 = convergence(Nodes3, Cfg),
+    Rm = removal(Nodes3, Cfg),
+    ok = stop_peers(),
+    %% N = 5: convergence.
+    Nodes5 = start_cluster(5, Cfg),
+    Conv5 = convergence(Nodes5, Cfg),
+    ok = stop_peers(),
+    Rows = conv_rows(3, Conv3) ++ conv_rows(5, Conv5) ++ removal_rows(Rm, Cfg),
+    Missed = print(Rows),
+    [io:format("N=~p per-node convergence p50 (us), by node: ~0p~n", [N, PerNode])
+     || {N, #{per_node := PerNode}} <- [{3, Conv3}, {5, Conv5}]],
+    io:format("cluster bench took ~.1f s~n", [(erlang:monotonic_time(millisecond) - T0) / 1000]),
+    Missed.
+
+%% ===================================================================
+%% Peers
+%% ===================================================================
+
+%% N members, connected pairwise, each a complete view, pg scopes in sync.
+start_cluster(N, Cfg) ->
+    Prefix = "ap_cluster_bench_" ++ os:getpid() ++ "_" ++ integer_to_list(N) ++ "_",
+    Nodes = [start_member(Prefix ++ integer_to_list(I), Cfg) || I <- lists:seq(1, N)],
+    mesh(Nodes),
+    Nodes.
+
+start_peer(Name, Cfg) ->
+    Paths = lists:usort([filename:absname(filename:dirname(code:which(M)))
+                         || M <- [actor_receptionist, ?MODULE]]),
+    Args = ["-setcookie", atom_to_list(erlang:get_cookie()),
+            %% Their notices (C nodes up) would cut through the table.
+            "-kernel", "logger_level", "warning",
+            %% Only the connections made here: a mesh of exactly the members.
+            "-connect_all", "false"
+            | lists:append([["-pa", P] || P <- Paths])] ++ maps:get(peer_args, Cfg),
+    {ok, Peer, Node} = case peer:start_link(#{name => Name, args => Args}) of
+                           {ok, _, _} = Ok -> Ok;
+                           Err -> fail("peer ~s did not start: ~p", [Name, Err])
+                       end,
+    OsPid = list_to_integer(erpc:call(Node, os, getpid, [])),
+    put({peer, Peer}, #{node => Node, names => [Name], os_pids => [OsPid]}),
+    {ok, _} = erpc:call(Node, pg, start, [?SCOPE]),
+    {Peer, Node}.
+
+start_member(Name, Cfg) ->
+    {Peer, Node} = start_peer(Name, Cfg),
+    Env = [{pool_node, false}, {receptionist_shm_mb, 64},
+           %% one subscriber per key and kind on each node
+           {max_subscribers_total, max(10000, 2 * maps:get(changes, Cfg))}]
+        ++ [{gossip_interval_ms, G} || G <- [maps:get(gossip_ms, Cfg)], G =/= undefined],
+    ok = erpc:call(Node, application, load, [actor_pool]),
+    [ok = erpc:call(Node, application, set_env, [actor_pool, K, V]) || {K, V} <- Env],
+    case erpc:call(Node, application, ensure_all_started, [actor_pool], ?WAIT_MS) of
+        {ok, _} -> ok;
+        Err -> fail("actor_pool did not start on ~p: ~p", [Node, Err])
+    end,
+    RNode = erpc:call(Node, actor_receptionist, receptionist_node, []),
+    #{os_pid := COsPid} = erpc:call(Node, actor_cnode, info, [actor_receptionist_owner]),
+    [RName, _] = string:split(atom_to_list(RNode), "@"),
+    P = get({peer, Peer}),
+    put({peer, Peer}, P#{names := [Name, RName], os_pids := [COsPid | maps:get(os_pids, P)]}),
+    Node.
+
+%% Connect every pair; wait until every member's view is complete with
+%% exactly the others, and every pg scope sees every other.
+mesh(Nodes) ->
+    [case erpc:call(A, net_kernel, connect_node, [B]) of
+         true -> ok;
+         R -> fail("~p could not connect to ~p: ~p", [A, B, R])
+     end || A <- Nodes, B <- Nodes, A < B],
+    [wait_until(fun() ->
+                        case erpc:call(N, actor_receptionist, status, []) of
+                            #{complete := true, members := M} -> M =:= lists:sort(Nodes -- [N]);
+                            _ -> false
+                        end
+                end, ?WAIT_MS, {receptionist_view_complete, N})
+     || N <- Nodes],
+    pg_ready(Nodes).
+
+%% Each node joins {ready, Node}; every node sees every such group.
+pg_ready(Nodes) ->
+    [ok = erpc:call(N, ?MODULE, pg_ready_join, []) || N <- Nodes],
+    [wait_until(fun() ->
+                        lists:all(fun(O) -> erpc:call(N, pg, get_members, [?SCOPE, {ready, O}]) =/= [] end,
+                                  Nodes)
+                end, ?WAIT_MS, {pg_scopes_in_sync, N})
+     || N <- Nodes],
+    ok.
+
+pg_ready_join() ->
+    ok = pg:join(?SCOPE, {ready, node()}, spawn(fun idle/0)).
+
+%% Stops every peer started so far; their names must leave epmd and their
+%% OS processes (BEAM and C node) must be gone.
+stop_peers() ->
+    Peers = [{P, Info} || {{peer, P}, Info} <- get()],
+    [begin
+         _ = (catch peer:stop(P)),
+         erase({peer, P})
+     end || {P, _} <- Peers],
+    Names = lists:append([Ns || {_, #{names := Ns}} <- Peers]),
+    OsPids = lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]),
+    wait_until(fun() -> [N || N <- epmd_names(), lists:member(N, Names)] =:= [] end, ?WAIT_MS,
+               {names_left_epmd, Names}),
+    wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, ?WAIT_MS,
+               {os_processes_gone, OsPids}),
+    ok.
+
+epmd_names() ->
+    case net_adm:names() of
+        {ok, L} -> [N || {N, _Port} <- L];
+        _ -> []
+    end.
+
+os_pid_alive(OsPid) ->
+    filelib:is_dir("/proc/" ++ integer_to_list(OsPid)).
+
+%% ===================================================================
+%% Convergence
+%% ===================================================================
+
+convergence([N1 | Others] = Nodes, #{changes := C, batches := B}) ->
+    Refs = erpc:call(N1, ?MODULE, spawn_idle, [C]),
+    Pids = erpc:call(N1, ?MODULE, spawn_idle, [C]),
+    Is = lists:seq(1, C),
+    RItems = [{I, actor_receptionist:service_key(<<"conv-", (integer_to_binary(I))/binary>>), R}
+              || {I, R} <- lists:zip(Is, Refs)],
+    PItems = [{I, {conv, I}, P} || {I, P} <- lists:zip(Is, Pids)],
+    Driver = erpc:call(N1, erlang, spawn, [?MODULE, driver, []]),
+    [case erpc:call(N, ?MODULE, subscribe_all, [Driver, RItems, PItems], 2 * ?WAIT_MS) of
+         ok -> ok;
+         Err -> fail("subscribers on ~p: ~p", [N, Err])
+     end || N <- Others],
+    Chunks = lists:zip(chunks(RItems, C div B), chunks(PItems, C div B)),
+    NO = length(Others),
+    {RLat, PLat, Bytes} =
+        lists:foldl(
+          fun({{RC, PC}, K}, {RAcc, PAcc, BAcc}) ->
+                  %% Which kind goes first alternates too.
+                  RunR = fun() ->
+                                 B0 = gossip_bytes(Nodes),
+                                 L = run_batch(Driver, rcpt, RC, NO),
+                                 {L, gossip_bytes(Nodes) - B0}
+                         end,
+                  RunP = fun() -> run_batch(Driver, pg, PC, NO) end,
+                  {{RL, Bt}, PL} = case K rem 2 of
+                                       0 -> R = RunR(), {R, RunP()};
+                                       1 -> P = RunP(), {RunR(), P}
+                                   end,
+                  {RL ++ RAcc, PL ++ PAcc, Bt + BAcc}
+          end, {[], [], 0}, lists:zip(Chunks, lists:seq(1, length(Chunks)))),
+    Driver ! stop,
+    %% Every subscriber got the ref it waited for; lookup/1 agrees.
+    {_, LastKey, LastRef} = lists:last(RItems),
+    [[LastRef] = erpc:call(N, actor_receptionist, lookup, [LastKey]) || N <- Nodes],
+    PgSize = erpc:call(N1, ?MODULE, pg_join_size, [hd(PItems)]),
+    #{rcpt => pcts([L || {L, _} <- RLat]), pg => pcts([L || {L, _} <- PLat]),
+      bytes => Bytes / C, pg_bytes => PgSize * NO,
+      per_node => [{N, median([maps:get(N, M) || {_, M} <- RLat])} || N <- Others]}.
+
+pcts(L) ->
+    S = lists:sort(L),
+    Len = length(S),
+    #{p50 => lists:nth(max(1, ceil(Len * 0.5)), S), p99 => lists:nth(max(1, ceil(Len * 0.99)), S)}.
+
+chunks([], _) -> [];
+chunks(L, N) when length(L) =< N -> [L];
+chunks(L, N) ->
+    {A, B} = lists:split(N, L),
+    [A | chunks(B, N)].
+
+gossip_bytes(Nodes) ->
+    lists:sum([erpc:call(N, gen_server, call, [actor_receptionist_gossip, bytes]) || N <- Nodes]).
+
+%% Items one at a time on the driver; [{Latency, #{Node => Latency}}].
+run_batch(Driver, Kind, Items, NOthers) ->
+    MRef = erlang:monitor(process, Driver),
+    Driver ! {run, self(), Kind, Items, NOthers},
+    receive
+        {driver_done, Kind, {ok, Lats}} ->
+            erlang:demonitor(MRef, [flush]),
+            Lats;
+        {driver_done, Kind, {error, Reason}} ->
+            fail("~p convergence: ~p", [Kind, Reason]);
+        {'DOWN', MRef, process, _, Reason} ->
+            fail("the driver on node 1 died: ~p", [Reason])
+    after length(Items) * ?SEEN_MS ->
+            fail("~p convergence: no answer from the driver on node 1", [Kind])
+    end.
+
+%% On node 1.
+driver() ->
+    receive
+        {run, From, Kind, Items, NOthers} ->
+            Res = try {ok, [change(Kind, Item, NOthers) || Item <- Items]}
+                  catch throw:Reason -> {error, Reason}
+                  end,
+            From ! {driver_done, Kind, Res},
+            driver();
+        stop ->
+            ok
+    end.
+
+change(rcpt, {I, Key, Ref}, NOthers) ->
+    T0 = os:system_time(microsecond),
+    ok = actor_receptionist:register(Key, Ref),
+    seen(rcpt, I, NOthers, T0, #{});
+change(pg, {I, Group, Pid}, NOthers) ->
+    T0 = os:system_time(microsecond),
+    ok = pg:join(?SCOPE, Group, Pid),
+    seen(pg, I, NOthers, T0, #{}).
+
+seen(_Kind, _I, 0, T0, Ts) ->
+    {lists:max(maps:values(Ts)) - T0, maps:map(fun(_, T) -> T - T0 end, Ts)};
+seen(Kind, I, K, T0, Ts) ->
+    receive
+        {seen, Kind, I, Node, T} -> seen(Kind, I, K - 1, T0, Ts#{Node => T})
+    after ?SEEN_MS ->
+            throw({change_not_seen, I, {seen_on, maps:keys(Ts)}, {waited_ms, ?SEEN_MS}})
+    end.
+
+%% On every other node: one subscriber per key (receptionist) and one
+%% pg:monitor/2 watcher per group, each in place when this returns.
+subscribe_all(Driver, RItems, PItems) ->
+    Self = self(),
+    [spawn(?MODULE, rcpt_sub, [Self, Driver, I, Key, Ref]) || {I, Key, Ref} <- RItems],
+    [spawn(?MODULE, pg_sub, [Self, Driver, I, Group, Pid]) || {I, Group, Pid} <- PItems],
+    ready(length(RItems) + length(PItems)).
+
+ready(0) ->
+    ok;
+ready(N) ->
+    receive
+        {ready, _} -> ready(N - 1);
+        {not_ready, What} -> {error, What}
+    after ?WAIT_MS ->
+            {error, {subscribers_not_ready, N, {waited_ms, ?WAIT_MS}}}
+    end.
+
+rcpt_sub(Setup, Driver, I, Key, Ref) ->
+    ok = actor_receptionist:subscribe(Key, self()),
+    receive
+        {listing, Key, []} ->
+            Setup ! {ready, I},
+            rcpt_wait(Driver, I, Key, Ref);
+        {listing, Key, Refs} ->
+            Setup ! {not_ready, {first_listing_not_empty, Key, Refs}};
+        {receptionist_subscribe_rejected, Key, Reason, Limit} ->
+            Setup ! {not_ready, {subscribe_rejected, Key, Reason, Limit}}
+    end.
+
+rcpt_wait(Driver, I, Key, Ref) ->
+    receive
+        {listing, Key, Refs} ->
+            T = os:system_time(microsecond),
+            case lists:member(Ref, Refs) of
+                true -> Driver ! {seen, rcpt, I, node(), T}, idle();
+                false -> rcpt_wait(Driver, I, Key, Ref)
+            end
+    end.
+
+pg_sub(Setup, Driver, I, Group, Pid) ->
+    {MRef, []} = pg:monitor(?SCOPE, Group),
+    Setup ! {ready, I},
+    pg_wait(Driver, I, Group, Pid, MRef).
+
+pg_wait(Driver, I, Group, Pid, MRef) ->
+    receive
+        {MRef, join, Group, Pids} ->
+            T = os:system_time(microsecond),
+            case lists:member(Pid, Pids) of
+                true -> Driver ! {seen, pg, I, node(), T}, idle();
+                false -> pg_wait(Driver, I, Group, Pid, MRef)
+            end
+    end.
+
+%% The message pg's scope sends each other scope for pg:join/3
+%% (`broadcast(maps:keys(Remote), {join, self(), Group, PidOrPids})').
+pg_join_size({_I, Group, Pid}) ->
+    erlang:external_size({join, whereis(?SCOPE), Group, Pid}).
+
+%% ===================================================================
+%% Removal (N = 3: node 2 goes)
+%% ===================================================================
+
+removal([N1, N2, N3], #{rm_keys := K} = Cfg) ->
+    %% The receptionist: node 2 registers K keys, then halts.
+    %% lookup/1 of 100 keys spread over all (the C node drops key by key).
+    Keys = [rm_key(I) || I <- lists:seq(max(1, K div 100), K, max(1, K div 100))],
+    Rcpt = removal_run(rcpt, [N1, N3], N2, K, Keys,
+                       fun() -> ok = erpc:call(N2, ?MODULE, register_many, [K, ?RM_PROCS], ?LOAD_MS) end),
+    %% pg: a fresh peer joins K groups (1000 processes x K/1000 groups),
+    %% then halts. It runs no actor_pool: only pg notices it.
+    {_PeerX, X} = start_peer("ap_cluster_bench_" ++ os:getpid() ++ "_pgx", Cfg),
+    [true = erpc:call(X, net_kernel, connect_node, [N]) || N <- [N1, N3]],
+    pg_ready([N1, N3, X]),
+    Pg = removal_run(pg, [N1, N3], X, K, [],
+                     fun() -> ok = erpc:call(X, ?MODULE, join_many, [K, ?PG_PROCS, ?SCOPE], ?LOAD_MS) end),
+    #{rcpt => Rcpt, pg => Pg, nodes => [N1, N3]}.
+
+rm_key(I) ->
+    actor_receptionist:service_key(<<"rm-", (integer_to_binary(I))/binary>>).
+
+%% Watchers on the survivors; Load fills; then Gone halts. Per survivor,
+%% microseconds from the bench's time just before the halt (loading: from
+%% the start of Load).
+removal_run(Kind, Survivors, Gone, K, Keys, Load) ->
+    Self = self(),
+    Watchers = [begin
+                    Base = probe(Kind, N),
+                    W = erpc:call(N, erlang, spawn,
+                                  [?MODULE, watch, [Self, Kind, {Base + K, Base}, Gone, Keys]]),
+                    {N, W, erlang:monitor(process, W)}
+                end || N <- Survivors],
+    TL0 = os:system_time(microsecond),
+    Load(),
+    Loaded = [{N, watched(W, M, loaded, ?LOAD_MS) - TL0} || {N, W, M} <- Watchers],
+    T0 = os:system_time(microsecond),
+    erpc:cast(Gone, erlang, halt, []),
+    Gones = [{N, watched(W, M, gone, ?WAIT_MS)} || {N, W, M} <- Watchers],
+    [erlang:demonitor(M, [flush]) || {_, _, M} <- Watchers],
+    #{load => Loaded,
+      gone => [{N, maps:map(fun(_, T) -> T - T0 end, Ts)} || {N, {Ts, _}} <- Gones],
+      cpu => [{N, Cpu} || {N, {_, Cpu}} <- Gones]}.
+
+watched(W, M, Phase, Timeout) ->
+    receive
+        {watch, W, Phase, Res} -> Res;
+        {watch, W, timeout, What} -> fail("removal: ~p", [What]);
+        {'DOWN', M, process, W, Reason} -> fail("removal: the watcher died: ~p", [Reason])
+    after Timeout + 5000 ->
+            fail("removal: no ~p from the watcher ~p", [Phase, W])
+    end.
+
+probe(Kind, Node) ->
+    erpc:call(Node, ?MODULE, probe, [Kind]).
+
+probe(rcpt) ->
+    case actor_receptionist:stats() of
+        #{refs := R} -> R;
+        Other -> throw({no_stats, Other})
+    end;
+probe(pg) ->
+    ets:info(?SCOPE, size).
+
+%% On a survivor: wait until the probe reaches Loaded (polled every 5 ms),
+%% then until it is back to Base (every 1 ms). Beside it, helpers note when
+%% `nodedown' arrives and, for the receptionist, when the first and the
+%% last of Keys read empty through lookup/1 (the NIF's snapshot read, no
+%% message) and when the C node's own `refs' is back to Base (both polled
+%% every 1 ms): the probe itself (stats/0) queues behind the receptionist
+%% server's work.
+watch(Parent, Kind, {Loaded, Base}, Gone, Keys) ->
+    Self = self(),
+    _ = spawn_link(fun() ->
+                           true = erlang:monitor_node(Gone, true),
+                           receive {nodedown, Gone} -> Self ! {at, down, os:system_time(microsecond)} end
+                   end),
+    case poll(fun() -> probe(Kind) end, fun(V) -> V >= Loaded end, 5, deadline(?LOAD_MS)) of
+        {ok, TL} ->
+            [case [K || K <- Keys, actor_receptionist:lookup(K) =:= []] of
+                 [] -> ok;
+                 Missing -> exit({not_in_lookup_when_loaded, Missing})
+             end || Keys =/= []],
+            _ = [spawn_link(fun() ->
+                                    Left = fun() -> length([K || K <- Keys, actor_receptionist:lookup(K) =/= []]) end,
+                                    NK = length(Keys),
+                                    {ok, T1} = poll(Left, fun(L) -> L < NK end, 1, deadline(?WAIT_MS)),
+                                    {ok, T2} = poll(Left, fun(L) -> L =:= 0 end, 1, deadline(?WAIT_MS)),
+                                    Self ! {at, lookup_first, T1},
+                                    Self ! {at, lookup, T2}
+                            end) || Keys =/= []],
+            _ = [spawn_link(fun() ->
+                                    {ok, T} = poll(fun cnode_refs/0, fun(V) -> V =< Base end, 1,
+                                                   deadline(?WAIT_MS)),
+                                    Self ! {at, cnode, T}
+                            end) || Kind =:= rcpt],
+            #{os_pid := COsPid} = actor_cnode:info(actor_receptionist_owner),
+            OsPids = [list_to_integer(os:getpid()), COsPid],
+            Cpu0 = [cpu_ms(P) || P <- OsPids],
+            Parent ! {watch, self(), loaded, TL},
+            case poll(fun() -> probe(Kind) end, fun(V) -> V =< Base end, 1, deadline(?WAIT_MS)) of
+                {ok, TG} ->
+                    [BeamCpu, CCpu] = [cpu_ms(P) - C0 || {P, C0} <- lists:zip(OsPids, Cpu0)],
+                    Ats = [receive {at, What, T} -> {What, T}
+                           after ?WAIT_MS -> exit({no, What, node(), Gone})
+                           end || What <- [down] ++ [lookup_first || Keys =/= []] ++ [lookup || Keys =/= []]
+                                     ++ [cnode || Kind =:= rcpt]],
+                    Parent ! {watch, self(), gone, {maps:from_list([{gone, TG} | Ats]),
+                                                    #{beam_cpu => BeamCpu, cnode_cpu => CCpu}}};
+                {timeout, V} ->
+                    Parent ! {watch, self(), timeout, {Kind, not_back_to, Base, node(), V}}
+            end;
+        {timeout, V} ->
+            Parent ! {watch, self(), timeout, {Kind, not_loaded, Loaded, node(), V}}
+    end.
+
+%% The C node's own count, asked directly (stats/0 asks through the
+%% receptionist server, behind whatever it has queued).
+cnode_refs() ->
+    Node = actor_receptionist:receptionist_node(),
+    #{refs := R} = gen_server:call({actor_receptionist, Node}, stats, ?WAIT_MS),
+    R.
+
+%% CPU time (user + system, all threads) of an OS process so far, ms
+%% (10 ms resolution at the usual 100 ticks a second).
+cpu_ms(OsPid) ->
+    {ok, Stat} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
+    %% The fields after the command name (which may hold spaces).
+    [_, After] = string:split(Stat, ")", trailing),
+    Fields = string:lexemes(binary_to_list(After), " "),
+    Ticks = list_to_integer(lists:nth(12, Fields)) + list_to_integer(lists:nth(13, Fields)),
+    Ticks * 10.
+
+%% Probe every Every ms until Done; {ok, os:system_time(microsecond) just
+%% after the probe that was done} or {timeout, LastValue}.
+poll(Probe, Done, Every, Deadline) ->
+    V = Probe(),
+    T = os:system_time(microsecond),
+    case Done(V) of
+        true -> {ok, T};
+        false ->
+            case erlang:monotonic_time(millisecond) > Deadline of
+                true -> {timeout, V};
+                false -> receive after Every -> poll(Probe, Done, Every, Deadline) end
+            end
+    end.
+
+%% On node 2: K keys, one ref each, refs spread over P idle processes.
+register_many(K, P) ->
+    Refs = list_to_tuple(spawn_idle(P)),
+    [ok = actor_receptionist:register(rm_key(I), element(1 + I rem P, Refs))
+     || I <- lists:seq(1, K)],
+    ok.
+
+%% On the pg peer: K groups, each joined by one of P processes (pg:leave/3
+%% and the scope's bookkeeping walk a process's groups: keep them few).
+join_many(K, P, Scope) ->
+    Pids = list_to_tuple(spawn_idle(P)),
+    [ok = pg:join(Scope, {rm, I}, element(1 + I rem P, Pids)) || I <- lists:seq(1, K)],
+    ok.
+
+%% ===================================================================
+%% Report
+%% ===================================================================
+
+conv_rows(N, #{rcpt := R, pg := P, bytes := B, pg_bytes := PB}) ->
+    Tag = "N=" ++ integer_to_list(N) ++ " ",
+    [{Tag ++ "convergence p50 (us)", maps:get(p50, R),
+      [{"pg join -> monitor notice p50", maps:get(p50, P)}],
+      {le, maps:get(p50, P), 2.0, "<= 2x pg"}},
+     {Tag ++ "convergence p99 (us)", maps:get(p99, R),
+      [{"pg join -> monitor notice p99", maps:get(p99, P)}],
+      {lt_abs, 50000, "< 50 ms"}},
+     {Tag ++ "gossip bytes per change", B,
+      [{"pg {join,..} message x " ++ integer_to_list(N - 1), PB}], none}].
+
+removal_rows(#{rcpt := R, pg := P, nodes := [N1, N3]}, #{rm_keys := K}) ->
+    Gone = fun(Run, N, What) ->
+                   case maps:get(What, proplists:get_value(N, maps:get(gone, Run)), undefined) of
+                       undefined -> undefined;
+                       Us -> Us / 1000
+                   end
+           end,
+    Load = fun(Run, N) -> proplists:get_value(N, maps:get(load, Run)) / 1000 end,
+    Cpu = fun(Run, N, What) -> maps:get(What, proplists:get_value(N, maps:get(cpu, Run))) end,
+    KT = integer_to_list(K div 1000) ++ "K",
+    lists:append(
+      [[{"N=3 removal of " ++ KT ++ " regs, " ++ Name ++ " (ms)", Gone(R, N, gone),
+         [{"pg, " ++ KT ++ " groups gone on " ++ Name, Gone(P, N, gone)}],
+         {lt_abs, 200, "< 200 ms"}},
+        {"  halt -> nodedown (ms)", Gone(R, N, down), [{"pg run: halt -> nodedown", Gone(P, N, down)}], none},
+        {"  halt -> first of 100 keys [] (ms)", Gone(R, N, lookup_first), [], none},
+        {"  halt -> all 100 keys [] (ms)", Gone(R, N, lookup), [], none},
+        {"  halt -> C node's own refs back (ms)", Gone(R, N, cnode), [], none},
+        {"  C node CPU meanwhile (ms)", Cpu(R, N, cnode_cpu), [], none},
+        {"  BEAM CPU meanwhile (ms)", Cpu(R, N, beam_cpu),
+         [{"pg run: BEAM CPU meanwhile", Cpu(P, N, beam_cpu)}], none}]
+       || {N, Name} <- [{N1, "node 1"}, {N3, "node 3"}]]) ++
+    [{KT ++ " regs of node 2 reach " ++ Name ++ " (ms)", Load(R, N),
+      [{KT ++ " pg joins reach " ++ Name, Load(P, N)}], none}
+     || {N, Name} <- [{N1, "node 1"}, {N3, "node 3"}]].
+
+%% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}.
+print(Rows) ->
+    io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+              ["measure", "actor_pool", "anchor", "anchor val", "ratio", "target"]),
+    lists:foldl(fun({Label, V, Anchors, Target}, Missed) ->
+                        {Verdict, M} = verdict(V, Target),
+                        case Anchors of
+                            [] ->
+                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+                                          [Label, fmt(V), "", "", "", Verdict]);
+                            [{AL, AV} | Rest] ->
+                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+                                          [Label, fmt(V), AL, fmt(AV), ratio(V, AV), Verdict]),
+                                [io:format("~-40s ~12s  ~-36s ~12s ~7s~n",
+                                           ["", "", L2, fmt(V2), ratio(V, V2)]) || {L2, V2} <- Rest]
+                        end,
+                        Missed + M
+                end, 0, Rows).
+
+verdict(_V, none) -> {"", 0};
+verdict(undefined, {_, _, Text}) -> met(false, Text);
+verdict(V, {le, Base, Factor, Text}) -> met(V =< Base * Factor, Text);
+verdict(V, {lt_abs, Max, Text}) -> met(V < Max, Text).
+
+met(true, Text) -> {Text ++ " met", 0};
+met(false, Text) -> {Text ++ " MISSED", 1}.
+
+ratio(_V, A) when A == 0 -> "-";
+ratio(V, A) -> io_lib:format("~.2f", [V / A]).
+
+fmt(undefined) -> "-";
+fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
+fmt(V) when V >= 1000 -> integer_to_list(round(V));
+fmt(V) -> io_lib:format("~.1f", [float(V)]).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+spawn_idle(N) ->
+    [spawn(?MODULE, idle, []) || _ <- lists:seq(1, N)].
+
+idle() ->
+    receive stop -> ok end.
+
+median(L) ->
+    lists:nth((length(L) + 1) div 2, lists:sort(L)).
+
+deadline(Ms) ->
+    erlang:monotonic_time(millisecond) + Ms.
+
+%% Poll F every 5 ms until it is true; fail naming What after Ms.
+wait_until(F, Ms, What) ->
+    wait_until_(F, deadline(Ms), Ms, What).
+
+wait_until_(F, Deadline, Ms, What) ->
+    case F() of
+        true -> ok;
+        false ->
+            case erlang:monotonic_time(millisecond) > Deadline of
+                true -> fail("timeout after ~p ms waiting for ~p", [Ms, What]);
+                false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
+            end
+    end.
+
+env_int(Name, Default) ->
+    case os:getenv(Name) of
+        false -> Default;
+        "" -> Default;
+        V -> list_to_integer(V)
+    end.
