@@ -19,7 +19,7 @@
 %%     alternating batches (BENCH_CLUSTER_BATCHES [10] of each), so host
 %%     noise hits both alike;</li>
 %% <li>gossip bytes per change: the `bytes' counters of every member's
-%%     `actor_receptionist_gossip' (external size of every message it sent)
+%%     `actor_receptionist_server' (`gossip_bytes': external size of every gossip message it sent)
 %%     around each receptionist batch, summed over the members, divided by
 %%     the changes (periodic digests sent meanwhile included). Anchor: the
 %%     external size of the `{join, ScopePid, Group, Pid}' message pg sends
@@ -313,7 +313,7 @@ chunks(L, N) ->
     [A | chunks(B, N)].
 
 gossip_bytes(Nodes) ->
-    lists:sum([erpc:call(N, gen_server, call, [actor_receptionist_gossip, bytes]) || N <- Nodes]).
+    lists:sum([erpc:call(N, gen_server, call, [actor_receptionist_server, gossip_bytes]) || N <- Nodes]).
 
 %% Items one at a time on the driver; [{Latency, #{Node => Latency}}].
 run_batch(Driver, Kind, Items, NOthers) ->

@@ -32,10 +32,8 @@
 %% ({Pid, Id}, a bag).
 -define(RCPT_REGS, actor_receptionist_regs).
 -define(RCPT_SUBS, actor_receptionist_subs).
-%% What this node holds of the other members' registrations, for replay into
-%% a new incarnation of the C node: {{OriginNode, Id, Ref}}, an ordered_set.
--define(RCPT_REMOTE, actor_receptionist_remote).
-%% {{Id, Ref}} held by more than one origin (see actor_receptionist_server).
+%% Owned by the server: {{Id, Ref}} held by more than one origin, and
+%% {Node, {Id, Ref}} for the journal's refs on other nodes (see
+%% actor_receptionist_server).
 -define(RCPT_SHARED, actor_receptionist_shared).
-%% The cluster half: actor_receptionist_gossip.
--define(RCPT_GOSSIP, actor_receptionist_gossip).
+-define(RCPT_BYNODE, actor_receptionist_bynode).

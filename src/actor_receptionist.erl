@@ -140,7 +140,7 @@ subscribe(Key, Subscriber) ->
           ok | {error, {badarg, term()} | noproc}.
 subscribe(Key, Subscriber, #{complete := true} = Opts) when map_size(Opts) =:= 1 ->
     case {id(Key), is_pid(Subscriber)} of
-        {{ok, Id}, true} -> actor_receptionist_gossip:subscribe_when_complete(Id, Subscriber);
+        {{ok, Id}, true} -> cast({subscribe_when_complete, Id, Subscriber});
         {error, _} -> {error, {badarg, {key, Key}}};
         {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
     end;
@@ -156,9 +156,16 @@ subscribe(_Key, _Subscriber, Opts) ->
 %% yet), `origins' (per node whose registrations are held here, its
 %% incarnation and version), and this node's own `incarnation' and
 %% `version' (one per change of its registrations).
--spec status() -> actor_receptionist_gossip:status() | {error, noproc}.
+-spec status() -> actor_receptionist_gossip:status() | {error, noproc | timeout}.
 status() ->
-    actor_receptionist_gossip:status().
+    case whereis(?RCPT_SERVER) of
+        undefined -> {error, noproc};
+        _ ->
+            try gen_server:call(?RCPT_SERVER, status, ?CALL_TIMEOUT)
+            catch exit:{timeout, _} -> {error, timeout};
+                  exit:_ -> {error, noproc}
+            end
+    end.
 
 %% @doc Ends a subscription; no listing arrives after the ones already
 %% sent.

@@ -1,55 +1,55 @@
 %% @doc The receptionist across a cluster: membership, replication, removal.
 %%
-%% One per BEAM node (under {@link actor_receptionist_sup}, after the
-%% server), registered as `actor_receptionist_gossip'.
+%% Not a process: the state and the rules that {@link
+%% actor_receptionist_server} runs inside its own process, so that a local
+%% change, its version and the delta that carries it are one step (no hop,
+%% no window where the journal and the version disagree), and a change
+%% learnt from a member goes to the C node without a hop either. Members
+%% talk to each other's `actor_receptionist_server'.
 %%
 %% <h3>Membership</h3>
 %% The members are the visible nodes whose BEAM runs a receptionist. On
-%% `nodeup' of a visible node this process monitors
-%% `{actor_receptionist_gossip, Node}' and says hello; a `noproc' at once
+%% `nodeup' of a visible node the server monitors
+%% `{actor_receptionist_server, Node}' and says hello; a `noproc' at once
 %% means the node runs none (it says hello itself if it starts one later).
-%% A member leaves with `nodedown' or when its gossip process ends (its
-%% receptionist stopped or restarted: a new incarnation).
+%% A member leaves with `nodedown' or when its server ends (its receptionist
+%% stopped or restarted: a new incarnation).
 %%
 %% <h3>Replication</h3>
 %% Each node is authoritative for its own registrations (the server's
 %% journal) and numbers its changes: incarnation `Inc' (fresh per start of
-%% this process) and version `Ver' (one per change). Changes go to every
-%% member at once as a delta `{FromVer, ToVer, Ops}', coalesced while this
-%% process is busy. A member that finds a gap, or a new incarnation, asks for
-%% the origin's whole state and applies the difference to what it holds.
-%% Every `gossip_interval_ms' each node sends every member a digest: its own
-%% `{Inc, Ver}' and those of the origins it holds. That repairs lost deltas
-%% and relays third-party origins: a node asks a member for an origin it
-%% cannot reach itself, and drops such a relayed origin when the member that
-%% relayed it no longer lists it.
-%%
-%% What this node holds of the others is kept by {@link
-%% actor_receptionist_server} (ETS `{{Origin, Key, Ref}}', replayed into a
-%% new incarnation of the C node), which this process tells what changed;
-%% in the C node each ref is tagged with its origin, so a member that leaves
-%% is dropped with one message (`drop_origin'), O(its refs) in C.
+%% the server) and version `Ver' (one per change). Changes go to every
+%% member as a delta `{FromVer, ToVer, Ops}', one per burst. A member that
+%% finds a gap, or a new incarnation, asks the origin for its whole state
+%% (read from the journal in the same step as its version) and applies the
+%% difference to what it holds. Every `gossip_interval_ms' each node sends
+%% every member a digest: its own `{Inc, Ver}' and the origins it reaches
+%% directly. That repairs lost deltas and relays origins one hop: a node
+%% that cannot reach an origin asks a member that reaches it directly, and
+%% drops it when no member it hears from lists it as direct any more
+%% (split horizon: an origin is never listed back to the node it came
+%% through, and a relayed origin is never relayed again, so two nodes cannot
+%% keep a dead origin alive between them).
 %%
 %% <h3>Removal</h3>
-%% On `nodedown' of any node (hidden ones too) this node deregisters its own
-%% registrations whose refs live on that node (the server scans its
-%% journal), and those changes replicate like any other. A member's own
-%% registrations go with it everywhere.
+%% On `nodedown' of any node (hidden ones too) the server deregisters its
+%% own registrations whose refs live on that node, and those changes
+%% replicate like any other. A member's own registrations go with it
+%% everywhere (`drop_origin').
 -module(actor_receptionist_gossip).
--behaviour(gen_server).
 
 -include("actor_pool_int.hrl").
 
--export([start_link/1]).
--export([status/0]).
--export([subscribe_when_complete/2]).
+-export([new/1]).
+-export([local/4]).
+-export([flush/1]).
+-export([handle/2]).
+-export([hold/3]).
+-export([cancel/3]).
+-export([status/1]).
+-export([bytes/1]).
 
--export([init/1]).
--export([handle_call/3]).
--export([handle_cast/2]).
--export([handle_info/2]).
-
--export_type([status/0]).
+-export_type([state/0, effect/0, status/0]).
 
 -type status() :: #{complete := boolean(),
                     members := [node()],
@@ -57,6 +57,16 @@
                     origins := #{node() => {non_neg_integer(), non_neg_integer()}},
                     incarnation := non_neg_integer(),
                     version := non_neg_integer()}.
+
+-type op() :: {reg | dereg, binary(), pid()}.
+
+-type effect() :: {remote, node(), [op()]}
+                | {replace_origin, node(), [{binary(), pid()}]}
+                | {drop_origin, node()}
+                | {origin_state, pid(), node(), non_neg_integer(), non_neg_integer()}
+                | {drop_refs_on, node()}
+                | {subscribe, binary(), pid()}.
+%% What the server must do with its tables and its C node, in order.
 
 %% Ops per delta message.
 -define(MAX_DELTA, 4096).
@@ -66,11 +76,13 @@
     mref :: reference(),
     %% its state has been received since it (re)appeared
     synced = false :: boolean(),
-    %% we asked it for its state and have no answer yet
-    asked = false :: boolean()
+    %% we asked it for its state this round and have no answer yet
+    asked = false :: boolean(),
+    %% the origins it reached directly, as of its last digest
+    direct = #{} :: #{node() => {non_neg_integer(), non_neg_integer()}}
 }).
 
--record(st, {
+-record(g, {
     inc :: non_neg_integer(),
     ver = 0 :: non_neg_integer(),
     %% version last sent to the members
@@ -83,341 +95,360 @@
     origins = #{} :: #{node() => {non_neg_integer(), non_neg_integer(), direct | node()}},
     %% local changes not yet sent, newest first
     pending = [] :: [op()],
-    flushing = false :: boolean(),
-    %% subscriptions held until the view is complete
+    %% subscriptions held until the view is complete, oldest first
     waiting = [] :: [{binary(), pid()}],
-    %% gossip bytes sent (external size of every message to a member)
+    %% what the caller of handle/2 must do, newest first
+    effects = [] :: [effect()],
+    %% gossip bytes handed to distribution (external size)
     bytes = 0 :: non_neg_integer()
 }).
 
--type op() :: {reg | dereg, binary(), pid()}.
+-opaque state() :: #g{}.
 
 %% ===================================================================
-%% API
+%% API (called by actor_receptionist_server, in its process)
 %% ===================================================================
 
 %% @private
--spec start_link(#{gossip_interval_ms := pos_integer()}) -> {ok, pid()} | {error, term()}.
-start_link(Opts) ->
-    gen_server:start_link({local, ?RCPT_GOSSIP}, ?MODULE, Opts, []).
-
-%% @doc This node's view of the cluster; see {@link actor_receptionist:status/0}.
--spec status() -> status() | {error, noproc}.
-status() ->
-    try gen_server:call(?RCPT_GOSSIP, status, 10000)
-    catch exit:_ -> {error, noproc}
-    end.
-
-%% @private
-%% @doc Subscribe `Pid' to `Id' once the view is complete (at once if it is).
--spec subscribe_when_complete(binary(), pid()) -> ok | {error, noproc}.
-subscribe_when_complete(Id, Pid) ->
-    case whereis(?RCPT_GOSSIP) of
-        undefined -> {error, noproc};
-        G -> gen_server:cast(G, {subscribe_when_complete, Id, Pid})
-    end.
-
-%% ===================================================================
-%% gen_server callbacks
-%% ===================================================================
-
--spec init(#{gossip_interval_ms := pos_integer()}) -> {ok, #st{}}.
-init(#{gossip_interval_ms := Interval}) ->
-    %% Whatever an earlier incarnation of this process learnt is dropped:
-    %% the members send it again when we say hello.
-    ok = gen_server:cast(?RCPT_SERVER, reset_remote),
+%% @doc A new incarnation: subscribes the calling process to node events,
+%% says hello to every visible node, starts the digest timer.
+-spec new(pos_integer()) -> state().
+new(Interval) ->
     ok = net_kernel:monitor_nodes(true, [{node_type, all}]),
-    St0 = #st{inc = erlang:system_time(nanosecond), interval = Interval},
-    St = lists:foldl(fun probe/2, St0, nodes(visible)),
-    _ = erlang:send_after(Interval, self(), tick),
-    {ok, St}.
+    G0 = #g{inc = incarnation(), interval = Interval},
+    G = lists:foldl(fun probe/2, G0, nodes(visible)),
+    _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
+    G.
 
--spec handle_call(term(), gen_server:from(), #st{}) -> {reply, term(), #st{}}.
-handle_call(status, _From, St) ->
-    {reply, status(St), St};
-handle_call(bytes, _From, St) ->
-    {reply, St#st.bytes, St};
-handle_call(Request, _From, St) ->
-    {reply, {error, {unknown_call, Request}}, St}.
+%% @private
+%% @doc One local change, applied to the journal in this same step; it goes
+%% out with the next flush/1.
+-spec local(reg | dereg, binary(), pid(), state()) -> state().
+local(Op, Id, Ref, #g{pending = P, ver = V} = G) ->
+    G#g{pending = [{Op, Id, Ref} | P], ver = V + 1}.
 
--spec handle_cast(term(), #st{}) -> {noreply, #st{}}.
-handle_cast({subscribe_when_complete, Id, Pid}, St) ->
-    {noreply, release(St#st{waiting = St#st.waiting ++ [{Id, Pid}]})};
-handle_cast(Msg, St) ->
-    logger:warning("actor_receptionist_gossip: unexpected cast ~0p", [Msg]),
-    {noreply, St}.
+%% @private
+%% @doc Sends the pending changes to every member, as one delta (or a few).
+-spec flush(state()) -> state().
+flush(#g{pending = []} = G) ->
+    G;
+flush(#g{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers} = G) ->
+    G1 = send_deltas(lists:reverse(P), Sent, Inc, Peers, G),
+    G1#g{pending = [], sent = Ver}.
 
--spec handle_info(term(), #st{}) -> {noreply, #st{}}.
-handle_info({local, Op, Id, Ref}, #st{pending = P, ver = V} = St) ->
-    St1 = St#st{pending = [{Op, Id, Ref} | P], ver = V + 1},
-    case St1#st.flushing of
-        true -> {noreply, St1};
-        false -> self() ! flush, {noreply, St1#st{flushing = true}}
-    end;
-handle_info(flush, St) ->
-    {noreply, flush(St#st{flushing = false})};
-handle_info(tick, #st{interval = Interval, peers = Peers, probing = Pr} = St0) ->
-    _ = erlang:send_after(Interval, self(), tick),
+%% @private
+%% @doc A message for the cluster half: `{ok, State, Effects}' (effects in
+%% order), or `ignore' for a message that is not one.
+-spec handle(term(), state()) -> {ok, state(), [effect()]} | ignore.
+handle(Msg, G0) ->
+    case handle1(Msg, G0) of
+        ignore ->
+            ignore;
+        #g{} = G1 ->
+            #g{effects = E} = G = release(G1),
+            {ok, G#g{effects = []}, lists:reverse(E)}
+    end.
+
+%% @private
+%% @doc Hold a subscription until the view is complete: `{Now, State}' where
+%% Now is true when it is complete already (subscribe at once).
+-spec hold(binary(), pid(), state()) -> {boolean(), state()}.
+hold(Id, Pid, G) ->
+    case complete(G) of
+        true -> {true, G};
+        false -> {false, G#g{waiting = G#g.waiting ++ [{Id, Pid}]}}
+    end.
+
+%% @private
+%% @doc An unsubscribe also cancels a held subscription.
+-spec cancel(binary(), pid(), state()) -> state().
+cancel(Id, Pid, #g{waiting = W} = G) ->
+    G#g{waiting = [E || E <- W, E =/= {Id, Pid}]}.
+
+%% @private
+-spec status(state()) -> status().
+status(#g{peers = Peers, probing = Pr, origins = Os, inc = Inc, ver = Ver} = G) ->
+    #{complete => complete(G),
+      members => lists:sort(maps:keys(Peers)),
+      syncing => lists:usort(maps:keys(Pr) ++
+                                 [N || {N, #peer{synced = false}} <- maps:to_list(Peers)]),
+      origins => maps:map(fun(_, {I, V, _}) -> {I, V} end, Os),
+      incarnation => Inc,
+      version => Ver}.
+
+%% @private
+-spec bytes(state()) -> non_neg_integer().
+bytes(#g{bytes = B}) ->
+    B.
+
+%% ===================================================================
+%% Messages
+%% ===================================================================
+
+handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr} = G0) ->
+    _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round.
-    St1 = St0#st{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers)},
-    St = maps:fold(fun(Node, _, S) -> out({?RCPT_GOSSIP, Node}, {hello, self(), S#st.inc}, S) end,
-                   St1, Pr),
-    {noreply, digest(flush(St))};
-handle_info({nodeup, Node, Info}, St) ->
+    G1 = G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers)},
+    G = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
+    digest(flush(G));
+handle1({nodeup, Node, Info}, G) when is_list(Info) ->
     case proplists:get_value(node_type, Info) of
-        visible -> {noreply, probe(Node, St)};
-        _ -> {noreply, St}
+        visible -> probe(Node, G);
+        _ -> G
     end;
-handle_info({nodedown, Node, _Info}, St0) ->
+handle1({nodedown, Node, Info}, G0) when is_list(Info) ->
     %% Our own registrations of processes on that node end, hidden or not.
-    ok = gen_server:cast(?RCPT_SERVER, {drop_refs_on, Node}),
-    St = forget_probe(Node, St0),
-    {noreply, release(member_left(Node, St))};
-handle_info({'DOWN', Mref, process, {?RCPT_GOSSIP, Node}, _}, #st{probing = Pr} = St) ->
+    G = effect({drop_refs_on, Node}, forget_probe(Node, G0)),
+    member_left(Node, G);
+handle1({'DOWN', Mref, process, {?RCPT_SERVER, Node}, _}, #g{probing = Pr} = G) ->
     %% That node runs no receptionist (or just stopped it).
     case maps:find(Node, Pr) of
-        {ok, Mref} -> {noreply, release(St#st{probing = maps:remove(Node, Pr)})};
-        _ -> {noreply, St}
+        {ok, Mref} -> G#g{probing = maps:remove(Node, Pr)};
+        _ -> G
     end;
-handle_info({'DOWN', Mref, process, Pid, _}, #st{peers = Peers} = St) ->
+handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers} = G) when is_pid(Pid) ->
     Node = node(Pid),
     case maps:find(Node, Peers) of
-        {ok, #peer{mref = Mref}} -> {noreply, release(member_left(Node, St))};
-        _ -> {noreply, St}
+        {ok, #peer{mref = Mref}} -> member_left(Node, G);
+        _ -> ignore
     end;
-handle_info({hello, Pid, _Inc}, St0) when is_pid(Pid) ->
-    St1 = forget_probe(node(Pid), St0),
-    St2 = peer(Pid, St1),
-    St = send_state(Pid, flush(St2)),
-    {noreply, ask_if_unsynced(node(Pid), St)};
-handle_info({state, Pid, Inc, Ver, Regs}, St0) when is_pid(Pid) ->
+handle1({ap_rcpt_hello, Pid, _Inc}, G0) when is_pid(Pid) ->
+    G1 = peer(Pid, forget_probe(node(Pid), G0)),
+    %% Flushed first: the state is then exactly version Ver and every
+    %% delta sent later starts there.
+    G = send_state(Pid, flush(G1)),
+    ask_if_unsynced(node(Pid), G);
+handle1({ap_rcpt_state, Pid, Inc, Ver, Regs}, G0) when is_pid(Pid), is_list(Regs) ->
     Node = node(Pid),
-    St1 = peer(Pid, St0),
-    St2 = replace_origin(Node, Inc, Ver, direct, Regs, St1),
-    Peers = St2#st.peers,
+    G1 = peer(Pid, G0),
+    G2 = replace_origin(Node, Inc, Ver, direct, Regs, G1),
+    Peers = G2#g.peers,
     P = maps:get(Node, Peers),
-    {noreply, release(St2#st{peers = Peers#{Node := P#peer{synced = true, asked = false}}})};
-handle_info({delta, Pid, Inc, From, To, Ops}, St) when is_pid(Pid) ->
+    G2#g{peers = Peers#{Node := P#peer{synced = true, asked = false}}};
+handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, G) when is_pid(Pid), is_list(Ops) ->
     Node = node(Pid),
-    case {maps:find(Node, St#st.peers), maps:find(Node, St#st.origins)} of
+    case {maps:find(Node, G#g.peers), maps:find(Node, G#g.origins)} of
         {{ok, #peer{pid = Pid}}, {ok, {Inc, From, direct}}} ->
-            {noreply, apply_ops(Node, Ops, St#st{origins = (St#st.origins)#{Node := {Inc, To, direct}}})};
+            effect({remote, Node, Ops}, G#g{origins = (G#g.origins)#{Node := {Inc, To, direct}}});
         {{ok, #peer{pid = Pid}}, {ok, {Inc, Ver, direct}}} when Ver >= To ->
-            {noreply, St};
+            G;
         {{ok, #peer{pid = Pid}}, _} ->
             %% A gap, or its state is still on the way.
-            {noreply, ask(Node, St)};
+            ask(Node, G);
         _ ->
-            %% Not (yet) a member here: say hello, which gets its state.
-            {noreply, ask(Node, peer(Pid, St))}
+            %% Not (yet) a member here: a hello gets its state.
+            ask(Node, peer(Pid, G))
     end;
-handle_info({digest, Pid, Inc, Ver, Relayed}, St0) when is_pid(Pid) ->
+handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, G0) when is_pid(Pid), is_list(Direct) ->
     Node = node(Pid),
-    case maps:find(Node, St0#st.peers) of
-        {ok, #peer{pid = Pid}} ->
-            St1 = case maps:find(Node, St0#st.origins) of
-                      {ok, {Inc, Ver, direct}} -> St0;
-                      _ -> ask(Node, St0)
-                  end,
-            {noreply, relayed(Pid, Relayed, St1)};
+    case maps:find(Node, G0#g.peers) of
+        {ok, #peer{pid = Pid} = P} ->
+            Listed = maps:from_list([{O, {I, V}} || {O, I, V} <- Direct, is_atom(O)]),
+            G1 = G0#g{peers = (G0#g.peers)#{Node := P#peer{direct = Listed}}},
+            G2 = case maps:find(Node, G1#g.origins) of
+                     {ok, {Inc, Ver, direct}} -> G1;
+                     _ -> ask(Node, G1)
+                 end,
+            relayed(Pid, Listed, G2);
         _ ->
-            {noreply, ask(Node, peer(Pid, St0))}
+            ask(Node, peer(Pid, G0))
     end;
-handle_info({want_origin, Pid, Origin}, St) when is_pid(Pid) ->
-    case maps:find(Origin, St#st.origins) of
-        {ok, {Inc, Ver, _}} ->
-            %% The server holds the rows; after every change we sent it, so
-            %% they are exactly version Ver.
-            ok = gen_server:cast(?RCPT_SERVER, {origin_state, Pid, self(), Origin, Inc, Ver}),
-            {noreply, St};
-        error ->
-            {noreply, St}
+handle1({ap_rcpt_want_origin, Pid, Origin}, G) when is_pid(Pid) ->
+    %% Only origins we reach ourselves are relayed (one hop).
+    case maps:find(Origin, G#g.origins) of
+        {ok, {Inc, Ver, direct}} -> effect({origin_state, Pid, Origin, Inc, Ver}, G);
+        _ -> G
     end;
-handle_info({origin_state, Pid, Origin, Inc, Ver, Regs}, St) when is_pid(Pid) ->
+handle1({ap_rcpt_origin_state, Pid, Origin, Inc, Ver, Regs}, G) when is_pid(Pid), is_list(Regs) ->
     Via = node(Pid),
-    Mine = Origin =:= node() orelse maps:is_key(Origin, St#st.peers),
-    Newer = case maps:find(Origin, St#st.origins) of
-                {ok, {I, V, _}} -> {Inc, Ver} > {I, V};
-                error -> true
-            end,
-    case not Mine andalso Newer andalso maps:is_key(Via, St#st.peers) of
-        true -> {noreply, replace_origin(Origin, Inc, Ver, Via, Regs, St)};
-        false -> {noreply, St}
+    Mine = Origin =:= node() orelse maps:is_key(Origin, G#g.peers),
+    Wanted = case maps:find(Origin, G#g.origins) of
+                 {ok, {I, V, _}} -> {I, V} =/= {Inc, Ver};
+                 error -> true
+             end,
+    case not Mine andalso Wanted andalso maps:is_key(Via, G#g.peers) of
+        true -> replace_origin(Origin, Inc, Ver, Via, Regs, G);
+        false -> G
     end;
-handle_info(Msg, St) ->
-    logger:warning("actor_receptionist_gossip: unexpected message ~0p", [Msg]),
-    {noreply, St}.
+handle1(_, _G) ->
+    ignore.
 
 %% ===================================================================
 %% Members
 %% ===================================================================
 
-probe(Node, #st{probing = Pr, peers = Peers} = St) ->
+probe(Node, #g{probing = Pr, peers = Peers} = G) ->
     case maps:is_key(Node, Pr) orelse maps:is_key(Node, Peers) of
         true ->
-            St;
+            G;
         false ->
-            Mref = erlang:monitor(process, {?RCPT_GOSSIP, Node}),
-            St1 = out({?RCPT_GOSSIP, Node}, {hello, self(), St#st.inc}, St),
-            St1#st{probing = Pr#{Node => Mref}}
+            Mref = erlang:monitor(process, {?RCPT_SERVER, Node}),
+            G1 = out({?RCPT_SERVER, Node}, hello(G), G),
+            G1#g{probing = Pr#{Node => Mref}}
     end.
 
-forget_probe(Node, #st{probing = Pr} = St) ->
+hello(#g{inc = Inc}) ->
+    {ap_rcpt_hello, self(), Inc}.
+
+forget_probe(Node, #g{probing = Pr} = G) ->
     case maps:take(Node, Pr) of
-        {Mref, Pr1} -> erlang:demonitor(Mref, [flush]), St#st{probing = Pr1};
-        error -> St
+        {Mref, Pr1} -> erlang:demonitor(Mref, [flush]), G#g{probing = Pr1};
+        error -> G
     end.
 
-%% Pid is the gossip process of a member: record (and monitor) it.
-peer(Pid, #st{peers = Peers} = St) ->
+%% Pid is the receptionist server of a member: record (and monitor) it.
+peer(Pid, #g{peers = Peers} = G) ->
     Node = node(Pid),
+    New = fun() -> #peer{pid = Pid, mref = erlang:monitor(process, Pid)} end,
     case maps:find(Node, Peers) of
         {ok, #peer{pid = Pid}} ->
-            St;
+            G;
         {ok, #peer{mref = Old}} ->
             %% A new incarnation: the old one's refs go when its state comes.
             erlang:demonitor(Old, [flush]),
-            St#st{peers = Peers#{Node := #peer{pid = Pid, mref = erlang:monitor(process, Pid)}}};
+            G#g{peers = Peers#{Node := New()}};
         error ->
-            St#st{peers = Peers#{Node => #peer{pid = Pid, mref = erlang:monitor(process, Pid)}}}
+            G#g{peers = Peers#{Node => New()}}
     end.
 
-ask_if_unsynced(Node, St) ->
-    case maps:get(Node, St#st.peers) of
-        #peer{synced = true} -> St;
-        _ -> ask(Node, St)
+ask_if_unsynced(Node, G) ->
+    case maps:get(Node, G#g.peers) of
+        #peer{synced = true} -> G;
+        _ -> ask(Node, G)
     end.
 
-%% Ask a member for its whole state (a hello), once until it answers.
-ask(Node, #st{peers = Peers} = St) ->
+%% Ask a member for its whole state (a hello), once a round.
+ask(Node, #g{peers = Peers} = G) ->
     case maps:find(Node, Peers) of
         {ok, #peer{asked = true}} ->
-            St;
+            G;
         {ok, #peer{pid = Pid} = P} ->
-            St1 = out(Pid, {hello, self(), St#st.inc}, St),
-            St1#st{peers = Peers#{Node := P#peer{asked = true}}};
+            G1 = out(Pid, hello(G), G),
+            G1#g{peers = Peers#{Node := P#peer{asked = true}}};
         error ->
-            St
+            G
     end.
 
-member_left(Node, #st{peers = Peers} = St0) ->
-    St1 = case maps:take(Node, Peers) of
-              {#peer{mref = Mref}, Peers1} ->
-                  erlang:demonitor(Mref, [flush]),
-                  St0#st{peers = Peers1};
-              error ->
-                  St0
-          end,
-    %% Its registrations, and the origins we only knew through it.
-    Gone = [O || {O, {_, _, Via}} <- maps:to_list(St1#st.origins),
-                 O =:= Node orelse Via =:= Node],
-    lists:foldl(fun drop_origin/2, St1, Gone).
+member_left(Node, #g{peers = Peers} = G0) ->
+    G1 = case maps:take(Node, Peers) of
+             {#peer{mref = Mref}, Peers1} ->
+                 erlang:demonitor(Mref, [flush]),
+                 G0#g{peers = Peers1};
+             error ->
+                 G0
+         end,
+    %% Its registrations; the origins we held through it move to another
+    %% member that reaches them, or go.
+    Held = [O || {O, {_, _, Via}} <- maps:to_list(G1#g.origins), O =:= Node orelse Via =:= Node],
+    lists:foldl(fun(O, G) when O =:= Node -> drop_origin(O, G);
+                   (O, G) -> reroute(O, G)
+                end, G1, Held).
 
 %% ===================================================================
 %% Origins
 %% ===================================================================
 
-drop_origin(Origin, #st{origins = Os} = St) ->
-    ok = gen_server:cast(?RCPT_SERVER, {drop_origin, Origin}),
-    St#st{origins = maps:remove(Origin, Os)}.
+drop_origin(Origin, #g{origins = Os} = G) ->
+    effect({drop_origin, Origin}, G#g{origins = maps:remove(Origin, Os)}).
 
-%% What we hold of Origin becomes Regs; the server applies the difference,
-%% so subscribers see one listing per changed ref and none for a ref that
-%% stays.
-replace_origin(Origin, Inc, Ver, Via, Regs, #st{origins = Os} = St) ->
-    ok = gen_server:cast(?RCPT_SERVER, {replace_origin, Origin, Regs}),
-    St#st{origins = Os#{Origin => {Inc, Ver, Via}}}.
+replace_origin(Origin, Inc, Ver, Via, Regs, #g{origins = Os} = G) ->
+    effect({replace_origin, Origin, Regs}, G#g{origins = Os#{Origin => {Inc, Ver, Via}}}).
 
-apply_ops(Origin, Ops, St) ->
-    ok = gen_server:cast(?RCPT_SERVER, {remote, Origin, Ops}),
-    St.
-
-%% The third-party origins a member holds: fetch those newer than ours
-%% (unless we reach them ourselves), and drop those we got through it that
-%% it no longer lists.
-relayed(Pid, Relayed, #st{origins = Os, peers = Peers} = St0) ->
+%% The origins a member reaches directly: fetch those we do not reach
+%% ourselves and hold at another version (through this member, or not at
+%% all); and a relayed origin its relay no longer lists moves to another
+%% member that lists it, or goes.
+relayed(Pid, Listed, #g{peers = Peers} = G0) ->
     Via = node(Pid),
-    Listed = maps:from_list([{O, {I, V}} || {O, I, V} <- Relayed, is_atom(O)]),
-    St1 = maps:fold(
-            fun(O, {I, V}, St) when O =/= node() ->
-                    Ours = maps:find(O, Os),
-                    Direct = maps:is_key(O, Peers),
-                    case Ours of
-                        _ when Direct -> St;
-                        {ok, {OI, OV, _}} when {OI, OV} >= {I, V} -> St;
-                        _ -> out(Pid, {want_origin, self(), O}, St)
-                    end;
-               (_, _, St) ->
-                    St
-            end, St0, Listed),
-    Stale = [O || {O, {_, _, V}} <- maps:to_list(St1#st.origins), V =:= Via,
+    G1 = maps:fold(
+           fun(O, _, G) when O =:= node() -> G;
+              (O, {I, V}, #g{origins = Os} = G) ->
+                   case maps:find(O, Os) of
+                       _ when is_map_key(O, Peers) -> G;
+                       {ok, {_, _, direct}} -> G;
+                       {ok, {I, V, _}} -> G;
+                       {ok, {_, _, Via}} -> out(Pid, {ap_rcpt_want_origin, self(), O}, G);
+                       {ok, {_, _, _Other}} -> G;
+                       error -> out(Pid, {ap_rcpt_want_origin, self(), O}, G)
+                   end
+           end, G0, Listed),
+    Stale = [O || {O, {_, _, V}} <- maps:to_list(G1#g.origins), V =:= Via,
                   not maps:is_key(O, Listed)],
-    lists:foldl(fun drop_origin/2, St1, Stale).
+    lists:foldl(fun reroute/2, G1, Stale).
+
+%% Origin was relayed by a member that no longer does: fetch it from another
+%% member that lists it as direct (the diff then keeps what stays), or drop
+%% it.
+reroute(Origin, #g{peers = Peers} = G) ->
+    case [P || P = #peer{direct = D} <- maps:values(Peers), maps:is_key(Origin, D)] of
+        [#peer{pid = Pid} | _] ->
+            Os = G#g.origins,
+            {I, V, _} = maps:get(Origin, Os),
+            G1 = G#g{origins = Os#{Origin := {I, V, node(Pid)}}},
+            out(Pid, {ap_rcpt_want_origin, self(), Origin}, G1);
+        [] ->
+            drop_origin(Origin, G)
+    end.
+
+effect(E, #g{effects = Es} = G) ->
+    G#g{effects = [E | Es]}.
 
 %% ===================================================================
 %% Sending
 %% ===================================================================
 
-flush(#st{pending = []} = St) ->
-    St;
-flush(#st{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers} = St) ->
-    Ops = lists:reverse(P),
-    St1 = send_deltas(Ops, Sent, Inc, Peers, St),
-    St1#st{pending = [], sent = Ver}.
-
-send_deltas([], _From, _Inc, _Peers, St) ->
-    St;
-send_deltas(Ops, From, Inc, Peers, St) ->
+send_deltas([], _From, _Inc, _Peers, G) ->
+    G;
+send_deltas(Ops, From, Inc, Peers, G) ->
     {Now, Rest} = split(Ops, ?MAX_DELTA),
     To = From + length(Now),
-    Msg = {delta, self(), Inc, From, To, Now},
-    St1 = maps:fold(fun(_, #peer{pid = Pid}, S) -> out(Pid, Msg, S) end, St, Peers),
-    send_deltas(Rest, To, Inc, Peers, St1).
+    Msg = {ap_rcpt_delta, self(), Inc, From, To, Now},
+    G1 = maps:fold(fun(_, #peer{pid = Pid}, S) -> out(Pid, Msg, S) end, G, Peers),
+    send_deltas(Rest, To, Inc, Peers, G1).
 
 split(L, N) when length(L) =< N -> {L, []};
 split(L, N) -> lists:split(N, L).
 
-send_state(Pid, #st{inc = Inc, ver = Ver} = St) ->
-    Regs = ets:tab2list(?RCPT_REGS),
-    out(Pid, {state, self(), Inc, Ver, Regs}, St).
+%% The journal is written in the same process, so this is version Ver.
+send_state(Pid, #g{inc = Inc, ver = Ver} = G) ->
+    out(Pid, {ap_rcpt_state, self(), Inc, Ver, ets:tab2list(?RCPT_REGS)}, G).
 
-digest(#st{peers = Peers, inc = Inc, ver = Ver, origins = Os} = St) ->
+%% Our own version, and the origins we reach directly, except the receiver.
+digest(#g{peers = Peers, inc = Inc, ver = Ver, origins = Os} = G) ->
+    Direct = [{O, I, V} || {O, {I, V, direct}} <- maps:to_list(Os)],
     maps:fold(fun(Node, #peer{pid = Pid}, S) ->
-                      Relayed = [{O, I, V} || {O, {I, V, _}} <- maps:to_list(Os), O =/= Node],
-                      out(Pid, {digest, self(), Inc, Ver, Relayed}, S)
-              end, St, Peers).
+                      out(Pid, {ap_rcpt_digest, self(), Inc, Ver,
+                                [D || {O, _, _} = D <- Direct, O =/= Node]}, S)
+              end, G, Peers).
 
 %% Never block on a busy or reconnecting distribution channel: what is lost
 %% is repaired by the next digest.
-out(Dest, Msg, #st{bytes = B} = St) ->
-    _ = erlang:send(Dest, Msg, [noconnect, nosuspend]),
-    St#st{bytes = B + erlang:external_size(Msg)}.
+out(Dest, Msg, #g{bytes = B} = G) ->
+    case erlang:send(Dest, Msg, [noconnect, nosuspend]) of
+        ok -> G#g{bytes = B + erlang:external_size(Msg)};
+        _ -> G
+    end.
+
+%% Unique per start and increasing across restarts of one node, even if
+%% the clock steps back a little: a version tiebreak is never needed.
+incarnation() ->
+    erlang:system_time(microsecond) bsl 16 + (erlang:unique_integer([positive]) band 16#ffff).
 
 %% ===================================================================
 %% Completeness
 %% ===================================================================
 
-complete(#st{probing = Pr, peers = Peers}) ->
+complete(#g{probing = Pr, peers = Peers}) ->
     map_size(Pr) =:= 0 andalso
         lists:all(fun(#peer{synced = S}) -> S end, maps:values(Peers)).
 
-status(#st{peers = Peers, probing = Pr, origins = Os, inc = Inc, ver = Ver} = St) ->
-    #{complete => complete(St),
-      members => lists:sort(maps:keys(Peers)),
-      syncing => lists:sort(maps:keys(Pr) ++ [N || {N, #peer{synced = false}} <- maps:to_list(Peers)]),
-      origins => maps:map(fun(_, {I, V, _}) -> {I, V} end, Os),
-      incarnation => Inc,
-      version => Ver}.
-
 %% Subscriptions held for a complete view go out once it is.
-release(#st{waiting = []} = St) ->
-    St;
-release(#st{waiting = W} = St) ->
-    case complete(St) of
-        true ->
-            _ = [gen_server:cast(?RCPT_SERVER, {subscribe, Id, Pid}) || {Id, Pid} <- W],
-            St#st{waiting = []};
-        false ->
-            St
+release(#g{waiting = []} = G) ->
+    G;
+release(#g{waiting = W} = G) ->
+    case complete(G) of
+        true -> lists:foldl(fun({Id, Pid}, S) -> effect({subscribe, Id, Pid}, S) end,
+                            G#g{waiting = []}, W);
+        false -> G
     end.

@@ -46,7 +46,8 @@
 
 -type opts() :: #{owner := atom() | pid(),
                   max_subscribers_per_key := non_neg_integer(),
-                  max_subscribers_total := non_neg_integer()}.
+                  max_subscribers_total := non_neg_integer(),
+                  gossip_interval_ms := pos_integer()}.
 
 %% Messages per {batch, Msgs} to the C node.
 -define(MAX_BATCH, 1024).
@@ -76,8 +77,10 @@
     %% one monitor per subscriber pid
     monitors = #{} :: #{pid() => reference()},
     incarnations = 0 :: non_neg_integer(),
-    %% origins (other members) with rows in ?RCPT_REMOTE, and how many
-    origins = #{} :: #{node() => non_neg_integer()}
+    %% the cluster half (membership, versions, deltas)
+    gossip :: actor_receptionist_gossip:state(),
+    %% what we hold of each other member: a set table {{Id, Ref}} per origin
+    remote = #{} :: #{node() => ets:tid()}
 }).
 
 %% ===================================================================
@@ -101,18 +104,24 @@ shm_name(Node) ->
 
 -spec init(opts()) -> {ok, #state{}} | {stop, no_receptionist_node}.
 init(#{owner := Owner, max_subscribers_per_key := PerKey,
-       max_subscribers_total := Total}) ->
+       max_subscribers_total := Total, gossip_interval_ms := Interval}) ->
     %% Recorded by actor_receptionist_sup when it started the owner.
     Node = actor_receptionist:receptionist_node(),
-    init(Node, Owner, PerKey, Total).
+    init(Node, Owner, PerKey, Total, Interval).
 
-init(undefined, _Owner, _PerKey, _Total) ->
+init(undefined, _Owner, _PerKey, _Total, _Interval) ->
     {stop, no_receptionist_node};
-init(Node, Owner, PerKey, Total) ->
-    Origins = ets:foldl(fun({{O, _, _}}, Acc) -> maps:update_with(O, fun(N) -> N + 1 end, 1, Acc) end,
-                        #{}, ?RCPT_REMOTE),
+init(Node, Owner, PerKey, Total, Interval) ->
+    %% Ours, rebuilt at each start: shared refs (see "Other members'
+    %% registrations") and our refs of processes on other nodes, by node.
+    ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
+    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, bag, protected]),
+    true = ets:insert(?RCPT_BYNODE, [{node(Ref), {Id, Ref}} || {Id, Ref} <- ets:tab2list(?RCPT_REGS),
+                                                               node(Ref) =/= node()]),
+    %% A new incarnation for the other members: they send us their
+    %% registrations again, and take ours from our journal.
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
-                    origins = Origins},
+                    gossip = actor_receptionist_gossip:new(Interval)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
@@ -156,6 +165,10 @@ handle_call(stats, _From, State) ->
                      #{}
              end,
     {reply, maps:merge(Remote, Own), State};
+handle_call(status, _From, #state{gossip = G} = State) ->
+    {reply, actor_receptionist_gossip:status(G), State};
+handle_call(gossip_bytes, _From, #state{gossip = G} = State) ->
+    {reply, actor_receptionist_gossip:bytes(G), State};
 handle_call(sync, _From, State0) ->
     %% Tests and benchmarks: everything sent before has been applied.
     State = flush(State0),
@@ -171,25 +184,24 @@ handle_call(Request, _From, State) ->
 handle_cast({register, Id, Ref, _ReplyTo} = Msg, State) ->
     case journaled(Id, Ref) of
         true ->
-            ok;
+            {noreply, out(Msg, State)};
         false ->
-            true = ets:insert(?RCPT_REGS, {Id, Ref}),
+            journal_add(Id, Ref),
             %% Held by another member too: see "Shared refs" below.
             _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
-            gossip(reg, Id, Ref)
-    end,
-    {noreply, out(Msg, State)};
+            {noreply, out(Msg, gossip(reg, Id, Ref, State))}
+    end;
 handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State) ->
     case journaled(Id, Ref) of
         true ->
-            true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
-            gossip(dereg, Id, Ref),
-            case let_go(Id, Ref, State) of
+            journal_del(Id, Ref),
+            State1 = gossip(dereg, Id, Ref, State),
+            case let_go(Id, Ref, State1) of
                 remove ->
-                    {noreply, out(Msg, State)};
+                    {noreply, out(Msg, State1)};
                 {keep, Retag} ->
                     Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
-                    {noreply, lists:foldl(fun out/2, State, [Retag | Ack])}
+                    {noreply, lists:foldl(fun out/2, State1, [Retag | Ack])}
             end;
         false ->
             %% Not ours: nothing to remove (a member may hold the same ref
@@ -198,30 +210,11 @@ handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State) ->
             Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
             {noreply, lists:foldl(fun out/2, State, Ack)}
     end;
-handle_cast({remote, Origin, Ops}, State) ->
-    %% From actor_receptionist_gossip: a member's changes, in its order.
-    {noreply, lists:foldl(fun({reg, Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S);
-                             ({dereg, Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S);
-                             (_, S) -> S
-                          end, State, Ops)};
-handle_cast({replace_origin, Origin, Regs}, State) ->
-    {noreply, replace_origin(Origin, Regs, State)};
-handle_cast({drop_origin, Origin}, State) ->
-    {noreply, drop_origin(Origin, State)};
-handle_cast(reset_remote, #state{origins = Os} = State) ->
-    {noreply, lists:foldl(fun drop_origin/2, State, maps:keys(Os))};
-handle_cast({origin_state, To, From, Origin, Inc, Ver}, State) ->
-    %% A member relays Origin to another: the rows as of version Ver.
-    Regs = [{Id, Ref} || {{_, Id, Ref}} <- origin_rows(Origin)],
-    _ = erlang:send(To, {origin_state, From, Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
-    {noreply, State};
-handle_cast({drop_refs_on, Node}, State) ->
-    %% That node is gone: our registrations of its processes end.
-    Gone = ets:select(?RCPT_REGS, [{{'_', '$1'}, [{'==', {node, '$1'}, Node}], ['$_']}]),
-    {noreply, lists:foldl(fun({Id, Ref}, S) ->
-                                  {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
-                                  S1
-                          end, State, Gone)};
+handle_cast({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
+    case actor_receptionist_gossip:hold(Id, Pid, G) of
+        {true, G1} -> handle_cast({subscribe, Id, Pid}, State#state{gossip = G1});
+        {false, G1} -> {noreply, State#state{gossip = G1}}
+    end;
 handle_cast({find, _Id, _ReplyTo} = Msg, State) ->
     {noreply, out(Msg, State)};
 handle_cast({subscribe, Id, Pid} = Msg, State) ->
@@ -241,7 +234,9 @@ handle_cast({subscribe, Id, Pid} = Msg, State) ->
                     {noreply, out({send, Pid, Rejected}, State)}
             end
     end;
-handle_cast({unsubscribe, Id, Pid} = Msg, State) ->
+handle_cast({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
+    %% Also a subscription still held for a complete view.
+    State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
     case subscribed(Pid, Id) of
         true ->
             true = ets:delete_object(?RCPT_SUBS, {Pid, Id}),
@@ -255,7 +250,7 @@ handle_cast(Msg, State) ->
 
 -spec handle_info(term(), #state{}) -> {noreply, #state{}}.
 handle_info(flush, State) ->
-    {noreply, flush(State#state{flushing = false})};
+    {noreply, flush_all(State#state{flushing = false})};
 handle_info({rcpt_confirmed, Seq}, #state{unconfirmed = Un} = State) ->
     {noreply, State#state{unconfirmed = [E || {S, _} = E <- Un, S > Seq]}};
 handle_info({nodedown, Node}, #state{rcpt = Node, up = true, owner = Owner} = State) ->
@@ -264,7 +259,7 @@ handle_info({nodedown, Node}, #state{rcpt = Node, up = true, owner = Owner} = St
     {noreply, State#state{up = false, pid = undefined}};
 handle_info({nodedown, _Node}, State) ->
     {noreply, State};
-handle_info({'DOWN', Mref, process, Pid, _}, #state{monitors = Mons} = State0) ->
+handle_info({'DOWN', Mref, process, Pid, _} = Msg, #state{monitors = Mons} = State0) ->
     case maps:find(Pid, Mons) of
         {ok, Mref} ->
             Ids = [Id || {_, Id} <- ets:lookup(?RCPT_SUBS, Pid)],
@@ -273,7 +268,7 @@ handle_info({'DOWN', Mref, process, Pid, _}, #state{monitors = Mons} = State0) -
             State = State1#state{monitors = maps:remove(Pid, Mons)},
             {noreply, out({unsubscribe_all, Pid}, State)};
         _ ->
-            {noreply, State0}
+            cluster(Msg, State0)
     end;
 handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node, up = true, pid = Pid} = State) ->
     %% Seen already (init/1 replayed into it) unless the pid changed.
@@ -289,8 +284,45 @@ handle_info({actor_cnode, _Owner, Node, down}, #state{rcpt = Node} = State) ->
     monitor_off(Node),
     {noreply, State#state{up = false, pid = undefined}};
 handle_info(Msg, State) ->
-    logger:warning("actor_receptionist_server: unexpected message ~0p", [Msg]),
-    {noreply, State}.
+    cluster(Msg, State).
+
+%% A message of the cluster half: its effects are applied at once and sent
+%% to the C node without waiting for a flush round (a delta is a batch
+%% already).
+cluster(Msg, #state{gossip = G} = State0) ->
+    case actor_receptionist_gossip:handle(Msg, G) of
+        {ok, G1, Effects} ->
+            State = lists:foldl(fun effect/2, State0#state{gossip = G1}, Effects),
+            {noreply, flush(State)};
+        ignore ->
+            logger:warning("actor_receptionist_server: unexpected message ~0p", [Msg]),
+            {noreply, State0}
+    end.
+
+effect({remote, Origin, Ops}, State) ->
+    lists:foldl(fun({reg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_reg(Origin, Id, Ref, S);
+                   ({dereg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_dereg(Origin, Id, Ref, S);
+                   (_, S) -> S
+                end, State, Ops);
+effect({replace_origin, Origin, Regs}, State) ->
+    replace_origin(Origin, Regs, State);
+effect({drop_origin, Origin}, State) ->
+    drop_origin(Origin, State);
+effect({origin_state, To, Origin, Inc, Ver}, State) ->
+    %% A member relays Origin through us: the rows, exactly version Ver
+    %% (applied in this process as they came).
+    Regs = origin_rows(Origin, State),
+    _ = erlang:send(To, {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
+    State;
+effect({drop_refs_on, Node}, State) ->
+    %% That node is gone: our registrations of its processes end.
+    lists:foldl(fun({_, {Id, Ref}}, S) ->
+                        {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
+                        S1
+                end, State, ets:lookup(?RCPT_BYNODE, Node));
+effect({subscribe, Id, Pid}, State) ->
+    {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
+    State1.
 
 -spec terminate(term(), #state{}) -> ok.
 terminate(Reason, _State) when Reason =:= normal; Reason =:= shutdown ->
@@ -307,10 +339,14 @@ terminate(_Reason, _State) ->
 
 %% ---- Other members' registrations -----------------------------------
 %%
-%% ?RCPT_REMOTE holds {{Origin, Id, Ref}} for every registration this node
-%% has learnt from another member (this server is its only writer; a
-%% replay reads it). The C node tags each ref with one origin, so that a
-%% member that leaves is dropped in one step (`drop_origin').
+%% `remote' holds, per other member (origin), a set table of the {Id, Ref}
+%% it has registered, as far as we know; this process is its only writer
+%% and a replay reads it. The C node tags each ref with one origin, so that
+%% a member that leaves is dropped in one step (`drop_origin'); its table
+%% is then handed to a short-lived process that deletes it, so a large
+%% member costs this server nothing when it leaves. The tables die with
+%% this process: a new server is a new incarnation, and the members send
+%% their registrations again.
 %%
 %% Shared refs: the same ref under the same key may be held by several
 %% origins (this node and others). The C node holds it once, tagged with
@@ -320,31 +356,40 @@ terminate(_Reason, _State) ->
 %% its shared refs are re-tagged to a remaining holder. A pair not in
 %% ?RCPT_SHARED has exactly one holder.
 
-remote_reg(Origin, Id, Ref, #state{origins = Os} = State) ->
-    case ets:member(?RCPT_REMOTE, {Origin, Id, Ref}) of
+remote_reg(Origin, Id, Ref, #state{remote = R} = State) ->
+    {Tab, State1} = case maps:find(Origin, R) of
+                        {ok, T} -> {T, State};
+                        error ->
+                            T = ets:new(actor_receptionist_remote, [set, protected]),
+                            {T, State#state{remote = R#{Origin => T}}}
+                    end,
+    case ets:member(Tab, {Id, Ref}) of
         true ->
-            State;
+            State1;
         false ->
-            Shared = journaled(Id, Ref) orelse remote_holders(Id, Ref, State) =/= [],
-            true = ets:insert(?RCPT_REMOTE, {{Origin, Id, Ref}}),
-            State1 = State#state{origins = maps:update_with(Origin, fun(N) -> N + 1 end, 1, Os)},
+            Shared = journaled(Id, Ref) orelse remote_holders(Id, Ref, State1) =/= [],
+            true = ets:insert(Tab, {{Id, Ref}}),
             case Shared of
                 true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), State1;
                 false -> out({rregister, Origin, Id, Ref}, State1)
             end
     end.
 
-remote_dereg(Origin, Id, Ref, #state{origins = Os} = State) ->
-    case ets:member(?RCPT_REMOTE, {Origin, Id, Ref}) of
-        false ->
-            State;
-        true ->
-            true = ets:delete(?RCPT_REMOTE, {Origin, Id, Ref}),
-            State1 = State#state{origins = uncount_origin(Origin, Os)},
-            case let_go(Id, Ref, State1) of
-                remove -> out({rderegister, Origin, Id, Ref}, State1);
-                {keep, Retag} -> out(Retag, State1)
-            end
+remote_dereg(Origin, Id, Ref, #state{remote = R} = State) ->
+    case maps:find(Origin, R) of
+        {ok, Tab} ->
+            case ets:member(Tab, {Id, Ref}) of
+                true ->
+                    true = ets:delete(Tab, {Id, Ref}),
+                    case let_go(Id, Ref, State) of
+                        remove -> out({rderegister, Origin, Id, Ref}, State);
+                        {keep, Retag} -> out(Retag, State)
+                    end;
+                false ->
+                    State
+            end;
+        error ->
+            State
     end.
 
 %% A holder of {Id, Ref} let go of it (it is out of the tables already):
@@ -364,46 +409,44 @@ let_go(Id, Ref, State) ->
             end
     end.
 
-replace_origin(Origin, Regs, State) ->
-    Old = sets:from_list([{Id, Ref} || {{_, Id, Ref}} <- origin_rows(Origin)], [{version, 2}]),
-    New = sets:from_list([{Id, Ref} || {Id, Ref} <- Regs, is_binary(Id), is_pid(Ref)], [{version, 2}]),
+replace_origin(Origin, Regs0, State) ->
+    Regs = [E || {Id, Ref} = E <- Regs0, is_binary(Id), is_pid(Ref)],
+    Old = sets:from_list(origin_rows(Origin, State), [{version, 2}]),
+    New = sets:from_list(Regs, [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S) end, State,
                        sets:subtract(Old, New)),
     lists:foldl(fun({Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S) end, State1,
-                [E || {Id, Ref} = E <- Regs, is_binary(Id), is_pid(Ref), not sets:is_element(E, Old)]).
+                [E || E <- Regs, not sets:is_element(E, Old)]).
 
 %% A member left: its shared refs move to a remaining holder, then the C
-%% node drops the rest of its refs at once (O(its refs), in C); our
-%% tables are cleaned after that message is on its way.
-drop_origin(Origin, #state{origins = Os} = State0) ->
-    case maps:is_key(Origin, Os) of
-        false ->
+%% node drops the rest of its refs at once (O(its refs), in C).
+drop_origin(Origin, #state{remote = R} = State0) ->
+    case maps:take(Origin, R) of
+        error ->
             State0;
-        true ->
-            State1 = State0#state{origins = maps:remove(Origin, Os)},
+        {Tab, R1} ->
+            State1 = State0#state{remote = R1},
             Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?RCPT_SHARED),
-                               ets:member(?RCPT_REMOTE, {Origin, Id, Ref}),
+                               ets:member(Tab, {Id, Ref}),
                                {keep, Retag} <- [let_go(Id, Ref, State1)]],
             State2 = flush(lists:foldl(fun out/2, State1, Retags ++ [{drop_origin, Origin}])),
-            _ = ets:select_delete(?RCPT_REMOTE, [{{{Origin, '_', '_'}}, [], [true]}]),
+            Reaper = spawn(fun() -> receive {'ETS-TRANSFER', T, _, _} -> ets:delete(T) end end),
+            true = ets:give_away(Tab, Reaper, drop),
             State2
     end.
 
-origin_rows(Origin) ->
-    ets:select(?RCPT_REMOTE, [{{{Origin, '_', '_'}}, [], ['$_']}]).
-
-uncount_origin(Origin, Os) ->
-    case maps:get(Origin, Os, 0) of
-        N when N > 1 -> Os#{Origin := N - 1};
-        _ -> Os#{Origin => 0}
+origin_rows(Origin, #state{remote = R}) ->
+    case maps:find(Origin, R) of
+        {ok, Tab} -> [E || {E} <- ets:tab2list(Tab)];
+        error -> []
     end.
 
 %% Who holds {Id, Ref}: `local' (our journal) and the other members.
 holders(Id, Ref, State) ->
     [local || journaled(Id, Ref)] ++ remote_holders(Id, Ref, State).
 
-remote_holders(Id, Ref, #state{origins = Os}) ->
-    [O || O <- maps:keys(Os), ets:member(?RCPT_REMOTE, {O, Id, Ref})].
+remote_holders(Id, Ref, #state{remote = R}) ->
+    [O || {O, Tab} <- maps:to_list(R), ets:member(Tab, {Id, Ref})].
 
 c_origin(local) -> undefined;
 c_origin(Origin) -> Origin.
@@ -411,12 +454,20 @@ c_origin(Origin) -> Origin.
 journaled(Id, Ref) ->
     lists:member({Id, Ref}, ets:lookup(?RCPT_REGS, Id)).
 
-%% A change of the journal, for the members (see actor_receptionist_gossip).
-gossip(Op, Id, Ref) ->
-    case whereis(?RCPT_GOSSIP) of
-        undefined -> ok;
-        G -> G ! {local, Op, Id, Ref}, ok
-    end.
+journal_add(Id, Ref) ->
+    true = ets:insert(?RCPT_REGS, {Id, Ref}),
+    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
+    ok.
+
+journal_del(Id, Ref) ->
+    true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
+    _ = node(Ref) =/= node() andalso ets:delete_object(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
+    ok.
+
+%% A change of the journal, for the other members: it goes with the next
+%% flush, which is on its way even while the C node is down.
+gossip(Op, Id, Ref, #state{gossip = G} = State) ->
+    schedule_flush(State#state{gossip = actor_receptionist_gossip:local(Op, Id, Ref, G)}).
 
 subscribed(Pid, Id) ->
     ets:match_object(?RCPT_SUBS, {Pid, Id}) =/= [].
@@ -459,13 +510,20 @@ uncount(Id, #state{counts = Counts, total = Total} = State) ->
 %% burst, and a lone message waits for one self-message only.
 out(Msg, #state{out = Out, out_len = Len} = State) ->
     State1 = State#state{out = [Msg | Out], out_len = Len + 1},
-    case State1 of
-        #state{up = true, flushing = false} ->
-            self() ! flush,
-            State1#state{flushing = true};
-        _ ->
-            State1
+    case State1#state.up of
+        true -> schedule_flush(State1);
+        false -> State1
     end.
+
+schedule_flush(#state{flushing = true} = State) ->
+    State;
+schedule_flush(State) ->
+    self() ! flush,
+    State#state{flushing = true}.
+
+%% The C node's batch and the members' delta.
+flush_all(#state{gossip = G} = State) ->
+    flush(State#state{gossip = actor_receptionist_gossip:flush(G)}).
 
 flush(#state{up = false} = State) ->
     State;
@@ -545,7 +603,8 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
         Pid when is_pid(Pid) ->
             monitor_on(Node),
             Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
-            Remote = [{rregister, O, Id, Ref} || {{O, Id, Ref}} <- ets:tab2list(?RCPT_REMOTE)],
+            Remote = [{rregister, O, Id, Ref} || O <- maps:keys(State0#state.remote),
+                                                 {Id, Ref} <- origin_rows(O, State0)],
             Subs = [{subscribe, Id, P} || {P, Id} <- ets:tab2list(?RCPT_SUBS)],
             State = State0#state{incarnations = N + 1, pid = Pid},
             send_all(Regs ++ Remote ++ Subs, State),
@@ -579,7 +638,7 @@ replay_failed(Reason, Owner, #state{rcpt = Node} = State) ->
 %% A C node that has served no request since it started.
 fresh(Node) ->
     try gen_server:call({?RCPT_PROC, Node}, stats, ?SYNC_TIMEOUT) of
-        #{registers := 0, deregisters := 0, subscribes := 0, finds := 0} -> true;
+        #{registers := 0, deregisters := 0, subscribes := 0, finds := 0, remote_ops := 0} -> true;
         _ -> false
     catch
         exit:_ -> false

@@ -21,12 +21,15 @@
          a_stopped_node_takes_its_registrations/0,
          a_killed_node_takes_its_registrations/0,
          refs_on_a_node_that_left_go_too/0,
+         a_large_member_leaves_in_one_rebuild/0,
          a_hidden_node_is_no_member_and_its_refs_live_with_its_connection/0,
          receptionist_crash_drops_then_regains/0,
          a_killed_c_node_changes_nothing_for_the_peers/0,
          partition_heals_and_converges/0,
+         a_relayed_origin_goes_when_it_dies/0,
          a_network_cut_heals_and_converges/0,
          complete_view_holds_the_first_listing/0,
+         a_held_subscription_waits_and_unsubscribe_cancels_it/0,
          bad_options_are_badarg/0,
          cluster_property/0]).
 
@@ -40,12 +43,15 @@ actor_receptionist_cluster_test_() ->
                   a_stopped_node_takes_its_registrations,
                   a_killed_node_takes_its_registrations,
                   refs_on_a_node_that_left_go_too,
+                  a_large_member_leaves_in_one_rebuild,
                   a_hidden_node_is_no_member_and_its_refs_live_with_its_connection,
                   receptionist_crash_drops_then_regains,
                   a_killed_c_node_changes_nothing_for_the_peers,
                   partition_heals_and_converges,
+                  a_relayed_origin_goes_when_it_dies,
                   a_network_cut_heals_and_converges,
                   complete_view_holds_the_first_listing,
+                  a_held_subscription_waits_and_unsubscribe_cancels_it,
                   bad_options_are_badarg,
                   cluster_property]]}.
 
@@ -149,6 +155,42 @@ refs_on_a_node_that_left_go_too() ->
             converge([A, B, C], K, [RonB, RA]),
             peer:stop(B),
             converge(Ms, K, [RA])
+        after
+            stop_member(B)
+        end
+    end).
+
+%% Over 4096 refs (and a quarter of what stays) of a member that leaves are
+%% dropped in bulk: the snapshot is rebuilt once, and the subscribers'
+%% listings go out after it. Lookups on the rest stay right.
+a_large_member_leaves_in_one_rebuild() ->
+    with_members(1, fun([A]) ->
+        K = key(bulk_watched), Mine = key(bulk_mine),
+        S = subscriber(A, K),
+        RA = ref(A),
+        ok = call(A, actor_receptionist, register, [Mine, RA]),
+        ok = call(A, actor_receptionist, register, [K, RA]),
+        {B, _} = start_member(),
+        try
+            mesh([A, B]),
+            RB = ref(B),
+            Keys = [key({bulk, I}) || I <- lists:seq(1, 6000)],
+            ok = call(B, erlang, apply,
+                      [fun() -> [ok = actor_receptionist:register(Ki, RB) || Ki <- [K | Keys]], ok end, []]),
+            converge([A], lists:last(Keys), [RB]),
+            converge([A], K, [RA, RB]),
+            wait_listing(A, S, K, [RA, RB]),
+            #{shm_rebuilds := Rebuilds0} = call(A, actor_receptionist, stats, []),
+            peer:stop(B),
+            wait_listing(A, S, K, [RA]),
+            %% The listing left after the rebuild: lookups agree at once.
+            ?assertEqual([RA], lookup(A, K)),
+            ?assertEqual([], lookup(A, hd(Keys))),
+            ?assertEqual([], lookup(A, lists:last(Keys))),
+            ?assertEqual([RA], lookup(A, Mine)),
+            ?assertMatch(#{refs := 2, shm_state := live}, call(A, actor_receptionist, stats, [])),
+            #{shm_rebuilds := Rebuilds1} = call(A, actor_receptionist, stats, []),
+            ?assertEqual(Rebuilds0 + 1, Rebuilds1)
         after
             stop_member(B)
         end
@@ -263,6 +305,43 @@ partition_heals_and_converges() ->
         #{members := MembersA} = call(A, actor_receptionist, status, []),
         ?assertEqual(lists:sort([node_of(B), node_of(C)]), MembersA)
     end).
+
+%% A chain B - A - C (B and C never connected): B learns C's registrations
+%% through A, and when C dies they go on B too and stay gone (relays are one
+%% hop: a relayed origin is never relayed back).
+a_relayed_origin_goes_when_it_dies() ->
+    Started = [start_member() || _ <- [a, b, c]],
+    [A, B, C] = Ms = [P || {P, _} <- Started],
+    try
+        [NA, NB, NC] = [node_of(P) || P <- Ms],
+        true = call(A, net_kernel, connect_node, [NB]),
+        true = call(A, net_kernel, connect_node, [NC]),
+        [wait_until(fun() ->
+                            case call(P, actor_receptionist, status, []) of
+                                #{complete := true, members := Want} -> true;
+                                _ -> false
+                            end
+                    end, ?WAIT_MS) || {P, Want} <- [{A, lists:sort([NB, NC])}, {B, [NA]}, {C, [NA]}]],
+        K = key(relay),
+        RC = ref(C), RB = ref(B),
+        ok = call(C, actor_receptionist, register, [K, RC]),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        converge(Ms, K, [RC, RB]),
+        ?assertNot(lists:member(NC, call(B, erlang, nodes, []))),
+        stop_member(C),
+        converge([A, B], K, [RB]),
+        %% Observed for five gossip rounds: C's ref does not come back.
+        Until = erlang:monotonic_time(millisecond) + 5 * ?GOSSIP_MS,
+        Watch = fun W() ->
+                        ?assertEqual([[RB], [RB]], [lookup(M, K) || M <- [A, B]]),
+                        erlang:monotonic_time(millisecond) < Until andalso
+                            begin receive after ?GOSSIP_MS div 4 -> ok end, W() end
+                end,
+        _ = Watch(),
+        ?assertNot(maps:is_key(NC, maps:get(origins, call(B, actor_receptionist, status, []))))
+    after
+        [stop_member(P) || P <- Ms]
+    end.
 
 %% A real cut: three members in network namespaces of their own, linked
 %% pairwise by veth pairs with static routes (no forwarding), so taking the
@@ -429,6 +508,52 @@ complete_view_holds_the_first_listing() ->
             ?assertMatch(#{complete := true, syncing := []}, call(D, actor_receptionist, status, []))
         after
             stop_member(D)
+        end
+    end).
+
+%% A visible node whose receptionist never answers keeps the view
+%% incomplete: held subscriptions wait (no listing at all), an unsubscribe
+%% cancels one, and the rest get their first listing once it is complete.
+a_held_subscription_waits_and_unsubscribe_cancels_it() ->
+    with_members(1, fun([A]) ->
+        K = key(held),
+        Paths = [filename:dirname(code:which(?MODULE))],
+        {ok, D, DNode} = peer:start(#{name => peer:random_name(rcpt_mute), connection => standard_io,
+                                      args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                                               "-connect_all", "false", "-pa" | Paths]}),
+        try
+            %% A process under the receptionist server's name that answers
+            %% nothing.
+            _ = call(D, erlang, apply,
+                     [fun() ->
+                              P = spawn(fun() -> receive never -> ok end end),
+                              true = register(actor_receptionist_server, P),
+                              P
+                      end, []]),
+            true = call(A, net_kernel, connect_node, [DNode]),
+            wait_until(fun() ->
+                               maps:get(syncing, call(A, actor_receptionist, status, [])) =:= [DNode]
+                       end, ?WAIT_MS),
+            ?assertMatch(#{complete := false}, call(A, actor_receptionist, status, [])),
+            S1 = call(A, ap_test_util, spawn_collector, []),
+            S2 = call(A, ap_test_util, spawn_collector, []),
+            ok = call(A, actor_receptionist, subscribe, [K, S1, #{complete => true}]),
+            ok = call(A, actor_receptionist, subscribe, [K, S2, #{complete => true}]),
+            ok = call(A, actor_receptionist, unsubscribe, [K, S2]),
+            R = ref(A),
+            ok = call(A, actor_receptionist, register, [K, R]),
+            ok = call(A, ap_test_util, rcpt_barrier, []),
+            ?assertEqual([], listings(A, S1, K)),
+            %% The mute node goes: the view is complete.
+            peer:stop(D),
+            wait_listing(A, S1, K, [R]),
+            ?assertEqual([[R]], listings(A, S1, K)),
+            ok = call(A, ap_test_util, rcpt_barrier, []),
+            ?assertEqual([], listings(A, S2, K)),
+            ?assertMatch(#{complete := true, syncing := []}, call(A, actor_receptionist, status, []))
+        after
+            catch peer:stop(D),
+            wait_gone([DNode])
         end
     end).
 

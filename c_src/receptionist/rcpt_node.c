@@ -96,6 +96,15 @@ struct rcpt {
 	 * is kept (its id stays that node's). */
 	char (*origins)[MAXATOMLEN_UTF8];
 	uint32_t norigins, cap_origins;
+	/* A bulk drop: the snapshot is rebuilt once at the end instead of
+	 * written per key, and the listings wait for it in `held`. */
+	int bulk;
+	struct held_listing {
+		erlang_pid to;
+		uint8_t *msg;
+		size_t len;
+	} *held;
+	size_t nheld, capheld;
 	/* rate-limited logging */
 	int64_t log_window;
 	unsigned log_count;
@@ -222,7 +231,7 @@ static void heartbeat_tick(ap_node *n, void *arg)
 static void on_change(void *arg, const uint8_t *key, size_t klen, const uint8_t *val, size_t vlen, size_t nrefs)
 {
 	(void)arg;
-	if (!st.w || st.shm_full)
+	if (!st.w || st.shm_full || st.bulk)
 		return; /* no snapshot, or one a rebuild will rewrite whole */
 	if (!val) {
 		st.shm_errors++;
@@ -257,7 +266,59 @@ static void on_listing(void *arg, const erlang_pid *to, const uint8_t *key, size
 		       size_t mlen)
 {
 	(void)arg, (void)key, (void)klen;
+	if (st.bulk) {
+		/* After the rebuild, like every listing after its snapshot write.
+		 * Without memory for it, it goes now: early beats never. */
+		if (st.nheld == st.capheld) {
+			size_t cap = st.capheld ? st.capheld * 2 : 64;
+			void *h = realloc(st.held, cap * sizeof *st.held);
+			if (h) {
+				st.held = h;
+				st.capheld = cap;
+			}
+		}
+		uint8_t *copy = st.nheld < st.capheld ? malloc(mlen) : NULL;
+		if (copy) {
+			memcpy(copy, msg, mlen);
+			st.held[st.nheld++] = (struct held_listing){ *to, copy, mlen };
+			return;
+		}
+	}
 	ap_send(st.n, st.self, to, (const char *)msg, (int)mlen);
+}
+
+/* Drops at least this many refs, and at least a quarter of what stays, go
+ * the bulk way: one rebuild, O(what stays), beats a snapshot write (a
+ * probe, cache misses) per removed key. */
+#define BULK_DROP_MIN 4096u
+
+static void drop_origin(uint32_t id)
+{
+	size_t n = registry_origin_refs(st.reg, id);
+	registry_stats rs;
+	registry_get_stats(st.reg, &rs);
+	int bulk = st.w && !st.shm_full && n >= BULK_DROP_MIN && n >= (rs.refs - n) / 4;
+	st.bulk = bulk;
+	registry_drop_origin(st.reg, id);
+	st.bulk = 0;
+	if (bulk) {
+		size_t cursor = 0;
+		st.rebuilds++;
+		int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
+		if (rc) {
+			/* Left STALE by the failed rebuild: lookups ask us until the
+			 * periodic rebuild fits. */
+			st.shm_errors++;
+			RLOG(AP_LOG_WARNING, "receptionist: snapshot rebuild after a drop failed (%s)", strerror(-rc));
+			st.shm_full = 1;
+			arm_rebuild();
+		}
+	}
+	for (size_t k = 0; k < st.nheld; k++) {
+		ap_send(st.n, st.self, &st.held[k].to, (const char *)st.held[k].msg, (int)st.held[k].len);
+		free(st.held[k].msg);
+	}
+	st.nheld = 0;
 }
 
 static const char *shm_state_name(void)
@@ -561,7 +622,7 @@ static void handle(const char *b, int i, int depth)
 		uint32_t id = origin_id(origin, 0);
 		st.origin_drops++;
 		if (id)
-			registry_drop_origin(st.reg, id);
+			drop_origin(id);
 	} else if (arity == 3 && !strcmp(op, "find"))
 		do_find(b, i);
 	else if (arity == 3 && !strcmp(op, "subscribe"))
@@ -811,6 +872,7 @@ static void teardown(void)
 	}
 	registry_free(st.reg);
 	free(st.origins);
+	free(st.held);
 	st.reg = NULL;
 	ei_x_free(&st.x);
 }

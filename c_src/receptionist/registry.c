@@ -1019,6 +1019,17 @@ size_t registry_drop_origin(registry *r, uint32_t origin)
 	return total;
 }
 
+size_t registry_origin_refs(const registry *r, uint32_t origin)
+{
+	size_t total = 0;
+	for (uint32_t id = 0; id < r->groups.n; id++) {
+		const struct rgroup *g = GROUP(r, id);
+		if (g && g->origin == origin)
+			total += g->nrefs;
+	}
+	return total;
+}
+
 size_t registry_drop_node(registry *r, const char *node)
 {
 	int nid = node_get(r, node, 0);

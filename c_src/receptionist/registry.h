@@ -98,6 +98,8 @@ size_t registry_unsubscribe_all(registry *r, const erlang_pid *sub);
  * each changed key is reported once. Return the number of refs removed.
  * They allocate nothing, so they cannot fail. */
 size_t registry_drop_origin(registry *r, uint32_t origin);
+/* Refs of that origin (O(groups), no walk over the refs). */
+size_t registry_origin_refs(const registry *r, uint32_t origin);
 size_t registry_drop_node(registry *r, const char *node);
 
 /* Read side. The views returned point into a buffer of the registry, valid
