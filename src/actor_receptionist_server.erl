@@ -80,7 +80,9 @@
     %% the cluster half (membership, versions, deltas)
     gossip :: actor_receptionist_gossip:state(),
     %% what we hold of each other member: a set table {{Id, Ref}} per origin
-    remote = #{} :: #{node() => ets:tid()}
+    remote = #{} :: #{node() => ets:tid()},
+    %% tables of members that left, deleted at the next gossip round
+    reap = [] :: [ets:tid()]
 }).
 
 %% ===================================================================
@@ -289,7 +291,11 @@ handle_info(Msg, State) ->
 %% A message of the cluster half: its effects are applied at once and sent
 %% to the C node without waiting for a flush round (a delta is a batch
 %% already).
-cluster(Msg, #state{gossip = G} = State0) ->
+cluster(Msg, #state{gossip = G} = State00) ->
+    State0 = case Msg of
+                 {actor_receptionist_gossip, tick} -> reap(State00);
+                 _ -> State00
+             end,
     case actor_receptionist_gossip:handle(Msg, G) of
         {ok, G1, Effects} ->
             State = lists:foldl(fun effect/2, State0#state{gossip = G1}, Effects),
@@ -430,9 +436,27 @@ drop_origin(Origin, #state{remote = R} = State0) ->
                                ets:member(Tab, {Id, Ref}),
                                {keep, Retag} <- [let_go(Id, Ref, State1)]],
             State2 = flush(lists:foldl(fun out/2, State1, Retags ++ [{drop_origin, Origin}])),
-            Reaper = spawn(fun() -> receive {'ETS-TRANSFER', T, _, _} -> ets:delete(T) end end),
-            true = ets:give_away(Tab, Reaper, drop),
-            State2
+            %% Deleting a large table costs CPU the C node needs right now
+            %% for the drop itself: it waits for the next gossip round.
+            State2#state{reap = [Tab | State2#state.reap]}
+    end.
+
+%% Tables of members that left go to a short-lived process that deletes
+%% them, so this server does not spend the time.
+reap(#state{reap = []} = State) ->
+    State;
+reap(#state{reap = Tabs} = State) ->
+    Reaper = spawn(fun() -> reaper(length(Tabs)) end),
+    [true = ets:give_away(T, Reaper, reap) || T <- Tabs],
+    State#state{reap = []}.
+
+reaper(0) ->
+    ok;
+reaper(N) ->
+    receive
+        {'ETS-TRANSFER', T, _, reap} -> ets:delete(T), reaper(N - 1)
+    after 60000 ->
+        ok
     end.
 
 origin_rows(Origin, #state{remote = R}) ->
