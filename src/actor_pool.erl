@@ -33,13 +33,16 @@
 -export([which_pools/0]).
 -export([which_pools/1]).
 -export([pool_node/0]).
+-export([no_pool_tells/0]).
 
 -export_type([pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
               stats/0, worker_stats/0]).
 
 -type name() :: atom().
--type pool() :: pid() | name() | {name(), node()}.
-%% A pool's pid, its name on this node's pool node, or `{Name, PoolNode}'.
+-type pool() :: pid() | name() | {name(), node()} | actor_receptionist:key().
+%% A pool's pid, its name on this node's pool node, `{Name, PoolNode}', or
+%% (for tell and ask) a service key that pools are registered under: the
+%% call goes to one of the pools listed (see {@link ask/3}).
 
 -type handler() :: echo
                  | json_validate
@@ -64,7 +67,8 @@
                   mailbox_limit => 1..1048576,
                   backoff => backoff(),
                   stable_ms => 0..86400000,
-                  node => node()}.
+                  node => node(),
+                  service_key => actor_receptionist:key() | actor_receptionist:id()}.
 %% Options of {@link start_pool/3}; see its doc for the defaults.
 
 -type worker_stats() :: #{id := non_neg_integer(),
@@ -127,6 +131,13 @@
 %% <li>`stable_ms' (0..86400000, default 10000): a replacement worker that
 %%     lived this long resets its backoff.</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
+%% <li>`service_key': register the pool (its pid) with this node's
+%%     receptionist under that key once it runs, so that any node of the
+%%     cluster finds it and can call it by key; {@link stop_pool/1}
+%%     deregisters it, and a pool node that goes away takes its
+%%     registrations with it. `start_pool' returns once the registration is
+%%     recorded; if it cannot be (no receptionist), the pool is stopped again
+%%     and the error returned.</li>
 %% </ul>
 %% Everything is checked before the pool node is asked: a bad name gives
 %% `{error, {badarg, {name, Name}}}', a bad handler (or a plugin file that
@@ -141,16 +152,72 @@
 -spec start_pool(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
 start_pool(Name, Handler, Opts) ->
     case validate(Name, Handler, Opts) of
-        {ok, PoolNode, Handler1, Full} ->
+        {ok, PoolNode, Handler1, Full0} ->
+            {Key, Full} = case maps:take(service_key, Full0) of
+                              {Id, Rest} -> {Id, Rest};
+                              error -> {none, Full0}
+                          end,
             Manager = {?MANAGER, PoolNode},
             case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
                       ?MANAGER_TIMEOUT) of
-                {ok, Pid} when is_pid(Pid) -> {ok, Pid};
+                {ok, Pid} when is_pid(Pid), Key =:= none -> {ok, Pid};
+                {ok, Pid} when is_pid(Pid) -> register_pool(Key, Pid, Name);
                 {error, _} = Error -> Error;
                 Other -> {error, {unexpected_reply, Other}}
             end;
         {error, _} = Error ->
             Error
+    end.
+
+%% Registered before start_pool returns: a lookup right after sees it.
+register_pool(Id, Pid, Name) ->
+    Key = {service_key, Id},
+    Result = case actor_receptionist:register(Key, Pid, self()) of
+                 ok ->
+                     receive
+                         {registered, Key, Pid} -> ok;
+                         {register_failed, Key, Pid, Why} -> {error, {register_failed, Why}}
+                     after ?MANAGER_TIMEOUT ->
+                         {error, {register_failed, timeout}}
+                     end;
+                 {error, Why} ->
+                     {error, {register_failed, Why}}
+             end,
+    case Result of
+        ok ->
+            _ = (catch ets:insert(?POOL_KEYS, {Pid, Name, node(Pid), Id})),
+            {ok, Pid};
+        {error, _} ->
+            _ = stop_pool(Pid),
+            Result
+    end.
+
+%% Deregister what start_pool registered for this pool (by pid, or by name
+%% and pool node), and wait until it is recorded.
+deregister_pool(Pid, Name, PoolNode) ->
+    Rows = try
+               lists:usort(ets:match_object(?POOL_KEYS, {Pid, '_', '_', '_'}) ++
+                               ets:match_object(?POOL_KEYS, {'_', Name, PoolNode, '_'}))
+           catch
+               error:badarg -> []
+           end,
+    _ = [begin
+             Key = {service_key, Id},
+             case actor_receptionist:deregister(Key, P, self()) of
+                 ok -> receive {deregistered, Key, P} -> ok after ?MANAGER_TIMEOUT -> ok end;
+                 _ -> ok
+             end,
+             ets:delete_object(?POOL_KEYS, Row)
+         end || {P, _, _, Id} = Row <- Rows],
+    ok.
+
+%% @doc Tells to a service key that had no pool registered, since the
+%% application started (they are dropped, and counted here).
+-spec no_pool_tells() -> non_neg_integer().
+no_pool_tells() ->
+    case persistent_term:get(?NO_POOL_TELLS, undefined) of
+        undefined -> 0;
+        C -> counters:get(C, 1)
     end.
 
 %% @doc Stops a pool: every worker stops, the name is free again, and asks
@@ -168,6 +235,10 @@ stop_pool(Pool) ->
         undefined ->
             {error, noproc};
         _ ->
+            ok = case Target of
+                     P when is_pid(P) -> deregister_pool(P, undefined, PoolNode);
+                     N -> deregister_pool(undefined, N, PoolNode)
+                 end,
             case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
                       ?MANAGER_TIMEOUT) of
                 ok -> ok;
@@ -191,6 +262,7 @@ tell(Pool, Msg) ->
     case sendable(Msg) andalso dest(Pool) of
         {ok, Dest, Node} -> actor_pool_batcher:send(Node, Dest, {tell, Msg});
         undefined -> ok;
+        no_pool -> count_no_pool();
         _ -> erlang:error(badarg, [Pool, Msg])
     end.
 
@@ -218,6 +290,8 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
             request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
         undefined ->
             {error, noproc};
+        no_pool ->
+            {error, no_pool};
         _ ->
             erlang:error(badarg, [Pool, Msg, Timeout])
     end;
@@ -284,10 +358,35 @@ dest(Name) when is_atom(Name) ->
         undefined -> undefined;
         Node -> {ok, {Name, Node}, Node}
     end;
+dest({service_key, Id} = Key) when is_binary(Id) ->
+    by_key(Key);
 dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->
     {ok, Dest, Node};
 dest(_) ->
     badarg.
+
+%% One of the pools registered under Key (a NIF read of the receptionist's
+%% snapshot, no message): those on this host first, one of them at random
+%% (rand's per-process state: no shared counter to contend on).
+by_key(Key) ->
+    case actor_receptionist:lookup(Key) of
+        [] -> no_pool;
+        [Pid] -> {ok, Pid, node(Pid)};
+        Pids ->
+            Host = host(node()),
+            Pick = case [P || P <- Pids, host(node(P)) =:= Host] of
+                       [] -> Pids;
+                       Local -> Local
+                   end,
+            Pid = lists:nth(rand:uniform(length(Pick)), Pick),
+            {ok, Pid, node(Pid)}
+    end.
+
+count_no_pool() ->
+    case persistent_term:get(?NO_POOL_TELLS, undefined) of
+        undefined -> ok;
+        C -> counters:add(C, 1, 1)
+    end.
 
 %% A call to a pool or to a manager, kept in order with this process's tells
 %% and asks; never batched. The reply as sent, or {error, noproc |
@@ -387,6 +486,11 @@ option(backoff, #{} = B) ->
             {ok, Merged#{jitter := float(J)}};
         _ ->
             error
+    end;
+option(service_key, Key) ->
+    case actor_receptionist:id(Key) of
+        {ok, Id} -> {ok, Id};
+        error -> error
     end;
 option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
     case lists:member($@, atom_to_list(Node)) of

@@ -12,6 +12,12 @@
 %% Registered name of the manager process on every pool C node.
 -define(MANAGER, actor_pool_node).
 
+%% ETS (public bag, owned by actor_pool_sup): the service keys that
+%% start_pool registered pools under, {PoolPid, Name, PoolNode, Id}.
+-define(POOL_KEYS, actor_pool_keys).
+%% persistent_term key of the counter of tells to a key with no pool.
+-define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
+
 %% ETS table (public, read_concurrency) of batcher groups, one row per pool
 %% node: {Node, Atomics, {Batcher1, ..., BatcherN}, IdleUs}.
 -define(BATCH_TAB, actor_pool_batchers).

@@ -59,6 +59,11 @@ start_pool_node() ->
 
 -spec init([]) -> {ok, {supervisor:sup_flags(), [supervisor:child_spec()]}}.
 init([]) ->
+    ?POOL_KEYS = ets:new(?POOL_KEYS, [public, named_table, bag]),
+    case persistent_term:get(?NO_POOL_TELLS, undefined) of
+        undefined -> persistent_term:put(?NO_POOL_TELLS, counters:new(1, [write_concurrency]));
+        _ -> ok
+    end,
     Flags = #{strategy => one_for_one, intensity => 5, period => 10},
     CnodeSup = #{id => actor_cnode_sup,
                  start => {actor_cnode_sup, start_link, []},

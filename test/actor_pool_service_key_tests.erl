@@ -1,0 +1,127 @@
+%% Pools registered with the receptionist (`service_key' option) and called
+%% by key (`actor_pool:tell/2', `ask/2,3' with a service key), on this node
+%% and from another node of a cluster (real `peer' nodes, each with its own
+%% pool node and receptionist).
+-module(actor_pool_service_key_tests).
+
+-import(ap_test_util, [wait_until/2, epmd_names/0]).
+
+-include_lib("eunit/include/eunit.hrl").
+
+-export([registered_pool_is_found_and_called_by_key/1,
+         stop_pool_deregisters_and_calls_find_no_pool/1,
+         calls_by_key_spread_over_the_pools/1,
+         bad_service_key_is_badarg/1,
+         a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1]).
+
+-define(WAIT_MS, 20000).
+
+service_key_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     fun(Ctx) ->
+             [{atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}
+              || Name <- [registered_pool_is_found_and_called_by_key,
+                          stop_pool_deregisters_and_calls_find_no_pool,
+                          calls_by_key_spread_over_the_pools,
+                          bad_service_key_is_badarg,
+                          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node]]
+     end}.
+
+setup() ->
+    #{was_alive => ap_test_util:start_app()}.
+
+cleanup(#{was_alive := WasAlive}) ->
+    ap_test_util:stop_app(WasAlive).
+
+%% ===================================================================
+%% Cases
+%% ===================================================================
+
+registered_pool_is_found_and_called_by_key(_) ->
+    K = actor_receptionist:service_key(<<"sk.echo">>),
+    {ok, Pid} = actor_pool:start_pool(sk_echo, echo, #{workers => 2, service_key => K}),
+    %% Recorded before start_pool returned.
+    ?assertEqual([Pid], actor_receptionist:lookup(K)),
+    ?assertEqual({ok, <<"hi">>}, actor_pool:ask(K, <<"hi">>)),
+    ?assertEqual({ok, <<"x">>}, actor_pool:ask(K, <<"x">>, 1000)),
+    ok = actor_pool:tell(K, <<"t">>),
+    wait_until(fun() -> maps:get(processed, actor_pool:stats(Pid)) >= 3 end, ?WAIT_MS),
+    %% An id works as the key too.
+    ?assertEqual({ok, <<"y">>}, actor_pool:ask(actor_receptionist:service_key("sk.echo"), <<"y">>)),
+    ok = actor_pool:stop_pool(Pid).
+
+stop_pool_deregisters_and_calls_find_no_pool(_) ->
+    K = actor_receptionist:service_key(<<"sk.stop">>),
+    {ok, Pid} = actor_pool:start_pool(sk_stop, echo, #{workers => 1, service_key => <<"sk.stop">>}),
+    ?assertEqual([Pid], actor_receptionist:lookup(K)),
+    %% By name: the registration goes with it, before stop_pool returns.
+    ok = actor_pool:stop_pool(sk_stop),
+    ?assertEqual([], actor_receptionist:lookup(K)),
+    ?assertEqual({error, no_pool}, actor_pool:ask(K, <<"q">>)),
+    Before = actor_pool:no_pool_tells(),
+    ok = actor_pool:tell(K, <<"lost">>),
+    ?assertEqual(Before + 1, actor_pool:no_pool_tells()).
+
+calls_by_key_spread_over_the_pools(_) ->
+    K = actor_receptionist:service_key(<<"sk.two">>),
+    {ok, P1} = actor_pool:start_pool(sk_one, echo, #{workers => 1, service_key => K}),
+    {ok, P2} = actor_pool:start_pool(sk_two, echo, #{workers => 1, service_key => K}),
+    ?assertEqual(lists:sort([P1, P2]), lists:sort(actor_receptionist:lookup(K))),
+    [{ok, I} = actor_pool:ask(K, I) || I <- lists:seq(1, 200)],
+    N1 = maps:get(processed, actor_pool:stats(P1)),
+    N2 = maps:get(processed, actor_pool:stats(P2)),
+    ?assertEqual(200, N1 + N2),
+    ?assert(N1 >= 50 andalso N2 >= 50),
+    ok = actor_pool:stop_pool(P1),
+    ?assertEqual([P2], actor_receptionist:lookup(K)),
+    ?assertEqual({ok, 1}, actor_pool:ask(K, 1)),
+    ok = actor_pool:stop_pool(P2).
+
+bad_service_key_is_badarg(_) ->
+    ?assertEqual({error, {badarg, {service_key, 42}}},
+                 actor_pool:start_pool(sk_bad, echo, #{service_key => 42})),
+    ?assertEqual({error, {badarg, {service_key, <<>>}}},
+                 actor_pool:start_pool(sk_bad, echo, #{service_key => <<>>})),
+    %% Nothing was started.
+    ?assertNot(lists:keymember(sk_bad, 1, actor_pool:which_pools())).
+
+%% A peer starts a pool on its own pool node under a key; this node finds it
+%% by key and calls it; the peer's pool node dies and the key lists nothing
+%% here, then a new pool comes back under the key.
+a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node(_) ->
+    K = actor_receptionist:service_key(<<"sk.remote">>),
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE]]),
+    {ok, Peer, PeerNode} =
+        peer:start(#{name => peer:random_name(sk_peer), connection => standard_io,
+                     args => ["-setcookie", atom_to_list(erlang:get_cookie()), "-pa" | Paths]}),
+    Call = fun(M, F, A) -> peer:call(Peer, M, F, A, 30000) end,
+    try
+        ok = Call(application, load, [actor_pool]),
+        ok = Call(application, set_env, [actor_pool, gossip_interval_ms, 200]),
+        {ok, _} = Call(application, ensure_all_started, [actor_pool]),
+        true = Call(net_kernel, connect_node, [node()]),
+        wait_until(fun() -> maps:get(complete, actor_receptionist:status())
+                                andalso lists:member(PeerNode, maps:get(members, actor_receptionist:status()))
+                   end, ?WAIT_MS),
+        PeerPN = Call(actor_pool, pool_node, []),
+        {ok, Pid} = Call(actor_pool, start_pool, [sk_remote, echo, #{workers => 1, service_key => K}]),
+        ?assertEqual(PeerPN, node(Pid)),
+        wait_until(fun() -> actor_receptionist:lookup(K) =:= [Pid] end, ?WAIT_MS),
+        ?assertEqual({ok, <<"r">>}, actor_pool:ask(K, <<"r">>)),
+        %% Its pool node dies: its registrations go, here too.
+        #{os_pid := OsPid} = Call(actor_cnode, info, [actor_pool_node_owner]),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS),
+        ?assertEqual({error, no_pool}, actor_pool:ask(K, <<"r">>)),
+        %% Back: a new pool node, a new pool under the key.
+        wait_until(fun() -> maps:get(status, Call(actor_cnode, info, [actor_pool_node_owner])) =:= up end,
+                   ?WAIT_MS),
+        {ok, Pid2} = Call(actor_pool, start_pool, [sk_remote, echo, #{workers => 1, service_key => K}]),
+        wait_until(fun() -> actor_receptionist:lookup(K) =:= [Pid2] end, ?WAIT_MS),
+        ?assertEqual({ok, <<"s">>}, actor_pool:ask(K, <<"s">>))
+    after
+        catch Call(application, stop, [actor_pool]),
+        catch peer:stop(Peer),
+        [Alive | _] = string:split(atom_to_list(PeerNode), "@"),
+        wait_until(fun() -> [N || N <- epmd_names(), lists:prefix(Alive, N)] =:= [] end, ?WAIT_MS)
+    end.
