@@ -183,7 +183,10 @@ handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
-handle_cast({register, Id, Ref, _ReplyTo} = Msg, State) ->
+%% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
+handle_cast({register, Id, Ref, ReplyTo} = Msg, State)
+  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
+       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
         true ->
             {noreply, out(Msg, State)};
@@ -193,7 +196,9 @@ handle_cast({register, Id, Ref, _ReplyTo} = Msg, State) ->
             _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
             {noreply, out(Msg, gossip(reg, Id, Ref, State))}
     end;
-handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State) ->
+handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State)
+  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
+       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
         true ->
             journal_del(Id, Ref),

@@ -12,7 +12,8 @@
          stop_pool_deregisters_and_calls_find_no_pool/1,
          calls_by_key_spread_over_the_pools/1,
          bad_service_key_is_badarg/1,
-         a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1]).
+         a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1,
+         a_standalone_pool_node_registers_its_keyed_pools/1]).
 
 -define(WAIT_MS, 20000).
 
@@ -24,7 +25,8 @@ service_key_test_() ->
                           stop_pool_deregisters_and_calls_find_no_pool,
                           calls_by_key_spread_over_the_pools,
                           bad_service_key_is_badarg,
-                          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node]]
+                          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node,
+                          a_standalone_pool_node_registers_its_keyed_pools]]
      end}.
 
 setup() ->
@@ -125,3 +127,54 @@ a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node(_) ->
         [Alive | _] = string:split(atom_to_list(PeerNode), "@"),
         wait_until(fun() -> [N || N <- epmd_names(), lists:prefix(Alive, N)] =:= [] end, ?WAIT_MS)
     end.
+
+%% `actor_pool_node --connect ThisNode --pool name:echo:1:key=Id' joins as a
+%% hidden node and registers that pool with this node's receptionist; it
+%% goes when the pool node goes, and comes back when it is run again.
+a_standalone_pool_node_registers_its_keyed_pools(_) ->
+    K = actor_receptionist:service_key(<<"sk:standalone">>),
+    Dir = ap_test_util:temp_dir("actor_pool_service_key_tests"),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    [Self, Host] = string:split(atom_to_list(node()), "@"),
+    Alive = Self ++ "_sk_standalone",
+    N = list_to_atom(Alive ++ "@" ++ Host),
+    Exe = filename:join(code:priv_dir(actor_pool), "actor_pool_node"),
+    Run = fun() ->
+                  Port = open_port({spawn_executable, Exe},
+                                   [{args, ["--name", atom_to_list(N), "--cookie-file", CookieFile,
+                                            "--connect", atom_to_list(node()),
+                                            "--pool", "skp:echo:1:key=sk:standalone"]},
+                                    exit_status, binary, stderr_to_stdout, use_stdio]),
+                  {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+                  {Port, OsPid}
+          end,
+    Stop = fun({Port, OsPid}) ->
+                   %% Only while it runs: a pid number is reused once reaped.
+                   _ = ap_test_util:os_pid_alive(OsPid) andalso
+                       os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+                   wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?WAIT_MS),
+                   catch port_close(Port),
+                   wait_until(fun() -> not lists:member(Alive, epmd_names()) end, ?WAIT_MS)
+           end,
+    First = Run(),
+    try
+        wait_until(fun() -> [node(P) || P <- actor_receptionist:lookup(K)] =:= [N] end, ?WAIT_MS),
+        ?assertEqual({ok, <<"a">>}, actor_pool:ask(K, <<"a">>)),
+        ?assertNot(lists:member(N, nodes())),
+        Stop(First),
+        wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS),
+        ?assertEqual({error, no_pool}, actor_pool:ask(K, <<"a">>)),
+        Second = Run(),
+        try
+            wait_until(fun() -> [node(P) || P <- actor_receptionist:lookup(K)] =:= [N] end, ?WAIT_MS),
+            ?assertEqual({ok, <<"b">>}, actor_pool:ask(K, <<"b">>))
+        after
+            Stop(Second)
+        end
+    after
+        catch Stop(First),
+        _ = file:del_dir_r(Dir)
+    end,
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS).

@@ -54,6 +54,8 @@ struct ap_call_item {
 
 struct ap_node {
 	ap_node_cfg cfg;
+	ap_loop_fn parent_up_fn;
+	void *parent_up_arg;
 	char name[MAXNODELEN + 1];
 	ei_cnode ec;
 	ap_loop *loop;
@@ -217,6 +219,22 @@ int ap_send(ap_node *n, const ap_proc *from, const erlang_pid *to, const char *t
 	ap_buf *b = &c->io->out;
 	size_t st = ap_frame_begin(b);
 	if (ap_enc_send(b, to) || ap_enc_msg_raw(b, term, len) || ap_frame_end(b, st))
+		return -1;
+	conn_flush(n, c);
+	return 0;
+}
+
+int ap_send_named(ap_node *n, const ap_proc *from, const char *node, const char *name, const char *term,
+		  int len)
+{
+	ap_conn *c = conn_for(n, node);
+	if (!c) {
+		n->stats.dropped++;
+		return -1;
+	}
+	ap_buf *b = &c->io->out;
+	size_t st = ap_frame_begin(b);
+	if (ap_enc_reg_send(b, &from->pid, name) || ap_enc_msg_raw(b, term, len) || ap_frame_end(b, st))
 		return -1;
 	conn_flush(n, c);
 	return 0;
@@ -524,8 +542,22 @@ static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 	n->conns = c;
 	n->stats.connections++;
 	ap_log(AP_LOG_INFO, "connected to %s", peer);
-	if (tag == TAG_PARENT)
+	if (tag == TAG_PARENT) {
 		send_ready(n);
+		if (n->parent_up_fn)
+			n->parent_up_fn(n, n->parent_up_arg);
+	}
+}
+
+void ap_node_on_parent_up(ap_node *n, ap_loop_fn fn, void *arg)
+{
+	n->parent_up_fn = fn;
+	n->parent_up_arg = arg;
+}
+
+const char *ap_node_parent(const ap_node *n)
+{
+	return n->cfg.parent;
 }
 
 static void io_on_accept(void *arg, int fd)

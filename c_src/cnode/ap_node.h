@@ -89,6 +89,10 @@ ap_proc *ap_proc_whereis(ap_node *n, const char *name);
  * (counted as dropped) or no memory. */
 int ap_send(ap_node *n, const ap_proc *from, const erlang_pid *to, const char *term, int len);
 int ap_reply(ap_node *n, const ap_proc *self, const ap_msg *call, const char *term, int len);
+/* Send to the process registered as `name` on `node` (REG_SEND); the same
+ * results as ap_send. */
+int ap_send_named(ap_node *n, const ap_proc *from, const char *node, const char *name, const char *term,
+		  int len);
 /* Reply with an atom, the common case. */
 int ap_reply_atom(ap_node *n, const ap_proc *self, const ap_msg *call, const char *atom);
 int ap_link(ap_node *n, ap_proc *p, const erlang_pid *remote);
@@ -113,6 +117,12 @@ size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid 
  * posted by the same thread. Returns 0 or -1 (no memory). */
 typedef void (*ap_loop_fn)(ap_node *n, void *arg);
 int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg);
+
+/* Loop thread: fn(n, arg) runs each time the connection to the parent
+ * node (--connect) comes up, after the node reported ready. */
+void ap_node_on_parent_up(ap_node *n, ap_loop_fn fn, void *arg);
+/* The parent node's name, or NULL. */
+const char *ap_node_parent(const ap_node *n);
 
 /* Loop thread: run fn(n, arg) once, delay_ms from now. */
 int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg);

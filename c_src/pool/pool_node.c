@@ -4,7 +4,11 @@
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
- *       [--pool name:handler[:workers[:routing]]]...
+ *       [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
+ * A pool given a key is registered with the receptionist of the --connect
+ * node (its actor_receptionist_server) each time the connection comes up,
+ * so a restarted pool node registers again; the receptionist drops the
+ * registration when the connection goes.
  */
 #include <ei.h>
 #include <stdio.h>
@@ -353,12 +357,61 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	reply_error_atom(n, self, m, "unknown_request");
 }
 
-/* ---- standalone pools: --pool name:handler[:workers[:routing]] ------------- */
+/* ---- standalone pools: --pool name:handler[:workers[:routing]][:key=Id] ---- */
+
+#define MAX_KEYED 64
+#define MAX_KEY 1024 /* the receptionist's limit on a service id */
+
+static struct keyed {
+	char name[MAXATOMLEN_UTF8];
+	char key[MAX_KEY + 1];
+} keyed[MAX_KEYED];
+static int nkeyed;
+static ap_proc *manager;
+
+/* {'$gen_cast', {register, Id, PoolPid, undefined}} to the parent's
+ * receptionist server, for every pool given a key. */
+static void register_keyed(ap_node *n, void *arg)
+{
+	(void)arg;
+	const char *parent = ap_node_parent(n);
+	for (int k = 0; parent && k < nkeyed; k++) {
+		ap_proc *p = ap_proc_whereis(n, keyed[k].name);
+		if (!p)
+			continue;
+		ei_x_buff x;
+		if (ei_x_new_with_version(&x))
+			return;
+		ei_x_encode_tuple_header(&x, 2);
+		ei_x_encode_atom(&x, "$gen_cast");
+		ei_x_encode_tuple_header(&x, 4);
+		ei_x_encode_atom(&x, "register");
+		ei_x_encode_binary(&x, keyed[k].key, (long)strlen(keyed[k].key));
+		ei_x_encode_pid(&x, &p->pid);
+		ei_x_encode_atom(&x, "undefined");
+		if (ap_send_named(n, manager, parent, "actor_receptionist_server", x.buff, x.index) == 0)
+			ap_log(AP_LOG_INFO, "pool %s registered under '%s' with %s", keyed[k].name, keyed[k].key,
+			       parent);
+		ei_x_free(&x);
+	}
+}
 
 static int start_spec(ap_node *n, const char *spec)
 {
-	char buf[512], *save = NULL;
+	char buf[512 + MAX_KEY], *save = NULL;
 	snprintf(buf, sizeof buf, "%s", spec);
+	/* The key is the rest after ":key=", so it may hold ':' itself. */
+	char *key = strstr(buf, ":key=");
+	if (key) {
+		*key = 0;
+		key += 5;
+		size_t klen = strlen(key);
+		if (klen < 1 || klen > MAX_KEY || nkeyed == MAX_KEYED) {
+			ap_log(AP_LOG_ERROR, "bad key in --pool '%s': 1..%d bytes, at most %d keyed pools", spec,
+			       MAX_KEY, MAX_KEYED);
+			return -1;
+		}
+	}
 	char *name = strtok_r(buf, ":", &save);
 	char *handler = strtok_r(NULL, ":", &save);
 	char *workers = strtok_r(NULL, ":", &save);
@@ -366,7 +419,7 @@ static int start_spec(ap_node *n, const char *spec)
 	ap_pool_opts o;
 	ap_pool_opts_default(&o);
 	if (!name || !handler) {
-		ap_log(AP_LOG_ERROR, "bad --pool '%s': want name:handler[:workers[:routing]]", spec);
+		ap_log(AP_LOG_ERROR, "bad --pool '%s': want name:handler[:workers[:routing]][:key=Id]", spec);
 		return -1;
 	}
 	if (workers) {
@@ -409,13 +462,19 @@ static int start_spec(ap_node *n, const char *spec)
 		ap_log(AP_LOG_ERROR, "--pool '%s': cannot start (name taken?)", spec);
 		return -1;
 	}
+	if (key) {
+		snprintf(keyed[nkeyed].name, sizeof keyed[nkeyed].name, "%s", name);
+		snprintf(keyed[nkeyed].key, sizeof keyed[nkeyed].key, "%s", key);
+		nkeyed++;
+	}
 	return 0;
 }
 
 static int pool_node_init(ap_node *n, int argc, char **argv)
 {
-	if (!ap_proc_spawn(n, "actor_pool_node", manager_fn, NULL))
+	if (!(manager = ap_proc_spawn(n, "actor_pool_node", manager_fn, NULL)))
 		return 1;
+	ap_node_on_parent_up(n, register_keyed, NULL);
 	ap_node_set_dead_letter(n, ap_pool_dead_letter);
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
 	for (int k = 0; k < argc; k++) {
