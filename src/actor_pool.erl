@@ -169,27 +169,18 @@ start_pool(Name, Handler, Opts) ->
             Error
     end.
 
-%% Registered before start_pool returns: a lookup right after sees it.
+%% Registered before start_pool returns: a lookup right after sees it. A
+%% failed registration is undone (it may be journaled already) before the
+%% pool is stopped again.
 register_pool(Id, Pid, Name) ->
-    Key = {service_key, Id},
-    Result = case actor_receptionist:register(Key, Pid, self()) of
-                 ok ->
-                     receive
-                         {registered, Key, Pid} -> ok;
-                         {register_failed, Key, Pid, Why} -> {error, {register_failed, Why}}
-                     after ?MANAGER_TIMEOUT ->
-                         {error, {register_failed, timeout}}
-                     end;
-                 {error, Why} ->
-                     {error, {register_failed, Why}}
-             end,
-    case Result of
+    case rcpt_sync(register, Id, Pid) of
         ok ->
             _ = (catch ets:insert(?POOL_KEYS, {Pid, Name, node(Pid), Id})),
             {ok, Pid};
-        {error, _} ->
+        {error, Why} ->
+            _ = rcpt_sync(deregister, Id, Pid),
             _ = stop_pool(Pid),
-            Result
+            {error, {register_failed, Why}}
     end.
 
 %% Deregister what start_pool registered for this pool (by pid, or by name
@@ -202,17 +193,44 @@ deregister_pool(Pid, Name, PoolNode) ->
                error:badarg -> []
            end,
     _ = [begin
-             Key = {service_key, Id},
-             case actor_receptionist:deregister(Key, P, self()) of
-                 ok -> receive {deregistered, Key, P} -> ok after ?MANAGER_TIMEOUT -> ok end;
-                 _ -> ok
-             end,
+             _ = rcpt_sync(deregister, Id, P),
              ets:delete_object(?POOL_KEYS, Row)
          end || {P, _, _, Id} = Row <- Rows],
     ok.
 
-%% @doc Tells to a service key that had no pool registered, since the
-%% application started (they are dropped, and counted here).
+%% A register or deregister, waited for through a short-lived process that
+%% takes the reply: a late or repeated one (a replay may send it twice)
+%% dies with it instead of landing in the caller's mailbox. The result
+%% travels as the relay's exit reason (its 'DOWN' is flushed on a timeout).
+-dialyzer({nowarn_function, rcpt_sync/3}).
+rcpt_sync(Op, Id, Pid) ->
+    Key = {service_key, Id},
+    {Relay, Mref} =
+        spawn_monitor(
+          fun() ->
+                  Result = case actor_receptionist:Op(Key, Pid, self()) of
+                               ok ->
+                                   receive
+                                       {registered, Key, Pid} -> ok;
+                                       {deregistered, Key, Pid} -> ok;
+                                       {register_failed, Key, Pid, Why} -> {error, Why}
+                                   end;
+                               {error, Why} ->
+                                   {error, Why}
+                           end,
+                  exit({rcpt_sync, Result})
+          end),
+    receive
+        {'DOWN', Mref, process, Relay, {rcpt_sync, Result}} -> Result;
+        {'DOWN', Mref, process, Relay, Other} -> {error, Other}
+    after ?MANAGER_TIMEOUT ->
+        exit(Relay, kill),
+        erlang:demonitor(Mref, [flush]),
+        {error, timeout}
+    end.
+
+%% @doc Tells to a service key that had no pool registered (dropped, and
+%% counted here), since this node first started the application.
 -spec no_pool_tells() -> non_neg_integer().
 no_pool_tells() ->
     case persistent_term:get(?NO_POOL_TELLS, undefined) of
@@ -360,6 +378,13 @@ dest(Name) when is_atom(Name) ->
     end;
 dest({service_key, Id} = Key) when is_binary(Id) ->
     by_key(Key);
+dest({service_key, Id}) ->
+    %% A key is a key, whatever its id (no pool can be reached as
+    %% {service_key, Node}).
+    case actor_receptionist:id(Id) of
+        {ok, Bin} -> by_key({service_key, Bin});
+        error -> badarg
+    end;
 dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->
     {ok, Dest, Node};
 dest(_) ->

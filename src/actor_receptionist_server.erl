@@ -183,6 +183,16 @@ handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
+%% A ReplyTo on another node (a standalone pool node registering its pools)
+%% cannot be reached by the C node, which talks to this node only: it gets
+%% its acknowledgement from here, once the journal has the change.
+handle_cast({Op, Id, Ref, ReplyTo}, State)
+  when (Op =:= register orelse Op =:= deregister), is_pid(ReplyTo), node(ReplyTo) =/= node() ->
+    {noreply, State1} = handle_cast({Op, Id, Ref, undefined}, State),
+    Ack = case Op of register -> registered; deregister -> deregistered end,
+    _ = is_binary(Id) andalso byte_size(Id) >= 1 andalso byte_size(Id) =< 1024 andalso is_pid(Ref)
+        andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
+    {noreply, State1};
 %% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
 handle_cast({register, Id, Ref, ReplyTo} = Msg, State)
   when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),

@@ -50,6 +50,11 @@ registered_pool_is_found_and_called_by_key(_) ->
     wait_until(fun() -> maps:get(processed, actor_pool:stats(Pid)) >= 3 end, ?WAIT_MS),
     %% An id works as the key too.
     ?assertEqual({ok, <<"y">>}, actor_pool:ask(actor_receptionist:service_key("sk.echo"), <<"y">>)),
+    %% A key whose id is an atom or a string is the same key.
+    ?assertEqual({ok, <<"z">>}, actor_pool:ask({service_key, 'sk.echo'}, <<"z">>)),
+    ?assertEqual({ok, <<"w">>}, actor_pool:ask({service_key, "sk.echo"}, <<"w">>)),
+    %% Nothing stray left in this process's mailbox by the registration.
+    ?assertEqual({messages, []}, process_info(self(), messages)),
     ok = actor_pool:stop_pool(Pid).
 
 stop_pool_deregisters_and_calls_find_no_pool(_) ->
@@ -163,6 +168,12 @@ a_standalone_pool_node_registers_its_keyed_pools(_) ->
         wait_until(fun() -> [node(P) || P <- actor_receptionist:lookup(K)] =:= [N] end, ?WAIT_MS),
         ?assertEqual({ok, <<"a">>}, actor_pool:ask(K, <<"a">>)),
         ?assertNot(lists:member(N, nodes())),
+        %% Its connection drops (and the receptionist drops its pool): it
+        %% connects again and registers again.
+        true = erlang:disconnect_node(N),
+        wait_until(fun() -> [node(P) || P <- actor_receptionist:lookup(K)] =:= [N]
+                                andalso lists:member(N, nodes(hidden)) end, ?WAIT_MS),
+        ?assertEqual({ok, <<"c">>}, actor_pool:ask(K, <<"c">>)),
         Stop(First),
         wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS),
         ?assertEqual({error, no_pool}, actor_pool:ask(K, <<"a">>)),

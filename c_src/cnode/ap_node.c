@@ -542,8 +542,12 @@ static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 	n->conns = c;
 	n->stats.connections++;
 	ap_log(AP_LOG_INFO, "connected to %s", peer);
-	if (tag == TAG_PARENT) {
+	if (tag == TAG_PARENT)
 		send_ready(n);
+	/* Any connection to the parent, ours or one it made to us. */
+	if (n->cfg.parent && !strcmp(peer, n->cfg.parent)) {
+		n->parent_attempts = 0;
+		n->parent_retry_ms = 0;
 		if (n->parent_up_fn)
 			n->parent_up_fn(n, n->parent_up_arg);
 	}
@@ -592,6 +596,12 @@ static void io_on_closed(void *arg, ap_io_conn *io)
 	n->stats.connections--;
 	if (!conn_for(n, c->peer))
 		drop_links_to(n, c->peer);
+	/* A standalone node (no owner port) that loses its parent connects
+	 * again, with the same attempts as at start; a port-mode node leaves
+	 * that to its owner, which restarts it. */
+	if (!n->cfg.port_mode && n->cfg.parent && !strcmp(c->peer, n->cfg.parent) && !conn_for(n, c->peer) &&
+	    !n->stop)
+		n->parent_retry_ms = n->now_ms + PARENT_RETRY_MS;
 	ap_log(AP_LOG_INFO, "connection to %s closed%s%s", c->peer, io->close_err ? ": " : "",
 	       io->close_err ? strerror(io->close_err) : "");
 	ap_frame_rx_free(&c->rx);

@@ -328,11 +328,17 @@ static void stop_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b,
 	ap_reply_atom(n, self, m, "ok");
 }
 
+static void registered(const char *b, int i);
+
 static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 {
 	const char *b = m->buf;
 	int i = m->index, arity;
 	char op[32];
+	if (m->kind == AP_MSG_INFO) {
+		registered(b, i);
+		return;
+	}
 	if (m->kind != AP_MSG_CALL)
 		return;
 	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "which_pools")) {
@@ -365,20 +371,48 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 static struct keyed {
 	char name[MAXATOMLEN_UTF8];
 	char key[MAX_KEY + 1];
+	int acked; /* the receptionist answered {registered, ...} on this connection */
 } keyed[MAX_KEYED];
 static int nkeyed;
 static ap_proc *manager;
+static int retry_armed;
 
-/* {'$gen_cast', {register, Id, PoolPid, undefined}} to the parent's
- * receptionist server, for every pool given a key. */
+#define REGISTER_RETRY_MS 1000
+
+static void register_keyed(ap_node *n, void *arg);
+
+static void register_retry(ap_node *n, void *arg)
+{
+	(void)arg;
+	retry_armed = 0;
+	register_keyed(n, NULL);
+}
+
+/* The parent connection came up (again): every keyed pool registers anew
+ * (the receptionist dropped them when the connection went). */
+static void parent_up(ap_node *n, void *arg)
+{
+	(void)arg;
+	for (int k = 0; k < nkeyed; k++)
+		keyed[k].acked = 0;
+	register_keyed(n, NULL);
+}
+
+/* {'$gen_cast', {register, Id, PoolPid, Manager}} to the parent's
+ * receptionist server for every keyed pool not acknowledged yet, again
+ * every second until it is: the server may not run yet (the parent's
+ * distribution comes up before its application), and a message to a
+ * registered name that does not exist is dropped without a word. */
 static void register_keyed(ap_node *n, void *arg)
 {
 	(void)arg;
 	const char *parent = ap_node_parent(n);
+	int pending = 0;
 	for (int k = 0; parent && k < nkeyed; k++) {
 		ap_proc *p = ap_proc_whereis(n, keyed[k].name);
-		if (!p)
+		if (!p || keyed[k].acked)
 			continue;
+		pending = 1;
 		ei_x_buff x;
 		if (ei_x_new_with_version(&x))
 			return;
@@ -388,18 +422,45 @@ static void register_keyed(ap_node *n, void *arg)
 		ei_x_encode_atom(&x, "register");
 		ei_x_encode_binary(&x, keyed[k].key, (long)strlen(keyed[k].key));
 		ei_x_encode_pid(&x, &p->pid);
-		ei_x_encode_atom(&x, "undefined");
-		if (ap_send_named(n, manager, parent, "actor_receptionist_server", x.buff, x.index) == 0)
-			ap_log(AP_LOG_INFO, "pool %s registered under '%s' with %s", keyed[k].name, keyed[k].key,
-			       parent);
+		ei_x_encode_pid(&x, &manager->pid);
+		(void)ap_send_named(n, manager, parent, "actor_receptionist_server", x.buff, x.index);
 		ei_x_free(&x);
 	}
+	if (pending && !retry_armed && ap_node_timer(n, REGISTER_RETRY_MS, register_retry, NULL) == 0)
+		retry_armed = 1;
+}
+
+/* {registered, {service_key, Id}, PoolPid}: the receptionist recorded it. */
+static void registered(const char *b, int i)
+{
+	int arity;
+	char a[32];
+	long len;
+	char key[MAX_KEY + 1];
+	erlang_pid pid;
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 3 || get_atom(b, &i, a, sizeof a) ||
+	    strcmp(a, "registered") || ei_decode_tuple_header(b, &i, &arity) || arity != 2 ||
+	    get_atom(b, &i, a, sizeof a) || strcmp(a, "service_key"))
+		return;
+	int type, size;
+	if (ei_get_type(b, &i, &type, &size) || type != ERL_BINARY_EXT || size < 1 || size > MAX_KEY ||
+	    ei_decode_binary(b, &i, key, &len) || ei_decode_pid(b, &i, &pid))
+		return;
+	key[len] = 0;
+	for (int k = 0; k < nkeyed; k++)
+		if (!keyed[k].acked && !strcmp(keyed[k].key, key)) {
+			keyed[k].acked = 1;
+			ap_log(AP_LOG_INFO, "pool %s registered under '%s'", keyed[k].name, key);
+		}
 }
 
 static int start_spec(ap_node *n, const char *spec)
 {
 	char buf[512 + MAX_KEY], *save = NULL;
-	snprintf(buf, sizeof buf, "%s", spec);
+	if ((size_t)snprintf(buf, sizeof buf, "%s", spec) >= sizeof buf) {
+		ap_log(AP_LOG_ERROR, "--pool '%.64s...': too long", spec);
+		return -1;
+	}
 	/* The key is the rest after ":key=", so it may hold ':' itself. */
 	char *key = strstr(buf, ":key=");
 	if (key) {
@@ -474,7 +535,7 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 {
 	if (!(manager = ap_proc_spawn(n, "actor_pool_node", manager_fn, NULL)))
 		return 1;
-	ap_node_on_parent_up(n, register_keyed, NULL);
+	ap_node_on_parent_up(n, parent_up, NULL);
 	ap_node_set_dead_letter(n, ap_pool_dead_letter);
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
 	for (int k = 0; k < argc; k++) {
