@@ -4,7 +4,7 @@
 REBAR ?= rebar3
 EPMD  ?= epmd
 
-.PHONY: all compile deps epmd test eunit eunit-asan dep-test dialyzer demo bench bench-run \
+.PHONY: all compile deps epmd test eunit eunit-asan dep-test elixir-test dialyzer demo bench bench-run \
         fuzz clean
 
 all: compile
@@ -21,12 +21,14 @@ epmd:
 
 # Everything: C unit tests and a short fuzz run (under ASan+UBSan), EUnit
 # against real C nodes with each I/O backend, actor_pool as a rebar3
-# dependency of another project, and dialyzer.
+# dependency of another project and as a mix dependency (examples/elixir_app,
+# ExUnit), and dialyzer.
 test: deps
 	$(MAKE) -C c_src test
 	$(REBAR) compile
 	$(MAKE) eunit
 	$(MAKE) dep-test
+	$(MAKE) elixir-test
 	$(MAKE) dialyzer
 
 eunit: epmd
@@ -52,6 +54,11 @@ eunit-asan: epmd
 
 dep-test:
 	bash test/dep_project/run
+
+# examples/elixir_app: actor_pool as a mix dependency (path, manager: :rebar3),
+# built offline with the system rebar3, and its ExUnit suite.
+elixir-test: epmd
+	cd examples/elixir_app && MIX_REBAR3=$$(command -v rebar3) MIX_ENV=test mix test
 
 dialyzer:
 	$(REBAR) dialyzer
