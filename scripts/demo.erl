@@ -8,18 +8,31 @@
 %%     (orders with nested items; about one in eight broken on purpose) from
 %%     eight concurrent callers, then takes as many again as fire-and-forget
 %%     tells, and prints what it found and its stats;
-%%   - an echo pool answers asks, gen_server:call and tells.
+%%   - an echo pool answers asks, gen_server:call and tells;
+%%   - a cluster: this node and two peer BEAM nodes on loopback, plus a
+%%     standalone pool node (priv/actor_pool_node) whose json_validate pool
+%%     registers with the receptionist under "json-validator". The peers
+%%     discover it by subscription and send it work by key (asks and
+%%     tells); the pool node is killed and the peers' listings shrink, it
+%%     runs again and they grow.
 %%
-%% Exits 1 if any step does not give the expected result.
+%% `--short' uses fewer documents (the test suite runs it so). Exits 1 if
+%% any step does not give the expected result; stops everything it started.
 -mode(compile).
 
 -define(DOCS, 3000).
 -define(CALLERS, 8).
 
-main(_Args) ->
+main(Args) ->
     Root = filename:dirname(filename:dirname(filename:absname(escript:script_name()))),
-    Ebins = filelib:wildcard(filename:join([Root, "_build", "default", "lib", "*", "ebin"])),
+    Ebins = case filelib:wildcard(filename:join([Root, "_build", "default", "lib", "*", "ebin"])) of
+                [] -> filelib:wildcard(filename:join([Root, "_build", "test", "lib", "*", "ebin"]));
+                Found -> Found
+            end,
     ok = code:add_pathsa(Ebins),
+    put(demo_docs, case Args of ["--short"] -> 400; _ -> ?DOCS end),
+    put(demo_root, Root),
+    put(demo_ebins, Ebins),
     try run() of
         ok ->
             io:format("~ndemo: all steps gave the expected result~n"),
@@ -41,10 +54,11 @@ run() ->
     {ok, Json} = actor_pool:start_pool(demo_json, json_validate, #{workers => 4}),
     show("actor_pool:start_pool(demo_json, json_validate, #{workers => 4})", {ok, Json}),
     rand:seed(exsss, {1, 2, 3}),
-    Docs = [document(I) || I <- lists:seq(1, ?DOCS)],
+    NDocs = get(demo_docs),
+    Docs = [document(I) || I <- lists:seq(1, NDocs)],
     Bytes = lists:sum([byte_size(D) || {_, D} <- Docs]),
     Broken = length([x || {broken, _} <- Docs]),
-    show("documents generated", {?DOCS, {bytes, Bytes}, {broken_on_purpose, Broken}}),
+    show("documents generated", {NDocs, {bytes, Bytes}, {broken_on_purpose, Broken}}),
 
     T0 = erlang:monotonic_time(microsecond),
     Results = parallel_asks(Json, Docs),
@@ -57,21 +71,21 @@ run() ->
     show("answers that disagree with the generator", length(Wrong)),
     [] = Wrong,
     show("throughput of the asks (8 callers)",
-         {round(?DOCS * 1.0e6 / max(1, Us)), docs_per_s}),
+         {round(NDocs * 1.0e6 / max(1, Us)), docs_per_s}),
     io:format("~nsome broken documents and where the validator stopped:~n"),
     [explain(D, E) || {D, E} <- lists:sublist(Invalid, 4)],
 
     %% The same documents again, as tells: nothing waits for an answer.
     #{processed := P0} = actor_pool:stats(Json),
     [ok = actor_pool:tell(Json, D) || {_, D} <- Docs],
-    Stats = wait_processed(Json, P0 + ?DOCS, 30000),
+    Stats = wait_processed(Json, P0 + NDocs, 30000),
     io:format("~n"),
     show("after the tells: actor_pool:stats(demo_json)", summary(Stats)),
     [show("  worker " ++ integer_to_list(Id), W)
      || #{id := Id} = W0 <- maps:get(workers, Stats),
         W <- [maps:with([alive, mailbox, processed, restarts], W0)]],
     expect("errors counted (each broken document twice)", 2 * Broken, maps:get(errors, Stats)),
-    expect("documents processed (asks and tells)", 2 * ?DOCS, maps:get(processed, Stats)),
+    expect("documents processed (asks and tells)", 2 * NDocs, maps:get(processed, Stats)),
 
     %% ---- echo -----------------------------------------------------------
     section("an echo pool"),
@@ -89,10 +103,162 @@ run() ->
     expect("actor_pool:stop_pool(Echo)", ok, actor_pool:stop_pool(Echo)),
     expect("actor_pool:ask(demo_json, <<\"{}\">>) after the stop", {error, noproc},
            actor_pool:ask(demo_json, <<"{}">>)),
+
+    cluster(Docs),
+
     ok = application:stop(actor_pool),
     show("application:stop(actor_pool)", ok),
     _ = net_kernel:stop(),
     ok.
+
+%% ===================================================================
+%% The cluster
+%% ===================================================================
+
+cluster(Docs) ->
+    section("a cluster: this node, two peers, a standalone pool node"),
+    Key = actor_receptionist:service_key(<<"json-validator">>),
+    Tag = os:getpid(),
+    Peers = [start_peer(list_to_atom("demo_" ++ L ++ "_" ++ Tag)) || L <- ["b", "c"]],
+    put(demo_peers, Peers),
+    [B, C] = [N || {_, N} <- Peers],
+    Members = lists:sort([node(), B, C]),
+    [true = erpc:call(X, net_kernel, connect_node, [Y]) || X <- [B, C], Y <- Members, X =/= Y],
+    [wait(fun() ->
+                  case erpc:call(N, actor_receptionist, status, []) of
+                      #{complete := true, members := M} -> M =:= Members -- [N];
+                      _ -> false
+                  end
+          end, 20000, {members, N}) || N <- Members],
+    show("members, as node " ++ atom_to_list(B) ++ " sees them",
+         maps:get(members, erpc:call(B, actor_receptionist, status, []))),
+    Watchers = [erpc:call(N, demo_node, watch, [Key, self(), N]) || N <- [B, C]],
+    put(demo_watchers, lists:zip([B, C], Watchers)),
+    await_listings([B, C], 0),
+
+    %% The standalone pool node, a hidden node that registers its pool.
+    PoolNode = start_pool_node(Tag),
+    await_listings([B, C], 1),
+    Pool = {json, PoolNode},
+
+    %% Work by key from the peers: asks from one, tells from the other.
+    {Valid, Invalid, Other, Us} = erpc:call(B, demo_node, asks, [Key, Docs, ?CALLERS], 60000),
+    show(atom_to_list(B) ++ ": asks by key (8 callers), valid / invalid", {Valid, Invalid}),
+    show(atom_to_list(B) ++ ": throughput", {round(length(Docs) * 1.0e6 / max(1, Us)), docs_per_s}),
+    expect("answers that disagree with the generator", [], Other),
+    #{processed := P0} = actor_pool:stats(Pool),
+    ok = erpc:call(C, demo_node, tells, [Key, Docs], 60000),
+    Stats = wait_processed(Pool, P0 + length(Docs), 30000),
+    show(atom_to_list(C) ++ ": tells by key; then actor_pool:stats(" ++ atom_to_list(json) ++ ")",
+         summary(Stats)),
+
+    %% The pool node dies: every subscriber's listing shrinks.
+    section("the pool node is killed"),
+    kill_pool_node(),
+    await_listings([B, C], 0),
+    expect(atom_to_list(B) ++ ": actor_pool:ask(Key, Doc)", {error, no_pool},
+           erpc:call(B, actor_pool, ask, [Key, <<"{}">>])),
+
+    section("the pool node runs again"),
+    PoolNode = start_pool_node(Tag),
+    await_listings([B, C], 1),
+    expect(atom_to_list(C) ++ ": actor_pool:ask(Key, <<\"{}\">>)", {ok, ok},
+           erpc:call(C, actor_pool, ask, [Key, <<"{}">>])),
+    stop_cluster(),
+    show("the cluster stopped (peers, pool node)", ok).
+
+start_peer(Name) ->
+    %% Quiet peers: their C nodes' start-up notices would interleave.
+    {ok, Peer, Node} = peer:start(#{name => Name, args => ["-kernel", "logger_level", "warning",
+                                                           "-pa" | get(demo_ebins)]}),
+    ok = erpc:call(Node, application, load, [actor_pool]),
+    ok = erpc:call(Node, application, set_env, [actor_pool, pool_node, false]),
+    ok = erpc:call(Node, application, set_env, [actor_pool, receptionist_shm_mb, 32]),
+    {ok, _} = erpc:call(Node, application, ensure_all_started, [actor_pool]),
+    {ok, demo_node, Bin} = compile:file(filename:join([get(demo_root), "scripts", "demo_node.erl"]),
+                                        [binary, report]),
+    {module, demo_node} = erpc:call(Node, code, load_binary, [demo_node, "demo_node.erl", Bin]),
+    show("peer started", Node),
+    {Peer, Node}.
+
+%% priv/actor_pool_node --name demo_pool_<pid>@host --connect <this node>
+%%     --pool json:json_validate:2:key=json-validator
+start_pool_node(Tag) ->
+    Dir = filename:join(os:getenv("TMPDIR", "/tmp"), "actor_pool_demo_" ++ Tag),
+    ok = filelib:ensure_dir(filename:join(Dir, "x")),
+    Cookie = filename:join(Dir, "cookie"),
+    ok = file:write_file(Cookie, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(Cookie, 8#600),
+    [_, Host] = string:split(atom_to_list(node()), "@"),
+    Node = list_to_atom("demo_pool_" ++ Tag ++ "@" ++ Host),
+    Exe = filename:join(code:priv_dir(actor_pool), "actor_pool_node"),
+    Args = ["--name", atom_to_list(Node), "--cookie-file", Cookie, "--connect", atom_to_list(node()),
+            "--pool", "json:json_validate:2:key=json-validator"],
+    Port = open_port({spawn_executable, Exe}, [{args, Args}, exit_status, binary, stderr_to_stdout]),
+    {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+    put(demo_pool_node, {Port, OsPid, Node, Dir}),
+    show("actor_pool_node " ++ lists:flatten(lists:join(" ", Args -- ["--cookie-file", Cookie])),
+         {os_pid, OsPid}),
+    Node.
+
+kill_pool_node() ->
+    case erase(demo_pool_node) of
+        {Port, OsPid, Node, _Dir} ->
+            _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+            show("kill -9", OsPid),
+            receive {Port, {exit_status, _}} -> ok after 5000 -> ok end,
+            catch port_close(Port),
+            wait(fun() -> not lists:member(Node, nodes(hidden)) end, 10000, {gone, Node});
+        undefined ->
+            ok
+    end.
+
+%% Every watcher on Nodes reports a listing with N pools.
+await_listings(Nodes, N) ->
+    [receive
+         {demo_listing, Node, N, PoolNodes} ->
+             show("  " ++ atom_to_list(Node) ++ ": listing for \"json-validator\"",
+                  {pools, N, PoolNodes})
+     after 20000 ->
+             error({no_listing, Node, N})
+     end || Node <- Nodes],
+    ok.
+
+stop_cluster() ->
+    kill_pool_node(),
+    _ = [catch peer:stop(P) || {P, _} <- get_list(demo_peers)],
+    erase(demo_peers),
+    Root = "demo_",
+    wait(fun() -> [A || A <- epmd_names(), lists:prefix(Root, A),
+                        lists:suffix(os:getpid(), hd(string:split(A, "_receptionist")))] =:= []
+         end, 20000, epmd_names),
+    ok.
+
+get_list(Key) ->
+    case get(Key) of
+        undefined -> [];
+        L -> L
+    end.
+
+epmd_names() ->
+    case net_adm:names() of
+        {ok, Names} -> [N || {N, _} <- Names];
+        _ -> []
+    end.
+
+wait(Fun, Timeout, What) ->
+    Deadline = erlang:monotonic_time(millisecond) + Timeout,
+    wait_until(Fun, Deadline, What).
+
+wait_until(Fun, Deadline, What) ->
+    case Fun() of
+        true -> ok;
+        false ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> error({timeout, What});
+                false -> receive after 20 -> wait_until(Fun, Deadline, What) end
+            end
+    end.
 
 %% ===================================================================
 %% Work
@@ -199,6 +365,7 @@ break(4, Doc) -> <<Doc/binary, " {}">>.                                     % tr
 %% ===================================================================
 
 cleanup() ->
+    catch stop_cluster(),
     _ = [catch actor_pool:stop_pool(P) || {_, P} <- catch actor_pool:which_pools()],
     _ = application:stop(actor_pool),
     _ = net_kernel:stop(),
