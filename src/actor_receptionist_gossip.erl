@@ -31,6 +31,17 @@
 %% through, and a relayed origin is never relayed again, so two nodes cannot
 %% keep a dead origin alive between them).
 %%
+%% <h3>Hidden nodes: followers</h3>
+%% A BEAM started with `-hidden' is no member. Its receptionist follows
+%% the nodes it connects to instead: it says `follow' rather than hello, and
+%% a member answers with its state and then sends it its deltas and digests,
+%% without asking for a state back or counting it for completeness. Other
+%% members' registrations reach a follower as relayed origins. A follower's
+%% own registrations are made on a member it follows (see
+%% actor_receptionist_server), so they live as long as its connection to
+%% that member. A node that never answers a probe (a C node, a BEAM without
+%% the application) stops being waited for after three gossip rounds.
+%%
 %% <h3>Removal</h3>
 %% On `nodedown' of any node (hidden ones too) the server deregisters its
 %% own registrations whose refs live on that node, and those changes
@@ -48,6 +59,8 @@
 -export([cancel/3]).
 -export([status/1]).
 -export([bytes/1]).
+-export([follows/1]).
+-export([hidden/1]).
 
 -export_type([state/0, effect/0, status/0]).
 
@@ -89,8 +102,13 @@
     sent = 0 :: non_neg_integer(),
     interval :: pos_integer(),
     peers = #{} :: #{node() => #peer{}},
-    %% visible nodes asked whether they run a receptionist
-    probing = #{} :: #{node() => reference()},
+    %% nodes asked whether they run a receptionist: the monitor, and the
+    %% gossip rounds left before it stops being waited for
+    probing = #{} :: #{node() => {reference(), non_neg_integer()}},
+    %% this node is hidden: it follows the nodes it connects to
+    hidden = false :: boolean(),
+    %% (on a member) the hidden nodes that follow us
+    followers = #{} :: #{node() => #peer{}},
     %% origins held: {Inc, Ver, direct | ViaNode}
     origins = #{} :: #{node() => {non_neg_integer(), non_neg_integer(), direct | node()}},
     %% local changes not yet sent, newest first
@@ -115,8 +133,9 @@
 -spec new(pos_integer()) -> state().
 new(Interval) ->
     ok = net_kernel:monitor_nodes(true, [{node_type, all}]),
-    G0 = #g{inc = incarnation(), interval = Interval},
-    G = lists:foldl(fun probe/2, G0, nodes(visible)),
+    Hidden = init:get_argument(hidden) =/= error,
+    G0 = #g{inc = incarnation(), interval = Interval, hidden = Hidden},
+    G = lists:foldl(fun probe/2, G0, candidates(G0)),
     _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
     G.
 
@@ -132,8 +151,15 @@ local(Op, Id, Ref, #g{pending = P, ver = V} = G) ->
 -spec flush(state()) -> state().
 flush(#g{pending = []} = G) ->
     G;
-flush(#g{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers} = G) ->
-    G1 = send_deltas(lists:reverse(P), Sent, Inc, Peers, G),
+flush(#g{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers, followers = Fs,
+         hidden = Hidden} = G) ->
+    %% A follower's registrations are made on a member (they reach it as
+    %% that member's); what it records itself stays its own.
+    To = case Hidden of
+             true -> Fs;
+             false -> maps:merge(Fs, Peers)
+         end,
+    G1 = send_deltas(lists:reverse(P), Sent, Inc, To, G),
     G1#g{pending = [], sent = Ver}.
 
 %% @private
@@ -177,6 +203,21 @@ status(#g{peers = Peers, probing = Pr, origins = Os, inc = Inc, ver = Ver} = G) 
       version => Ver}.
 
 %% @private
+%% @doc On a hidden node: the members it follows, synced ones first;
+%% `none' on a member (it keeps its registrations itself).
+-spec follows(state()) -> [node()] | none.
+follows(#g{hidden = false}) ->
+    none;
+follows(#g{peers = Peers}) ->
+    [N || {N, #peer{synced = true}} <- maps:to_list(Peers)] ++
+        [N || {N, #peer{synced = false}} <- maps:to_list(Peers)].
+
+%% @private
+-spec hidden(state()) -> boolean().
+hidden(#g{hidden = H}) ->
+    H.
+
+%% @private
 -spec bytes(state()) -> non_neg_integer().
 bytes(#g{bytes = B}) ->
     B.
@@ -185,34 +226,54 @@ bytes(#g{bytes = B}) ->
 %% Messages
 %% ===================================================================
 
-handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr} = G0) ->
+handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr0} = G0) ->
     _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
-    %% is asked for again, once per round.
-    G1 = G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers)},
+    %% is asked for again, once per round. A probe unanswered for three
+    %% rounds (no DOWN either: a C node) is not waited for any more.
+    Pr = maps:filtermap(fun(_, {Mref, 0}) -> erlang:demonitor(Mref, [flush]), false;
+                           (_, {Mref, N}) -> {true, {Mref, N - 1}}
+                        end, Pr0),
+    G1 = G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers), probing = Pr},
     G = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
     digest(flush(G));
-handle1({nodeup, Node, Info}, G) when is_list(Info) ->
+handle1({nodeup, Node, Info}, #g{hidden = Hidden} = G) when is_list(Info) ->
     case proplists:get_value(node_type, Info) of
         visible -> probe(Node, G);
+        hidden when Hidden -> case lists:member(Node, own_cnodes()) of
+                                  true -> G;
+                                  false -> probe(Node, G)
+                              end;
         _ -> G
     end;
-handle1({nodedown, Node, Info}, G0) when is_list(Info) ->
+handle1({nodedown, Node, Info}, #g{followers = Fs} = G0) when is_list(Info) ->
     %% Our own registrations of processes on that node end, hidden or not.
-    G = effect({drop_refs_on, Node}, forget_probe(Node, G0)),
+    G = effect({drop_refs_on, Node}, forget_probe(Node, G0#g{followers = maps:remove(Node, Fs)})),
     member_left(Node, G);
 handle1({'DOWN', Mref, process, {?RCPT_SERVER, Node}, _}, #g{probing = Pr} = G) ->
     %% That node runs no receptionist (or just stopped it).
     case maps:find(Node, Pr) of
-        {ok, Mref} -> G#g{probing = maps:remove(Node, Pr)};
+        {ok, {Mref, _}} -> G#g{probing = maps:remove(Node, Pr)};
         _ -> G
     end;
-handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers} = G) when is_pid(Pid) ->
+handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers, followers = Fs} = G) when is_pid(Pid) ->
     Node = node(Pid),
-    case maps:find(Node, Peers) of
-        {ok, #peer{mref = Mref}} -> member_left(Node, G);
+    case {maps:find(Node, Peers), maps:find(Node, Fs)} of
+        {{ok, #peer{mref = Mref}}, _} -> member_left(Node, G);
+        {_, {ok, #peer{mref = Mref}}} -> G#g{followers = maps:remove(Node, Fs)};
         _ -> ignore
     end;
+handle1({ap_rcpt_follow, Pid, _Inc}, #g{followers = Fs} = G0) when is_pid(Pid) ->
+    %% A hidden node follows us: our state now, then our deltas and digests.
+    Node = node(Pid),
+    G1 = case maps:find(Node, Fs) of
+             {ok, #peer{pid = Pid}} ->
+                 G0;
+             Old ->
+                 _ = [erlang:demonitor(M, [flush]) || {ok, #peer{mref = M}} <- [Old]],
+                 G0#g{followers = Fs#{Node => #peer{pid = Pid, mref = erlang:monitor(process, Pid)}}}
+         end,
+    send_state(Pid, flush(G1));
 handle1({ap_rcpt_hello, Pid, _Inc}, G0) when is_pid(Pid) ->
     G1 = peer(Pid, forget_probe(node(Pid), G0)),
     %% Flushed first: the state is then exactly version Ver and every
@@ -285,15 +346,28 @@ probe(Node, #g{probing = Pr, peers = Peers} = G) ->
         false ->
             Mref = erlang:monitor(process, {?RCPT_SERVER, Node}),
             G1 = out({?RCPT_SERVER, Node}, hello(G), G),
-            G1#g{probing = Pr#{Node => Mref}}
+            G1#g{probing = Pr#{Node => {Mref, 3}}}
     end.
 
+%% A follower asks to follow; a member says hello.
+hello(#g{inc = Inc, hidden = true}) ->
+    {ap_rcpt_follow, self(), Inc};
 hello(#g{inc = Inc}) ->
     {ap_rcpt_hello, self(), Inc}.
 
+%% The nodes to probe at start: visible ones; a hidden node has only hidden
+%% connections, its own C nodes aside.
+candidates(#g{hidden = false}) ->
+    nodes(visible);
+candidates(#g{hidden = true}) ->
+    nodes(connected) -- own_cnodes().
+
+own_cnodes() ->
+    [N || N <- [actor_receptionist:receptionist_node(), actor_pool:pool_node()], N =/= undefined].
+
 forget_probe(Node, #g{probing = Pr} = G) ->
     case maps:take(Node, Pr) of
-        {Mref, Pr1} -> erlang:demonitor(Mref, [flush]), G#g{probing = Pr1};
+        {{Mref, _}, Pr1} -> erlang:demonitor(Mref, [flush]), G#g{probing = Pr1};
         error -> G
     end.
 
@@ -415,12 +489,15 @@ send_state(Pid, #g{inc = Inc, ver = Ver} = G) ->
     out(Pid, {ap_rcpt_state, self(), Inc, Ver, ets:tab2list(?RCPT_REGS)}, G).
 
 %% Our own version, and the origins we reach directly, except the receiver.
-digest(#g{peers = Peers, inc = Inc, ver = Ver, origins = Os} = G) ->
+digest(#g{hidden = true} = G) ->
+    %% A follower is no member: it asks (follow) when it finds a gap.
+    G;
+digest(#g{peers = Peers, followers = Fs, inc = Inc, ver = Ver, origins = Os} = G) ->
     Direct = [{O, I, V} || {O, {I, V, direct}} <- maps:to_list(Os)],
     maps:fold(fun(Node, #peer{pid = Pid}, S) ->
                       out(Pid, {ap_rcpt_digest, self(), Inc, Ver,
                                 [D || {O, _, _} = D <- Direct, O =/= Node]}, S)
-              end, G, Peers).
+              end, G, maps:merge(Fs, Peers)).
 
 %% Never block on a busy or reconnecting distribution channel: what is lost
 %% is repaired by the next digest.

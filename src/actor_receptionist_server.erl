@@ -82,7 +82,11 @@
     %% what we hold of each other member: a set table {{Id, Ref}} per origin
     remote = #{} :: #{node() => ets:tid()},
     %% tables of members that left, deleted at the next gossip round
-    reap = [] :: [ets:tid()]
+    reap = [] :: [ets:tid()],
+    %% a hidden node: registrations are made on a member it follows
+    follower = false :: boolean(),
+    %% (follower) where each forwarded registration was made
+    forwarded = #{} :: #{{binary(), pid()} => node()}
 }).
 
 %% ===================================================================
@@ -122,8 +126,9 @@ init(Node, Owner, PerKey, Total, Interval) ->
                                                                node(Ref) =/= node()]),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
+    G = actor_receptionist_gossip:new(Interval),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
-                    gossip = actor_receptionist_gossip:new(Interval)},
+                    gossip = G, follower = actor_receptionist_gossip:hidden(G)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
@@ -183,6 +188,29 @@ handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
+%% On a hidden node (a follower) a registration is made on a member it
+%% follows, so that the cluster has it and it lives as long as this node's
+%% connection to that member; with no member yet, here.
+handle_cast({Op, Id, Ref, ReplyTo} = Msg, #state{follower = true, gossip = G, forwarded = Fw} = State)
+  when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
+    Member = case {journaled(Id, Ref), maps:find({Id, Ref}, Fw), actor_receptionist_gossip:follows(G)} of
+                 {true, _, _} -> local;  %% made here before this node followed anyone
+                 {_, {ok, M}, _} -> M;
+                 {_, error, [M | _]} -> M;
+                 {_, error, []} -> local
+             end,
+    case Member of
+        local ->
+            {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
+            {noreply, State1#state{follower = true}};
+        _ ->
+            ok = gen_server:cast({?RCPT_SERVER, Member}, {Op, Id, Ref, ReplyTo}),
+            Fw1 = case Op of
+                      register -> Fw#{{Id, Ref} => Member};
+                      deregister -> maps:remove({Id, Ref}, Fw)
+                  end,
+            {noreply, State#state{forwarded = Fw1}}
+    end;
 %% A ReplyTo on another node (a standalone pool node registering its pools)
 %% cannot be reached by the C node, which talks to this node only: it gets
 %% its acknowledgement from here, once the journal has the change.

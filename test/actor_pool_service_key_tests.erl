@@ -13,7 +13,8 @@
          calls_by_key_spread_over_the_pools/1,
          bad_service_key_is_badarg/1,
          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1,
-         a_standalone_pool_node_registers_its_keyed_pools/1]).
+         a_standalone_pool_node_registers_its_keyed_pools/1,
+         a_hidden_node_uses_pools_and_the_receptionist/1]).
 
 -define(WAIT_MS, 20000).
 
@@ -26,7 +27,8 @@ service_key_test_() ->
                           calls_by_key_spread_over_the_pools,
                           bad_service_key_is_badarg,
                           a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node,
-                          a_standalone_pool_node_registers_its_keyed_pools]]
+                          a_standalone_pool_node_registers_its_keyed_pools,
+                          a_hidden_node_uses_pools_and_the_receptionist]]
      end}.
 
 setup() ->
@@ -189,3 +191,40 @@ a_standalone_pool_node_registers_its_keyed_pools(_) ->
         _ = file:del_dir_r(Dir)
     end,
     wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS).
+
+%% An operator shell or an app started with -hidden, running the
+%% application: it follows this node's receptionist, finds the pool by key
+%% and calls it, subscribes, and registers a process of its own (made here).
+a_hidden_node_uses_pools_and_the_receptionist(_) ->
+    K = actor_receptionist:service_key(<<"sk.hidden">>),
+    {ok, Pool} = actor_pool:start_pool(sk_hidden, echo, #{workers => 1, service_key => K}),
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
+    {ok, Peer, HNode} =
+        peer:start(#{name => peer:random_name(sk_hidden), connection => standard_io,
+                     args => ["-hidden", "-setcookie", atom_to_list(erlang:get_cookie()), "-pa" | Paths]}),
+    Call = fun(M, F, A) -> peer:call(Peer, M, F, A, 30000) end,
+    try
+        ok = Call(application, load, [actor_pool]),
+        ok = Call(application, set_env, [actor_pool, pool_node, false]),
+        {ok, _} = Call(application, ensure_all_started, [actor_pool]),
+        true = Call(net_kernel, connect_node, [node()]),
+        ?assertNot(lists:member(HNode, nodes())),
+        wait_until(fun() -> Call(actor_receptionist, lookup, [K]) =:= [Pool] end, ?WAIT_MS),
+        ?assertEqual({ok, <<"from hidden">>}, Call(actor_pool, ask, [K, <<"from hidden">>])),
+        ?assertEqual({ok, <<"by pid">>}, Call(actor_pool, ask, [Pool, <<"by pid">>])),
+        %% This node does not count it as a member.
+        ?assertNot(lists:member(HNode, maps:get(members, actor_receptionist:status()))),
+        %% What it registers is made here, and goes with its connection.
+        Mine = Call(erlang, spawn, [timer, sleep, [infinity]]),
+        ok = Call(actor_receptionist, register, [K, Mine]),
+        wait_until(fun() -> lists:sort(actor_receptionist:lookup(K)) =:= lists:sort([Pool, Mine]) end,
+                   ?WAIT_MS),
+        true = erlang:disconnect_node(HNode),
+        wait_until(fun() -> actor_receptionist:lookup(K) =:= [Pool] end, ?WAIT_MS)
+    after
+        catch Call(application, stop, [actor_pool]),
+        catch peer:stop(Peer),
+        ok = actor_pool:stop_pool(Pool),
+        [Alive | _] = string:split(atom_to_list(HNode), "@"),
+        wait_until(fun() -> [N || N <- epmd_names(), lists:prefix(Alive, N)] =:= [] end, ?WAIT_MS)
+    end.
