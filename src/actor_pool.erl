@@ -158,13 +158,17 @@ start_pool(Name, Handler, Opts) ->
                               error -> {none, Full0}
                           end,
             Manager = {?MANAGER, PoolNode},
-            case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
-                      ?MANAGER_TIMEOUT) of
-                {ok, Pid} when is_pid(Pid), Key =:= none -> {ok, Pid};
-                {ok, Pid} when is_pid(Pid) -> register_pool(Key, Pid, Name);
-                {error, _} = Error -> Error;
-                Other -> {error, {unexpected_reply, Other}}
-            end;
+            Result = case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
+                               ?MANAGER_TIMEOUT) of
+                         {ok, Pid} when is_pid(Pid), Key =:= none -> {ok, Pid};
+                         {ok, Pid} when is_pid(Pid) -> register_pool(Key, Pid, Name);
+                         {error, _} = Error -> Error;
+                         Other -> {error, {unexpected_reply, Other}}
+                     end,
+            %% On this node's own pool node: kept across its restarts.
+            _ = element(1, Result) =:= ok andalso PoolNode =:= pool_node() andalso
+                actor_pool_keeper:record(Name, Handler1, Full, Key),
+            Result;
         {error, _} = Error ->
             Error
     end.
@@ -229,6 +233,25 @@ rcpt_sync(Op, Id, Pid) ->
         {error, timeout}
     end.
 
+%% A stopped pool of this node's pool node is not started again after a
+%% restart of it.
+forget_kept(Target, PoolNode) ->
+    case PoolNode =:= pool_node() of
+        false ->
+            ok;
+        true ->
+            Name = case Target of
+                       P when is_pid(P) ->
+                           case [N || {N, Pid} <- which_pools(PoolNode), Pid =:= P] of
+                               [N] -> N;
+                               _ -> undefined
+                           end;
+                       N ->
+                           N
+                   end,
+            actor_pool_keeper:forget(Name)
+    end.
+
 %% @doc Tells to a service key that had no pool registered (dropped, and
 %% counted here), since this node first started the application.
 -spec no_pool_tells() -> non_neg_integer().
@@ -257,6 +280,7 @@ stop_pool(Pool) ->
                      P when is_pid(P) -> deregister_pool(P, undefined, PoolNode);
                      N -> deregister_pool(undefined, N, PoolNode)
                  end,
+            ok = forget_kept(Target, PoolNode),
             case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
                       ?MANAGER_TIMEOUT) of
                 ok -> ok;

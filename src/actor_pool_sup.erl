@@ -46,7 +46,9 @@ start_pool_node() ->
     %% test suite can run against a sanitizer build of the pool node.
     Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
     Opts = maps:merge(Extra, #{exe => Exe,
-                               register => ?POOL_NODE_OWNER}),
+                               register => ?POOL_NODE_OWNER,
+                               %% new incarnations get their pools back
+                               notify => actor_pool_keeper}),
     case actor_cnode:start_link(Opts) of
         {ok, Pid} ->
             %% The same value on every restart of the owner, so this put is
@@ -71,6 +73,12 @@ init([]) ->
                  shutdown => infinity,
                  type => supervisor,
                  modules => [actor_cnode_sup]},
+    Keeper = #{id => actor_pool_keeper,
+               start => {actor_pool_keeper, start_link, []},
+               restart => permanent,
+               shutdown => 5000,
+               type => worker,
+               modules => [actor_pool_keeper]},
     PoolNode = #{id => actor_pool_node,
                  start => {?MODULE, start_pool_node, []},
                  restart => permanent,
@@ -92,6 +100,7 @@ init([]) ->
                 modules => [actor_receptionist_sup]},
     Enabled = fun(Key) -> application:get_env(actor_pool, Key, true) =/= false end,
     Children = [CnodeSup]
+        ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
         ++ [BatchSup],

@@ -51,7 +51,7 @@
          killed_batcher_is_restarted_and_messages_flow/1,
          stalled_batcher_makes_its_senders_wait/1,
          standalone_pool_node_joins_as_a_hidden_node/1,
-         pool_node_restart_loses_pools_and_serves_new_ones/1]).
+         pool_node_restart_brings_its_pools_back/1]).
 
 -define(POLL_MS, 5).
 -define(WAIT_MS, 10000).
@@ -98,7 +98,7 @@ actor_pool_test_() ->
                  stalled_batcher_makes_its_senders_wait,
                  standalone_pool_node_joins_as_a_hidden_node,
                  %% last: it kills the pool node
-                 pool_node_restart_loses_pools_and_serves_new_ones]]
+                 pool_node_restart_brings_its_pools_back]]
      end}.
 
 case_(Name, Ctx) ->
@@ -711,12 +711,16 @@ standalone_pool_node_joins_as_a_hidden_node(_Ctx) ->
     wait_until(fun() -> not lists:member(Alive, epmd_names()) end, ?WAIT_MS),
     ?assertEqual({error, {nodedown, N}}, actor_pool:ask({thumbs, N}, <<"x">>, 5000)).
 
-%% The pool C node dies: its owner starts a new incarnation, which has no
-%% pools (they are not re-created); the old pool pid answers noproc, and new
-%% pools start under the old names.
-pool_node_restart_loses_pools_and_serves_new_ones(#{pool_node := N}) ->
+%% The pool C node dies: its owner starts a new incarnation, and the pools
+%% started on it come back (new pids, the same names and options, registered
+%% again under their service keys); the old pid answers noproc. A pool
+%% stopped before does not come back.
+pool_node_restart_brings_its_pools_back(#{pool_node := N}) ->
     Name = ?FUNCTION_NAME,
-    {ok, P} = actor_pool:start_pool(Name, echo, #{workers => 2}),
+    Key = actor_receptionist:service_key(<<"restart.kept">>),
+    {ok, P} = actor_pool:start_pool(Name, echo, #{workers => 2, service_key => Key}),
+    {ok, Gone} = actor_pool:start_pool(pool_node_restart_stopped, echo, #{workers => 1}),
+    ok = actor_pool:stop_pool(Gone),
     #{os_pid := OsPid, status := up} = actor_cnode:info(actor_pool_node_owner),
     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
     wait_until(fun() ->
@@ -727,12 +731,16 @@ pool_node_restart_loses_pools_and_serves_new_ones(#{pool_node := N}) ->
                end, 20000),
     wait_until(fun() -> lists:member(N, nodes(hidden)) end, ?WAIT_MS),
     ?assertEqual(N, actor_pool:pool_node()),
-    ?assertEqual([], actor_pool:which_pools()),
+    wait_until(fun() -> lists:keymember(Name, 1, actor_pool:which_pools()) end, ?WAIT_MS),
+    [{Name, P2}] = actor_pool:which_pools(),
+    ?assertNotEqual(P, P2),
     ?assertEqual({error, noproc}, actor_pool:ask(P, <<"x">>)),
-    ?assertEqual({error, noproc}, actor_pool:ask(Name, <<"x">>)),
-    {ok, P2} = actor_pool:start_pool(Name, echo, #{workers => 2}),
     ?assertEqual({ok, <<"back">>}, actor_pool:ask(Name, <<"back">>)),
-    ?assertEqual(ok, actor_pool:stop_pool(P2)).
+    ?assertMatch(#{size := 2}, actor_pool:stats(P2)),
+    wait_until(fun() -> actor_receptionist:lookup(Key) =:= [P2] end, ?WAIT_MS),
+    ?assertEqual({ok, <<"by key">>}, actor_pool:ask(Key, <<"by key">>)),
+    ?assertEqual(ok, actor_pool:stop_pool(P2)),
+    ?assertEqual([], actor_receptionist:lookup(Key)).
 
 %% ===================================================================
 %% Helpers

@@ -1,0 +1,92 @@
+%% @doc Keeps the pools started on this node's own pool node across its
+%% restarts.
+%%
+%% Why: a pool node that dies (crash, `kill -9') is restarted by its owner
+%% as a new incarnation with no pools, so every pool, and its registration
+%% with the receptionist, would be gone until someone starts it again.
+%% `start_pool/3' records here what it started on this node's pool node
+%% (name, handler, options, service key); `stop_pool/1' forgets it. The
+%% pool node's owner tells this process when a new incarnation is up, and it
+%% starts every recorded pool again, with its service key (so it is
+%% registered again). The pools get new pids: a pid of the old incarnation
+%% answers `{error, noproc}', while the name, `{Name, PoolNode}' and the
+%% service key reach the new pool.
+-module(actor_pool_keeper).
+-behaviour(gen_server).
+
+-include("actor_pool_int.hrl").
+
+-export([start_link/0]).
+-export([record/4, forget/1]).
+-export([init/1, handle_call/3, handle_cast/2, handle_info/2]).
+
+-define(TAB, actor_pool_kept).
+
+%% @private
+-spec start_link() -> {ok, pid()} | {error, term()}.
+start_link() ->
+    gen_server:start_link({local, ?MODULE}, ?MODULE, [], []).
+
+%% @private
+%% @doc Remember a pool started on this node's pool node (a no-op when the
+%% application does not run).
+-spec record(atom(), term(), map(), binary() | none) -> ok.
+record(Name, Handler, Opts, Key) ->
+    _ = (catch ets:insert(?TAB, {Name, Handler, Opts, Key})),
+    ok.
+
+%% @private
+-spec forget(atom()) -> ok.
+forget(Name) ->
+    _ = (catch ets:delete(?TAB, Name)),
+    ok.
+
+%% @private
+-spec init([]) -> {ok, #{}}.
+init([]) ->
+    %% Public: start_pool and stop_pool write it from the caller's process.
+    ?TAB = ets:new(?TAB, [named_table, public, set]),
+    {ok, #{}}.
+
+%% @private
+-spec handle_call(term(), gen_server:from(), map()) -> {reply, term(), map()}.
+handle_call(_Request, _From, State) ->
+    {reply, {error, unknown_call}, State}.
+
+%% @private
+-spec handle_cast(term(), map()) -> {noreply, map()}.
+handle_cast(_Msg, State) ->
+    {noreply, State}.
+
+%% @private
+-spec handle_info(term(), map()) -> {noreply, map()}.
+handle_info({actor_cnode, _Owner, Node, up}, State) ->
+    case ets:tab2list(?TAB) of
+        [] ->
+            ok;
+        Kept ->
+            %% The receptionist saw the old incarnation leave (the same node
+            %% name) before this: a call to it is answered after that
+            %% nodedown, so the new registrations cannot be taken for the old.
+            _ = (catch actor_receptionist:status()),
+            _ = [restart(Node, Pool) || Pool <- lists:keysort(1, Kept)],
+            ok
+    end,
+    {noreply, State};
+handle_info(_Msg, State) ->
+    {noreply, State}.
+
+restart(Node, {Name, Handler, Opts, Key}) ->
+    Opts1 = case Key of
+                none -> Opts;
+                _ -> Opts#{service_key => Key}
+            end,
+    case actor_pool:start_pool(Name, Handler, Opts1) of
+        {ok, Pid} ->
+            logger:notice("actor_pool: pool ~p started again on ~ts (~p)", [Name, Node, Pid]);
+        {error, already_started} ->
+            ok;
+        {error, Reason} ->
+            logger:warning("actor_pool: pool ~p could not be started again on ~ts: ~0p",
+                           [Name, Node, Reason])
+    end.
