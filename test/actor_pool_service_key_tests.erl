@@ -14,7 +14,8 @@
          bad_service_key_is_badarg/1,
          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1,
          a_standalone_pool_node_registers_its_keyed_pools/1,
-         a_hidden_node_uses_pools_and_the_receptionist/1]).
+         a_hidden_node_uses_pools_and_the_receptionist/1,
+         three_peers_and_a_standalone_pool_node/1]).
 
 -define(WAIT_MS, 20000).
 
@@ -28,7 +29,8 @@ service_key_test_() ->
                           bad_service_key_is_badarg,
                           a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node,
                           a_standalone_pool_node_registers_its_keyed_pools,
-                          a_hidden_node_uses_pools_and_the_receptionist]]
+                          a_hidden_node_uses_pools_and_the_receptionist,
+                          three_peers_and_a_standalone_pool_node]]
      end}.
 
 setup() ->
@@ -234,3 +236,94 @@ a_hidden_node_uses_pools_and_the_receptionist(_) ->
         [Alive | _] = string:split(atom_to_list(HNode), "@"),
         wait_until(fun() -> [N || N <- epmd_names(), lists:prefix(Alive, N)] =:= [] end, ?WAIT_MS)
     end.
+
+%% Three peer nodes and a standalone pool node connected to one of them:
+%% every peer discovers the pool by key (by subscription and by lookup) and
+%% calls it by key; the pool node dies and every subscriber's listing
+%% shrinks, asks by key say no_pool; it runs again and they grow back.
+three_peers_and_a_standalone_pool_node(_) ->
+    K = actor_receptionist:service_key(<<"sk.three">>),
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
+    Peers = [begin
+                 %% Driven over standard_io, and only explicit connections, so
+                 %% that this node stays out of their cluster.
+                 {ok, P, N} = peer:start(#{name => peer:random_name(sk_three), connection => standard_io,
+                                           args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                                                    "-connect_all", "false",
+                                                    "-kernel", "prevent_overlapping_partitions", "false",
+                                                    "-kernel", "logger_level", "warning", "-pa" | Paths]}),
+                 put({sk_peer, N}, P),
+                 ok = peer:call(P, application, load, [actor_pool]),
+                 ok = peer:call(P, application, set_env, [actor_pool, pool_node, false]),
+                 ok = peer:call(P, application, set_env, [actor_pool, gossip_interval_ms, 200]),
+                 {ok, _} = peer:call(P, application, ensure_all_started, [actor_pool], 30000),
+                 {P, N}
+             end || _ <- [1, 2, 3]],
+    Nodes = [N || {_, N} <- Peers],
+    [N1 | _] = Nodes,
+    Dir = ap_test_util:temp_dir("actor_pool_service_key_tests"),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    [_, Host] = string:split(atom_to_list(node()), "@"),
+    PoolAlive = "sk_three_pool_" ++ os:getpid(),
+    PN = list_to_atom(PoolAlive ++ "@" ++ Host),
+    Exe = filename:join(code:priv_dir(actor_pool), "actor_pool_node"),
+    Run = fun() ->
+                  Port = open_port({spawn_executable, Exe},
+                                   [{args, ["--name", atom_to_list(PN), "--cookie-file", CookieFile,
+                                            "--connect", atom_to_list(N1),
+                                            "--pool", "three:echo:1:key=sk.three"]},
+                                    exit_status, binary, stderr_to_stdout, use_stdio]),
+                  {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+                  {Port, OsPid}
+          end,
+    Kill = fun({Port, OsPid}) ->
+                   _ = ap_test_util:os_pid_alive(OsPid) andalso os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+                   wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?WAIT_MS),
+                   catch port_close(Port),
+                   wait_until(fun() -> not lists:member(PoolAlive, epmd_names()) end, ?WAIT_MS)
+           end,
+    %% The number of pools in the last listing S got, none before the first.
+    Listing = fun(N, S) ->
+                      case [length(R) || {listing, K2, R} <- pcall(N, ap_test_util, collected, [S]), K2 =:= K] of
+                          [] -> none;
+                          Ls -> lists:last(Ls)
+                      end
+              end,
+    put(sk_three_pool, none),
+    try
+        [true = pcall(A, net_kernel, connect_node, [B]) || A <- Nodes, B <- Nodes, A < B],
+        [wait_until(fun() ->
+                            case pcall(N, actor_receptionist, status, []) of
+                                #{complete := true, members := M} -> lists:all(fun(X) -> lists:member(X, M) end, Nodes -- [N]);
+                                _ -> false
+                            end
+                    end, ?WAIT_MS) || N <- Nodes],
+        Subs = [{N, pcall(N, ap_test_util, spawn_collector, [])} || N <- Nodes],
+        [ok = pcall(N, actor_receptionist, subscribe, [K, S]) || {N, S} <- Subs],
+        put(sk_three_pool, Run()),
+        %% Discovery from every node: the subscription, the lookup, a call.
+        [wait_until(fun() -> Listing(N, S) =:= 1 end, ?WAIT_MS) || {N, S} <- Subs],
+        [?assertMatch([P] when node(P) =:= PN, pcall(N, actor_receptionist, lookup, [K])) || N <- Nodes],
+        [?assertEqual({ok, N}, pcall(N, actor_pool, ask, [K, N])) || N <- Nodes],
+        [ok = pcall(N, actor_pool, tell, [K, <<"t">>]) || N <- Nodes],
+        %% The pool node dies: every listing shrinks; asks by key say so.
+        Kill(get(sk_three_pool)),
+        [wait_until(fun() -> Listing(N, S) =:= 0 end, ?WAIT_MS) || {N, S} <- Subs],
+        [?assertEqual({error, no_pool}, pcall(N, actor_pool, ask, [K, x])) || N <- Nodes],
+        %% It runs again: they grow back, and calls by key work.
+        put(sk_three_pool, Run()),
+        [wait_until(fun() -> Listing(N, S) =:= 1 end, ?WAIT_MS) || {N, S} <- Subs],
+        [?assertEqual({ok, back}, pcall(N, actor_pool, ask, [K, back])) || N <- Nodes]
+    after
+        catch Kill(get(sk_three_pool)),
+        [begin catch pcall(N, application, stop, [actor_pool]), catch peer:stop(P) end || {P, N} <- Peers],
+        _ = file:del_dir_r(Dir),
+        Alives = [hd(string:split(atom_to_list(N), "@")) || N <- Nodes],
+        wait_until(fun() -> [A || A <- epmd_names(), lists:any(fun(X) -> lists:prefix(X, A) end, Alives)] =:= [] end,
+                   ?WAIT_MS)
+    end.
+
+pcall(Node, M, F, A) ->
+    peer:call(get({sk_peer, Node}), M, F, A, 30000).
