@@ -25,6 +25,8 @@
 
 %% API.
 -export([start_pool/3]).
+%% For actor_pool_keeper.
+-export([start_pool/4]).
 -export([stop_pool/1]).
 -export([tell/2]).
 -export([ask/2]).
@@ -151,6 +153,13 @@
 %% reachable.
 -spec start_pool(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
 start_pool(Name, Handler, Opts) ->
+    start_pool(Name, Handler, Opts, keep).
+
+%% @private
+%% @doc start_pool/3; `keep' records a pool of this node's pool node with
+%% actor_pool_keeper (which calls this with `nokeep' when it starts one again).
+-spec start_pool(name(), handler(), opts(), keep | nokeep) -> {ok, pid()} | {error, term()}.
+start_pool(Name, Handler, Opts, Keep) ->
     case validate(Name, Handler, Opts) of
         {ok, PoolNode, Handler1, Full0} ->
             {Key, Full} = case maps:take(service_key, Full0) of
@@ -165,9 +174,15 @@ start_pool(Name, Handler, Opts) ->
                          {error, _} = Error -> Error;
                          Other -> {error, {unexpected_reply, Other}}
                      end,
-            %% On this node's own pool node: kept across its restarts.
-            _ = element(1, Result) =:= ok andalso PoolNode =:= pool_node() andalso
-                actor_pool_keeper:record(Name, Handler1, Full, Key),
+            %% On this node's own pool node: kept across its restarts, with
+            %% the options as given (the defaults are filled in again).
+            case Result of
+                {ok, NewPid} when Keep =:= keep ->
+                    PoolNode =:= pool_node() andalso
+                        actor_pool_keeper:record(Name, Handler, Opts, NewPid);
+                _ ->
+                    false
+            end,
             Result;
         {error, _} = Error ->
             Error
@@ -237,19 +252,8 @@ rcpt_sync(Op, Id, Pid) ->
 %% restart of it.
 forget_kept(Target, PoolNode) ->
     case PoolNode =:= pool_node() of
-        false ->
-            ok;
-        true ->
-            Name = case Target of
-                       P when is_pid(P) ->
-                           case [N || {N, Pid} <- which_pools(PoolNode), Pid =:= P] of
-                               [N] -> N;
-                               _ -> undefined
-                           end;
-                       N ->
-                           N
-                   end,
-            actor_pool_keeper:forget(Name)
+        false -> ok;
+        true -> actor_pool_keeper:forget(Target)
     end.
 
 %% @doc Tells to a service key that had no pool registered (dropped, and

@@ -15,6 +15,10 @@
 %% ETS (public bag, owned by actor_pool_sup): the service keys that
 %% start_pool registered pools under, {PoolPid, Name, PoolNode, Id}.
 -define(POOL_KEYS, actor_pool_keys).
+%% ETS (public set, owned by actor_pool_sup): the pools actor_pool_keeper
+%% starts again after a restart of this node's pool node,
+%% {Name, Handler, Opts, Pid}.
+-define(POOLS_KEPT, actor_pool_kept).
 %% persistent_term key of the counter of tells to a key with no pool.
 -define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
 
@@ -38,6 +42,9 @@
 %% ({Pid, Id}, a bag).
 -define(RCPT_REGS, actor_receptionist_regs).
 -define(RCPT_SUBS, actor_receptionist_subs).
+%% (On a member) the registrations followers made through it,
+%% {FollowerNode, {Id, Ref}}, a bag owned by the supervisor too.
+-define(RCPT_FOLLOWED, actor_receptionist_followed).
 %% Owned by the server: {{Id, Ref}} held by more than one origin, and
 %% {Node, {Id, Ref}} for the journal's refs on other nodes (see
 %% actor_receptionist_server).

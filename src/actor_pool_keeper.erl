@@ -5,12 +5,14 @@
 %% as a new incarnation with no pools, so every pool, and its registration
 %% with the receptionist, would be gone until someone starts it again.
 %% `start_pool/3' records here what it started on this node's pool node
-%% (name, handler, options, service key); `stop_pool/1' forgets it. The
-%% pool node's owner tells this process when a new incarnation is up, and it
-%% starts every recorded pool again, with its service key (so it is
-%% registered again). The pools get new pids: a pid of the old incarnation
-%% answers `{error, noproc}', while the name, `{Name, PoolNode}' and the
-%% service key reach the new pool.
+%% (name, handler and options as given, and the pid); `stop_pool/1'
+%% forgets it (by name or by pid). The pool node's owner tells this process
+%% when a new incarnation is up, and it starts every recorded pool again
+%% with the same arguments (so one with a `service_key' is registered
+%% again). The pools get new pids: a pid of the old incarnation answers
+%% `{error, noproc}', while the name, `{Name, PoolNode}' and the service key
+%% reach the new pool. The table belongs to actor_pool_sup, so it outlives a
+%% crash of this process.
 -module(actor_pool_keeper).
 -behaviour(gen_server).
 
@@ -20,8 +22,6 @@
 -export([record/4, forget/1]).
 -export([init/1, handle_call/3, handle_cast/2, handle_info/2]).
 
--define(TAB, actor_pool_kept).
-
 %% @private
 -spec start_link() -> {ok, pid()} | {error, term()}.
 start_link() ->
@@ -30,22 +30,24 @@ start_link() ->
 %% @private
 %% @doc Remember a pool started on this node's pool node (a no-op when the
 %% application does not run).
--spec record(atom(), term(), map(), binary() | none) -> ok.
-record(Name, Handler, Opts, Key) ->
-    _ = (catch ets:insert(?TAB, {Name, Handler, Opts, Key})),
-    ok.
+-spec record(atom(), term(), map(), pid()) -> true.
+record(Name, Handler, Opts, Pid) ->
+    _ = (catch ets:insert(?POOLS_KEPT, {Name, Handler, Opts, Pid})),
+    true.
 
 %% @private
--spec forget(atom()) -> ok.
+%% @doc Forget a pool, by name or by its pid (of any incarnation it had).
+-spec forget(atom() | pid()) -> ok.
+forget(Pid) when is_pid(Pid) ->
+    _ = (catch ets:match_delete(?POOLS_KEPT, {'_', '_', '_', Pid})),
+    ok;
 forget(Name) ->
-    _ = (catch ets:delete(?TAB, Name)),
+    _ = (catch ets:delete(?POOLS_KEPT, Name)),
     ok.
 
 %% @private
 -spec init([]) -> {ok, #{}}.
 init([]) ->
-    %% Public: start_pool and stop_pool write it from the caller's process.
-    ?TAB = ets:new(?TAB, [named_table, public, set]),
     {ok, #{}}.
 
 %% @private
@@ -61,7 +63,7 @@ handle_cast(_Msg, State) ->
 %% @private
 -spec handle_info(term(), map()) -> {noreply, map()}.
 handle_info({actor_cnode, _Owner, Node, up}, State) ->
-    case ets:tab2list(?TAB) of
+    case ets:tab2list(?POOLS_KEPT) of
         [] ->
             ok;
         Kept ->
@@ -76,14 +78,17 @@ handle_info({actor_cnode, _Owner, Node, up}, State) ->
 handle_info(_Msg, State) ->
     {noreply, State}.
 
-restart(Node, {Name, Handler, Opts, Key}) ->
-    Opts1 = case Key of
-                none -> Opts;
-                _ -> Opts#{service_key => Key}
-            end,
-    case actor_pool:start_pool(Name, Handler, Opts1) of
+restart(Node, {Name, Handler, Opts, _OldPid}) ->
+    case actor_pool:start_pool(Name, Handler, Opts, nokeep) of
         {ok, Pid} ->
-            logger:notice("actor_pool: pool ~p started again on ~ts (~p)", [Name, Node, Pid]);
+            %% Stopped meanwhile (stop_pool forgot it): stop it again.
+            case ets:update_element(?POOLS_KEPT, Name, {4, Pid}) of
+                true ->
+                    logger:notice("actor_pool: pool ~p started again on ~ts (~p)", [Name, Node, Pid]);
+                false ->
+                    _ = actor_pool:stop_pool(Pid),
+                    ok
+            end;
         {error, already_started} ->
             ok;
         {error, Reason} ->

@@ -62,6 +62,7 @@ start_pool_node() ->
 -spec init([]) -> {ok, {supervisor:sup_flags(), [supervisor:child_spec()]}}.
 init([]) ->
     ?POOL_KEYS = ets:new(?POOL_KEYS, [public, named_table, bag]),
+    ?POOLS_KEPT = ets:new(?POOLS_KEPT, [public, named_table, set]),
     case persistent_term:get(?NO_POOL_TELLS, undefined) of
         undefined -> persistent_term:put(?NO_POOL_TELLS, counters:new(1, [write_concurrency]));
         _ -> ok

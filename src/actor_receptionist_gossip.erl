@@ -78,7 +78,8 @@
                 | {drop_origin, node()}
                 | {origin_state, pid(), node(), non_neg_integer(), non_neg_integer()}
                 | {drop_refs_on, node()}
-                | {subscribe, binary(), pid()}.
+                | {subscribe, binary(), pid()}
+                | {synced_with, node()}.
 %% What the server must do with its tables and its C node, in order.
 
 %% Ops per delta message.
@@ -109,6 +110,9 @@
     hidden = false :: boolean(),
     %% (on a member) the hidden nodes that follow us
     followers = #{} :: #{node() => #peer{}},
+    %% (on a follower) connected nodes that answered no probe: rounds until
+    %% they are probed again (a member's receptionist may start later)
+    nonmembers = #{} :: #{node() => non_neg_integer()},
     %% origins held: {Inc, Ver, direct | ViaNode}
     origins = #{} :: #{node() => {non_neg_integer(), non_neg_integer(), direct | node()}},
     %% local changes not yet sent, newest first
@@ -231,10 +235,14 @@ handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr0} =
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round. A probe unanswered for three
     %% rounds (no DOWN either: a C node) is not waited for any more.
+    Expired = [N || {N, {_, 0}} <- maps:to_list(Pr0)],
     Pr = maps:filtermap(fun(_, {Mref, 0}) -> erlang:demonitor(Mref, [flush]), false;
                            (_, {Mref, N}) -> {true, {Mref, N - 1}}
                         end, Pr0),
-    G1 = G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers), probing = Pr},
+    G1 = reprobe(lists:foldl(fun nonmember/2,
+                             G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers),
+                                  probing = Pr},
+                             Expired)),
     G = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
     digest(flush(G));
 handle1({nodeup, Node, Info}, #g{hidden = Hidden} = G) when is_list(Info) ->
@@ -246,23 +254,33 @@ handle1({nodeup, Node, Info}, #g{hidden = Hidden} = G) when is_list(Info) ->
                               end;
         _ -> G
     end;
-handle1({nodedown, Node, Info}, #g{followers = Fs} = G0) when is_list(Info) ->
+handle1({nodedown, Node, Info}, #g{followers = Fs, nonmembers = NMs} = G0) when is_list(Info) ->
     %% Our own registrations of processes on that node end, hidden or not.
-    G = effect({drop_refs_on, Node}, forget_probe(Node, G0#g{followers = maps:remove(Node, Fs)})),
+    G = effect({drop_refs_on, Node}, forget_probe(Node, G0#g{followers = maps:remove(Node, Fs),
+                                                           nonmembers = maps:remove(Node, NMs)})),
     member_left(Node, G);
 handle1({'DOWN', Mref, process, {?RCPT_SERVER, Node}, _}, #g{probing = Pr} = G) ->
     %% That node runs no receptionist (or just stopped it).
     case maps:find(Node, Pr) of
-        {ok, {Mref, _}} -> G#g{probing = maps:remove(Node, Pr)};
+        {ok, {Mref, _}} -> nonmember(Node, G#g{probing = maps:remove(Node, Pr)});
         _ -> G
     end;
 handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers, followers = Fs} = G) when is_pid(Pid) ->
     Node = node(Pid),
     case {maps:find(Node, Peers), maps:find(Node, Fs)} of
-        {{ok, #peer{mref = Mref}}, _} -> member_left(Node, G);
+        {{ok, #peer{mref = Mref}}, _} ->
+            %% Its receptionist ended; a new one is probed next round.
+            G1 = member_left(Node, G),
+            case G1#g.hidden andalso lists:member(Node, nodes(connected)) of
+                true -> G1#g{nonmembers = (G1#g.nonmembers)#{Node => 1}};
+                false -> G1
+            end;
         {_, {ok, #peer{mref = Mref}}} -> G#g{followers = maps:remove(Node, Fs)};
         _ -> ignore
     end;
+handle1({ap_rcpt_follow, _Pid, _Inc}, #g{hidden = true} = G) ->
+    %% Only members are followed: two hidden nodes never follow each other.
+    G;
 handle1({ap_rcpt_follow, Pid, _Inc}, #g{followers = Fs} = G0) when is_pid(Pid) ->
     %% A hidden node follows us: our state now, then our deltas and digests.
     Node = node(Pid),
@@ -282,11 +300,18 @@ handle1({ap_rcpt_hello, Pid, _Inc}, G0) when is_pid(Pid) ->
     ask_if_unsynced(node(Pid), G);
 handle1({ap_rcpt_state, Pid, Inc, Ver, Regs}, G0) when is_pid(Pid), is_list(Regs) ->
     Node = node(Pid),
-    G1 = peer(Pid, G0),
+    %% A member answers a follower's probe with its state, not a hello.
+    G1 = peer(Pid, forget_probe(Node, G0)),
     G2 = replace_origin(Node, Inc, Ver, direct, Regs, G1),
     Peers = G2#g.peers,
     P = maps:get(Node, Peers),
-    G2#g{peers = Peers#{Node := P#peer{synced = true, asked = false}}};
+    G3 = G2#g{peers = Peers#{Node := P#peer{synced = true, asked = false}}},
+    %% A follower's registrations are held by the members it follows: this
+    %% one gets them all (again) now.
+    case G3#g.hidden of
+        true -> effect({synced_with, Node}, G3);
+        false -> G3
+    end;
 handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, G) when is_pid(Pid), is_list(Ops) ->
     Node = node(Pid),
     case {maps:find(Node, G#g.peers), maps:find(Node, G#g.origins)} of
@@ -348,6 +373,26 @@ probe(Node, #g{probing = Pr, peers = Peers} = G) ->
             G1 = out({?RCPT_SERVER, Node}, hello(G), G),
             G1#g{probing = Pr#{Node => {Mref, 3}}}
     end.
+
+%% (follower) A connected node that answered no probe is probed again
+%% after ten rounds; a member's is not waited for meanwhile.
+nonmember(Node, #g{hidden = true, nonmembers = NMs} = G) ->
+    G#g{nonmembers = NMs#{Node => 10}};
+nonmember(_Node, G) ->
+    G.
+
+reprobe(#g{hidden = false} = G) ->
+    G;
+reprobe(#g{nonmembers = NMs} = G0) ->
+    {Due, Wait} = lists:partition(fun({_, N}) -> N =< 0 end, maps:to_list(NMs)),
+    G = G0#g{nonmembers = maps:from_list([{Node, N - 1} || {Node, N} <- Wait])},
+    Connected = nodes(connected),
+    lists:foldl(fun({Node, _}, S) ->
+                        case lists:member(Node, Connected) of
+                            true -> probe(Node, S);
+                            false -> S
+                        end
+                end, G, Due).
 
 %% A follower asks to follow; a member says hello.
 hello(#g{inc = Inc, hidden = true}) ->

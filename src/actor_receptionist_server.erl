@@ -83,10 +83,9 @@
     remote = #{} :: #{node() => ets:tid()},
     %% tables of members that left, deleted at the next gossip round
     reap = [] :: [ets:tid()],
-    %% a hidden node: registrations are made on a member it follows
-    follower = false :: boolean(),
-    %% (follower) where each forwarded registration was made
-    forwarded = #{} :: #{{binary(), pid()} => node()}
+    %% a hidden node: its registrations are also made on the members it
+    %% follows
+    follower = false :: boolean()
 }).
 
 %% ===================================================================
@@ -188,29 +187,30 @@ handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
-%% On a hidden node (a follower) a registration is made on a member it
-%% follows, so that the cluster has it and it lives as long as this node's
-%% connection to that member; with no member yet, here.
-handle_cast({Op, Id, Ref, ReplyTo} = Msg, #state{follower = true, gossip = G, forwarded = Fw} = State)
+%% On a hidden node (a follower) a registration is recorded here as usual
+%% (journal, C node: this node's own lookups see it at once) and also made
+%% on every member it follows, so the cluster has it; each member holds it
+%% for as long as this node's connection to it lasts, and gets the whole
+%% journal again whenever it (re)syncs with this node.
+handle_cast({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
-    Member = case {journaled(Id, Ref), maps:find({Id, Ref}, Fw), actor_receptionist_gossip:follows(G)} of
-                 {true, _, _} -> local;  %% made here before this node followed anyone
-                 {_, {ok, M}, _} -> M;
-                 {_, error, [M | _]} -> M;
-                 {_, error, []} -> local
-             end,
-    case Member of
-        local ->
-            {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
-            {noreply, State1#state{follower = true}};
-        _ ->
-            ok = gen_server:cast({?RCPT_SERVER, Member}, {Op, Id, Ref, ReplyTo}),
-            Fw1 = case Op of
-                      register -> Fw#{{Id, Ref} => Member};
-                      deregister -> maps:remove({Id, Ref}, Fw)
-                  end,
-            {noreply, State#state{forwarded = Fw1}}
-    end;
+    {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
+    _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
+         || M <- actor_receptionist_gossip:follows(G)],
+    {noreply, State1#state{follower = true}};
+%% (On a member) a follower's registration: ours while its connection lasts.
+handle_cast({forwarded, Op, Id, Ref, Follower}, State)
+  when (Op =:= register orelse Op =:= deregister), is_binary(Id), byte_size(Id) >= 1,
+       byte_size(Id) =< 1024, is_pid(Ref), is_atom(Follower) ->
+    {noreply, followed(Op, Follower, Id, Ref, State)};
+handle_cast({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
+    Old = sets:from_list([E || {_, E} <- ets:lookup(?RCPT_FOLLOWED, Follower)], [{version, 2}]),
+    New = sets:from_list([E || {Id, Ref} = E <- Regs, is_binary(Id), byte_size(Id) >= 1,
+                               byte_size(Id) =< 1024, is_pid(Ref)], [{version, 2}]),
+    State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
+                       sets:subtract(Old, New)),
+    {noreply, sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
+                        sets:subtract(New, Old))};
 %% A ReplyTo on another node (a standalone pool node registering its pools)
 %% cannot be reached by the C node, which talks to this node only: it gets
 %% its acknowledgement from here, once the journal has the change.
@@ -364,11 +364,18 @@ effect({origin_state, To, Origin, Inc, Ver}, State) ->
     _ = erlang:send(To, {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
     State;
 effect({drop_refs_on, Node}, State) ->
-    %% That node is gone: our registrations of its processes end.
+    %% That node is gone: our registrations of its processes end, and those
+    %% a follower made through us.
+    State1 = lists:foldl(fun({_, {Id, Ref}}, S) -> followed(deregister, Node, Id, Ref, S) end,
+                         State, ets:lookup(?RCPT_FOLLOWED, Node)),
     lists:foldl(fun({_, {Id, Ref}}, S) ->
                         {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
                         S1
-                end, State, ets:lookup(?RCPT_BYNODE, Node));
+                end, State1, ets:lookup(?RCPT_BYNODE, Node));
+effect({synced_with, Member}, State) ->
+    %% A member we follow (re)synced: it gets all of our registrations.
+    ok = gen_server:cast({?RCPT_SERVER, Member}, {forwarded_sync, node(), ets:tab2list(?RCPT_REGS)}),
+    State;
 effect({subscribe, Id, Pid}, State) ->
     {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
     State1.
@@ -520,6 +527,16 @@ c_origin(Origin) -> Origin.
 
 journaled(Id, Ref) ->
     lists:member({Id, Ref}, ets:lookup(?RCPT_REGS, Id)).
+
+%% A follower's registration, held in our journal and indexed by follower.
+followed(register, Follower, Id, Ref, State) ->
+    true = ets:insert(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    {noreply, State1} = handle_cast({register, Id, Ref, undefined}, State),
+    State1;
+followed(deregister, Follower, Id, Ref, State) ->
+    true = ets:delete_object(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    {noreply, State1} = handle_cast({deregister, Id, Ref, undefined}, State),
+    State1.
 
 journal_add(Id, Ref) ->
     true = ets:insert(?RCPT_REGS, {Id, Ref}),

@@ -95,6 +95,7 @@ init(Opts) ->
     Tab = [public, named_table, bag, {write_concurrency, false}],
     ?RCPT_REGS = ets:new(?RCPT_REGS, Tab),
     ?RCPT_SUBS = ets:new(?RCPT_SUBS, Tab),
+    ?RCPT_FOLLOWED = ets:new(?RCPT_FOLLOWED, Tab),
     Flags = #{strategy => rest_for_one, intensity => 5, period => 10},
     Node = #{id => actor_receptionist_node,
              start => {?MODULE, start_node, [Opts]},

@@ -198,9 +198,10 @@ a_large_member_leaves_in_one_rebuild() ->
 
 %% A hidden BEAM running the application is no member: it follows the
 %% members it connects to (their registrations, and what they relay, show
-%% in its find/lookup/listings), and what it registers is made on a member
-%% it follows, so it lives as long as its connection to that member. Refs
-%% of processes on it registered by a member go when that connection goes.
+%% in its find/lookup/listings), and what it registers is also made on every
+%% member it follows, so it lives as long as it is connected to one of them
+%% (and comes back when it reconnects). Refs of processes on it registered
+%% by a member go when that member's connection to it goes.
 a_hidden_node_is_no_member_and_its_refs_live_with_its_connection() ->
     with_members(2, fun([A, C] = Ms) ->
         K = key(hidden),
@@ -216,7 +217,7 @@ a_hidden_node_is_no_member_and_its_refs_live_with_its_connection() ->
             ok = call(A, actor_receptionist, register, [K, RonH]),
             ok = call(A, actor_receptionist, register, [K, RA]),
             ok = call(C, actor_receptionist, register, [K, RC]),
-            %% Registered on H: made on A (the member it follows).
+            %% Registered on H: made on A too (the member it follows).
             ok = call(H, actor_receptionist, register, [K, Mine]),
             converge(Ms ++ [H], K, [RonH, RA, RC, Mine]),
             wait_listing(H, SH, K, [RonH, RA, RC, Mine]),
@@ -228,11 +229,17 @@ a_hidden_node_is_no_member_and_its_refs_live_with_its_connection() ->
             wait_until(fun() -> lists:sort(maps:get(members, call(H, actor_receptionist, status, [])))
                                     =:= lists:sort([node_of(A), node_of(C)]) end, ?WAIT_MS),
             %% The connection to A goes: A's registration of a process on H
-            %% and H's own (made on A) go everywhere; H still sees the rest
-            %% through C.
+            %% goes everywhere; H's own stays, held by C (which got it when
+            %% H started following it).
             true = call(A, erlang, disconnect_node, [NH]),
-            converge(Ms ++ [H], K, [RA, RC]),
-            wait_listing(H, SH, K, [RA, RC])
+            converge(Ms ++ [H], K, [RA, RC, Mine]),
+            wait_listing(H, SH, K, [RA, RC, Mine]),
+            %% And its last connection: its registration leaves the cluster.
+            true = call(C, erlang, disconnect_node, [NH]),
+            converge(Ms, K, [RA, RC]),
+            %% It reconnects: its registration is made again.
+            true = call(H, net_kernel, connect_node, [node_of(A)]),
+            converge(Ms ++ [H], K, [RA, RC, Mine])
         after
             stop_member(H)
         end
