@@ -721,6 +721,8 @@ pool_node_restart_brings_its_pools_back(#{pool_node := N}) ->
     {ok, P} = actor_pool:start_pool(Name, echo, #{workers => 2, service_key => Key}),
     {ok, Gone} = actor_pool:start_pool(pool_node_restart_stopped, echo, #{workers => 1}),
     ok = actor_pool:stop_pool(Gone),
+    %% On defaults (workers: the host's CPUs): started again with them.
+    {ok, _} = actor_pool:start_pool(pool_node_restart_defaults, echo, #{}),
     #{os_pid := OsPid, status := up} = actor_cnode:info(actor_pool_node_owner),
     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
     wait_until(fun() ->
@@ -731,8 +733,12 @@ pool_node_restart_brings_its_pools_back(#{pool_node := N}) ->
                end, 20000),
     wait_until(fun() -> lists:member(N, nodes(hidden)) end, ?WAIT_MS),
     ?assertEqual(N, actor_pool:pool_node()),
-    wait_until(fun() -> lists:keymember(Name, 1, actor_pool:which_pools()) end, ?WAIT_MS),
-    [{Name, P2}] = actor_pool:which_pools(),
+    wait_until(fun() -> lists:keymember(Name, 1, actor_pool:which_pools())
+                            andalso lists:keymember(pool_node_restart_defaults, 1, actor_pool:which_pools())
+               end, ?WAIT_MS),
+    [{Name, P2}, {pool_node_restart_defaults, D2}] = actor_pool:which_pools(),
+    ?assertEqual({ok, <<"d">>}, actor_pool:ask(D2, <<"d">>)),
+    ?assertEqual(ok, actor_pool:stop_pool(pool_node_restart_defaults)),
     ?assertNotEqual(P, P2),
     ?assertEqual({error, noproc}, actor_pool:ask(P, <<"x">>)),
     ?assertEqual({ok, <<"back">>}, actor_pool:ask(Name, <<"back">>)),
