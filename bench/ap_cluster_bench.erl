@@ -62,6 +62,8 @@
 %% says what); 2 for a missed target under BENCH_STRICT=1.
 -module(ap_cluster_bench).
 
+-import(ap_bench_util, [env_int/2, median/1, deadline/1, wait_until/3, print/1, fmt/1, ratio/2]).
+
 -export([main/0]).
 
 %% Run on the peers (spawned there by name, or called by erpc).
@@ -625,39 +627,6 @@ removal_rows(#{rcpt := R, pg := P, nodes := [N1, N3]}, #{rm_keys := K}) ->
      || {N, Name} <- [{N1, "node 1"}, {N3, "node 3"}]].
 
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}.
-print(Rows) ->
-    io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-              ["measure", "actor_pool", "anchor", "anchor val", "ratio", "target"]),
-    lists:foldl(fun({Label, V, Anchors, Target}, Missed) ->
-                        {Verdict, M} = verdict(V, Target),
-                        case Anchors of
-                            [] ->
-                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-                                          [Label, fmt(V), "", "", "", Verdict]);
-                            [{AL, AV} | Rest] ->
-                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-                                          [Label, fmt(V), AL, fmt(AV), ratio(V, AV), Verdict]),
-                                [io:format("~-40s ~12s  ~-36s ~12s ~7s~n",
-                                           ["", "", L2, fmt(V2), ratio(V, V2)]) || {L2, V2} <- Rest]
-                        end,
-                        Missed + M
-                end, 0, Rows).
-
-verdict(_V, none) -> {"", 0};
-verdict(undefined, {_, _, Text}) -> met(false, Text);
-verdict(V, {le, Base, Factor, Text}) -> met(V =< Base * Factor, Text);
-verdict(V, {lt_abs, Max, Text}) -> met(V < Max, Text).
-
-met(true, Text) -> {Text ++ " met", 0};
-met(false, Text) -> {Text ++ " MISSED", 1}.
-
-ratio(_V, A) when A == 0 -> "-";
-ratio(V, A) -> io_lib:format("~.2f", [V / A]).
-
-fmt(undefined) -> "-";
-fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
-fmt(V) when V >= 1000 -> integer_to_list(round(V));
-fmt(V) -> io_lib:format("~.1f", [float(V)]).
 
 %% ===================================================================
 %% Helpers
@@ -669,29 +638,4 @@ spawn_idle(N) ->
 idle() ->
     receive stop -> ok end.
 
-median(L) ->
-    lists:nth((length(L) + 1) div 2, lists:sort(L)).
-
-deadline(Ms) ->
-    erlang:monotonic_time(millisecond) + Ms.
-
 %% Poll F every 5 ms until it is true; fail naming What after Ms.
-wait_until(F, Ms, What) ->
-    wait_until_(F, deadline(Ms), Ms, What).
-
-wait_until_(F, Deadline, Ms, What) ->
-    case F() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) > Deadline of
-                true -> fail("timeout after ~p ms waiting for ~p", [Ms, What]);
-                false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
-            end
-    end.
-
-env_int(Name, Default) ->
-    case os:getenv(Name) of
-        false -> Default;
-        "" -> Default;
-        V -> list_to_integer(V)
-    end.

@@ -63,6 +63,8 @@
 %% BENCH_STRICT=1.
 -module(ap_key_bench).
 
+-import(ap_bench_util, [env_int/2, deadline/1, wait_until/3]).
+
 -export([main/0]).
 
 %% Run on every node of the bench by erpc.
@@ -565,26 +567,4 @@ loadavg() ->
         _ -> "?"
     end.
 
-deadline(Ms) ->
-    erlang:monotonic_time(millisecond) + Ms.
-
 %% Poll F every 5 ms until it is true; fail naming What after Ms.
-wait_until(F, Ms, What) ->
-    wait_until_(F, deadline(Ms), Ms, What).
-
-wait_until_(F, Deadline, Ms, What) ->
-    case F() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) > Deadline of
-                true -> fail("timeout after ~p ms waiting for ~p", [Ms, What]);
-                false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
-            end
-    end.
-
-env_int(Name, Default) ->
-    case os:getenv(Name) of
-        false -> Default;
-        "" -> Default;
-        V -> list_to_integer(V)
-    end.

@@ -17,6 +17,8 @@
 %% exits 2 when a target is missed.
 -module(ap_rcpt_bench).
 
+-import(ap_bench_util, [env_int/2, median/1, print/1, fmt/1, ratio/2]).
+
 -export([main/0]).
 
 -define(KEYS, 100000).
@@ -206,47 +208,7 @@ pg_bytes(PgPid) ->
     {memory, M} = process_info(PgPid, memory),
     ets:info(?SCOPE, memory) * W + M.
 
-median(L) ->
-    lists:nth((length(L) + 1) div 2, lists:sort(L)).
-
 idle() ->
     receive stop -> ok end.
 
-env_int(Name, Default) ->
-    case os:getenv(Name) of
-        false -> Default;
-        V -> list_to_integer(V)
-    end.
-
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}.
-print(Rows) ->
-    io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-              ["measure", "actor_pool", "anchor", "anchor val", "ratio", "target"]),
-    lists:foldl(fun({Label, V, Anchors, Target}, Missed) ->
-                        {Verdict, M} = verdict(V, Target),
-                        case Anchors of
-                            [] ->
-                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-                                          [Label, fmt(V), "", "", "", Verdict]);
-                            [{AL, AV} | Rest] ->
-                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
-                                          [Label, fmt(V), AL, fmt(AV), ratio(V, AV), Verdict]),
-                                [io:format("~-40s ~12s  ~-36s ~12s ~7s~n",
-                                           ["", "", L2, fmt(V2), ratio(V, V2)]) || {L2, V2} <- Rest]
-                        end,
-                        Missed + M
-                end, 0, Rows).
-
-verdict(_V, none) -> {"", 0};
-verdict(V, {le, Base, Factor, Text}) -> met(V =< Base * Factor, Text);
-verdict(V, {ge_abs, Min, Text}) -> met(V >= Min, Text).
-
-met(true, Text) -> {Text ++ " met", 0};
-met(false, Text) -> {Text ++ " MISSED", 1}.
-
-ratio(_V, A) when A == 0 -> "-";
-ratio(V, A) -> io_lib:format("~.2f", [V / A]).
-
-fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
-fmt(V) when V >= 1000 -> integer_to_list(round(V));
-fmt(V) -> io_lib:format("~.1f", [float(V)]).

@@ -905,7 +905,8 @@ out:
 	return rc;
 }
 
-int registry_deregister(registry *r, const void *key, size_t klen, const erlang_pid *ref)
+/* Where ref sits under key: 1 (*kp, *ip set), 0 not there, -EINVAL. */
+static int ref_locate(registry *r, const void *key, size_t klen, const erlang_pid *ref, struct rkey **kp, long *ip)
 {
 	if (!klen || klen > REGISTRY_MAX_KEY)
 		return -EINVAL;
@@ -918,6 +919,18 @@ int registry_deregister(registry *r, const void *key, size_t klen, const erlang_
 	long i = ref_find(r, k, (uint32_t)nid, ref);
 	if (i < 0)
 		return 0;
+	*kp = k;
+	*ip = i;
+	return 1;
+}
+
+int registry_deregister(registry *r, const void *key, size_t klen, const erlang_pid *ref)
+{
+	struct rkey *k;
+	long i;
+	int rc = ref_locate(r, key, klen, ref, &k, &i);
+	if (rc <= 0)
+		return rc;
 	struct rref *v = refs_of(k), x = v[i];
 	if (rset_of(k))
 		rset_remove(r, k, (uint32_t)i);
@@ -933,24 +946,18 @@ int registry_deregister(registry *r, const void *key, size_t klen, const erlang_
 
 int registry_set_origin(registry *r, const void *key, size_t klen, const erlang_pid *ref, uint32_t origin)
 {
-	if (!klen || klen > REGISTRY_MAX_KEY)
-		return -EINVAL;
-	int nid = node_get(r, ref->node, 0);
-	if (nid < 0)
-		return 0;
-	struct rkey *k = key_find(r, key, klen, key_hash(r, key, klen));
-	if (!k)
-		return 0;
-	long i = ref_find(r, k, (uint32_t)nid, ref);
-	if (i < 0)
-		return 0;
+	struct rkey *k;
+	long i;
+	int rc = ref_locate(r, key, klen, ref, &k, &i);
+	if (rc <= 0)
+		return rc;
 	struct rref *v = refs_of(k);
 	struct rgroup *old = GROUP(r, v[i].grp);
 	if (old->origin == origin)
 		return 0;
 	if (old->draining)
 		return -EBUSY; /* cannot happen: callbacks may not call back in */
-	struct rgroup *g = group_get(r, origin, (uint32_t)nid, 1);
+	struct rgroup *g = group_get(r, origin, old->node, 1); /* the same node */
 	if (!g)
 		return -ENOMEM;
 	if (kset_reserve(r, g)) {

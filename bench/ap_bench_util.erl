@@ -1,0 +1,83 @@
+%% Helpers shared by the benchmarks (bench/run compiles them together): the
+%% environment knobs, medians, polling with a deadline, and the table of
+%% rows beside their anchors with ratios and targets.
+-module(ap_bench_util).
+
+-export([env_int/2, median/1, deadline/1, wait_until/3]).
+-export([print/1, fmt/1, ratio/2]).
+
+%% An integer knob from the OS environment; Default when unset or empty.
+-spec env_int(string(), integer()) -> integer().
+env_int(Name, Default) ->
+    case os:getenv(Name) of
+        false -> Default;
+        "" -> Default;
+        V -> list_to_integer(V)
+    end.
+
+%% The middle element (the upper one of an even count).
+-spec median([number()]) -> number().
+median(L) ->
+    lists:nth((length(L) + 1) div 2, lists:sort(L)).
+
+-spec deadline(non_neg_integer()) -> integer().
+deadline(Ms) ->
+    erlang:monotonic_time(millisecond) + Ms.
+
+%% Poll F every 5 ms until it is true; after Ms, fail the bench (the
+%% {bench_failed, Fmt, Args} throw every bench's main catches) naming What.
+-spec wait_until(fun(() -> boolean()), non_neg_integer(), term()) -> ok.
+wait_until(F, Ms, What) ->
+    wait_until_(F, deadline(Ms), Ms, What).
+
+wait_until_(F, Deadline, Ms, What) ->
+    case F() of
+        true -> ok;
+        false ->
+            case erlang:monotonic_time(millisecond) > Deadline of
+                true -> throw({bench_failed, "timeout after ~p ms waiting for ~p", [Ms, What]});
+                false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
+            end
+    end.
+
+%% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}; Target is
+%% none, {le, Base, Factor, Text} (Value =< Base * Factor), {lt_abs, Max,
+%% Text} or {ge_abs, Min, Text}. Prints the table; returns the targets missed.
+-spec print([{string(), term(), [{string(), term()}], term()}]) -> non_neg_integer().
+print(Rows) ->
+    io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+              ["measure", "actor_pool", "anchor", "anchor val", "ratio", "target"]),
+    lists:foldl(fun({Label, V, Anchors, Target}, Missed) ->
+                        {Verdict, M} = verdict(V, Target),
+                        case Anchors of
+                            [] ->
+                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+                                          [Label, fmt(V), "", "", "", Verdict]);
+                            [{AL, AV} | Rest] ->
+                                io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
+                                          [Label, fmt(V), AL, fmt(AV), ratio(V, AV), Verdict]),
+                                [io:format("~-40s ~12s  ~-36s ~12s ~7s~n",
+                                           ["", "", L2, fmt(V2), ratio(V, V2)]) || {L2, V2} <- Rest]
+                        end,
+                        Missed + M
+                end, 0, Rows).
+
+verdict(_V, none) -> {"", 0};
+verdict(undefined, {_, _, Text}) -> met(false, Text);
+verdict(V, {le, Base, Factor, Text}) -> met(V =< Base * Factor, Text);
+verdict(V, {lt_abs, Max, Text}) -> met(V < Max, Text);
+verdict(V, {ge_abs, Min, Text}) -> met(V >= Min, Text).
+
+met(true, Text) -> {Text ++ " met", 0};
+met(false, Text) -> {Text ++ " MISSED", 1}.
+
+-spec ratio(term(), term()) -> iolist().
+ratio(V, A) when not is_number(V); not is_number(A) -> "-";
+ratio(_V, A) when A == 0 -> "-";
+ratio(V, A) -> io_lib:format("~.2f", [V / A]).
+
+-spec fmt(term()) -> iolist().
+fmt(undefined) -> "-";
+fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
+fmt(V) when V >= 1000 -> integer_to_list(round(V));
+fmt(V) -> io_lib:format("~.1f", [float(V)]).
