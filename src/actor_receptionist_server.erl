@@ -187,23 +187,37 @@ handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
+handle_cast(Msg, State) ->
+    {noreply, State1} = handle_cast1(Msg, State),
+    {noreply, flush_if_idle(State1)}.
+
+%% A lone request (nothing else waiting but our own flush message) goes out
+%% now rather than one loop later: the batching is for bursts.
+flush_if_idle(#state{flushing = true} = State) ->
+    case process_info(self(), message_queue_len) of
+        {message_queue_len, N} when N =< 1 -> flush_all(State);
+        _ -> State
+    end;
+flush_if_idle(State) ->
+    State.
+
 %% On a hidden node (a follower) a registration is recorded here as usual
 %% (journal, C node: this node's own lookups see it at once) and also made
 %% on every member it follows, so the cluster has it; each member holds it
 %% for as long as this node's connection to it lasts, and gets the whole
 %% journal again whenever it (re)syncs with this node.
-handle_cast({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
+handle_cast1({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
     {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
     _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
          || M <- actor_receptionist_gossip:follows(G)],
     {noreply, State1#state{follower = true}};
 %% (On a member) a follower's registration: ours while its connection lasts.
-handle_cast({forwarded, Op, Id, Ref, Follower}, State)
+handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), byte_size(Id) >= 1,
        byte_size(Id) =< 1024, is_pid(Ref), is_atom(Follower) ->
     {noreply, followed(Op, Follower, Id, Ref, State)};
-handle_cast({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
+handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
     Old = sets:from_list([E || {_, E} <- ets:lookup(?RCPT_FOLLOWED, Follower)], [{version, 2}]),
     New = sets:from_list([E || {Id, Ref} = E <- Regs, is_binary(Id), byte_size(Id) >= 1,
                                byte_size(Id) =< 1024, is_pid(Ref)], [{version, 2}]),
@@ -214,7 +228,7 @@ handle_cast({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_
 %% A ReplyTo on another node (a standalone pool node registering its pools)
 %% cannot be reached by the C node, which talks to this node only: it gets
 %% its acknowledgement from here, once the journal has the change.
-handle_cast({Op, Id, Ref, ReplyTo}, State)
+handle_cast1({Op, Id, Ref, ReplyTo}, State)
   when (Op =:= register orelse Op =:= deregister), is_pid(ReplyTo), node(ReplyTo) =/= node() ->
     {noreply, State1} = handle_cast({Op, Id, Ref, undefined}, State),
     Ack = case Op of register -> registered; deregister -> deregistered end,
@@ -222,7 +236,7 @@ handle_cast({Op, Id, Ref, ReplyTo}, State)
         andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
     {noreply, State1};
 %% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
-handle_cast({register, Id, Ref, ReplyTo} = Msg, State)
+handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
   when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
        (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
@@ -234,7 +248,7 @@ handle_cast({register, Id, Ref, ReplyTo} = Msg, State)
             _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
             {noreply, out(Msg, gossip(reg, Id, Ref, State))}
     end;
-handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State)
+handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
   when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
        (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
@@ -255,14 +269,14 @@ handle_cast({deregister, Id, Ref, ReplyTo} = Msg, State)
             Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
             {noreply, lists:foldl(fun out/2, State, Ack)}
     end;
-handle_cast({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
+handle_cast1({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
     case actor_receptionist_gossip:hold(Id, Pid, G) of
         {true, G1} -> handle_cast({subscribe, Id, Pid}, State#state{gossip = G1});
         {false, G1} -> {noreply, State#state{gossip = G1}}
     end;
-handle_cast({find, _Id, _ReplyTo} = Msg, State) ->
+handle_cast1({find, _Id, _ReplyTo} = Msg, State) ->
     {noreply, out(Msg, State)};
-handle_cast({subscribe, Id, Pid} = Msg, State) ->
+handle_cast1({subscribe, Id, Pid} = Msg, State) ->
     case subscribed(Pid, Id) of
         true ->
             %% One subscription; the C node sends a fresh listing.
@@ -279,7 +293,7 @@ handle_cast({subscribe, Id, Pid} = Msg, State) ->
                     {noreply, out({send, Pid, Rejected}, State)}
             end
     end;
-handle_cast({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
+handle_cast1({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
     %% Also a subscription still held for a complete view.
     State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
     case subscribed(Pid, Id) of
@@ -289,7 +303,7 @@ handle_cast({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
         false ->
             {noreply, State}
     end;
-handle_cast(Msg, State) ->
+handle_cast1(Msg, State) ->
     logger:warning("actor_receptionist_server: unexpected cast ~0p", [Msg]),
     {noreply, State}.
 
