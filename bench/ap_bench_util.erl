@@ -3,8 +3,49 @@
 %% rows beside their anchors with ratios and targets.
 -module(ap_bench_util).
 
+-export([main/5]).
 -export([env_int/2, median/1, deadline/1, wait_until/3]).
 -export([print/1, fmt/1, ratio/2]).
+
+%% A bench's main: a watchdog that halts with 1 after TimeoutVar seconds
+%% (default DefaultS), Run (returning the number of targets missed), then
+%% every cleanup step whatever happened. Exits 0, 1 on a failure (a
+%% {bench_failed, Fmt, Args} throw or any exception, reported), or 2 when a
+%% target was missed and BENCH_STRICT=1.
+-spec main(string(), string(), pos_integer(), fun(() -> non_neg_integer()),
+           [{string(), fun(() -> ok)}]) -> no_return().
+main(Name, TimeoutVar, DefaultS, Run, Cleanup) ->
+    Timeout = env_int(TimeoutVar, DefaultS),
+    _ = spawn(fun() ->
+                      timer:sleep(Timeout * 1000),
+                      io:format("~s bench failed: not done after ~p s (~s)~n", [Name, Timeout, TimeoutVar]),
+                      halt(1)
+              end),
+    Result = step(Name, "", Run),
+    Clean = lists:foldl(fun({What, F}, Acc) ->
+                                case step(Name, " " ++ What, F) of
+                                    {ok, ok} -> Acc;
+                                    _ -> failed
+                                end
+                        end, ok, Cleanup),
+    Strict = os:getenv("BENCH_STRICT") =:= "1",
+    halt(case {Result, Clean} of
+             {{ok, Missed}, ok} when Missed > 0, Strict -> 2;
+             {{ok, _}, ok} -> 0;
+             _ -> 1
+         end).
+
+step(Name, What, F) ->
+    try F() of
+        V -> {ok, V}
+    catch
+        throw:{bench_failed, Fmt, Args} ->
+            io:format("~n~s bench failed~s: " ++ Fmt ++ "~n", [Name, What | Args]),
+            failed;
+        C:R:St ->
+            io:format("~n~s bench failed~s: ~p:~p~n~p~n", [Name, What, C, R, St]),
+            failed
+    end.
 
 %% An integer knob from the OS environment; Default when unset or empty.
 -spec env_int(string(), integer()) -> integer().

@@ -84,42 +84,10 @@
 
 -spec main() -> no_return().
 main() ->
-    Timeout = env_int("BENCH_CLUSTER_TIMEOUT_S", 240),
     %% The peers are linked to this node's control processes: they halt
     %% with it.
-    _ = spawn(fun() ->
-                      timer:sleep(Timeout * 1000),
-                      io:format("cluster bench failed: not done after ~p s "
-                                "(BENCH_CLUSTER_TIMEOUT_S)~n", [Timeout]),
-                      halt(1)
-              end),
-    Result = try run() of
-                 M -> {ok, M}
-             catch
-                 throw:{bench_failed, Fmt, Args} ->
-                     io:format("~ncluster bench failed: " ++ Fmt ++ "~n", Args),
-                     failed;
-                 C:R:St ->
-                     io:format("~ncluster bench failed: ~p:~p~n~p~n", [C, R, St]),
-                     failed
-             end,
-    Clean = try stop_peers() of
-                ok -> ok
-            catch
-                throw:{bench_failed, Fmt2, Args2} ->
-                    io:format("cluster bench failed: " ++ Fmt2 ++ "~n", Args2),
-                    failed;
-                C2:R2:St2 ->
-                    io:format("cluster bench failed stopping the peers: ~p:~p~n~p~n",
-                              [C2, R2, St2]),
-                    failed
-            end,
-    Strict = os:getenv("BENCH_STRICT") =:= "1",
-    halt(case {Result, Clean} of
-             {{ok, Missed}, ok} when Missed > 0, Strict -> 2;
-             {{ok, _}, ok} -> 0;
-             _ -> 1
-         end).
+    ap_bench_util:main("cluster", "BENCH_CLUSTER_TIMEOUT_S", 240, fun run/0,
+                       [{"stopping the peers", fun stop_peers/0}]).
 
 fail(Fmt, Args) -> throw({bench_failed, Fmt, Args}).
 

@@ -83,30 +83,10 @@
 
 -spec main() -> no_return().
 main() ->
-    Timeout = env_int("BENCH_KEY_TIMEOUT_S", 180),
-    _ = spawn(fun() ->
-                      timer:sleep(Timeout * 1000),
-                      io:format("key bench failed: not done after ~p s "
-                                "(BENCH_KEY_TIMEOUT_S)~n", [Timeout]),
-                      halt(1)
-              end),
-    Result = try run() of
-                 M -> {ok, M}
-             catch
-                 throw:{bench_failed, Fmt, Args} ->
-                     io:format("~nkey bench failed: " ++ Fmt ++ "~n", Args),
-                     failed;
-                 C:R:St ->
-                     io:format("~nkey bench failed: ~p:~p~n~p~n", [C, R, St]),
-                     failed
-             end,
-    Clean = cleanup(),
-    Strict = os:getenv("BENCH_STRICT") =:= "1",
-    halt(case {Result, Clean} of
-             {{ok, Missed}, ok} when Missed > 0, Strict -> 2;
-             {{ok, _}, ok} -> 0;
-             _ -> 1
-         end).
+    ap_bench_util:main("key", "BENCH_KEY_TIMEOUT_S", 180, fun run/0,
+                       [{"stopping the pool", fun stop_pool/0},
+                        {"stopping the peers", fun stop_peers/0},
+                        {"stopping the application", fun stop_app/0}]).
 
 fail(Fmt, Args) -> throw({bench_failed, Fmt, Args}).
 
@@ -278,24 +258,6 @@ mesh(Nodes) ->
 
 %% The pool, the peers, the application; every name must leave epmd and
 %% every OS process must go. ok, or failed (after saying why).
-cleanup() ->
-    Steps = [{"stopping the pool", fun stop_pool/0},
-             {"stopping the peers", fun stop_peers/0},
-             {"stopping the application", fun stop_app/0}],
-    lists:foldl(
-      fun({What, F}, Acc) ->
-              try F() of
-                  ok -> Acc
-              catch
-                  throw:{bench_failed, Fmt, Args} ->
-                      io:format("key bench failed ~s: " ++ Fmt ++ "~n", [What | Args]),
-                      failed;
-                  C:R:St ->
-                      io:format("key bench failed ~s: ~p:~p~n~p~n", [What, C, R, St]),
-                      failed
-              end
-      end, ok, Steps).
-
 stop_pool() ->
     case erase(pool) of
         undefined -> ok;

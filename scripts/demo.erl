@@ -33,6 +33,10 @@ main(Args) ->
     put(demo_docs, case Args of ["--short"] -> 400; _ -> ?DOCS end),
     put(demo_root, Root),
     put(demo_ebins, Ebins),
+    %% demo_node: what the peers run, and the demo's own chunking.
+    {ok, demo_node, Bin} = compile:file(filename:join([Root, "scripts", "demo_node.erl"]), [binary, report]),
+    {module, demo_node} = code:load_binary(demo_node, "demo_node.erl", Bin),
+    put(demo_node_bin, Bin),
     try run() of
         ok ->
             io:format("~ndemo: all steps gave the expected result~n"),
@@ -175,9 +179,8 @@ start_peer(Name) ->
     ok = erpc:call(Node, application, set_env, [actor_pool, pool_node, false]),
     ok = erpc:call(Node, application, set_env, [actor_pool, receptionist_shm_mb, 32]),
     {ok, _} = erpc:call(Node, application, ensure_all_started, [actor_pool]),
-    {ok, demo_node, Bin} = compile:file(filename:join([get(demo_root), "scripts", "demo_node.erl"]),
-                                        [binary, report]),
-    {module, demo_node} = erpc:call(Node, code, load_binary, [demo_node, "demo_node.erl", Bin]),
+    {module, demo_node} = erpc:call(Node, code, load_binary,
+                                    [demo_node, "demo_node.erl", get(demo_node_bin)]),
     show("peer started", Node),
     {Peer, Node}.
 
@@ -267,7 +270,7 @@ wait_until(Fun, Deadline, What) ->
 %% Every document goes to the pool as an ask, from ?CALLERS processes at once.
 parallel_asks(Pool, Docs) ->
     Self = self(),
-    Chunks = chunks(lists:zip(lists:seq(1, length(Docs)), Docs), ?CALLERS),
+    Chunks = demo_node:split(lists:zip(lists:seq(1, length(Docs)), Docs), ?CALLERS),
     Pids = [spawn_link(fun() ->
                                Self ! {done, self(),
                                        [{I, {Kind, D}, actor_pool:ask(Pool, D, 10000)}
@@ -282,16 +285,6 @@ kind(broken, D) -> {broken, D}.
 expected({valid, {ok, ok}}) -> true;
 expected({{broken, _}, {error, {Offset, _}}}) when is_integer(Offset) -> true;
 expected(_) -> false.
-
-chunks(List, N) ->
-    Size = (length(List) + N - 1) div N,
-    chunk(List, Size).
-
-chunk([], _) -> [];
-chunk(List, Size) when length(List) =< Size -> [List];
-chunk(List, Size) ->
-    {A, B} = lists:split(Size, List),
-    [A | chunk(B, Size)].
 
 wait_processed(Pool, N, Timeout) ->
     Deadline = erlang:monotonic_time(millisecond) + Timeout,

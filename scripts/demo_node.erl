@@ -3,7 +3,7 @@
 %% key from a peer. Not part of the library.
 -module(demo_node).
 
--export([watch/3, asks/3, tells/2]).
+-export([watch/3, asks/3, tells/2, split/2]).
 
 %% A process on this node subscribed to Key; every listing goes to Driver
 %% as {demo_listing, Label, NumberOfPools, PoolNodes}.
@@ -50,6 +50,8 @@ expected({valid, {ok, ok}}) -> true;
 expected({broken, {error, {Offset, _}}}) when is_integer(Offset) -> true;
 expected(_) -> false.
 
+%% List in at most N chunks of (nearly) equal size, in order.
+-spec split([T], pos_integer()) -> [[T]].
 split(List, N) ->
     Size = max(1, (length(List) + N - 1) div N),
     chunk(List, Size).
