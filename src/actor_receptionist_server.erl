@@ -34,6 +34,7 @@
 %% API.
 -export([start_link/1]).
 -export([shm_name/1]).
+-export([journal/0]).
 
 %% gen_server callbacks.
 -export([init/1]).
@@ -120,9 +121,9 @@ init(Node, Owner, PerKey, Total, Interval) ->
     %% Ours, rebuilt at each start: shared refs (see "Other members'
     %% registrations") and our refs of processes on other nodes, by node.
     ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
-    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, bag, protected]),
-    true = ets:insert(?RCPT_BYNODE, [{node(Ref), {Id, Ref}} || {Id, Ref} <- ets:tab2list(?RCPT_REGS),
-                                                               node(Ref) =/= node()]),
+    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, ordered_set, protected]),
+    true = ets:insert(?RCPT_BYNODE, [{{node(Ref), {Id, Ref}}} || {Id, Ref} <- journal(),
+                                                                 node(Ref) =/= node()]),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
     G = actor_receptionist_gossip:new(Interval),
@@ -131,7 +132,7 @@ init(Node, Owner, PerKey, Total, Interval) ->
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
-                        ets:tab2list(?RCPT_SUBS)),
+                        pairs(?RCPT_SUBS)),
     %% The owner notifies us of each new incarnation; the current one may
     %% have come up before we were registered. If it has served requests
     %% already, this server is a restarted one: the C node may hold changes
@@ -218,7 +219,7 @@ handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
        byte_size(Id) =< 1024, is_pid(Ref), is_atom(Follower) ->
     {noreply, followed(Op, Follower, Id, Ref, State)};
 handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
-    Old = sets:from_list([E || {_, E} <- ets:lookup(?RCPT_FOLLOWED, Follower)], [{version, 2}]),
+    Old = sets:from_list(pairs_of(?RCPT_FOLLOWED, Follower), [{version, 2}]),
     New = sets:from_list([E || {Id, Ref} = E <- Regs, is_binary(Id), byte_size(Id) >= 1,
                                byte_size(Id) =< 1024, is_pid(Ref)], [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
@@ -284,7 +285,7 @@ handle_cast1({subscribe, Id, Pid} = Msg, State) ->
         false ->
             case limit(Id, State) of
                 ok ->
-                    true = ets:insert(?RCPT_SUBS, {Pid, Id}),
+                    true = ets:insert(?RCPT_SUBS, {{Pid, Id}}),
                     {noreply, out(Msg, count_sub(Pid, Id, State))};
                 {Reason, Limit} ->
                     %% Through the C node, so that it reaches the subscriber
@@ -298,7 +299,7 @@ handle_cast1({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
     State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
     case subscribed(Pid, Id) of
         true ->
-            true = ets:delete_object(?RCPT_SUBS, {Pid, Id}),
+            true = ets:delete(?RCPT_SUBS, {Pid, Id}),
             {noreply, out(Msg, uncount_sub(Pid, Id, State))};
         false ->
             {noreply, State}
@@ -321,8 +322,8 @@ handle_info({nodedown, _Node}, State) ->
 handle_info({'DOWN', Mref, process, Pid, _} = Msg, #state{monitors = Mons} = State0) ->
     case maps:find(Pid, Mons) of
         {ok, Mref} ->
-            Ids = [Id || {_, Id} <- ets:lookup(?RCPT_SUBS, Pid)],
-            true = ets:delete(?RCPT_SUBS, Pid),
+            Ids = pairs_of(?RCPT_SUBS, Pid),
+            true = ets:match_delete(?RCPT_SUBS, {{Pid, '_'}}),
             State1 = lists:foldl(fun(Id, S) -> uncount(Id, S) end, State0, Ids),
             State = State1#state{monitors = maps:remove(Pid, Mons)},
             {noreply, out({unsubscribe_all, Pid}, State)};
@@ -380,15 +381,15 @@ effect({origin_state, To, Origin, Inc, Ver}, State) ->
 effect({drop_refs_on, Node}, State) ->
     %% That node is gone: our registrations of its processes end, and those
     %% a follower made through us.
-    State1 = lists:foldl(fun({_, {Id, Ref}}, S) -> followed(deregister, Node, Id, Ref, S) end,
-                         State, ets:lookup(?RCPT_FOLLOWED, Node)),
-    lists:foldl(fun({_, {Id, Ref}}, S) ->
+    State1 = lists:foldl(fun({Id, Ref}, S) -> followed(deregister, Node, Id, Ref, S) end,
+                         State, pairs_of(?RCPT_FOLLOWED, Node)),
+    lists:foldl(fun({Id, Ref}, S) ->
                         {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
                         S1
-                end, State1, ets:lookup(?RCPT_BYNODE, Node));
+                end, State1, pairs_of(?RCPT_BYNODE, Node));
 effect({synced_with, Member}, State) ->
     %% A member we follow (re)synced: it gets all of our registrations.
-    ok = gen_server:cast({?RCPT_SERVER, Member}, {forwarded_sync, node(), ets:tab2list(?RCPT_REGS)}),
+    ok = gen_server:cast({?RCPT_SERVER, Member}, {forwarded_sync, node(), journal()}),
     State;
 effect({subscribe, Id, Pid}, State) ->
     {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
@@ -540,27 +541,47 @@ c_origin(local) -> undefined;
 c_origin(Origin) -> Origin.
 
 journaled(Id, Ref) ->
-    lists:member({Id, Ref}, ets:lookup(?RCPT_REGS, Id)).
+    ets:member(?RCPT_REGS, {Id, Ref}).
 
 %% A follower's registration, held in our journal and indexed by follower.
 followed(register, Follower, Id, Ref, State) ->
-    true = ets:insert(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    true = ets:insert(?RCPT_FOLLOWED, {{Follower, {Id, Ref}}}),
     {noreply, State1} = handle_cast({register, Id, Ref, undefined}, State),
     State1;
 followed(deregister, Follower, Id, Ref, State) ->
-    true = ets:delete_object(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    true = ets:delete(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
     {noreply, State1} = handle_cast({deregister, Id, Ref, undefined}, State),
     State1.
 
 journal_add(Id, Ref) ->
-    true = ets:insert(?RCPT_REGS, {Id, Ref}),
-    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
+    %% The number keeps the registration order for a replay: listings
+    %% list refs in that order.
+    true = ets:insert(?RCPT_REGS, {{Id, Ref}, erlang:unique_integer([monotonic])}),
+    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {{node(Ref), {Id, Ref}}}),
     ok.
 
 journal_del(Id, Ref) ->
-    true = ets:delete_object(?RCPT_REGS, {Id, Ref}),
-    _ = node(Ref) =/= node() andalso ets:delete_object(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
+    true = ets:delete(?RCPT_REGS, {Id, Ref}),
+    _ = node(Ref) =/= node() andalso ets:delete(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
     ok.
+
+%% @private
+%% @doc This node's registrations, `[{Id, Ref}]', in registration order.
+-spec journal() -> [{binary(), pid()}].
+journal() ->
+    [P || {P, _} <- lists:keysort(2, ets:tab2list(?RCPT_REGS))].
+
+%% The journal, the subscriptions and the by-node and by-follower indexes
+%% hold one `{A, B}' key per pair: insert, delete and membership are
+%% O(1) (a set) or O(log n) (an ordered_set), however many pairs share A.
+%% (A bag keyed on A made each of them O(pairs under A): 50K refs under one
+%% key took 16 s to register.) In an ordered_set the pairs of one A are
+%% found by a key prefix, without a scan.
+pairs(Tab) ->
+    [P || {P} <- ets:tab2list(Tab)].
+
+pairs_of(Tab, A) ->
+    ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}]).
 
 %% A change of the journal, for the other members: it goes with the next
 %% flush, which is on its way even while the C node is down.
@@ -568,7 +589,7 @@ gossip(Op, Id, Ref, #state{gossip = G} = State) ->
     schedule_flush(State#state{gossip = actor_receptionist_gossip:local(Op, Id, Ref, G)}).
 
 subscribed(Pid, Id) ->
-    ets:match_object(?RCPT_SUBS, {Pid, Id}) =/= [].
+    ets:member(?RCPT_SUBS, {Pid, Id}).
 
 limit(Id, #state{counts = Counts, per_key = PerKey, total = Total, total_limit = TotalLimit}) ->
     case maps:get(Id, Counts, 0) >= PerKey of
@@ -587,10 +608,10 @@ count_sub(Pid, Id, #state{counts = Counts, total = Total, monitors = Mons} = Sta
 
 uncount_sub(Pid, Id, State0) ->
     State = uncount(Id, State0),
-    case ets:member(?RCPT_SUBS, Pid) of
-        true ->
+    case ets:select(?RCPT_SUBS, [{{{Pid, '_'}}, [], [true]}], 1) of
+        {[true], _} ->
             State;
-        false ->
+        '$end_of_table' ->
             {Mref, Mons} = maps:take(Pid, State#state.monitors),
             true = erlang:demonitor(Mref, [flush]),
             State#state{monitors = Mons}
@@ -700,10 +721,10 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
     case call_rcpt(pid, State0) of
         Pid when is_pid(Pid) ->
             monitor_on(Node),
-            Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- ets:tab2list(?RCPT_REGS)],
+            Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- journal()],
             Remote = [{rregister, O, Id, Ref} || O <- maps:keys(State0#state.remote),
                                                  {Id, Ref} <- origin_rows(O, State0)],
-            Subs = [{subscribe, Id, P} || {P, Id} <- ets:tab2list(?RCPT_SUBS)],
+            Subs = [{subscribe, Id, P} || {P, Id} <- pairs(?RCPT_SUBS)],
             State = State0#state{incarnations = N + 1, pid = Pid},
             send_all(Regs ++ Remote ++ Subs, State),
             case call_rcpt(sync, State) of

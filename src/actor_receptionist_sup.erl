@@ -92,10 +92,11 @@ start_node(#{shm_mb := Mb}) ->
 
 -spec init(map()) -> {ok, {supervisor:sup_flags(), [supervisor:child_spec()]}}.
 init(Opts) ->
-    Tab = [public, named_table, bag, {write_concurrency, false}],
-    ?RCPT_REGS = ets:new(?RCPT_REGS, Tab),
-    ?RCPT_SUBS = ets:new(?RCPT_SUBS, Tab),
-    ?RCPT_FOLLOWED = ets:new(?RCPT_FOLLOWED, Tab),
+    %% One {{A, B}} key per pair (see actor_receptionist_server:pairs/1).
+    Tab = [public, named_table, {write_concurrency, false}],
+    ?RCPT_REGS = ets:new(?RCPT_REGS, [set | Tab]),
+    ?RCPT_SUBS = ets:new(?RCPT_SUBS, [ordered_set | Tab]),
+    ?RCPT_FOLLOWED = ets:new(?RCPT_FOLLOWED, [ordered_set | Tab]),
     Flags = #{strategy => rest_for_one, intensity => 5, period => 10},
     Node = #{id => actor_receptionist_node,
              start => {?MODULE, start_node, [Opts]},
