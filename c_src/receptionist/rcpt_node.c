@@ -436,12 +436,16 @@ static void do_register(const char *b, int i, int reg)
 	if (!reg) {
 		st.deregisters++;
 		registry_deregister(st.reg, key, klen, &ref);
-		if (has_to)
+		if (has_to) {
+			registry_flush(st.reg); /* the ack follows the snapshot write */
 			send_ack(&to, "deregistered", key, klen, &ref);
+		}
 		return;
 	}
 	st.registers++;
 	int rc = registry_register(st.reg, key, klen, &ref, REGISTRY_ORIGIN_LOCAL);
+	if (has_to)
+		registry_flush(st.reg);
 	if (rc >= 0) {
 		if (has_to)
 			send_ack(&to, "registered", key, klen, &ref);
@@ -601,6 +605,12 @@ static void handle(const char *b, int i, int depth)
 		malformed("message");
 		return;
 	}
+	/* Changes of refs are reported once per key at the end of the message
+	 * (see registry_defer); anything else that sends, or that depends on
+	 * what was sent (an unsubscribe), has them reported first. */
+	if (strcmp(op, "register") && strcmp(op, "deregister") && strcmp(op, "rregister") &&
+	    strcmp(op, "rderegister") && strcmp(op, "retag") && strcmp(op, "batch"))
+		registry_flush(st.reg);
 	if (arity == 4 && !strcmp(op, "register"))
 		do_register(b, i, 1);
 	else if (arity == 4 && !strcmp(op, "deregister"))
@@ -621,8 +631,13 @@ static void handle(const char *b, int i, int depth)
 		}
 		uint32_t id = origin_id(origin, 0);
 		st.origin_drops++;
-		if (id)
+		if (id) {
+			/* It reports each key once already, and may rebuild the
+			 * snapshot instead of writing per key. */
+			registry_defer(st.reg, 0);
 			drop_origin(id);
+			registry_defer(st.reg, 1);
+		}
 	} else if (arity == 3 && !strcmp(op, "find"))
 		do_find(b, i);
 	else if (arity == 3 && !strcmp(op, "subscribe"))
@@ -796,7 +811,9 @@ static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		break;
 	case AP_MSG_INFO:
 	case AP_MSG_CAST:
+		registry_defer(st.reg, 1);
 		handle(m->buf, m->index, 0);
+		registry_defer(st.reg, 0);
 		break;
 	case AP_MSG_EXIT:
 		break;

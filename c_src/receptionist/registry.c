@@ -43,8 +43,22 @@ struct rref {
 
 struct rsubn;
 
+/* A ref as a listing shows it (node, not origin), for telling at a flush
+ * whether a key's listing really changed. */
+struct lref {
+	uint64_t node_hash;
+	uint32_t num, serial, creation, zero; /* no padding: compared with memcmp */
+};
+
+struct dirty {
+	struct rkey *k;
+	uint32_t n0;      /* its refs when it was first changed; UINT32_MAX: unknown */
+	struct lref *was; /* n0 of them (NULL when n0 is 0 or unknown) */
+};
+
 struct rkey {
-	uint32_t klen;
+	uint32_t klen : 31; /* at most REGISTRY_MAX_KEY */
+	uint32_t dirty : 1; /* changed while deferring: in r->dirty, kept until reported */
 	uint32_t nrefs;
 	uint32_t cap;   /* ref slots, a power of two: 1 is the inline one */
 	uint32_t vsize; /* sum of the refs' encoded sizes */
@@ -126,6 +140,9 @@ struct registry {
 	erlang_pid to;
 	uint64_t nkeys, nrefs, nsubscriptions, listings;
 	size_t mem;
+	int defer;            /* registry_defer: report changed keys at the flush */
+	struct dirty *dirty;  /* the keys changed meanwhile, each once */
+	size_t ndirty, capdirty;
 };
 
 #define NODE(r, id) ((struct rnode *)(r)->nodes.v[id])
@@ -676,7 +693,7 @@ static struct rkey *key_new(registry *r, const void *key, size_t klen, uint64_t 
 /* Free k if it has neither refs nor subscribers. */
 static void key_gc(registry *r, struct rkey *k)
 {
-	if (k->nrefs || k->subs)
+	if (k->nrefs || k->subs || k->dirty)
 		return;
 	ptab_del(r, &r->keys, key_hash(r, k->key, k->klen), k);
 	if (k->cap > 1)
@@ -760,10 +777,70 @@ static void send_to(registry *r, const struct rsub *s, const struct rkey *k, con
 }
 
 /* k's refs changed: the snapshot hook, then every subscriber. */
+/* ---- deferred reports (registry_defer) ---------------------------------------- */
+
+static struct lref lref_of(const registry *r, const struct rref *x)
+{
+	return (struct lref){ NODE(r, GROUP(r, x->grp)->node)->hash, x->num, x->serial, x->creation, 0 };
+}
+
+/* Before k's refs change: while deferring, the first time, note them and
+ * mark k dirty, so that changed() leaves the report to the flush. Only for
+ * keys without subscribers: a subscriber gets a listing per change. If
+ * that takes memory there is none of, k is left clean and reported at
+ * once. */
+static void pre_change(registry *r, struct rkey *k)
+{
+	if (!r->defer || k->dirty || k->subs || !r->ops.on_change)
+		return;
+	if (r->ndirty == r->capdirty) {
+		size_t cap = r->capdirty ? r->capdirty * 2 : 64;
+		struct dirty *grown = realloc(r->dirty, cap * sizeof *grown);
+		if (!grown)
+			return;
+		r->dirty = grown;
+		r->capdirty = cap;
+	}
+	struct dirty *d = &r->dirty[r->ndirty++];
+	*d = (struct dirty){ k, k->nrefs, NULL };
+	if (k->nrefs) {
+		d->was = malloc((size_t)k->nrefs * sizeof *d->was);
+		if (d->was) {
+			const struct rref *v = refs_of(k);
+			for (uint32_t i = 0; i < k->nrefs; i++)
+				d->was[i] = lref_of(r, &v[i]);
+		} else {
+			d->n0 = UINT32_MAX; /* unknown: report it whatever it is */
+		}
+	}
+	k->dirty = 1;
+}
+
+/* Whether k's listing differs from the one it had when first changed. */
+static int listing_changed(const registry *r, const struct dirty *d)
+{
+	struct rkey *k = d->k;
+	if (d->n0 == UINT32_MAX || d->n0 != k->nrefs)
+		return 1;
+	const struct rref *v = refs_of(k);
+	for (uint32_t i = 0; i < k->nrefs; i++) {
+		struct lref now = lref_of(r, &v[i]);
+		if (memcmp(&now, &d->was[i], sizeof now))
+			return 1;
+	}
+	return 0;
+}
+
 static void changed(registry *r, struct rkey *k)
 {
 	const uint8_t *val, *msg;
 	size_t vlen, mlen;
+	if (k->dirty)
+		return; /* deferred: reported at the flush */
+	/* Reported now: the deferred ones first, so that whoever gets this
+	 * listing finds every earlier change in the snapshot. */
+	if (r->ndirty && (r->ops.on_change || k->subs))
+		registry_flush(r);
 	if (!r->ops.on_change && !k->subs)
 		return;
 	if (encode_value(r, k, &val, &vlen)) {
@@ -778,6 +855,34 @@ static void changed(registry *r, struct rkey *k)
 	encode_head(r, k->key, k->klen, vlen, &msg, &mlen);
 	for (const struct rsubn *sn = k->subs; sn; sn = sn->knext)
 		send_to(r, sn->s, k, msg, mlen);
+}
+
+void registry_defer(registry *r, int on)
+{
+	if (!on)
+		registry_flush(r);
+	r->defer = on;
+}
+
+void registry_flush(registry *r)
+{
+	int was_deferring = r->defer;
+	r->defer = 0;
+	/* Taken off first: changed() below must not flush again. Callbacks do
+	 * not call back in and deferring is off, so nothing is added. */
+	size_t n = r->ndirty;
+	r->ndirty = 0;
+	for (size_t i = 0; i < n; i++) {
+		struct dirty *d = &r->dirty[i];
+		struct rkey *k = d->k;
+		int report = listing_changed(r, d);
+		free(d->was);
+		k->dirty = 0;
+		if (report)
+			changed(r, k);
+		key_gc(r, k);
+	}
+	r->defer = was_deferring;
 }
 
 /* ---- life cycle --------------------------------------------------------------- */
@@ -843,6 +948,9 @@ void registry_free(registry *r)
 	free(r->subns.s);
 	free(r->node_tab.s);
 	free(r->group_tab.s);
+	for (size_t i = 0; i < r->ndirty; i++)
+		free(r->dirty[i].was);
+	free(r->dirty);
 	free(r->buf);
 	free(r);
 }
@@ -885,6 +993,7 @@ int registry_register(registry *r, const void *key, size_t klen, const erlang_pi
 	if (kset_reserve(r, g))
 		goto out_key;
 
+	pre_change(r, k);
 	struct rref *v = refs_of(k);
 	v[k->nrefs] = (struct rref){ g->id, ref->num, ref->serial, ref->creation };
 	if (rset_of(k))
@@ -931,6 +1040,7 @@ int registry_deregister(registry *r, const void *key, size_t klen, const erlang_
 	int rc = ref_locate(r, key, klen, ref, &k, &i);
 	if (rc <= 0)
 		return rc;
+	pre_change(r, k);
 	struct rref *v = refs_of(k), x = v[i];
 	if (rset_of(k))
 		rset_remove(r, k, (uint32_t)i);
@@ -988,6 +1098,7 @@ static size_t drain(registry *r, struct rgroup *g, int by_node, uint32_t what)
 		struct rkey *k = ks[i].k;
 		if (!k)
 			continue;
+		pre_change(r, k);
 		struct rref *v = refs_of(k);
 		uint32_t w = 0, n = k->nrefs;
 		for (uint32_t j = 0; j < n; j++) {

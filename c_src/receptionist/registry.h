@@ -70,6 +70,19 @@ typedef struct registry_stats {
 registry *registry_new(const registry_ops *ops, void *arg, size_t max_value);
 void registry_free(registry *r);
 
+/* Deferring (off at first): while on, a key without subscribers whose refs
+ * change is reported (on_change) once, at registry_flush or when deferring
+ * is turned off, with its refs as they are then, and not at all if they
+ * are back to what they were. A run of changes to one key then costs one
+ * encoding of its listing instead of one per change, which for a key with
+ * n refs is O(n) each. A key with subscribers is still reported at every
+ * change (each gets a listing per change), after the deferred ones.
+ * Queries (registry_value, registry_listing, subscribe) see the current
+ * refs at once; flush before sending anything that must follow the reports
+ * (a reply). */
+void registry_defer(registry *r, int on);
+void registry_flush(registry *r);
+
 /* Add ref under key (origin: where it came from). Returns 1 when added (and
  * reported: on_change, listings), 0 when the ref was already there (nothing
  * reported, its origin unchanged), -EINVAL for an empty or too long key,

@@ -651,6 +651,77 @@ static void test_set_origin_moves_a_ref_to_another_origin_silently(void **state)
 	t_rec_free(&rec);
 }
 
+/* ---- deferred reports ------------------------------------------------------- */
+
+static void test_deferred_changes_are_reported_once_per_key_at_the_flush(void **state)
+{
+	(void)state;
+	struct t_rec rec = { 0 };
+	registry *r = registry_new(&t_ops, &rec, 0);
+	erlang_pid s = t_pid("app@host", 100, 0, 7);
+	erlang_pid a = P(1), b = P(2), c = P(3), d = P(4);
+	assert_int_equal(registry_register(r, K("k"), &a, 0), 1);
+	uint64_t changes = rec.changes;
+	registry_defer(r, 1);
+	/* Three changes to k and one to j (no subscribers): none reported yet,
+	 * but the registry answers with them at once. */
+	assert_int_equal(registry_register(r, K("k"), &b, 0), 1);
+	assert_int_equal(registry_register(r, K("k"), &c, 1), 1);
+	assert_int_equal(registry_deregister(r, K("k"), &a), 1);
+	assert_int_equal(registry_register(r, K("j"), &d, 0), 1);
+	assert_int_equal(rec.changes, changes);
+	{
+		erlang_pid want[] = { b, c };
+		t_assert_refs(r, "k", want, 2);
+	}
+	registry_flush(r);
+	/* One report per key, with its refs as they are now (j's last). */
+	assert_int_equal(rec.changes, changes + 2);
+	assert_string_equal(rec.last_key, "j");
+	t_check(r);
+	/* Changes undone before the flush are no change: nothing reported,
+	 * and a key that came and went is gone. */
+	changes = rec.changes;
+	assert_int_equal(registry_register(r, K("k"), &a, 0), 1);
+	assert_int_equal(registry_deregister(r, K("k"), &a), 1);
+	assert_int_equal(registry_deregister(r, K("k"), &b), 1);
+	assert_int_equal(registry_register(r, K("k"), &b, 2), 1); /* back, but last: k is c, b */
+	assert_int_equal(registry_register(r, K("new"), &d, 0), 1);
+	assert_int_equal(registry_deregister(r, K("new"), &d), 1);
+	registry_defer(r, 0);
+	assert_int_equal(rec.changes, changes + 1);
+	assert_string_equal(rec.last_key, "k");
+	assert_int_equal(rec.last_nrefs, 2);
+	assert_int_equal(registry_count(r, K("new")), 0);
+	registry_stats st;
+	registry_get_stats(r, &st);
+	assert_int_equal(st.entries, 2); /* k and j */
+	changes = rec.changes;
+	registry_defer(r, 1);
+	assert_int_equal(registry_deregister(r, K("k"), &b), 1);
+	assert_int_equal(registry_register(r, K("k"), &b, 0), 1); /* the same place, another origin */
+	registry_flush(r);
+	assert_int_equal(rec.changes, changes);
+	/* A key with a subscriber is reported at every change, and the
+	 * deferred ones go first (the snapshot has them before that listing). */
+	assert_int_equal(registry_subscribe(r, K("s"), &s), 1);
+	size_t listings = rec.nlistings;
+	assert_int_equal(registry_register(r, K("j"), &a, 0), 1);
+	assert_int_equal(registry_register(r, K("s"), &a, 0), 1);
+	assert_int_equal(rec.changes, changes + 2);
+	assert_string_equal(rec.last_key, "s");
+	assert_int_equal(registry_register(r, K("s"), &b, 0), 1);
+	assert_int_equal(rec.changes, changes + 3);
+	assert_int_equal(rec.nlistings, listings + 2);
+	assert_int_equal(rec.listings[listings].nrefs, 1);
+	assert_int_equal(rec.listings[listings + 1].nrefs, 2);
+	t_check(r);
+	/* Freed with changes still deferred: nothing leaks (ASan). */
+	assert_int_equal(registry_register(r, K("x"), &a, 0), 1);
+	registry_free(r);
+	t_rec_free(&rec);
+}
+
 static void test_drop_node_removes_refs_on_that_node_from_every_origin(void **state)
 {
 	(void)state;
@@ -1092,6 +1163,7 @@ int main(void)
 		cmocka_unit_test(test_drop_origin_removes_its_refs_and_reports_each_key_once),
 		cmocka_unit_test(test_set_origin_moves_a_ref_to_another_origin_silently),
 		cmocka_unit_test(test_drop_node_removes_refs_on_that_node_from_every_origin),
+		cmocka_unit_test(test_deferred_changes_are_reported_once_per_key_at_the_flush),
 		cmocka_unit_test(test_100k_keys),
 		cmocka_unit_test(test_10k_refs_in_one_key),
 		cmocka_unit_test(test_snapshot_equals_registry_after_random_operations),
