@@ -82,8 +82,9 @@ wait_until_(F, Deadline, Ms, What) ->
     end.
 
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}; Target is
-%% none, {le, Base, Factor, Text} (Value =< Base * Factor), {lt_abs, Max,
-%% Text} or {ge_abs, Min, Text}. Prints the table; returns the targets missed.
+%% none, {le, Base, Factor, Text} (Value =< Base * Factor), {ge, Base,
+%% Factor, Text} (Value >= Base * Factor), {lt_abs, Max, Text} or {ge_abs,
+%% Min, Text}. Prints the table; returns the targets missed.
 -spec print([{string(), term(), [{string(), term()}], term()}]) -> non_neg_integer().
 print(Rows) ->
     io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
@@ -106,6 +107,7 @@ print(Rows) ->
 verdict(_V, none) -> {"", 0};
 verdict(undefined, {_, _, Text}) -> met(false, Text);
 verdict(V, {le, Base, Factor, Text}) -> met(V =< Base * Factor, Text);
+verdict(V, {ge, Base, Factor, Text}) -> met(V >= Base * Factor, Text);
 verdict(V, {lt_abs, Max, Text}) -> met(V < Max, Text);
 verdict(V, {ge_abs, Min, Text}) -> met(V >= Min, Text).
 

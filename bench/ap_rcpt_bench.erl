@@ -8,6 +8,10 @@
 %%     each, from 1 and from 8 processes, timed until the receptionist has
 %%     applied them: a `sync' barrier), beside `pg:join/3' and `pg:leave/3'
 %%     of as many groups;</li>
+%% <li>registrations and deregistrations per second of BENCH_RCPT_ONE_KEY
+%%     [20000] refs under one key (one process, until applied), beside
+%%     `pg:join/3' and `pg:leave/3' of as many pids in one group: per-op cost
+%%     must not grow with the refs a key has;</li>
 %% <li>memory per registration at 100K keys: the receptionist C node's RSS
 %%     (its snapshot pages included) and the BEAM-side journal, beside what
 %%     pg's scope (ETS and process) takes for as many joins.</li>
@@ -97,6 +101,17 @@ run() ->
     PgLeave8 = rate(?KEYS, fun() -> par([fun() -> [ok = pg:leave(?SCOPE, G, P) || {G, P} <- Gs] end
                                          || Gs <- GParts]) end),
     [] = actor_receptionist:lookup(hd(Keys)),
+    %% Many refs under one key.
+    NOne = env_int("BENCH_RCPT_ONE_KEY", 20000),
+    KOne = actor_receptionist:service_key(<<"bench-one-key">>),
+    Pids = [spawn(fun idle/0) || _ <- lists:seq(1, NOne)],
+    RegOne = rate(NOne, fun() -> [ok = actor_receptionist:register(KOne, P) || P <- Pids], ok = sync() end),
+    NOne = length(actor_receptionist:lookup(KOne)),
+    PgJoinOne = rate(NOne, fun() -> [ok = pg:join(?SCOPE, bench_one, P) || P <- Pids], ok end),
+    DeregOne = rate(NOne, fun() -> [ok = actor_receptionist:deregister(KOne, P) || P <- Pids], ok = sync() end),
+    [] = actor_receptionist:lookup(KOne),
+    PgLeaveOne = rate(NOne, fun() -> [ok = pg:leave(?SCOPE, bench_one, P) || P <- Pids], ok end),
+    OneKey = integer_to_list(NOne div 1000) ++ "K",
 
     PerRegC = (Rss1 - Rss0) / ?KEYS,
     PerRegJ = (Ets1 - Ets0) / ?KEYS,
@@ -121,6 +136,15 @@ run() ->
        {ge_abs, 100000, ">= 100K/s"}},
       {"deregister, 1 process (/s)", Dereg1, [{"pg:leave/3, 1 process", PgLeave1}], none},
       {"deregister, 8 processes (/s)", Dereg8, [{"pg:leave/3, 8 processes", PgLeave8}], none},
+      {"register, " ++ OneKey ++ " refs, one key (regs/s)", RegOne,
+       [{"pg:join/3, " ++ OneKey ++ " pids, one group", PgJoinOne}, {"register, 1 process", Reg1}],
+       %% O(1) per op: within a factor of the 100K-keys rate.
+       {ge, Reg1, 0.5, ">= 0.5x 100K-keys rate"}},
+      {"deregister, " ++ OneKey ++ " refs, one key (/s)", DeregOne,
+       [{"pg:leave/3, " ++ OneKey ++ " pids, one group", PgLeaveOne}, {"deregister, 1 process", Dereg1}],
+       %% Not O(1) yet: the C node keeps a key's refs in registration order
+       %% in an array, and a removal shifts the rest.
+       none},
       {"bytes per registration, C node RSS", PerRegC, [{"pg scope, ETS + process", PerPg}], none},
       {"bytes per registration, BEAM journal", PerRegJ, [], none}],
     Missed = print(Rows),
