@@ -946,7 +946,14 @@ static void test_snapshot_equals_registry_after_random_operations(void **state)
 	rec.vlens = calloc(KEYS, sizeof *rec.vlens);
 	rec.nvals = KEYS;
 	size_t want_listings = 0;
+	int deferring = 0;
 	for (int op = 0; op < OPS; op++) {
+		/* Runs of ops with deferred reports, as the C node does within a
+		 * batch: flushed before subscriptions, drops and checks. */
+		if (op % 8 == 0) {
+			deferring = (int)(t_rand32(&rng) % 2);
+			registry_defer(r, deferring);
+		}
 		unsigned ki = (unsigned)t_rand_range(&rng, 0, KEYS - 1);
 		/* Skewed: a few keys get most of the refs. */
 		if (ki >= 10 && t_rand32(&rng) % 4 == 0)
@@ -979,17 +986,20 @@ static void test_snapshot_equals_registry_after_random_operations(void **state)
 			}
 		} else if (dice < 98) {
 			int s = (int)(pid % 4);
+			registry_flush(r);
 			assert_int_equal(registry_subscribe(r, K(key), &subs[s]), mk->subs[s] ? 0 : 1);
 			mk->subs[s] = 1;
 			want_listings++;
 		} else if (dice < 99) {
 			int s = (int)(pid % 4);
+			registry_flush(r);
 			assert_int_equal(registry_unsubscribe(r, K(key), &subs[s]), mk->subs[s] ? 1 : 0);
 			mk->subs[s] = 0;
 		} else if (t_rand32(&rng) % 50 == 0) {
 			/* Now and then origin 1 leaves (every pid % 4 == 0 ref
 			 * goes), or node c@host does (pid % 3 == 2). */
 			int by_node = t_rand32(&rng) % 2;
+			registry_defer(r, 0);
 			size_t dropped = by_node ? registry_drop_node(r, "c@host") : registry_drop_origin(r, 1), want = 0;
 			for (int k = 0; k < KEYS; k++) {
 				int w = 0;
@@ -1003,16 +1013,21 @@ static void test_snapshot_equals_registry_after_random_operations(void **state)
 			}
 			assert_int_equal(dropped, want);
 			t_check(r);
+			registry_defer(r, deferring);
 		}
 		assert_int_equal(rec.nlistings, want_listings);
 		if (op % 1000 == 0) {
+			registry_flush(r);
 			t_assert_snapshot_key(r, seg, T_SEG, key, buf, cap);
 			snprintf(key, sizeof key, "key/%u", (unsigned)t_rand_range(&rng, 0, KEYS - 1));
 			t_assert_snapshot_key(r, seg, T_SEG, key, buf, cap);
 		}
-		if (op % 50000 == 0)
+		if (op % 50000 == 0) {
+			registry_flush(r);
 			t_check(r);
+		}
 	}
+	registry_defer(r, 0);
 	assert_int_equal(rec.put_errors, 0);
 	t_check(r);
 	size_t refs = 0, keys = 0;
