@@ -588,13 +588,19 @@ static void do_batch(const char *b, int i, int depth)
 		malformed("batch");
 		return;
 	}
+	/* A batch is a burst: a key changed several times in it is written
+	 * once (registry_defer). A lone change gains nothing from it. */
+	if (depth == 0)
+		registry_defer(st.reg, 1);
 	for (int k = 0; k < n; k++) {
 		int end = i;
 		if (ei_skip_term(b, &end))
-			return;
+			break;
 		handle(b, i, depth + 1);
 		i = end;
 	}
+	if (depth == 0)
+		registry_defer(st.reg, 0);
 }
 
 static void handle(const char *b, int i, int depth)
@@ -634,9 +640,10 @@ static void handle(const char *b, int i, int depth)
 		if (id) {
 			/* It reports each key once already, and may rebuild the
 			 * snapshot instead of writing per key. */
+			int deferring = registry_deferring(st.reg);
 			registry_defer(st.reg, 0);
 			drop_origin(id);
-			registry_defer(st.reg, 1);
+			registry_defer(st.reg, deferring);
 		}
 	} else if (arity == 3 && !strcmp(op, "find"))
 		do_find(b, i);
@@ -811,9 +818,7 @@ static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		break;
 	case AP_MSG_INFO:
 	case AP_MSG_CAST:
-		registry_defer(st.reg, 1);
 		handle(m->buf, m->index, 0);
-		registry_defer(st.reg, 0);
 		break;
 	case AP_MSG_EXIT:
 		break;

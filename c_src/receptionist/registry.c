@@ -776,7 +776,6 @@ static void send_to(registry *r, const struct rsub *s, const struct rkey *k, con
 		r->ops.on_listing(r->arg, &r->to, k->key, k->klen, msg, mlen);
 }
 
-/* k's refs changed: the snapshot hook, then every subscriber. */
 /* ---- deferred reports (registry_defer) ---------------------------------------- */
 
 static struct lref lref_of(const registry *r, const struct rref *x)
@@ -831,6 +830,7 @@ static int listing_changed(const registry *r, const struct dirty *d)
 	return 0;
 }
 
+/* k's refs changed: the snapshot hook, then every subscriber. */
 static void changed(registry *r, struct rkey *k)
 {
 	const uint8_t *val, *msg;
@@ -862,6 +862,11 @@ void registry_defer(registry *r, int on)
 	if (!on)
 		registry_flush(r);
 	r->defer = on;
+}
+
+int registry_deferring(const registry *r)
+{
+	return r->defer;
 }
 
 void registry_flush(registry *r)
@@ -1258,6 +1263,10 @@ int registry_subscribe(registry *r, const void *key, size_t klen, const erlang_p
 		sub_gc(r, s);
 		return -ENOMEM;
 	}
+	/* Its first listing must not come before the snapshot has its refs,
+	 * and its next changes must be reported to it: report it now. */
+	if (k->dirty)
+		registry_flush(r);
 	struct rsubn *sn = subn_find(r, k, s);
 	int rc = 0;
 	if (!sn) {

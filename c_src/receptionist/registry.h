@@ -76,11 +76,12 @@ void registry_free(registry *r);
  * are back to what they were. A run of changes to one key then costs one
  * encoding of its listing instead of one per change, which for a key with
  * n refs is O(n) each. A key with subscribers is still reported at every
- * change (each gets a listing per change), after the deferred ones.
- * Queries (registry_value, registry_listing, subscribe) see the current
- * refs at once; flush before sending anything that must follow the reports
- * (a reply). */
+ * change (each gets a listing per change), after the deferred ones, and
+ * subscribing to a deferred key reports it first. Queries (registry_value,
+ * registry_listing) see the current refs at once; flush before sending
+ * anything that must follow the reports (a reply, a find's listing). */
 void registry_defer(registry *r, int on);
+int registry_deferring(const registry *r);
 void registry_flush(registry *r);
 
 /* Add ref under key (origin: where it came from). Returns 1 when added (and
