@@ -38,15 +38,15 @@
 
 %% ETS tables of the receptionist server, owned by actor_receptionist_sup so
 %% that they outlive a crash of the server: the local registrations
-%% ({Id, Ref}, a bag: insertion order per key) and the local subscriptions
-%% ({Pid, Id}, a bag).
+%% ({{Id, Ref}, Seq}, a set; Seq keeps the registration order) and the
+%% local subscriptions ({{Pid, Id}}, an ordered_set).
 -define(RCPT_REGS, actor_receptionist_regs).
 -define(RCPT_SUBS, actor_receptionist_subs).
 %% (On a member) the registrations followers made through it,
-%% {FollowerNode, {Id, Ref}}, a bag owned by the supervisor too.
+%% {{FollowerNode, {Id, Ref}}}, an ordered_set owned by the supervisor too.
 -define(RCPT_FOLLOWED, actor_receptionist_followed).
 %% Owned by the server: {{Id, Ref}} held by more than one origin, and
-%% {Node, {Id, Ref}} for the journal's refs on other nodes (see
+%% {{Node, {Id, Ref}}} for the journal's refs on other nodes (see
 %% actor_receptionist_server).
 -define(RCPT_SHARED, actor_receptionist_shared).
 -define(RCPT_BYNODE, actor_receptionist_bynode).

@@ -580,6 +580,15 @@ journal() ->
 pairs(Tab) ->
     [P || {P} <- ets:tab2list(Tab)].
 
+pairs_of(Tab, A) when is_atom(A) ->
+    case atom_to_list(A) of
+        %% In a match pattern '_' and '$N' would be wildcards: compare
+        %% instead (a scan; no node is named so).
+        [C | _] when C =:= $_; C =:= $$ ->
+            ets:select(Tab, [{{{'$1', '$2'}}, [{'=:=', '$1', {const, A}}], ['$2']}]);
+        _ ->
+            ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}])
+    end;
 pairs_of(Tab, A) ->
     ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}]).
 
