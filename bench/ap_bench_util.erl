@@ -4,7 +4,8 @@
 -module(ap_bench_util).
 
 -export([main/5]).
--export([env_int/2, median/1, deadline/1, wait_until/3]).
+-export([env_int/2, median/1, deadline/1, wait_until/3, gone/3]).
+
 -export([print/1, fmt/1, ratio/2]).
 
 %% A bench's main: a watchdog that halts with 1 after TimeoutVar seconds
@@ -80,6 +81,24 @@ wait_until_(F, Deadline, Ms, What) ->
                 false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
             end
     end.
+
+%% Waits (at most Ms each) until the node names have left epmd and the OS
+%% processes are gone: a bench leaves nothing of its peers behind.
+-spec gone([string()], [non_neg_integer()], non_neg_integer()) -> ok.
+gone(Names, OsPids, Ms) ->
+    wait_until(fun() -> [N || N <- epmd_names(), lists:member(N, Names)] =:= [] end, Ms,
+               {names_left_epmd, Names}),
+    wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, Ms,
+               {os_processes_gone, OsPids}).
+
+epmd_names() ->
+    case net_adm:names() of
+        {ok, L} -> [N || {N, _Port} <- L];
+        _ -> []
+    end.
+
+os_pid_alive(OsPid) ->
+    filelib:is_dir("/proc/" ++ integer_to_list(OsPid)).
 
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}; Target is
 %% none, {le, Base, Factor, Text} (Value =< Base * Factor), {ge, Base,

@@ -213,20 +213,7 @@ stop_peers() ->
      end || {P, _} <- Peers],
     Names = lists:append([Ns || {_, #{names := Ns}} <- Peers]),
     OsPids = lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]),
-    wait_until(fun() -> [N || N <- epmd_names(), lists:member(N, Names)] =:= [] end, ?WAIT_MS,
-               {names_left_epmd, Names}),
-    wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, ?WAIT_MS,
-               {os_processes_gone, OsPids}),
-    ok.
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, L} -> [N || {N, _Port} <- L];
-        _ -> []
-    end.
-
-os_pid_alive(OsPid) ->
-    filelib:is_dir("/proc/" ++ integer_to_list(OsPid)).
+    ap_bench_util:gone(Names, OsPids, ?WAIT_MS).
 
 %% ===================================================================
 %% Convergence

@@ -294,23 +294,11 @@ stop_app() ->
     end.
 
 gone(Names, OsPids) ->
-    wait_until(fun() -> [N || N <- epmd_names(), lists:member(N, Names)] =:= [] end, ?WAIT_MS,
-               {names_left_epmd, Names}),
-    wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, ?WAIT_MS,
-               {os_processes_gone, OsPids}).
+    ap_bench_util:gone(Names, OsPids, ?WAIT_MS).
 
 node_name(Node) ->
     [Name, _Host] = string:split(atom_to_list(Node), "@"),
     Name.
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, L} -> [N || {N, _Port} <- L];
-        _ -> []
-    end.
-
-os_pid_alive(OsPid) ->
-    filelib:is_dir("/proc/" ++ integer_to_list(OsPid)).
 
 %% ===================================================================
 %% Rounds

@@ -43,6 +43,8 @@
 
 -export([main/0, main/1]).
 
+-import(ap_bench_util, [env_int/2]).
+
 -define(PAYLOAD, <<0:800>>).
 -define(SENDERS, 8).
 -define(CALLERS, 64).
@@ -597,9 +599,3 @@ host_cpu_us() ->
         _ -> undefined
     end.
 
-env_int(Name, Default) ->
-    case os:getenv(Name) of
-        false -> Default;
-        "" -> Default;
-        S -> list_to_integer(S)
-    end.
