@@ -309,12 +309,7 @@ partition_heals_and_converges() ->
         %% Cut A from B; both still reach C, which relays.
         true = call(A, erlang, disconnect_node, [node_of(B)]),
         wait_until(fun() -> not lists:member(node_of(B), call(A, erlang, nodes, [])) end, ?WAIT_MS),
-        RA2 = ref(A), RB2 = ref(B),
-        ok = call(A, actor_receptionist, register, [K, RA2]),
-        ok = call(B, actor_receptionist, register, [K, RB2]),
-        ok = call(B, actor_receptionist, deregister, [K, RB]),
-        %% Through C, A and B converge while cut.
-        converge(Ms, K, [RA, RA2, RB2, RC]),
+        {RA2, RB2} = change_both_sides_while_cut(Ms, K, [RA, RB, RC]),
         %% Heal.
         true = call(A, net_kernel, connect_node, [node_of(B)]),
         ok = call(C, actor_receptionist, deregister, [K, RC]),
@@ -397,12 +392,7 @@ network_cut(#{ns := [_, _, _] = Nss} = Net) ->
         %% Distribution notices by its ticks (net_ticktime 2 s here).
         wait_until(fun() -> not lists:member(node_of(B), call(A, erlang, nodes, [])) end, ?WAIT_MS),
         ?assert(lists:member(node_of(B), call(C, erlang, nodes, []))),
-        RA2 = ref(A), RB2 = ref(B),
-        ok = call(A, actor_receptionist, register, [K, RA2]),
-        ok = call(B, actor_receptionist, register, [K, RB2]),
-        ok = call(B, actor_receptionist, deregister, [K, RB]),
-        %% Through C, the two sides converge while cut.
-        converge(Ms, K, [RA, RA2, RB2, RC]),
+        {RA2, RB2} = change_both_sides_while_cut(Ms, K, [RA, RB, RC]),
         link(Net, ab, up),
         true = call(A, net_kernel, connect_node, [node_of(B)]),
         ok = call(A, actor_receptionist, deregister, [K, RA]),
@@ -702,6 +692,17 @@ converged(Ms, K, Want) ->
 
 converge(Ms, K, Want) ->
     ?assert(converged(Ms, K, Want)).
+
+%% With A and B cut apart (both still reach C): a registration on each
+%% side and a deregistration on B reach everyone through C. Returns the
+%% two new refs.
+change_both_sides_while_cut([A, B, _C] = Ms, K, [RA, RB, RC]) ->
+    RA2 = ref(A), RB2 = ref(B),
+    ok = call(A, actor_receptionist, register, [K, RA2]),
+    ok = call(B, actor_receptionist, register, [K, RB2]),
+    ok = call(B, actor_receptionist, deregister, [K, RB]),
+    converge(Ms, K, [RA, RA2, RB2, RC]),
+    {RA2, RB2}.
 
 %% N members, meshed and synced; stopped (and out of epmd) afterwards.
 with_members(N, Fun) ->
