@@ -4,7 +4,7 @@
 -module(ap_bench_util).
 
 -export([main/5]).
--export([env_int/2, median/1, deadline/1, wait_until/3, gone/3]).
+-export([env_int/2, median/1, deadline/1, wait_until/3, gone/3, stop_peers/1]).
 
 -export([print/1, fmt/1, ratio/2]).
 
@@ -90,6 +90,19 @@ gone(Names, OsPids, Ms) ->
                {names_left_epmd, Names}),
     wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, Ms,
                {os_processes_gone, OsPids}).
+
+%% Stops every peer this process recorded as `{peer, Peer} => #{names :=
+%% Names, os_pids := OsPids}' in its dictionary (the BEAM's and its C nodes'
+%% names and OS pids), then waits for them to go (gone/3).
+-spec stop_peers(non_neg_integer()) -> ok.
+stop_peers(Ms) ->
+    Peers = [{P, Info} || {{peer, P}, Info} <- get()],
+    [begin
+         _ = (catch peer:stop(P)),
+         erase({peer, P})
+     end || {P, _} <- Peers],
+    gone(lists:append([Ns || {_, #{names := Ns}} <- Peers]),
+         lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]), Ms).
 
 epmd_names() ->
     case net_adm:names() of

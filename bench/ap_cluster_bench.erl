@@ -206,14 +206,7 @@ pg_ready_join() ->
 %% Stops every peer started so far; their names must leave epmd and their
 %% OS processes (BEAM and C node) must be gone.
 stop_peers() ->
-    Peers = [{P, Info} || {{peer, P}, Info} <- get()],
-    [begin
-         _ = (catch peer:stop(P)),
-         erase({peer, P})
-     end || {P, _} <- Peers],
-    Names = lists:append([Ns || {_, #{names := Ns}} <- Peers]),
-    OsPids = lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]),
-    ap_bench_util:gone(Names, OsPids, ?WAIT_MS).
+    ap_bench_util:stop_peers(?WAIT_MS).
 
 %% ===================================================================
 %% Convergence

@@ -273,13 +273,7 @@ stop_pool() ->
     end.
 
 stop_peers() ->
-    Peers = [{P, Info} || {{peer, P}, Info} <- get()],
-    [begin
-         _ = (catch peer:stop(P)),
-         erase({peer, P})
-     end || {P, _} <- Peers],
-    gone(lists:append([Ns || {_, #{names := Ns}} <- Peers]),
-         lists:append([Ps || {_, #{os_pids := Ps}} <- Peers])).
+    ap_bench_util:stop_peers(?WAIT_MS).
 
 stop_app() ->
     case erase(app_started) of
