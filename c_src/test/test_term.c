@@ -3,6 +3,7 @@
 
 #include "ap_buf.h"
 #include "ap_term.h"
+#include "t_fun_overrun.h"
 
 /* ---- building terms ----------------------------------------------------- */
 
@@ -77,15 +78,6 @@ static void t_term_large_big(ei_x_buff *x)
 }
 
 static void t_term_float(ei_x_buff *x) { assert_int_equal(ei_x_encode_double(x, -1.5e300), 0); }
-
-static void t_term_float_old(ei_x_buff *x)
-{
-	char s[31];
-	memset(s, 0, sizeof s);
-	snprintf(s, sizeof s, "%.20e", 3.25);
-	t_byte(x, 99); /* FLOAT_EXT: 31 bytes of text */
-	t_raw(x, s, 31);
-}
 
 static void t_term_binary(ei_x_buff *x)
 {
@@ -275,6 +267,53 @@ static void t_term_export(ei_x_buff *x)
 	ei_x_encode_long(x, 1);
 }
 
+/* A closure as a BEAM encodes one: Module, OldIndex, OldUniq, Pid, then
+ * `nfree` free variables (an atom, then integers). */
+static void t_closure(ei_x_buff *x, int nfree)
+{
+	erlang_fun f;
+	ei_x_buff fv;
+	memset(&f, 0, sizeof f);
+	f.arity = 1;
+	strcpy(f.module, "erl_eval");
+	f.type = EI_FUN_CLOSURE;
+	memset(f.u.closure.md5, 0xab, sizeof f.u.closure.md5);
+	f.u.closure.index = 5;
+	f.u.closure.old_index = 5;
+	f.u.closure.uniq = 1234;
+	assert_int_equal(ei_x_new(&fv), 0);
+	for (int k = 0; k < nfree; k++)
+		assert_int_equal(k ? ei_x_encode_long(&fv, 7 * k) : ei_x_encode_atom(&fv, "x"), 0);
+	f.u.closure.n_free_vars = nfree;
+	f.u.closure.free_vars = fv.buff;
+	f.u.closure.free_var_len = fv.index;
+	f.u.closure.pid = t_pid("n@h", 1, 0, 1);
+	assert_int_equal(ei_x_encode_fun(x, &f), 0);
+	ei_x_free(&fv);
+}
+
+static void t_term_closure(ei_x_buff *x) { t_closure(x, 2); }
+static void t_term_closure_no_free_vars(ei_x_buff *x) { t_closure(x, 0); }
+
+static void t_term_closure_in_closure(ei_x_buff *x)
+{
+	/* A fun whose only free variable is a fun: the inner one must end
+	 * where its Size says, and then the outer one where its Size says. */
+	ei_x_buff inner;
+	assert_int_equal(ei_x_new(&inner), 0);
+	t_closure(&inner, 1);
+	erlang_fun f;
+	memset(&f, 0, sizeof f);
+	strcpy(f.module, "m");
+	f.type = EI_FUN_CLOSURE;
+	f.u.closure.n_free_vars = 1;
+	f.u.closure.free_vars = inner.buff;
+	f.u.closure.free_var_len = inner.index;
+	f.u.closure.pid = t_pid("n@h", 2, 0, 1);
+	assert_int_equal(ei_x_encode_fun(x, &f), 0);
+	ei_x_free(&inner);
+}
+
 static void t_term_nested(ei_x_buff *x)
 {
 	/* {ok, [#{k => {1, <<"b">>, [a | b]}, 2 => "str"}], -1.5, <<1:3>>} */
@@ -302,13 +341,14 @@ static void t_term_nested(ei_x_buff *x)
 static const struct t_sample samples[] = {
 	S(t_term_atom), S(t_term_atom_empty), S(t_term_atom_utf8), S(t_term_atom_latin1_old),
 	S(t_term_small_atom_old), S(t_term_small_int), S(t_term_int), S(t_term_small_big),
-	S(t_term_small_big_max), S(t_term_large_big), S(t_term_float), S(t_term_float_old),
+	S(t_term_small_big_max), S(t_term_large_big), S(t_term_float),
 	S(t_term_binary), S(t_term_binary_empty), S(t_term_bit_binary), S(t_term_pid),
 	S(t_term_pid_old), S(t_term_port), S(t_term_port_v4), S(t_term_port_old), S(t_term_ref),
 	S(t_term_ref_5words), S(t_term_new_ref_old), S(t_term_ref_old), S(t_term_tuple),
 	S(t_term_tuple_empty), S(t_term_large_tuple), S(t_term_nil), S(t_term_list),
 	S(t_term_improper_list), S(t_term_string), S(t_term_long_string), S(t_term_map),
-	S(t_term_map_empty), S(t_term_export), S(t_term_nested),
+	S(t_term_map_empty), S(t_term_export), S(t_term_closure), S(t_term_closure_no_free_vars),
+	S(t_term_closure_in_closure), S(t_term_nested),
 };
 #define NSAMPLES (sizeof samples / sizeof samples[0])
 
@@ -410,7 +450,7 @@ static void test_missing_or_wrong_version_byte_is_refused(void **state)
 
 static int t_tag_known(int tag)
 {
-	static const uint8_t known[] = { 70, 77, 88, 89, 90, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106,
+	static const uint8_t known[] = { 70, 77, 88, 89, 90, 97, 98, 100, 101, 102, 103, 104, 105, 106,
 					 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 118, 119, 120 };
 	return memchr(known, tag, sizeof known) != NULL;
 }
@@ -434,10 +474,11 @@ static void test_unknown_tags_are_refused(void **state)
 		if (ap_term_validate_msg((const char *)t, sizeof t) != -1)
 			fail_msg("unknown tag %d accepted inside a tuple", tag);
 	}
-	/* Atom cache refs, compressed, LOCAL_EXT, FUN_EXT, a nested 131. */
+	/* Atom cache refs, compressed, LOCAL_EXT, FUN_EXT, FLOAT_EXT (ei reads
+	 * its text with sscanf, unbounded by the 31 bytes), a nested 131. */
 	assert_false(t_tag_known(82) || t_tag_known(80) || t_tag_known(121) || t_tag_known(117) ||
-		     t_tag_known(131));
-	assert_int_equal(unknown, 256 - 28);
+		     t_tag_known(99) || t_tag_known(131));
+	assert_int_equal(unknown, 256 - 27);
 }
 
 static void test_new_fun_is_walked_and_its_size_bounded(void **state)
@@ -445,26 +486,9 @@ static void test_new_fun_is_walked_and_its_size_bounded(void **state)
 	(void)state;
 	/* A closure with two free variables, as a BEAM encodes one: users
 	 * send funs by mistake, and that must not cost the connection. */
-	erlang_fun f;
-	memset(&f, 0, sizeof f);
-	f.arity = 1;
-	strcpy(f.module, "erl_eval");
-	f.type = EI_FUN_CLOSURE;
-	memset(f.u.closure.md5, 0xab, sizeof f.u.closure.md5);
-	f.u.closure.index = 5;
-	f.u.closure.old_index = 5;
-	f.u.closure.uniq = 1234;
-	ei_x_buff fv;
-	ei_x_new(&fv);
-	ei_x_encode_atom(&fv, "x");
-	ei_x_encode_long(&fv, 7);
-	f.u.closure.n_free_vars = 2;
-	f.u.closure.free_vars = fv.buff;
-	f.u.closure.free_var_len = fv.index;
-	f.u.closure.pid = t_pid("n@h", 1, 0, 1);
 	ei_x_buff x;
 	ei_x_new_with_version(&x);
-	assert_int_equal(ei_x_encode_fun(&x, &f), 0);
+	t_closure(&x, 2);
 	assert_int_equal((uint8_t)x.buff[1], 112);
 	int eidx = 1, idx = 1;
 	assert_int_equal(ei_skip_term(x.buff, &eidx), 0);
@@ -487,7 +511,200 @@ static void test_new_fun_is_walked_and_its_size_bounded(void **state)
 	idx = 1;
 	assert_int_equal(ap_term_skip(x.buff, (size_t)x.index, &idx), -1);
 	ei_x_free(&x);
-	ei_x_free(&fv);
+}
+
+/* The Size of a fun and its walk must agree to the byte: ei skips a fun by
+ * Size, and a fun whose walk ends elsewhere would have ei (and every
+ * consumer after it) read from bytes the walk never vouched for. */
+static void test_fun_size_must_match_where_its_walk_ends(void **state)
+{
+	(void)state;
+	for (int nfree = 0; nfree <= 2; nfree++) {
+		for (int delta = -3; delta <= 3; delta++) {
+			ei_x_buff x;
+			ei_x_new_with_version(&x);
+			ei_x_encode_tuple_header(&x, 2);
+			int at = x.index;
+			t_closure(&x, nfree);
+			int fun_end = x.index;
+			/* Enough well-formed terms after it for any Size to land in. */
+			ei_x_encode_string(&x, "abcdefgh");
+			uint32_t size = ap_get32be((const uint8_t *)x.buff + at + 1);
+			ap_put32be((uint8_t *)x.buff + at + 1, size + (uint32_t)delta);
+			uint8_t *m = t_dup(x.buff, (size_t)x.index);
+			int idx = at;
+			int r = ap_term_skip((const char *)m, (size_t)x.index, &idx);
+			if (delta == 0) {
+				if (r != 0 || idx != fun_end)
+					fail_msg("%d free vars: exact Size refused", nfree);
+				assert_int_equal(ap_term_validate_msg((const char *)m, (size_t)x.index), 0);
+			} else {
+				if (r != -1 || idx != at)
+					fail_msg("%d free vars: Size off by %d accepted", nfree, delta);
+				assert_int_equal(ap_term_validate_msg((const char *)m, (size_t)x.index), -1);
+			}
+			free(m);
+			ei_x_free(&x);
+		}
+	}
+}
+
+/* The reproducer of issue 12: {'$gen_cast', {Fun, Pad}} where ei, skipping
+ * Fun by its Size, lands on a binary header claiming 256 MiB inside Pad. The
+ * old walk accepted it, and ei_skip_term then ended 256 MiB past the buffer. */
+static void test_fun_overrunning_into_a_huge_binary_header_is_refused(void **state)
+{
+	(void)state;
+	ei_x_buff x;
+	ei_x_new_with_version(&x);
+	ei_x_encode_tuple_header(&x, 2);
+	ei_x_encode_atom(&x, "$gen_cast");
+	ei_x_encode_tuple_header(&x, 2);
+	assert_int_equal(t_fun_overrun(&x, 256u << 20), 0);
+	uint8_t *m = t_dup(x.buff, (size_t)x.index);
+	assert_int_equal(ap_term_validate_msg((const char *)m, (size_t)x.index), -1);
+	int idx = 1;
+	assert_int_equal(ap_term_skip((const char *)m, (size_t)x.index, &idx), -1);
+	assert_int_equal(idx, 1);
+	/* What ei makes of it: the very disagreement the walk must refuse. */
+	int eidx = 1;
+	assert_int_equal(ei_skip_term((const char *)m, &eidx), 0);
+	assert_true(eidx > x.index);
+	free(m);
+	ei_x_free(&x);
+}
+
+/* A NEW_FUN_EXT from its parts, with a Size that matches them. */
+static ei_x_buff t_fun_raw(const char *fields, size_t flen, uint32_t nfree, const char *fv, size_t fvlen)
+{
+	ei_x_buff x;
+	assert_int_equal(ei_x_new_with_version(&x), 0);
+	t_byte(&x, 112);
+	t_be32(&x, (uint32_t)(29 + flen + fvlen));
+	t_byte(&x, 1);
+	for (int k = 0; k < 16; k++)
+		t_byte(&x, 0xab);
+	t_be32(&x, 5);
+	t_be32(&x, nfree);
+	t_raw(&x, fields, flen);
+	t_raw(&x, fv, fvlen);
+	return x;
+}
+
+static void t_expect(const char *what, const char *b, size_t len, int ok)
+{
+	uint8_t *m = t_dup(b, len);
+	int r = ap_term_validate_msg((const char *)m, len);
+	if (ok && r != 0)
+		fail_msg("%s: refused", what);
+	if (!ok && r != -1)
+		fail_msg("%s: accepted", what);
+	if (ok) {
+		int i = 1;
+		assert_int_equal(ei_skip_term((const char *)m, &i), 0);
+		assert_int_equal(i, (int)len);
+	}
+	free(m);
+}
+
+#define T_PID_NH "\x58\x77\x03n@h\0\0\0\1\0\0\0\0\0\0\0\1"
+
+/* A fun's fixed fields are checked as ei_decode_fun reads them (Module an
+ * atom, OldIndex and OldUniq integers, Pid a pid), and an export's as well
+ * (two atoms and a small integer): ei refuses the rest, and a refusal ei
+ * makes inside a container is one ei_skip_term silently steps past. */
+static void test_fun_and_export_fields_are_checked(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *what;
+		const char *f;
+		size_t len;
+		int ok;
+	} funs[] = {
+#define F(what, lit, ok) { what, lit, sizeof(lit) - 1, ok }
+		F("fields as a BEAM encodes them", "\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2" T_PID_NH, 1),
+		F("old pid and latin-1 module", "\x64\0\x01m" "\x61\x05" "\x61\x07" "\x67\x73\x01n\0\0\0\1\0\0\0\0\1", 1),
+		F("module a string", "\x6b\0\0" "\x61\x05" "\x62\0\0\4\xd2" T_PID_NH, 0),
+		F("module a small integer", "\x61\x01" "\x61\x05" "\x62\0\0\4\xd2" T_PID_NH, 0),
+		F("old index a nil", "\x77\x01m" "\x6a" "\x62\0\0\4\xd2" T_PID_NH, 0),
+		F("old index a small big", "\x77\x01m" "\x6e\x01\0\x05" "\x62\0\0\4\xd2" T_PID_NH, 0),
+		F("old uniq an atom", "\x77\x01m" "\x61\x05" "\x77\x01u" T_PID_NH, 0),
+		F("pid a port", "\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2" "\x59\x77\x03n@h\0\0\0\1\0\0\0\1", 0),
+		F("pid missing", "\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2", 0),
+		F("pid whose node is a binary", "\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2" "\x58\x6d\0\0\0\0\0\0\0\1\0\0\0\0\0\0\0\1", 0),
+#undef F
+	};
+	for (size_t k = 0; k < sizeof funs / sizeof funs[0]; k++) {
+		ei_x_buff x = t_fun_raw(funs[k].f, funs[k].len, 0, "", 0);
+		t_expect(funs[k].what, x.buff, (size_t)x.index, funs[k].ok);
+		ei_x_free(&x);
+		/* The same with a free variable. */
+		x = t_fun_raw(funs[k].f, funs[k].len, 1, "\x6a", 1);
+		t_expect(funs[k].what, x.buff, (size_t)x.index, funs[k].ok);
+		ei_x_free(&x);
+	}
+	/* NumFree 0 with bytes left before Size: ei would skip them unread. */
+	ei_x_buff x = t_fun_raw("\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2" T_PID_NH, 23, 0, "\x6a", 1);
+	t_expect("no free variables but a byte before Size", x.buff, (size_t)x.index, 0);
+	ei_x_free(&x);
+	/* Fields running past Size: refused, even with Size in the buffer. */
+	x = t_fun_raw("\x77\x01m" "\x61\x05" "\x62\0\0\4\xd2" T_PID_NH, 23, 1, "\x6a", 1);
+	ap_put32be((uint8_t *)x.buff + 2, 29 + 10);
+	t_expect("fields past Size", x.buff, (size_t)x.index, 0);
+	ei_x_free(&x);
+
+	static const struct {
+		const char *what;
+		const char *b;
+		size_t len;
+		int ok;
+	} exports[] = {
+#define E(what, lit, ok) { what, lit, sizeof(lit) - 1, ok }
+		E("lists:reverse/1", "\x83\x71\x77\x05lists\x77\x07reverse\x61\x01", 1),
+		E("latin-1 atoms", "\x83\x71\x64\0\x01m\x73\x01" "f\x61\x00", 1),
+		E("arity an INTEGER_EXT", "\x83\x71\x77\x01m\x77\x01" "f\x62\0\0\0\x01", 0),
+		E("arity an atom", "\x83\x71\x77\x01m\x77\x01" "f\x77\x01" "a", 0),
+		E("module a small integer", "\x83\x71\x61\x01\x77\x01" "f\x61\x01", 0),
+		E("function a binary", "\x83\x71\x77\x01m\x6d\0\0\0\x01" "f\x61\x01", 0),
+#undef E
+	};
+	for (size_t k = 0; k < sizeof exports / sizeof exports[0]; k++)
+		t_expect(exports[k].what, exports[k].b, exports[k].len, exports[k].ok);
+}
+
+/* Atoms are refused past what ei decodes in every place: ei converts a
+ * Latin-1 node or module name to UTF-8 into 1020 bytes. */
+static void test_atoms_longer_than_ei_reads_are_refused(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *what;
+		int tag;
+		size_t n;
+		int ok;
+	} cases[] = {
+		{ "latin-1 atom of 255", 100, 255, 1 },  { "latin-1 atom of 256", 100, 256, 0 },
+		{ "latin-1 atom of 1020", 100, 1020, 0 }, { "utf-8 atom of 1020", 118, 1020, 1 },
+		{ "utf-8 atom of 1021", 118, 1021, 0 },
+	};
+	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+		for (int in_pid = 0; in_pid <= 1; in_pid++) {
+			ei_x_buff x;
+			ei_x_new_with_version(&x);
+			if (in_pid)
+				t_byte(&x, 88);
+			t_byte(&x, (uint8_t)cases[k].tag);
+			t_be16(&x, (uint16_t)cases[k].n);
+			for (size_t i = 0; i < cases[k].n; i++)
+				t_byte(&x, 0xe9 & (cases[k].tag == 118 ? 0x7f : 0xff)); /* é in Latin-1 */
+			if (in_pid)
+				for (int i = 0; i < 12; i++)
+					t_byte(&x, 0);
+			t_expect(cases[k].what, x.buff, (size_t)x.index, cases[k].ok);
+			ei_x_free(&x);
+		}
+	}
 }
 
 /* Headers announcing far more than the buffer holds: refused at once, without
@@ -534,11 +751,13 @@ static void test_out_of_range_fields_are_refused(void **state)
 	(void)state;
 	static const struct {
 		const char *what;
-		uint8_t b[24];
+		uint8_t b[40];
 		size_t len;
 	} bad[] = {
 		{ "bit binary with 0 bits in the last byte", { 131, 77, 0, 0, 0, 1, 0, 0xff }, 8 },
 		{ "bit binary with 9 bits in the last byte", { 131, 77, 0, 0, 0, 1, 9, 0xff }, 8 },
+		{ "empty bit binary with 8 bits in its last byte", { 131, 77, 0, 0, 0, 0, 8 }, 7 },
+		{ "FLOAT_EXT text", { 131, 99, '1', '.', '5', 0 }, 33 },
 		{ "small big with sign 2", { 131, 110, 1, 2, 7 }, 5 },
 		{ "large big with sign 255", { 131, 111, 0, 0, 0, 1, 255, 7 }, 8 },
 		{ "ref of 0 words", { 131, 90, 0, 0, 119, 1, 'n', 0, 0, 0, 1 }, 11 },
@@ -553,6 +772,7 @@ static void test_out_of_range_fields_are_refused(void **state)
 	} good[] = {
 		{ "bit binary with 1 bit in the last byte", { 131, 77, 0, 0, 0, 1, 1, 0x80 }, 8 },
 		{ "bit binary with 8 bits in the last byte", { 131, 77, 0, 0, 0, 1, 8, 0xff }, 8 },
+		{ "empty bit binary with 0 bits", { 131, 77, 0, 0, 0, 0, 0 }, 7 },
 		{ "small big with sign 1", { 131, 110, 1, 1, 7 }, 5 },
 		{ "ref of 1 word", { 131, 90, 0, 1, 119, 1, 'n', 0, 0, 0, 1, 0, 0, 0, 1 }, 15 },
 	};
@@ -667,6 +887,10 @@ int main(void)
 		cmocka_unit_test(test_missing_or_wrong_version_byte_is_refused),
 		cmocka_unit_test(test_unknown_tags_are_refused),
 		cmocka_unit_test(test_new_fun_is_walked_and_its_size_bounded),
+		cmocka_unit_test(test_fun_size_must_match_where_its_walk_ends),
+		cmocka_unit_test(test_fun_overrunning_into_a_huge_binary_header_is_refused),
+		cmocka_unit_test(test_fun_and_export_fields_are_checked),
+		cmocka_unit_test(test_atoms_longer_than_ei_reads_are_refused),
 		cmocka_unit_test(test_huge_announced_sizes_are_refused),
 		cmocka_unit_test(test_out_of_range_fields_are_refused),
 		cmocka_unit_test(test_skip_rejects_bad_index_and_length),
