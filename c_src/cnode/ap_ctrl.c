@@ -26,9 +26,12 @@ static int dec_atom(const char *buf, int *idx, char *out)
 	return ei_decode_atom_as(buf, idx, out, MAXATOMLEN_UTF8, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
 }
 
-static int dec_skip(const char *buf, int *idx)
+/* Skip an element of the validated control tuple (buf[0..len), len its end)
+ * by the walk, never by ei_skip_term: the end the walk vouched for is the
+ * only one to trust. */
+static int dec_skip(const char *buf, size_t len, int *idx)
 {
-	return ei_skip_term(buf, idx) ? -1 : 0;
+	return ap_term_skip(buf, len, idx);
 }
 
 int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
@@ -52,18 +55,18 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
 	switch (op) {
 	case AP_OP_SEND: /* {2, Unused, To} */
 	case 12:         /* {12, Unused, To, Token} */
-		if (arity != (op == 2 ? 3 : 4) || dec_skip(buf, &idx) || dec_pid(buf, &idx, &c->to))
+		if (arity != (op == 2 ? 3 : 4) || dec_skip(buf, (size_t)end, &idx) || dec_pid(buf, &idx, &c->to))
 			return -EBADMSG;
-		if (op == 12 && dec_skip(buf, &idx)) /* the trace token */
+		if (op == 12 && dec_skip(buf, (size_t)end, &idx)) /* the trace token */
 			return -EBADMSG;
 		c->op = AP_OP_SEND;
 		break;
 	case AP_OP_REG_SEND: /* {6, From, Unused, ToName} */
 	case 16:             /* {16, From, Unused, ToName, Token} */
 		if (arity != (op == 6 ? 4 : 5) || dec_pid(buf, &idx, &c->from) ||
-		    dec_skip(buf, &idx) || dec_atom(buf, &idx, c->toname))
+		    dec_skip(buf, (size_t)end, &idx) || dec_atom(buf, &idx, c->toname))
 			return -EBADMSG;
-		if (op == 16 && dec_skip(buf, &idx)) /* the trace token */
+		if (op == 16 && dec_skip(buf, (size_t)end, &idx)) /* the trace token */
 			return -EBADMSG;
 		c->op = AP_OP_REG_SEND;
 		break;
@@ -88,10 +91,10 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
 		int tt = op > 10;
 		if (arity != (tt ? 5 : 4) || dec_pid(buf, &idx, &c->from) || dec_pid(buf, &idx, &c->to))
 			return -EBADMSG;
-		if (tt && dec_skip(buf, &idx))
+		if (tt && dec_skip(buf, (size_t)end, &idx))
 			return -EBADMSG;
 		int r0 = idx;
-		if (dec_skip(buf, &idx))
+		if (dec_skip(buf, (size_t)end, &idx))
 			return -EBADMSG;
 		c->reason = buf + r0;
 		c->reason_len = idx - r0;
@@ -99,7 +102,7 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
 		break;
 	}
 	case AP_OP_ALIAS_SEND: /* {33, From, Alias}: we own no aliases */
-		if (arity != 3 || dec_pid(buf, &idx, &c->from) || dec_skip(buf, &idx))
+		if (arity != 3 || dec_pid(buf, &idx, &c->from) || dec_skip(buf, (size_t)end, &idx))
 			return -EBADMSG;
 		c->op = AP_OP_ALIAS_SEND;
 		break;

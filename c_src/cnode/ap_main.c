@@ -91,7 +91,7 @@ static int read_port_config(struct settings *s)
 		else if (!strcmp(key, "args")) {
 			int n, type, size;
 			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_NIL_EXT) {
-				r = ei_skip_term(b, &i);
+				r = ap_term_skip(b, len, &i);
 				continue;
 			}
 			if (ei_decode_list_header(b, &i, &n) || n > MAX_ARGS) {
@@ -108,9 +108,9 @@ static int read_port_config(struct settings *s)
 				s->argc = a + 1;
 			}
 			if (r == 0 && n > 0)
-				r = ei_skip_term(b, &i); /* the list tail */
+				r = ap_term_skip(b, len, &i); /* the list tail */
 		} else {
-			r = ei_skip_term(b, &i); /* unknown keys: newer owners */
+			r = ap_term_skip(b, len, &i); /* unknown keys: newer owners */
 		}
 	}
 	free(b);

@@ -356,8 +356,10 @@ static void classify(ap_msg *m)
 		if (ei_decode_tuple_header(b, &i, &a2) || a2 != 2 || ei_get_type(b, &i, &type, &size) ||
 		    type != ERL_PID_EXT || ei_decode_pid(b, &i, &from))
 			return;
+		/* The tag's end by the walk: it is copied into the reply, and
+		 * the request starts there. */
 		int t0 = i;
-		if (ei_skip_term(b, &i))
+		if (ap_term_skip(b, (size_t)m->len, &i))
 			return;
 		m->kind = AP_MSG_CALL;
 		m->from = from;

@@ -15,8 +15,19 @@
 
 /* Skip one term (no version byte) starting at buf[*idx], never reading at or
  * past buf[len]. On success advances *idx past the term and returns 0; on a
- * truncated, unknown or malformed term returns -1 and leaves *idx alone. */
+ * truncated, unknown or malformed term returns -1 and leaves *idx alone.
+ * Every term it accepts is one ei_skip_term skips to the same end, element by
+ * element (fuzz_decode checks this against libei): a fun ends exactly at its
+ * Size, and fields ei would refuse are refused here. */
 int ap_term_skip(const char *buf, size_t len, int *idx);
+
+/* The index just past the term at buf[i], or -1: ap_term_skip for call sites
+ * that want the end. Consumers of wire bytes find ends with this, never with
+ * ei_skip_term, so what they copy is what the walk vouched for. */
+static inline int ap_term_end(const char *buf, size_t len, int i)
+{
+	return ap_term_skip(buf, len, &i) ? -1 : i;
+}
 
 /* A whole message: version byte 131, one term, and nothing after it. */
 int ap_term_validate_msg(const char *buf, size_t len);

@@ -17,6 +17,7 @@
 #include <sys/resource.h>
 
 #include "ap_main.h"
+#include "ap_term.h"
 
 struct echo_state {
 	unsigned long long tells; /* messages counted, batch elements included */
@@ -33,11 +34,12 @@ static int is_atom(const ap_msg *m, const char *want)
 	return ei_decode_atom_as(m->buf, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) == 0 && strcmp(a, want) == 0;
 }
 
-/* The term at m->index, as bytes. */
+/* The term at m->index, as bytes: its end by the walk, so an echo never
+ * carries bytes past the validated message. */
 static int term_span(const ap_msg *m, const char **p, int *len)
 {
 	int i = m->index;
-	if (ei_skip_term(m->buf, &i))
+	if (ap_term_skip(m->buf, (size_t)m->len, &i))
 		return -1;
 	*p = m->buf + m->index;
 	*len = i - m->index;
@@ -85,8 +87,8 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_free(&x);
 }
 
-/* {Pid, Term}: send Term to Pid. Returns 1 if it was that shape. */
-static int forward(ap_node *n, ap_proc *self, const char *b, int i)
+/* {Pid, Term} in b[0..len): send Term to Pid. Returns 1 if it was that shape. */
+static int forward(ap_node *n, ap_proc *self, const char *b, size_t len, int i)
 {
 	int arity, type, size;
 	erlang_pid to;
@@ -94,7 +96,7 @@ static int forward(ap_node *n, ap_proc *self, const char *b, int i)
 	    type != ERL_PID_EXT || ei_decode_pid(b, &i, &to))
 		return 0;
 	int t0 = i;
-	if (ei_skip_term(b, &i))
+	if (ap_term_skip(b, len, &i))
 		return 0;
 	ap_send(n, self, &to, b + t0, i - t0);
 	return 1;
@@ -159,7 +161,7 @@ static void echo_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		    ei_get_type(b, &i, &type, &size) || type != ERL_PID_EXT || ei_decode_pid(b, &i, &to))
 			break;
 		int t0 = i;
-		if (ei_skip_term(b, &i) == 0)
+		if (ap_term_skip(b, (size_t)m->len, &i) == 0)
 			ap_send(n, self, &to, b + t0, i - t0);
 		break;
 	}
@@ -169,7 +171,7 @@ static void echo_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 			st.tells++;
 			break;
 		}
-		if (forward(n, self, b, i)) {
+		if (forward(n, self, b, (size_t)m->len, i)) {
 			st.tells++;
 			break;
 		}

@@ -560,9 +560,12 @@ static void dispatch(ap_pool *p, const char *msg, int msg_len, int is_ask, size_
 
 /* ---- the pool process ---------------------------------------------------------- */
 
-static int term_end(const char *b, int i)
+/* The end of the term at b[i] in a message of len bytes, by the walk: what
+ * dispatch copies and what a reply carries never reach past what the walk
+ * vouched for (ei_skip_term trusts a fun's Size and a binary's length). */
+static int term_end(const char *b, int len, int i)
 {
-	return ei_skip_term(b, &i) ? -1 : i;
+	return len < 0 ? -1 : ap_term_end(b, (size_t)len, i);
 }
 
 static void encode_stats(ap_pool *p, ei_x_buff *x);
@@ -576,8 +579,8 @@ static void ask(ap_pool *p, const erlang_pid *caller, const char *tag, int tag_l
 	dispatch(p, msg, msg_len, 1, st, caller->node);
 }
 
-/* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} */
-static int batch(ap_pool *p, const char *b, int i)
+/* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} in b[0..len) */
+static int batch(ap_pool *p, const char *b, int len, int i)
 {
 	int arity, n, type, size;
 	if (ei_get_type(b, &i, &type, &size) || (type != ERL_LIST_EXT && type != ERL_NIL_EXT))
@@ -588,7 +591,7 @@ static int batch(ap_pool *p, const char *b, int i)
 		return 0;
 	for (int k = 0; k < n; k++) {
 		char tag[8];
-		int e = term_end(b, i);
+		int e = term_end(b, len, i);
 		if (e < 0)
 			return 1;
 		static const char tell_hdr[] = { 104, 2, 119, 4, 't', 'e', 'l', 'l' };
@@ -611,7 +614,7 @@ static int batch(ap_pool *p, const char *b, int i)
 			erlang_pid caller;
 			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT &&
 			    ei_decode_pid(b, &i, &caller) == 0) {
-				int t0 = i, t1 = term_end(b, i);
+				int t0 = i, t1 = term_end(b, e, i);
 				if (t1 > 0)
 					ask(p, &caller, b + t0, t1 - t0, b + t1, e - t1);
 			}
@@ -656,17 +659,17 @@ static void pool_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 			ei_x_free(&x);
 			return;
 		}
-		e = term_end(m->buf, m->index);
+		e = term_end(m->buf, m->len, m->index);
 		if (e > 0)
 			ask(p, &m->from, m->tag, m->tag_len, m->buf + m->index, e - m->index);
 		break;
 	case AP_MSG_CAST:
-		e = term_end(m->buf, m->index);
+		e = term_end(m->buf, m->len, m->index);
 		if (e > 0)
 			dispatch(p, m->buf + m->index, e - m->index, 0, 0, NULL);
 		break;
 	case AP_MSG_INFO:
-		if (is_batch(m->buf, m->index, &list) && batch(p, m->buf, list))
+		if (is_batch(m->buf, m->index, &list) && batch(p, m->buf, m->len, list))
 			break;
 		dispatch(p, m->buf + 1, m->len - 1, 0, 0, NULL);
 		break;
@@ -1090,7 +1093,7 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 	static const char noproc[] = { 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r', 119, 6, 'n', 'o', 'p', 'r', 'o', 'c' };
 	ap_buf out = { 0 };
 	for (k = 0; k < nitems; k++) {
-		int e = term_end(b, i);
+		int e = term_end(b, m->len, i);
 		char tag[8];
 		erlang_pid caller;
 		if (e < 0)
@@ -1099,7 +1102,7 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 		    type == ERL_ATOM_EXT && size < (int)sizeof tag &&
 		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(tag, "ask") &&
 		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
-			int t0 = i, t1 = term_end(b, i);
+			int t0 = i, t1 = term_end(b, e, i);
 			out.len = 0;
 			if (t1 > 0 && ap_encode_reply(&out, &self->pid, &caller, b + t0, t1 - t0, noproc, sizeof noproc) == 0)
 				ap_node_post(n, caller.node, out.data, out.len);

@@ -17,6 +17,7 @@
 
 #include "ap_log.h"
 #include "ap_main.h"
+#include "ap_term.h"
 #include "handlers.h"
 #include "pool.h"
 
@@ -58,69 +59,72 @@ struct badarg {
 	int val_len;
 };
 
-static int bad(struct badarg *ba, const char *key, const char *b, int vstart)
+/* Offending values are copied by the walk's end (b[0..len) is the request),
+ * never ei's. */
+static int bad(struct badarg *ba, const char *key, const char *b, size_t len, int vstart)
 {
-	int e = vstart;
-	ei_skip_term(b, &e);
+	int e = ap_term_end(b, len, vstart);
+	if (e < 0)
+		e = vstart;
 	ba->key = key;
 	ba->val = b + vstart;
 	ba->val_len = e - vstart;
 	return -1;
 }
 
-static int parse_backoff(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
+static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
 	int v0 = *i, n;
 	if (ei_decode_map_header(b, i, &n))
-		return bad(ba, "backoff", b, v0);
+		return bad(ba, "backoff", b, len, v0);
 	for (int k = 0; k < n; k++) {
 		char key[16];
 		long long l;
 		double d;
 		if (get_atom(b, i, key, sizeof key))
-			return bad(ba, "backoff", b, v0);
+			return bad(ba, "backoff", b, len, v0);
 		if (!strcmp(key, "min_ms")) {
 			if (get_long(b, i, &l) || l < 1 || l > 3600000)
-				return bad(ba, "backoff", b, v0);
+				return bad(ba, "backoff", b, len, v0);
 			o->backoff_min_ms = (int)l;
 		} else if (!strcmp(key, "max_ms")) {
 			if (get_long(b, i, &l) || l < 1 || l > 3600000)
-				return bad(ba, "backoff", b, v0);
+				return bad(ba, "backoff", b, len, v0);
 			o->backoff_max_ms = (int)l;
 		} else if (!strcmp(key, "jitter")) {
 			if (get_number(b, i, &d) || d < 0 || d > 1)
-				return bad(ba, "backoff", b, v0);
+				return bad(ba, "backoff", b, len, v0);
 			o->jitter = d;
 		} else {
-			return bad(ba, "backoff", b, v0);
+			return bad(ba, "backoff", b, len, v0);
 		}
 	}
 	if (o->backoff_max_ms < o->backoff_min_ms)
-		return bad(ba, "backoff", b, v0);
+		return bad(ba, "backoff", b, len, v0);
 	return 0;
 }
 
-static int parse_opts(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
+static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
 	int n, v0 = *i;
 	if (ei_decode_map_header(b, i, &n))
-		return bad(ba, "options", b, v0);
+		return bad(ba, "options", b, len, v0);
 	for (int k = 0; k < n; k++) {
 		char key[32], a[32];
 		long long l;
 		if (get_atom(b, i, key, sizeof key)) {
-			ei_skip_term(b, i);
-			ei_skip_term(b, i);
+			if (ap_term_skip(b, len, i) || ap_term_skip(b, len, i))
+				return bad(ba, "options", b, len, v0);
 			continue;
 		}
 		int vs = *i;
 		if (!strcmp(key, "workers")) {
 			if (get_long(b, i, &l) || l < 0 || l > 1024)
-				return bad(ba, "workers", b, vs);
+				return bad(ba, "workers", b, len, vs);
 			o->workers = (int)l;
 		} else if (!strcmp(key, "routing")) {
 			if (get_atom(b, i, a, sizeof a))
-				return bad(ba, "routing", b, vs);
+				return bad(ba, "routing", b, len, vs);
 			if (!strcmp(a, "round_robin"))
 				o->routing = AP_ROUTE_ROUND_ROBIN;
 			else if (!strcmp(a, "smallest_mailbox"))
@@ -128,21 +132,22 @@ static int parse_opts(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
 			else if (!strcmp(a, "random"))
 				o->routing = AP_ROUTE_RANDOM;
 			else
-				return bad(ba, "routing", b, vs);
+				return bad(ba, "routing", b, len, vs);
 		} else if (!strcmp(key, "mailbox_limit")) {
 			if (get_long(b, i, &l) || l < 1 || l > 1048576)
-				return bad(ba, "mailbox_limit", b, vs);
+				return bad(ba, "mailbox_limit", b, len, vs);
 			o->mailbox_limit = (uint32_t)l;
 		} else if (!strcmp(key, "stable_ms")) {
 			if (get_long(b, i, &l) || l < 0 || l > 86400000)
-				return bad(ba, "stable_ms", b, vs);
+				return bad(ba, "stable_ms", b, len, vs);
 			o->stable_ms = (int)l;
 		} else if (!strcmp(key, "backoff")) {
-			if (parse_backoff(b, i, o, ba))
+			if (parse_backoff(b, len, i, o, ba))
 				return -1;
 		} else {
 			/* Options the Erlang side keeps for itself (node, ...). */
-			ei_skip_term(b, i);
+			if (ap_term_skip(b, len, i))
+				return bad(ba, "options", b, len, v0);
 		}
 	}
 	return 0;
@@ -150,7 +155,7 @@ static int parse_opts(const char *b, int *i, ap_pool_opts *o, struct badarg *ba)
 
 /* Handler: echo | json_validate | {plugin, Path} | {plugin, Path, Config}.
  * Returns 0, or an error term appended to err. */
-static int resolve_handler(const char *b, int *i, const actor_pool_handler **h, void **dl, const char **config,
+static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_handler **h, void **dl, const char **config,
 			   int *config_len, char *desc, ei_x_buff *err)
 {
 	int v0 = *i, arity, type, size;
@@ -172,9 +177,12 @@ static int resolve_handler(const char *b, int *i, const actor_pool_handler **h, 
 		ei_decode_binary(b, i, path, &len);
 		path[len] = 0;
 		if (arity == 3) {
+			int ce = ap_term_end(b, blen, *i);
+			if (ce < 0)
+				goto badarg;
 			*config = b + *i;
-			ei_skip_term(b, i);
-			*config_len = (int)(b + *i - *config);
+			*config_len = ce - *i;
+			*i = ce;
 		}
 		uint32_t got = 0;
 		int r = ap_plugin_load(path, h, dl, &got, why, sizeof why);
@@ -195,9 +203,11 @@ static int resolve_handler(const char *b, int *i, const actor_pool_handler **h, 
 		}
 		return -1;
 	}
+badarg:;
 	/* {badarg, {handler, Handler}} */
-	int e = v0;
-	ei_skip_term(b, &e);
+	int e = ap_term_end(b, blen, v0);
+	if (e < 0)
+		e = v0;
 	ei_x_encode_tuple_header(err, 2);
 	ei_x_encode_atom(err, "badarg");
 	ei_x_encode_tuple_header(err, 2);
@@ -246,16 +256,19 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 		ei_x_encode_atom(&err, "badarg");
 		ei_x_encode_tuple_header(&err, 2);
 		ei_x_encode_atom(&err, "name");
-		int e = i;
-		ei_skip_term(b, &e);
-		ei_x_append_buf(&err, b + i, e - i);
+		int e = ap_term_end(b, (size_t)m->len, i);
+		ei_x_append_buf(&err, b + i, e < 0 ? 0 : e - i);
 		goto fail;
 	}
 	int hstart = i;
-	int he = i;
-	ei_skip_term(b, &he);
+	int he = ap_term_end(b, (size_t)m->len, i);
+	if (he < 0) {
+		reply_error_atom(n, self, m, "badarg");
+		ei_x_free(&err);
+		return;
+	}
 	i = he; /* options first: a bad option must not leave a plugin loaded */
-	if (parse_opts(b, &i, &o, &ba)) {
+	if (parse_opts(b, (size_t)m->len, &i, &o, &ba)) {
 		ei_x_encode_tuple_header(&err, 2);
 		ei_x_encode_atom(&err, "badarg");
 		ei_x_encode_tuple_header(&err, 2);
@@ -269,7 +282,7 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 		return;
 	}
 	i = hstart;
-	if (resolve_handler(b, &i, &h, &dl, &config, &config_len, desc, &err))
+	if (resolve_handler(b, (size_t)m->len, &i, &h, &dl, &config, &config_len, desc, &err))
 		goto fail;
 
 	ap_pending_reply *pr = calloc(1, sizeof *pr);

@@ -64,6 +64,7 @@
 #include "ap_log.h"
 #include "ap_main.h"
 #include "ap_shm.h"
+#include "ap_term.h"
 #include "registry.h"
 
 #define PROC_NAME "actor_receptionist"
@@ -343,8 +344,8 @@ static int get_atom(const char *b, int *i, char *out, size_t cap)
 	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
 }
 
-/* A binary key of 1..1024 bytes, by reference into b. */
-static int get_key(const char *b, int *i, const char **key, size_t *klen)
+/* A binary key of 1..1024 bytes, by reference into b[0..len). */
+static int get_key(const char *b, size_t len, int *i, const char **key, size_t *klen)
 {
 	int type, size;
 	if (ei_get_type(b, i, &type, &size) || type != ERL_BINARY_EXT || (unsigned char)b[*i] != 109 || size < 1 ||
@@ -352,7 +353,7 @@ static int get_key(const char *b, int *i, const char **key, size_t *klen)
 		return -1;
 	*key = b + *i + 5;
 	*klen = (size_t)size;
-	return ei_skip_term(b, i) ? -1 : 0;
+	return ap_term_skip(b, len, i);
 }
 
 static int get_pid(const char *b, int *i, erlang_pid *p)
@@ -421,15 +422,15 @@ static void send_error(const erlang_pid *to, const char *key, size_t klen, const
 
 /* ---- messages --------------------------------------------------------------------- */
 
-static void handle(const char *b, int i, int depth);
+static void handle(const char *b, size_t len, int i, int depth);
 
-static void do_register(const char *b, int i, int reg)
+static void do_register(const char *b, size_t len, int i, int reg)
 {
 	const char *key;
 	size_t klen;
 	erlang_pid ref, to;
 	int has_to;
-	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref) || get_reply_to(b, &i, &to, &has_to)) {
+	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_reply_to(b, &i, &to, &has_to)) {
 		malformed(reg ? "register" : "deregister");
 		return;
 	}
@@ -490,14 +491,14 @@ static uint32_t origin_id(const char *name, int add)
 
 /* {rregister | rderegister, OriginNode, Key, Ref}: a change made on another
  * receptionist, learnt by gossip. No reply: the origin acknowledged it. */
-static void do_remote(const char *b, int i, int reg)
+static void do_remote(const char *b, size_t len, int i, int reg)
 {
 	char origin[MAXATOMLEN_UTF8];
 	const char *key;
 	size_t klen;
 	erlang_pid ref;
 	uint32_t id;
-	if (get_atom(b, &i, origin, sizeof origin) || get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref)) {
+	if (get_atom(b, &i, origin, sizeof origin) || get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref)) {
 		malformed(reg ? "rregister" : "rderegister");
 		return;
 	}
@@ -523,13 +524,13 @@ static void do_remote(const char *b, int i, int reg)
 /* {retag, Key, Ref, OriginNode | undefined}: Ref under Key is now held for
  * that origin (undefined: this node's own), because the origin it was held
  * for let go of it while another still holds it. No listing: no change. */
-static void do_retag(const char *b, int i)
+static void do_retag(const char *b, size_t len, int i)
 {
 	char origin[MAXATOMLEN_UTF8];
 	const char *key;
 	size_t klen;
 	erlang_pid ref;
-	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
+	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
 		malformed("retag");
 		return;
 	}
@@ -544,14 +545,14 @@ static void do_retag(const char *b, int i)
 		RLOG(AP_LOG_ERROR, "receptionist: retag failed: %s", strerror(-rc));
 }
 
-static void do_find(const char *b, int i)
+static void do_find(const char *b, size_t len, int i)
 {
 	const char *key;
 	size_t klen;
 	erlang_pid to;
 	const uint8_t *msg;
 	size_t mlen;
-	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &to)) {
+	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &to)) {
 		malformed("find");
 		return;
 	}
@@ -560,12 +561,12 @@ static void do_find(const char *b, int i)
 		ap_send(st.n, st.self, &to, (const char *)msg, (int)mlen);
 }
 
-static void do_subscribe(const char *b, int i, int sub)
+static void do_subscribe(const char *b, size_t len, int i, int sub)
 {
 	const char *key;
 	size_t klen;
 	erlang_pid pid;
-	if (get_key(b, &i, &key, &klen) || get_pid(b, &i, &pid)) {
+	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &pid)) {
 		malformed(sub ? "subscribe" : "unsubscribe");
 		return;
 	}
@@ -580,7 +581,7 @@ static void do_subscribe(const char *b, int i, int sub)
 	}
 }
 
-static void do_batch(const char *b, int i, int depth)
+static void do_batch(const char *b, size_t len, int i, int depth)
 {
 	int n, type, size;
 	if (depth >= MAX_BATCH_DEPTH || ei_get_type(b, &i, &type, &size) ||
@@ -593,17 +594,17 @@ static void do_batch(const char *b, int i, int depth)
 	if (depth == 0)
 		registry_defer(st.reg, 1);
 	for (int k = 0; k < n; k++) {
-		int end = i;
-		if (ei_skip_term(b, &end))
+		int end = ap_term_end(b, len, i);
+		if (end < 0)
 			break;
-		handle(b, i, depth + 1);
+		handle(b, len, i, depth + 1);
 		i = end;
 	}
 	if (depth == 0)
 		registry_defer(st.reg, 0);
 }
 
-static void handle(const char *b, int i, int depth)
+static void handle(const char *b, size_t len, int i, int depth)
 {
 	int arity;
 	char op[24];
@@ -618,15 +619,15 @@ static void handle(const char *b, int i, int depth)
 	    strcmp(op, "rderegister") && strcmp(op, "retag") && strcmp(op, "batch"))
 		registry_flush(st.reg);
 	if (arity == 4 && !strcmp(op, "register"))
-		do_register(b, i, 1);
+		do_register(b, len, i, 1);
 	else if (arity == 4 && !strcmp(op, "deregister"))
-		do_register(b, i, 0);
+		do_register(b, len, i, 0);
 	else if (arity == 4 && !strcmp(op, "rregister"))
-		do_remote(b, i, 1);
+		do_remote(b, len, i, 1);
 	else if (arity == 4 && !strcmp(op, "rderegister"))
-		do_remote(b, i, 0);
+		do_remote(b, len, i, 0);
 	else if (arity == 4 && !strcmp(op, "retag"))
-		do_retag(b, i);
+		do_retag(b, len, i);
 	else if (arity == 2 && !strcmp(op, "drop_origin")) {
 		/* {drop_origin, Node}: that member left; its registrations go,
 		 * each changed key reported once. */
@@ -646,11 +647,11 @@ static void handle(const char *b, int i, int depth)
 			registry_defer(st.reg, deferring);
 		}
 	} else if (arity == 3 && !strcmp(op, "find"))
-		do_find(b, i);
+		do_find(b, len, i);
 	else if (arity == 3 && !strcmp(op, "subscribe"))
-		do_subscribe(b, i, 1);
+		do_subscribe(b, len, i, 1);
 	else if (arity == 3 && !strcmp(op, "unsubscribe"))
-		do_subscribe(b, i, 0);
+		do_subscribe(b, len, i, 0);
 	else if (arity == 2 && !strcmp(op, "unsubscribe_all")) {
 		erlang_pid pid;
 		if (get_pid(b, &i, &pid)) {
@@ -660,7 +661,7 @@ static void handle(const char *b, int i, int depth)
 		st.unsubscribes++;
 		registry_unsubscribe_all(st.reg, &pid);
 	} else if (arity == 2 && !strcmp(op, "batch")) {
-		do_batch(b, i, depth);
+		do_batch(b, len, i, depth);
 	} else if (arity == 3 && !strcmp(op, "send")) {
 		/* {send, Pid, Term}: the BEAM's own messages to a subscriber (a
 		 * rejection) go out in order with our listings to it. */
@@ -669,8 +670,10 @@ static void handle(const char *b, int i, int depth)
 			malformed("send");
 			return;
 		}
+		/* Term's end by the walk: ei_skip_term would trust a fun's
+		 * Size and carry on into whatever follows. */
 		int t0 = i;
-		if (ei_skip_term(b, &i)) {
+		if (ap_term_skip(b, len, &i)) {
 			malformed("send");
 			return;
 		}
@@ -765,6 +768,7 @@ static void reply_dump(ap_node *n, ap_proc *self, const ap_msg *m, long long max
 static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
 {
 	const char *b = m->buf;
+	size_t len = (size_t)m->len;
 	int i = m->index, arity;
 	char op[16];
 	if (get_atom(b, &i, op, sizeof op) == 0) {
@@ -793,7 +797,7 @@ static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
 		size_t klen;
 		const uint8_t *val;
 		size_t vlen;
-		if (get_key(b, &i, &key, &klen) || registry_value(st.reg, key, klen, &val, &vlen)) {
+		if (get_key(b, len, &i, &key, &klen) || registry_value(st.reg, key, klen, &val, &vlen)) {
 			reply_badarg(n, self, m, "lookup");
 			return;
 		}
@@ -818,7 +822,7 @@ static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		break;
 	case AP_MSG_INFO:
 	case AP_MSG_CAST:
-		handle(m->buf, m->index, 0);
+		handle(m->buf, (size_t)m->len, m->index, 0);
 		break;
 	case AP_MSG_EXIT:
 		break;

@@ -5,9 +5,9 @@
  * chunks of sizes[i % k] + 1 bytes (one chunk when k is 0); every frame is
  * decoded with ap_ctrl_decode from an exact-size copy (so ASan sees any read
  * past it), and whatever the decoder vouches for is checked: a send's message
- * validates whole, a reason is one term, and ei, which takes no length, walks
- * both without leaving them. ap_term_skip and ap_term_validate_msg also run
- * on the raw input, and ei on whatever they accept.
+ * validates whole, a reason is one term, and ei, which takes no length, ends
+ * both exactly where the walk did. ap_term_skip and ap_term_validate_msg also
+ * run on the raw input, and ei must agree with whatever they accept.
  */
 #include <ei.h>
 #include <errno.h>
@@ -28,18 +28,18 @@
 			__builtin_trap();   \
 	} while (0)
 
-/* ei, which takes no length, walks a term ap_term vouched for at
- * buf[start..len) without leaving it: buf is always an exact-size block, so
- * ASan reports any read past len. ei may refuse what ap_term lets through
- * (FLOAT_EXT text that is not a number, say), and ei_skip_term ignores an
- * element it cannot read inside a tuple, list or map, returning 0 with the
- * index left at that element: so all that is checked here is that it never
- * ends past the span. */
-static void t_ei_stays_inside(const char *buf, int len, int start)
+/* The differential check: for a term ap_term vouched for at buf[start..end)
+ * of an exact-size block buf[0..len), ei_skip_term must succeed and end at
+ * exactly `end`. Anything else means a consumer that trusts ei after the walk
+ * reads bytes the walk never looked at: ei_skip_term ignores an element it
+ * cannot read inside a tuple, list or map and carries on from there, so
+ * "stays inside" is not enough. ASan reports any read past len. */
+static void t_ei_agrees(const char *buf, int len, int start, int end)
 {
 	int i = start;
-	if (ei_skip_term(buf, &i) == 0)
-		t_check(i >= start && i <= len);
+	t_check(end >= start && end <= len);
+	t_check(ei_skip_term(buf, &i) == 0);
+	t_check(i == end);
 }
 
 static int t_on_frame(void *arg, const uint8_t *f, size_t len)
@@ -65,7 +65,7 @@ static int t_on_frame(void *arg, const uint8_t *f, size_t len)
 		case AP_OP_ALIAS_SEND:
 			t_check(c.msg && c.msg >= lo && c.msg_len > 0 && c.msg + c.msg_len == hi);
 			t_check(ap_term_validate_msg(c.msg, (size_t)c.msg_len) == 0);
-			t_ei_stays_inside(c.msg, c.msg_len, 1);
+			t_ei_agrees(c.msg, c.msg_len, 1, c.msg_len);
 			if (c.op == AP_OP_REG_SEND)
 				t_check(memchr(c.toname, 0, sizeof c.toname) != NULL);
 			break;
@@ -78,7 +78,7 @@ static int t_on_frame(void *arg, const uint8_t *f, size_t len)
 			char *rs = malloc((size_t)c.reason_len);
 			if (rs) {
 				memcpy(rs, c.reason, (size_t)c.reason_len);
-				t_ei_stays_inside(rs, c.reason_len, 0);
+				t_ei_agrees(rs, c.reason_len, 0, c.reason_len);
 				free(rs);
 			}
 			t_check(c.msg == NULL);
@@ -115,14 +115,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		uint8_t *d = malloc((size_t)idx);
 		if (d) {
 			memcpy(d, data, (size_t)idx);
-			t_ei_stays_inside((const char *)d, idx, 0);
+			t_ei_agrees((const char *)d, idx, 0, idx);
 			free(d);
 		}
 	} else {
 		t_check(idx == 0);
 	}
 	if (ap_term_validate_msg((const char *)data, size) == 0)
-		t_ei_stays_inside((const char *)data, (int)size, 1);
+		t_ei_agrees((const char *)data, (int)size, 1, (int)size);
 
 	/* The input as a socket stream. */
 	size_t k = data[0] % 8;

@@ -5,6 +5,7 @@
 #include "ap_frame.h"
 
 #include "captured_frames.h"
+#include "t_fun_overrun.h"
 
 /* The pids in captured_frames.h, as erl decoded them with binary_to_term
  * (see capture_frames.sh; rerunning it changes creations and refs, and
@@ -388,6 +389,51 @@ static void t_ref(ei_x_buff *x)
 	r.n[2] = 1199042098;
 	r.creation = BEAM_CREATION;
 	ei_x_encode_ref(x, &r);
+}
+
+/* Issue 12: a fun whose Size overruns its fields into a binary header
+ * claiming 256 MiB (t_fun_overrun), in each place a frame carries terms
+ * from the peer: a send's message (as a cast, and as a call's tag), an exit
+ * reason, a trace token. The frame is refused, so no consumer ever asks ei
+ * where such a term ends. */
+static void test_fun_whose_size_overruns_is_ebadmsg_everywhere(void **state)
+{
+	(void)state;
+	erlang_pid to = t_echo_pid(), from = t_shell_pid();
+	for (int where = 0; where < 4; where++) {
+		ei_x_buff x = t_ctrl_begin(where == 2 ? 4 : where == 3 ? 4 : 3, where == 2 ? 3 : where == 3 ? 12 : 2);
+		if (where == 2) { /* EXIT {3, From, To, Reason}: Reason = {Fun, Pad} */
+			ei_x_encode_pid(&x, &from);
+			ei_x_encode_pid(&x, &to);
+			ei_x_encode_tuple_header(&x, 2);
+			assert_int_equal(t_fun_overrun(&x, 256u << 20), 0);
+		} else {
+			ei_x_encode_atom(&x, "");
+			ei_x_encode_pid(&x, &to);
+			if (where == 3) { /* SEND_TT {12, '', To, Token}: Token = {Fun, Pad} */
+				ei_x_encode_tuple_header(&x, 2);
+				assert_int_equal(t_fun_overrun(&x, 256u << 20), 0);
+			}
+			ei_x_encode_version(&x);
+			if (where == 3) { /* a plain message: only the token is bad */
+				ei_x_encode_atom(&x, "ok");
+			} else if (where == 0) { /* {'$gen_cast', {Fun, Pad}} */
+				ei_x_encode_tuple_header(&x, 2);
+				ei_x_encode_atom(&x, "$gen_cast");
+				ei_x_encode_tuple_header(&x, 2);
+				assert_int_equal(t_fun_overrun(&x, 256u << 20), 0);
+			} else { /* {'$gen_call', {From, Fun}, Pad} */
+				ei_x_encode_tuple_header(&x, 3);
+				ei_x_encode_atom(&x, "$gen_call");
+				ei_x_encode_tuple_header(&x, 2);
+				ei_x_encode_pid(&x, &from);
+				assert_int_equal(t_fun_overrun(&x, 256u << 20), 0);
+			}
+		}
+		if (t_decode_rc((const uint8_t *)x.buff, (size_t)x.index) != -EBADMSG)
+			fail_msg("case %d: crafted fun not refused", where);
+		ei_x_free(&x);
+	}
 }
 
 static void test_wellformed_unknown_op_is_enotsup(void **state)
@@ -812,6 +858,7 @@ int main(void)
 		cmocka_unit_test(test_wrong_arity_is_ebadmsg),
 		cmocka_unit_test(test_trailing_term_after_linklike_ops_is_ebadmsg),
 		cmocka_unit_test(test_bad_message_after_send_is_ebadmsg),
+		cmocka_unit_test(test_fun_whose_size_overruns_is_ebadmsg_everywhere),
 		cmocka_unit_test(test_wellformed_unknown_op_is_enotsup),
 		cmocka_unit_test(test_op_that_is_not_an_integer_is_ebadmsg),
 		cmocka_unit_test(test_pid_where_an_atom_belongs_is_ebadmsg),
