@@ -2,8 +2,13 @@
  * with ei, then writes raw bytes (say, a malformed frame) and reports
  * whether the other side closed the connection.
  *
- * usage: actor_rawpeer NODE COOKIEFILE HEXBYTES  -> prints "closed" or "open"
+ * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES
+ *   prints "closed" or "open"; with -m, "closed|open BYTES SEEN": the bytes
+ *   it read back (ticks and replies) and whether MARKER was among them.
+ *   -N sets this peer's own node name, so frames can carry pids of it and
+ *   replies to them come back here.
  */
+#include <arpa/inet.h>
 #include <ei.h>
 #include <errno.h>
 #include <poll.h>
@@ -21,10 +26,48 @@ static int hexval(char c)
 	return -1;
 }
 
+/* Decodes hex into a fresh buffer; its length in *n. NULL if not hex. */
+static unsigned char *unhex(const char *h, size_t *n)
+{
+	size_t hl = strlen(h);
+	if (hl % 2)
+		return NULL;
+	unsigned char *b = malloc(hl / 2 + 1);
+	for (size_t i = 0; b && i < hl / 2; i++) {
+		int hi = hexval(h[2 * i]), lo = hexval(h[2 * i + 1]);
+		if (hi < 0 || lo < 0) {
+			free(b);
+			return NULL;
+		}
+		b[i] = (unsigned char)(hi << 4 | lo);
+	}
+	*n = hl / 2;
+	return b;
+}
+
+/* What is read back is kept up to this much for the marker search. */
+#define KEEP_MAX (16u << 20)
+
 int main(int argc, char **argv)
 {
+	const char *selfname = NULL;
+	unsigned char *marker = NULL;
+	size_t marker_len = 0;
+	int opt;
+	while ((opt = getopt(argc, argv, "N:m:")) != -1) {
+		if (opt == 'N') {
+			selfname = optarg;
+		} else if (opt == 'm' && (marker = unhex(optarg, &marker_len)) && marker_len > 0) {
+			continue;
+		} else {
+			fprintf(stderr, "bad option\n");
+			return 2;
+		}
+	}
+	argc -= optind - 1;
+	argv += optind - 1;
 	if (argc != 4) {
-		fprintf(stderr, "usage: %s NODE COOKIEFILE HEXBYTES\n", argv[0]);
+		fprintf(stderr, "usage: %s [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES\n", argv[0]);
 		return 2;
 	}
 	char cookie[512] = { 0 };
@@ -36,19 +79,11 @@ int main(int argc, char **argv)
 	fclose(f);
 	cookie[strcspn(cookie, "\r\n")] = 0;
 
-	size_t hl = strlen(argv[3]);
-	if (hl % 2) {
-		fprintf(stderr, "odd hex length\n");
+	size_t nbytes;
+	unsigned char *bytes = unhex(argv[3], &nbytes);
+	if (!bytes) {
+		fprintf(stderr, "bad hex\n");
 		return 2;
-	}
-	unsigned char *bytes = malloc(hl / 2 + 1);
-	for (size_t i = 0; i < hl / 2; i++) {
-		int hi = hexval(argv[3][2 * i]), lo = hexval(argv[3][2 * i + 1]);
-		if (hi < 0 || lo < 0) {
-			fprintf(stderr, "bad hex\n");
-			return 2;
-		}
-		bytes[i] = (unsigned char)(hi << 4 | lo);
 	}
 
 	const char *at = strchr(argv[1], '@');
@@ -60,7 +95,23 @@ int main(int argc, char **argv)
 	snprintf(self, sizeof self, "rawpeer%d", (int)getpid());
 	ei_init();
 	ei_cnode ec;
-	if (ei_connect_init(&ec, self, cookie, (unsigned)time(NULL) | 4) < 0) {
+	int ir;
+	if (selfname) {
+		const char *sat = strchr(selfname, '@');
+		char alive[256];
+		struct in_addr lo;
+		if (!sat || (size_t)(sat - selfname) >= sizeof alive) {
+			fprintf(stderr, "bad -N\n");
+			return 2;
+		}
+		memcpy(alive, selfname, (size_t)(sat - selfname));
+		alive[sat - selfname] = 0;
+		inet_aton("127.0.0.1", &lo);
+		ir = ei_connect_xinit(&ec, sat + 1, alive, selfname, &lo, cookie, (unsigned)time(NULL) | 4);
+	} else {
+		ir = ei_connect_init(&ec, self, cookie, (unsigned)time(NULL) | 4);
+	}
+	if (ir < 0) {
 		fprintf(stderr, "ei_connect_init failed\n");
 		return 2;
 	}
@@ -69,9 +120,12 @@ int main(int argc, char **argv)
 		fprintf(stderr, "connect failed: erl_errno %d\n", erl_errno);
 		return 3;
 	}
-	if (hl && write(fd, bytes, hl / 2) != (ssize_t)(hl / 2)) {
-		printf("closed\n");
-		return 0;
+	unsigned char *kept = marker ? malloc(KEEP_MAX) : NULL;
+	size_t got = 0;
+	const char *state = "open";
+	if (nbytes && write(fd, bytes, nbytes) != (ssize_t)nbytes) {
+		state = "closed";
+		goto out;
 	}
 	/* Read until EOF (closed) or 5 s of no EOF (open). Ticks may arrive. */
 	struct timespec t0, t;
@@ -84,14 +138,29 @@ int main(int argc, char **argv)
 		struct pollfd p = { .fd = fd, .events = POLLIN };
 		if (poll(&p, 1, (int)left) <= 0)
 			continue;
-		char buf[4096];
+		char buf[65536];
 		ssize_t r = read(fd, buf, sizeof buf);
 		if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) {
-			printf("closed\n");
-			return 0;
+			state = "closed";
+			break;
+		}
+		if (r > 0) {
+			if (kept && got < KEEP_MAX)
+				memcpy(kept + got, buf, (size_t)r < KEEP_MAX - got ? (size_t)r : KEEP_MAX - got);
+			got += (size_t)r;
 		}
 	}
-	printf("open\n");
+out:
+	if (marker) {
+		size_t kn = got < KEEP_MAX ? got : KEEP_MAX;
+		int seen = kept && memmem(kept, kn, marker, marker_len) != NULL;
+		printf("%s %zu %d\n", state, got, seen);
+	} else {
+		printf("%s\n", state);
+	}
 	close(fd);
+	free(kept);
+	free(marker);
+	free(bytes);
 	return 0;
 }

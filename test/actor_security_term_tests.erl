@@ -1,0 +1,220 @@
+%% Crafted terms against the real C nodes the application starts: the pool
+%% node (an echo pool) and the receptionist node (issue 12, finding 1).
+%%
+%% The crafted term is a fun (NEW_FUN_EXT) whose Size claims 5 bytes more
+%% than its fields span, followed by a binary whose first bytes are another
+%% binary header claiming many bytes. A walk over the fields finds it well
+%% formed; ei skips a fun by its Size, lands on the inner header, and ends far
+%% past the message. Before the fix a C node trusted that end: a cast crashed
+%% the pool node, a call tagged with the fun was answered with bytes from
+%% past the request, and `{send, Pid, Term}' crashed the receptionist node.
+%%
+%% The frames go out through priv/actor_rawpeer, which completes a real
+%% handshake (under a node name given here, so that pids of it can be put in
+%% the frames and replies come back to it), writes the bytes, and reports
+%% what it read back. Each case checks that the node keeps its OS process,
+%% keeps serving, and that nothing beyond the request came back.
+%%
+%% ACTOR_POOL_IO (uring | epoll) selects the I/O backend;
+%% ACTOR_POOL_NODE_EXE / ACTOR_RECEPTIONIST_NODE_EXE run the ASan builds.
+-module(actor_security_term_tests).
+
+-import(ap_test_util, [wait_until/2, os_pid_alive/1]).
+
+-include_lib("eunit/include/eunit.hrl").
+
+-export([pool_survives_a_cast_of_a_fun_overrunning_its_size/1,
+         pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes/1,
+         receptionist_survives_send_of_such_a_fun/1]).
+
+-define(WAIT_MS, 10000).
+%% The binary header the fun overruns into claims this much.
+-define(HUGE, 256 * 1024 * 1024).
+%% Small enough to stay inside a receive buffer: a node that trusted it
+%% would copy it into a reply instead of crashing.
+-define(LEAK, 150000).
+
+%% ===================================================================
+%% Fixture
+%% ===================================================================
+
+actor_security_term_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     fun(Ctx) ->
+             [case_(Name, Ctx) || Name <- [
+                 pool_survives_a_cast_of_a_fun_overrunning_its_size,
+                 pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes,
+                 receptionist_survives_send_of_such_a_fun]]
+     end}.
+
+case_(Name, Ctx) ->
+    {atom_to_list(Name), {timeout, 60, fun() -> ?MODULE:Name(Ctx) end}}.
+
+setup() ->
+    WasAlive = ap_test_util:start_app(),
+    PoolNode = actor_pool:pool_node(),
+    RcptNode = actor_receptionist:receptionist_node(),
+    ?assert(is_atom(PoolNode) andalso PoolNode =/= undefined),
+    ?assert(is_atom(RcptNode) andalso RcptNode =/= undefined),
+    #{pool_node => PoolNode, rcpt_node => RcptNode, was_alive => WasAlive}.
+
+cleanup(#{was_alive := WasAlive}) ->
+    ap_test_util:stop_app(WasAlive).
+
+%% ===================================================================
+%% Cases
+%% ===================================================================
+
+%% (a) {'$gen_cast', {Fun, Pad}} to an echo pool.
+pool_survives_a_cast_of_a_fun_overrunning_its_size(#{pool_node := N}) ->
+    Name = ?FUNCTION_NAME,
+    with_pool(Name, fun(P) ->
+        OsPid = os_pid(actor_pool_node_owner),
+        Self = peer_name(Name),
+        Msg = <<131, 104, 2, (atom('$gen_cast'))/binary, 104, 2, (fun_overrun(?HUGE))/binary>>,
+        {State, Got, _} = rawpeer(N, Self, reg_send(Self, Name, Msg), <<"unused">>),
+        %% The frame is refused and its connection closed; nothing comes
+        %% back but maybe a tick.
+        ?assertEqual("closed", State),
+        ?assert(Got < 64),
+        still_serving(P, OsPid, actor_pool_node_owner)
+    end).
+
+%% (b) {'$gen_call', {Pid, Fun}, Pad}: the fun is the reply tag, copied into
+%% the reply. Another connection (this node's) sends a marker just before.
+pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes(#{pool_node := N}) ->
+    Name = ?FUNCTION_NAME,
+    with_pool(Name, fun(P) ->
+        OsPid = os_pid(actor_pool_node_owner),
+        Marker = <<"foreign-bytes-", (integer_to_binary(erlang:unique_integer([positive])))/binary>>,
+        ok = gen_server:cast(P, {marker, binary:copy(Marker, 4000)}),
+        ?assertEqual({ok, <<"sync">>}, actor_pool:ask(P, <<"sync">>)),
+        Self = peer_name(Name),
+        [begin
+             Msg = <<131, 104, 3, (atom('$gen_call'))/binary, 104, 2, (pid(Self))/binary,
+                     (fun_overrun(Claim))/binary>>,
+             {State, Got, Seen} = rawpeer(N, Self, reg_send(Self, Name, Msg), Marker),
+             %% Refused and closed: no reply at all (a tick at most), so
+             %% none with the marker or bytes from past the request.
+             ?assertEqual({Claim, "closed", small, false},
+                          {Claim, State, if Got < 64 -> small; true -> Got end, Seen})
+         end || Claim <- [?LEAK, ?HUGE]],
+        still_serving(P, OsPid, actor_pool_node_owner)
+    end).
+
+%% (c) {send, Pid, {Fun, Pad}} to the receptionist C node's process.
+receptionist_survives_send_of_such_a_fun(#{rcpt_node := R}) ->
+    up(actor_receptionist_owner),
+    OsPid = os_pid(actor_receptionist_owner),
+    Self = peer_name(?FUNCTION_NAME),
+    Msg = <<131, 104, 3, (atom(send))/binary, (pid(Self))/binary, 104, 2,
+            (fun_overrun(?HUGE))/binary>>,
+    {State, Got, _} = rawpeer(R, Self, reg_send(Self, actor_receptionist, Msg), <<"unused">>),
+    ?assertEqual("closed", State),
+    ?assert(Got < 64),
+    ?assertEqual(OsPid, os_pid(actor_receptionist_owner)),
+    ?assert(os_pid_alive(OsPid)),
+    %% It keeps serving: a registration is acknowledged (the ack goes out
+    %% through the C node as another {send, Pid, Term}) and then found.
+    K = actor_receptionist:service_key(atom_to_binary(?FUNCTION_NAME)),
+    Me = self(),
+    ok = actor_receptionist:register(K, Me, Me),
+    receive {registered, _, Me} -> ok
+    after ?WAIT_MS -> error(no_ack)
+    end,
+    ok = actor_receptionist:find(K, Me),
+    receive {listing, K, Refs} -> ?assertEqual([Me], Refs)
+    after ?WAIT_MS -> error(no_listing)
+    end,
+    ok = actor_receptionist:deregister(K, Me).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+with_pool(Name, Fun) ->
+    up(actor_pool_node_owner),
+    {ok, P} = actor_pool:start_pool(Name, echo, #{workers => 1}),
+    try Fun(P)
+    after actor_pool:stop_pool(P)
+    end.
+
+%% Each case starts from a node that is up, whatever the one before did.
+up(Owner) ->
+    wait_until(fun() -> maps:get(status, actor_cnode:info(Owner)) =:= up end, ?WAIT_MS).
+
+os_pid(Owner) ->
+    #{os_pid := OsPid, status := up} = actor_cnode:info(Owner),
+    OsPid.
+
+%% Same OS process, and the pool still answers.
+still_serving(P, OsPid, Owner) ->
+    ?assertEqual(OsPid, os_pid(Owner)),
+    ?assert(os_pid_alive(OsPid)),
+    ?assertEqual({ok, <<"after">>}, actor_pool:ask(P, <<"after">>)).
+
+%% The raw peer's node name, on this node's host.
+peer_name(Case) ->
+    [_, Host] = string:split(atom_to_list(node()), "@"),
+    "rawsec" ++ integer_to_list(erlang:phash2({Case, os:getpid()}, 100000)) ++ "@" ++ Host.
+
+atom(A) ->
+    B = atom_to_binary(A, utf8),
+    <<119, (byte_size(B)), B/binary>>.
+
+%% A NEW_PID_EXT of node Node.
+pid(Node) ->
+    B = list_to_binary(Node),
+    <<88, 119, (byte_size(B)), B/binary, 1:32, 0:32, 1:32>>.
+
+%% Fun then Pad (two terms, no version byte): Fun has one free variable and
+%% a Size 5 bytes past its end, where Pad's content starts with a binary
+%% header claiming Claim bytes (the same bytes as c_src/test/t_fun_overrun.h).
+fun_overrun(Claim) ->
+    Fields = <<119, 1, $m, 97, 5, 98, 1234:32, (pid("n@h"))/binary>>,
+    Body = <<1, (binary:copy(<<16#ab>>, 16))/binary, 5:32, 1:32, Fields/binary, 97, 7>>,
+    Fun = <<112, (4 + byte_size(Body) + 5):32, Body/binary>>,
+    Inner = <<109, Claim:32, (binary:copy(<<16#5a>>, 8))/binary>>,
+    <<Fun/binary, 109, (byte_size(Inner)):32, Inner/binary>>.
+
+%% A REG_SEND frame {6, From, '', ToName} + Msg, From a pid of the peer.
+reg_send(Self, ToName, Msg) ->
+    Ctrl = <<131, 104, 4, 97, 6, (pid(Self))/binary, (atom(''))/binary, (atom(ToName))/binary>>,
+    Body = <<$p, Ctrl/binary, Msg/binary>>,
+    <<(byte_size(Body)):32, Body/binary>>.
+
+%% Runs priv/actor_rawpeer as node Self against Node with the frame; returns
+%% {"closed" | "open", BytesReadBack, MarkerSeen}.
+rawpeer(Node, Self, Frame, Marker) ->
+    Dir = ap_test_util:temp_dir("actor_security_term_tests"),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    try
+        Exe = filename:join(code:priv_dir(actor_pool), "actor_rawpeer"),
+        Port = open_port({spawn_executable, Exe},
+                         [{args, ["-N", Self, "-m", hex(Marker), atom_to_list(Node), CookieFile,
+                                  hex(Frame)]},
+                          exit_status, binary, use_stdio]),
+        {Status, Out} = collect(Port, <<>>, erlang:monotonic_time(millisecond) + 20000),
+        ?assertEqual({0, Out}, {Status, Out}),
+        Last = lists:last(string:lexemes(binary_to_list(Out), "\r\n")),
+        [State, Got, Seen] = string:lexemes(Last, " "),
+        {State, list_to_integer(Got), Seen =:= "1"}
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
+hex(Bin) -> binary_to_list(binary:encode_hex(Bin)).
+
+collect(Port, Acc, Deadline) ->
+    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
+    receive
+        {Port, {data, Data}} -> collect(Port, <<Acc/binary, Data/binary>>, Deadline);
+        {Port, {exit_status, Status}} -> {Status, Acc}
+    after Remaining ->
+        {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        catch port_close(Port),
+        error({rawpeer_timeout, Acc})
+    end.
