@@ -516,12 +516,13 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 	return INT64_MAX;
 }
 
-/* Outside s->mu: at most one line a second, only when something was refused. */
-static void gate_summary(ap_setup *s, int64_t now, int64_t *next)
+/* Outside s->mu: at most one line a second (force: now, at stop), only
+ * when something was refused. */
+static void gate_summary(ap_setup *s, int64_t now, int64_t *next, int force)
 {
 	pthread_mutex_lock(&s->mu);
 	ap_setup_stats c = s->st, l = s->logged;
-	int64_t since = now - s->last_summary;
+	int64_t since = force ? SUMMARY_MS : now - s->last_summary;
 	int any = c.timed_out != l.timed_out || c.capped != l.capped || c.too_large != l.too_large ||
 		  c.evicted != l.evicted || c.failed != l.failed;
 	if (any && since >= SUMMARY_MS) {
@@ -613,7 +614,7 @@ static void *gate_main(void *arg)
 			(void)rr;
 		}
 		if (now >= next_summary || next_summary == INT64_MAX)
-			gate_summary(s, now, &next_summary);
+			gate_summary(s, now, &next_summary, 0);
 		pthread_mutex_lock(&s->mu);
 		for (size_t i = 1; r > 0 && i < k; i++) {
 			struct pend *p = pp[i];
@@ -632,6 +633,7 @@ static void *gate_main(void *arg)
 		}
 	}
 	pthread_mutex_unlock(&s->mu);
+	gate_summary(s, mono_ms(), &next_summary, 1);
 	free(pfd);
 	free(pp);
 	return NULL;
@@ -807,8 +809,13 @@ static void stop_threads(ap_setup *s, int gate, int connector, int nworkers)
 	pthread_mutex_lock(&s->mu);
 	s->stop = 1;
 	for (struct pend *p = s->head; p; p = p->next)
-		if (p->st == P_RUN && p->fd >= 0)
-			shutdown(p->fd, SHUT_RDWR);
+		if (p->st == P_RUN && !p->dropped) {
+			/* Not refused, only cut short: counted nowhere. */
+			p->dropped = 1;
+			s->npend--;
+			if (p->fd >= 0)
+				shutdown(p->fd, SHUT_RDWR);
+		}
 	if (s->conn_fd >= 0)
 		shutdown(s->conn_fd, SHUT_RDWR);
 	pthread_cond_broadcast(&s->ready_cv);
