@@ -264,6 +264,39 @@ static void stalled_handshake_is_evicted_for_a_ready_one(void **state)
 	t_stop(&t);
 }
 
+/* An outgoing connect (the parent node) has a thread of its own: it is
+ * not queued behind an incoming handshake that holds every thread. */
+static void connect_does_not_wait_behind_incoming_handshakes(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 5000, .threads = 1 });
+	int a = t_client(&t);
+	t_send_name(a);
+	struct pollfd p = { .fd = a, .events = POLLIN };
+	assert_int_equal(poll(&p, 1, WAIT_MS), 1); /* a holds the only thread */
+	int64_t t0 = t_now_ms();
+	ap_setup_connect(t.s, "t_nosuch@localhost", 9);
+	ap_sendq_item *it = NULL;
+	while (!it && t_now_ms() - t0 < WAIT_MS) {
+		p = (struct pollfd){ .fd = ap_sendq_fd(&t.q), .events = POLLIN };
+		poll(&p, 1, 100);
+		it = ap_sendq_drain(&t.q);
+	}
+	assert_non_null(it);
+	assert_true(t_now_ms() - t0 < 2000);
+	assert_int_equal(it->kind, AP_Q_CONN_FAILED);
+	ap_setup_result res;
+	memcpy(&res, it->data, sizeof res);
+	assert_int_equal(res.tag, 9);
+	assert_string_equal(it->node, "t_nosuch@localhost");
+	assert_null(it->next);
+	free(it);
+	assert_true(t_open_after(a, 0)); /* still on its thread */
+	close(a);
+	t_stop(&t);
+}
+
 int main(void)
 {
 	ei_init();
@@ -273,6 +306,7 @@ int main(void)
 		cmocka_unit_test(deadline_covers_the_whole_handshake),
 		cmocka_unit_test(caps_drop_the_oldest),
 		cmocka_unit_test(stalled_handshake_is_evicted_for_a_ready_one),
+		cmocka_unit_test(connect_does_not_wait_behind_incoming_handshakes),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
