@@ -883,16 +883,17 @@ ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, const ap_setup_cfg *cfg)
 		destroy(s);
 		return NULL;
 	}
+	/* The gate last: it reads nworkers. */
 	int gate = 0, connector = 0;
-	if (pthread_create(&s->gate, NULL, gate_main, s))
-		goto err;
-	gate = 1;
-	if (pthread_create(&s->connector, NULL, connector_main, s))
-		goto err;
-	connector = 1;
 	for (; s->nworkers < s->cfg.threads; s->nworkers++)
 		if (pthread_create(&s->workers[s->nworkers], NULL, worker_main, s))
 			goto err;
+	if (pthread_create(&s->connector, NULL, connector_main, s))
+		goto err;
+	connector = 1;
+	if (pthread_create(&s->gate, NULL, gate_main, s))
+		goto err;
+	gate = 1;
 	return s;
 err:
 	stop_threads(s, gate, connector, s->nworkers);
