@@ -41,6 +41,7 @@ eunit: epmd
 # their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
@@ -48,7 +49,7 @@ eunit-asan: epmd
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests --sname ap_eunit_asan_$$$$
+	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
 	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
 

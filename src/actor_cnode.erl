@@ -65,6 +65,10 @@
                   io => io(),
                   max_frame => pos_integer(),
                   idle_timeout_ms => pos_integer(),
+                  listen_ip => inet:ip4_address() | any,
+                  handshake_timeout_ms => 1..3600000,
+                  max_handshakes => 1..65536,
+                  max_handshakes_per_source => 1..65536,
                   args => [string() | binary()],
                   backoff => #{min_ms => pos_integer(), max_ms => pos_integer()},
                   stable_ms => non_neg_integer(),
@@ -72,7 +76,15 @@
                   register => atom(),
                   notify => atom() | pid()}.
 %% Options of {@link start_link/1}. Only `exe' is required; the others default
-%% to the application environment of `actor_pool'. `notify' names a process
+%% to the application environment of `actor_pool'.
+%%
+%% `listen_ip' is the interface the C node accepts distribution connections
+%% on: by default the BEAM's own (`kernel' `inet_dist_use_interface'), else
+%% `actor_pool' `cnode_listen_ip', else `any'. Handshakes need no cookie to
+%% start, so they are bounded: `handshake_timeout_ms' for a whole handshake
+%% (default 5000, below the BEAM's `net_setuptime'), `max_handshakes' pending
+%% at once (default 256) and `max_handshakes_per_source' from one address
+%% (default 64); at a cap the oldest pending one is dropped. `notify' names a process
 %% (a pid, or a registered name looked up at each event) that gets
 %% `{actor_cnode, Owner, Node, up | down}' whenever an incarnation becomes
 %% ready or is gone; a name that is not registered at that moment gets
@@ -318,12 +330,23 @@ defaults() ->
       io => Env(io_backend, auto),
       max_frame => Env(max_frame, 67108864),
       idle_timeout_ms => Env(idle_timeout_ms, 60000),
+      listen_ip => default_listen_ip(),
+      handshake_timeout_ms => Env(handshake_timeout_ms, 5000),
+      max_handshakes => Env(max_handshakes, 256),
+      max_handshakes_per_source => Env(max_handshakes_per_source, 64),
       args => [],
       backoff => Env(cnode_backoff, #{min_ms => 100, max_ms => 5000}),
       stable_ms => Env(cnode_stable_ms, 10000),
       start_timeout_ms => Env(cnode_start_timeout_ms, 10000),
       register => undefined,
       notify => undefined}.
+
+%% The C node listens where this node's distribution does, unless told.
+default_listen_ip() ->
+    case application:get_env(kernel, inet_dist_use_interface) of
+        {ok, Ip} -> Ip;
+        undefined -> application:get_env(actor_pool, cnode_listen_ip, any)
+    end.
 
 %% Every key is checked, the defaults from the application environment too;
 %% unknown keys are errors. Returns the options with every key present.
@@ -377,6 +400,17 @@ check(Key, N) when (Key =:= max_frame orelse Key =:= idle_timeout_ms
     {ok, N};
 check(stable_ms, N) when is_integer(N), N >= 0 ->
     {ok, N};
+check(handshake_timeout_ms, N) when is_integer(N), N > 0, N =< 3600000 ->
+    {ok, N};
+check(Key, N) when (Key =:= max_handshakes orelse Key =:= max_handshakes_per_source),
+                   is_integer(N), N > 0, N =< 65536 ->
+    {ok, N};
+check(listen_ip, any) ->
+    {ok, any};
+check(listen_ip, {A, B, C, D} = Ip)
+  when is_integer(A), A >= 0, A =< 255, is_integer(B), B >= 0, B =< 255,
+       is_integer(C), C >= 0, C =< 255, is_integer(D), D >= 0, D =< 255 ->
+    {ok, Ip};
 check(args, Args) when is_list(Args) ->
     try [unicode:characters_to_binary(A) || A <- Args] of
         Bins ->
@@ -518,11 +552,19 @@ open(#state{opts = Opts, exe = Exe, node = Node} = State) ->
                creation => creation(),
                max_frame => maps:get(max_frame, Opts),
                idle_timeout_ms => maps:get(idle_timeout_ms, Opts),
+               handshake_timeout_ms => maps:get(handshake_timeout_ms, Opts),
+               max_handshakes => maps:get(max_handshakes, Opts),
+               max_handshakes_per_source => maps:get(max_handshakes_per_source, Opts),
+               listen => listen_config(maps:get(listen_ip, Opts)),
                args => maps:get(args, Opts)},
     %% If the C node died already, the exit_status message will tell.
     _ = (catch port_command(Port, term_to_binary(Config))),
     State#state{port = Port, os_pid = OsPid, status = starting,
                 dist_port = undefined, up_since = undefined}.
+
+%% The C node takes a dotted address; <<>> means every interface.
+listen_config(any) -> <<>>;
+listen_config(Ip) -> list_to_binary(inet:ntoa(Ip)).
 
 %% init/1 blocks until the first incarnation is ready, so that start_link
 %% returns {ok, Pid} only for a running C node.

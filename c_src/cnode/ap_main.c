@@ -1,6 +1,7 @@
 /* ap_main: settings and start-up shared by every C node. */
 #include "ap_main.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,17 +10,23 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_setup.h"
 #include "ap_term.h"
 
 #define MAX_ARGS 64
 #define MAX_CONFIG (1 << 20)
+/* Upper bounds of the handshake settings (actor_cnode checks the same). */
+#define MAX_HANDSHAKE_MS 3600000LL
+#define MAX_HANDSHAKES 65536LL
 
 struct settings {
 	char node[MAXNODELEN + 1];
 	char cookie[EI_MAX_COOKIE_SIZE + 1];
 	char parent[MAXNODELEN + 1];
 	char io[16];
+	char listen[INET_ADDRSTRLEN];
 	long long creation, max_frame, idle_ms;
+	long long hs_ms, max_hs, max_hs_src;  /* 0: the runtime's default */
 	int argc;
 	char *argv[MAX_ARGS];
 };
@@ -88,6 +95,14 @@ static int read_port_config(struct settings *s)
 			r = ei_decode_longlong(b, &i, &s->max_frame);
 		else if (!strcmp(key, "idle_timeout_ms"))
 			r = ei_decode_longlong(b, &i, &s->idle_ms);
+		else if (!strcmp(key, "listen"))
+			r = dec_string(b, &i, s->listen, sizeof s->listen);
+		else if (!strcmp(key, "handshake_timeout_ms"))
+			r = ei_decode_longlong(b, &i, &s->hs_ms);
+		else if (!strcmp(key, "max_handshakes"))
+			r = ei_decode_longlong(b, &i, &s->max_hs);
+		else if (!strcmp(key, "max_handshakes_per_source"))
+			r = ei_decode_longlong(b, &i, &s->max_hs_src);
 		else if (!strcmp(key, "args")) {
 			int n, type, size;
 			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_NIL_EXT) {
@@ -135,8 +150,31 @@ static void usage(const char *prog)
 		"usage: %s --port\n"
 		"       %s --name alive@host --cookie-file FILE [--connect node@host]\n"
 		"          [--io auto|uring|epoll] [--max-frame BYTES] [--idle-timeout-ms MS]\n"
+		"          [--listen IPV4] [--handshake-timeout-ms MS] [--max-handshakes N]\n"
+		"          [--max-handshakes-per-source N]\n"
 		"          [--SERVICE-OPTION VALUE]... [-- ARGS...]\n",
 		prog, prog);
+}
+
+/* A whole decimal number in 1..max, or -1. */
+static long long parse_pos(const char *v, long long max)
+{
+	char *end;
+	errno = 0;
+	long long x = strtoll(v, &end, 10);
+	if (errno || end == v || *end || x < 1 || x > max)
+		return -1;
+	return x;
+}
+
+/* The handshake settings, from the port or the command line: 0 (unset) or
+ * in range, and a listen address we can bind. */
+static int check_settings(const struct settings *s)
+{
+	if (s->hs_ms < 0 || s->hs_ms > MAX_HANDSHAKE_MS || s->max_hs < 0 || s->max_hs > MAX_HANDSHAKES ||
+	    s->max_hs_src < 0 || s->max_hs_src > MAX_HANDSHAKES)
+		return -1;
+	return ap_listen_addr_ok(s->listen);
 }
 
 static int parse_cli(int argc, char **argv, struct settings *s)
@@ -166,6 +204,22 @@ static int parse_cli(int argc, char **argv, struct settings *s)
 			s->max_frame = atoll(v);
 		else if (!strcmp(a, "--idle-timeout-ms"))
 			s->idle_ms = atoll(v);
+		else if (!strcmp(a, "--listen")) {
+			if (strlen(v) >= sizeof s->listen || ap_listen_addr_ok(v)) {
+				fprintf(stderr, "bad --listen '%s': want a dotted IPv4 address\n", v);
+				return -1;
+			}
+			snprintf(s->listen, sizeof s->listen, "%s", v);
+		} else if (!strcmp(a, "--handshake-timeout-ms") || !strcmp(a, "--max-handshakes") ||
+			   !strcmp(a, "--max-handshakes-per-source")) {
+			int ms = !strcmp(a, "--handshake-timeout-ms");
+			long long x = parse_pos(v, ms ? MAX_HANDSHAKE_MS : MAX_HANDSHAKES);
+			if (x < 0) {
+				fprintf(stderr, "bad %s '%s': want 1..%lld\n", a, v, ms ? MAX_HANDSHAKE_MS : MAX_HANDSHAKES);
+				return -1;
+			}
+			*(ms ? &s->hs_ms : !strcmp(a, "--max-handshakes") ? &s->max_hs : &s->max_hs_src) = x;
+		}
 		else if (!strncmp(a, "--", 2) && s->argc + 2 <= MAX_ARGS) {
 			/* A service option (say --pool spec): the service reads it. */
 			s->argv[s->argc++] = strdup(a);
@@ -184,7 +238,7 @@ int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init in
 	ei_init();
 	if (port_mode) {
 		ap_log_set_port_fd(STDOUT_FILENO);
-		if (read_port_config(&s) || !s.node[0] || !s.cookie[0]) {
+		if (read_port_config(&s) || !s.node[0] || !s.cookie[0] || check_settings(&s)) {
 			ap_log(AP_LOG_ERROR, "%s: bad or missing configuration packet", service);
 			return 2;
 		}
@@ -209,6 +263,10 @@ int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init in
 		.idle_timeout_ms = (int)s.idle_ms,
 		.io = s.io[0] && strcmp(s.io, "auto") ? s.io : NULL,
 		.port_mode = port_mode,
+		.listen = s.listen[0] ? s.listen : NULL,
+		.handshake_timeout_ms = (int)s.hs_ms,
+		.max_handshakes = (int)s.max_hs,
+		.max_handshakes_per_source = (int)s.max_hs_src,
 	};
 	ap_node *n = ap_node_new(&cfg);
 	int rc = 1;

@@ -804,7 +804,7 @@ int ap_node_run(ap_node *n)
 {
 	signal(SIGPIPE, SIG_IGN);
 	n->now_ms = mono_ms();
-	n->lfd = ap_ei_listen(&n->ec, &n->port);
+	n->lfd = ap_ei_listen(&n->ec, n->cfg.listen, &n->port);
 	if (n->lfd < 0)
 		return -EIO;
 	n->epmd_fd = ei_publish(&n->ec, n->port);
@@ -812,7 +812,12 @@ int ap_node_run(ap_node *n)
 		ap_log(AP_LOG_ERROR, "cannot publish %s to epmd (is epmd running?)", n->name);
 		return -EIO;
 	}
-	n->setup = ap_setup_start(&n->ec, &n->q, 7000);
+	const ap_setup_cfg scfg = {
+		.handshake_ms = n->cfg.handshake_timeout_ms,
+		.max_pending = n->cfg.max_handshakes,
+		.max_per_source = n->cfg.max_handshakes_per_source,
+	};
+	n->setup = ap_setup_start(&n->ec, &n->q, &scfg);
 	if (!n->setup)
 		return -ENOMEM;
 	ap_setup_set_listener(n->setup, n->lfd);

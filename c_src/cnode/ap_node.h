@@ -25,6 +25,10 @@ typedef struct ap_node_cfg {
 	int idle_timeout_ms;       /* a peer silent this long is dropped; 0: 60000 */
 	const char *io;            /* "auto", "uring", "epoll"; NULL: $ACTOR_POOL_IO or auto */
 	int port_mode;             /* report to the owning BEAM over stdout, exit on stdin EOF */
+	const char *listen;        /* dotted IPv4 address to listen on; NULL: every interface */
+	int handshake_timeout_ms;  /* one whole handshake, in or out; 0: 5000 */
+	int max_handshakes;        /* incoming handshakes pending at once; 0: 256 */
+	int max_handshakes_per_source; /* the same, per peer address; 0: 64 */
 } ap_node_cfg;
 
 enum ap_msg_kind {

@@ -1,4 +1,5 @@
-/* ap_setup: ei handshakes on our own sockets, one helper thread. */
+/* ap_setup: ei handshakes on our own sockets: a gate thread, a few
+ * handshake threads, a connect thread. */
 #include "ap_setup.h"
 
 #include <arpa/inet.h>
@@ -8,35 +9,117 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ap_log.h"
+
+#define DEF_HANDSHAKE_MS 5000
+#define DEF_MAX_PENDING 256
+#define DEF_MAX_PER_SOURCE 64
+#define DEF_THREADS 4
+#define DEF_GRACE_MS 250
+#define SUMMARY_MS 1000
+
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* One accepted socket from accept to hand-over. The gate thread owns it in
+ * P_GATE and P_READY (only it frees those), a handshake thread in P_RUN.
+ * fd is -1 once ei closed it or handed it over: other threads may
+ * shutdown() it, under s->mu, only while it is >= 0. */
+enum pend_state { P_GATE, P_READY, P_RUN };
+
+struct pend {
+	struct pend *prev, *next;  /* every pending handshake, oldest first */
+	int fd;
+	enum pend_state st;
+	int dropped;               /* capped, evicted or stopping: no longer counted */
+	uint8_t src[16];           /* the peer's address */
+	uint8_t srclen;
+	int64_t deadline, t_run;
+	uint32_t need;             /* the first packet with its 2-byte header, once known */
+	uint32_t got;              /* bytes of it read by the gate */
+	uint32_t off;              /* bytes of it ei has read */
+	uint8_t pkt[2 + AP_SETUP_MAX_NAME_PKT];
+};
+
+struct cjob {
+	struct cjob *next;
+	int tag;
+	char node[MAXNODELEN + 1];
+};
+
+struct ap_setup {
+	ei_cnode *ec;
+	ap_sendq *q;
+	int lfd;
+	ap_setup_cfg cfg;
+	pthread_mutex_t mu;
+	pthread_cond_t ready_cv;   /* handshake threads: a P_READY entry, or stop */
+	pthread_cond_t conn_cv;    /* connect thread: a job, or stop */
+	struct pend *head, *tail;
+	int npend;                 /* entries not dropped */
+	int nready;                /* P_READY entries not dropped */
+	int nrun;                  /* P_RUN entries, dropped too: each holds a thread */
+	int wake_fd;               /* eventfd: wakes the gate */
+	int conn_fd;               /* the socket of the connect in progress, or -1 */
+	struct cjob *cj_head, *cj_tail;
+	int stop;
+	ap_setup_stats st, logged; /* counters, and their values at the last summary */
+	int64_t last_summary;
+	pthread_t gate, connector;
+	pthread_t *workers;
+	int nworkers;
+};
 
 /* ---- ei socket callbacks ------------------------------------------------ */
 
 struct sctx {
 	int fd;
-	int keep; /* the loop owns the fd now: close() must not close it */
+	int keep;            /* the loop owns the fd now: close() must not close it */
+	int connecting;      /* an outgoing connect registered in s->conn_fd */
+	struct pend *p;      /* an accepted socket */
 };
 
-/* The helper thread is the only one that runs handshakes, so these
- * thread-locals pass state between our calls into ei and its callbacks. */
-static __thread int parked_fd = -1;       /* the socket the next accept adopts */
-static __thread struct sctx *last_ctx;    /* the ctx the last handshake used */
+/* Each thread runs one handshake at a time, so these thread-locals pass
+ * state between our calls into ei and its callbacks. */
+static __thread ap_setup *tl_setup;
+static __thread struct pend *tl_parked;  /* the socket the next accept adopts */
+static __thread int64_t tl_deadline;     /* of the handshake under way; 0: none */
+static __thread struct sctx *last_ctx;   /* the ctx the last handshake used */
 
+/* Wait for ev on fd until the handshake's deadline (or ei's tmo, if
+ * sooner): the deadline covers the whole handshake, not each read. */
 static int wait_fd(int fd, short ev, unsigned tmo)
 {
 	struct pollfd p = { .fd = fd, .events = ev };
-	int t = tmo == EI_SCLBK_INF_TMO ? -1 : (int)tmo;
 	for (;;) {
+		int t = tmo == EI_SCLBK_INF_TMO ? -1 : (int)tmo;
+		if (tl_deadline) {
+			int64_t left = tl_deadline - mono_ms();
+			if (left <= 0)
+				return ETIMEDOUT;
+			if (t < 0 || left < t)
+				t = (int)left;
+		}
 		int r = poll(&p, 1, t);
 		if (r > 0)
 			return 0;
-		if (r == 0)
+		if (r == 0) {
+			if (tl_deadline && mono_ms() < tl_deadline)
+				continue;
 			return ETIMEDOUT;
+		}
 		if (errno != EINTR)
 			return errno;
 	}
@@ -62,6 +145,17 @@ static int cb_socket(void **ctx, void *setup_ctx)
 static int cb_close(void *ctx)
 {
 	struct sctx *c = ctx;
+	ap_setup *s = tl_setup;
+	if (s && (c->p || c->connecting)) {
+		/* Nobody may shutdown() this fd from now on: it is closed, or
+		 * the loop's. */
+		pthread_mutex_lock(&s->mu);
+		if (c->p)
+			c->p->fd = -1;
+		if (c->connecting && s->conn_fd == c->fd)
+			s->conn_fd = -1;
+		pthread_mutex_unlock(&s->mu);
+	}
 	if (!c->keep && c->fd >= 0)
 		close(c->fd);
 	free(c);
@@ -84,13 +178,15 @@ static int cb_listen(void *ctx, void *addr, int *len, int backlog)
 static int cb_accept(void **ctx, void *addr, int *len, unsigned tmo)
 {
 	(void)tmo;
-	if (parked_fd < 0)
+	struct pend *p = tl_parked;
+	if (!p || p->fd < 0)
 		return EAGAIN;
 	struct sctx *c = calloc(1, sizeof *c);
 	if (!c)
 		return ENOMEM;
-	c->fd = parked_fd;
-	parked_fd = -1;
+	c->fd = p->fd;
+	c->p = p;
+	tl_parked = NULL;
 	socklen_t sl = (socklen_t)*len;
 	if (getpeername(c->fd, addr, &sl) == 0)
 		*len = (int)sl;
@@ -104,6 +200,14 @@ static int cb_accept(void **ctx, void *addr, int *len, unsigned tmo)
 static int cb_connect(void *ctx, void *addr, int len, unsigned tmo)
 {
 	struct sctx *c = ctx;
+	ap_setup *s = tl_setup;
+	if (s) {
+		/* So that ap_setup_stop can wake us. */
+		pthread_mutex_lock(&s->mu);
+		s->conn_fd = c->fd;
+		c->connecting = 1;
+		pthread_mutex_unlock(&s->mu);
+	}
 	int fl = fcntl(c->fd, F_GETFL);
 	fcntl(c->fd, F_SETFL, fl | O_NONBLOCK);
 	int r = connect(c->fd, addr, (socklen_t)len);
@@ -131,33 +235,46 @@ static int cb_connect(void *ctx, void *addr, int len, unsigned tmo)
 static int cb_write(void *ctx, const char *buf, ssize_t *len, unsigned tmo)
 {
 	struct sctx *c = ctx;
-	int r = wait_fd(c->fd, POLLOUT, tmo);
-	if (r)
-		return r;
-	ssize_t w;
-	do
-		w = send(c->fd, buf, (size_t)*len, MSG_NOSIGNAL);
-	while (w < 0 && errno == EINTR);
-	if (w < 0)
-		return errno;
-	*len = w;
-	return 0;
+	for (;;) {
+		int r = wait_fd(c->fd, POLLOUT, tmo);
+		if (r)
+			return r;
+		ssize_t w = send(c->fd, buf, (size_t)*len, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (w >= 0) {
+			*len = w;
+			return 0;
+		}
+		if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
+			return errno;
+	}
 }
 
 static int cb_read(void *ctx, char *buf, ssize_t *len, unsigned tmo)
 {
 	struct sctx *c = ctx;
-	int r = wait_fd(c->fd, POLLIN, tmo);
-	if (r)
-		return r;
-	ssize_t n;
-	do
-		n = recv(c->fd, buf, (size_t)*len, 0);
-	while (n < 0 && errno == EINTR);
-	if (n < 0)
-		return errno;
-	*len = n;
-	return 0;
+	struct pend *p = c->p;
+	if (p && p->off < p->got) {
+		/* The first packet, read by the gate. */
+		size_t n = p->got - p->off;
+		if (n > (size_t)*len)
+			n = (size_t)*len;
+		memcpy(buf, p->pkt + p->off, n);
+		p->off += (uint32_t)n;
+		*len = (ssize_t)n;
+		return 0;
+	}
+	for (;;) {
+		int r = wait_fd(c->fd, POLLIN, tmo);
+		if (r)
+			return r;
+		ssize_t n = recv(c->fd, buf, (size_t)*len, MSG_DONTWAIT);
+		if (n >= 0) {
+			*len = n;
+			return 0;
+		}
+		if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
+			return errno;
+	}
 }
 
 static int cb_hs_header(void *ctx, int *sz)
@@ -208,36 +325,321 @@ int ap_ei_init(ei_cnode *ec, const char *node, const char *cookie, unsigned crea
 	return 0;
 }
 
-int ap_ei_listen(ei_cnode *ec, int *port)
+int ap_listen_addr_ok(const char *addr)
 {
-	struct in_addr any = { .s_addr = htonl(INADDR_ANY) };
+	struct in_addr a;
+	return !addr || !addr[0] || inet_pton(AF_INET, addr, &a) == 1 ? 0 : -1;
+}
+
+int ap_ei_listen(ei_cnode *ec, const char *addr, int *port)
+{
+	/* ei_xlisten speaks IPv4 only (it hands its callbacks a sockaddr_in). */
+	struct in_addr ip = { .s_addr = htonl(INADDR_ANY) };
+	if (addr && addr[0] && inet_pton(AF_INET, addr, &ip) != 1) {
+		ap_log(AP_LOG_ERROR, "bad listen address '%s': want a dotted IPv4 address", addr);
+		return -1;
+	}
 	*port = 0;
-	int fd = ei_xlisten(ec, &any, port, 128);
+	int fd = ei_xlisten(ec, &ip, port, 128);
 	if (fd < 0)
-		ap_log(AP_LOG_ERROR, "listen failed: %s", strerror(errno));
+		ap_log(AP_LOG_ERROR, "listen on %s failed: %s", addr && addr[0] ? addr : "0.0.0.0",
+		       strerror(erl_errno));
 	return fd;
 }
 
-/* ---- the helper thread ---------------------------------------------------- */
+/* ---- pending handshakes ------------------------------------------------- */
 
-struct job {
-	struct job *next;
-	int fd;                 /* accept: the socket; connect: -1 */
-	int tag;
-	char node[MAXNODELEN + 1];
-};
+static void wake_gate(ap_setup *s)
+{
+	uint64_t one = 1;
+	ssize_t r = write(s->wake_fd, &one, sizeof one);
+	(void)r; /* a full counter (EAGAIN) wakes it all the same */
+}
 
-struct ap_setup {
-	ei_cnode *ec;
-	ap_sendq *q;
-	int lfd;
-	int handshake_ms;
-	pthread_t th;
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
-	struct job *head, *tail;
-	int stop;
-};
+static void unlink_pend(ap_setup *s, struct pend *p)
+{
+	if (p->prev)
+		p->prev->next = p->next;
+	else
+		s->head = p->next;
+	if (p->next)
+		p->next->prev = p->prev;
+	else
+		s->tail = p->prev;
+	p->prev = p->next = NULL;
+}
+
+/* Under s->mu: p no longer counts; its fd is shut down, which wakes a
+ * handshake thread blocked on it. Whoever owns p frees it. */
+static void drop(ap_setup *s, struct pend *p, unsigned long long *counter)
+{
+	if (p->dropped)
+		return;
+	p->dropped = 1;
+	s->npend--;
+	if (p->st == P_READY)
+		s->nready--;
+	if (p->fd >= 0)
+		shutdown(p->fd, SHUT_RDWR);
+	(*counter)++;
+}
+
+/* Under s->mu: the oldest entry to drop for room, of source src (or of any
+ * source for srclen 0). One not yet on a handshake thread goes first: those
+ * that sent their name are likelier to be nodes, and the grace rule frees
+ * threads from stalled ones. */
+static struct pend *oldest(ap_setup *s, const uint8_t *src, uint8_t srclen)
+{
+	struct pend *run = NULL;
+	for (struct pend *p = s->head; p; p = p->next) {
+		if (p->dropped || (srclen && (p->srclen != srclen || memcmp(p->src, src, srclen))))
+			continue;
+		if (p->st != P_RUN)
+			return p;
+		if (!run)
+			run = p;
+	}
+	return run;
+}
+
+static void source_of(int fd, uint8_t *src, uint8_t *srclen)
+{
+	struct sockaddr_storage ss;
+	socklen_t sl = sizeof ss;
+	*srclen = 0;
+	if (getpeername(fd, (struct sockaddr *)&ss, &sl) < 0)
+		return;
+	if (ss.ss_family == AF_INET) {
+		memcpy(src, &((struct sockaddr_in *)&ss)->sin_addr, 4);
+		*srclen = 4;
+	} else if (ss.ss_family == AF_INET6) {
+		memcpy(src, &((struct sockaddr_in6 *)&ss)->sin6_addr, 16);
+		*srclen = 16;
+	}
+}
+
+void ap_setup_accept(ap_setup *s, int fd)
+{
+	struct pend *p = s ? calloc(1, sizeof *p) : NULL;
+	if (!p) { /* no memory, or stopped (the loop still runs at teardown) */
+		close(fd);
+		return;
+	}
+	p->fd = fd;
+	p->st = P_GATE;
+	source_of(fd, p->src, &p->srclen);
+	pthread_mutex_lock(&s->mu);
+	s->st.accepted++;
+	p->deadline = mono_ms() + s->cfg.handshake_ms;
+	if (p->srclen) {
+		int same = 0;
+		for (struct pend *o = s->head; o; o = o->next)
+			if (!o->dropped && o->srclen == p->srclen && !memcmp(o->src, p->src, p->srclen))
+				same++;
+		struct pend *o = same >= s->cfg.max_per_source ? oldest(s, p->src, p->srclen) : NULL;
+		if (o)
+			drop(s, o, &s->st.capped);
+	}
+	struct pend *o = s->npend >= s->cfg.max_pending ? oldest(s, NULL, 0) : NULL;
+	if (o)
+		drop(s, o, &s->st.capped);
+	p->prev = s->tail;
+	if (s->tail)
+		s->tail->next = p;
+	else
+		s->head = p;
+	s->tail = p;
+	s->npend++;
+	pthread_mutex_unlock(&s->mu);
+	wake_gate(s);
+}
+
+/* ---- the gate --------------------------------------------------------------- */
+
+/* Read what has arrived of p's first packet without blocking. 1: all of it
+ * is here; 0: wait for more; -1: closed or failed; -2: too large. */
+static int gate_read(struct pend *p)
+{
+	for (;;) {
+		uint32_t want = p->need ? p->need - p->got : 2 - p->got;
+		ssize_t r = recv(p->fd, p->pkt + p->got, want, MSG_DONTWAIT);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+		if (r == 0)
+			return -1;
+		p->got += (uint32_t)r;
+		if (!p->need && p->got == 2) {
+			uint32_t len = (uint32_t)p->pkt[0] << 8 | p->pkt[1];
+			if (len == 0 || len > AP_SETUP_MAX_NAME_PKT)
+				return -2;
+			p->need = 2 + len;
+		}
+		if (p->need && p->got == p->need)
+			return 1;
+	}
+}
+
+/* Under s->mu: close and free the dropped entries the gate owns. */
+static void gate_reap(ap_setup *s)
+{
+	struct pend *p = s->head;
+	while (p) {
+		struct pend *next = p->next;
+		if (p->dropped && p->st != P_RUN) {
+			unlink_pend(s, p);
+			if (p->fd >= 0)
+				close(p->fd);
+			free(p);
+		}
+		p = next;
+	}
+}
+
+/* Under s->mu: when a ready socket waits and every thread is busy, drop the
+ * handshake that has run longest once it ran grace_ms. Returns when to look
+ * again (or INT64_MAX). */
+static int64_t gate_evict(ap_setup *s, int64_t now)
+{
+	if (!s->nready || s->nrun < s->nworkers)
+		return INT64_MAX;
+	struct pend *victim = NULL;
+	for (struct pend *p = s->head; p; p = p->next)
+		if (p->st == P_RUN && !p->dropped && (!victim || p->t_run < victim->t_run))
+			victim = p;
+	if (!victim)
+		return INT64_MAX; /* the dropped ones are on their way out */
+	if (now - victim->t_run < s->cfg.grace_ms)
+		return victim->t_run + s->cfg.grace_ms;
+	drop(s, victim, &s->st.evicted);
+	return INT64_MAX;
+}
+
+/* Outside s->mu: at most one line a second (force: now, at stop), only
+ * when something was refused. */
+static void gate_summary(ap_setup *s, int64_t now, int64_t *next, int force)
+{
+	pthread_mutex_lock(&s->mu);
+	ap_setup_stats c = s->st, l = s->logged;
+	int64_t since = force ? SUMMARY_MS : now - s->last_summary;
+	int any = c.timed_out != l.timed_out || c.capped != l.capped || c.too_large != l.too_large ||
+		  c.evicted != l.evicted || c.failed != l.failed;
+	if (any && since >= SUMMARY_MS) {
+		s->logged = c;
+		s->last_summary = now;
+	}
+	pthread_mutex_unlock(&s->mu);
+	if (!any) {
+		*next = INT64_MAX;
+		return;
+	}
+	if (since < SUMMARY_MS) {
+		*next = now + (SUMMARY_MS - since);
+		return;
+	}
+	*next = INT64_MAX;
+	ap_log(AP_LOG_WARNING,
+	       "incoming handshakes refused: %llu timed out, %llu dropped at the pending cap, %llu with an "
+	       "oversized first packet, %llu stalled and evicted, %llu failed (wrong cookie or not a node); "
+	       "%llu closed by the peer",
+	       c.timed_out - l.timed_out, c.capped - l.capped, c.too_large - l.too_large, c.evicted - l.evicted,
+	       c.failed - l.failed, c.closed - l.closed);
+}
+
+static void *gate_main(void *arg)
+{
+	ap_setup *s = arg;
+	struct pollfd *pfd = NULL;
+	struct pend **pp = NULL;
+	size_t cap = 0;
+	int64_t next_summary = INT64_MAX;
+	pthread_mutex_lock(&s->mu);
+	while (!s->stop) {
+		int64_t now = mono_ms();
+		int64_t due = gate_evict(s, now);
+		if (next_summary < due)
+			due = next_summary;
+		size_t n = 1;
+		for (struct pend *p = s->head; p; p = p->next) {
+			if (p->dropped || p->st == P_RUN)
+				continue;
+			if (p->deadline <= now) {
+				drop(s, p, &s->st.timed_out);
+				continue;
+			}
+			if (p->deadline < due)
+				due = p->deadline;
+			if (p->st == P_GATE)
+				n++;
+		}
+		gate_reap(s);
+		if (n > cap) {
+			size_t nc = n * 2;
+			struct pollfd *npfd = realloc(pfd, nc * sizeof *pfd);
+			if (npfd)
+				pfd = npfd;
+			struct pend **npp = realloc(pp, nc * sizeof *pp);
+			if (npp)
+				pp = npp;
+			if (!npfd || !npp) {
+				/* Keep going with what fits; the rest time out. */
+				n = cap;
+			} else {
+				cap = nc;
+			}
+		}
+		if (!pfd || !pp) {
+			pthread_mutex_unlock(&s->mu);
+			poll(NULL, 0, 100);
+			pthread_mutex_lock(&s->mu);
+			continue;
+		}
+		pfd[0] = (struct pollfd){ .fd = s->wake_fd, .events = POLLIN };
+		size_t k = 1;
+		for (struct pend *p = s->head; p && k < n; p = p->next)
+			if (!p->dropped && p->st == P_GATE) {
+				pfd[k] = (struct pollfd){ .fd = p->fd, .events = POLLIN };
+				pp[k++] = p;
+			}
+		/* Only this thread frees P_GATE entries, so pp stays valid while
+		 * the lock is down; one dropped meanwhile is skipped below. */
+		pthread_mutex_unlock(&s->mu);
+		int tmo = due == INT64_MAX ? -1 : due <= now ? 0 : (int)(due - now);
+		int r = poll(pfd, k, tmo);
+		now = mono_ms();
+		if (r > 0 && (pfd[0].revents & POLLIN)) {
+			uint64_t v;
+			ssize_t rr = read(s->wake_fd, &v, sizeof v);
+			(void)rr;
+		}
+		if (now >= next_summary || next_summary == INT64_MAX)
+			gate_summary(s, now, &next_summary, 0);
+		pthread_mutex_lock(&s->mu);
+		for (size_t i = 1; r > 0 && i < k; i++) {
+			struct pend *p = pp[i];
+			if (!pfd[i].revents || p->dropped)
+				continue;
+			int g = gate_read(p);
+			if (g == 1) {
+				p->st = P_READY;
+				s->nready++;
+				pthread_cond_signal(&s->ready_cv);
+			} else if (g == -1) {
+				drop(s, p, &s->st.closed);
+			} else if (g == -2) {
+				drop(s, p, &s->st.too_large);
+			}
+		}
+	}
+	pthread_mutex_unlock(&s->mu);
+	gate_summary(s, mono_ms(), &next_summary, 1);
+	free(pfd);
+	free(pp);
+	return NULL;
+}
+
+/* ---- the handshake threads -------------------------------------------------- */
 
 static void post(ap_setup *s, int kind, const char *node, int fd, int tag)
 {
@@ -261,51 +663,121 @@ static void disown(int fd)
 	last_ctx = NULL;
 }
 
-static void run_job(ap_setup *s, struct job *j)
+/* Under s->mu: the newest ready socket. Newest first: under a flood of
+ * sockets that send a name and stall, a node that just arrived is served
+ * at once instead of behind the flood; older ones meet their deadline. */
+static struct pend *take_ready(ap_setup *s)
 {
-	ErlConnect conn;
-	if (j->fd >= 0) {
-		parked_fd = j->fd;
-		last_ctx = NULL;
-		int fd = ei_accept_tmo(s->ec, s->lfd, &conn, (unsigned)s->handshake_ms);
-		if (parked_fd >= 0) { /* ei gave up before adopting it */
-			close(parked_fd);
-			parked_fd = -1;
-		}
-		if (fd < 0) {
-			ap_log(AP_LOG_WARNING, "incoming handshake failed (erl_errno %d): wrong cookie, or not a node", erl_errno);
-			return;
-		}
-		disown(fd);
-		post(s, AP_Q_CONN_UP, conn.nodename, fd, 0);
-	} else {
-		last_ctx = NULL;
-		int fd = ei_connect_tmo(s->ec, j->node, (unsigned)s->handshake_ms);
-		if (fd < 0) {
-			ap_log(AP_LOG_WARNING, "connect to %s failed (erl_errno %d)", j->node, erl_errno);
-			post(s, AP_Q_CONN_FAILED, j->node, -1, j->tag);
-			return;
-		}
-		disown(fd);
-		post(s, AP_Q_CONN_UP, j->node, fd, j->tag);
-	}
+	for (struct pend *p = s->tail; p; p = p->prev)
+		if (p->st == P_READY && !p->dropped)
+			return p;
+	return NULL;
 }
 
-static void *setup_main(void *arg)
+static void run_accept(ap_setup *s, struct pend *p)
+{
+	ErlConnect conn;
+	tl_parked = p;
+	tl_deadline = p->deadline;
+	last_ctx = NULL;
+	int fd = ei_accept_tmo(s->ec, s->lfd, &conn, (unsigned)s->cfg.handshake_ms);
+	int err = erl_errno;
+	tl_deadline = 0;
+	if (tl_parked) { /* ei gave up before adopting it */
+		tl_parked = NULL;
+		pthread_mutex_lock(&s->mu);
+		int pfd = p->fd;
+		p->fd = -1;
+		pthread_mutex_unlock(&s->mu);
+		if (pfd >= 0)
+			close(pfd);
+	}
+	if (fd >= 0)
+		disown(fd); /* p->fd is -1 now: nobody else touches fd */
+	pthread_mutex_lock(&s->mu);
+	int dropped = p->dropped;
+	if (!dropped) {
+		s->npend--;
+		if (fd >= 0)
+			s->st.handed_over++;
+		else if (err == ETIMEDOUT)
+			s->st.timed_out++;
+		else
+			s->st.failed++;
+	}
+	unlink_pend(s, p);
+	s->nrun--;
+	pthread_mutex_unlock(&s->mu);
+	free(p);
+	if (fd < 0) {
+		if (!dropped)
+			wake_gate(s); /* for its summary line */
+		return;
+	}
+	if (dropped) {
+		/* Evicted just as it finished: the socket is shut down. */
+		close(fd);
+		return;
+	}
+	post(s, AP_Q_CONN_UP, conn.nodename, fd, 0);
+}
+
+static void *worker_main(void *arg)
 {
 	ap_setup *s = arg;
+	tl_setup = s;
 	pthread_mutex_lock(&s->mu);
 	while (!s->stop) {
-		struct job *j = s->head;
-		if (!j) {
-			pthread_cond_wait(&s->cv, &s->mu);
+		struct pend *p = take_ready(s);
+		if (!p) {
+			pthread_cond_wait(&s->ready_cv, &s->mu);
 			continue;
 		}
-		s->head = j->next;
-		if (!s->head)
-			s->tail = NULL;
+		p->st = P_RUN;
+		p->t_run = mono_ms();
+		s->nready--;
+		s->nrun++;
 		pthread_mutex_unlock(&s->mu);
-		run_job(s, j);
+		run_accept(s, p);
+		pthread_mutex_lock(&s->mu);
+	}
+	pthread_mutex_unlock(&s->mu);
+	return NULL;
+}
+
+/* ---- the connect thread ----------------------------------------------------- */
+
+static void run_connect(ap_setup *s, struct cjob *j)
+{
+	last_ctx = NULL;
+	tl_deadline = mono_ms() + s->cfg.handshake_ms;
+	int fd = ei_connect_tmo(s->ec, j->node, (unsigned)s->cfg.handshake_ms);
+	tl_deadline = 0;
+	if (fd < 0) {
+		ap_log(AP_LOG_WARNING, "connect to %s failed (erl_errno %d)", j->node, erl_errno);
+		post(s, AP_Q_CONN_FAILED, j->node, -1, j->tag);
+		return;
+	}
+	disown(fd);
+	post(s, AP_Q_CONN_UP, j->node, fd, j->tag);
+}
+
+static void *connector_main(void *arg)
+{
+	ap_setup *s = arg;
+	tl_setup = s;
+	pthread_mutex_lock(&s->mu);
+	while (!s->stop) {
+		struct cjob *j = s->cj_head;
+		if (!j) {
+			pthread_cond_wait(&s->conn_cv, &s->mu);
+			continue;
+		}
+		s->cj_head = j->next;
+		if (!s->cj_head)
+			s->cj_tail = NULL;
+		pthread_mutex_unlock(&s->mu);
+		run_connect(s, j);
 		free(j);
 		pthread_mutex_lock(&s->mu);
 	}
@@ -313,7 +785,75 @@ static void *setup_main(void *arg)
 	return NULL;
 }
 
-ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, int handshake_ms)
+void ap_setup_connect(ap_setup *s, const char *node, int tag)
+{
+	struct cjob *j = s ? calloc(1, sizeof *j) : NULL;
+	if (!j)
+		return;
+	j->tag = tag;
+	snprintf(j->node, sizeof j->node, "%s", node);
+	pthread_mutex_lock(&s->mu);
+	if (s->cj_tail)
+		s->cj_tail->next = j;
+	else
+		s->cj_head = j;
+	s->cj_tail = j;
+	pthread_cond_signal(&s->conn_cv);
+	pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- life cycle ------------------------------------------------------------- */
+
+static void stop_threads(ap_setup *s, int gate, int connector, int nworkers)
+{
+	pthread_mutex_lock(&s->mu);
+	s->stop = 1;
+	for (struct pend *p = s->head; p; p = p->next)
+		if (p->st == P_RUN && !p->dropped) {
+			/* Not refused, only cut short: counted nowhere. */
+			p->dropped = 1;
+			s->npend--;
+			if (p->fd >= 0)
+				shutdown(p->fd, SHUT_RDWR);
+		}
+	if (s->conn_fd >= 0)
+		shutdown(s->conn_fd, SHUT_RDWR);
+	pthread_cond_broadcast(&s->ready_cv);
+	pthread_cond_broadcast(&s->conn_cv);
+	pthread_mutex_unlock(&s->mu);
+	wake_gate(s);
+	if (gate)
+		pthread_join(s->gate, NULL);
+	if (connector)
+		pthread_join(s->connector, NULL);
+	for (int i = 0; i < nworkers; i++)
+		pthread_join(s->workers[i], NULL);
+}
+
+static void destroy(ap_setup *s)
+{
+	while (s->head) {
+		struct pend *p = s->head;
+		unlink_pend(s, p);
+		if (p->fd >= 0)
+			close(p->fd);
+		free(p);
+	}
+	while (s->cj_head) {
+		struct cjob *j = s->cj_head;
+		s->cj_head = j->next;
+		free(j);
+	}
+	if (s->wake_fd >= 0)
+		close(s->wake_fd);
+	pthread_mutex_destroy(&s->mu);
+	pthread_cond_destroy(&s->ready_cv);
+	pthread_cond_destroy(&s->conn_cv);
+	free(s->workers);
+	free(s);
+}
+
+ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, const ap_setup_cfg *cfg)
 {
 	ap_setup *s = calloc(1, sizeof *s);
 	if (!s)
@@ -321,69 +861,60 @@ ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, int handshake_ms)
 	s->ec = ec;
 	s->q = q;
 	s->lfd = -1;
-	s->handshake_ms = handshake_ms;
+	s->conn_fd = -1;
+	s->cfg = *cfg;
+	if (s->cfg.handshake_ms <= 0)
+		s->cfg.handshake_ms = DEF_HANDSHAKE_MS;
+	if (s->cfg.max_pending <= 0)
+		s->cfg.max_pending = DEF_MAX_PENDING;
+	if (s->cfg.max_per_source <= 0)
+		s->cfg.max_per_source = DEF_MAX_PER_SOURCE;
+	if (s->cfg.threads <= 0)
+		s->cfg.threads = DEF_THREADS;
+	if (s->cfg.grace_ms <= 0)
+		s->cfg.grace_ms = DEF_GRACE_MS;
+	s->last_summary = mono_ms() - SUMMARY_MS;
 	pthread_mutex_init(&s->mu, NULL);
-	pthread_cond_init(&s->cv, NULL);
-	if (pthread_create(&s->th, NULL, setup_main, s)) {
-		free(s);
+	pthread_cond_init(&s->ready_cv, NULL);
+	pthread_cond_init(&s->conn_cv, NULL);
+	s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	s->workers = calloc((size_t)s->cfg.threads, sizeof *s->workers);
+	if (s->wake_fd < 0 || !s->workers) {
+		destroy(s);
 		return NULL;
 	}
+	/* The gate last: it reads nworkers. */
+	int gate = 0, connector = 0;
+	for (; s->nworkers < s->cfg.threads; s->nworkers++)
+		if (pthread_create(&s->workers[s->nworkers], NULL, worker_main, s))
+			goto err;
+	if (pthread_create(&s->connector, NULL, connector_main, s))
+		goto err;
+	connector = 1;
+	if (pthread_create(&s->gate, NULL, gate_main, s))
+		goto err;
+	gate = 1;
 	return s;
+err:
+	stop_threads(s, gate, connector, s->nworkers);
+	destroy(s);
+	return NULL;
 }
 
 void ap_setup_set_listener(ap_setup *s, int lfd) { s->lfd = lfd; }
 
-static void enqueue(ap_setup *s, struct job *j)
+void ap_setup_get_stats(ap_setup *s, ap_setup_stats *out)
 {
 	pthread_mutex_lock(&s->mu);
-	if (s->tail)
-		s->tail->next = j;
-	else
-		s->head = j;
-	s->tail = j;
-	pthread_cond_signal(&s->cv);
+	*out = s->st;
+	out->pending = s->npend;
 	pthread_mutex_unlock(&s->mu);
-}
-
-void ap_setup_accept(ap_setup *s, int fd)
-{
-	struct job *j = calloc(1, sizeof *j);
-	if (!j) {
-		close(fd);
-		return;
-	}
-	j->fd = fd;
-	enqueue(s, j);
-}
-
-void ap_setup_connect(ap_setup *s, const char *node, int tag)
-{
-	struct job *j = calloc(1, sizeof *j);
-	if (!j)
-		return;
-	j->fd = -1;
-	j->tag = tag;
-	strncpy(j->node, node, MAXNODELEN);
-	enqueue(s, j);
 }
 
 void ap_setup_stop(ap_setup *s)
 {
 	if (!s)
 		return;
-	pthread_mutex_lock(&s->mu);
-	s->stop = 1;
-	pthread_cond_signal(&s->cv);
-	pthread_mutex_unlock(&s->mu);
-	pthread_join(s->th, NULL);
-	while (s->head) {
-		struct job *j = s->head;
-		s->head = j->next;
-		if (j->fd >= 0)
-			close(j->fd);
-		free(j);
-	}
-	pthread_mutex_destroy(&s->mu);
-	pthread_cond_destroy(&s->cv);
-	free(s);
+	stop_threads(s, 1, 1, s->nworkers);
+	destroy(s);
 }

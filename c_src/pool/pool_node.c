@@ -4,7 +4,8 @@
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
- *       [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
+ *       [--listen IPV4] [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
+ * (the runtime flags, --listen and the handshake limits among them: ap_main.c).
  * A pool given a key is registered with the receptionist of the --connect
  * node (its actor_receptionist_server) each time the connection comes up,
  * so a restarted pool node registers again; the receptionist drops the
