@@ -42,13 +42,14 @@ eunit: epmd
 # run.
 ASAN_LOG_DIR = _build/asan-logs
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan
+	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
+	  ACTOR_POOL_ECHO_EXE=$(CURDIR)/c_src/build/actor_echo_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests --sname ap_eunit_asan_$$$$
+	  $(REBAR) eunit --module=actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_cnode_abuse_tests --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
 	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
 

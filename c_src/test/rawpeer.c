@@ -3,6 +3,10 @@
  * whether the other side closed the connection.
  *
  * usage: actor_rawpeer NODE COOKIEFILE HEXBYTES  -> prints "closed" or "open"
+ *        actor_rawpeer NODE COOKIEFILE HEXBYTES hold
+ *            prints "sent" once the bytes are written, then keeps the
+ *            connection until stdin closes ("open") or the node closes it
+ *            ("closed"): for tests that look at the node meanwhile.
  */
 #include <ei.h>
 #include <errno.h>
@@ -23,8 +27,9 @@ static int hexval(char c)
 
 int main(int argc, char **argv)
 {
-	if (argc != 4) {
-		fprintf(stderr, "usage: %s NODE COOKIEFILE HEXBYTES\n", argv[0]);
+	int hold = argc == 5 && !strcmp(argv[4], "hold");
+	if (argc != 4 && !hold) {
+		fprintf(stderr, "usage: %s NODE COOKIEFILE HEXBYTES [hold]\n", argv[0]);
 		return 2;
 	}
 	char cookie[512] = { 0 };
@@ -72,6 +77,28 @@ int main(int argc, char **argv)
 	if (hl && write(fd, bytes, hl / 2) != (ssize_t)(hl / 2)) {
 		printf("closed\n");
 		return 0;
+	}
+	if (hold) {
+		printf("sent\n");
+		fflush(stdout);
+		for (;;) {
+			struct pollfd p[2] = { { .fd = fd, .events = POLLIN }, { .fd = STDIN_FILENO, .events = POLLIN } };
+			if (poll(p, 2, -1) < 0 && errno != EINTR)
+				return 3;
+			char buf[4096];
+			if (p[0].revents) {
+				ssize_t r = read(fd, buf, sizeof buf);
+				if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) {
+					printf("closed\n");
+					return 0;
+				}
+			}
+			if (p[1].revents && read(STDIN_FILENO, buf, sizeof buf) <= 0) {
+				printf("open\n");
+				close(fd);
+				return 0;
+			}
+		}
 	}
 	/* Read until EOF (closed) or 5 s of no EOF (open). Ticks may arrive. */
 	struct timespec t0, t;
