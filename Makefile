@@ -37,8 +37,8 @@ eunit: epmd
 	$(MAKE) eunit-asan
 
 # The pool and receptionist suites (the cluster one too: its peers inherit
-# the variables) once more against ASan+UBSan builds of
-# their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
+# the variables) and the C-node abuse suite once more against ASan+UBSan
+# builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
 eunit-asan: epmd
