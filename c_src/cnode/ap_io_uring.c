@@ -1,9 +1,9 @@
 /* ap_io_uring: the io_uring backend of ap_io.
  *
  * Multishot accept on the listener, paused by ap_io when accepts fail for
- * want of fds; receives into a ring of provided
- * buffers (built by hand: liburing 2.3 has no io_uring_setup_buf_ring),
- * recycled as soon as their bytes are consumed. Receives are single-shot
+ * want of fds; receives into a ring of provided buffers (built by hand:
+ * liburing 2.3 has no io_uring_setup_buf_ring), recycled as soon as their
+ * bytes are consumed. Receives are single-shot
  * and re-armed after each completion: under a flood of small messages the
  * re-arm is deferred by COALESCE_US, so one completion carries hundreds of
  * messages instead of one each (a multishot receive cannot be paused);
