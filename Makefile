@@ -37,16 +37,17 @@ eunit: epmd
 	$(MAKE) eunit-asan
 
 # The pool and receptionist suites (the cluster one too: its peers inherit
-# the variables) once more against ASan+UBSan builds of
-# their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
+# the variables) and the C-node abuse suite once more against ASan+UBSan
+# builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan
+	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
+	  ACTOR_POOL_ECHO_EXE=$(CURDIR)/c_src/build/actor_echo_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
 	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$

@@ -106,6 +106,12 @@
 -define(POLL_MS, 20).
 -define(LOG_LEVELS, [emergency, alert, critical, error, warning, notice, info,
                      debug]).
+%% Log lines from the C node that reach `logger', per level and window: the
+%% C node limits its own lines, but an owner must not let any child (an
+%% older or a foreign executable) flood logger. What is dropped is counted
+%% and logged as one line when the window ends.
+-define(LOG_WINDOW_MS, 1000).
+-define(LOG_PER_WINDOW, 50).
 
 -record(state, {
     %% validated options, all keys present (see defaults/0)
@@ -135,7 +141,10 @@
     %% monitor_node/2 is on for node
     monitoring = false :: boolean(),
     %% await_up/2 callers: {From, TimerRef}
-    waiters = [] :: [{gen_server:from(), reference()}]
+    waiters = [] :: [{gen_server:from(), reference()}],
+    %% C-node log lines per level in the current window:
+    %% {WindowStartMs, Logged, Dropped}
+    logs = #{} :: #{logger:level() => {integer(), non_neg_integer(), non_neg_integer()}}
 }).
 
 %% ===================================================================
@@ -300,6 +309,8 @@ handle_info({timeout, TRef, {await_up, From}}, #state{waiters = Waiters} = State
         _ ->
             {noreply, State}
     end;
+handle_info({log_window_end, Level, Start}, State) ->
+    {noreply, log_window_end(Level, Start, State)};
 handle_info({nodedown, Node}, #state{node = Node} = State) ->
     %% Only logged: the port tells whether the OS process is gone.
     logger:warning("actor_cnode ~ts: connection to the C node lost", [Node]),
@@ -612,8 +623,7 @@ packet(Data, #state{node = Node} = State) ->
         {ready, #{} = Ready} ->
             ready(Ready, State);
         {log, Level, Msg} ->
-            log(Level, Msg, Node),
-            State;
+            log(Level, Msg, State);
         Other ->
             logger:warning("actor_cnode ~ts: unknown packet ~0P",
                            [Node, Other, 20]),
@@ -625,16 +635,53 @@ packet(Data, #state{node = Node} = State) ->
             State
     end.
 
-log(Level, Msg, Node) ->
+log(Level, Msg, #state{node = Node, logs = Logs} = State) ->
     Level1 = case lists:member(Level, ?LOG_LEVELS) of
                  true -> Level;
                  false -> notice
              end,
-    Text = case is_binary(Msg) of
-               true -> Msg;
-               false -> io_lib:format("~0p", [Msg])
-           end,
-    logger:log(Level1, "~ts", [Text], #{cnode => Node}).
+    Now = erlang:monotonic_time(millisecond),
+    {Start, Logged, Dropped} =
+        case maps:get(Level1, Logs, none) of
+            {S, _, D} = W when Now - S >= ?LOG_WINDOW_MS ->
+                _ = D > 0 andalso log_dropped(Level1, W, Node),
+                {Now, 0, 0};
+            none ->
+                {Now, 0, 0};
+            W ->
+                W
+        end,
+    case Logged < ?LOG_PER_WINDOW of
+        true ->
+            Text = case is_binary(Msg) of
+                       true -> Msg;
+                       false -> io_lib:format("~0p", [Msg])
+                   end,
+            logger:log(Level1, "~ts", [Text], #{cnode => Node}),
+            State#state{logs = Logs#{Level1 => {Start, Logged + 1, Dropped}}};
+        false ->
+            %% The first line dropped in a window sets the timer that
+            %% reports the count, should no later line do it.
+            _ = Dropped =:= 0 andalso
+                erlang:send_after(Start + ?LOG_WINDOW_MS - Now, self(),
+                                  {log_window_end, Level1, Start}),
+            State#state{logs = Logs#{Level1 => {Start, Logged, Dropped + 1}}}
+    end.
+
+log_dropped(Level, {_Start, _Logged, Dropped}, Node) ->
+    logger:log(Level, "actor_cnode ~ts: ~b log lines from the C node suppressed "
+               "(more than ~b a second)", [Node, Dropped, ?LOG_PER_WINDOW],
+               #{cnode => Node}).
+
+%% A window that dropped lines ended: report them, unless a later line did.
+log_window_end(Level, Start, #state{node = Node, logs = Logs} = State) ->
+    case maps:get(Level, Logs, none) of
+        {Start, _, Dropped} = W when Dropped > 0 ->
+            log_dropped(Level, W, Node),
+            State#state{logs = maps:remove(Level, Logs)};
+        _ ->
+            State
+    end.
 
 ready(Ready, #state{node = Node} = State0) ->
     State = cancel_timer(State0),

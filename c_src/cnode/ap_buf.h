@@ -13,9 +13,11 @@ typedef struct ap_buf {
 	size_t cap;
 } ap_buf;
 
-/* Make room for `more` bytes past len. Returns 0, or -1 when out of memory
- * (the buffer is unchanged then). */
-static inline int ap_buf_reserve(ap_buf *b, size_t more)
+/* Make room for `more` bytes past len, doubling the capacity, but not past
+ * `limit` when len + more fits in it: a buffer that collects one item of
+ * known size grows with the bytes that arrived and ends at the item's size.
+ * Returns 0, or -1 when out of memory (the buffer is unchanged then). */
+static inline int ap_buf_reserve_upto(ap_buf *b, size_t more, size_t limit)
 {
 	if (more > SIZE_MAX - b->len)
 		return -1;
@@ -25,11 +27,29 @@ static inline int ap_buf_reserve(ap_buf *b, size_t more)
 	size_t cap = b->cap ? b->cap : 256;
 	while (cap < need)
 		cap = cap > SIZE_MAX / 2 ? need : cap * 2;
+	if (cap > limit && need <= limit)
+		cap = limit;
 	uint8_t *p = realloc(b->data, cap);
 	if (!p)
 		return -1;
 	b->data = p;
 	b->cap = cap;
+	return 0;
+}
+
+static inline int ap_buf_reserve(ap_buf *b, size_t more)
+{
+	return ap_buf_reserve_upto(b, more, SIZE_MAX);
+}
+
+/* Append n bytes, growing at most to limit (see ap_buf_reserve_upto). */
+static inline int ap_buf_append_upto(ap_buf *b, const void *src, size_t n, size_t limit)
+{
+	if (ap_buf_reserve_upto(b, n, limit))
+		return -1;
+	if (n)
+		memcpy(b->data + b->len, src, n);
+	b->len += n;
 	return 0;
 }
 

@@ -9,9 +9,16 @@
 #include "ap_buf.h"
 
 #define AP_FRAME_DEFAULT_MAX (64u << 20)
+/* A reassembly buffer larger than this is freed once its frame is
+ * delivered: one large frame does not pin its size for the connection's
+ * life. */
+#define AP_FRAME_KEEP (64u << 10)
 
 typedef struct ap_frame_rx {
-	ap_buf part;        /* bytes of an unfinished frame, carried between reads */
+	/* Bytes of an unfinished frame, carried between reads. It grows with
+	 * the bytes that arrive, never from the announced length, so a header
+	 * alone reserves nothing. */
+	ap_buf part;
 	uint32_t max_frame; /* a larger announced length closes the connection */
 } ap_frame_rx;
 

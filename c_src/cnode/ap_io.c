@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -19,6 +20,8 @@ ap_loop *ap_loop_new(const char *want, const ap_io_cbs *cbs, void *arg)
 		return NULL;
 	l->cbs = *cbs;
 	l->arg = arg;
+	l->lfd = -1;
+	l->reserve_fd = -1;
 	int r = -ENOSYS;
 	if (!want || strcmp(want, "epoll") != 0) {
 		l->ops = &ap_io_uring_ops;
@@ -44,12 +47,20 @@ void ap_loop_free(ap_loop *l)
 	if (!l)
 		return;
 	l->ops->fini(l);
+	if (l->reserve_fd >= 0)
+		close(l->reserve_fd);
 	free(l);
 }
 
 const char *ap_loop_backend(const ap_loop *l) { return l->ops->name; }
 
-int ap_loop_listen(ap_loop *l, int lfd) { return l->ops->listen(l, lfd); }
+int ap_loop_listen(ap_loop *l, int lfd)
+{
+	l->lfd = lfd;
+	if (l->reserve_fd < 0)
+		l->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	return l->ops->listen(l, lfd);
+}
 
 int ap_loop_add_reader(ap_loop *l, int fd, int id) { return l->ops->add_reader(l, fd, id); }
 
@@ -156,6 +167,80 @@ static int64_t now_us(void)
 	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+void ap_io_accepted(ap_loop *l, int fd)
+{
+	if (l->accept_backoff_ms) {
+		ap_log(AP_LOG_NOTICE, "accepting connections again after %llu failed accepts (%llu connections shed)",
+		       (unsigned long long)l->accept_failed, (unsigned long long)l->accept_shed);
+		l->accept_backoff_ms = 0;
+		l->accept_failed = l->accept_shed = 0;
+	}
+	l->cbs.on_accept(l->arg, fd);
+}
+
+/* Out of fds: free the reserve, and accept and close what waits in the
+ * backlog with it, so those clients see a close now rather than a hang
+ * until fds come back, and the listener stops being readable. */
+static void shed_backlog(ap_loop *l)
+{
+	if (l->reserve_fd < 0)
+		return;
+	close(l->reserve_fd);
+	l->reserve_fd = -1;
+	for (int i = 0; i < AP_IO_ACCEPT_SHED_MAX; i++) {
+		/* The uring listener blocks: accept only what is there. */
+		struct pollfd p = { .fd = l->lfd, .events = POLLIN };
+		if (poll(&p, 1, 0) <= 0)
+			break;
+		int fd = accept4(l->lfd, NULL, NULL, SOCK_CLOEXEC);
+		if (fd < 0)
+			break; /* another thread took the fd; nothing to lose */
+		close(fd);
+		l->accept_shed++;
+	}
+	/* If another thread took the slot, the reserve comes back at a
+	 * later failure. */
+	l->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+int ap_io_accept_error(ap_loop *l, int err, int can_shed)
+{
+	switch (err) {
+	case EAGAIN:
+	case EINTR:
+	case ECONNABORTED:
+	case EPROTO:
+	case EPERM:
+	case ENETDOWN:
+	case ENOPROTOOPT:
+	case EHOSTDOWN:
+	case ENONET:
+	case EHOSTUNREACH:
+	case EOPNOTSUPP:
+	case ENETUNREACH:
+		/* That connection's trouble (accept(2)): take the next. */
+		return 0;
+	default:
+		break;
+	}
+	l->accept_failed++;
+	if ((err == EMFILE || err == ENFILE) && can_shed)
+		shed_backlog(l);
+	if (!l->accept_backoff_ms) {
+		l->accept_backoff_ms = AP_IO_ACCEPT_PAUSE_MIN_MS;
+		ap_log(AP_LOG_WARNING, "accept failed: %s; pausing accepts, backlog shed while it lasts",
+		       strerror(err));
+	} else if (l->accept_backoff_ms < AP_IO_ACCEPT_PAUSE_MAX_MS) {
+		l->accept_backoff_ms *= 2;
+		if (l->accept_backoff_ms > AP_IO_ACCEPT_PAUSE_MAX_MS)
+			l->accept_backoff_ms = AP_IO_ACCEPT_PAUSE_MAX_MS;
+	}
+	l->accept_paused = 1;
+	l->accept_resume_us = now_us() + (int64_t)l->accept_backoff_ms * 1000;
+	l->ops->accept_pause(l);
+	return 1;
+}
+
 int ap_io_coalesce_check(ap_loop *l)
 {
 	int64_t t = now_us();
@@ -187,8 +272,21 @@ int ap_loop_run_once(ap_loop *l, int timeout_ms)
 		c->dirty = 0;
 		start_send(l, c);
 	}
+	if (l->accept_paused) {
+		/* Wake for the end of the accept pause. */
+		int64_t left = (l->accept_resume_us - now_us() + 999) / 1000;
+		if (left < 0)
+			left = 0;
+		if (timeout_ms < 0 || timeout_ms > left)
+			timeout_ms = (int)left;
+	}
 	/* Something closed while flushing: report it before sleeping. */
 	int r = l->ops->wait(l, l->closed ? 0 : timeout_ms);
+	if (l->accept_paused && now_us() >= l->accept_resume_us) {
+		l->accept_paused = 0;
+		l->ops->accept_resume(l);
+	}
+	ap_log_flush();
 	while (l->closed) {
 		ap_io_conn *c = l->closed;
 		l->closed = c->next_closed;

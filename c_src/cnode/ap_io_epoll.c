@@ -117,15 +117,31 @@ static void on_listen(ap_loop *l, struct epoll_be *be)
 {
 	for (;;) {
 		int fd = accept4(be->lfd, NULL, NULL, SOCK_CLOEXEC);
-		if (fd < 0) {
-			if (errno != EAGAIN && errno != EINTR)
-				ap_log(AP_LOG_WARNING, "accept failed: %s", strerror(errno));
-			if (errno != EINTR)
-				return;
+		if (fd >= 0) {
+			ap_io_accepted(l, fd);
 			continue;
 		}
-		l->cbs.on_accept(l->arg, fd);
+		if (errno == EAGAIN)
+			return;
+		/* Level-triggered: a listener still readable would wake us
+		 * at once, so ap_io takes it out of the set for a pause. */
+		if (ap_io_accept_error(l, errno, 1))
+			return;
 	}
+}
+
+static void e_accept_pause(ap_loop *l)
+{
+	struct epoll_be *be = l->be;
+	epoll_ctl(be->epfd, EPOLL_CTL_DEL, be->lfd, NULL);
+}
+
+static void e_accept_resume(ap_loop *l)
+{
+	struct epoll_be *be = l->be;
+	int r = ctl(be, EPOLL_CTL_ADD, be->lfd, EPOLLIN, key(K_LISTEN, 0));
+	if (r)
+		ap_log(AP_LOG_ERROR, "cannot watch the listener again: %s", strerror(-r));
 }
 
 static void on_conn(ap_loop *l, struct epoll_be *be, ap_io_conn *c, uint32_t ev)
@@ -189,4 +205,6 @@ const struct ap_io_ops ap_io_epoll_ops = {
 	.close = e_close,
 	.add_reader = e_add_reader,
 	.wait = e_wait,
+	.accept_pause = e_accept_pause,
+	.accept_resume = e_accept_resume,
 };

@@ -14,6 +14,8 @@ struct ap_io_ops {
 	void (*close)(ap_loop *l, ap_io_conn *c);      /* begin teardown */
 	int (*add_reader)(ap_loop *l, int fd, int id);
 	int (*wait)(ap_loop *l, int timeout_ms);
+	void (*accept_pause)(ap_loop *l);  /* stop taking connections off the listener */
+	void (*accept_resume)(ap_loop *l); /* and take them again */
 };
 
 struct ap_loop {
@@ -30,12 +32,28 @@ struct ap_loop {
 	unsigned win_recvs;
 	uint64_t win_bytes;
 	int coalesce;
+	/* Accept when the process runs out of fds (or memory): instead of
+	 * failing again at once, forever, the listener is paused for a
+	 * backoff (AP_IO_ACCEPT_PAUSE_MIN_MS doubling to _MAX_MS) and the
+	 * backlog is shed through a reserve fd, so waiting clients get a
+	 * close instead of a hang. */
+	int lfd;
+	int reserve_fd;            /* /dev/null, held for the shedding; -1 if lost */
+	int accept_paused;
+	int accept_backoff_ms;     /* 0 while accepts succeed */
+	int64_t accept_resume_us;
+	uint64_t accept_failed;    /* in this episode */
+	uint64_t accept_shed;
 };
 
 #define AP_IO_RATE_WINDOW_US 1000
 #define AP_IO_COALESCE_RECVS 20        /* receives per window that start pausing */
 #define AP_IO_COALESCE_KEEP_BYTES 2048 /* bytes per receive that keep it up */
 #define AP_IO_COALESCE_US 100          /* the pause; the latency a flood adds */
+
+#define AP_IO_ACCEPT_PAUSE_MIN_MS 10
+#define AP_IO_ACCEPT_PAUSE_MAX_MS 1000
+#define AP_IO_ACCEPT_SHED_MAX 1024     /* connections shed per failure */
 
 /* Update the coalescing mode at a window boundary; returns it. */
 int ap_io_coalesce_check(ap_loop *l);
@@ -48,5 +66,12 @@ extern const struct ap_io_ops ap_io_epoll_ops;
 void ap_io_sent(ap_loop *l, ap_io_conn *c, long res); /* a send completed with res */
 void ap_io_finished(ap_loop *l, ap_io_conn *c);        /* no op references c any more */
 void ap_io_data(ap_loop *l, ap_io_conn *c, const uint8_t *data, size_t n);
+/* An accept returned fd: hands it on and ends a failure episode. */
+void ap_io_accepted(ap_loop *l, int fd);
+/* An accept failed with errno err. Returns 0 to go on accepting (an error
+ * of that one connection), or 1 after pausing accepts (accept_pause was
+ * called; ap_loop_run_once resumes them). can_shed: no accept of the
+ * backend is pending, so the loop may accept on the listener itself. */
+int ap_io_accept_error(ap_loop *l, int err, int can_shed);
 
 #endif

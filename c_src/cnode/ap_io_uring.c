@@ -1,8 +1,9 @@
 /* ap_io_uring: the io_uring backend of ap_io.
  *
- * Multishot accept on the listener; receives into a ring of provided
- * buffers (built by hand: liburing 2.3 has no io_uring_setup_buf_ring),
- * recycled as soon as their bytes are consumed. Receives are single-shot
+ * Multishot accept on the listener, paused by ap_io when accepts fail for
+ * want of fds; receives into a ring of provided buffers (built by hand:
+ * liburing 2.3 has no io_uring_setup_buf_ring), recycled as soon as their
+ * bytes are consumed. Receives are single-shot
  * and re-armed after each completion: under a flood of small messages the
  * re-arm is deferred by COALESCE_US, so one completion carries hundreds of
  * messages instead of one each (a multishot receive cannot be paused);
@@ -41,6 +42,7 @@ struct uring_be {
 	size_t br_bytes;
 	uint8_t *bufs;
 	int lfd;
+	int accepting;            /* a multishot accept is armed */
 	int readers[MAX_READERS]; /* fd by id, -1 when unused */
 	ap_io_conn *rearm;        /* receives to arm after the coalescing pause */
 };
@@ -136,6 +138,26 @@ static void arm_accept(struct uring_be *be)
 	struct io_uring_sqe *sqe = get_sqe(be);
 	io_uring_prep_multishot_accept(sqe, be->lfd, NULL, NULL, SOCK_CLOEXEC);
 	io_uring_sqe_set_data64(sqe, UD(NULL, TAG_ACCEPT));
+	be->accepting = 1;
+}
+
+/* A failed accept ends the multishot one (no F_MORE), so pausing is not
+ * re-arming it; should one still be pending, cancel it. */
+static void u_accept_pause(ap_loop *l)
+{
+	struct uring_be *be = l->be;
+	if (!be->accepting)
+		return;
+	struct io_uring_sqe *sqe = get_sqe(be);
+	io_uring_prep_cancel64(sqe, UD(NULL, TAG_ACCEPT), 0);
+	io_uring_sqe_set_data64(sqe, UD(NULL, TAG_CANCEL));
+}
+
+static void u_accept_resume(ap_loop *l)
+{
+	struct uring_be *be = l->be;
+	if (be->lfd >= 0 && !be->accepting)
+		arm_accept(be);
 }
 
 static int u_listen(ap_loop *l, int lfd)
@@ -216,11 +238,17 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 
 	switch (UD_TAG(ud)) {
 	case TAG_ACCEPT:
+		if (!more)
+			be->accepting = 0;
 		if (cqe->res >= 0)
-			l->cbs.on_accept(l->arg, cqe->res);
-		else if (cqe->res != -ECANCELED)
-			ap_log(AP_LOG_WARNING, "accept failed: %s", strerror(-cqe->res));
-		if (!more && be->lfd >= 0 && cqe->res != -ECANCELED)
+			ap_io_accepted(l, cqe->res);
+		else if (cqe->res == -ECANCELED && l->accept_paused)
+			break;
+		else if (cqe->res == -ECANCELED)
+			; /* the pause that cancelled it is over already */
+		else if (ap_io_accept_error(l, -cqe->res, !more))
+			break; /* paused: the loop re-arms it when the pause ends */
+		if (!more && be->lfd >= 0)
 			arm_accept(be);
 		break;
 	case TAG_RECV:
@@ -321,4 +349,6 @@ const struct ap_io_ops ap_io_uring_ops = {
 	.close = u_close,
 	.add_reader = u_add_reader,
 	.wait = u_wait,
+	.accept_pause = u_accept_pause,
+	.accept_resume = u_accept_resume,
 };

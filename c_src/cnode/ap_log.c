@@ -1,22 +1,71 @@
-/* ap_log: stderr or port-packet logging, safe from any thread. */
+/* ap_log: stderr or port-packet logging, safe from any thread, rate-limited
+ * per message kind. */
 #include "ap_log.h"
 
 #include <ei.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+/* Kinds are format strings, so a handful per node; a format that finds no
+ * free slot shares the last one with the others that did not. */
+#define KINDS 128 /* power of two */
+#define MILLI 1000 /* tokens are kept in thousandths of a line */
+
+struct kind {
+	const char *fmt;     /* the key; NULL while the slot is free */
+	int lvl;             /* level of the last suppressed line */
+	int64_t at_ms;       /* last refill */
+	int64_t tokens;      /* thousandths of a line */
+	uint64_t suppressed; /* dropped since the last line of this kind */
+};
 
 static int port_fd = -1;
 static enum ap_log_level max_level = AP_LOG_INFO;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* Under log_mu. */
+static struct kind kinds[KINDS + 1];
+static unsigned burst = AP_LOG_BURST, per_sec = AP_LOG_PER_SEC;
+static int64_t (*clock_ms)(void);
+/* Some kind holds a count to report: lets ap_log_flush skip the lock. */
+static atomic_int pending;
+
 static const char *const level_names[] = { "error", "warning", "notice", "info", "debug" };
 
 void ap_log_set_port_fd(int fd) { port_fd = fd; }
 void ap_log_set_level(enum ap_log_level max) { max_level = max; }
+
+void ap_log_set_limits(unsigned b, unsigned ps)
+{
+	pthread_mutex_lock(&log_mu);
+	burst = b ? b : AP_LOG_BURST;
+	per_sec = b ? ps : AP_LOG_PER_SEC;
+	memset(kinds, 0, sizeof kinds);
+	atomic_store(&pending, 0);
+	pthread_mutex_unlock(&log_mu);
+}
+
+void ap_log_set_clock(int64_t (*now_ms)(void))
+{
+	pthread_mutex_lock(&log_mu);
+	clock_ms = now_ms;
+	pthread_mutex_unlock(&log_mu);
+}
+
+static int64_t now_ms(void)
+{
+	if (clock_ms)
+		return clock_ms();
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 static int write_all(int fd, const void *p, size_t n)
 {
@@ -53,21 +102,8 @@ int ap_port_write_packet(const void *data, int len)
 	return r;
 }
 
-void ap_log(enum ap_log_level lvl, const char *fmt, ...)
+static void emit_locked(int lvl, const char *msg, int n)
 {
-	if (lvl > max_level)
-		return;
-	char msg[1024];
-	va_list ap;
-	va_start(ap, fmt);
-	int n = vsnprintf(msg, sizeof msg, fmt, ap);
-	va_end(ap);
-	if (n < 0)
-		return;
-	if ((size_t)n >= sizeof msg)
-		n = sizeof msg - 1;
-
-	pthread_mutex_lock(&log_mu);
 	if (port_fd >= 0) {
 		ei_x_buff x;
 		if (ei_x_new_with_version(&x) == 0) {
@@ -81,5 +117,107 @@ void ap_log(enum ap_log_level lvl, const char *fmt, ...)
 	} else {
 		fprintf(stderr, "[%s] %.*s\n", level_names[lvl], n, msg);
 	}
+}
+
+static struct kind *find_kind(const char *fmt, int64_t now)
+{
+	uintptr_t h = (uintptr_t)fmt;
+	h = (h ^ h >> 7 ^ h >> 17) * 0x9e3779b1u;
+	for (unsigned i = 0; i < KINDS; i++) {
+		struct kind *k = &kinds[(h + i) & (KINDS - 1)];
+		if (k->fmt == fmt)
+			return k;
+		if (!k->fmt) {
+			*k = (struct kind){ .fmt = fmt, .at_ms = now, .tokens = (int64_t)burst * MILLI };
+			return k;
+		}
+	}
+	struct kind *k = &kinds[KINDS];
+	if (!k->fmt)
+		*k = (struct kind){ .fmt = "(other messages)", .at_ms = now, .tokens = (int64_t)burst * MILLI };
+	return k;
+}
+
+static void refill(struct kind *k, int64_t now)
+{
+	if (now > k->at_ms) {
+		k->tokens += (now - k->at_ms) * (int64_t)per_sec;
+		if (k->tokens > (int64_t)burst * MILLI)
+			k->tokens = (int64_t)burst * MILLI;
+		k->at_ms = now;
+	}
+}
+
+/* The count a kind dropped, as one line at the level it dropped them. */
+static void report_locked(struct kind *k)
+{
+	char msg[256];
+	int n = snprintf(msg, sizeof msg, "suppressed %llu similar messages: %s", (unsigned long long)k->suppressed,
+			 k->fmt);
+	if (n < 0)
+		return;
+	if ((size_t)n >= sizeof msg)
+		n = sizeof msg - 1;
+	emit_locked(k->lvl, msg, n);
+	k->suppressed = 0;
+}
+
+void ap_log(enum ap_log_level lvl, const char *fmt, ...)
+{
+	if (lvl > max_level)
+		return;
+	pthread_mutex_lock(&log_mu);
+	int64_t now = now_ms();
+	struct kind *k = find_kind(fmt, now);
+	refill(k, now);
+	if (k->tokens < MILLI) {
+		/* Dropped before formatting: a flood costs a count, not a line. */
+		k->suppressed++;
+		k->lvl = (int)lvl;
+		atomic_store(&pending, 1);
+		pthread_mutex_unlock(&log_mu);
+		return;
+	}
+	k->tokens -= MILLI;
+	if (k->suppressed)
+		report_locked(k);
+
+	char msg[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	if (n >= 0) {
+		if ((size_t)n >= sizeof msg)
+			n = sizeof msg - 1;
+		emit_locked((int)lvl, msg, n);
+	}
+	pthread_mutex_unlock(&log_mu);
+}
+
+void ap_log_flush(void)
+{
+	if (!atomic_load_explicit(&pending, memory_order_relaxed))
+		return;
+	pthread_mutex_lock(&log_mu);
+	int64_t now = now_ms();
+	int left = 0;
+	atomic_store(&pending, 0);
+	for (unsigned i = 0; i <= KINDS; i++) {
+		struct kind *k = &kinds[i];
+		if (!k->suppressed)
+			continue;
+		refill(k, now);
+		/* The summary costs a line, so a kind still flooding gets at
+		 * most its rate of lines, summaries included. */
+		if (k->tokens < MILLI) {
+			left = 1;
+			continue;
+		}
+		k->tokens -= MILLI;
+		report_locked(k);
+	}
+	if (left)
+		atomic_store(&pending, 1);
 	pthread_mutex_unlock(&log_mu);
 }

@@ -2,11 +2,14 @@
  * with ei, then writes raw bytes (say, a malformed frame) and reports
  * whether the other side closed the connection.
  *
- * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES
+ * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES [hold]
  *   prints "closed" or "open"; with -m, "closed|open BYTES SEEN": the bytes
  *   it read back (ticks and replies) and whether MARKER was among them.
  *   -N sets this peer's own node name, so frames can carry pids of it and
  *   replies to them come back here.
+ *   With "hold": prints "sent" once the bytes are written, then keeps the
+ *   connection until stdin closes ("open") or the node closes it
+ *   ("closed"): for tests that look at the node meanwhile.
  */
 #include <arpa/inet.h>
 #include <ei.h>
@@ -66,8 +69,9 @@ int main(int argc, char **argv)
 	}
 	argc -= optind - 1;
 	argv += optind - 1;
-	if (argc != 4) {
-		fprintf(stderr, "usage: %s [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES\n", argv[0]);
+	int hold = argc == 5 && !strcmp(argv[4], "hold");
+	if (argc != 4 && !hold) {
+		fprintf(stderr, "usage: %s [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES [hold]\n", argv[0]);
 		return 2;
 	}
 	char cookie[512] = { 0 };
@@ -126,6 +130,28 @@ int main(int argc, char **argv)
 	if (nbytes && write(fd, bytes, nbytes) != (ssize_t)nbytes) {
 		state = "closed";
 		goto out;
+	}
+	if (hold) {
+		printf("sent\n");
+		fflush(stdout);
+		for (;;) {
+			struct pollfd p[2] = { { .fd = fd, .events = POLLIN }, { .fd = STDIN_FILENO, .events = POLLIN } };
+			if (poll(p, 2, -1) < 0 && errno != EINTR)
+				return 3;
+			char buf[4096];
+			if (p[0].revents) {
+				ssize_t r = read(fd, buf, sizeof buf);
+				if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) {
+					printf("closed\n");
+					return 0;
+				}
+			}
+			if (p[1].revents && read(STDIN_FILENO, buf, sizeof buf) <= 0) {
+				printf("open\n");
+				close(fd);
+				return 0;
+			}
+		}
 	}
 	/* Read until EOF (closed) or 5 s of no EOF (open). Ticks may arrive. */
 	struct timespec t0, t;

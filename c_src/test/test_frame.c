@@ -266,6 +266,85 @@ static void test_default_max_is_64_mib(void **state)
 	ap_frame_rx_free(&rx);
 }
 
+/* A 64 MiB header and 10 body bytes, in one read and split: the buffer
+ * holds what came, not what was announced. */
+static void test_announced_length_reserves_nothing(void **state)
+{
+	(void)state;
+	uint8_t b[14] = { 0 };
+	ap_put32be(b, AP_FRAME_DEFAULT_MAX);
+	memset(b + 4, 'x', 10);
+	for (size_t cut = 0; cut <= sizeof b; cut++) {
+		ap_frame_rx rx;
+		struct t_seen s;
+		t_seen_init(&s);
+		ap_frame_rx_init(&rx, 0);
+		assert_int_equal(ap_frame_rx_feed(&rx, b, cut, t_on_frame, &s), 0);
+		assert_int_equal(ap_frame_rx_feed(&rx, b + cut, sizeof b - cut, t_on_frame, &s), 0);
+		assert_int_equal(s.nframes, 0);
+		assert_int_equal(rx.part.len, sizeof b);
+		if (rx.part.cap > 4096)
+			fail_msg("split at %zu: %zu bytes reserved for %zu received", cut, rx.part.cap, sizeof b);
+		ap_frame_rx_free(&rx);
+	}
+}
+
+/* A large frame in small reads: the buffer doubles with the bytes (never
+ * past the frame), and is given back once the frame is delivered. */
+static void test_large_frame_grows_with_its_bytes_and_is_given_back(void **state)
+{
+	(void)state;
+	static const size_t lens[] = { 3u << 20, 5 };
+	ap_buf st = t_stream(lens, 2);
+	ap_frame_rx rx;
+	struct t_seen s;
+	t_seen_init(&s);
+	ap_frame_rx_init(&rx, 0);
+	size_t at = 0, step = 64 * 1024;
+	while (at < 4 + lens[0]) {
+		size_t n = at + step <= 4 + lens[0] ? step : 4 + lens[0] - at;
+		assert_int_equal(ap_frame_rx_feed(&rx, st.data + at, n, t_on_frame, &s), 0);
+		at += n;
+		if (s.nframes == 0) {
+			assert_int_equal(rx.part.len, at);
+			if (rx.part.cap > 2 * at + 256 || rx.part.cap > 4 + lens[0])
+				fail_msg("%zu bytes reserved after %zu received", rx.part.cap, at);
+		}
+	}
+	assert_int_equal(s.nframes, 1);
+	assert_true(rx.part.cap <= AP_FRAME_KEEP);
+	/* The next frame, split, starts small again. */
+	assert_int_equal(ap_frame_rx_feed(&rx, st.data + at, 6, t_on_frame, &s), 0);
+	assert_true(rx.part.cap <= 4096);
+	assert_int_equal(ap_frame_rx_feed(&rx, st.data + at + 6, st.len - at - 6, t_on_frame, &s), 0);
+	t_assert_frames(&s, lens, 2);
+	ap_frame_rx_free(&rx);
+	ap_buf_free(&s.bytes);
+	ap_buf_free(&st);
+}
+
+/* A small frame keeps its buffer for the next one: no churn per frame. */
+static void test_small_frames_keep_their_buffer(void **state)
+{
+	(void)state;
+	static const size_t lens[] = { 1000, 1000 };
+	ap_buf st = t_stream(lens, 2);
+	ap_frame_rx rx;
+	struct t_seen s;
+	t_seen_init(&s);
+	ap_frame_rx_init(&rx, 0);
+	assert_int_equal(ap_frame_rx_feed(&rx, st.data, 500, t_on_frame, &s), 0);
+	assert_int_equal(ap_frame_rx_feed(&rx, st.data + 500, 504, t_on_frame, &s), 0);
+	assert_int_equal(s.nframes, 1);
+	assert_non_null(rx.part.data);
+	assert_true(rx.part.cap >= 500 && rx.part.cap <= 1004);
+	assert_int_equal(ap_frame_rx_feed(&rx, st.data + 1004, st.len - 1004, t_on_frame, &s), 0);
+	t_assert_frames(&s, lens, 2);
+	ap_frame_rx_free(&rx);
+	ap_buf_free(&s.bytes);
+	ap_buf_free(&st);
+}
+
 static void test_callback_return_stops_feed_and_is_propagated(void **state)
 {
 	(void)state;
@@ -391,6 +470,9 @@ int main(void)
 		cmocka_unit_test(test_frame_over_max_is_emsgsize),
 		cmocka_unit_test(test_header_split_byte_by_byte_over_max_is_emsgsize),
 		cmocka_unit_test(test_default_max_is_64_mib),
+		cmocka_unit_test(test_announced_length_reserves_nothing),
+		cmocka_unit_test(test_large_frame_grows_with_its_bytes_and_is_given_back),
+		cmocka_unit_test(test_small_frames_keep_their_buffer),
 		cmocka_unit_test(test_callback_return_stops_feed_and_is_propagated),
 		cmocka_unit_test(test_garbage_never_crashes_and_matches_a_plain_reading),
 	};

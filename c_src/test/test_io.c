@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -624,6 +625,87 @@ static void test_listener_accepts_with_a_valid_blocking_fd(void **state)
 	close(lfd);
 }
 
+/* (g) */
+#define T_FDLIMIT_CLIENTS 6
+
+static struct rlimit t_saved_nofile;
+
+static int t_restore_nofile(void **state)
+{
+	(void)state;
+	if (t_saved_nofile.rlim_cur)
+		setrlimit(RLIMIT_NOFILE, &t_saved_nofile);
+	return 0;
+}
+
+/* Out of fds, accepts pause instead of failing in a loop: the loop turns at
+ * its own pace, the clients it cannot take are closed (not left hanging),
+ * and once fds are back a new client is accepted. */
+static void test_accept_at_the_fd_limit_pauses_sheds_and_resumes(void **state)
+{
+	const char *backend = *state;
+	struct t_io *t = t_io_new(backend);
+	int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	assert_true(lfd >= 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = 0 };
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+	assert_int_equal(listen(lfd, 64), 0);
+	socklen_t alen = sizeof a;
+	assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &alen), 0);
+	assert_int_equal(ap_loop_listen(t->l, lfd), 0);
+	int cl[T_FDLIMIT_CLIENTS];
+	for (int i = 0; i < T_FDLIMIT_CLIENTS; i++) {
+		cl[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		assert_true(cl[i] >= 0);
+		assert_int_equal(connect(cl[i], (struct sockaddr *)&a, sizeof a), 0);
+	}
+	/* Room for exactly one more fd: the lowest free one is the last. */
+	int probe = dup(0);
+	assert_true(probe >= 0);
+	close(probe);
+	assert_int_equal(getrlimit(RLIMIT_NOFILE, &t_saved_nofile), 0);
+	struct rlimit low = { .rlim_cur = (rlim_t)probe + 1, .rlim_max = t_saved_nofile.rlim_max };
+	assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
+
+	int turns = 0;
+	int64_t end = t_now_ms() + 500;
+	while (t_now_ms() < end) {
+		assert_int_equal(ap_loop_run_once(t->l, TURN_MS), 0);
+		turns++;
+	}
+	assert_int_equal(t->naccepted, 1);
+	/* A spinning loop turns thousands of times in 500 ms; a paused one
+	 * about once per TURN_MS, plus a wakeup per end of pause. */
+	if (turns > 100)
+		fail_msg("%d loop turns in 500 ms at the fd limit", turns);
+	int eof = 0, open = 0;
+	for (int i = 0; i < T_FDLIMIT_CLIENTS; i++) {
+		char c;
+		ssize_t r = recv(cl[i], &c, 1, MSG_DONTWAIT);
+		if (r == 0 || (r < 0 && errno == ECONNRESET))
+			eof++;
+		else if (r < 0 && errno == EAGAIN)
+			open++;
+	}
+	assert_int_equal(open, 1);
+	assert_int_equal(eof, T_FDLIMIT_CLIENTS - 1);
+
+	/* Fds come back: the next client is taken. */
+	assert_int_equal(setrlimit(RLIMIT_NOFILE, &t_saved_nofile), 0);
+	close(t->accepted[0]);
+	int late = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	assert_true(late >= 0);
+	assert_int_equal(connect(late, (struct sockaddr *)&a, sizeof a), 0);
+	assert_true(T_RUN_UNTIL(t, t->naccepted == 2));
+	close(t->accepted[1]);
+	close(late);
+	for (int i = 0; i < T_FDLIMIT_CLIENTS; i++)
+		close(cl[i]);
+	t_io_free(t);
+	close(lfd);
+}
+
 /* Every test once per backend, named for both. */
 #define BOTH(fn) { #fn "(uring)", fn, NULL, NULL, (void *)"uring" }, { #fn "(epoll)", fn, NULL, NULL, (void *)"epoll" }
 
@@ -643,6 +725,10 @@ int main(void)
 		BOTH(test_double_close_with_pending_output_reports_once),
 		BOTH(test_eventfd_reader_triggers_on_readable),
 		BOTH(test_listener_accepts_with_a_valid_blocking_fd),
+		{ "test_accept_at_the_fd_limit_pauses_sheds_and_resumes(uring)",
+		  test_accept_at_the_fd_limit_pauses_sheds_and_resumes, NULL, t_restore_nofile, (void *)"uring" },
+		{ "test_accept_at_the_fd_limit_pauses_sheds_and_resumes(epoll)",
+		  test_accept_at_the_fd_limit_pauses_sheds_and_resumes, NULL, t_restore_nofile, (void *)"epoll" },
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
