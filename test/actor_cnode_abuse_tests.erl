@@ -101,9 +101,9 @@ failed_handshakes_make_a_bounded_number_of_logger_events(_Ctx) ->
          end || _ <- lists:seq(1, 5000)],
         Events = await_accounted(N, 5000, erlang:monotonic_time(millisecond) + 60000, []),
         ?assert(length(Events) =< 200),
-        %% The C node limited itself (not only its owner).
-        ?assert(lists:any(fun(E) -> string:find(text(E), " similar messages: ") =/= nomatch end,
-                          Events)),
+        %% The C node limited itself (not only its owner): a few summary
+        %% lines, not one per connection.
+        ?assert(length([E || E <- Events, string:find(text(E), "handshake") =/= nomatch]) =< 20),
         ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
         ?assertEqual(pong, net_adm:ping(N))
     after
@@ -194,26 +194,25 @@ await_accounted(N, Want, Deadline, Acc) ->
             end
     end.
 
-%% Failed handshakes an event stands for: one line, the N of the C node's
-%% "suppressed N similar messages: <the handshake format>", or the N of the
-%% owner's "N log lines from the C node suppressed".
+%% Failed handshakes an event stands for: the sum of the counts in the C
+%% node's "incoming handshakes refused: N timed out, N dropped ...; N closed
+%% by the peer" summary (at most one a second), or the N of the owner's "N
+%% log lines from the C node suppressed".
 accounted(Events) ->
     lists:sum([handshakes(text(E)) || E <- Events]).
 
 handshakes(Text) ->
-    Count = fun(Re) ->
-                    case re:run(Text, Re, [{capture, all_but_first, list}]) of
-                        {match, [C]} -> list_to_integer(C);
-                        nomatch -> none
-                    end
-            end,
-    case {Count("([0-9]+) log lines from the C node suppressed"), string:find(Text, "handshake")} of
-        {N, _} when is_integer(N) -> N;
-        {none, nomatch} -> 0;
-        {none, _} ->
-            case Count("suppressed ([0-9]+) similar") of
-                none -> 1;
-                N -> N
+    case re:run(Text, "([0-9]+) log lines from the C node suppressed",
+                [{capture, all_but_first, list}]) of
+        {match, [N]} ->
+            list_to_integer(N);
+        nomatch ->
+            case string:prefix(Text, "incoming handshakes refused:") of
+                nomatch ->
+                    0;
+                Counts ->
+                    {match, Ns} = re:run(Counts, "[0-9]+", [global, {capture, all, list}]),
+                    lists:sum([list_to_integer(N) || [N] <- Ns])
             end
     end.
 
@@ -248,6 +247,11 @@ with_standalone(#{cookie_file := CookieFile}, Tag, Fds, Fun) ->
                      [{args, ["-c", Limit ++ "exec \"$0\" \"$@\"", abs_exe(echo_exe()),
                               "--name", atom_to_list(N), "--cookie-file", CookieFile,
                               "--io", io()]},
+                      %% One malloc arena: each handshake thread's first
+                      %% malloc would otherwise reserve an arena of 64 MiB
+                      %% of address space, which is not what the frame
+                      %% test measures.
+                      {env, [{"MALLOC_ARENA_MAX", "1"}]},
                       {line, 4096}, binary, exit_status, stderr_to_stdout, use_stdio]),
     {os_pid, OsPid} = erlang:port_info(Port, os_pid),
     try

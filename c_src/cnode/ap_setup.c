@@ -523,8 +523,12 @@ static void gate_summary(ap_setup *s, int64_t now, int64_t *next, int force)
 	pthread_mutex_lock(&s->mu);
 	ap_setup_stats c = s->st, l = s->logged;
 	int64_t since = force ? SUMMARY_MS : now - s->last_summary;
-	int any = c.timed_out != l.timed_out || c.capped != l.capped || c.too_large != l.too_large ||
-		  c.evicted != l.evicted || c.failed != l.failed;
+	int refused = c.timed_out != l.timed_out || c.capped != l.capped || c.too_large != l.too_large ||
+		      c.evicted != l.evicted || c.failed != l.failed;
+	/* Connections closed before their name (port scans, health checks)
+	 * are worth a line too, so every connection is accounted for, but
+	 * they are no warning. */
+	int any = refused || c.closed != l.closed;
 	if (any && since >= SUMMARY_MS) {
 		s->logged = c;
 		s->last_summary = now;
@@ -539,7 +543,7 @@ static void gate_summary(ap_setup *s, int64_t now, int64_t *next, int force)
 		return;
 	}
 	*next = INT64_MAX;
-	ap_log(AP_LOG_WARNING,
+	ap_log(refused ? AP_LOG_WARNING : AP_LOG_NOTICE,
 	       "incoming handshakes refused: %llu timed out, %llu dropped at the pending cap, %llu with an "
 	       "oversized first packet, %llu stalled and evicted, %llu failed (wrong cookie or not a node); "
 	       "%llu closed by the peer",
