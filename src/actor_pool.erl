@@ -604,10 +604,10 @@ host(Node) ->
     end.
 
 %% True unless T holds a closure or nests deeper than a C node accepts. A C
-%% node decodes every other term (export funs `fun M:F/A' included), but
-%% closes the whole connection on a closure or on containers nested deeper
-%% than it accepts (see ?MAX_DEPTH), failing every ask in flight
-%% to that node. Binaries, the usual message, cost one test.
+%% node takes well-formed funs, but no handler can run a closure, so one is
+%% refused here with a clear error; containers nested deeper than the C node
+%% accepts (see ?MAX_DEPTH) would close the whole connection, failing every
+%% ask in flight to that node. Binaries, the usual message, cost one test.
 sendable(T) -> sendable(T, 0).
 
 %% D: containers open above T.

@@ -157,7 +157,7 @@ void ap_proc_exit(ap_node *n, ap_proc *p, const char *reason_atom)
 {
 	char reason[MAXATOMLEN_UTF8 + 8];
 	int rlen = 0;
-	ei_encode_atom(reason, &rlen, reason_atom);
+	ei_encode_atom_as(reason, &rlen, reason_atom, ERLANG_UTF8, ERLANG_UTF8); /* names are UTF-8 */
 	for (int i = 0; i < p->nlinks; i++) {
 		ap_conn *c = conn_for(n, p->links[i].node);
 		if (!c)
