@@ -37,6 +37,8 @@ typedef struct ap_setup_cfg {
 	int threads;         /* handshake threads; <= 0: 4 */
 	int grace_ms;        /* a running handshake this old may be dropped for a
 			      * ready one; <= 0: 250 */
+	int max_run_per_source; /* handshake threads one source address may hold;
+				 * <= 0: threads - 1 (at least 1) */
 } ap_setup_cfg;
 
 typedef struct ap_setup_stats {
@@ -63,5 +65,8 @@ void ap_setup_stop(ap_setup *s);
 void ap_setup_accept(ap_setup *s, int fd);
 void ap_setup_connect(ap_setup *s, const char *node, int tag);
 void ap_setup_get_stats(ap_setup *s, ap_setup_stats *out);
+/* For ap_sendq's dispose: closes the socket of an AP_Q_CONN_UP item
+ * nobody took (a handshake that finished as the node stopped). */
+void ap_setup_dispose(ap_sendq_item *it);
 
 #endif
