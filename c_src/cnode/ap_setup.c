@@ -640,6 +640,9 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 		if (now - victim->t_run < s->cfg.grace_ms)
 			return victim->t_run + s->cfg.grace_ms;
 		drop(s, victim, &s->st.evicted);
+		/* Its source may be below the cap now: an idle thread may take
+		 * one of its ready sockets without waiting for the victim's. */
+		pthread_cond_signal(&s->ready_cv);
 	}
 	return INT64_MAX;
 }
