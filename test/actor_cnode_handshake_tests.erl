@@ -158,10 +158,10 @@ stalled_handshakes_after_their_name_make_room_for_a_node(_Ctx) ->
     end).
 
 %% A flood of name-then-stall clients from another address (127.0.0.3,
-%% loopback too) at a few hundred connections a second: each sends a
-%% valid name, so it takes a handshake thread and holds it until evicted.
-%% This node reconnects again and again meanwhile, each time in under a
-%% second: the flood only competes with itself for threads.
+%% loopback too) at a few hundred connections a second for a few seconds:
+%% each sends a valid name, so it takes a handshake thread and holds it
+%% until evicted. This node reconnects over and over meanwhile, each time
+%% in under a second: the flood only competes with itself for threads.
 name_flood_from_one_address_does_not_keep_a_node_out(_Ctx) ->
     with_node("flood", #{}, fun(N, Port) ->
         Flooder = flood(Port, {127, 0, 0, 3}),
@@ -169,22 +169,26 @@ name_flood_from_one_address_does_not_keep_a_node_out(_Ctx) ->
             receive {flooding, Flooder} -> ok
             after ?WAIT_MS -> error(no_flood)
             end,
-            lists:foreach(
-              fun(_) ->
-                      connects_fast(N),
-                      true = erlang:disconnect_node(N),
-                      wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS)
-              end, lists:seq(1, 4))
+            ?assert(reconnect_until_flooded(N, Flooder, 0) >= 4)
         after
             stop_flood(Flooder)
         end
     end).
 
+%% Connect (fast), disconnect, again, until the flood is over; how often.
+reconnect_until_flooded(N, Flooder, Rounds) ->
+    connects_fast(N),
+    true = erlang:disconnect_node(N),
+    wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS),
+    receive {flooded, Flooder} -> Rounds + 1
+    after 0 -> reconnect_until_flooded(N, Flooder, Rounds + 1)
+    end.
+
 %% The flooding process: 4 name-then-stall clients from Ip every 10 ms
-%% (about 400 a second), at most ?FLOOD_MAX of them over at most
-%% ?FLOOD_MS; it says {flooding, Pid} once 200 are out, and closes them
-%% all when told to stop.
--define(FLOOD_MAX, 2500).
+%% (about 400 a second), ?FLOOD_COUNT of them or for ?FLOOD_MS, whichever
+%% ends first. It says {flooding, Pid} once 300 are out and {flooded, Pid}
+%% at the end, then holds the sockets until told to stop.
+-define(FLOOD_COUNT, 1200).
 -define(FLOOD_MS, 8000).
 
 flood(Port, Ip) ->
@@ -192,23 +196,32 @@ flood(Port, Ip) ->
     Until = erlang:monotonic_time(millisecond) + ?FLOOD_MS,
     spawn_link(fun() -> flood_loop(Parent, Port, Ip, Until, 0, []) end).
 
+flood_loop(Parent, _Port, _Ip, _Until, Count, Socks)
+  when Count >= ?FLOOD_COUNT ->
+    flood_end(Parent, Socks);
 flood_loop(Parent, Port, Ip, Until, Count, Socks) ->
-    Done = Count >= ?FLOOD_MAX orelse erlang:monotonic_time(millisecond) >= Until,
-    More = case Done of
-               true -> [];
-               false -> [S || I <- lists:seq(Count + 1, Count + 4),
-                              {ok, S} <- [flood_client(Port, Ip, I)]]
-           end,
-    Count1 = Count + length(More),
-    Count < 200 andalso Count1 >= 200 andalso (Parent ! {flooding, self()}),
-    Timeout = case Done of true -> infinity; false -> 10 end,
-    receive
-        {stop, From} ->
-            [gen_tcp:close(S) || S <- More ++ Socks],
-            From ! {stopped, self()}
-    after Timeout ->
-        flood_loop(Parent, Port, Ip, Until, Count1, More ++ Socks)
+    case erlang:monotonic_time(millisecond) >= Until of
+        true ->
+            flood_end(Parent, Socks);
+        false ->
+            More = [S || I <- lists:seq(Count + 1, Count + 4),
+                         {ok, S} <- [flood_client(Port, Ip, I)]],
+            Count1 = Count + length(More),
+            Count < 300 andalso Count1 >= 300 andalso (Parent ! {flooding, self()}),
+            receive
+                {stop, From} -> flood_stop(From, More ++ Socks)
+            after 10 ->
+                flood_loop(Parent, Port, Ip, Until, Count1, More ++ Socks)
+            end
     end.
+
+flood_end(Parent, Socks) ->
+    Parent ! {flooded, self()},
+    receive {stop, From} -> flood_stop(From, Socks) end.
+
+flood_stop(From, Socks) ->
+    [gen_tcp:close(S) || S <- Socks],
+    From ! {stopped, self()}.
 
 flood_client(Port, Ip, I) ->
     case gen_tcp:connect({127, 0, 0, 1}, Port, [binary, {active, false}, {ip, Ip}]) of
