@@ -575,6 +575,17 @@ static void gate_reap(ap_setup *s)
 	}
 }
 
+/* The running handshake of p's source (of the nr in s->runbuf) that has
+ * run longest, or NULL. */
+static struct pend *oldest_running_of(ap_setup *s, int nr, const struct pend *p)
+{
+	struct pend *o = NULL;
+	for (int i = 0; i < nr; i++)
+		if (same_source(s->runbuf[i], p) && (!o || s->runbuf[i]->t_run < o->t_run))
+			o = s->runbuf[i];
+	return o;
+}
+
 /* Under s->mu: the ready socket a free thread takes: of the source with
  * the fewest running handshakes, below its cap, the oldest of that source.
  * Never the newest: a flood from one address then only competes with
@@ -598,9 +609,11 @@ static struct pend *take_ready(ap_setup *s)
 
 /* Under s->mu: drop running handshakes that have had their grace while
  * ready sockets wait that no free thread will take. The victim comes from
- * the source holding the most threads (its oldest handshake): a flood from
- * one address recycles its own threads, not a lone node's. Ready sockets
- * whose source is at its thread cap only recycle that source's threads. A
+ * the source holding the most threads (its oldest handshake), and only if
+ * that is more than the waiting socket's source holds (else from the
+ * waiting socket's own source): a flood from one address recycles its own
+ * threads, not a lone node's. Ready sockets whose source is at its thread
+ * cap only recycle that source's threads. A
  * handshake already dropped frees its thread soon: it counts as free, so
  * one ready socket never costs two handshakes. Returns when to look again
  * (or INT64_MAX; a worker that leaves ready sockets behind wakes the gate). */
@@ -621,7 +634,10 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 		int freeing = s->nworkers - s->nrun + s->nevict;
 		struct pend *victim = NULL;
 		if (want > freeing) {
-			int most = 0;
+			/* For the one a thread would take next, from a source that
+			 * holds more than its own; else one of its own source's. */
+			struct pend *r = take_ready(s);
+			int most = running_of(s, nr, r);
 			for (int i = 0; i < nr; i++) {
 				int c = running_of(s, nr, s->runbuf[i]);
 				if (c > most || (c == most && victim && s->runbuf[i]->t_run < victim->t_run)) {
@@ -629,11 +645,10 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 					most = c;
 				}
 			}
+			if (!victim)
+				victim = oldest_running_of(s, nr, r);
 		} else if (!want && capped && !s->nevict) {
-			for (int i = 0; i < nr; i++)
-				if (same_source(s->runbuf[i], capped) &&
-				    (!victim || s->runbuf[i]->t_run < victim->t_run))
-					victim = s->runbuf[i];
+			victim = oldest_running_of(s, nr, capped);
 		}
 		if (!victim)
 			return INT64_MAX;

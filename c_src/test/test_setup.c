@@ -136,15 +136,21 @@ static int64_t t_answered_in(int c, int ms)
 	return t_now_ms() - t0;
 }
 
-/* Whether c is still open (nothing closed it) after ms. */
+/* Whether c is still open (nothing closed it) after ms; reads what the
+ * node sent meanwhile, so that a close behind data counts. */
 static int t_open_after(int c, int ms)
 {
 	struct pollfd p = { .fd = c, .events = POLLIN };
-	int r = poll(&p, 1, ms);
-	if (r == 0)
+	if (poll(&p, 1, ms) == 0)
 		return 1;
-	char buf[256];
-	return recv(c, buf, sizeof buf, MSG_DONTWAIT) > 0;
+	for (;;) {
+		char buf[256];
+		ssize_t n = recv(c, buf, sizeof buf, MSG_DONTWAIT);
+		if (n == 0)
+			return 0;
+		if (n < 0)
+			return errno == EAGAIN || errno == EWOULDBLOCK;
+	}
 }
 
 /* The stats once `field` reached `want` (counters move on the setup's
@@ -446,6 +452,36 @@ static void a_bare_connect_never_cuts_a_running_handshake_short(void **state)
 	t_stop(&t);
 }
 
+/* Four threads, two held by each of two sources (127.0.0.1 first, so its
+ * handshakes are the oldest). A third ready socket from 127.0.0.3 takes
+ * one of its own source's threads after the grace, not the oldest
+ * handshake of a source that holds no more than its own. */
+static void eviction_never_takes_from_a_source_holding_no_more(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .threads = 4, .grace_ms = 100 });
+	const char *src[4] = { "127.0.0.1", "127.0.0.1", "127.0.0.3", "127.0.0.3" };
+	int c[4];
+	for (int i = 0; i < 4; i++) {
+		c[i] = t_client_from(&t, src[i]);
+		t_send_name(c[i]);
+		assert_true(t_answered_in(c[i], WAIT_MS) >= 0);
+	}
+	int n = t_client_from(&t, "127.0.0.3");
+	t_send_name(n);
+	int64_t ms = t_answered_in(n, WAIT_MS);
+	assert_true(ms >= 0 && ms < 2000);
+	assert_true(t_closed_in(c[2], NULL) >= 0); /* the oldest of 127.0.0.3 */
+	assert_true(t_open_after(c[0], 0) && t_open_after(c[1], 0) && t_open_after(c[3], 0));
+	ap_setup_stats st = T_WAIT_STAT(&t, evicted, 1);
+	assert_int_equal(st.evicted, 1);
+	for (int i = 0; i < 4; i++)
+		close(c[i]);
+	close(n);
+	t_stop(&t);
+}
+
 /* Stop returns at once while a connect waits on an epmd that never
  * answers (ei's own lookup would hold it for the whole timeout). */
 static void stop_is_prompt_while_a_connect_waits_for_epmd(void **state)
@@ -514,6 +550,7 @@ int main(void)
 		cmocka_unit_test(a_flooding_source_leaves_a_thread_for_other_sources),
 		cmocka_unit_test(threads_go_to_the_least_served_source_oldest_first),
 		cmocka_unit_test(two_ready_at_once_with_one_thread_are_both_served),
+		cmocka_unit_test(eviction_never_takes_from_a_source_holding_no_more),
 		cmocka_unit_test(a_bare_connect_never_cuts_a_running_handshake_short),
 		cmocka_unit_test(queued_connection_is_closed_with_the_queue),
 	};
