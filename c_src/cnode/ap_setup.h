@@ -9,10 +9,17 @@
  * each accepted socket and refuses one that announces more than a name
  * packet needs; only a socket whose whole first packet arrived goes to the
  * small pool of handshake threads. The pending handshakes are capped overall
- * and per source address: a new one makes room by dropping the oldest. A
- * handshake that sent its name and stalls is dropped after a short grace
- * when a ready one waits for a thread. Outgoing connects run on a thread of
- * their own. */
+ * and per source address: a new one makes room by dropping the oldest (a
+ * running one only after the grace below; else the new one is refused).
+ * Threads are shared fairly by source address: a free thread takes the
+ * oldest ready socket of the source running the fewest handshakes, and one
+ * source holds at most threads - 1. A handshake that sent its name and
+ * stalls is dropped after a short grace when a ready one waits for a
+ * thread, taken from the source holding the most threads. Many source
+ * addresses together can still hold every thread and the pending cap: the
+ * bounds are per address, not per identity. Outgoing connects run on a
+ * thread of their own and look the peer up in epmd themselves, so that a
+ * stop never waits on them. */
 #ifndef AP_SETUP_H
 #define AP_SETUP_H
 
