@@ -79,8 +79,9 @@
 %% to the application environment of `actor_pool'.
 %%
 %% `listen_ip' is the interface the C node accepts distribution connections
-%% on: by default the BEAM's own (`kernel' `inet_dist_use_interface'), else
-%% `actor_pool' `cnode_listen_ip', else `any'. Handshakes need no cookie to
+%% on: by default the BEAM's own (`kernel' `inet_dist_use_interface', when an
+%% IPv4 address: C nodes speak IPv4 only), else `actor_pool' `cnode_listen_ip',
+%% else `any'. Handshakes need no cookie to
 %% start, so they are bounded: `handshake_timeout_ms' for a whole handshake
 %% (default 5000, below the BEAM's `net_setuptime'), `max_handshakes' pending
 %% at once (default 256) and `max_handshakes_per_source' from one address
@@ -341,7 +342,6 @@ defaults() ->
       io => Env(io_backend, auto),
       max_frame => Env(max_frame, 67108864),
       idle_timeout_ms => Env(idle_timeout_ms, 60000),
-      listen_ip => default_listen_ip(),
       handshake_timeout_ms => Env(handshake_timeout_ms, 5000),
       max_handshakes => Env(max_handshakes, 256),
       max_handshakes_per_source => Env(max_handshakes_per_source, 64),
@@ -353,10 +353,28 @@ defaults() ->
       notify => undefined}.
 
 %% The C node listens where this node's distribution does, unless told.
+%% C nodes speak IPv4 only: an IPv6 distribution interface cannot be
+%% followed, so it falls back as if unset (logged once for each value).
 default_listen_ip() ->
     case application:get_env(kernel, inet_dist_use_interface) of
-        {ok, Ip} -> Ip;
-        undefined -> application:get_env(actor_pool, cnode_listen_ip, any)
+        {ok, {_, _, _, _} = Ip} ->
+            Ip;
+        {ok, Other} ->
+            Ip = application:get_env(actor_pool, cnode_listen_ip, any),
+            Key = {?MODULE, listen_ip_fallback},
+            case persistent_term:get(Key, undefined) of
+                Other ->
+                    ok;
+                _ ->
+                    persistent_term:put(Key, Other),
+                    logger:warning("actor_cnode: kernel inet_dist_use_interface ~0p is not an "
+                                  "IPv4 address, which C nodes need; they listen on ~0p (set "
+                                  "listen_ip to choose)", [Other, Ip],
+                                  #{listen_ip_fallback => Other})
+            end,
+            Ip;
+        undefined ->
+            application:get_env(actor_pool, cnode_listen_ip, any)
     end.
 
 %% Every key is checked, the defaults from the application environment too;
@@ -367,7 +385,11 @@ validate(Opts) when is_map(Opts) ->
             {error, {badarg, {exe, missing}}};
         true ->
             %% The caller's keys first, so that their errors are reported.
-            Defaults = maps:without(maps:keys(Opts), defaults()),
+            Defaults = case maps:is_key(listen_ip, Opts) of
+                           true -> maps:without(maps:keys(Opts), defaults());
+                           false -> (maps:without(maps:keys(Opts), defaults()))#{
+                                      listen_ip => default_listen_ip()}
+                       end,
             validate_keys(maps:to_list(Opts) ++ maps:to_list(Defaults), #{})
     end;
 validate(Opts) ->

@@ -22,10 +22,17 @@
          oversized_name_packet_sent_slowly_is_refused_at_once/1,
          slow_name_packet_is_dropped_at_the_handshake_deadline/1,
          stalled_handshakes_after_their_name_make_room_for_a_node/1,
+         name_flood_from_one_address_does_not_keep_a_node_out/1,
          listen_ip_binds_only_that_address/1,
          default_listen_ip_follows_the_beams_distribution_interface/1,
+         ipv6_distribution_interface_falls_back_to_any_once_logged/1,
          bad_handshake_options_are_badarg/1,
-         standalone_node_refuses_bad_listen_and_limits/1]).
+         standalone_node_refuses_bad_listen_and_limits/1,
+         port_config_listen_with_a_nul_is_refused/1]).
+
+%% logger handler callback (the IPv6 fallback case).
+-export([log/2]).
+
 
 %% A connection that got in works within this; the BEAM's own setup time
 %% is 7 s, the C node's handshake deadline 5 s by default.
@@ -46,10 +53,13 @@ actor_cnode_handshake_test_() ->
                  oversized_name_packet_sent_slowly_is_refused_at_once,
                  slow_name_packet_is_dropped_at_the_handshake_deadline,
                  stalled_handshakes_after_their_name_make_room_for_a_node,
+                 name_flood_from_one_address_does_not_keep_a_node_out,
                  listen_ip_binds_only_that_address,
                  default_listen_ip_follows_the_beams_distribution_interface,
+                 ipv6_distribution_interface_falls_back_to_any_once_logged,
                  bad_handshake_options_are_badarg,
-                 standalone_node_refuses_bad_listen_and_limits]]
+                 standalone_node_refuses_bad_listen_and_limits,
+                 port_config_listen_with_a_nul_is_refused]]
      end}.
 
 case_(Name, Ctx) ->
@@ -147,6 +157,88 @@ stalled_handshakes_after_their_name_make_room_for_a_node(_Ctx) ->
         end
     end).
 
+%% A flood of name-then-stall clients from another address (127.0.0.3,
+%% loopback too) at a few hundred connections a second for a few seconds:
+%% each sends a valid name, so it takes a handshake thread and holds it
+%% until evicted. This node reconnects over and over meanwhile, each time
+%% in under a second: the flood only competes with itself for threads.
+name_flood_from_one_address_does_not_keep_a_node_out(_Ctx) ->
+    with_node("flood", #{}, fun(N, Port) ->
+        Flooder = flood(Port, {127, 0, 0, 3}),
+        try
+            receive {flooding, Flooder} -> ok
+            after ?WAIT_MS -> error(no_flood)
+            end,
+            ?assert(reconnect_until_flooded(N, Flooder, 0) >= 4)
+        after
+            stop_flood(Flooder)
+        end
+    end).
+
+%% Connect (fast), disconnect, again, until the flood is over; how often.
+reconnect_until_flooded(N, Flooder, Rounds) ->
+    connects_fast(N),
+    true = erlang:disconnect_node(N),
+    wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS),
+    receive {flooded, Flooder} -> Rounds + 1
+    after 0 -> reconnect_until_flooded(N, Flooder, Rounds + 1)
+    end.
+
+%% The flooding process: 4 name-then-stall clients from Ip every 10 ms
+%% (about 400 a second), ?FLOOD_COUNT of them or for ?FLOOD_MS, whichever
+%% ends first. It says {flooding, Pid} once 300 are out and {flooded, Pid}
+%% at the end, then holds the sockets until told to stop.
+-define(FLOOD_COUNT, 1200).
+-define(FLOOD_MS, 8000).
+
+flood(Port, Ip) ->
+    Parent = self(),
+    Until = erlang:monotonic_time(millisecond) + ?FLOOD_MS,
+    spawn_link(fun() -> flood_loop(Parent, Port, Ip, Until, 0, []) end).
+
+flood_loop(Parent, _Port, _Ip, _Until, Count, Socks)
+  when Count >= ?FLOOD_COUNT ->
+    flood_end(Parent, Socks);
+flood_loop(Parent, Port, Ip, Until, Count, Socks) ->
+    case erlang:monotonic_time(millisecond) >= Until of
+        true ->
+            flood_end(Parent, Socks);
+        false ->
+            More = [S || I <- lists:seq(Count + 1, Count + 4),
+                         {ok, S} <- [flood_client(Port, Ip, I)]],
+            Count1 = Count + length(More),
+            Count < 300 andalso Count1 >= 300 andalso (Parent ! {flooding, self()}),
+            receive
+                {stop, From} -> flood_stop(From, More ++ Socks)
+            after 10 ->
+                flood_loop(Parent, Port, Ip, Until, Count1, More ++ Socks)
+            end
+    end.
+
+flood_end(Parent, Socks) ->
+    Parent ! {flooded, self()},
+    receive {stop, From} -> flood_stop(From, Socks) end.
+
+flood_stop(From, Socks) ->
+    [gen_tcp:close(S) || S <- Socks],
+    From ! {stopped, self()}.
+
+flood_client(Port, Ip, I) ->
+    case gen_tcp:connect({127, 0, 0, 1}, Port, [binary, {active, false}, {ip, Ip}]) of
+        {ok, S} ->
+            _ = gen_tcp:send(S, name_packet("flood" ++ integer_to_list(I))),
+            {ok, S};
+        {error, _} = E ->
+            E
+    end.
+
+stop_flood(Pid) ->
+    unlink(Pid),
+    Pid ! {stop, self()},
+    receive {stopped, Pid} -> ok
+    after ?WAIT_MS -> exit(Pid, kill)
+    end.
+
 %% The first Want sockets (of Socks, active) that got status ok.
 answered(Socks, Want, Deadline) ->
     answered(Socks, Want, Deadline, []).
@@ -193,6 +285,43 @@ default_listen_ip_follows_the_beams_distribution_interface(_Ctx) ->
         end
     end.
 
+%% C nodes speak IPv4 only: an IPv6 distribution interface (kernel
+%% inet_dist_use_interface an 8-tuple) cannot be followed. Nodes still
+%% start, listening on every interface, and that is logged once.
+ipv6_distribution_interface_falls_back_to_any_once_logged(_Ctx) ->
+    Saved = application:get_env(kernel, inet_dist_use_interface),
+    %% A value no earlier run in this VM has logged.
+    Ip6 = {16#fd00, 0, 0, 0, 0, 0, 0, rand:uniform(16#fffe)},
+    ok = application:set_env(kernel, inet_dist_use_interface, Ip6),
+    ok = logger:add_handler(?MODULE, ?MODULE, #{level => all, config => #{pid => self()}}),
+    try
+        [with_node(Tag, #{}, fun(_N, Port) ->
+             ?assertEqual([{0, 0, 0, 0}], listen_addresses(Port))
+         end) || Tag <- ["listen6a", "listen6b"]],
+        ?assertEqual([Ip6], fallback_logs())
+    after
+        ok = logger:remove_handler(?MODULE),
+        restore_env(kernel, inet_dist_use_interface, Saved)
+    end.
+
+%% logger handler: the listen address fallback goes to the test process.
+-spec log(logger:log_event(), logger:handler_config()) -> ok.
+log(#{meta := #{listen_ip_fallback := Ip}}, #{config := #{pid := Pid}}) ->
+    Pid ! {listen_ip_fallback, Ip},
+    ok;
+log(_Event, _Config) ->
+    ok.
+
+%% Every fallback logged so far (the handler runs in the logging process,
+%% so they are in the mailbox by now).
+fallback_logs() ->
+    receive {listen_ip_fallback, Ip} -> [Ip | fallback_logs()]
+    after 0 -> []
+    end.
+
+restore_env(App, Key, {ok, V}) -> application:set_env(App, Key, V);
+restore_env(App, Key, undefined) -> application:unset_env(App, Key).
+
 %% ===================================================================
 %% Settings
 %% ===================================================================
@@ -207,17 +336,14 @@ bad_handshake_options_are_badarg(_Ctx) ->
            {max_handshakes_per_source, many}],
     [?assertEqual({error, {badarg, {K, V}}}, actor_cnode:start_link(#{exe => E, K => V}))
      || {K, V} <- Bad],
-    %% A default from the BEAM's own settings is checked too.
-    Saved = application:get_env(kernel, inet_dist_use_interface),
-    ok = application:set_env(kernel, inet_dist_use_interface, {0, 0, 0, 0, 0, 0, 0, 1}),
+    %% A default from this application's environment is checked too.
+    Saved = application:get_env(actor_pool, cnode_listen_ip),
+    ok = application:set_env(actor_pool, cnode_listen_ip, "127.0.0.1"),
     try
-        ?assertEqual({error, {badarg, {listen_ip, {0, 0, 0, 0, 0, 0, 0, 1}}}},
+        ?assertEqual({error, {badarg, {listen_ip, "127.0.0.1"}}},
                      actor_cnode:start_link(#{exe => E}))
     after
-        case Saved of
-            {ok, V} -> application:set_env(kernel, inet_dist_use_interface, V);
-            undefined -> application:unset_env(kernel, inet_dist_use_interface)
-        end
+        restore_env(actor_pool, cnode_listen_ip, Saved)
     end.
 
 %% Standalone, a bad --listen or limit is a usage error (status 2).
@@ -241,6 +367,21 @@ standalone_node_refuses_bad_listen_and_limits(_Ctx) ->
         _ = file:del_dir_r(Dir)
     end,
     ?assertNot(lists:member(alive("hs_usage"), epmd_names())).
+
+%% The owner's configuration packet is checked as strictly as the command
+%% line: a listen address with a NUL inside ("127.0.0.1\0x", which C would
+%% read as 127.0.0.1) is a bad packet (status 2), not an address.
+port_config_listen_with_a_nul_is_refused(_Ctx) ->
+    [_, Host] = string:split(atom_to_list(node()), "@"),
+    Alive = alive("hs_nul"),
+    Config = #{node => list_to_binary(Alive ++ "@" ++ Host),
+               cookie => atom_to_binary(erlang:get_cookie()),
+               listen => <<"127.0.0.1", 0, "x">>},
+    Port = open_port({spawn_executable, pool_exe_path()},
+                     [{packet, 4}, binary, exit_status, use_stdio, {args, ["--port"]}]),
+    true = port_command(Port, term_to_binary(Config)),
+    ?assertMatch({2, _}, collect(Port, [])),
+    ?assertNot(lists:member(Alive, epmd_names())).
 
 %% ===================================================================
 %% Helpers
@@ -280,10 +421,13 @@ idle_client(Port) ->
 %% flags ei requires, then nothing.
 name_then_stall(Port, I) ->
     {ok, S} = gen_tcp:connect({127, 0, 0, 1}, Port, [binary, {active, true}]),
-    Name = list_to_binary("stall" ++ integer_to_list(I) ++ "@localhost"),
-    Body = <<$N, 16#17FFFFFFF:64, 7:32, (byte_size(Name)):16, Name/binary>>,
-    ok = gen_tcp:send(S, <<(byte_size(Body)):16, Body/binary>>),
+    ok = gen_tcp:send(S, name_packet("stall" ++ integer_to_list(I))),
     S.
+
+name_packet(Alive) ->
+    Name = list_to_binary(Alive ++ "@localhost"),
+    Body = <<$N, 16#17FFFFFFF:64, 7:32, (byte_size(Name)):16, Name/binary>>,
+    <<(byte_size(Body)):16, Body/binary>>.
 
 %% A process sending one byte every GapMs (the slow client itself, not a
 %% wait in the test) until told to stop or the socket fails.

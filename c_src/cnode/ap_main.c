@@ -54,6 +54,9 @@ static int dec_string(const char *b, int *i, char *out, size_t cap)
 		return -1;
 	if (ei_decode_binary(b, i, out, &len))
 		return -1;
+	/* C would read only up to a NUL: "127.0.0.1\0x" is no address. */
+	if (memchr(out, 0, (size_t)len))
+		return -1;
 	out[len] = 0;
 	return 0;
 }

@@ -753,6 +753,7 @@ ap_node *ap_node_new(const ap_node_cfg *cfg)
 		goto err;
 	if (ap_sendq_init(&n->q))
 		goto err;
+	n->q.dispose = ap_setup_dispose;
 	n->loop = ap_loop_new(n->cfg.io, &cbs, n);
 	if (!n->loop)
 		goto err;

@@ -22,6 +22,8 @@ void ap_sendq_destroy(ap_sendq *q)
 	ap_sendq_item *it = q->head;
 	while (it) {
 		ap_sendq_item *next = it->next;
+		if (q->dispose)
+			q->dispose(it);
 		free(it);
 		it = next;
 	}

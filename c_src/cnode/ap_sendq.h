@@ -25,10 +25,13 @@ typedef struct ap_sendq {
 	ap_sendq_item *head, *tail;
 	size_t count;
 	int efd;         /* eventfd, non-blocking; readable while items wait */
+	/* The owner's: releases what an item holds (an fd, say) when
+	 * ap_sendq_destroy drops it unread; NULL: nothing to release. */
+	void (*dispose)(ap_sendq_item *it);
 } ap_sendq;
 
 int ap_sendq_init(ap_sendq *q);          /* 0 or -errno */
-void ap_sendq_destroy(ap_sendq *q);      /* frees anything still queued */
+void ap_sendq_destroy(ap_sendq *q);      /* disposes of and frees anything still queued */
 ap_sendq_item *ap_sendq_item_new(int kind, const char *node, size_t len);
 /* Any thread. Wakes the loop only on the empty -> non-empty edge. */
 void ap_sendq_push(ap_sendq *q, ap_sendq_item *it);

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -25,6 +26,7 @@
 #define DEF_THREADS 4
 #define DEF_GRACE_MS 250
 #define SUMMARY_MS 1000
+#define EPMD_PORT 4369
 
 static int64_t mono_ms(void)
 {
@@ -71,6 +73,9 @@ struct ap_setup {
 	int npend;                 /* entries not dropped */
 	int nready;                /* P_READY entries not dropped */
 	int nrun;                  /* P_RUN entries, dropped too: each holds a thread */
+	int nevict;                /* P_RUN entries dropped, their thread not yet back */
+	int run_cap;               /* running handshakes per source address */
+	struct pend **runbuf;      /* scratch under mu: the running entries not dropped */
 	int wake_fd;               /* eventfd: wakes the gate */
 	int conn_fd;               /* the socket of the connect in progress, or -1 */
 	struct cjob *cj_head, *cj_tail;
@@ -197,33 +202,60 @@ static int cb_accept(void **ctx, void *addr, int *len, unsigned tmo)
 	return 0;
 }
 
+/* Register fd as the connect in progress, so that ap_setup_stop can shut it
+ * down; ECANCELED once stopping (checked under the lock, so no connect
+ * starts after the stop looked). */
+static int claim_conn_fd(ap_setup *s, int fd)
+{
+	int r = 0;
+	pthread_mutex_lock(&s->mu);
+	if (s->stop)
+		r = ECANCELED;
+	else
+		s->conn_fd = fd;
+	pthread_mutex_unlock(&s->mu);
+	return r;
+}
+
+static void release_conn_fd(ap_setup *s, int fd)
+{
+	pthread_mutex_lock(&s->mu);
+	if (s->conn_fd == fd)
+		s->conn_fd = -1;
+	pthread_mutex_unlock(&s->mu);
+}
+
+/* Non-blocking connect within the deadline (wait_fd); fd stays
+ * non-blocking. Returns 0 or an errno. */
+static int connect_nb(int fd, const void *addr, socklen_t len, unsigned tmo)
+{
+	int r = connect(fd, addr, len);
+	if (r < 0 && errno != EINPROGRESS)
+		return errno;
+	if (r < 0) {
+		r = wait_fd(fd, POLLOUT, tmo);
+		if (!r) {
+			socklen_t sl = sizeof r;
+			if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &r, &sl) < 0)
+				r = errno;
+		}
+	}
+	return r;
+}
+
 static int cb_connect(void *ctx, void *addr, int len, unsigned tmo)
 {
 	struct sctx *c = ctx;
 	ap_setup *s = tl_setup;
 	if (s) {
-		/* So that ap_setup_stop can wake us. */
-		pthread_mutex_lock(&s->mu);
-		s->conn_fd = c->fd;
+		int e = claim_conn_fd(s, c->fd);
+		if (e)
+			return e;
 		c->connecting = 1;
-		pthread_mutex_unlock(&s->mu);
 	}
 	int fl = fcntl(c->fd, F_GETFL);
 	fcntl(c->fd, F_SETFL, fl | O_NONBLOCK);
-	int r = connect(c->fd, addr, (socklen_t)len);
-	if (r < 0 && errno != EINPROGRESS) {
-		r = errno;
-		fcntl(c->fd, F_SETFL, fl);
-		return r;
-	}
-	if (r < 0) {
-		r = wait_fd(c->fd, POLLOUT, tmo);
-		if (!r) {
-			socklen_t sl = sizeof r;
-			if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &r, &sl) < 0)
-				r = errno;
-		}
-	}
+	int r = connect_nb(c->fd, addr, (socklen_t)len, tmo);
 	fcntl(c->fd, F_SETFL, fl);
 	if (!r) {
 		int one = 1;
@@ -379,27 +411,55 @@ static void drop(ap_setup *s, struct pend *p, unsigned long long *counter)
 	s->npend--;
 	if (p->st == P_READY)
 		s->nready--;
+	else if (p->st == P_RUN)
+		s->nevict++;
 	if (p->fd >= 0)
 		shutdown(p->fd, SHUT_RDWR);
 	(*counter)++;
 }
 
-/* Under s->mu: the oldest entry to drop for room, of source src (or of any
- * source for srclen 0). One not yet on a handshake thread goes first: those
- * that sent their name are likelier to be nodes, and the grace rule frees
- * threads from stalled ones. */
-static struct pend *oldest(ap_setup *s, const uint8_t *src, uint8_t srclen)
+static int same_source(const struct pend *a, const struct pend *b)
+{
+	return a->srclen == b->srclen && !memcmp(a->src, b->src, a->srclen);
+}
+
+/* Under s->mu: the entry to drop for room, of p's source (or of any source
+ * when all is set): the oldest not yet on a handshake thread (those that
+ * sent their name are likelier to be nodes, and stalled ones are evicted
+ * by the grace rule), else the oldest running one that has had its grace;
+ * NULL if none: a handshake under way is never cut short at once. */
+static struct pend *oldest(ap_setup *s, const struct pend *p, int all, int64_t now)
 {
 	struct pend *run = NULL;
-	for (struct pend *p = s->head; p; p = p->next) {
-		if (p->dropped || (srclen && (p->srclen != srclen || memcmp(p->src, src, srclen))))
+	for (struct pend *o = s->head; o; o = o->next) {
+		if (o->dropped || (!all && !same_source(o, p)))
 			continue;
-		if (p->st != P_RUN)
-			return p;
-		if (!run)
-			run = p;
+		if (o->st != P_RUN)
+			return o;
+		if (!run && now - o->t_run >= s->cfg.grace_ms)
+			run = o;
 	}
 	return run;
+}
+
+/* Under s->mu: the running handshakes not dropped, into s->runbuf (at most
+ * one a thread); returns how many. */
+static int live_running(ap_setup *s)
+{
+	int n = 0;
+	for (struct pend *p = s->head; p && n < s->nworkers; p = p->next)
+		if (p->st == P_RUN && !p->dropped)
+			s->runbuf[n++] = p;
+	return n;
+}
+
+/* How many of the nr entries in s->runbuf come from p's source. */
+static int running_of(ap_setup *s, int nr, const struct pend *p)
+{
+	int c = 0;
+	for (int i = 0; i < nr; i++)
+		c += same_source(s->runbuf[i], p);
+	return c;
 }
 
 static void source_of(int fd, uint8_t *src, uint8_t *srclen)
@@ -430,19 +490,37 @@ void ap_setup_accept(ap_setup *s, int fd)
 	source_of(fd, p->src, &p->srclen);
 	pthread_mutex_lock(&s->mu);
 	s->st.accepted++;
-	p->deadline = mono_ms() + s->cfg.handshake_ms;
+	int64_t now = mono_ms();
+	p->deadline = now + s->cfg.handshake_ms;
+	/* At a cap with nothing that may go, the newcomer is refused. */
+	int refuse = 0;
 	if (p->srclen) {
 		int same = 0;
 		for (struct pend *o = s->head; o; o = o->next)
-			if (!o->dropped && o->srclen == p->srclen && !memcmp(o->src, p->src, p->srclen))
-				same++;
-		struct pend *o = same >= s->cfg.max_per_source ? oldest(s, p->src, p->srclen) : NULL;
+			same += !o->dropped && same_source(o, p);
+		if (same >= s->cfg.max_per_source) {
+			struct pend *o = oldest(s, p, 0, now);
+			if (o)
+				drop(s, o, &s->st.capped);
+			else
+				refuse = 1;
+		}
+	}
+	if (!refuse && s->npend >= s->cfg.max_pending) {
+		struct pend *o = oldest(s, p, 1, now);
 		if (o)
 			drop(s, o, &s->st.capped);
+		else
+			refuse = 1;
 	}
-	struct pend *o = s->npend >= s->cfg.max_pending ? oldest(s, NULL, 0) : NULL;
-	if (o)
-		drop(s, o, &s->st.capped);
+	if (refuse) {
+		s->st.capped++;
+		pthread_mutex_unlock(&s->mu);
+		close(fd);
+		free(p);
+		wake_gate(s); /* for its summary line */
+		return;
+	}
 	p->prev = s->tail;
 	if (s->tail)
 		s->tail->next = p;
@@ -497,22 +575,90 @@ static void gate_reap(ap_setup *s)
 	}
 }
 
-/* Under s->mu: when a ready socket waits and every thread is busy, drop the
- * handshake that has run longest once it ran grace_ms. Returns when to look
- * again (or INT64_MAX). */
+/* The running handshake of p's source (of the nr in s->runbuf) that has
+ * run longest, or NULL. */
+static struct pend *oldest_running_of(ap_setup *s, int nr, const struct pend *p)
+{
+	struct pend *o = NULL;
+	for (int i = 0; i < nr; i++)
+		if (same_source(s->runbuf[i], p) && (!o || s->runbuf[i]->t_run < o->t_run))
+			o = s->runbuf[i];
+	return o;
+}
+
+/* Under s->mu: the ready socket a free thread takes: of the source with
+ * the fewest running handshakes, below its cap, the oldest of that source.
+ * Never the newest: a flood from one address then only competes with
+ * itself, and a node from another address goes first. */
+static struct pend *take_ready(ap_setup *s)
+{
+	int nr = live_running(s);
+	struct pend *best = NULL;
+	int bestc = s->run_cap;
+	for (struct pend *p = s->head; p && bestc > 0; p = p->next) {
+		if (p->st != P_READY || p->dropped)
+			continue;
+		int c = running_of(s, nr, p);
+		if (c < bestc) {
+			best = p;
+			bestc = c;
+		}
+	}
+	return best;
+}
+
+/* Under s->mu: drop running handshakes that have had their grace while
+ * ready sockets wait that no free thread will take. The victim comes from
+ * the source holding the most threads (its oldest handshake), and only if
+ * that is more than the waiting socket's source holds (else from the
+ * waiting socket's own source): a flood from one address recycles its own
+ * threads, not a lone node's. Ready sockets whose source is at its thread
+ * cap only recycle that source's threads. A
+ * handshake already dropped frees its thread soon: it counts as free, so
+ * one ready socket never costs two handshakes. Returns when to look again
+ * (or INT64_MAX; a worker that leaves ready sockets behind wakes the gate). */
 static int64_t gate_evict(ap_setup *s, int64_t now)
 {
-	if (!s->nready || s->nrun < s->nworkers)
-		return INT64_MAX;
-	struct pend *victim = NULL;
-	for (struct pend *p = s->head; p; p = p->next)
-		if (p->st == P_RUN && !p->dropped && (!victim || p->t_run < victim->t_run))
-			victim = p;
-	if (!victim)
-		return INT64_MAX; /* the dropped ones are on their way out */
-	if (now - victim->t_run < s->cfg.grace_ms)
-		return victim->t_run + s->cfg.grace_ms;
-	drop(s, victim, &s->st.evicted);
+	while (s->nready) {
+		int nr = live_running(s);
+		int want = 0;
+		struct pend *capped = NULL; /* the oldest ready one at its source's cap */
+		for (struct pend *p = s->head; p; p = p->next) {
+			if (p->st != P_READY || p->dropped)
+				continue;
+			if (running_of(s, nr, p) < s->run_cap)
+				want++;
+			else if (!capped)
+				capped = p;
+		}
+		int freeing = s->nworkers - s->nrun + s->nevict;
+		struct pend *victim = NULL;
+		if (want > freeing) {
+			/* For the one a thread would take next, from a source that
+			 * holds more than its own; else one of its own source's. */
+			struct pend *r = take_ready(s);
+			int most = running_of(s, nr, r);
+			for (int i = 0; i < nr; i++) {
+				int c = running_of(s, nr, s->runbuf[i]);
+				if (c > most || (c == most && victim && s->runbuf[i]->t_run < victim->t_run)) {
+					victim = s->runbuf[i];
+					most = c;
+				}
+			}
+			if (!victim)
+				victim = oldest_running_of(s, nr, r);
+		} else if (!want && capped && !s->nevict) {
+			victim = oldest_running_of(s, nr, capped);
+		}
+		if (!victim)
+			return INT64_MAX;
+		if (now - victim->t_run < s->cfg.grace_ms)
+			return victim->t_run + s->cfg.grace_ms;
+		drop(s, victim, &s->st.evicted);
+		/* Its source may be below the cap now: an idle thread may take
+		 * one of its ready sockets without waiting for the victim's. */
+		pthread_cond_signal(&s->ready_cv);
+	}
 	return INT64_MAX;
 }
 
@@ -667,17 +813,6 @@ static void disown(int fd)
 	last_ctx = NULL;
 }
 
-/* Under s->mu: the newest ready socket. Newest first: under a flood of
- * sockets that send a name and stall, a node that just arrived is served
- * at once instead of behind the flood; older ones meet their deadline. */
-static struct pend *take_ready(ap_setup *s)
-{
-	for (struct pend *p = s->tail; p; p = p->prev)
-		if (p->st == P_READY && !p->dropped)
-			return p;
-	return NULL;
-}
-
 static void run_accept(ap_setup *s, struct pend *p)
 {
 	ErlConnect conn;
@@ -711,6 +846,8 @@ static void run_accept(ap_setup *s, struct pend *p)
 	}
 	unlink_pend(s, p);
 	s->nrun--;
+	if (dropped)
+		s->nevict--;
 	pthread_mutex_unlock(&s->mu);
 	free(p);
 	if (fd < 0) {
@@ -733,6 +870,11 @@ static void *worker_main(void *arg)
 	pthread_mutex_lock(&s->mu);
 	while (!s->stop) {
 		struct pend *p = take_ready(s);
+		/* Ready sockets this thread leaves behind: the gate decides
+		 * whether to evict for them (it may have looked while this
+		 * thread was still free). */
+		if (s->nready > (p ? 1 : 0))
+			wake_gate(s);
 		if (!p) {
 			pthread_cond_wait(&s->ready_cv, &s->mu);
 			continue;
@@ -751,14 +893,112 @@ static void *worker_main(void *arg)
 
 /* ---- the connect thread ----------------------------------------------------- */
 
+/* The distribution port of alive at ip, from epmd there (PORT2_REQ, as
+ * ei asks it), on a socket of ours that ap_setup_stop can shut down and
+ * within the connect's deadline: ei's own lookup runs on sockets we never
+ * see, with the whole timeout per operation. Returns the port, or -1 with
+ * errno set. */
+static int epmd_port(ap_setup *s, struct in_addr ip, const char *alive)
+{
+	const char *e = getenv("ERL_EPMD_PORT");
+	long ep = e ? strtol(e, NULL, 10) : 0;
+	if (ep <= 0 || ep > 65535)
+		ep = EPMD_PORT;
+	size_t alen = strlen(alive);
+	uint8_t req[3 + EI_MAXALIVELEN];
+	if (alen == 0 || alen > EI_MAXALIVELEN) {
+		errno = EINVAL;
+		return -1;
+	}
+	req[0] = (uint8_t)((alen + 1) >> 8);
+	req[1] = (uint8_t)(alen + 1);
+	req[2] = 122; /* PORT_PLEASE2_REQ */
+	memcpy(req + 3, alive, alen);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0)
+		return -1;
+	int err = claim_conn_fd(s, fd);
+	if (err) {
+		close(fd);
+		errno = err;
+		return -1;
+	}
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)ep), .sin_addr = ip };
+	err = connect_nb(fd, &a, sizeof a, EI_SCLBK_INF_TMO);
+	for (size_t off = 0; !err && off < 3 + alen;) {
+		ssize_t w = send(fd, req + off, 3 + alen - off, MSG_NOSIGNAL);
+		if (w > 0)
+			off += (size_t)w;
+		else if (w < 0 && errno != EINTR && errno != EAGAIN)
+			err = errno;
+		else if (w < 0 && errno == EAGAIN)
+			err = wait_fd(fd, POLLOUT, EI_SCLBK_INF_TMO);
+	}
+	/* PORT2_RESP: 119, result, then (result 0) the port, 2 bytes. */
+	uint8_t resp[4];
+	size_t got = 0;
+	while (!err && got < sizeof resp && !(got >= 2 && resp[1])) {
+		ssize_t r = recv(fd, resp + got, sizeof resp - got, 0);
+		if (r > 0)
+			got += (size_t)r;
+		else if (r == 0)
+			err = EIO;
+		else if (errno == EAGAIN)
+			err = wait_fd(fd, POLLIN, EI_SCLBK_INF_TMO);
+		else if (errno != EINTR)
+			err = errno;
+	}
+	release_conn_fd(s, fd);
+	close(fd);
+	if (!err && (resp[0] != 119 || resp[1]))
+		err = resp[1] ? ENOENT : EIO; /* ENOENT: not registered there */
+	if (err) {
+		errno = err;
+		return -1;
+	}
+	return resp[2] << 8 | resp[3];
+}
+
+/* The node's host as an IPv4 address (ei's nodes speak IPv4 only). */
+static int host_ip(const char *host, struct in_addr *ip)
+{
+	struct addrinfo hints = { .ai_family = AF_INET, .ai_socktype = SOCK_STREAM }, *res;
+	if (getaddrinfo(host, NULL, &hints, &res) || !res)
+		return -1;
+	*ip = ((struct sockaddr_in *)res->ai_addr)->sin_addr;
+	freeaddrinfo(res);
+	return 0;
+}
+
 static void run_connect(ap_setup *s, struct cjob *j)
 {
 	last_ctx = NULL;
-	tl_deadline = mono_ms() + s->cfg.handshake_ms;
-	int fd = ei_connect_tmo(s->ec, j->node, (unsigned)s->cfg.handshake_ms);
+	int64_t deadline = mono_ms() + s->cfg.handshake_ms;
+	tl_deadline = deadline;
+	int fd = -1, err = EINVAL;
+	char alive[EI_MAXALIVELEN + 1];
+	const char *at = strchr(j->node, '@');
+	struct in_addr ip;
+	if (at && at > j->node && (size_t)(at - j->node) <= EI_MAXALIVELEN) {
+		memcpy(alive, j->node, (size_t)(at - j->node));
+		alive[at - j->node] = 0;
+		err = EHOSTUNREACH;
+		if (!host_ip(at + 1, &ip)) {
+			int port = epmd_port(s, ip, alive);
+			err = errno;
+			int64_t left = deadline - mono_ms();
+			if (port > 0 && left > 0) {
+				fd = ei_xconnect_host_port_tmo(s->ec, &ip, port, (unsigned)left);
+				err = erl_errno;
+			} else if (port > 0) {
+				err = ETIMEDOUT;
+			}
+		}
+	}
 	tl_deadline = 0;
 	if (fd < 0) {
-		ap_log(AP_LOG_WARNING, "connect to %s failed (erl_errno %d)", j->node, erl_errno);
+		ap_log(AP_LOG_WARNING, "connect to %s failed: %s", j->node,
+		       err == ENOENT ? "not registered with epmd" : strerror(err));
 		post(s, AP_Q_CONN_FAILED, j->node, -1, j->tag);
 		return;
 	}
@@ -817,6 +1057,7 @@ static void stop_threads(ap_setup *s, int gate, int connector, int nworkers)
 			/* Not refused, only cut short: counted nowhere. */
 			p->dropped = 1;
 			s->npend--;
+			s->nevict++;
 			if (p->fd >= 0)
 				shutdown(p->fd, SHUT_RDWR);
 		}
@@ -854,6 +1095,7 @@ static void destroy(ap_setup *s)
 	pthread_cond_destroy(&s->ready_cv);
 	pthread_cond_destroy(&s->conn_cv);
 	free(s->workers);
+	free(s->runbuf);
 	free(s);
 }
 
@@ -877,13 +1119,19 @@ ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, const ap_setup_cfg *cfg)
 		s->cfg.threads = DEF_THREADS;
 	if (s->cfg.grace_ms <= 0)
 		s->cfg.grace_ms = DEF_GRACE_MS;
+	/* One thread at least stays for other sources, whenever there are two. */
+	s->run_cap = s->cfg.max_run_per_source > 0 ? s->cfg.max_run_per_source
+						   : s->cfg.threads > 1 ? s->cfg.threads - 1 : 1;
+	if (s->run_cap > s->cfg.threads)
+		s->run_cap = s->cfg.threads;
 	s->last_summary = mono_ms() - SUMMARY_MS;
 	pthread_mutex_init(&s->mu, NULL);
 	pthread_cond_init(&s->ready_cv, NULL);
 	pthread_cond_init(&s->conn_cv, NULL);
 	s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	s->workers = calloc((size_t)s->cfg.threads, sizeof *s->workers);
-	if (s->wake_fd < 0 || !s->workers) {
+	s->runbuf = calloc((size_t)s->cfg.threads, sizeof *s->runbuf);
+	if (s->wake_fd < 0 || !s->workers || !s->runbuf) {
 		destroy(s);
 		return NULL;
 	}
@@ -913,6 +1161,16 @@ void ap_setup_get_stats(ap_setup *s, ap_setup_stats *out)
 	*out = s->st;
 	out->pending = s->npend;
 	pthread_mutex_unlock(&s->mu);
+}
+
+void ap_setup_dispose(ap_sendq_item *it)
+{
+	if (it->kind != AP_Q_CONN_UP || it->len < sizeof(ap_setup_result))
+		return;
+	ap_setup_result res;
+	memcpy(&res, it->data, sizeof res);
+	if (res.fd >= 0)
+		close(res.fd);
 }
 
 void ap_setup_stop(ap_setup *s)

@@ -9,10 +9,17 @@
  * each accepted socket and refuses one that announces more than a name
  * packet needs; only a socket whose whole first packet arrived goes to the
  * small pool of handshake threads. The pending handshakes are capped overall
- * and per source address: a new one makes room by dropping the oldest. A
- * handshake that sent its name and stalls is dropped after a short grace
- * when a ready one waits for a thread. Outgoing connects run on a thread of
- * their own. */
+ * and per source address: a new one makes room by dropping the oldest (a
+ * running one only after the grace below; else the new one is refused).
+ * Threads are shared fairly by source address: a free thread takes the
+ * oldest ready socket of the source running the fewest handshakes, and one
+ * source holds at most threads - 1. A handshake that sent its name and
+ * stalls is dropped after a short grace when a ready one waits for a
+ * thread, taken from the source holding the most threads. Many source
+ * addresses together can still hold every thread and the pending cap: the
+ * bounds are per address, not per identity. Outgoing connects run on a
+ * thread of their own and look the peer up in epmd themselves, so that a
+ * stop never waits on them. */
 #ifndef AP_SETUP_H
 #define AP_SETUP_H
 
@@ -37,6 +44,8 @@ typedef struct ap_setup_cfg {
 	int threads;         /* handshake threads; <= 0: 4 */
 	int grace_ms;        /* a running handshake this old may be dropped for a
 			      * ready one; <= 0: 250 */
+	int max_run_per_source; /* handshake threads one source address may hold;
+				 * <= 0: threads - 1 (at least 1) */
 } ap_setup_cfg;
 
 typedef struct ap_setup_stats {
@@ -63,5 +72,8 @@ void ap_setup_stop(ap_setup *s);
 void ap_setup_accept(ap_setup *s, int fd);
 void ap_setup_connect(ap_setup *s, const char *node, int tag);
 void ap_setup_get_stats(ap_setup *s, ap_setup_stats *out);
+/* For ap_sendq's dispose: closes the socket of an AP_Q_CONN_UP item
+ * nobody took (a handshake that finished as the node stopped). */
+void ap_setup_dispose(ap_sendq_item *it);
 
 #endif

@@ -1,4 +1,4 @@
-/* test_setup: incoming handshakes are bounded: the listen address, oversized and slow first packets, the deadline, the caps, eviction. */
+/* test_setup: incoming handshakes are bounded: the listen address, oversized and slow first packets, the deadline, the caps, fair eviction by source, a prompt stop. */
 #include "t_helpers.h"
 
 #include <arpa/inet.h>
@@ -28,6 +28,7 @@ static void t_start(struct t_setup *t, const ap_setup_cfg *cfg)
 	t->lfd = ap_ei_listen(&t->ec, "127.0.0.1", &t->port);
 	assert_true(t->lfd >= 0);
 	assert_int_equal(ap_sendq_init(&t->q), 0);
+	t->q.dispose = ap_setup_dispose;
 	t->s = ap_setup_start(&t->ec, &t->q, cfg);
 	assert_non_null(t->s);
 	ap_setup_set_listener(t->s, t->lfd);
@@ -40,19 +41,38 @@ static void t_stop(struct t_setup *t)
 	ap_sendq_destroy(&t->q);
 }
 
-/* A client connected to the listener, and the server side handed over. */
-static int t_client(struct t_setup *t)
+/* A client socket from source address src (loopback: all of 127/8 is
+ * local) connected to the listener, not yet accepted. */
+static int t_connect_from(struct t_setup *t, const char *src)
 {
 	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)t->port) };
 	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
 	int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	assert_true(c >= 0);
+	struct sockaddr_in b = { .sin_family = AF_INET };
+	assert_int_equal(inet_pton(AF_INET, src, &b.sin_addr), 1);
+	assert_int_equal(bind(c, (struct sockaddr *)&b, sizeof b), 0);
 	assert_int_equal(connect(c, (struct sockaddr *)&a, sizeof a), 0);
-	int fd = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
-	assert_true(fd >= 0);
-	ap_setup_accept(t->s, fd);
 	return c;
 }
+
+/* The server side of the next connection, as the loop accepts it. */
+static int t_accept(struct t_setup *t)
+{
+	int fd = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
+	assert_true(fd >= 0);
+	return fd;
+}
+
+/* A client from src, and the server side handed over. */
+static int t_client_from(struct t_setup *t, const char *src)
+{
+	int c = t_connect_from(t, src);
+	ap_setup_accept(t->s, t_accept(t));
+	return c;
+}
+
+static int t_client(struct t_setup *t) { return t_client_from(t, "127.0.0.1"); }
 
 static void t_send(int c, const void *p, size_t n)
 {
@@ -102,15 +122,35 @@ static int64_t t_closed_in(int c, int *got)
 	}
 }
 
-/* Whether c is still open (nothing closed it) after ms. */
+/* Wait up to ms for the node's answer to c's name (a handshake thread
+ * took c) and read it; its time, or -1. */
+static int64_t t_answered_in(int c, int ms)
+{
+	int64_t t0 = t_now_ms();
+	struct pollfd p = { .fd = c, .events = POLLIN };
+	if (poll(&p, 1, ms) != 1)
+		return -1;
+	char buf[256];
+	if (recv(c, buf, sizeof buf, MSG_DONTWAIT) <= 0)
+		return -1;
+	return t_now_ms() - t0;
+}
+
+/* Whether c is still open (nothing closed it) after ms; reads what the
+ * node sent meanwhile, so that a close behind data counts. */
 static int t_open_after(int c, int ms)
 {
 	struct pollfd p = { .fd = c, .events = POLLIN };
-	int r = poll(&p, 1, ms);
-	if (r == 0)
+	if (poll(&p, 1, ms) == 0)
 		return 1;
-	char buf[256];
-	return recv(c, buf, sizeof buf, MSG_DONTWAIT) > 0;
+	for (;;) {
+		char buf[256];
+		ssize_t n = recv(c, buf, sizeof buf, MSG_DONTWAIT);
+		if (n == 0)
+			return 0;
+		if (n < 0)
+			return errno == EAGAIN || errno == EWOULDBLOCK;
+	}
 }
 
 /* The stats once `field` reached `want` (counters move on the setup's
@@ -297,16 +337,222 @@ static void connect_does_not_wait_behind_incoming_handshakes(void **state)
 	t_stop(&t);
 }
 
+/* Stalled handshakes from one address hold at most threads - 1 threads:
+ * a node from another address gets the free one at once instead of after
+ * the grace (5 s here). */
+static void a_flooding_source_leaves_a_thread_for_other_sources(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .threads = 2, .grace_ms = 5000 });
+	int f[3];
+	for (int i = 0; i < 3; i++) {
+		f[i] = t_client_from(&t, "127.0.0.3");
+		t_send_name(f[i]);
+	}
+	struct pollfd p[3];
+	for (int i = 0; i < 3; i++)
+		p[i] = (struct pollfd){ .fd = f[i], .events = POLLIN };
+	assert_true(poll(p, 3, WAIT_MS) >= 1); /* the flood is on a thread */
+	int n = t_client(&t);
+	t_send_name(n);
+	int64_t ms = t_answered_in(n, WAIT_MS);
+	assert_true(ms >= 0 && ms < 1000);
+	close(n);
+	for (int i = 0; i < 3; i++)
+		close(f[i]);
+	t_stop(&t);
+}
+
+/* One thread, held by a stalled peer from 127.0.0.3. Ready next: a node
+ * from 127.0.0.1, then another stalled peer from 127.0.0.3. After the
+ * grace the node goes first (its source runs nothing; oldest first), not
+ * the newest; then the newest still gets its turn. */
+static void threads_go_to_the_least_served_source_oldest_first(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .threads = 1, .grace_ms = 100 });
+	int a = t_client_from(&t, "127.0.0.3");
+	t_send_name(a);
+	assert_true(t_answered_in(a, WAIT_MS) >= 0);
+	int b = t_client_from(&t, "127.0.0.1");
+	t_send_name(b);
+	int c = t_client_from(&t, "127.0.0.3");
+	t_send_name(c);
+	int64_t ms = t_answered_in(b, WAIT_MS);
+	assert_true(ms >= 0 && ms < 2000);
+	assert_true(t_answered_in(c, 0) < 0); /* not before b */
+	assert_true(t_answered_in(c, WAIT_MS) >= 0);
+	ap_setup_stats st = T_WAIT_STAT(&t, evicted, 2);
+	assert_int_equal(st.timed_out, 0);
+	close(a);
+	close(b);
+	close(c);
+	t_stop(&t);
+}
+
+/* Two names that arrive together, one thread: the first runs, the second
+ * evicts it after the grace, long before either deadline; nobody sleeps
+ * through the gap. */
+static void two_ready_at_once_with_one_thread_are_both_served(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 5000, .threads = 1, .grace_ms = 100 });
+	int c[2], fd[2];
+	for (int i = 0; i < 2; i++) {
+		c[i] = t_connect_from(&t, "127.0.0.1");
+		t_send_name(c[i]);
+	}
+	for (int i = 0; i < 2; i++)
+		fd[i] = t_accept(&t);
+	ap_setup_accept(t.s, fd[0]);
+	ap_setup_accept(t.s, fd[1]);
+	int64_t t0 = t_now_ms();
+	struct pollfd p[2] = { { .fd = c[0], .events = POLLIN }, { .fd = c[1], .events = POLLIN } };
+	int answered[2] = { 0, 0 };
+	while (!(answered[0] && answered[1]) && t_now_ms() - t0 < WAIT_MS) {
+		if (poll(p, 2, 100) <= 0)
+			continue;
+		for (int i = 0; i < 2; i++) {
+			char buf[256];
+			if ((p[i].revents & POLLIN) && recv(c[i], buf, sizeof buf, MSG_DONTWAIT) > 0)
+				answered[i] = 1;
+		}
+	}
+	assert_true(answered[0] && answered[1]);
+	assert_true(t_now_ms() - t0 < 2000);
+	ap_setup_stats st = T_WAIT_STAT(&t, evicted, 1);
+	assert_int_equal(st.timed_out, 0);
+	close(c[0]);
+	close(c[1]);
+	t_stop(&t);
+}
+
+/* At the cap, with only a running handshake that has not had its grace
+ * to drop, a bare connect is refused; the handshake goes on. */
+static void a_bare_connect_never_cuts_a_running_handshake_short(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .max_pending = 1, .grace_ms = 5000 });
+	int a = t_client(&t);
+	t_send_name(a);
+	assert_true(t_answered_in(a, WAIT_MS) >= 0);
+	int b = t_client(&t);
+	int64_t ms = t_closed_in(b, NULL);
+	assert_true(ms >= 0 && ms < 1000);
+	assert_true(t_open_after(a, 200));
+	ap_setup_stats st = T_WAIT_STAT(&t, capped, 1);
+	assert_int_equal(st.evicted, 0);
+	assert_int_equal(st.pending, 1);
+	close(a);
+	close(b);
+	t_stop(&t);
+}
+
+/* Four threads, two held by each of two sources (127.0.0.1 first, so its
+ * handshakes are the oldest). A third ready socket from 127.0.0.3 takes
+ * one of its own source's threads after the grace, not the oldest
+ * handshake of a source that holds no more than its own. */
+static void eviction_never_takes_from_a_source_holding_no_more(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .threads = 4, .grace_ms = 100 });
+	const char *src[4] = { "127.0.0.1", "127.0.0.1", "127.0.0.3", "127.0.0.3" };
+	int c[4];
+	for (int i = 0; i < 4; i++) {
+		c[i] = t_client_from(&t, src[i]);
+		t_send_name(c[i]);
+		assert_true(t_answered_in(c[i], WAIT_MS) >= 0);
+	}
+	int n = t_client_from(&t, "127.0.0.3");
+	t_send_name(n);
+	int64_t ms = t_answered_in(n, WAIT_MS);
+	assert_true(ms >= 0 && ms < 2000);
+	assert_true(t_closed_in(c[2], NULL) >= 0); /* the oldest of 127.0.0.3 */
+	assert_true(t_open_after(c[0], 0) && t_open_after(c[1], 0) && t_open_after(c[3], 0));
+	ap_setup_stats st = T_WAIT_STAT(&t, evicted, 1);
+	assert_int_equal(st.evicted, 1);
+	for (int i = 0; i < 4; i++)
+		close(c[i]);
+	close(n);
+	t_stop(&t);
+}
+
+/* Stop returns at once while a connect waits on an epmd that never
+ * answers (ei's own lookup would hold it for the whole timeout). */
+static void stop_is_prompt_while_a_connect_waits_for_epmd(void **state)
+{
+	(void)state;
+	int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET };
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	assert_int_equal(bind(l, (struct sockaddr *)&a, sizeof a), 0);
+	assert_int_equal(listen(l, 4), 0);
+	socklen_t sl = sizeof a;
+	assert_int_equal(getsockname(l, (struct sockaddr *)&a, &sl), 0);
+	char port[16];
+	snprintf(port, sizeof port, "%d", ntohs(a.sin_port));
+	assert_int_equal(setenv("ERL_EPMD_PORT", port, 1), 0);
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 20000 });
+	ap_setup_connect(t.s, "t_silent@127.0.0.1", 5);
+	struct pollfd p = { .fd = l, .events = POLLIN };
+	assert_int_equal(poll(&p, 1, WAIT_MS), 1);
+	int e = accept4(l, NULL, NULL, SOCK_CLOEXEC); /* the lookup is waiting */
+	assert_true(e >= 0);
+	int64_t t0 = t_now_ms();
+	t_stop(&t);
+	int64_t ms = t_now_ms() - t0;
+	unsetenv("ERL_EPMD_PORT");
+	close(e);
+	close(l);
+	assert_true(ms < 1000);
+}
+
+/* A handshake that finished as the node stopped: its socket is closed
+ * with the queue, not leaked. */
+static void queued_connection_is_closed_with_the_queue(void **state)
+{
+	(void)state;
+	ap_sendq q;
+	assert_int_equal(ap_sendq_init(&q), 0);
+	q.dispose = ap_setup_dispose;
+	int sv[2];
+	assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+	ap_sendq_item *it = ap_sendq_item_new(AP_Q_CONN_UP, "t_peer@localhost", sizeof(ap_setup_result));
+	assert_non_null(it);
+	memcpy(it->data, &(ap_setup_result){ .fd = sv[0] }, sizeof(ap_setup_result));
+	ap_sendq_push(&q, it);
+	ap_sendq_destroy(&q);
+	struct pollfd p = { .fd = sv[1], .events = POLLIN };
+	assert_int_equal(poll(&p, 1, 1000), 1);
+	char b;
+	assert_int_equal(recv(sv[1], &b, 1, 0), 0); /* closed */
+	close(sv[1]);
+}
+
 int main(void)
 {
 	ei_init();
 	const struct CMUnitTest tests[] = {
+		/* First: ei reads ERL_EPMD_PORT once, at its first lookup. */
+		cmocka_unit_test(stop_is_prompt_while_a_connect_waits_for_epmd),
 		cmocka_unit_test(listen_address_is_the_one_given),
 		cmocka_unit_test(oversized_first_packet_is_refused_at_once),
 		cmocka_unit_test(deadline_covers_the_whole_handshake),
 		cmocka_unit_test(caps_drop_the_oldest),
 		cmocka_unit_test(stalled_handshake_is_evicted_for_a_ready_one),
 		cmocka_unit_test(connect_does_not_wait_behind_incoming_handshakes),
+		cmocka_unit_test(a_flooding_source_leaves_a_thread_for_other_sources),
+		cmocka_unit_test(threads_go_to_the_least_served_source_oldest_first),
+		cmocka_unit_test(two_ready_at_once_with_one_thread_are_both_served),
+		cmocka_unit_test(eviction_never_takes_from_a_source_holding_no_more),
+		cmocka_unit_test(a_bare_connect_never_cuts_a_running_handshake_short),
+		cmocka_unit_test(queued_connection_is_closed_with_the_queue),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
