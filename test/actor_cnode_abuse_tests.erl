@@ -10,7 +10,7 @@
 %% is stopped by its OS pid, and its epmd name is gone before a case ends.
 -module(actor_cnode_abuse_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, echo_exe/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -344,27 +344,8 @@ io() ->
         _ -> "auto"
     end.
 
-echo_exe() ->
-    case os:getenv("ACTOR_POOL_ECHO_EXE") of
-        Exe when is_list(Exe), Exe =/= "" -> Exe;
-        _ -> "actor_echo_node"
-    end.
-
 abs_exe(Exe) ->
     case filename:pathtype(Exe) of
         absolute -> Exe;
         _ -> filename:join(priv_dir(), Exe)
     end.
-
-priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) -> Dir;
-        {error, bad_name} ->
-            Ebin = filename:dirname(code:which(actor_cnode)),
-            filename:join(filename:dirname(Ebin), "priv")
-    end.
-
-%% A C-node alive name unique to this test node and case.
-alive(Tag) ->
-    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
-    Alive ++ "_" ++ Tag.

@@ -12,7 +12,7 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the I/O backend of the C nodes.
 -module(actor_cnode_handshake_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -32,7 +32,6 @@
 
 %% logger handler callback (the IPv6 fallback case).
 -export([log/2]).
-
 
 %% A connection that got in works within this; the BEAM's own setup time
 %% is 7 s, the C node's handshake deadline 5 s by default.
@@ -492,7 +491,3 @@ pool_exe_path() ->
         "/" ++ _ = Abs -> Abs;
         Rel -> filename:join(code:priv_dir(actor_pool), Rel)
     end.
-
-alive(Tag) ->
-    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
-    Alive ++ "_" ++ Tag.

@@ -11,7 +11,7 @@
 %% another echo executable (an absolute path) when set.
 -module(actor_cnode_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, echo_exe/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -304,25 +304,6 @@ executable_never_ready_is_killed_after_the_timeout(_Ctx) ->
 %% ===================================================================
 %% Helpers
 %% ===================================================================
-
-echo_exe() ->
-    case os:getenv("ACTOR_POOL_ECHO_EXE") of
-        Exe when is_list(Exe), Exe =/= "" -> Exe;
-        _ -> "actor_echo_node"
-    end.
-
-priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) -> Dir;
-        {error, bad_name} ->
-            Ebin = filename:dirname(code:which(actor_cnode)),
-            filename:join(filename:dirname(Ebin), "priv")
-    end.
-
-%% A C-node alive name unique to this test node and case.
-alive(Tag) ->
-    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
-    Alive ++ "_" ++ Tag.
 
 stats(N) ->
     Stats = gen_server:call({echo, N}, stats, ?CALL_TIMEOUT),

@@ -16,7 +16,7 @@
 %% this module once with each.
 -module(actor_pool_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -766,14 +766,6 @@ crash_plugin() ->
 crash_path() ->
     filename:join([priv_dir(), "test", "plugin_crash.so"]).
 
-priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) -> Dir;
-        {error, bad_name} ->
-            Ebin = filename:dirname(code:which(actor_pool)),
-            filename:join(filename:dirname(Ebin), "priv")
-    end.
-
 worker_field(Key, #{workers := Workers}) ->
     [maps:get(Key, W) || W <- lists:sort(fun(#{id := A}, #{id := B}) -> A =< B end, Workers)].
 
@@ -821,10 +813,6 @@ pool_node_threads() ->
 crypto_free_bytes(N) ->
     << <<(rand:uniform(256) - 1)>> || _ <- lists:seq(1, N) >>.
 
-alive(Tag) ->
-    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
-    Alive ++ "_" ++ Tag.
-
 kill_os_process(OsPid) ->
     Pid = integer_to_list(OsPid),
     _ = os:cmd("kill -TERM " ++ Pid ++ " 2>/dev/null"),
@@ -834,4 +822,3 @@ kill_os_process(OsPid) ->
         error:_ -> _ = os:cmd("kill -9 " ++ Pid ++ " 2>/dev/null")
     end,
     wait_until(fun() -> not os_pid_alive(OsPid) end, 5000).
-

@@ -3,7 +3,7 @@
 -module(ap_test_util).
 
 -export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
-         rcpt_barrier/0, spawn_collector/0, collected/1]).
+         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0]).
 
 -define(POLL_MS, 10).
 
@@ -105,4 +105,30 @@ collected(S) ->
     S ! {'$collected', self()},
     receive {S, Msgs} -> Msgs
     after 10000 -> error(collector_timeout)
+    end.
+
+%% The application's priv directory, also when it is not in a lib directory
+%% (rebar3 eunit: priv/ beside ebin/).
+-spec priv_dir() -> file:filename().
+priv_dir() ->
+    case code:priv_dir(actor_pool) of
+        Dir when is_list(Dir) -> Dir;
+        {error, bad_name} ->
+            Ebin = filename:dirname(code:which(actor_cnode)),
+            filename:join(filename:dirname(Ebin), "priv")
+    end.
+
+%% A C-node alive name unique to this test node and Tag.
+-spec alive(string()) -> string().
+alive(Tag) ->
+    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
+    Alive ++ "_" ++ Tag.
+
+%% The echo node's executable: $ACTOR_POOL_ECHO_EXE (a sanitizer build) or
+%% the one in priv/.
+-spec echo_exe() -> string().
+echo_exe() ->
+    case os:getenv("ACTOR_POOL_ECHO_EXE") of
+        Exe when is_list(Exe), Exe =/= "" -> Exe;
+        _ -> "actor_echo_node"
     end.
