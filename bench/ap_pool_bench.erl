@@ -15,6 +15,14 @@
 %%     Anchors: a plain Erlang round-robin pool of `workers' gen_servers
 %%     (`ap_bench_erlpool') and poolboy, both validating with
 %%     `jiffy:decode/1'.</li>
+%% <li>The targets of issue 13 (the same-host data plane), each beside an
+%%     in-VM anchor: an echo pool of `workers' gen_servers in this BEAM
+%%     (`ap_bench_erlpool' with the identity, round-robin by an atomics
+%%     counter) fed the same payload through the same harness, tells by
+%%     `gen_server:cast' from 8 senders, asks by `gen_server:call' from 64
+%%     callers and lone; the json row against the round-robin jiffy pool; and
+%%     the CPU per ask of this BEAM plus the pool node (64 callers, from
+%%     /proc) against the in-VM pool's.</li>
 %% </ul>
 %%
 %% Each cell is the median of `BENCH_POOL_RUNS' runs; the runs of the pool
@@ -32,13 +40,19 @@
 %% tells per run [120000]), BENCH_POOL_ASKS (asks per 64-caller run [32000]),
 %% BENCH_POOL_LONE_ASKS (sequential asks per kind and run [6000]),
 %% BENCH_POOL_JSON_ASKS [24000], BENCH_POOL_JSON_DOCS (distinct documents
-%% [300]), BENCH_POOL_RUNS [5], BENCH_POOL_TIMEOUT_S (the whole bench [300]),
-%% BENCH_STRICT=1 (exit 2 when a target is missed), BENCH_POOL_ANCHORS_ONLY=1
-%% (measure the anchors only, without the pool node).
+%% [300]), BENCH_POOL_VM_TELLS (tells into the in-VM pool per run [500000]),
+%% BENCH_POOL_VM_ASKS (asks to it per 64-caller run [200000]; both larger
+%% than the pool's because the in-VM pool is faster and its CPU time is read
+%% in clock ticks), BENCH_POOL_RUNS [5], BENCH_POOL_TIMEOUT_S (the whole bench
+%% [300]), BENCH_STRICT=1 (exit 2 when any target is missed, the issue 13
+%% ones included, which the distribution path misses by design),
+%% BENCH_POOL_ANCHORS_ONLY=1 (measure the anchors only, without the pool
+%% node).
 %%
-%% Exit status: 0, 1 when something failed (lost, dropped or wrong replies, a
-%% pool that does not start, a timeout; the message says what), 2 for a
-%% missed target under BENCH_STRICT=1.
+%% Exit status: 0 (missed targets included: they are printed, MISSED), 1 when
+%% something failed (lost, dropped or wrong replies, a pool that does not
+%% start, a timeout; the message says what), 2 for a missed target under
+%% BENCH_STRICT=1.
 -module(ap_pool_bench).
 
 -export([main/0, main/1]).
@@ -50,6 +64,10 @@
 -define(CALLERS, 64).
 -define(MAILBOX_LIMIT, 1048576).
 -define(WAIT_MS, 120000).
+%% The ask cells whose work is all done in this BEAM and the pool node, for
+%% the CPU per ask of both together (the peer's cells spend theirs elsewhere).
+-define(ASK_CELLS, [ap_ask64, pool_call64, ap_json64, vm_ask64, erlpool_json64,
+                    poolboy_json64]).
 
 -spec main() -> no_return().
 main() -> main([]).
@@ -85,6 +103,8 @@ run() ->
             lone => env_int("BENCH_POOL_LONE_ASKS", 6000),
             json_asks => env_int("BENCH_POOL_JSON_ASKS", 24000),
             json_docs => env_int("BENCH_POOL_JSON_DOCS", 300),
+            vm_tells => env_int("BENCH_POOL_VM_TELLS", 500000),
+            vm_asks => env_int("BENCH_POOL_VM_ASKS", 200000),
             runs => env_int("BENCH_POOL_RUNS", 5),
             anchors_only => os:getenv("BENCH_POOL_ANCHORS_ONLY") =:= "1",
             workers => online_cpus()},
@@ -108,6 +128,7 @@ run() ->
         end
     after
         Cleanup(fun() -> ap_bench_erlpool:stop(maps:get(erlpool, Anchors)) end),
+        Cleanup(fun() -> ap_bench_erlpool:stop(maps:get(vmpool, Anchors)) end),
         Cleanup(fun() -> poolboy:stop(maps:get(poolboy, Anchors)) end),
         Cleanup(fun() -> peer:stop(Peer) end),
         Cleanup(fun() -> application:stop(actor_pool) end)
@@ -132,8 +153,9 @@ start_anchors(#{workers := W}, PeerNode) ->
     EP = ap_bench_erlpool:start(W, Validate),
     {ok, PB} = poolboy:start_link([{worker_module, ap_bench_poolboy_worker},
                                    {size, W}, {max_overflow, 0}], []),
+    VM = ap_bench_erlpool:start(W, fun(Msg) -> Msg end),
     #{peer_echo => Echo, peer_os_pid => erpc:call(PeerNode, os, getpid, []),
-      erlpool => EP, poolboy => PB}.
+      erlpool => EP, poolboy => PB, vmpool => VM}.
 
 start_pools(#{workers := W}) ->
     case application:ensure_all_started(actor_pool) of
@@ -189,23 +211,28 @@ pool_node_os_pid(Pool) ->
 
 bench(Cfg, Pools, Anchors) ->
     #{tells := Tells, anchor_tells := ATells, asks := Asks, lone := Lone,
-      json_asks := JAsks, runs := Runs, workers := W, docs := Docs} = Cfg,
+      json_asks := JAsks, vm_tells := VTells, vm_asks := VAsks, runs := Runs,
+      workers := W, docs := Docs} = Cfg,
     AO = maps:get(anchors_only, Cfg),
-    #{peer_echo := PeerEcho, erlpool := EP, poolboy := PB} = Anchors,
+    #{peer_echo := PeerEcho, erlpool := EP, poolboy := PB, vmpool := VM} = Anchors,
     Echo = maps:get(echo, Pools, undefined),
     Json = maps:get(json, Pools, undefined),
     P = ?PAYLOAD,
+    PoolSeen = fun() -> pool_processed(Echo) end,
     %% {Key, Fun returning {[{SubKey, Value}], Messages}}, all run once per round.
     PoolCells =
-        [{ap_tell, fun() -> pool_tells(Echo, Tells, fun(Pl) -> actor_pool:tell(Echo, Pl) end) end},
-         {pool_bang, fun() -> pool_tells(Echo, ATells, fun(Pl) -> Echo ! Pl end) end},
+        [{ap_tell, fun() -> tells(Tells, fun(Pl) -> actor_pool:tell(Echo, Pl) end, PoolSeen) end},
+         {pool_bang, fun() -> tells(ATells, fun(Pl) -> Echo ! Pl end, PoolSeen) end},
          {ap_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(Echo, P) end) end},
          {pool_call64, fun() -> asks(Asks, fun(_) -> {ok, P} = gen_server:call(Echo, P) end) end},
          {ap_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(Json, doc(Docs, I)) end) end}],
     AnchorCells =
-        [{peer_tell, fun() -> peer_tells(PeerEcho, ATells) end},
+        [{peer_tell, fun() -> tells(ATells, fun(M) -> PeerEcho ! M end, fun() -> peer_seen(PeerEcho) end) end},
          {peer_ask64, fun() -> asks(Asks, fun(_) -> P = gen_server:call(PeerEcho, P) end) end},
-         {lone, fun() -> lone(Lone, AO, Echo, PeerEcho) end},
+         {vm_tell, fun() -> tells(VTells, fun(M) -> ap_bench_erlpool:cast(VM, M) end,
+                                  fun() -> ap_bench_erlpool:processed(VM) end) end},
+         {vm_ask64, fun() -> asks(VAsks, fun(_) -> P = ap_bench_erlpool:call(VM, P) end) end},
+         {lone, fun() -> lone(Lone, AO, Echo, PeerEcho, VM) end},
          {erlpool_json64, fun() -> asks(JAsks, fun(I) -> ok = ap_bench_erlpool:call(EP, doc(Docs, I)) end) end},
          {poolboy_json64,
           fun() -> asks(JAsks, fun(I) ->
@@ -223,8 +250,9 @@ bench(Cfg, Pools, Anchors) ->
     io:format("~p workers per pool (online CPUs), payload ~p bytes, ~p senders, ~p callers, "
               "median of ~p runs~n", [W, byte_size(P), ?SENDERS, ?CALLERS, Runs]),
     io:format("per run: ~p tells via actor_pool:tell/2, ~p unbatched tells, ~p asks (64 callers), "
-              "~p lone asks per kind, ~p json asks~n",
-              [Tells, ATells, Asks, Lone, JAsks]),
+              "~p lone asks per kind, ~p json asks;~n         in-VM gen_server pool: ~p tells "
+              "(gen_server:cast), ~p asks (64 callers)~n",
+              [Tells, ATells, Asks, Lone, JAsks, VTells, VAsks]),
     io:format("json: ~p distinct documents, ~p..~p bytes (avg ~p); the BEAM pools validate "
               "with jiffy:decode/1 (jiffy ~s)~n",
               [tuple_size(Docs) | doc_sizes(Docs)] ++ [app_vsn(jiffy)]),
@@ -240,6 +268,8 @@ bench(Cfg, Pools, Anchors) ->
                 end, #{}, lists:seq(1, Runs)),
     Med = medians(Samples),
     V = fun(Key, Sub) -> maps:get({Key, Sub}, Med, undefined) end,
+    CpuAsk = fun(Key) -> median([per_msg(beam_pool, S) || S <- maps:get(Key, Samples, [])]) end,
+    VMPool = "in-VM gen_server pool, ",
     Rows =
         [{"echo tell, 8 senders (msg/s)", V(ap_tell, rate),
           [{"same pool, unbatched Pool ! Msg", V(pool_bang, rate)},
@@ -260,7 +290,27 @@ bench(Cfg, Pools, Anchors) ->
          {"json_validate ask, 64 callers (docs/s)", V(ap_json64, rate),
           [{"Erlang round-robin pool, jiffy", V(erlpool_json64, rate)},
            {"poolboy, jiffy", V(poolboy_json64, rate)}],
-          "ratio > 1.0 (vs both)", fun(A, As) -> lists:all(fun(X) -> A > X end, As) end}],
+          "ratio > 1.0 (vs both)", fun(A, As) -> lists:all(fun(X) -> A > X end, As) end},
+         {section, io_lib:format("issue 13 (same-host data plane): beside an in-VM gen_server "
+                                 "pool of the same size (~p workers)", [W])},
+         {"#13 echo tell, 8 senders (msg/s)", V(ap_tell, rate),
+          [{VMPool ++ "gen_server:cast", V(vm_tell, rate)}],
+          ">= 3M msg/s (moonshot 5M)", fun(A, _) -> A >= 3.0e6 end},
+         {"#13 echo ask, 64 callers (asks/s)", V(ap_ask64, rate),
+          [{VMPool ++ "gen_server:call", V(vm_ask64, rate)}],
+          "ratio >= 0.5 (moonshot 1.0)", fun(A, [B]) -> A >= 0.5 * B end},
+         {"#13 echo lone ask p50 (us)", V(lone, ap_p50),
+          [{VMPool ++ "gen_server:call", V(lone, vm_p50)}],
+          "<= 20 us (moonshot 10)", fun(A, _) -> A =< 20 end},
+         {"#13 echo lone ask p99 (us)", V(lone, ap_p99),
+          [{VMPool ++ "gen_server:call", V(lone, vm_p99)}],
+          "", none},
+         {"#13 json_validate, 64 callers (docs/s)", V(ap_json64, rate),
+          [{"Erlang round-robin pool, jiffy", V(erlpool_json64, rate)}],
+          "ratio >= 1.5", fun(A, [B]) -> A >= 1.5 * B end},
+         {"#13 CPU per ask, BEAM + pool node (us)", CpuAsk(ap_ask64),
+          [{VMPool ++ "64 callers", CpuAsk(vm_ask64)}],
+          "<= 8 us", fun(A, _) -> A =< 8 end}],
     Verdicts = print_rows(Rows),
     print_cpu(Samples, Cells),
     print_contention(Samples),
@@ -303,7 +353,11 @@ io_backend(_) -> "-".
 %% Runs F under CPU accounting; F returns {[{Sub, Value}], Messages}.
 sample(F, Pools, Anchors) ->
     Pids = [{beam, os:getpid()},
-            {pool, maps:get(pool_os_pid, Pools, undefined)},
+            %% no pool node at all (anchors only): it used no CPU
+            {pool, case Pools =:= #{} of
+                       true -> none;
+                       false -> maps:get(pool_os_pid, Pools, undefined)
+                   end},
             {peer, maps:get(peer_os_pid, Anchors)}],
     C0 = [{K, proc_cpu_us(P)} || {K, P} <- Pids],
     H0 = host_cpu_us(),
@@ -324,58 +378,43 @@ sample(F, Pools, Anchors) ->
 sub(A, B) when is_number(A), is_number(B) -> A - B;
 sub(_, _) -> undefined.
 
-%% Tells into a pool from 8 senders; the clock stops when the pool has
-%% processed them all.
-pool_tells(Pool, Total, Send) ->
-    #{processed := Base} = actor_pool:stats(Pool),
+%% Total tells from 8 senders through Send; Seen() is the receiver's count of
+%% the tells it has handled, so the clock stops when the last one has been
+%% processed, and a tell lost or still queued is never counted as delivered.
+tells(Total, Send, Seen) ->
+    Base = Seen(),
     Per = Total div ?SENDERS,
     Pl = ?PAYLOAD,
     T0 = erlang:monotonic_time(microsecond),
     par(?SENDERS, fun(_) -> send_n(Send, Pl, Per) end),
-    Expected = Base + Per * ?SENDERS,
-    wait_processed(Pool, Expected, erlang:monotonic_time(millisecond) + ?WAIT_MS),
+    wait_seen(Seen, Base + Per * ?SENDERS, erlang:monotonic_time(millisecond) + ?WAIT_MS),
     Us = erlang:monotonic_time(microsecond) - T0,
     {[{rate, Per * ?SENDERS / (Us / 1.0e6)}], Per * ?SENDERS}.
 
 send_n(_Send, _Pl, 0) -> ok;
 send_n(Send, Pl, N) -> Send(Pl), send_n(Send, Pl, N - 1).
 
-wait_processed(Pool, Expected, Deadline) ->
-    S = actor_pool:stats(Pool),
-    #{processed := Done, dropped_tells := Dropped} = S,
-    if Done >= Expected -> ok;
-       Done + Dropped >= Expected ->
-           fail("~p tells dropped by the pool (stats: ~p)", [Expected - Done, S]);
-       true ->
-           erlang:monotonic_time(millisecond) < Deadline orelse
-               fail("tells lost or stuck: the pool processed ~p fewer than sent "
-                    "after ~p s (stats: ~p)", [Expected - Done, ?WAIT_MS div 1000, S]),
-           timer:sleep(2),
-           wait_processed(Pool, Expected, Deadline)
-    end.
-
-peer_tells(Echo, Total) ->
-    Base = peer_seen(Echo),
-    Per = Total div ?SENDERS,
-    Pl = ?PAYLOAD,
-    T0 = erlang:monotonic_time(microsecond),
-    par(?SENDERS, fun(_) -> send_n(fun(M) -> Echo ! M end, Pl, Per) end),
-    Expected = Base + Per * ?SENDERS,
-    wait_peer(Echo, Expected, erlang:monotonic_time(millisecond) + ?WAIT_MS),
-    Us = erlang:monotonic_time(microsecond) - T0,
-    {[{rate, Per * ?SENDERS / (Us / 1.0e6)}], Per * ?SENDERS}.
-
-peer_seen(Echo) -> maps:get(tells, gen_server:call(Echo, stats, 60000)).
-
-wait_peer(Echo, Expected, Deadline) ->
-    case peer_seen(Echo) of
+wait_seen(Seen, Expected, Deadline) ->
+    case Seen() of
         N when N >= Expected -> ok;
         N ->
             erlang:monotonic_time(millisecond) < Deadline orelse
-                fail("peer echo: ~p tells lost", [Expected - N]),
+                fail("tells lost or stuck: the receiver handled ~p fewer than sent "
+                     "after ~p s", [Expected - N, ?WAIT_MS div 1000]),
             timer:sleep(2),
-            wait_peer(Echo, Expected, Deadline)
+            wait_seen(Seen, Expected, Deadline)
     end.
+
+%% The pool's processed count; a dropped tell fails the bench at once.
+pool_processed(Pool) ->
+    S = actor_pool:stats(Pool),
+    case S of
+        #{processed := Done, dropped_tells := 0} -> Done;
+        #{dropped_tells := Dropped} ->
+            fail("~p tells dropped by the pool (stats: ~p)", [Dropped, S])
+    end.
+
+peer_seen(Echo) -> maps:get(tells, gen_server:call(Echo, stats, 60000)).
 
 %% Total asks from 64 callers; Ask(I) must crash on a wrong reply.
 asks(Total, Ask) ->
@@ -392,9 +431,10 @@ ask_n(Ask, I, N) -> Ask(I), ask_n(Ask, I + 1, N - 1).
 %% order, then the next round), so drifting load hits every kind alike and
 %% each kind follows each other kind equally often (an ask right after another
 %% ask to the same node finds the pool node's threads awake and is faster).
-lone(N, AO, Pool, PeerEcho) ->
+lone(N, AO, Pool, PeerEcho, VM) ->
     P = ?PAYLOAD,
-    Kinds = [{peer, fun() -> P = gen_server:call(PeerEcho, P) end}
+    Kinds = [{peer, fun() -> P = gen_server:call(PeerEcho, P) end},
+             {vm, fun() -> P = ap_bench_erlpool:call(VM, P) end}
              | case AO of
                    true -> [];
                    false -> [{ap, fun() -> {ok, P} = actor_pool:ask(Pool, P) end},
@@ -479,8 +519,11 @@ print_rows(Rows) ->
     io:format("~n~-40s ~10s ~10s  ~-38s ~7s  ~-28s ~s~n",
               ["measure", "actor_pool", "anchor", "anchor is", "ratio", "target", ""]),
     io:format("~s~n", [lists:duplicate(146, $-)]),
-    lists:map(
-      fun({Name, Ap, [{A1Name, A1} | More], Target, Check}) ->
+    lists:filtermap(
+      fun({section, Text}) ->
+              io:format("-- ~s~n", [Text]),
+              false;
+         ({Name, Ap, [{A1Name, A1} | More], Target, Check}) ->
               Verdict = case {Check, Ap} of
                             {none, _} -> none;
                             {_, undefined} -> none;
@@ -499,26 +542,34 @@ print_rows(Rows) ->
                          case Verdict of met -> "met"; missed -> "MISSED"; none -> "" end]),
               [io:format("~-40s ~10s ~10s  ~-38s ~7s~n", ["", "", fmt(X), XN, fmt_ratio(Ap, X)])
                || {XN, X} <- More],
-              {Name, Verdict}
+              {true, {Name, Verdict}}
       end, Rows).
 
 print_cpu(Samples, Cells) ->
-    io:format("~nCPU per message (us), median of runs: this BEAM, the pool node, the peer node, "
-              "the rest of the host; wall = elapsed us per message~n"),
-    io:format("~-28s ~9s ~9s ~9s ~9s ~9s   ~s~n",
-              ["cell", "wall", "BEAM", "pool node", "peer", "others", "spread of the runs"]),
+    io:format("~nCPU per message (us), median of runs: this BEAM, the pool node, both together "
+              "(ask cells whose work is all in them), the peer node, the rest of the host; "
+              "wall = elapsed us per message~n"),
+    io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s   ~s~n",
+              ["cell", "wall", "BEAM", "pool node", "BEAM+pool", "peer", "others",
+               "spread of the runs"]),
     lists:foreach(
       fun({Key, _}) when Key =/= lone ->
               L = maps:get(Key, Samples),
               Per = fun(X) -> median([per_msg(X, S) || S <- L]) end,
+              Both = case lists:member(Key, ?ASK_CELLS) of
+                         true -> Per(beam_pool);
+                         false -> undefined
+                     end,
               Rates = lists:sort([proplists:get_value(rate, maps:get(values, S)) || S <- L]),
-              io:format("~-28s ~9s ~9s ~9s ~9s ~9s   ~s..~s/s~n",
+              io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s   ~s..~s/s~n",
                         [atom_to_list(Key), fmt(Per(wall)), fmt(Per(beam)), fmt(Per(pool)),
-                         fmt(Per(peer)), fmt(Per(others)), fmt(hd(Rates)), fmt(lists:last(Rates))]);
+                         fmt(Both), fmt(Per(peer)), fmt(Per(others)), fmt(hd(Rates)),
+                         fmt(lists:last(Rates))]);
          (_) -> ok
       end, Cells),
     io:format("(cells: ap_* through the actor_pool API, pool_* the same pool unbatched, "
-              "peer_* the BEAM peer, erlpool/poolboy in this BEAM)~n~n").
+              "peer_* the BEAM peer, vm_* the in-VM gen_server echo pool, erlpool/poolboy "
+              "in this BEAM)~n~n").
 
 %% How much of the host the rest of the machine took while the cells ran:
 %% the figures above are only comparable between runs on an equally idle host.
@@ -540,6 +591,11 @@ loadavg() ->
     end.
 
 per_msg(wall, #{wall := W, n := N}) -> W / N;
+per_msg(beam_pool, S) ->
+    case {per_msg(beam, S), per_msg(pool, S)} of
+        {B, P} when is_number(B), is_number(P) -> B + P;
+        _ -> undefined
+    end;
 per_msg(K, #{cpu := Cpu, n := N}) ->
     case proplists:get_value(K, Cpu) of
         X when is_number(X) -> X / N;
@@ -576,6 +632,7 @@ clk_tck() ->
 
 %% utime + stime of an OS process, all threads, in us.
 proc_cpu_us(undefined) -> undefined;
+proc_cpu_us(none) -> 0;
 proc_cpu_us(OsPid) ->
     case file:read_file("/proc/" ++ OsPid ++ "/stat") of
         {ok, B} ->
