@@ -25,6 +25,23 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+static void *xmalloc(size_t n)
+{
+	void *p = malloc(n ? n : 1);
+	if (!p) {
+		perror("malloc");
+		exit(2);
+	}
+	return p;
+}
+
+static void set_free(struct set *s)
+{
+	for (size_t k = 0; k < s->count; k++)
+		free(s->d[k].p);
+	free(s->d);
+}
+
 static uint64_t rng_state = 0x2026113013ull;
 
 static uint32_t rnd(void)
@@ -55,10 +72,15 @@ static struct set load(const char *path)
 		}
 		if (s.count == cap) {
 			cap = cap ? 2 * cap : 64;
-			s.d = realloc(s.d, cap * sizeof *s.d);
+			struct doc *d = realloc(s.d, cap * sizeof *s.d);
+			if (!d) {
+				perror("realloc");
+				exit(2);
+			}
+			s.d = d;
 		}
-		uint8_t *p = malloc(n ? n : 1);
-		if (!s.d || !p || fread(p, 1, n, f) != n) {
+		uint8_t *p = xmalloc(n);
+		if (fread(p, 1, n, f) != n) {
 			fprintf(stderr, "%s: truncated\n", path);
 			exit(2);
 		}
@@ -73,7 +95,7 @@ static struct set load(const char *path)
  * float, a boolean, a string with an escape. */
 static struct set small_docs(size_t count)
 {
-	struct set s = { .name = "valid ~100 B", .d = calloc(count, sizeof(struct doc)), .count = count };
+	struct set s = { .name = "valid ~100 B", .d = xmalloc(count * sizeof(struct doc)), .count = count };
 	for (size_t k = 0; k < count; k++) {
 		char b[256];
 		int n = snprintf(b, sizeof b,
@@ -81,7 +103,7 @@ static struct set small_docs(size_t count)
 				 "\"score\":%u.%u,\"tags\":[\"a\",\"b\"]}",
 				 rnd() % 100000, rnd() % 1000, rnd() % 1000, rnd() & 1 ? "true" : "false", rnd() % 100,
 				 rnd() % 1000);
-		s.d[k].p = malloc((size_t)n);
+		s.d[k].p = xmalloc((size_t)n);
 		memcpy(s.d[k].p, b, (size_t)n);
 		s.d[k].n = (size_t)n;
 		s.bytes += (size_t)n;
@@ -94,10 +116,11 @@ static struct set small_docs(size_t count)
  * byte), the error on average half-way in. */
 static struct set corrupt(const struct set *in, const char *name)
 {
-	struct set s = { .name = name, .d = calloc(in->count, sizeof(struct doc)), .count = in->count, .bytes = in->bytes };
+	struct set s = { .name = name, .d = xmalloc(in->count * sizeof(struct doc)), .count = in->count,
+			 .bytes = in->bytes };
 	for (size_t k = 0; k < in->count; k++) {
 		s.d[k].n = in->d[k].n;
-		s.d[k].p = malloc(s.d[k].n);
+		s.d[k].p = xmalloc(s.d[k].n);
 		memcpy(s.d[k].p, in->d[k].p, s.d[k].n);
 		s.d[k].p[rnd() % s.d[k].n] = 0x01;
 	}
@@ -329,5 +352,8 @@ int main(int argc, char **argv)
 			       (double)sets[i].bytes / (double)sets[i].count / ns * 1e3, base / ns);
 		}
 	}
+	for (size_t i = 0; i < 4; i++)
+		set_free(&sets[i]);
+	ap_json_simd_release();
 	return 0;
 }
