@@ -76,7 +76,7 @@ void ap_pool_wake_pushed(ap_pool *p)
 /* Route one message. msg/msg_len: a term without its 131 byte. For an ask,
  * the reply head is in p->scratch from head_start and node names the
  * caller's node. */
-void ap_pool_dispatch(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t head_start, const char *node)
+static void queue(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t head_start, const char *node)
 {
 	ap_worker *w = ap_pool_route(p);
 	if (!w) {
@@ -117,4 +117,19 @@ void ap_pool_dispatch(ap_pool *p, const char *msg, int msg_len, int is_ask, size
 	if (nodelen)
 		memcpy(d, node, nodelen);
 	ap_pool_push(w, j);
+}
+
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
+{
+	if (rq->kind == AP_REQ_TELL) {
+		queue(p, rq->msg, rq->msg_len, 0, 0, NULL);
+		return;
+	}
+	/* The reply's head is made here, once: the worker only appends the
+	 * result, and the loop answers overload with the same head. */
+	p->scratch.len = 0;
+	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, rq->caller, rq->tag, rq->tag_len);
+	if (st == (size_t)-1)
+		return;
+	queue(p, rq->msg, rq->msg_len, 1, st, rq->caller->node);
 }

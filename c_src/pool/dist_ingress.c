@@ -14,13 +14,15 @@ static int term_end(const char *b, int len, int i)
 	return len < 0 ? -1 : ap_term_end(b, (size_t)len, i);
 }
 
+static void tell(ap_pool *p, const char *msg, int msg_len)
+{
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = msg_len });
+}
+
 static void ask(ap_pool *p, const erlang_pid *caller, const char *tag, int tag_len, const char *msg, int msg_len)
 {
-	p->scratch.len = 0;
-	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, caller, tag, tag_len);
-	if (st == (size_t)-1)
-		return;
-	ap_pool_dispatch(p, msg, msg_len, 1, st, caller->node);
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .caller = caller, .tag = tag, .tag_len = tag_len,
+					   .msg = msg, .msg_len = msg_len });
 }
 
 /* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} in b[0..len) */
@@ -42,7 +44,7 @@ static int batch(ap_pool *p, const char *b, int len, int i)
 		if (e - i > (int)sizeof tell_hdr && !memcmp(b + i, tell_hdr, sizeof tell_hdr)) {
 			/* The common case, {tell, Msg} as a BEAM encodes it. */
 			i += sizeof tell_hdr;
-			ap_pool_dispatch(p, b + i, e - i, 0, 0, NULL);
+			tell(p, b + i, e - i);
 			i = e;
 			continue;
 		}
@@ -53,7 +55,7 @@ static int batch(ap_pool *p, const char *b, int len, int i)
 			continue;
 		}
 		if (arity == 2 && !strcmp(tag, "tell")) {
-			ap_pool_dispatch(p, b + i, e - i, 0, 0, NULL);
+			tell(p, b + i, e - i);
 		} else if (arity == 4 && !strcmp(tag, "ask")) {
 			erlang_pid caller;
 			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT &&
@@ -110,12 +112,12 @@ void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
 	case AP_MSG_CAST:
 		e = term_end(m->buf, m->len, m->index);
 		if (e > 0)
-			ap_pool_dispatch(p, m->buf + m->index, e - m->index, 0, 0, NULL);
+			tell(p, m->buf + m->index, e - m->index);
 		break;
 	case AP_MSG_INFO:
 		if (is_batch(m->buf, m->index, &list) && batch(p, m->buf, m->len, list))
 			break;
-		ap_pool_dispatch(p, m->buf + 1, m->len - 1, 0, 0, NULL);
+		tell(p, m->buf + 1, m->len - 1);
 		break;
 	case AP_MSG_EXIT:
 		break;

@@ -146,11 +146,35 @@ static inline uint64_t ap_xorshift(uint64_t *s)
 ap_job *ap_worker_next_job(ap_worker *w);
 void ap_worker_wake(ap_worker *w, int always);
 
-/* dispatch.c */
+/* ---- dispatch.c: the one way from an ingress to a worker -----------------
+ * An ingress (distribution: dist_ingress.c; same-host rings next) decodes
+ * what it receives into ap_requests, passes each to ap_pool_dispatch, and
+ * calls ap_pool_wake_pushed once it has dispatched all it holds (a message,
+ * a batch, a drained ring), so a worker is woken once per batch, not per
+ * job. Loop thread only. Routing, overload (an ask answered
+ * {error, overloaded}, a tell counted in dropped_tells) and the copy into
+ * the worker's job happen here, the same for every ingress. The reply to
+ * an ask goes by distribution to the caller ({Tag, Reply}, by ALIAS_SEND
+ * when the tag is [alias | Ref]). */
+typedef enum { AP_REQ_TELL, AP_REQ_ASK } ap_req_kind;
+
+typedef struct ap_request {
+	ap_req_kind kind;
+	const erlang_pid *caller; /* ask: who gets the reply; its node carries it */
+	const char *tag;          /* ask: the reply tag, copied verbatim into {Tag, Reply} */
+	int tag_len;
+	const char *msg;          /* what the handler gets */
+	int msg_len;
+} ap_request;
+/* tag and msg are encoded terms without the 131 byte, each validated whole
+ * by the ingress (the ap_term walk) over bytes it bounds: nothing here
+ * checks them again. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
+void ap_pool_wake_pushed(ap_pool *p);
+
+/* For moving jobs that are already made (a crashed worker's). */
 ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
-void ap_pool_wake_pushed(ap_pool *p);
-void ap_pool_dispatch(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t head_start, const char *node);
 
 /* reply.c */
 int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
