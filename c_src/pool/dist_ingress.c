@@ -134,7 +134,6 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 	int i = list;
 	if (ei_get_type(b, &i, &type, &size) || type != ERL_LIST_EXT || ei_decode_list_header(b, &i, &nitems))
 		return 1;
-	static const char noproc[] = { 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r', 119, 6, 'n', 'o', 'p', 'r', 'o', 'c' };
 	ap_buf out = { 0 };
 	for (k = 0; k < nitems; k++) {
 		int e = term_end(b, m->len, i);
@@ -148,7 +147,7 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
 			int t0 = i, t1 = term_end(b, e, i);
 			out.len = 0;
-			if (t1 > 0 && ap_encode_reply(&out, &self->pid, &caller, b + t0, t1 - t0, noproc, sizeof noproc) == 0)
+			if (t1 > 0 && ap_pool_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
 				ap_node_post(n, caller.node, out.data, out.len);
 		}
 		i = e;

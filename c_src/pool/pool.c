@@ -14,7 +14,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ap_ctrl.h"
 #include "ap_log.h"
 #include "handlers.h"
 #include "pool_int.h"
@@ -161,32 +160,6 @@ static void maybe_free(ap_pool *p)
 	}
 }
 
-static void answer_start(ap_pool *p, int ok)
-{
-	ap_pending_reply *r = p->start_reply;
-	if (!r)
-		return;
-	p->start_reply = NULL;
-	ei_x_buff x;
-	if (ei_x_new(&x) == 0) {
-		ei_x_encode_tuple_header(&x, 2);
-		if (ok) {
-			ei_x_encode_atom(&x, "ok");
-			ei_x_encode_pid(&x, &p->pid);
-		} else {
-			ei_x_encode_atom(&x, "error");
-			ei_x_encode_tuple_header(&x, 2);
-			ei_x_encode_atom(&x, "handler_init_failed");
-			ei_x_encode_long(&x, p->init_failed);
-		}
-		if (ap_buf_append(&r->head, x.buff, (size_t)x.index) == 0 && ap_frame_end(&r->head, 0) == 0)
-			ap_node_post(p->n, r->node, r->head.data, r->head.len);
-		ei_x_free(&x);
-	}
-	ap_buf_free(&r->head);
-	free(r);
-}
-
 static void first_init_reported(ap_pool *p)
 {
 	if (--p->starting > 0)
@@ -194,11 +167,11 @@ static void first_init_reported(ap_pool *p)
 	if (p->init_failed) {
 		ap_log(AP_LOG_WARNING, "pool %s: handler %s init failed (%d); not started", p->name, p->handler_desc,
 		       p->init_failed);
-		answer_start(p, 0);
+		ap_pool_answer_start(p, 0);
 		ap_pool_stop(p->n, p);
 	} else {
 		ap_log(AP_LOG_INFO, "pool %s started: %d workers, handler %s", p->name, p->o.workers, p->handler_desc);
-		answer_start(p, 1);
+		ap_pool_answer_start(p, 1);
 	}
 }
 

@@ -99,17 +99,61 @@ void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
 	ap_pool_send_result(w, j, "error", &w->reply);
 }
 
+/* {error, Reason} (no 131) appended to b: what a pool answers an ask that
+ * no handler saw. */
+static int enc_error(ap_buf *b, const char *reason)
+{
+	char tmp[2 * MAXATOMLEN_UTF8 + 16];
+	int i = 0;
+	ei_encode_tuple_header(tmp, &i, 2);
+	ei_encode_atom(tmp, &i, "error");
+	ei_encode_atom(tmp, &i, reason);
+	return ap_buf_append(b, tmp, (size_t)i);
+}
+
 /* Loop thread: answer an ask whose reply head is in p->scratch (from
  * head_start) with {error, Reason}, without a worker. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason)
 {
 	ap_buf *b = &p->scratch;
-	char tmp[64];
-	int i = 0;
-	ei_encode_tuple_header(tmp, &i, 2);
-	ei_encode_atom(tmp, &i, "error");
-	ei_encode_atom(tmp, &i, reason);
-	if (ap_buf_append(b, tmp, (size_t)i) || ap_frame_end(b, head_start))
+	if (enc_error(b, reason) || ap_frame_end(b, head_start))
 		return;
 	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
+}
+
+int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+			    const char *reason)
+{
+	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
+	if (st == (size_t)-1 || enc_error(b, reason))
+		return -1;
+	return ap_frame_end(b, st);
+}
+
+/* Loop thread: the answer to the start request, once every worker ran its
+ * init: {ok, Pid} or {error, {handler_init_failed, Code}}. */
+void ap_pool_answer_start(ap_pool *p, int ok)
+{
+	ap_pending_reply *r = p->start_reply;
+	if (!r)
+		return;
+	p->start_reply = NULL;
+	ei_x_buff x;
+	if (ei_x_new(&x) == 0) {
+		ei_x_encode_tuple_header(&x, 2);
+		if (ok) {
+			ei_x_encode_atom(&x, "ok");
+			ei_x_encode_pid(&x, &p->pid);
+		} else {
+			ei_x_encode_atom(&x, "error");
+			ei_x_encode_tuple_header(&x, 2);
+			ei_x_encode_atom(&x, "handler_init_failed");
+			ei_x_encode_long(&x, p->init_failed);
+		}
+		if (ap_buf_append(&r->head, x.buff, (size_t)x.index) == 0 && ap_frame_end(&r->head, 0) == 0)
+			ap_node_post(p->n, r->node, r->head.data, r->head.len);
+		ei_x_free(&x);
+	}
+	ap_buf_free(&r->head);
+	free(r);
 }
