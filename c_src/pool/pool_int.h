@@ -176,22 +176,25 @@ void ap_pool_wake_pushed(ap_pool *p);
 ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
 
-/* reply.c */
+/* ---- reply.c: every reply frame a pool builds ---------------------------- */
+/* Worker thread: the handler's reply buffer, and the answer to the ask j. */
 int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
+/* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
 /* Append a whole frame answering the ask (caller, tag) with {error, Reason}
  * from self. 0 or -1 (no memory, or a tag ap_encode_reply_head refuses). */
 int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
 			    const char *reason);
+/* Loop thread: answer the start request once every worker ran its init. */
 void ap_pool_answer_start(ap_pool *p, int ok);
 
-/* dist_ingress.c */
+/* dist_ingress.c: the pool process's function (ap_proc_spawn). */
 void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);
 
-/* stats.c */
+/* stats.c: the map that '$ap_stats' answers; throughput, once a second. */
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x);
 void ap_pool_stats_tick(ap_pool *p, int64_t now);
 
