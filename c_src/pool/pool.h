@@ -1,7 +1,8 @@
 /* pool: stateless worker pools inside the pool C node. A pool is a C-node
  * process (a pid, and a registered name) that routes each message to one of
  * N worker threads, each with its own bounded mailbox. Loop thread only,
- * except where noted. */
+ * except where noted. Inside (pool_int.h): the files of a pool, and
+ * ap_pool_dispatch, the one entry from any ingress to the workers. */
 #ifndef AP_POOL_H
 #define AP_POOL_H
 

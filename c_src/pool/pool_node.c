@@ -1,5 +1,5 @@
 /* actor_pool_node: the pool C node. It hosts any number of stateless worker
- * pools (pool.c) and a manager process, registered as `actor_pool_node`,
+ * pools (pool.c, pool_int.h) and a manager process, registered as `actor_pool_node`,
  * that starts, stops and lists them (docs/pool-protocol.md).
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:

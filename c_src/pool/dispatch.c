@@ -1,0 +1,135 @@
+/* dispatch: routing (round robin, smallest mailbox, random), and a
+ * message's way into the mailbox of the worker chosen. */
+#include <string.h>
+
+#include "pool_int.h"
+
+/* Pick a worker with room, or NULL (overloaded). Round robin walks the
+ * slots; random starts anywhere; smallest_mailbox compares two random
+ * slots (power of two choices): O(1) per message and no lock, yet it keeps
+ * the maximum depth within a small factor of the ideal. Dead slots are
+ * skipped; full ones are passed over up to ROUTE_TRIES times. */
+ap_worker *ap_pool_route(ap_pool *p)
+{
+	int nw = p->o.workers;
+	uint32_t start;
+	switch (p->o.routing) {
+	case AP_ROUTE_RANDOM:
+		start = (uint32_t)(ap_xorshift(&p->rng) % (uint64_t)nw);
+		break;
+	case AP_ROUTE_SMALLEST_MAILBOX: {
+		uint64_t r = ap_xorshift(&p->rng);
+		uint32_t a = (uint32_t)(r % (uint64_t)nw), b = a;
+		if (nw > 1) /* two distinct slots: comparing one with itself picks blindly */
+			b = (a + 1 + (uint32_t)((r >> 32) % (uint64_t)(nw - 1))) % (uint32_t)nw;
+		ap_worker *wa = &p->w[a], *wb = &p->w[b];
+		if (!ap_worker_alive(wa) || (ap_worker_alive(wb) && ap_mbox_depth(&wb->mb) < ap_mbox_depth(&wa->mb)))
+			a = b;
+		start = a;
+		break;
+	}
+	default:
+		start = (uint32_t)(p->rr++ % (uint64_t)nw);
+		break;
+	}
+	int tries = 0, any_alive = 0;
+	for (int k = 0; k < nw && tries < ROUTE_TRIES; k++) {
+		ap_worker *w = &p->w[(start + (uint32_t)k) % (uint32_t)nw];
+		if (!ap_worker_alive(w))
+			continue;
+		any_alive = 1;
+		tries++;
+		if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
+			return w;
+	}
+	if (!any_alive) {
+		/* Every slot waits for its replacement: queue for it. */
+		ap_worker *w = &p->w[start];
+		if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
+			return w;
+	}
+	return NULL;
+}
+
+/* Wakes are deferred to the end of the message being dispatched (see
+ * ap_pool_wake_pushed): a worker woken per job would drain its one job and sleep
+ * again while the loop is still unpacking the rest of a batch. */
+void ap_pool_push(ap_worker *w, ap_job *j)
+{
+	ap_mbox_push(&w->mb, j);
+	if (!w->wake_pending) {
+		w->wake_pending = 1;
+		w->pool->wake_list[w->pool->nwake++] = w->id;
+	}
+}
+
+void ap_pool_wake_pushed(ap_pool *p)
+{
+	for (int k = 0; k < p->nwake; k++) {
+		ap_worker *w = &p->w[p->wake_list[k]];
+		w->wake_pending = 0;
+		ap_worker_wake(w, 0);
+	}
+	p->nwake = 0;
+}
+
+/* Route one message. msg/msg_len: a term without its 131 byte. For an ask,
+ * the reply head is in p->scratch from head_start and node names the
+ * caller's node. */
+static void queue(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t head_start, const char *node)
+{
+	ap_worker *w = ap_pool_route(p);
+	if (!w) {
+		if (is_ask) {
+			p->overloaded++;
+			ap_pool_loop_error_reply(p, head_start, node, "overloaded");
+		} else {
+			p->dropped_tells++;
+		}
+		return;
+	}
+	int is_binary = msg_len >= 5 && (uint8_t)msg[0] == 109;
+	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
+	size_t head = is_ask ? p->scratch.len - head_start : 0;
+	size_t nodelen = is_ask ? strlen(node) + 1 : 0;
+	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
+	if (!j) {
+		if (is_ask)
+			ap_pool_loop_error_reply(p, head_start, node, "enomem");
+		return;
+	}
+	j->is_ask = (uint8_t)is_ask;
+	j->is_binary = (uint8_t)is_binary;
+	j->head_len = (uint32_t)head;
+	j->msg_len = (uint32_t)body;
+	j->node_len = (uint32_t)nodelen;
+	uint8_t *d = j->data;
+	if (head)
+		memcpy(d, p->scratch.data + head_start, head);
+	d += head;
+	if (is_binary) {
+		memcpy(d, msg + 5, body);
+	} else {
+		d[0] = 131;
+		memcpy(d + 1, msg, (size_t)msg_len);
+	}
+	d += body;
+	if (nodelen)
+		memcpy(d, node, nodelen);
+	ap_pool_push(w, j);
+}
+
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
+{
+	if (rq->kind == AP_REQ_TELL) {
+		queue(p, rq->msg, rq->msg_len, 0, 0, NULL);
+		return;
+	}
+	/* The reply's head is made here, once: the worker only appends the
+	 * result, and the loop answers overload with the same head. */
+	p->scratch.len = 0;
+	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, rq->caller, rq->tag, rq->tag_len);
+	if (st == (size_t)-1)
+		return;
+	queue(p, rq->msg, rq->msg_len, 1, st, rq->caller->node);
+}

@@ -1,0 +1,157 @@
+/* dist_ingress: the pool process, what a pool receives by distribution
+ * ('$gen_call', '$gen_cast', '$ap_batch', plain messages) turned into
+ * dispatched requests; and the answers for a batch to a pool that is gone. */
+#include <string.h>
+
+#include "ap_term.h"
+#include "pool_int.h"
+
+/* The end of the term at b[i] in a message of len bytes, by the walk: what
+ * dispatch copies and what a reply carries never reach past what the walk
+ * vouched for (ei_skip_term trusts a fun's Size and a binary's length). */
+static int term_end(const char *b, int len, int i)
+{
+	return len < 0 ? -1 : ap_term_end(b, (size_t)len, i);
+}
+
+static void tell(ap_pool *p, const char *msg, int msg_len)
+{
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = msg_len });
+}
+
+static void ask(ap_pool *p, const erlang_pid *caller, const char *tag, int tag_len, const char *msg, int msg_len)
+{
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .caller = caller, .tag = tag, .tag_len = tag_len,
+					   .msg = msg, .msg_len = msg_len });
+}
+
+/* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} in b[0..len) */
+static int batch(ap_pool *p, const char *b, int len, int i)
+{
+	int arity, n, type, size;
+	if (ei_get_type(b, &i, &type, &size) || (type != ERL_LIST_EXT && type != ERL_NIL_EXT))
+		return 0;
+	if (type == ERL_NIL_EXT)
+		return 1;
+	if (ei_decode_list_header(b, &i, &n))
+		return 0;
+	for (int k = 0; k < n; k++) {
+		char tag[8];
+		int e = term_end(b, len, i);
+		if (e < 0)
+			return 1;
+		static const char tell_hdr[] = { 104, 2, 119, 4, 't', 'e', 'l', 'l' };
+		if (e - i > (int)sizeof tell_hdr && !memcmp(b + i, tell_hdr, sizeof tell_hdr)) {
+			/* The common case, {tell, Msg} as a BEAM encodes it. */
+			i += sizeof tell_hdr;
+			tell(p, b + i, e - i);
+			i = e;
+			continue;
+		}
+		if (ei_decode_tuple_header(b, &i, &arity) || ei_get_type(b, &i, &type, &size) ||
+		    type != ERL_ATOM_EXT || size >= (int)sizeof tag ||
+		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL)) {
+			i = e;
+			continue;
+		}
+		if (arity == 2 && !strcmp(tag, "tell")) {
+			tell(p, b + i, e - i);
+		} else if (arity == 4 && !strcmp(tag, "ask")) {
+			erlang_pid caller;
+			if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT &&
+			    ei_decode_pid(b, &i, &caller) == 0) {
+				int t0 = i, t1 = term_end(b, e, i);
+				if (t1 > 0)
+					ask(p, &caller, b + t0, t1 - t0, b + t1, e - t1);
+			}
+		}
+		i = e;
+	}
+	return 1;
+}
+
+static int is_batch(const char *b, int i, int *list)
+{
+	int arity, type, size;
+	char a[16];
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || ei_get_type(b, &i, &type, &size) ||
+	    type != ERL_ATOM_EXT || size >= (int)sizeof a ||
+	    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) || strcmp(a, "$ap_batch"))
+		return 0;
+	*list = i;
+	return 1;
+}
+
+static int is_atom(const char *b, int i, const char *want)
+{
+	int type, size;
+	char a[32];
+	return ei_get_type(b, &i, &type, &size) == 0 && type == ERL_ATOM_EXT && size < (int)sizeof a &&
+	       ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(a, want);
+}
+
+void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	ap_pool *p = self->state;
+	int e, list;
+	switch (m->kind) {
+	case AP_MSG_CALL:
+		if (is_atom(m->buf, m->index, "$ap_stats")) {
+			ei_x_buff x;
+			if (ei_x_new(&x))
+				return;
+			ap_pool_encode_stats(p, &x);
+			ap_reply(n, self, m, x.buff, x.index);
+			ei_x_free(&x);
+			return;
+		}
+		e = term_end(m->buf, m->len, m->index);
+		if (e > 0)
+			ask(p, &m->from, m->tag, m->tag_len, m->buf + m->index, e - m->index);
+		break;
+	case AP_MSG_CAST:
+		e = term_end(m->buf, m->len, m->index);
+		if (e > 0)
+			tell(p, m->buf + m->index, e - m->index);
+		break;
+	case AP_MSG_INFO:
+		if (is_batch(m->buf, m->index, &list) && batch(p, m->buf, m->len, list))
+			break;
+		tell(p, m->buf + 1, m->len - 1);
+		break;
+	case AP_MSG_EXIT:
+		break;
+	}
+	ap_pool_wake_pushed(p);
+}
+
+int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	int list, k, nitems, arity, type, size;
+	if (m->kind != AP_MSG_INFO || !is_batch(m->buf, m->index, &list))
+		return 0;
+	const char *b = m->buf;
+	int i = list;
+	if (ei_get_type(b, &i, &type, &size) || type != ERL_LIST_EXT || ei_decode_list_header(b, &i, &nitems))
+		return 1;
+	ap_buf out = { 0 };
+	for (k = 0; k < nitems; k++) {
+		int e = term_end(b, m->len, i);
+		char tag[8];
+		erlang_pid caller;
+		if (e < 0)
+			break;
+		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 4 && ei_get_type(b, &i, &type, &size) == 0 &&
+		    type == ERL_ATOM_EXT && size < (int)sizeof tag &&
+		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(tag, "ask") &&
+		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
+			int t0 = i, t1 = term_end(b, e, i);
+			out.len = 0;
+			if (t1 > 0 && ap_pool_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
+				ap_node_post(n, caller.node, out.data, out.len);
+		}
+		i = e;
+	}
+	ap_buf_free(&out);
+	return 1;
+}

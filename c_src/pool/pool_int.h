@@ -1,0 +1,201 @@
+/* pool_int.h: what the files of a pool share, inside the pool node only.
+ *
+ *   pool.c          a pool's life: start, stop, worker threads, restarts
+ *   dist_ingress.c  the pool process: distribution messages -> requests
+ *   dispatch.c      routing, and a request's way into a worker's mailbox
+ *   mailbox.c       the per-worker queue of jobs, and its doorbell
+ *   reply.c         the reply frames a pool builds
+ *   stats.c         counters and the stats map
+ *
+ * Threads: the loop thread owns every pool and is the only producer into
+ * every mailbox; each worker thread is the only consumer of its own. So a
+ * mailbox is a single-producer single-consumer linked queue with no lock,
+ * and its depth is two counters the loop can read at any time. Workers
+ * reply straight to the asker: they encode the reply frame themselves and
+ * hand it to the loop (the one writer of sockets) through ap_node_post.
+ * Workers tell the loop about their life (init done, exit) with
+ * ap_node_call_on_loop, so all pool state changes on the loop thread.
+ */
+#ifndef AP_POOL_INT_H
+#define AP_POOL_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "pool.h"
+
+#define MAX_WORKERS 1024
+#define ROUTE_TRIES 3 /* full mailboxes the router tries past before answering overloaded */
+
+/* ---- mailbox: SPSC intrusive queue (Vyukov) ----------------------------- */
+
+typedef struct ap_job {
+	struct ap_job *_Atomic next;
+	struct ap_job *free_next;  /* on the recycle stack */
+	uint32_t cap;              /* bytes of data[] allocated */
+	uint8_t is_ask, is_binary;
+	uint32_t head_len; /* asks: the reply head (ap_encode_reply_head) */
+	uint32_t msg_len;  /* the message: a binary's bytes, or 131 + term */
+	uint32_t node_len; /* asks: the caller's node, NUL included */
+	uint8_t data[];    /* head, message, node */
+} ap_job;
+
+typedef struct ap_mbox {
+	ap_job *head; /* consumer: the dummy before the first job */
+	ap_job *tail; /* producer: the last job */
+	_Atomic uint64_t enq, deq;
+	/* Jobs the consumer is done with go back to the producer, which
+	 * reuses them: malloc on one thread and free on another would fight
+	 * over the allocator's arena lock on every message. */
+	ap_job *_Atomic recycled;
+} ap_mbox;
+
+int ap_mbox_init(ap_mbox *m);
+void ap_mbox_push(ap_mbox *m, ap_job *j);
+ap_job *ap_mbox_pop(ap_mbox *m);
+void ap_mbox_done(ap_mbox *m);
+void ap_mbox_destroy(ap_mbox *m);
+ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need);
+void ap_job_free_list(ap_job *j);
+
+static inline int ap_mbox_empty(ap_mbox *m) { return atomic_load(&m->head->next) == NULL; }
+
+static inline uint64_t ap_mbox_depth(ap_mbox *m)
+{
+	uint64_t e = atomic_load_explicit(&m->enq, memory_order_relaxed);
+	uint64_t d = atomic_load_explicit(&m->deq, memory_order_relaxed);
+	return e > d ? e - d : 0;
+}
+
+/* ---- pools and workers --------------------------------------------------- */
+
+enum exit_reason { EXIT_STOP, EXIT_CRASH, EXIT_INIT_FAILED };
+
+typedef struct ap_worker {
+	ap_pool *pool;
+	int id;
+	int gen;                   /* incarnation of this slot: names its thread */
+	pthread_t th;
+	int thread_live;           /* started and not joined */
+	ap_mbox mb;
+	_Atomic int alive;         /* routing skips a slot waiting for its replacement */
+	_Atomic int sleeping;
+	_Atomic int stop;
+	int wake_pending;          /* loop: jobs pushed since the last wake pass */
+	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	_Atomic uint64_t processed, errors, crashes;
+	enum exit_reason exit_reason;
+	int init_rc;
+	/* loop thread only */
+	uint64_t restarts;
+	int streak;                /* crashes since the slot was last stable */
+	int64_t started_ms;
+	int next_restart_ms;
+	int restart_pending;
+	/* worker thread only */
+	actor_pool_reply reply;
+	ap_buf out;
+} ap_worker;
+
+struct ap_pool {
+	ap_node *n;
+	ap_proc *proc;             /* NULL once stopped */
+	erlang_pid pid;
+	char name[MAXATOMLEN_UTF8];
+	char handler_desc[64];
+	const actor_pool_handler *h;
+	void *dl;
+	uint8_t *config;
+	size_t config_len;
+	ap_pool_opts o;
+	ap_worker *w;
+	uint64_t rr, rng;
+	uint64_t overloaded, dropped_tells;
+	int stopping;
+	int freeing;
+	int threads;               /* worker threads not yet joined */
+	int timers;                /* restart timers not yet fired */
+	int starting;              /* workers whose first init has not reported */
+	int init_failed;           /* the first failing init code, 0 if none */
+	ap_pending_reply *start_reply;
+	int64_t started_ms;
+	uint64_t tp_last;          /* processed at the last tick */
+	int64_t tp_last_ms;
+	double throughput;
+	ap_buf scratch;            /* reply heads built by the loop */
+	int *wake_list;            /* workers with jobs pushed but not yet woken */
+	int nwake;
+	struct ap_pool *next;
+};
+
+static inline int ap_worker_alive(ap_worker *w) { return atomic_load_explicit(&w->alive, memory_order_relaxed); }
+
+static inline uint64_t ap_xorshift(uint64_t *s)
+{
+	uint64_t x = *s;
+	x ^= x << 13;
+	x ^= x >> 7;
+	x ^= x << 17;
+	return *s = x;
+}
+
+/* mailbox.c, the doorbell: a worker sleeps when its mailbox is empty. */
+ap_job *ap_worker_next_job(ap_worker *w);
+void ap_worker_wake(ap_worker *w, int always);
+
+/* ---- dispatch.c: the one way from an ingress to a worker -----------------
+ * An ingress (distribution: dist_ingress.c; same-host rings next) decodes
+ * what it receives into ap_requests, passes each to ap_pool_dispatch, and
+ * calls ap_pool_wake_pushed once it has dispatched all it holds (a message,
+ * a batch, a drained ring), so a worker is woken once per batch, not per
+ * job. Loop thread only. Routing, overload (an ask answered
+ * {error, overloaded}, a tell counted in dropped_tells) and the copy into
+ * the worker's job happen here, the same for every ingress. The reply to
+ * an ask goes by distribution to the caller ({Tag, Reply}, by ALIAS_SEND
+ * when the tag is [alias | Ref]). */
+typedef enum { AP_REQ_TELL, AP_REQ_ASK } ap_req_kind;
+
+typedef struct ap_request {
+	ap_req_kind kind;
+	const erlang_pid *caller; /* ask: who gets the reply; its node carries it */
+	const char *tag;          /* ask: the reply tag, copied verbatim into {Tag, Reply} */
+	int tag_len;
+	const char *msg;          /* what the handler gets */
+	int msg_len;
+} ap_request;
+/* tag and msg are encoded terms without the 131 byte, each validated whole
+ * by the ingress (the ap_term walk) over bytes it bounds: nothing here
+ * checks them again. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
+void ap_pool_wake_pushed(ap_pool *p);
+
+/* For moving jobs that are already made (a crashed worker's). */
+ap_worker *ap_pool_route(ap_pool *p);
+void ap_pool_push(ap_worker *w, ap_job *j);
+
+/* ---- reply.c: every reply frame a pool builds ---------------------------- */
+/* Worker thread: the handler's reply buffer, and the answer to the ask j. */
+int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
+void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
+void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
+void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
+/* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
+void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
+/* Append a whole frame answering the ask (caller, tag) with {error, Reason}
+ * from self. 0 or -1 (no memory, or a tag ap_encode_reply_head refuses). */
+int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+			    const char *reason);
+/* Loop thread: answer the start request once every worker ran its init. */
+void ap_pool_answer_start(ap_pool *p, int ok);
+
+/* dist_ingress.c: the pool process's function (ap_proc_spawn). */
+void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);
+
+/* stats.c: the map that '$ap_stats' answers; throughput, once a second. */
+void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x);
+void ap_pool_stats_tick(ap_pool *p, int64_t now);
+
+#endif

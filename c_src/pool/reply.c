@@ -1,0 +1,159 @@
+/* reply: the reply frames a pool builds, by its workers (a handler's
+ * result) and by the loop (an ask answered without a worker). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ap_ctrl.h"
+#include "ap_log.h"
+#include "ap_term.h"
+#include "pool_int.h"
+
+int ap_pool_reply_reserve(actor_pool_reply *r, size_t more)
+{
+	if (more > SIZE_MAX - r->len)
+		return -1;
+	size_t need = r->len + more;
+	if (need <= r->cap)
+		return 0;
+	size_t cap = r->cap ? r->cap : 256;
+	while (cap < need)
+		cap *= 2;
+	uint8_t *d = realloc(r->data, cap);
+	if (!d)
+		return -1;
+	r->data = d;
+	r->cap = cap;
+	return 0;
+}
+
+/* Append {Status, Value} (no 131) to b from the handler's reply. Returns 0,
+ * or -1 when the reply does not encode a valid term. */
+static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r)
+{
+	char tmp[MAXATOMLEN_UTF8 + 16];
+	int i = 0;
+	ei_encode_tuple_header(tmp, &i, 2);
+	ei_encode_atom(tmp, &i, status);
+	if (ap_buf_append(b, tmp, (size_t)i))
+		return -1;
+	switch (r->kind) {
+	case AP_REPLY_BINARY: {
+		uint8_t h[5] = { 109 };
+		if (r->len > UINT32_MAX)
+			return -1;
+		ap_put32be(h + 1, (uint32_t)r->len);
+		return ap_buf_append(b, h, 5) || ap_buf_append(b, r->data, r->len) ? -1 : 0;
+	}
+	case AP_REPLY_ATOM:
+		i = 0;
+		if (r->len > 255 * 4 ||
+		    ei_encode_atom_len_as(tmp, &i, (const char *)r->data, (int)r->len, ERLANG_UTF8, ERLANG_UTF8))
+			return -1;
+		return ap_buf_append(b, tmp, (size_t)i);
+	case AP_REPLY_TERM: {
+		const char *t = (const char *)r->data;
+		size_t len = r->len;
+		if (len > 0 && (uint8_t)t[0] == 131) {
+			t++;
+			len--;
+		}
+		/* A plugin's bytes go to a BEAM that would drop the whole
+		 * connection over one bad term: check them first. */
+		int idx = 0;
+		if (len == 0 || len > INT32_MAX || ap_term_skip(t, len, &idx) || (size_t)idx != len)
+			return -1;
+		return ap_buf_append(b, t, len);
+	}
+	}
+	return -1;
+}
+
+void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom)
+{
+	actor_pool_reply_set(r, AP_REPLY_ATOM, atom, strlen(atom));
+}
+
+/* Worker thread: answer the ask j with {Status, reply}. */
+void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
+{
+	ap_buf *b = &w->out;
+	b->len = 0;
+	if (ap_buf_append(b, j->data, j->head_len))
+		return;
+	if (enc_result(b, status, r)) {
+		ap_log(AP_LOG_WARNING, "pool %s: handler %s produced a reply that is not a term", w->pool->name,
+		       w->pool->handler_desc);
+		b->len = j->head_len;
+		ap_pool_set_atom_reply(r, "bad_reply");
+		if (enc_result(b, "error", r))
+			return;
+	}
+	if (ap_frame_end(b, 0))
+		return;
+	ap_node_post(w->pool->n, (const char *)j->data + j->head_len + j->msg_len, b->data, b->len);
+}
+
+void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
+{
+	ap_pool_set_atom_reply(&w->reply, reason);
+	ap_pool_send_result(w, j, "error", &w->reply);
+}
+
+/* {error, Reason} (no 131) appended to b: what a pool answers an ask that
+ * no handler saw. */
+static int enc_error(ap_buf *b, const char *reason)
+{
+	char tmp[2 * MAXATOMLEN_UTF8 + 16];
+	int i = 0;
+	ei_encode_tuple_header(tmp, &i, 2);
+	ei_encode_atom(tmp, &i, "error");
+	ei_encode_atom(tmp, &i, reason);
+	return ap_buf_append(b, tmp, (size_t)i);
+}
+
+/* Loop thread: answer an ask whose reply head is in p->scratch (from
+ * head_start) with {error, Reason}, without a worker. */
+void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason)
+{
+	ap_buf *b = &p->scratch;
+	if (enc_error(b, reason) || ap_frame_end(b, head_start))
+		return;
+	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
+}
+
+int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+			    const char *reason)
+{
+	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
+	if (st == (size_t)-1 || enc_error(b, reason))
+		return -1;
+	return ap_frame_end(b, st);
+}
+
+/* Loop thread: the answer to the start request, once every worker ran its
+ * init: {ok, Pid} or {error, {handler_init_failed, Code}}. */
+void ap_pool_answer_start(ap_pool *p, int ok)
+{
+	ap_pending_reply *r = p->start_reply;
+	if (!r)
+		return;
+	p->start_reply = NULL;
+	ei_x_buff x;
+	if (ei_x_new(&x) == 0) {
+		ei_x_encode_tuple_header(&x, 2);
+		if (ok) {
+			ei_x_encode_atom(&x, "ok");
+			ei_x_encode_pid(&x, &p->pid);
+		} else {
+			ei_x_encode_atom(&x, "error");
+			ei_x_encode_tuple_header(&x, 2);
+			ei_x_encode_atom(&x, "handler_init_failed");
+			ei_x_encode_long(&x, p->init_failed);
+		}
+		if (ap_buf_append(&r->head, x.buff, (size_t)x.index) == 0 && ap_frame_end(&r->head, 0) == 0)
+			ap_node_post(p->n, r->node, r->head.data, r->head.len);
+		ei_x_free(&x);
+	}
+	ap_buf_free(&r->head);
+	free(r);
+}

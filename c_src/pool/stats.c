@@ -1,0 +1,71 @@
+/* stats: a pool's counters, the stats map, and throughput. */
+#include <string.h>
+
+#include "pool_int.h"
+
+static const char *routing_name(ap_routing r)
+{
+	return r == AP_ROUTE_RANDOM ? "random" : r == AP_ROUTE_SMALLEST_MAILBOX ? "smallest_mailbox" : "round_robin";
+}
+
+static void kv_u64(ei_x_buff *x, const char *k, uint64_t v)
+{
+	ei_x_encode_atom(x, k);
+	ei_x_encode_ulonglong(x, v);
+}
+
+void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
+{
+	uint64_t processed = 0, errors = 0, crashes = 0, restarts = 0;
+	for (int i = 0; i < p->o.workers; i++) {
+		processed += atomic_load(&p->w[i].processed);
+		errors += atomic_load(&p->w[i].errors);
+		crashes += atomic_load(&p->w[i].crashes);
+		restarts += p->w[i].restarts;
+	}
+	ei_x_encode_map_header(x, 14);
+	ei_x_encode_atom(x, "name");
+	ei_x_encode_atom(x, p->name);
+	kv_u64(x, "size", (uint64_t)p->o.workers);
+	ei_x_encode_atom(x, "routing");
+	ei_x_encode_atom(x, routing_name(p->o.routing));
+	ei_x_encode_atom(x, "handler");
+	ei_x_encode_binary(x, p->handler_desc, (long)strlen(p->handler_desc));
+	kv_u64(x, "processed", processed);
+	kv_u64(x, "errors", errors);
+	kv_u64(x, "crashes", crashes);
+	kv_u64(x, "restarts", restarts);
+	kv_u64(x, "overloaded", p->overloaded);
+	kv_u64(x, "dropped_tells", p->dropped_tells);
+	ei_x_encode_atom(x, "throughput");
+	ei_x_encode_double(x, p->throughput);
+	kv_u64(x, "uptime_ms", (uint64_t)(ap_node_now_ms(p->n) - p->started_ms));
+	kv_u64(x, "mailbox_limit", p->o.mailbox_limit);
+	ei_x_encode_atom(x, "workers");
+	ei_x_encode_list_header(x, p->o.workers);
+	for (int i = 0; i < p->o.workers; i++) {
+		ap_worker *w = &p->w[i];
+		ei_x_encode_map_header(x, 7);
+		kv_u64(x, "id", (uint64_t)i);
+		ei_x_encode_atom(x, "alive");
+		ei_x_encode_atom(x, ap_worker_alive(w) ? "true" : "false");
+		kv_u64(x, "mailbox", ap_mbox_depth(&w->mb));
+		kv_u64(x, "processed", atomic_load(&w->processed));
+		kv_u64(x, "restarts", w->restarts);
+		kv_u64(x, "crashes", atomic_load(&w->crashes));
+		kv_u64(x, "next_restart_ms", (uint64_t)w->next_restart_ms);
+	}
+	ei_x_encode_empty_list(x);
+}
+
+/* Once a second (ap_pool_tick): messages handled per second since the last. */
+void ap_pool_stats_tick(ap_pool *p, int64_t now)
+{
+	uint64_t processed = 0;
+	for (int i = 0; i < p->o.workers; i++)
+		processed += atomic_load_explicit(&p->w[i].processed, memory_order_relaxed);
+	if (now > p->tp_last_ms)
+		p->throughput = (double)(processed - p->tp_last) * 1000.0 / (double)(now - p->tp_last_ms);
+	p->tp_last = processed;
+	p->tp_last_ms = now;
+}

@@ -1,0 +1,238 @@
+/* test_dispatch: ap_pool_dispatch, the one way from an ingress to a worker's
+ * mailbox: routing, the job's bytes, overload. No worker threads: the test
+ * is the mailboxes' consumer. */
+#include "t_helpers.h"
+
+#include "pool_int.h"
+
+#define T_WORKERS_MAX 4
+
+typedef struct t_pool {
+	ap_pool p;
+	ap_worker w[T_WORKERS_MAX];
+	int wake_list[T_WORKERS_MAX];
+} t_pool;
+
+/* What ap_pool_start sets up for dispatch, without threads or a process. */
+static t_pool *t_pool_new(ap_node *n, int workers, ap_routing routing, uint32_t limit)
+{
+	assert_true(workers <= T_WORKERS_MAX);
+	t_pool *t = calloc(1, sizeof *t);
+	assert_non_null(t);
+	ap_pool *p = &t->p;
+	p->n = n;
+	p->o.workers = workers;
+	p->o.routing = routing;
+	p->o.mailbox_limit = limit;
+	p->w = t->w;
+	p->wake_list = t->wake_list;
+	p->rng = 0x5eed5eedull;
+	snprintf(p->pid.node, sizeof p->pid.node, "pool@host");
+	p->pid.num = 7;
+	p->pid.creation = 1;
+	for (int i = 0; i < workers; i++) {
+		ap_worker *w = &t->w[i];
+		w->pool = p;
+		w->id = i;
+		pthread_mutex_init(&w->mu, NULL);
+		pthread_cond_init(&w->cv, NULL);
+		assert_int_equal(ap_mbox_init(&w->mb), 0);
+		atomic_store(&w->alive, 1);
+	}
+	return t;
+}
+
+static void t_pool_free(t_pool *t)
+{
+	for (int i = 0; i < t->p.o.workers; i++) {
+		ap_worker *w = &t->w[i];
+		ap_mbox_destroy(&w->mb);
+		ap_job_free_list(w->job_cache);
+		pthread_mutex_destroy(&w->mu);
+		pthread_cond_destroy(&w->cv);
+	}
+	ap_buf_free(&t->p.scratch);
+	free(t);
+}
+
+/* An integer term without its 131 byte. */
+static int t_int(char *buf, long v)
+{
+	int i = 0;
+	ei_encode_long(buf, &i, v);
+	return i;
+}
+
+static void tell(ap_pool *p, const char *msg, int len)
+{
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = len });
+}
+
+/* The next job of worker w must be the tell of integer v. */
+static void expect_tell(ap_worker *w, long v)
+{
+	char want[16];
+	int len = t_int(want, v);
+	ap_job *j = ap_mbox_pop(&w->mb);
+	assert_non_null(j);
+	assert_false(j->is_ask);
+	assert_false(j->is_binary);
+	assert_int_equal(j->head_len, 0);
+	assert_int_equal(j->node_len, 0);
+	assert_int_equal(j->msg_len, len + 1);
+	assert_int_equal(j->data[0], 131);
+	assert_memory_equal(j->data + 1, want, (size_t)len);
+	ap_mbox_done(&w->mb);
+}
+
+static void test_tells_go_round_robin_in_order(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 3, AP_ROUTE_ROUND_ROBIN, 100);
+	for (long v = 0; v < 6; v++) {
+		char m[16];
+		tell(&t->p, m, t_int(m, v));
+	}
+	/* One wake per worker for the whole batch, however many jobs. */
+	assert_int_equal(t->p.nwake, 3);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t->p.nwake, 0);
+	for (int i = 0; i < 3; i++) {
+		assert_int_equal(ap_mbox_depth(&t->w[i].mb), 2);
+		assert_false(t->w[i].wake_pending);
+		expect_tell(&t->w[i], i);
+		expect_tell(&t->w[i], i + 3);
+		assert_null(ap_mbox_pop(&t->w[i].mb));
+	}
+	t_pool_free(t);
+}
+
+static void test_a_binary_reaches_the_worker_as_its_bytes(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 1, AP_ROUTE_ROUND_ROBIN, 100);
+	char m[32];
+	int len = 0;
+	ei_encode_binary(m, &len, "hello", 5);
+	tell(&t->p, m, len);
+	ap_job *j = ap_mbox_pop(&t->w[0].mb);
+	assert_non_null(j);
+	assert_true(j->is_binary);
+	assert_int_equal(j->msg_len, 5);
+	assert_memory_equal(j->data, "hello", 5);
+	ap_mbox_done(&t->w[0].mb);
+	t_pool_free(t);
+}
+
+/* An ask's job holds the head of its reply frame, as ap_encode_reply_head
+ * makes it, then the message, then the caller's node for ap_node_post. */
+static void test_an_ask_carries_its_reply_head_and_the_callers_node(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 2, AP_ROUTE_ROUND_ROBIN, 100);
+	erlang_pid caller = { .num = 42, .serial = 0, .creation = 3 };
+	snprintf(caller.node, sizeof caller.node, "caller@host");
+	char tag[32], m[16];
+	int tag_len = 0, len = t_int(m, 99);
+	ei_encode_tuple_header(tag, &tag_len, 2);
+	ei_encode_atom(tag, &tag_len, "t");
+	ei_encode_long(tag, &tag_len, 1);
+
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .caller = &caller, .tag = tag, .tag_len = tag_len,
+					       .msg = m, .msg_len = len });
+	ap_buf want = { 0 };
+	size_t st = ap_encode_reply_head(&want, &t->p.pid, &caller, tag, tag_len);
+	assert_int_equal(st, 0);
+
+	ap_job *j = ap_mbox_pop(&t->w[0].mb);
+	assert_non_null(j);
+	assert_true(j->is_ask);
+	assert_int_equal(j->head_len, want.len);
+	assert_memory_equal(j->data, want.data, want.len);
+	assert_int_equal(j->msg_len, len + 1);
+	assert_int_equal(j->data[j->head_len], 131);
+	assert_memory_equal(j->data + j->head_len + 1, m, (size_t)len);
+	assert_int_equal(j->node_len, strlen("caller@host") + 1);
+	assert_string_equal((const char *)j->data + j->head_len + j->msg_len, "caller@host");
+	ap_mbox_done(&t->w[0].mb);
+	ap_buf_free(&want);
+	t_pool_free(t);
+}
+
+/* Every mailbox full: a tell is counted as dropped, an ask answered
+ * overloaded; neither is queued past the limit. */
+static void test_full_mailboxes_drop_tells_and_refuse_asks(void **state)
+{
+	(void)state;
+	ap_node_cfg cfg = { .node = "t_dispatch@localhost", .cookie = "cookie", .creation = 1 };
+	ap_node *n = ap_node_new(&cfg);
+	assert_non_null(n);
+	t_pool *t = t_pool_new(n, 2, AP_ROUTE_ROUND_ROBIN, 1);
+	char m[16];
+	int len = t_int(m, 1);
+	tell(&t->p, m, len);
+	tell(&t->p, m, len);
+	tell(&t->p, m, len);
+	assert_int_equal(t->p.dropped_tells, 1);
+
+	erlang_pid caller = { .num = 42, .creation = 3 };
+	snprintf(caller.node, sizeof caller.node, "caller@host");
+	char tag[8];
+	int tag_len = 0;
+	ei_encode_long(tag, &tag_len, 5);
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .caller = &caller, .tag = tag, .tag_len = tag_len,
+					       .msg = m, .msg_len = len });
+	assert_int_equal(t->p.overloaded, 1);
+	assert_int_equal(t->p.dropped_tells, 1);
+	for (int i = 0; i < 2; i++)
+		assert_int_equal(ap_mbox_depth(&t->w[i].mb), 1);
+	ap_pool_wake_pushed(&t->p);
+	t_pool_free(t);
+	ap_node_free(n);
+}
+
+/* With two workers the two slots compared are always both: the lighter
+ * one gets the message. */
+static void test_smallest_mailbox_sends_to_the_lighter_worker(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 2, AP_ROUTE_SMALLEST_MAILBOX, 100);
+	char m[16];
+	int len = t_int(m, 1);
+	for (int k = 0; k < 3; k++) /* all to worker 0 */
+		ap_pool_push(&t->w[0], ap_job_alloc(&t->w[0].mb, &t->w[0].job_cache, 8));
+	for (int k = 0; k < 3; k++)
+		tell(&t->p, m, len);
+	assert_int_equal(ap_mbox_depth(&t->w[0].mb), 3);
+	assert_int_equal(ap_mbox_depth(&t->w[1].mb), 3);
+	ap_pool_wake_pushed(&t->p);
+	t_pool_free(t);
+}
+
+static void test_a_slot_awaiting_its_replacement_is_skipped(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 3, AP_ROUTE_ROUND_ROBIN, 100);
+	atomic_store(&t->w[1].alive, 0);
+	char m[16];
+	for (long v = 0; v < 4; v++)
+		tell(&t->p, m, t_int(m, v));
+	assert_int_equal(ap_mbox_depth(&t->w[1].mb), 0);
+	assert_int_equal(ap_mbox_depth(&t->w[0].mb), 2);
+	assert_int_equal(ap_mbox_depth(&t->w[2].mb), 2);
+	ap_pool_wake_pushed(&t->p);
+	t_pool_free(t);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_tells_go_round_robin_in_order),
+		cmocka_unit_test(test_a_binary_reaches_the_worker_as_its_bytes),
+		cmocka_unit_test(test_an_ask_carries_its_reply_head_and_the_callers_node),
+		cmocka_unit_test(test_full_mailboxes_drop_tells_and_refuse_asks),
+		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
+		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
