@@ -75,7 +75,8 @@ static int r_attach(struct ap_ring *r, void *mem, size_t mem_size, int role)
 		return -EINVAL;
 	head = LOAD(&h->head, ACQUIRE);
 	tail = LOAD(&h->tail, ACQUIRE);
-	if (head > tail || tail - head > cap || ((head | tail) & (AP_RING_ALIGN - 1)))
+	/* The bound on tail keeps pos + a record's size from overflowing. */
+	if (head > tail || tail - head > cap || tail > AP_RING_MAX_INDEX || ((head | tail) & (AP_RING_ALIGN - 1)))
 		return -EPROTO;
 	r->hdr = h;
 	r->data = (uint8_t *)mem + AP_RING_HDR_SIZE;
@@ -142,6 +143,8 @@ int ap_ring_reserve(struct ap_ring *r, size_t len, void **p)
 	*p = NULL;
 	if (rc)
 		return rc;
+	if (r->pos > AP_RING_MAX_INDEX)
+		return r_broken(r);
 	sz = rec_size(len);
 	need = need_at(r, r->pos, sz);
 	rc = p_fits(r, need);

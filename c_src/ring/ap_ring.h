@@ -16,8 +16,8 @@
  *           producer clears it when it wakes the consumer).
  *
  * Indexes are byte counts since the ring was formatted: 64 bits, only ever
- * growing (they never wrap in practice), always multiples of 8, and
- * head <= tail <= head + cap. The byte of index i is data[i & (cap - 1)].
+ * growing (they never wrap: at most AP_RING_MAX_INDEX), always multiples
+ * of 8, and head <= tail <= head + cap. The byte of index i is data[i & (cap - 1)].
  * Each side has its own cache line: the peer writes it only to wake.
  *
  * Records. An 8-byte record header word (len in its low 32 bits, the stamp
@@ -105,6 +105,9 @@
 #define AP_RING_STAMP_DATA 0x44434552u /* "RECD" */
 #define AP_RING_STAMP_PAD 0x44444150u  /* "PADD" */
 #define AP_RING_DEFAULT_SPIN 200u
+/* Indexes above this are hostile (146 years at 1 GB/s): refused at attach,
+ * so index arithmetic never overflows. */
+#define AP_RING_MAX_INDEX (1ULL << 62)
 
 struct ap_ring_hdr {
 	/* line 0: immutable once formatted */

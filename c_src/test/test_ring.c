@@ -126,7 +126,13 @@ static void test_format_and_attach_reject_what_is_not_a_ring(void **state)
 	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EPROTO);
 	h->tail = 4;
 	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EPROTO);
-	h->tail = 0;
+	/* Indexes near 2^64 would overflow the producer's arithmetic. */
+	h->head = h->tail = UINT64_MAX - 7;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EPROTO);
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EPROTO);
+	h->head = h->tail = AP_RING_MAX_INDEX;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), 0);
+	h->head = h->tail = 0;
 	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), 0);
 	free(m);
 }
