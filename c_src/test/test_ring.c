@@ -8,7 +8,9 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -912,6 +914,58 @@ static void test_shm_segment_is_exclusive_0600_reserved_and_unlinked(void **stat
 	assert_null(a.mem);
 }
 
+/* A segment larger than a full tmpfs: create says -ENOSPC and leaves
+ * nothing, where a sparse ftruncate would have "worked" and the first
+ * store past the filesystem's end would have been SIGBUS. Runs in a forked
+ * child with a 1 MiB tmpfs on /dev/shm in a private mount namespace (root
+ * only, as test_shm's full-tmpfs cases); the child checks with T_CK. */
+#define T_CHILD_SKIP 77
+
+static void t_child_small_tmpfs(void)
+{
+	struct ap_ring_map m;
+	char name[64];
+
+	t_shm_name(name, sizeof name, "small");
+	T_CK(ap_ring_map_create_shm(&m, name, 4u << 20) == -ENOSPC);
+	T_CK(m.mem == NULL && m.fd == -1);
+	T_CK(ap_ring_map_open_shm(&m, name, 0) == -ENOENT);
+	/* What fits is fully backed: every byte can be written. */
+	T_CK(ap_ring_map_create_shm(&m, name, 512u << 10) == 0);
+	memset(m.mem, 0x11, m.size);
+	T_CK(ap_ring_map_create_shm(&m, "/ap_ring_test_more", 768u << 10) == -ENOSPC);
+	ap_ring_map_close(&m);
+	T_CK(ap_ring_shm_unlink(name) == 0);
+	_exit(0);
+}
+
+static void test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus(void **state)
+{
+	(void)state;
+	int st = 0;
+
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		/* Private first, so that the mount does not propagate out. */
+		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+		    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777") < 0) {
+			fprintf(stderr, "no private tmpfs (%s): skipped\n", strerror(errno));
+			_exit(T_CHILD_SKIP);
+		}
+		t_child_small_tmpfs();
+	}
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	if (WIFSIGNALED(st))
+		fail_msg("the child was killed by signal %d (SIGBUS is %d)", WTERMSIG(st), SIGBUS);
+	assert_true(WIFEXITED(st));
+	if (WEXITSTATUS(st) == T_CHILD_SKIP)
+		skip();
+	assert_int_equal(WEXITSTATUS(st), 0);
+}
+
 static void test_memfd_segment_is_sealed_and_unsealed_fds_are_refused(void **state)
 {
 	(void)state;
@@ -1059,6 +1113,7 @@ int main(void)
 		cmocka_unit_test(test_hostile_head_is_an_error_for_the_producer),
 		cmocka_unit_test(test_random_scribbles_never_crash),
 		cmocka_unit_test(test_shm_segment_is_exclusive_0600_reserved_and_unlinked),
+		cmocka_unit_test(test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus),
 		cmocka_unit_test(test_memfd_segment_is_sealed_and_unsealed_fds_are_refused),
 		cmocka_unit_test(test_uring_futex_wait_is_woken_by_another_process),
 	};
