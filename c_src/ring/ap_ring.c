@@ -28,7 +28,10 @@ static int r_broken(struct ap_ring *r)
 	return -EPROTO;
 }
 
-static uint64_t rec_size(uint64_t len) { return AP_RING_REC_HDR + ((len + AP_RING_ALIGN - 1) & ~(uint64_t)(AP_RING_ALIGN - 1)); }
+static uint64_t rec_size(uint64_t len)
+{
+	return AP_RING_REC_HDR + ((len + AP_RING_ALIGN - 1) & ~(uint64_t)(AP_RING_ALIGN - 1));
+}
 
 static uint32_t stamp_at(uint32_t kind, uint64_t idx) { return kind ^ (uint32_t)(idx >> 3); }
 
@@ -357,6 +360,7 @@ static int r_wait(struct ap_ring *r, size_t len, unsigned spin, int timeout_ms)
 	rc = ap_ring_futex_wait(word, expected, timeout_ms);
 	ap_ring_end_sleep(r);
 	if (rc == -ETIMEDOUT) {
+		r->n_timeout++;
 		/* The last look: a wake-up may have raced the timeout. */
 		int now = r->role == AP_RING_CONSUMER ? ap_ring_readable(r) : ap_ring_has_room(r, len);
 		return now > 0 ? 0 : now < 0 ? now : -ETIMEDOUT;

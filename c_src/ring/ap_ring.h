@@ -17,12 +17,14 @@
  *
  * Indexes are byte counts since the ring was formatted: 64 bits, only ever
  * growing (they never wrap: at most AP_RING_MAX_INDEX), always multiples
- * of 8, and head <= tail <= head + cap. The byte of index i is data[i & (cap - 1)].
- * Each side has its own cache line: the peer writes it only to wake.
+ * of 8, and head <= tail <= head + cap. The byte of index i is
+ * data[i & (cap - 1)]. Each side has its own cache line: the peer writes
+ * it only to wake.
  *
  * Records. An 8-byte record header word (len in its low 32 bits, the stamp
- * in its high 32 bits), then len payload bytes, padded to 8. A record never wraps: when it does not fit before the
- * end of the data area, the producer writes a pad record filling the rest
+ * in its high 32 bits), then len payload bytes, padded to 8. A record
+ * never wraps: when it does not fit before the end of the data area, the
+ * producer writes a pad record filling the rest
  * (its len is the bytes up to the end minus 8) and puts the record at
  * offset 0, so a reader always gets one contiguous slice. A record takes at
  * most cap / 2 bytes (payload up to ap_ring_max_payload()), so an empty
@@ -44,9 +46,10 @@
  *    bytes.
  *  - Each side keeps its own index privately and never reads it back from
  *    the segment; the peer's index is read once per call into a local and
- *    validated: the consumer checks head <= tail <= head + cap and tail % 8
- *    == 0; the producer checks old head <= head <= its committed tail and
- *    head % 8 == 0. Every record header is checked against cap, the end of
+ *    validated: the consumer checks old tail <= tail <= head + cap and
+ *    tail % 8 == 0; the producer checks old head <= head <= its committed
+ *    tail and head % 8 == 0; attach checks both and refuses indexes over
+ *    AP_RING_MAX_INDEX, so no index arithmetic overflows. Every record header is checked against cap, the end of
  *    the data area, `tail` and the stamp before its payload is handed out.
  *    A failed check makes the ring broken (sticky -EPROTO): no access out
  *    of the data area, no loop that depends on shared values (a read skips
@@ -71,14 +74,16 @@
  * The other side, after its release store of the index: full fence, loads
  * the flag, and only if it is set takes it down (exchange; so one wake per
  * sleep, not one per commit until the sleeper runs), bumps the bell and
- * issues FUTEX_WAKE. The
- * two fences order "flag store, index load" against "index store, flag
- * load" (Dekker), so at least one side sees the other: either the waiter
+ * issues FUTEX_WAKE. The two fences order "flag store, index load" against
+ * "index store, flag load" (Dekker), so at least one side sees the other: either the waiter
  * finds the new index in step 4, or the waker sees the flag and bumps the
  * bell, which makes the FUTEX_WAIT of step 5 return at once (its expected
  * value is stale) if it had not slept yet. A busy ring thus costs no
  * syscall per message. A hostile peer can only make a wait last until its
- * timeout (it can clear the flag or never ring): every wait has one.
+ * timeout (it can clear the flag or never ring), so a side that reads a
+ * hostile peer's ring gives every wait a timeout; it can also make us
+ * issue wake-ups we did not need (it can set the flag), which costs
+ * syscalls, nothing else.
  * ap_ring_prepare_sleep / ap_ring_end_sleep split steps 1-4 and 6 out, so
  * an event loop can do step 5 itself (io_uring IORING_OP_FUTEX_WAIT, see
  * ap_ring_uring.h).
@@ -145,6 +150,7 @@ struct ap_ring {
 	/* local counters, for tests and stats */
 	uint64_t n_wake;  /* FUTEX_WAKE calls issued */
 	uint64_t n_sleep; /* FUTEX_WAIT calls issued */
+	uint64_t n_timeout; /* of those, ended by their timeout (a lost wake-up, or a stalled peer) */
 };
 
 #define AP_RING_PRODUCER 1

@@ -83,9 +83,16 @@ static int t_put(struct ap_ring *r, size_t len, uint64_t k)
 	return ap_ring_commit(r);
 }
 
-static uint64_t *t_word(void *mem, size_t cap, uint64_t idx) { return (uint64_t *)((uint8_t *)mem + AP_RING_HDR_SIZE + (idx & (cap - 1))); }
+static uint64_t *t_word(void *mem, size_t cap, uint64_t idx)
+{
+	return (uint64_t *)((uint8_t *)mem + AP_RING_HDR_SIZE + (idx & (cap - 1)));
+}
 
-static uint64_t t_rec_word(uint32_t kind, uint64_t idx, uint32_t len) { return (uint64_t)(kind ^ (uint32_t)(idx >> 3)) << 32 | len; }
+/* A record header word as the producer writes it at index idx. */
+static uint64_t t_rec_word(uint32_t kind, uint64_t idx, uint32_t len)
+{
+	return (uint64_t)(kind ^ (uint32_t)(idx >> 3)) << 32 | len;
+}
 
 /* ---- format and attach ---------------------------------------------------- */
 
@@ -621,6 +628,93 @@ static void test_two_processes_with_futex_sleeps(void **state)
 	ap_ring_map_close(&map);
 }
 
+/* One message in flight at a time, both sides sleeping whenever they
+ * wait: a lost wake-up cannot be rescued by a later message, so it shows
+ * as a wait that ended by its timeout. */
+#define T_PP_ROUNDS 4000u
+
+static void t_pp_side(struct ap_ring *in, struct ap_ring *out, int first, unsigned spin)
+{
+	t_rng rng;
+
+	t_rng_seed(&rng, 0x9b9b + (uint64_t)first);
+	for (uint64_t i = 0; i < T_PP_ROUNDS; i++) {
+		const void *p;
+		size_t len;
+		int rc;
+
+		/* A random few microseconds before each send, so that sends
+		 * land anywhere in the peer's way to sleep, its races
+		 * included. */
+		for (volatile size_t d = t_rand_range(&rng, 0, 3000); d > 0; d--)
+			;
+		if (first)
+			T_CK(t_put(out, 8, i) == 0);
+		/* A wait that times out is counted (the parent fails on it);
+		 * three end this side. */
+		while ((rc = ap_ring_read(in, &p, &len)) == -EAGAIN) {
+			rc = ap_ring_wait(in, spin, 1000);
+			T_CK((rc == 0 || rc == -ETIMEDOUT) && in->n_timeout < 3);
+		}
+		T_CK(rc == 0 && len == 8 && t_check_rec(p, len, i));
+		ap_ring_release(in);
+		if (!first)
+			T_CK(t_put(out, 8, i) == 0);
+	}
+}
+
+static void test_ping_pong_between_processes_loses_no_wake_up(void **state)
+{
+	(void)state;
+	size_t one = ap_ring_size(4096);
+	static const unsigned spins[] = { 0, T_SPIN };
+	struct ap_ring_map map;
+	int st;
+
+	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring_pp", 2 * one + 64), 0);
+	uint64_t *child_timeouts = (uint64_t *)((uint8_t *)map.mem + 2 * one);
+	for (size_t s = 0; s < sizeof spins / sizeof spins[0]; s++) {
+		struct ap_ring a_out, a_in;
+		assert_int_equal(ap_ring_format(map.mem, one, 4096), 0);
+		assert_int_equal(ap_ring_format((uint8_t *)map.mem + one, one, 4096), 0);
+		fflush(stdout);
+		fflush(stderr);
+		pid_t pid = fork();
+		assert_true(pid >= 0);
+		if (pid == 0) {
+			struct ap_ring b_in, b_out;
+			T_CK(ap_ring_attach_consumer(&b_in, map.mem, one) == 0);
+			T_CK(ap_ring_attach_producer(&b_out, (uint8_t *)map.mem + one, one) == 0);
+			t_pp_side(&b_in, &b_out, 0, spins[s]);
+			*child_timeouts = b_in.n_timeout + b_out.n_timeout;
+			_exit(0);
+		}
+		assert_int_equal(ap_ring_attach_producer(&a_out, map.mem, one), 0);
+		assert_int_equal(ap_ring_attach_consumer(&a_in, (uint8_t *)map.mem + one, one), 0);
+		pid_t side = fork();
+		assert_true(side >= 0);
+		if (side == 0) {
+			/* The parent's side in a child of its own, so that T_CK
+			 * can fail it without leaving the other one behind. */
+			t_pp_side(&a_in, &a_out, 1, spins[s]);
+			_exit(a_in.n_timeout + a_out.n_timeout ? 100 : 0);
+		}
+		int st2;
+		assert_int_equal(waitpid(side, &st2, 0), side);
+		if (!WIFEXITED(st2) || WEXITSTATUS(st2))
+			kill(pid, SIGKILL);
+		assert_int_equal(waitpid(pid, &st, 0), pid);
+		if (WIFEXITED(st2) && WEXITSTATUS(st2) == 100)
+			fail_msg("spin %u: the initiator's waits timed out (lost wake-ups)", spins[s]);
+		assert_true(WIFEXITED(st2) && WEXITSTATUS(st2) == 0);
+		assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+		if (*child_timeouts)
+			fail_msg("spin %u: %" PRIu64 " of the echo side's waits timed out (lost wake-ups)", spins[s],
+				 *child_timeouts);
+	}
+	ap_ring_map_close(&map);
+}
+
 /* ---- a writer killed mid-write ----------------------------------------------------- */
 
 static void test_writer_killed_mid_write_is_never_read(void **state)
@@ -658,9 +752,11 @@ static void test_writer_killed_mid_write_is_never_read(void **state)
 	}
 	close(fds[1]);
 	struct pollfd pfd = { .fd = fds[0], .events = POLLIN };
-	assert_int_equal(poll(&pfd, 1, 10000), 1);
-	assert_int_equal(read(fds[0], &b, 1), 1);
-	assert_int_equal(kill(pid, SIGKILL), 0);
+	int ready = poll(&pfd, 1, 10000) == 1 && read(fds[0], &b, 1) == 1;
+	assert_int_equal(kill(pid, SIGKILL), 0); /* whatever happened: it must not outlive the test */
+	if (!ready)
+		waitpid(pid, &st, 0);
+	assert_true(ready);
 	assert_int_equal(waitpid(pid, &st, 0), pid);
 	assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
 	close(fds[0]);
@@ -695,9 +791,15 @@ static void t_sc_len_max(void *m, size_t cap)
 	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_DATA, 0, (uint32_t)ap_ring_max_payload(cap) + 1);
 }
 static void t_sc_len_past_tail(void *m, size_t cap) { *t_word(m, cap, 96) = t_rec_word(AP_RING_STAMP_DATA, 96, 48); }
-static void t_sc_stale_stamp(void *m, size_t cap) { *t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_DATA, 48 + cap, 40); }
+static void t_sc_stale_stamp(void *m, size_t cap)
+{
+	*t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_DATA, 48 + cap, 40);
+}
 static void t_sc_garbage(void *m, size_t cap) { memset((uint8_t *)m + AP_RING_HDR_SIZE, 0x41, cap); }
-static void t_sc_pad_at_zero(void *m, size_t cap) { *t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_PAD, 0, (uint32_t)cap - 8); }
+static void t_sc_pad_at_zero(void *m, size_t cap)
+{
+	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_PAD, 0, (uint32_t)cap - 8);
+}
 static void t_sc_pad_short(void *m, size_t cap) { *t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_PAD, 48, 16); }
 /* A pad to the end committed alone: the producer never does that. */
 static void t_sc_pad_alone(void *m, size_t cap)
@@ -868,6 +970,17 @@ static void test_random_scribbles_never_crash(void **state)
 static void t_shm_name(char *buf, size_t n, const char *what)
 {
 	snprintf(buf, n, "/ap_ring_test_%s_%d", what, (int)getpid());
+}
+
+/* Teardown: the segment goes even when an assert failed half way. */
+static int t_unlink_seg(void **state)
+{
+	char name[64];
+
+	(void)state;
+	t_shm_name(name, sizeof name, "seg");
+	ap_ring_shm_unlink(name);
+	return 0;
 }
 
 static void test_shm_segment_is_exclusive_0600_reserved_and_unlinked(void **state)
@@ -1108,11 +1221,12 @@ int main(void)
 		cmocka_unit_test(test_abort_drops_uncommitted_reservations),
 		cmocka_unit_test(test_wait_times_out_and_wake_ends_a_sleep),
 		cmocka_unit_test(test_two_processes_with_futex_sleeps),
+		cmocka_unit_test(test_ping_pong_between_processes_loses_no_wake_up),
 		cmocka_unit_test(test_writer_killed_mid_write_is_never_read),
 		cmocka_unit_test(test_hostile_tail_and_records_are_errors_never_reads),
 		cmocka_unit_test(test_hostile_head_is_an_error_for_the_producer),
 		cmocka_unit_test(test_random_scribbles_never_crash),
-		cmocka_unit_test(test_shm_segment_is_exclusive_0600_reserved_and_unlinked),
+		cmocka_unit_test_teardown(test_shm_segment_is_exclusive_0600_reserved_and_unlinked, t_unlink_seg),
 		cmocka_unit_test(test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus),
 		cmocka_unit_test(test_memfd_segment_is_sealed_and_unsealed_fds_are_refused),
 		cmocka_unit_test(test_uring_futex_wait_is_woken_by_another_process),
