@@ -8,7 +8,8 @@
  * before sleeping ("spin+futex") or sleeping as soon as the ring is empty
  * ("futex only"). Round trip: an 8-byte record there and back, p50/p99,
  * back to back and with 50 us of idle between rounds, with the same two
- * wait policies and with both sides spinning (no sleeps at all).
+ * wait policies and with both sides spinning (no sleeps at all); then the
+ * cost of one spin round and the idle round trip over a range of spins.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -211,5 +212,16 @@ int main(int argc, char **argv)
 	b_pingpong(rounds, 0, 0, "round trip, futex only, back to back");
 	b_pingpong(rounds / 4, 0, 50, "round trip, futex only, 50 us idle");
 	b_pingpong(rounds, 1u << 30, 0, "round trip, both spinning");
+
+	/* What a spin round costs here, and the spin against a sleeping peer. */
+	uint64_t t0 = b_now_ns();
+	for (int i = 0; i < 1000000; i++)
+		ap_ring_cpu_relax();
+	printf("one spin round (pause) %.1f ns\n", (double)(b_now_ns() - t0) / 1e6);
+	static const unsigned sweep[] = { 0, 20, 50, 100, 200, 500, 2000 };
+	for (size_t i = 0; i < sizeof sweep / sizeof sweep[0]; i++) {
+		snprintf(l, sizeof l, "round trip, spin %u + futex, 50 us idle", sweep[i]);
+		b_pingpong(rounds / 4, sweep[i], 50, l);
+	}
 	return 0;
 }

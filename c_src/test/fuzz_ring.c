@@ -13,7 +13,12 @@
  *                   producer (sizes from `at`; some read and released
  *                   already, so records wrap), the payload over it at
  *                   at % size, clipped at its end; with 3, the header's
- *                   constant fields put back afterwards.
+ *                   constant fields put back afterwards;
+ *   mode & 4        the peer moves while we work: after the consumer's
+ *                   (at % 4)-th read, `tail` becomes the payload's first 8
+ *                   bytes, and after the producer's first reservation
+ *                   `head` becomes the next 8 (payloads shorter than 16
+ *                   bytes leave them alone).
  *
  * The ring is an exact-size heap block, so ASan reports any access past
  * it. The consumer drains it in at most cap / 8 + 4 reads, releasing as it
@@ -138,6 +143,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			t_check(word == &c.hdr->data_bell);
 		ap_ring_end_sleep(&c);
 		for (uint64_t k = 0; k < c.cap / 8 + 4; k++) {
+			if ((mode & 4) && pl_len >= 16 && k == at % 4u)
+				memcpy(&c.hdr->tail, pl, 8);
 			rc = ap_ring_read(&c, &rp, &rl);
 			t_check(rc == 0 || rc == -EAGAIN || rc == -EPROTO);
 			if (rc)
@@ -158,6 +165,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 				t_in_data(&p, wp, l);
 				memset(wp, 0x77, l);
 			}
+			if ((mode & 4) && pl_len >= 16 && k == 0)
+				memcpy(&p.hdr->head, pl + 8, 8);
 			if (k & 1) {
 				rc = ap_ring_publish(&p);
 				t_check(rc == 0 || rc == -EPROTO);
