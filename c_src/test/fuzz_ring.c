@@ -25,7 +25,7 @@
  * goes; every record it hands out must lie inside the data area and be no
  * longer than the maximum; results must be ones the API names. Then a
  * producer attached to the same bytes reserves and commits a few records,
- * with the same checks.
+ * with the same checks, and asks whether it would sleep for space.
  */
 #include <errno.h>
 #include <stddef.h>
@@ -172,6 +172,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 				t_check(rc == 0 || rc == -EPROTO);
 			}
 		}
+		uint32_t *word, expected;
+		int rc = ap_ring_prepare_sleep(&p, at % 512u, &word, &expected);
+		t_check(rc == 0 || rc == 1 || rc == -EMSGSIZE || rc == -EPROTO);
+		if (rc == 1)
+			t_check(word == &p.hdr->space_bell);
+		ap_ring_end_sleep(&p);
 		t_check(p.head <= p.tail && p.tail <= p.pos && p.pos - p.head <= p.cap);
 	}
 	free(mem);
