@@ -180,7 +180,7 @@ int ap_ring_publish(struct ap_ring *r)
 	return 0;
 }
 
-void ap_ring_notify(struct ap_ring *r)
+int ap_ring_notify(struct ap_ring *r)
 {
 	/* Orders our tail store before the flag load (see "Wake-ups"). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -190,7 +190,9 @@ void ap_ring_notify(struct ap_ring *r)
 		__atomic_fetch_add(&r->hdr->data_bell, 1, __ATOMIC_RELEASE);
 		ap_ring_futex_wake(&r->hdr->data_bell, 1);
 		r->n_wake++;
+		return 1;
 	}
+	return 0;
 }
 
 int ap_ring_commit(struct ap_ring *r)
@@ -199,7 +201,7 @@ int ap_ring_commit(struct ap_ring *r)
 	int rc = ap_ring_publish(r);
 
 	if (rc == 0 && r->tail != before)
-		ap_ring_notify(r);
+		rc = ap_ring_notify(r);
 	return rc;
 }
 

@@ -182,12 +182,20 @@ int ap_ring_attach_consumer(struct ap_ring *r, void *mem, size_t mem_size);
 int ap_ring_reserve(struct ap_ring *r, size_t len, void **p);
 
 /* Publishes every reservation made since the last commit (one release
- * store), then wakes the consumer if it may be asleep. 0, or -EPROTO. */
+ * store), then wakes the consumer if it may be asleep. 1 when it had to
+ * wake the consumer, 0 when not (or nothing was reserved), or -EPROTO.
+ * A hint for a caller about to wait for an answer from that consumer: the
+ * answer is then at least a wake-up away, and spinning for it takes the
+ * CPU the consumer needs (bench_ring, 2 cores: an idle round trip is 7 us
+ * with no spin, 18 us with 200 rounds). Not a policy by itself: a
+ * ping-pong whose two sides skip the spin after every wake stays asleep
+ * (45 us back to back, against 0.16 us spinning 200 rounds). */
 int ap_ring_commit(struct ap_ring *r);
 
-/* Publishes without the wake-up check; a later ap_ring_notify rings once. */
+/* Publishes without the wake-up check; a later ap_ring_notify rings once
+ * (and returns 1 if it woke the consumer). */
 int ap_ring_publish(struct ap_ring *r);
-void ap_ring_notify(struct ap_ring *r);
+int ap_ring_notify(struct ap_ring *r);
 
 /* Drops every reservation made since the last commit. */
 void ap_ring_abort(struct ap_ring *r);

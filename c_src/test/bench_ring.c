@@ -8,7 +8,8 @@
  * before sleeping ("spin+futex") or sleeping as soon as the ring is empty
  * ("futex only"). Round trip: an 8-byte record there and back, p50/p99,
  * back to back and with 50 us of idle between rounds, with the same two
- * wait policies and with both sides spinning (no sleeps at all); then the
+ * wait policies, "wake-aware" (no spin when our last commit had to wake
+ * the peer), and with both sides spinning (no sleeps at all); then the
  * cost of one spin round and the idle round trip over a range of spins.
  */
 #include <errno.h>
@@ -118,8 +119,10 @@ static int b_cmp(const void *a, const void *b)
 /* One side of the ping-pong: read one record from `in`, send it back on
  * `out`; the initiator times each round. */
 static void b_pong(struct ap_ring *in, struct ap_ring *out, uint64_t rounds, unsigned spin, uint64_t *lat,
-		   unsigned idle_us)
+		   unsigned idle_us, int wake_aware)
 {
+	int woke = 0;
+
 	for (uint64_t i = 0; i < rounds; i++) {
 		const void *p;
 		size_t len;
@@ -138,11 +141,15 @@ static void b_pong(struct ap_ring *in, struct ap_ring *out, uint64_t rounds, uns
 			if (ap_ring_reserve(out, 8, &w))
 				b_die("reserve", -EAGAIN);
 			memcpy(w, &i, 8);
-			ap_ring_commit(out);
+			woke = ap_ring_commit(out) == 1;
 		}
 		int rc;
+		/* Wake-aware: no spin for an answer from a peer we just woke
+		 * (it is microseconds away), nor, on the echo side, for the
+		 * next request after waking the initiator. */
+		unsigned s = wake_aware && woke ? 0 : spin;
 		while ((rc = ap_ring_read(in, &p, &len)) == -EAGAIN)
-			if ((rc = ap_ring_wait(in, spin, 5000)) && rc != -ETIMEDOUT)
+			if ((rc = ap_ring_wait(in, s, 5000)) && rc != -ETIMEDOUT)
 				b_die("wait", rc);
 		if (rc)
 			b_die("read", rc);
@@ -153,12 +160,12 @@ static void b_pong(struct ap_ring *in, struct ap_ring *out, uint64_t rounds, uns
 			if (ap_ring_reserve(out, 8, &w))
 				b_die("reserve", -EAGAIN);
 			memcpy(w, p, 8);
-			ap_ring_commit(out);
+			woke = ap_ring_commit(out) == 1;
 		}
 	}
 }
 
-static void b_pingpong(uint64_t rounds, unsigned spin, unsigned idle_us, const char *label)
+static void b_pingpong(uint64_t rounds, unsigned spin, unsigned idle_us, int wake_aware, const char *label)
 {
 	size_t one = ap_ring_size(4096);
 	struct ap_ring_map m;
@@ -175,12 +182,12 @@ static void b_pingpong(uint64_t rounds, unsigned spin, unsigned idle_us, const c
 		struct ap_ring b_in, b_out;
 		ap_ring_attach_consumer(&b_in, m.mem, one);
 		ap_ring_attach_producer(&b_out, (uint8_t *)m.mem + one, one);
-		b_pong(&b_in, &b_out, rounds, spin, NULL, 0);
+		b_pong(&b_in, &b_out, rounds, spin, NULL, 0, wake_aware);
 		_exit(0);
 	}
 	ap_ring_attach_producer(&a_out, m.mem, one);
 	ap_ring_attach_consumer(&a_in, (uint8_t *)m.mem + one, one);
-	b_pong(&a_in, &a_out, rounds, spin, lat, idle_us);
+	b_pong(&a_in, &a_out, rounds, spin, lat, idle_us, wake_aware);
 	waitpid(pid, &st, 0);
 	qsort(lat, rounds, sizeof *lat, b_cmp);
 	printf("%-44s p50 %7.2f us  p99 %7.2f us  (sleeps %" PRIu64 ")\n", label, (double)lat[rounds / 2] / 1e3,
@@ -205,13 +212,16 @@ int main(int argc, char **argv)
 	b_throughput(n, 32, 0, "commit per 32, futex only");
 
 	uint64_t rounds = n / 100 < 20000 ? 20000 : n / 100;
-	snprintf(l, sizeof l, "round trip, spin %u + futex, back to back", spin);
-	b_pingpong(rounds, spin, 0, l);
-	snprintf(l, sizeof l, "round trip, spin %u + futex, 50 us idle", spin);
-	b_pingpong(rounds / 4, spin, 50, l);
-	b_pingpong(rounds, 0, 0, "round trip, futex only, back to back");
-	b_pingpong(rounds / 4, 0, 50, "round trip, futex only, 50 us idle");
-	b_pingpong(rounds, 1u << 30, 0, "round trip, both spinning");
+	for (int aware = 0; aware < 2; aware++) {
+		const char *a = aware ? ", wake-aware" : "";
+		snprintf(l, sizeof l, "round trip, spin %u + futex%s, back to back", spin, a);
+		b_pingpong(rounds, spin, 0, aware, l);
+		snprintf(l, sizeof l, "round trip, spin %u + futex%s, 50 us idle", spin, a);
+		b_pingpong(rounds / 4, spin, 50, aware, l);
+	}
+	b_pingpong(rounds, 0, 0, 0, "round trip, futex only, back to back");
+	b_pingpong(rounds / 4, 0, 50, 0, "round trip, futex only, 50 us idle");
+	b_pingpong(rounds, 1u << 30, 0, 0, "round trip, both spinning");
 
 	/* What a spin round costs here, and the spin against a sleeping peer. */
 	uint64_t t0 = b_now_ns();
@@ -221,7 +231,7 @@ int main(int argc, char **argv)
 	static const unsigned sweep[] = { 0, 20, 50, 100, 200, 500, 2000 };
 	for (size_t i = 0; i < sizeof sweep / sizeof sweep[0]; i++) {
 		snprintf(l, sizeof l, "round trip, spin %u + futex, 50 us idle", sweep[i]);
-		b_pingpong(rounds / 4, sweep[i], 50, l);
+		b_pingpong(rounds / 4, sweep[i], 50, 0, l);
 	}
 	return 0;
 }
