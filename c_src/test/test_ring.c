@@ -1,0 +1,1240 @@
+/* test_ring: the shared-memory record ring: two threads and two processes
+ * through it, wrap-around, full and empty, batching and doorbells, a writer
+ * killed mid-write, hostile indexes and records, segments, and the io_uring
+ * futex wait. */
+#include "t_helpers.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ap_ring.h"
+#include "ap_ring_uring.h"
+
+#define T_SPIN AP_RING_DEFAULT_SPIN
+#define T_WAIT_MS 2000
+
+/* Checks in a forked child: exit with the line that failed. */
+#define T_CK(c)                                                              \
+	do {                                                                 \
+		if (!(c)) {                                                  \
+			fprintf(stderr, "child check failed line %d: %s\n", __LINE__, #c); \
+			_exit(__LINE__ & 0x7f ? __LINE__ & 0x7f : 1);        \
+		}                                                            \
+	} while (0)
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+/* A formatted ring in exact-size heap memory (ASan sees any overrun). */
+static void *t_ring_mem(size_t cap)
+{
+	void *m = aligned_alloc(64, ap_ring_size(cap));
+	assert_non_null(m);
+	memset(m, 0xee, ap_ring_size(cap));
+	assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+	return m;
+}
+
+/* Record k's payload: its bytes depend on k and their offset, so a lost,
+ * repeated, torn or misplaced record shows. */
+static void t_fill(uint8_t *p, size_t n, uint64_t k)
+{
+	for (size_t i = 0; i < n; i++)
+		p[i] = (uint8_t)(k * 131 + i * 7 + (k >> 8));
+}
+
+static int t_check_rec(const uint8_t *p, size_t n, uint64_t k)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i] != (uint8_t)(k * 131 + i * 7 + (k >> 8)))
+			return 0;
+	return 1;
+}
+
+static uint64_t t_sum(uint64_t sum, const uint8_t *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		sum = (sum ^ p[i]) * 0x100000001b3ull;
+	return sum;
+}
+
+/* Reserve + fill + commit one record, waiting for room if needed. */
+static int t_put(struct ap_ring *r, size_t len, uint64_t k)
+{
+	void *p;
+	int rc;
+
+	while ((rc = ap_ring_reserve(r, len, &p)) == -EAGAIN) {
+		rc = ap_ring_wait_space(r, len, T_SPIN, T_WAIT_MS);
+		if (rc)
+			return rc;
+	}
+	if (rc)
+		return rc;
+	t_fill(p, len, k);
+	rc = ap_ring_commit(r);
+	return rc < 0 ? rc : 0; /* 1: it woke the consumer */
+}
+
+static uint64_t *t_word(void *mem, size_t cap, uint64_t idx)
+{
+	return (uint64_t *)((uint8_t *)mem + AP_RING_HDR_SIZE + (idx & (cap - 1)));
+}
+
+/* A record header word as the producer writes it at index idx. */
+static uint64_t t_rec_word(uint32_t kind, uint64_t idx, uint32_t len)
+{
+	return (uint64_t)(kind ^ (uint32_t)(idx >> 3)) << 32 | len;
+}
+
+/* ---- format and attach ---------------------------------------------------- */
+
+static void test_format_and_attach_reject_what_is_not_a_ring(void **state)
+{
+	(void)state;
+	size_t cap = 4096;
+	uint8_t *m = aligned_alloc(64, ap_ring_size(cap) + 64);
+	struct ap_ring r;
+	struct ap_ring_hdr *h = (struct ap_ring_hdr *)m;
+
+	assert_non_null(m);
+	assert_int_equal(ap_ring_format(m, ap_ring_size(cap), 3000), -EINVAL);          /* not a power of two */
+	assert_int_equal(ap_ring_format(m, ap_ring_size(cap), 32), -EINVAL);            /* below the minimum */
+	assert_int_equal(ap_ring_format(m, ap_ring_size(cap) - 1, cap), -EINVAL);       /* memory too small */
+	assert_int_equal(ap_ring_format(m + 4, ap_ring_size(cap), cap), -EINVAL);       /* misaligned */
+	assert_int_equal(ap_ring_format(NULL, ap_ring_size(cap), cap), -EINVAL);
+	assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap) - 8), -EINVAL); /* cap past the mapping */
+	assert_int_equal(ap_ring_attach_consumer(&r, m, 100), -EINVAL);
+
+	h->version = 2;
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EINVAL);
+	h->version = AP_RING_VERSION;
+	h->cap = 4000;
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EINVAL);
+	h->cap = 1u << 31;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EINVAL);
+	h->cap = cap;
+	h->magic ^= 1;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EINVAL);
+	h->magic ^= 1;
+	h->head = 16;
+	h->tail = 8;
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EPROTO);
+	h->head = 0;
+	h->tail = cap + 8;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EPROTO);
+	h->tail = 4;
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EPROTO);
+	/* Indexes near 2^64 would overflow the producer's arithmetic. */
+	h->head = h->tail = UINT64_MAX - 7;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EPROTO);
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EPROTO);
+	h->head = h->tail = AP_RING_MAX_INDEX;
+	assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), 0);
+	h->head = h->tail = 0;
+	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), 0);
+	free(m);
+}
+
+/* ---- two threads ------------------------------------------------------------ */
+
+#define T_THREAD_RECS 2000000u
+#define T_THREAD_MAXLEN 120u
+#define T_THREAD_CAP 65536u
+
+struct t_pc {
+	void *mem;
+	uint64_t seed;
+	uint64_t sum;
+	int rc;
+};
+
+static void *t_producer_thread(void *arg)
+{
+	struct t_pc *pc = arg;
+	struct ap_ring r;
+	t_rng rng;
+	uint64_t k = 0;
+
+	t_rng_seed(&rng, pc->seed);
+	pc->rc = ap_ring_attach_producer(&r, pc->mem, ap_ring_size(T_THREAD_CAP));
+	while (!pc->rc && k < T_THREAD_RECS) {
+		/* A batch of 1..8 records, one commit and at most one wake. */
+		size_t batch = t_rand_range(&rng, 1, 8);
+		for (size_t b = 0; b < batch && k < T_THREAD_RECS && !pc->rc; b++, k++) {
+			size_t len = t_rand_range(&rng, 0, T_THREAD_MAXLEN);
+			void *p;
+			int rc;
+			while ((rc = ap_ring_reserve(&r, len, &p)) == -EAGAIN) {
+				if ((rc = ap_ring_commit(&r)) < 0 ||
+				    (rc = ap_ring_wait_space(&r, len, T_SPIN, T_WAIT_MS)))
+					break;
+			}
+			if (rc) {
+				pc->rc = rc;
+				break;
+			}
+			t_fill(p, len, k);
+			pc->sum = t_sum(pc->sum, p, len);
+		}
+		if (!pc->rc && ap_ring_commit(&r) < 0)
+			pc->rc = -EPROTO;
+	}
+	return NULL;
+}
+
+/* The producer's lengths, replayed: a batch size, then that many lengths. */
+struct t_lens {
+	t_rng rng;
+	size_t left;
+};
+
+static size_t t_next_len(struct t_lens *l)
+{
+	if (!l->left)
+		l->left = t_rand_range(&l->rng, 1, 8);
+	l->left--;
+	return t_rand_range(&l->rng, 0, T_THREAD_MAXLEN);
+}
+
+static void test_two_threads_pass_millions_of_random_records_in_order(void **state)
+{
+	(void)state;
+	struct t_pc pc = { .mem = t_ring_mem(T_THREAD_CAP), .seed = t_seed("two threads") };
+	struct t_lens lens = { .left = 0 };
+	struct ap_ring r;
+	pthread_t th;
+	uint64_t k = 0, sum = 0;
+	const void *p;
+	size_t len;
+
+	t_rng_seed(&lens.rng, pc.seed);
+	assert_int_equal(ap_ring_attach_consumer(&r, pc.mem, ap_ring_size(T_THREAD_CAP)), 0);
+	assert_int_equal(pthread_create(&th, NULL, t_producer_thread, &pc), 0);
+	while (k < T_THREAD_RECS) {
+		int rc = ap_ring_read(&r, &p, &len);
+		if (rc == -EAGAIN) {
+			ap_ring_release(&r);
+			rc = ap_ring_wait(&r, T_SPIN, T_WAIT_MS);
+			assert_int_equal(rc, 0);
+			continue;
+		}
+		assert_int_equal(rc, 0);
+		size_t want = t_next_len(&lens);
+		if (len != want)
+			fail_msg("record %" PRIu64 " has length %zu, sent %zu", k, len, want);
+		assert_true((const uint8_t *)p + len <= r.data + r.cap);
+		if (!t_check_rec(p, len, k))
+			fail_msg("record %" PRIu64 " (len %zu) is not its bytes", k, len);
+		sum = t_sum(sum, p, len);
+		k++;
+		if (k % 64 == 0)
+			ap_ring_release(&r);
+	}
+	ap_ring_release(&r);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	assert_int_equal(pc.rc, 0);
+	assert_true(sum == pc.sum);
+	/* Nothing more than what was sent. */
+	assert_int_equal(ap_ring_read(&r, &p, &len), -EAGAIN);
+	print_message("[ info     ] consumer futex waits %" PRIu64 ", wakes %" PRIu64 "\n", r.n_sleep, r.n_wake);
+	free(pc.mem);
+}
+
+/* ---- wrap-around, full, empty ------------------------------------------------- */
+
+static void test_wrap_around_writes_a_pad_and_records_stay_contiguous(void **state)
+{
+	(void)state;
+	size_t cap = 256;
+	void *m = t_ring_mem(cap);
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+	void *wp;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	/* 40-byte payloads take 48 bytes: five fill 240, the sixth does not
+	 * fit in the last 16 and goes to offset 0 behind a pad. */
+	for (uint64_t k = 0; k < 5; k++) {
+		assert_int_equal(t_put(&p, 40, k), 0);
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_true(len == 40 && t_check_rec(rp, len, k));
+		ap_ring_release(&c);
+	}
+	assert_int_equal(ap_ring_reserve(&p, 40, &wp), 0);
+	assert_ptr_equal(wp, p.data + AP_RING_REC_HDR);
+	assert_true(*t_word(m, cap, 240) == t_rec_word(AP_RING_STAMP_PAD, 240, 8));
+	t_fill(wp, 40, 5);
+	/* Not visible before the commit, pad included. */
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	assert_int_equal(ap_ring_commit(&p), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_ptr_equal(rp, c.data + AP_RING_REC_HDR);
+	assert_true(len == 40 && t_check_rec(rp, len, 5));
+	ap_ring_release(&c);
+	assert_true(c.head == 256 + 48);
+
+	/* Random sizes up to the maximum over hundreds of laps. */
+	t_rng rng;
+	t_rng_seed(&rng, t_seed("wrap"));
+	for (uint64_t k = 6; k < 20000; k++) {
+		size_t l = t_rand_range(&rng, 0, ap_ring_max_payload(cap));
+		assert_int_equal(t_put(&p, l, k), 0);
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_true(len == l);
+		assert_true((const uint8_t *)rp >= c.data && (const uint8_t *)rp + len <= c.data + cap);
+		assert_true(t_check_rec(rp, len, k));
+		ap_ring_release(&c);
+	}
+	assert_true(c.head > 100 * cap);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	free(m);
+}
+
+static void test_full_and_empty(void **state)
+{
+	(void)state;
+	size_t cap = 4096;
+	void *m = t_ring_mem(cap);
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+	void *wp;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	assert_int_equal(ap_ring_readable(&c), 0);
+	assert_int_equal(ap_ring_wait(&c, 10, 0), -ETIMEDOUT);
+
+	/* 56-byte payloads take 64 bytes: exactly 64 fit. */
+	for (uint64_t k = 0; k < 64; k++) {
+		assert_int_equal(ap_ring_reserve(&p, 56, &wp), 0);
+		t_fill(wp, 56, k);
+	}
+	assert_int_equal(ap_ring_reserve(&p, 0, &wp), -EAGAIN);
+	assert_int_equal(ap_ring_has_room(&p, 0), 0);
+	assert_int_equal(ap_ring_commit(&p), 0);
+	assert_int_equal(ap_ring_wait_space(&p, 0, 10, 0), -ETIMEDOUT);
+	/* Reading does not free: only release does. */
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 56 && t_check_rec(rp, len, 0));
+	assert_int_equal(ap_ring_reserve(&p, 0, &wp), -EAGAIN);
+	ap_ring_release(&c);
+	assert_int_equal(ap_ring_has_room(&p, 56), 1);
+	assert_int_equal(ap_ring_reserve(&p, 57, &wp), -EAGAIN); /* 72 bytes > the 64 freed */
+	assert_int_equal(ap_ring_reserve(&p, 56, &wp), 0);
+	t_fill(wp, 56, 64);
+	assert_int_equal(ap_ring_commit(&p), 0);
+	for (uint64_t k = 1; k <= 64; k++) {
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_true(len == 56 && t_check_rec(rp, len, k));
+	}
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	ap_ring_release(&c);
+
+	/* Sizes: over the maximum is refused; zero-length records exist. */
+	assert_int_equal(ap_ring_reserve(&p, ap_ring_max_payload(cap) + 1, &wp), -EMSGSIZE);
+	assert_null(wp);
+	assert_int_equal(ap_ring_reserve(&p, 0, &wp), 0);
+	assert_int_equal(ap_ring_commit(&p), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_int_equal(len, 0);
+	ap_ring_release(&c);
+	free(m);
+
+	/* An empty ring takes a record of the maximum size wherever its
+	 * indexes stand. */
+	cap = 256;
+	m = t_ring_mem(cap);
+	for (size_t at = 0; at < cap; at += 8) {
+		assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		/* Empty records (8 bytes each) move the indexes to `at`. */
+		for (size_t i = 0; i < at / 8; i++) {
+			assert_int_equal(t_put(&p, 0, 1), 0);
+			assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+			ap_ring_release(&c);
+		}
+		assert_true(c.head == at);
+		assert_int_equal(ap_ring_reserve(&p, ap_ring_max_payload(cap), &wp), 0);
+		t_fill(wp, ap_ring_max_payload(cap), 2);
+		assert_int_equal(ap_ring_commit(&p), 0);
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_true(len == ap_ring_max_payload(cap) && t_check_rec(rp, len, 2));
+		ap_ring_release(&c);
+	}
+	free(m);
+}
+
+/* ---- batching and doorbells ------------------------------------------------------ */
+
+static void test_batch_commit_publishes_all_and_rings_once(void **state)
+{
+	(void)state;
+	size_t cap = 32768;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+	void *wp;
+	uint32_t *word, expected;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	/* The consumer is about to sleep (its flag is up). */
+	assert_int_equal(ap_ring_prepare_sleep(&c, 0, &word, &expected), 1);
+	assert_ptr_equal(word, &h->data_bell);
+	for (uint64_t k = 0; k < 10; k++) {
+		assert_int_equal(ap_ring_reserve(&p, 100, &wp), 0);
+		t_fill(wp, 100, k);
+	}
+	assert_int_equal(ap_ring_readable(&c), 0);
+	assert_int_equal(ap_ring_commit(&p), 1); /* 1: it had to wake the consumer */
+	assert_true(p.n_wake == 1);
+	assert_true(h->data_bell == expected + 1);
+	/* More commits before the sleeper is up: it is already being woken,
+	 * so they cost no syscall (the waker takes the flag down). */
+	for (uint64_t k = 10; k < 109; k++)
+		assert_int_equal(t_put(&p, 100, k), 0);
+	assert_int_equal(ap_ring_reserve(&p, 100, &wp), 0);
+	t_fill(wp, 100, 109);
+	assert_int_equal(ap_ring_commit(&p), 0); /* 0: no wake needed */
+	assert_true(p.n_wake == 1);
+	assert_true(h->data_bell == expected + 1);
+	/* Its futex wait would return at once: the bell moved. */
+	assert_int_equal(ap_ring_futex_wait(word, expected, 1000), 0);
+	ap_ring_end_sleep(&c);
+	for (uint64_t k = 0; k < 110; k++) {
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_true(len == 100 && t_check_rec(rp, len, k));
+	}
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	ap_ring_release(&c);
+	/* A consumer that is not asleep costs the producer no syscall. */
+	for (uint64_t k = 0; k < 1000; k++) {
+		assert_int_equal(t_put(&p, 20, k), 0);
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		ap_ring_release(&c);
+	}
+	assert_true(p.n_wake == 1);
+	assert_true(c.n_wake == 0);
+	/* A ring with data is no reason to sleep. */
+	assert_int_equal(t_put(&p, 20, 0), 0);
+	assert_int_equal(ap_ring_prepare_sleep(&c, 0, &word, &expected), 0);
+	assert_int_equal(h->cons_waiting, 0);
+	/* A full ring: the producer may sleep, and the consumer's release
+	 * rings its bell once. */
+	while (ap_ring_reserve(&p, 1000, &wp) == 0)
+		;
+	assert_int_equal(ap_ring_commit(&p), 0);
+	assert_int_equal(ap_ring_prepare_sleep(&p, 1000, &word, &expected), 1);
+	assert_ptr_equal(word, &h->space_bell);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	ap_ring_release(&c);
+	assert_true(c.n_wake == 1 && h->space_bell == expected + 1);
+	ap_ring_end_sleep(&p);
+	assert_int_equal(h->prod_waiting, 0);
+	free(m);
+}
+
+static void test_abort_drops_uncommitted_reservations(void **state)
+{
+	(void)state;
+	size_t cap = 1024;
+	void *m = t_ring_mem(cap);
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+	void *wp;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	assert_int_equal(t_put(&p, 10, 1), 0);
+	assert_int_equal(ap_ring_reserve(&p, 30, &wp), 0);
+	memset(wp, 0x55, 30);
+	ap_ring_abort(&p);
+	assert_int_equal(ap_ring_commit(&p), 0);
+	assert_int_equal(t_put(&p, 12, 2), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 10 && t_check_rec(rp, len, 1));
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 12 && t_check_rec(rp, len, 2));
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
+	free(m);
+}
+
+/* ---- wake-ups ------------------------------------------------------------------ */
+
+struct t_waiter {
+	struct ap_ring r;
+	int rc;
+	int64_t ms;
+};
+
+static void *t_wait_thread(void *arg)
+{
+	struct t_waiter *w = arg;
+	int64_t t0 = t_now_ms();
+	w->rc = ap_ring_wait(&w->r, 0, 10000);
+	w->ms = t_now_ms() - t0;
+	return NULL;
+}
+
+/* Polls `word` until it is non-zero, or fails at the deadline. */
+static void t_until_set(const uint32_t *word, int ms)
+{
+	int64_t end = t_now_ms() + ms;
+	while (!__atomic_load_n(word, __ATOMIC_ACQUIRE)) {
+		if (t_now_ms() > end)
+			fail_msg("flag not set within %d ms", ms);
+		poll(NULL, 0, 1);
+	}
+}
+
+static void test_wait_times_out_and_wake_ends_a_sleep(void **state)
+{
+	(void)state;
+	size_t cap = 1024;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+	struct t_waiter w;
+	struct ap_ring p;
+	pthread_t th;
+
+	assert_int_equal(ap_ring_attach_consumer(&w.r, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	int64_t t0 = t_now_ms();
+	assert_int_equal(ap_ring_wait(&w.r, T_SPIN, 30), -ETIMEDOUT);
+	assert_true(t_now_ms() - t0 >= 25);
+	assert_int_equal(h->cons_waiting, 0);
+
+	/* A sleeping consumer, woken by a commit... */
+	assert_int_equal(pthread_create(&th, NULL, t_wait_thread, &w), 0);
+	t_until_set(&h->cons_waiting, 5000);
+	assert_int_equal(t_put(&p, 8, 1), 0);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	assert_int_equal(w.rc, 0);
+	assert_true(w.ms < 5000);
+	assert_true(p.n_wake == 1);
+	const void *rp;
+	size_t len;
+	assert_int_equal(ap_ring_read(&w.r, &rp, &len), 0);
+	ap_ring_release(&w.r);
+
+	/* ...and by ap_ring_wake with nothing to read. */
+	assert_int_equal(pthread_create(&th, NULL, t_wait_thread, &w), 0);
+	t_until_set(&h->cons_waiting, 5000);
+	ap_ring_wake(&p);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	assert_int_equal(w.rc, 0);
+	assert_true(w.ms < 5000);
+	assert_int_equal(ap_ring_read(&w.r, &rp, &len), -EAGAIN);
+	free(m);
+}
+
+/* ---- two processes ------------------------------------------------------------- */
+
+#define T_PROC_RECS 200000u
+#define T_PROC_CAP 16384u
+
+static size_t t_proc_len(uint64_t k) { return (size_t)((k * 2654435761u) >> 7) % 200; }
+
+/* Child: the producer, pausing now and then so that the consumer sleeps;
+ * `stats` (after the ring) gets its futex counts. */
+static void t_child_producer(void *mem, uint64_t *stats)
+{
+	struct ap_ring r;
+
+	T_CK(ap_ring_attach_producer(&r, mem, ap_ring_size(T_PROC_CAP)) == 0);
+	for (uint64_t k = 0; k < T_PROC_RECS; k++) {
+		T_CK(t_put(&r, t_proc_len(k), k) == 0);
+		/* Pacing, not synchronisation: gives the consumer time to
+		 * fall asleep so the futex path is exercised. */
+		if (k % 20000 == 19999)
+			poll(NULL, 0, 3);
+	}
+	stats[0] = r.n_wake;
+	stats[1] = r.n_sleep;
+	_exit(0);
+}
+
+static void test_two_processes_with_futex_sleeps(void **state)
+{
+	(void)state;
+	struct ap_ring_map map;
+	struct ap_ring c;
+	uint64_t *stats;
+	int st;
+
+	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring", ap_ring_size(T_PROC_CAP) + 64), 0);
+	stats = (uint64_t *)((uint8_t *)map.mem + ap_ring_size(T_PROC_CAP));
+	assert_int_equal(ap_ring_format(map.mem, map.size, T_PROC_CAP), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, map.mem, map.size), 0);
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0)
+		t_child_producer(map.mem, stats);
+	uint64_t k = 0;
+	while (k < T_PROC_RECS) {
+		const void *p;
+		size_t len;
+		int rc = ap_ring_read(&c, &p, &len);
+		if (rc == -EAGAIN) {
+			ap_ring_release(&c);
+			rc = ap_ring_wait(&c, T_SPIN, T_WAIT_MS);
+			if (rc)
+				kill(pid, SIGKILL);
+			assert_int_equal(rc, 0);
+			continue;
+		}
+		if (rc)
+			kill(pid, SIGKILL);
+		assert_int_equal(rc, 0);
+		assert_true(len == t_proc_len(k));
+		if (!t_check_rec(p, len, k)) {
+			kill(pid, SIGKILL);
+			fail_msg("record %" PRIu64 " is not its bytes", k);
+		}
+		k++;
+		/* A slow stretch: the producer fills the ring and sleeps. */
+		if (k == T_PROC_RECS / 2)
+			poll(NULL, 0, 20);
+		if (k % 32 == 0)
+			ap_ring_release(&c);
+	}
+	ap_ring_release(&c);
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	assert_true(WIFEXITED(st));
+	assert_int_equal(WEXITSTATUS(st), 0);
+	print_message("[ info     ] consumer: %" PRIu64 " sleeps %" PRIu64 " wakes; producer: %" PRIu64
+		      " wakes %" PRIu64 " sleeps\n", c.n_sleep, c.n_wake, stats[0], stats[1]);
+	/* Both directions slept and were woken by the other process. */
+	assert_true(c.n_sleep > 0 && stats[0] > 0);
+	assert_true(stats[1] > 0 && c.n_wake > 0);
+	ap_ring_map_close(&map);
+}
+
+/* One message in flight at a time, both sides sleeping whenever they
+ * wait: a lost wake-up cannot be rescued by a later message, so it shows
+ * as a wait that ended by its timeout. */
+#define T_PP_ROUNDS 4000u
+
+static void t_pp_side(struct ap_ring *in, struct ap_ring *out, int first, unsigned spin)
+{
+	t_rng rng;
+
+	t_rng_seed(&rng, 0x9b9b + (uint64_t)first);
+	for (uint64_t i = 0; i < T_PP_ROUNDS; i++) {
+		const void *p;
+		size_t len;
+		int rc;
+
+		/* A random few microseconds before each send, so that sends
+		 * land anywhere in the peer's way to sleep, its races
+		 * included. */
+		for (volatile size_t d = t_rand_range(&rng, 0, 3000); d > 0; d--)
+			;
+		if (first)
+			T_CK(t_put(out, 8, i) == 0);
+		/* A wait that times out is counted (the parent fails on it);
+		 * three end this side. */
+		while ((rc = ap_ring_read(in, &p, &len)) == -EAGAIN) {
+			rc = ap_ring_wait(in, spin, 1000);
+			T_CK((rc == 0 || rc == -ETIMEDOUT) && in->n_timeout < 3);
+		}
+		T_CK(rc == 0 && len == 8 && t_check_rec(p, len, i));
+		ap_ring_release(in);
+		if (!first)
+			T_CK(t_put(out, 8, i) == 0);
+	}
+}
+
+static void test_ping_pong_between_processes_loses_no_wake_up(void **state)
+{
+	(void)state;
+	size_t one = ap_ring_size(4096);
+	static const unsigned spins[] = { 0, T_SPIN };
+	struct ap_ring_map map;
+	int st;
+
+	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring_pp", 2 * one + 64), 0);
+	uint64_t *child_timeouts = (uint64_t *)((uint8_t *)map.mem + 2 * one);
+	for (size_t s = 0; s < sizeof spins / sizeof spins[0]; s++) {
+		struct ap_ring a_out, a_in;
+		assert_int_equal(ap_ring_format(map.mem, one, 4096), 0);
+		assert_int_equal(ap_ring_format((uint8_t *)map.mem + one, one, 4096), 0);
+		fflush(stdout);
+		fflush(stderr);
+		pid_t pid = fork();
+		assert_true(pid >= 0);
+		if (pid == 0) {
+			struct ap_ring b_in, b_out;
+			T_CK(ap_ring_attach_consumer(&b_in, map.mem, one) == 0);
+			T_CK(ap_ring_attach_producer(&b_out, (uint8_t *)map.mem + one, one) == 0);
+			t_pp_side(&b_in, &b_out, 0, spins[s]);
+			*child_timeouts = b_in.n_timeout + b_out.n_timeout;
+			_exit(0);
+		}
+		assert_int_equal(ap_ring_attach_producer(&a_out, map.mem, one), 0);
+		assert_int_equal(ap_ring_attach_consumer(&a_in, (uint8_t *)map.mem + one, one), 0);
+		pid_t side = fork();
+		assert_true(side >= 0);
+		if (side == 0) {
+			/* The parent's side in a child of its own, so that T_CK
+			 * can fail it without leaving the other one behind. */
+			t_pp_side(&a_in, &a_out, 1, spins[s]);
+			_exit(a_in.n_timeout + a_out.n_timeout ? 100 : 0);
+		}
+		int st2;
+		assert_int_equal(waitpid(side, &st2, 0), side);
+		if (!WIFEXITED(st2) || WEXITSTATUS(st2))
+			kill(pid, SIGKILL);
+		assert_int_equal(waitpid(pid, &st, 0), pid);
+		if (WIFEXITED(st2) && WEXITSTATUS(st2) == 100)
+			fail_msg("spin %u: the initiator's waits timed out (lost wake-ups)", spins[s]);
+		assert_true(WIFEXITED(st2) && WEXITSTATUS(st2) == 0);
+		assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+		if (*child_timeouts)
+			fail_msg("spin %u: %" PRIu64 " of the echo side's waits timed out (lost wake-ups)", spins[s],
+				 *child_timeouts);
+	}
+	ap_ring_map_close(&map);
+}
+
+/* ---- a writer killed mid-write ----------------------------------------------------- */
+
+static void test_writer_killed_mid_write_is_never_read(void **state)
+{
+	(void)state;
+	struct ap_ring_map map;
+	struct ap_ring c;
+	int fds[2], st;
+	char b;
+
+	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring_kill", ap_ring_size(4096)), 0);
+	assert_int_equal(ap_ring_format(map.mem, map.size, 4096), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, map.mem, map.size), 0);
+	assert_int_equal(pipe(fds), 0);
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		struct ap_ring r;
+		void *wp;
+		close(fds[0]);
+		T_CK(ap_ring_attach_producer(&r, map.mem, map.size) == 0);
+		for (uint64_t k = 0; k < 3; k++)
+			T_CK(t_put(&r, 500, k) == 0);
+		/* A fourth record, half written, and a fifth that needs a pad:
+		 * both reserved, never committed. */
+		T_CK(ap_ring_reserve(&r, 1000, &wp) == 0);
+		memset(wp, 0xa5, 400);
+		T_CK(ap_ring_reserve(&r, 1500, &wp) == 0);
+		memset(wp, 0x5a, 1500);
+		T_CK(write(fds[1], "r", 1) == 1);
+		for (;;)
+			pause();
+	}
+	close(fds[1]);
+	struct pollfd pfd = { .fd = fds[0], .events = POLLIN };
+	int ready = poll(&pfd, 1, 10000) == 1 && read(fds[0], &b, 1) == 1;
+	assert_int_equal(kill(pid, SIGKILL), 0); /* whatever happened: it must not outlive the test */
+	if (!ready)
+		waitpid(pid, &st, 0);
+	assert_true(ready);
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+	close(fds[0]);
+
+	const void *p;
+	size_t len;
+	for (uint64_t k = 0; k < 3; k++) {
+		assert_int_equal(ap_ring_read(&c, &p, &len), 0);
+		assert_true(len == 500 && t_check_rec(p, len, k));
+	}
+	assert_int_equal(ap_ring_read(&c, &p, &len), -EAGAIN);
+	ap_ring_release(&c);
+	/* And waiting for more ends by its timeout, not a hang. */
+	assert_int_equal(ap_ring_wait(&c, T_SPIN, 50), -ETIMEDOUT);
+	assert_int_equal(ap_ring_read(&c, &p, &len), -EAGAIN);
+	ap_ring_map_close(&map);
+}
+
+/* ---- hostile segments ---------------------------------------------------------------- */
+
+/* A ring of cap 256 holding records 0..2 (40 bytes, 48 each), with the
+ * consumer attached; the scribble then runs and the consumer must say
+ * -EPROTO on its first read that meets it, and keep saying it. */
+typedef void (*t_scribble_fn)(void *mem, size_t cap);
+
+static void t_sc_tail_unaligned(void *m, size_t cap) { (void)cap; ((struct ap_ring_hdr *)m)->tail = 148; }
+static void t_sc_tail_past_cap(void *m, size_t cap) { ((struct ap_ring_hdr *)m)->tail = cap + 8; }
+static void t_sc_tail_huge(void *m, size_t cap) { (void)cap; ((struct ap_ring_hdr *)m)->tail = UINT64_MAX - 7; }
+static void t_sc_len_huge(void *m, size_t cap) { *t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_DATA, 0, 0xffffffffu); }
+static void t_sc_len_max(void *m, size_t cap)
+{
+	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_DATA, 0, (uint32_t)ap_ring_max_payload(cap) + 1);
+}
+static void t_sc_len_past_tail(void *m, size_t cap) { *t_word(m, cap, 96) = t_rec_word(AP_RING_STAMP_DATA, 96, 48); }
+static void t_sc_stale_stamp(void *m, size_t cap)
+{
+	*t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_DATA, 48 + cap, 40);
+}
+static void t_sc_garbage(void *m, size_t cap) { memset((uint8_t *)m + AP_RING_HDR_SIZE, 0x41, cap); }
+static void t_sc_pad_at_zero(void *m, size_t cap)
+{
+	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_PAD, 0, (uint32_t)cap - 8);
+}
+static void t_sc_pad_short(void *m, size_t cap) { *t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_PAD, 48, 16); }
+/* A pad to the end committed alone: the producer never does that. */
+static void t_sc_pad_alone(void *m, size_t cap)
+{
+	struct ap_ring_hdr *h = m;
+	*t_word(m, cap, 144) = t_rec_word(AP_RING_STAMP_PAD, 144, (uint32_t)(cap - 144 - 8));
+	h->tail = cap;
+}
+/* Tail published past a record that was never written (stale bytes). */
+static void t_sc_publish_unwritten(void *m, size_t cap)
+{
+	(void)cap;
+	((struct ap_ring_hdr *)m)->tail = 144 + 48;
+}
+
+static void test_hostile_tail_and_records_are_errors_never_reads(void **state)
+{
+	(void)state;
+	static const struct {
+		const char *what;
+		t_scribble_fn fn;
+		int readable; /* records still good before the bad one */
+	} cases[] = {
+		{ "tail unaligned", t_sc_tail_unaligned, 0 },
+		{ "tail past head + cap", t_sc_tail_past_cap, 0 },
+		{ "tail near 2^64", t_sc_tail_huge, 0 },
+		{ "len 2^32-1", t_sc_len_huge, 0 },
+		{ "len over the maximum", t_sc_len_max, 0 },
+		{ "record past tail", t_sc_len_past_tail, 2 },
+		{ "stamp of another lap", t_sc_stale_stamp, 1 },
+		{ "garbage records", t_sc_garbage, 0 },
+		{ "pad at offset 0", t_sc_pad_at_zero, 0 },
+		{ "pad short of the end", t_sc_pad_short, 1 },
+		{ "pad committed alone", t_sc_pad_alone, 3 },
+		{ "tail past unwritten bytes", t_sc_publish_unwritten, 3 },
+	};
+	size_t cap = 256;
+
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		void *m = t_ring_mem(cap);
+		struct ap_ring p, c;
+		const void *rp;
+		size_t len;
+		int rc = 0, n = 0;
+
+		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		for (uint64_t k = 0; k < 3; k++)
+			assert_int_equal(t_put(&p, 40, k), 0);
+		cases[i].fn(m, cap);
+		for (int tries = 0; tries < 10 && (rc = ap_ring_read(&c, &rp, &len)) == 0; tries++) {
+			if (!t_check_rec(rp, len, (uint64_t)n) || len != 40)
+				fail_msg("%s: record %d handed out wrong", cases[i].what, n);
+			n++;
+		}
+		if (rc != -EPROTO || n != cases[i].readable)
+			fail_msg("%s: rc %d after %d records (want -EPROTO after %d)", cases[i].what, rc, n,
+				 cases[i].readable);
+		/* Broken for good. */
+		assert_int_equal(ap_ring_read(&c, &rp, &len), -EPROTO);
+		assert_null(rp);
+		assert_int_equal(ap_ring_wait(&c, T_SPIN, 10), -EPROTO);
+		free(m);
+	}
+}
+
+static void test_hostile_head_is_an_error_for_the_producer(void **state)
+{
+	(void)state;
+	static const uint64_t bad_heads[] = { 100, 312, 1000, UINT64_MAX - 7 };
+	size_t cap = 256;
+
+	for (size_t i = 0; i < sizeof bad_heads / sizeof bad_heads[0] + 1; i++) {
+		void *m = t_ring_mem(cap);
+		struct ap_ring_hdr *h = m;
+		struct ap_ring p, c;
+		const void *rp;
+		size_t len;
+		void *wp;
+
+		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		for (uint64_t k = 0; k < 5; k++)
+			assert_int_equal(t_put(&p, 40, k), 0); /* 240 of 256: the next needs head */
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+		ap_ring_release(&c);                           /* head 96 */
+		assert_int_equal(t_put(&p, 40, 5), 0);         /* the producer has read head 96 */
+		if (i < sizeof bad_heads / sizeof bad_heads[0])
+			h->head = bad_heads[i];                /* unaligned, past tail, far past */
+		else
+			h->head = 48;                          /* backwards */
+		/* Tail 304, cached head 96: a 112-byte record must read head. */
+		int rc = 0;
+		for (int n = 0; n < 10 && rc == 0; n++)
+			rc = ap_ring_reserve(&p, 100, &wp);
+		assert_int_equal(rc, -EPROTO);
+		assert_null(wp);
+		assert_int_equal(ap_ring_reserve(&p, 0, &wp), -EPROTO);
+		assert_int_equal(ap_ring_commit(&p), -EPROTO);
+		assert_int_equal(ap_ring_wait_space(&p, 8, T_SPIN, 10), -EPROTO);
+		free(m);
+	}
+}
+
+static volatile unsigned t_touch;
+
+/* Random bytes over a live ring, many times: every answer is a record
+ * inside the data area, -EAGAIN or -EPROTO, in bounded calls. */
+static void test_random_scribbles_never_crash(void **state)
+{
+	(void)state;
+	size_t cap = 512;
+	t_rng rng;
+
+	t_rng_seed(&rng, t_seed("scribbles"));
+	for (int it = 0; it < 20000; it++) {
+		void *m = t_ring_mem(cap);
+		struct ap_ring p, c;
+		const void *rp;
+		size_t len;
+		void *wp;
+		int n = (int)t_rand_range(&rng, 0, 12);
+
+		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		for (int k = 0; k < n; k++) {
+			if (ap_ring_reserve(&p, t_rand_range(&rng, 0, 100), &wp) == 0 && k % 3 == 2)
+				ap_ring_commit(&p);
+			if (k % 4 == 3) {
+				while (ap_ring_read(&c, &rp, &len) == 0)
+					;
+				ap_ring_release(&c);
+			}
+		}
+		ap_ring_commit(&p);
+		int hits = (int)t_rand_range(&rng, 1, 8);
+		for (int s = 0; s < hits; s++) {
+			size_t off = t_rand_range(&rng, 0, ap_ring_size(cap) - 8) & ~(size_t)(t_rand32(&rng) & 1 ? 7 : 0);
+			uint64_t v = t_rand64(&rng);
+			if (t_rand32(&rng) & 1)
+				v &= 0x3ff; /* small values reach deeper checks */
+			memcpy((uint8_t *)m + off, &v, t_rand32(&rng) & 1 ? 8 : 1 + (t_rand32(&rng) & 7));
+		}
+		for (size_t k = 0; k < cap / 8 + 4; k++) {
+			int rc = ap_ring_read(&c, &rp, &len);
+			if (rc)
+				assert_true(rc == -EAGAIN || rc == -EPROTO);
+			if (rc)
+				break;
+			assert_true((const uint8_t *)rp >= c.data && (const uint8_t *)rp + len <= c.data + cap);
+			assert_true(len <= ap_ring_max_payload(cap));
+			/* Touch both ends: ASan checks they are ours. */
+			if (len)
+				t_touch += ((const volatile uint8_t *)rp)[0] + ((const volatile uint8_t *)rp)[len - 1];
+		}
+		ap_ring_release(&c);
+		int rc = ap_ring_reserve(&p, t_rand_range(&rng, 0, 200), &wp);
+		assert_true(rc == 0 || rc == -EAGAIN || rc == -EPROTO);
+		if (rc == 0)
+			memset(wp, 0, 1);
+		free(m);
+	}
+}
+
+/* ---- segments ------------------------------------------------------------------- */
+
+static void t_shm_name(char *buf, size_t n, const char *what)
+{
+	snprintf(buf, n, "/ap_ring_test_%s_%d", what, (int)getpid());
+}
+
+/* Teardown: the segment goes even when an assert failed half way. */
+static int t_unlink_seg(void **state)
+{
+	char name[64];
+
+	(void)state;
+	t_shm_name(name, sizeof name, "seg");
+	ap_ring_shm_unlink(name);
+	return 0;
+}
+
+static void test_shm_segment_is_exclusive_0600_reserved_and_unlinked(void **state)
+{
+	(void)state;
+	char name[64];
+	struct ap_ring_map a, b, x;
+	struct stat st;
+	size_t size = ap_ring_size(8192);
+
+	t_shm_name(name, sizeof name, "seg");
+	ap_ring_shm_unlink(name);
+	mode_t old = umask(0);
+	int rc = ap_ring_map_create_shm(&a, name, size);
+	umask(old);
+	assert_int_equal(rc, 0);
+	assert_int_equal(fstat(a.fd, &st), 0);
+	assert_int_equal(st.st_mode & 0777, 0600);
+	assert_true((size_t)st.st_size == size);
+	/* Reserved, not sparse: every block is allocated. */
+	assert_true((size_t)st.st_blocks * 512 >= size);
+	assert_int_equal(ap_ring_map_create_shm(&x, name, size), -EEXIST);
+	assert_int_equal(ap_ring_map_open_shm(&x, name, size + 1), -EINVAL);
+	assert_int_equal(ap_ring_map_create_shm(&x, "no-slash", size), -EINVAL);
+	assert_int_equal(ap_ring_map_open_shm(&b, name, size), 0);
+	assert_true(b.size == size);
+
+	/* One side through each mapping. */
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+	assert_int_equal(ap_ring_format(a.mem, a.size, 8192), 0);
+	assert_int_equal(ap_ring_attach_producer(&p, a.mem, a.size), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, b.mem, b.size), 0);
+	assert_int_equal(t_put(&p, 77, 9), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 77 && t_check_rec(rp, len, 9));
+
+	assert_int_equal(ap_ring_shm_unlink(name), 0);
+	assert_int_equal(ap_ring_shm_unlink(name), -ENOENT);
+	assert_int_equal(ap_ring_map_open_shm(&x, name, 0), -ENOENT);
+	ap_ring_map_close(&a);
+	ap_ring_map_close(&b);
+	assert_null(a.mem);
+}
+
+/* A segment larger than a full tmpfs: create says -ENOSPC and leaves
+ * nothing, where a sparse ftruncate would have "worked" and the first
+ * store past the filesystem's end would have been SIGBUS. Runs in a forked
+ * child with a 1 MiB tmpfs on /dev/shm in a private mount namespace (root
+ * only, as test_shm's full-tmpfs cases); the child checks with T_CK. */
+#define T_CHILD_SKIP 77
+
+static void t_child_small_tmpfs(void)
+{
+	struct ap_ring_map m;
+	char name[64];
+
+	t_shm_name(name, sizeof name, "small");
+	T_CK(ap_ring_map_create_shm(&m, name, 4u << 20) == -ENOSPC);
+	T_CK(m.mem == NULL && m.fd == -1);
+	T_CK(ap_ring_map_open_shm(&m, name, 0) == -ENOENT);
+	/* What fits is fully backed: every byte can be written. */
+	T_CK(ap_ring_map_create_shm(&m, name, 512u << 10) == 0);
+	memset(m.mem, 0x11, m.size);
+	T_CK(ap_ring_map_create_shm(&m, "/ap_ring_test_more", 768u << 10) == -ENOSPC);
+	ap_ring_map_close(&m);
+	T_CK(ap_ring_shm_unlink(name) == 0);
+	_exit(0);
+}
+
+static void test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus(void **state)
+{
+	(void)state;
+	int st = 0;
+
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		/* Private first, so that the mount does not propagate out. */
+		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+		    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777") < 0) {
+			fprintf(stderr, "no private tmpfs (%s): skipped\n", strerror(errno));
+			_exit(T_CHILD_SKIP);
+		}
+		t_child_small_tmpfs();
+	}
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	if (WIFSIGNALED(st))
+		fail_msg("the child was killed by signal %d (SIGBUS is %d)", WTERMSIG(st), SIGBUS);
+	assert_true(WIFEXITED(st));
+	if (WEXITSTATUS(st) == T_CHILD_SKIP)
+		skip();
+	assert_int_equal(WEXITSTATUS(st), 0);
+}
+
+static void test_memfd_segment_is_sealed_and_unsealed_fds_are_refused(void **state)
+{
+	(void)state;
+	struct ap_ring_map a, b;
+	size_t size = ap_ring_size(4096);
+
+	assert_int_equal(ap_ring_map_create_memfd(&a, "t", size), 0);
+	assert_int_equal(fcntl(a.fd, F_GET_SEALS) & (F_SEAL_SHRINK | F_SEAL_GROW), F_SEAL_SHRINK | F_SEAL_GROW);
+	assert_true(ftruncate(a.fd, 0) < 0); /* cannot be shrunk under a mapping */
+	int fd = dup(a.fd);
+	assert_true(fd >= 0);
+	assert_int_equal(ap_ring_map_open_fd(&b, fd, size), 0);
+	assert_int_equal(ap_ring_format(a.mem, a.size, 4096), 0);
+	struct ap_ring c;
+	assert_int_equal(ap_ring_attach_consumer(&c, b.mem, b.size), 0);
+	ap_ring_map_close(&b);
+	fd = dup(a.fd);
+	assert_int_equal(ap_ring_map_open_fd(&b, fd, size + 1), -EINVAL);
+	close(fd);
+
+	int raw = memfd_create("unsealed", MFD_CLOEXEC);
+	assert_true(raw >= 0);
+	assert_int_equal(ftruncate(raw, (off_t)size), 0);
+	assert_int_equal(ap_ring_map_open_fd(&b, raw, size), -EPERM);
+	close(raw);
+	ap_ring_map_close(&a);
+}
+
+/* ---- io_uring futex wait ---------------------------------------------------------- */
+
+static int t_kernel_at_least(int maj, int min)
+{
+	struct utsname u;
+	int a = 0, b = 0;
+	if (uname(&u) < 0 || sscanf(u.release, "%d.%d", &a, &b) != 2)
+		return 0;
+	return a > maj || (a == maj && b >= min);
+}
+
+static void test_uring_futex_wait_is_woken_by_another_process(void **state)
+{
+	(void)state;
+	struct io_uring ring;
+	struct io_uring_cqe *cqe;
+	struct __kernel_timespec ts = { .tv_sec = 5 };
+	struct ap_ring_map map;
+	struct ap_ring c;
+	uint32_t *word, expected;
+	int st;
+
+	assert_int_equal(io_uring_queue_init(8, &ring, 0), 0);
+	int ok = ap_ring_uring_futex_supported(&ring);
+	assert_int_equal(ok, ap_ring_uring_futex_supported(NULL));
+	if (!t_kernel_at_least(6, 7)) {
+		/* An older kernel: the probe must say no (the loop falls back). */
+		assert_int_equal(ok, 0);
+		io_uring_queue_exit(&ring);
+		return;
+	}
+	assert_int_equal(ok, 1);
+
+	assert_int_equal(ap_ring_map_create_memfd(&map, "t_uring", ap_ring_size(4096)), 0);
+	assert_int_equal(ap_ring_format(map.mem, map.size, 4096), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, map.mem, map.size), 0);
+
+	/* A stale expected value completes at once with -EAGAIN. */
+	struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+	ap_ring_uring_prep_futex_wait(sqe, &c.hdr->data_bell, c.hdr->data_bell + 1, 7);
+	assert_int_equal(io_uring_submit(&ring), 1);
+	assert_int_equal(io_uring_wait_cqe_timeout(&ring, &cqe, &ts), 0);
+	assert_true(cqe->user_data == 7);
+	assert_int_equal(cqe->res, -EAGAIN);
+	io_uring_cqe_seen(&ring, cqe);
+
+	/* The real thing: arm the sleep, wait through io_uring, and let a
+	 * producer process commit. */
+	assert_int_equal(ap_ring_prepare_sleep(&c, 0, &word, &expected), 1);
+	sqe = io_uring_get_sqe(&ring);
+	ap_ring_uring_prep_futex_wait(sqe, word, expected, 42);
+	assert_int_equal(io_uring_submit(&ring), 1);
+	/* Armed and not completed: nothing has been committed. */
+	assert_int_equal(io_uring_peek_cqe(&ring, &cqe), -EAGAIN);
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		struct ap_ring r;
+		T_CK(ap_ring_attach_producer(&r, map.mem, map.size) == 0);
+		poll(NULL, 0, 20); /* pacing only: the parent is already armed */
+		T_CK(t_put(&r, 123, 4) == 0);
+		T_CK(r.n_wake == 1);
+		_exit(0);
+	}
+	int rc = io_uring_wait_cqe_timeout(&ring, &cqe, &ts);
+	if (rc)
+		kill(pid, SIGKILL);
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	assert_int_equal(rc, 0);
+	assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	assert_true(cqe->user_data == 42);
+	assert_int_equal(cqe->res, 0);
+	io_uring_cqe_seen(&ring, cqe);
+	ap_ring_end_sleep(&c);
+	const void *rp;
+	size_t len;
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 123 && t_check_rec(rp, len, 4));
+
+	/* An io_uring FUTEX_WAKE wakes a plain futex sleeper too. */
+	struct t_waiter w;
+	pthread_t th;
+	ap_ring_release(&c);
+	w.r = c;
+	assert_int_equal(pthread_create(&th, NULL, t_wait_thread, &w), 0);
+	t_until_set(&c.hdr->cons_waiting, 5000);
+	__atomic_fetch_add(&c.hdr->data_bell, 1, __ATOMIC_RELEASE);
+	sqe = io_uring_get_sqe(&ring);
+	ap_ring_uring_prep_futex_wake(sqe, &c.hdr->data_bell, 1, 9);
+	assert_int_equal(io_uring_submit(&ring), 1);
+	assert_int_equal(io_uring_wait_cqe_timeout(&ring, &cqe, &ts), 0);
+	assert_true(cqe->user_data == 9 && cqe->res >= 0);
+	io_uring_cqe_seen(&ring, cqe);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	assert_int_equal(w.rc, 0);
+	assert_true(w.ms < 5000);
+
+	io_uring_queue_exit(&ring);
+	ap_ring_map_close(&map);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_format_and_attach_reject_what_is_not_a_ring),
+		cmocka_unit_test(test_two_threads_pass_millions_of_random_records_in_order),
+		cmocka_unit_test(test_wrap_around_writes_a_pad_and_records_stay_contiguous),
+		cmocka_unit_test(test_full_and_empty),
+		cmocka_unit_test(test_batch_commit_publishes_all_and_rings_once),
+		cmocka_unit_test(test_abort_drops_uncommitted_reservations),
+		cmocka_unit_test(test_wait_times_out_and_wake_ends_a_sleep),
+		cmocka_unit_test(test_two_processes_with_futex_sleeps),
+		cmocka_unit_test(test_ping_pong_between_processes_loses_no_wake_up),
+		cmocka_unit_test(test_writer_killed_mid_write_is_never_read),
+		cmocka_unit_test(test_hostile_tail_and_records_are_errors_never_reads),
+		cmocka_unit_test(test_hostile_head_is_an_error_for_the_producer),
+		cmocka_unit_test(test_random_scribbles_never_crash),
+		cmocka_unit_test_teardown(test_shm_segment_is_exclusive_0600_reserved_and_unlinked, t_unlink_seg),
+		cmocka_unit_test(test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus),
+		cmocka_unit_test(test_memfd_segment_is_sealed_and_unsealed_fds_are_refused),
+		cmocka_unit_test(test_uring_futex_wait_is_woken_by_another_process),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
