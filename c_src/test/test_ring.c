@@ -725,15 +725,17 @@ static void test_ping_pong_between_processes_loses_no_wake_up(void **state)
 static void test_writer_killed_mid_write_is_never_read(void **state)
 {
 	(void)state;
+	size_t cap = 4096;
 	struct ap_ring_map map;
 	struct ap_ring c;
-	int fds[2], st;
+	int up[2], down[2], st;
 	char b;
 
-	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring_kill", ap_ring_size(4096)), 0);
-	assert_int_equal(ap_ring_format(map.mem, map.size, 4096), 0);
+	assert_int_equal(ap_ring_map_create_memfd(&map, "test_ring_kill", ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_format(map.mem, map.size, cap), 0);
 	assert_int_equal(ap_ring_attach_consumer(&c, map.mem, map.size), 0);
-	assert_int_equal(pipe(fds), 0);
+	assert_int_equal(pipe(up), 0);
+	assert_int_equal(pipe(down), 0);
 	fflush(stdout);
 	fflush(stderr);
 	pid_t pid = fork();
@@ -741,42 +743,70 @@ static void test_writer_killed_mid_write_is_never_read(void **state)
 	if (pid == 0) {
 		struct ap_ring r;
 		void *wp;
-		close(fds[0]);
+		close(up[0]);
+		close(down[1]);
 		T_CK(ap_ring_attach_producer(&r, map.mem, map.size) == 0);
+		/* Three 1200-byte records (1208 each): 3624 bytes. */
 		for (uint64_t k = 0; k < 3; k++)
-			T_CK(t_put(&r, 500, k) == 0);
-		/* A fourth record, half written, and a fifth that needs a pad:
-		 * both reserved, never committed. */
-		T_CK(ap_ring_reserve(&r, 1000, &wp) == 0);
-		memset(wp, 0xa5, 400);
-		T_CK(ap_ring_reserve(&r, 1500, &wp) == 0);
-		memset(wp, 0x5a, 1500);
-		T_CK(write(fds[1], "r", 1) == 1);
+			T_CK(t_put(&r, 1200, k) == 0);
+		T_CK(write(up[1], "1", 1) == 1);
+		/* Once they are read and released: a fourth record, half
+		 * written, ends at 3736; a fifth (512 bytes) does not fit in
+		 * the last 360, so a pad goes at 3736 and it goes at 0. Both
+		 * reserved, never committed. */
+		T_CK(read(down[0], &b, 1) == 1);
+		T_CK(ap_ring_reserve(&r, 100, &wp) == 0);
+		memset(wp, 0xa5, 40);
+		T_CK(ap_ring_reserve(&r, 500, &wp) == 0);
+		T_CK(wp == r.data + AP_RING_REC_HDR);
+		memset(wp, 0x5a, 500);
+		T_CK(write(up[1], "2", 1) == 1);
 		for (;;)
 			pause();
 	}
-	close(fds[1]);
-	struct pollfd pfd = { .fd = fds[0], .events = POLLIN };
-	int ready = poll(&pfd, 1, 10000) == 1 && read(fds[0], &b, 1) == 1;
+	close(up[1]);
+	close(down[0]);
+	struct pollfd pfd = { .fd = up[0], .events = POLLIN };
+	int ready = poll(&pfd, 1, 10000) == 1 && read(up[0], &b, 1) == 1;
+	if (!ready)
+		kill(pid, SIGKILL);
+	assert_true(ready);
+	const void *p;
+	size_t len;
+	for (uint64_t k = 0; k < 3; k++) {
+		assert_int_equal(ap_ring_read(&c, &p, &len), 0);
+		assert_true(len == 1200 && t_check_rec(p, len, k));
+	}
+	ap_ring_release(&c);
+	assert_int_equal(write(down[1], "g", 1), 1);
+	ready = poll(&pfd, 1, 10000) == 1 && read(up[0], &b, 1) == 1;
 	assert_int_equal(kill(pid, SIGKILL), 0); /* whatever happened: it must not outlive the test */
 	if (!ready)
 		waitpid(pid, &st, 0);
 	assert_true(ready);
 	assert_int_equal(waitpid(pid, &st, 0), pid);
 	assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
-	close(fds[0]);
+	close(up[0]);
+	close(down[1]);
 
-	const void *p;
-	size_t len;
-	for (uint64_t k = 0; k < 3; k++) {
-		assert_int_equal(ap_ring_read(&c, &p, &len), 0);
-		assert_true(len == 500 && t_check_rec(p, len, k));
-	}
+	/* The pad and the fifth record really were written... */
+	void *m = map.mem;
+	assert_true(*t_word(m, cap, 3736) == t_rec_word(AP_RING_STAMP_PAD, 3736, 360 - 8));
+	assert_true(*t_word(m, cap, 4096) == t_rec_word(AP_RING_STAMP_DATA, 4096, 500));
+	assert_true(((uint8_t *)m)[AP_RING_HDR_SIZE + 8] == 0x5a);
+	/* ...and none of it is read: tail stayed at 3624. */
 	assert_int_equal(ap_ring_read(&c, &p, &len), -EAGAIN);
-	ap_ring_release(&c);
+	assert_int_equal(ap_ring_readable(&c), 0);
 	/* And waiting for more ends by its timeout, not a hang. */
 	assert_int_equal(ap_ring_wait(&c, T_SPIN, 50), -ETIMEDOUT);
 	assert_int_equal(ap_ring_read(&c, &p, &len), -EAGAIN);
+	/* A producer restarted on the same ring starts at the committed
+	 * tail, over the dead one's reservations. */
+	struct ap_ring r2;
+	assert_int_equal(ap_ring_attach_producer(&r2, map.mem, map.size), 0);
+	assert_int_equal(t_put(&r2, 500, 7), 0);
+	assert_int_equal(ap_ring_read(&c, &p, &len), 0);
+	assert_true(len == 500 && t_check_rec(p, len, 7));
 	ap_ring_map_close(&map);
 }
 
