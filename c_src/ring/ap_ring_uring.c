@@ -36,3 +36,11 @@ void ap_ring_uring_prep_futex_wake(struct io_uring_sqe *sqe, uint32_t *word, uin
 {
 	prep_futex(sqe, AP_RING_IORING_OP_FUTEX_WAKE, word, n, user_data);
 }
+
+void ap_ring_uring_link_timeout(struct io_uring_sqe *wait_sqe, struct io_uring_sqe *tmo_sqe,
+				struct __kernel_timespec *ts, uint64_t user_data)
+{
+	wait_sqe->flags |= IOSQE_IO_LINK;
+	io_uring_prep_link_timeout(tmo_sqe, ts, 0);
+	tmo_sqe->user_data = user_data;
+}

@@ -15,6 +15,18 @@
  *           ap_ring_uring_prep_futex_wait(sqe, word, expected, tag);
  *   ... on its CQE: ap_ring_end_sleep(r), then drain the ring.
  *
+ * Every wait gets a timeout (the peer may never ring):
+ *   sqe = get_sqe(); ap_ring_uring_prep_futex_wait(sqe, ...);
+ *   tmo = get_sqe(); ap_ring_uring_link_timeout(sqe, tmo, &ts, tag2);
+ * both in one submit. And every completion means "look again", not "there
+ * is data": the peer can ring at will (see "Bounded waits" in ap_ring.h).
+ *
+ * Cancel before unmapping. An armed wait holds the word's address in the
+ * kernel: before the segment is unmapped (peer gone, shutdown), cancel it
+ * (io_uring_prep_cancel64 on its user_data) and reap its CQE (-ECANCELED
+ * or its result); only then munmap. A use-after-free was reported when a
+ * process was killed with such a wait in flight.
+ *
  * Support is probed at run time (IORING_REGISTER_PROBE): an older kernel,
  * or one where the op is filtered, gets the eventfd/thread fallback.
  * Reports on these ops (see the data-plane notes): PRIVATE waits lost
@@ -42,6 +54,17 @@ int ap_ring_uring_futex_supported(struct io_uring *ring);
  * it holds expected. */
 void ap_ring_uring_prep_futex_wait(struct io_uring_sqe *sqe, uint32_t *word, uint32_t expected,
 				   uint64_t user_data);
+
+/* Links a timeout to the wait just prepared in wait_sqe: sets IOSQE_IO_LINK
+ * on it and fills tmo_sqe, which must be the next SQE taken from the same
+ * ring, with IORING_OP_LINK_TIMEOUT of *ts (relative; it must stay valid
+ * until submitted). When ts passes first, the wait completes with
+ * -ECANCELED and the timeout with -ETIME (6.18 reports 1 instead for a
+ * futex wait: the number of requests its cancel found); when the wait
+ * completes first,
+ * the timeout's CQE (user_data) is -ECANCELED. Both CQEs come. */
+void ap_ring_uring_link_timeout(struct io_uring_sqe *wait_sqe, struct io_uring_sqe *tmo_sqe,
+				struct __kernel_timespec *ts, uint64_t user_data);
 
 /* Fills sqe with a shared 32-bit FUTEX_WAKE of up to n waiters on word. */
 void ap_ring_uring_prep_futex_wake(struct io_uring_sqe *sqe, uint32_t *word, uint32_t n, uint64_t user_data);
