@@ -182,6 +182,10 @@ int ap_ring_publish(struct ap_ring *r)
 
 int ap_ring_notify(struct ap_ring *r)
 {
+	if (r->broken)
+		return -EPROTO;
+	if (r->role != AP_RING_PRODUCER)
+		return -EINVAL;
 	/* Orders our tail store before the flag load (see "Wake-ups"). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	/* Taking the flag down makes this the one wake of that sleep: commits
@@ -278,7 +282,10 @@ int ap_ring_read(struct ap_ring *r, const void **p, size_t *len)
 
 void ap_ring_release(struct ap_ring *r)
 {
-	if (r->role != AP_RING_CONSUMER || r->pos == r->head)
+	/* Broken: the ring is no longer read, so nothing is given back
+	 * (publishing a head past bytes we refused would tell the producer
+	 * they were consumed). */
+	if (r->role != AP_RING_CONSUMER || r->broken || r->pos == r->head)
 		return;
 	STORE(&r->hdr->head, r->pos, RELEASE);
 	r->head = r->pos;
@@ -293,6 +300,8 @@ void ap_ring_release(struct ap_ring *r)
 
 int ap_ring_readable(struct ap_ring *r)
 {
+	if (r->role != AP_RING_CONSUMER)
+		return -EINVAL; /* a failed attach leaves no header to read */
 	if (r->broken || r->pos != r->tail)
 		return 1;
 	return LOAD(&r->hdr->tail, ACQUIRE) != r->pos;
@@ -340,34 +349,75 @@ void ap_ring_end_sleep(struct ap_ring *r)
 		STORE(&r->hdr->prod_waiting, 0, RELAXED);
 }
 
-/* The common tail of both waits: spin, then sleep once. 0 when the
- * condition holds or a wake-up came, -ETIMEDOUT, or an error. */
+static int r_ready(struct ap_ring *r, size_t len)
+{
+	return r->role == AP_RING_CONSUMER ? ap_ring_readable(r) : ap_ring_has_room(r, len);
+}
+
+static void deadline_after(struct timespec *ts, int ms)
+{
+	clock_gettime(CLOCK_MONOTONIC, ts);
+	ts->tv_sec += ms / 1000;
+	ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+	if (ts->tv_nsec >= 1000000000L) {
+		ts->tv_sec++;
+		ts->tv_nsec -= 1000000000L;
+	}
+}
+
+/* FUTEX_WAIT_BITSET takes an absolute CLOCK_MONOTONIC deadline, so a wait
+ * that is woken and sleeps again never stretches the timeout. 0 (woken, or
+ * the value differed, or a signal), -ETIMEDOUT, or another -errno (a real
+ * error, not a wake-up). */
+static int futex_wait_until(uint32_t *word, uint32_t expected, const struct timespec *deadline)
+{
+	if (syscall(SYS_futex, word, FUTEX_WAIT_BITSET, expected, deadline, NULL, FUTEX_BITSET_MATCH_ANY) == 0)
+		return 0;
+	if (errno == EAGAIN || errno == EINTR)
+		return 0;
+	return -errno;
+}
+
+/* The common tail of both waits: spin, then sleep until the condition
+ * holds, a local kick (ap_ring_wake on this view) or the deadline. A
+ * wake-up alone proves nothing (the peer can ring the bell at will), so
+ * it only makes us look again. */
 static int r_wait(struct ap_ring *r, size_t len, unsigned spin, int timeout_ms)
 {
+	struct timespec deadline;
 	uint32_t *word, expected;
 	int rc;
 
 	if (r->broken)
 		return -EPROTO;
 	for (unsigned i = 0; i < spin; i++) {
-		rc = r->role == AP_RING_CONSUMER ? ap_ring_readable(r) : ap_ring_has_room(r, len);
+		rc = r_ready(r, len);
 		if (rc)
 			return rc < 0 ? rc : 0;
 		ap_ring_cpu_relax();
 	}
-	rc = ap_ring_prepare_sleep(r, len, &word, &expected);
-	if (rc <= 0)
-		return rc;
-	r->n_sleep++;
-	rc = ap_ring_futex_wait(word, expected, timeout_ms);
-	ap_ring_end_sleep(r);
-	if (rc == -ETIMEDOUT) {
-		r->n_timeout++;
-		/* The last look: a wake-up may have raced the timeout. */
-		int now = r->role == AP_RING_CONSUMER ? ap_ring_readable(r) : ap_ring_has_room(r, len);
-		return now > 0 ? 0 : now < 0 ? now : -ETIMEDOUT;
+	if (timeout_ms >= 0)
+		deadline_after(&deadline, timeout_ms);
+	for (;;) {
+		if (__atomic_exchange_n(&r->kick, 0, __ATOMIC_ACQUIRE))
+			return 0;
+		rc = ap_ring_prepare_sleep(r, len, &word, &expected);
+		if (rc <= 0)
+			return rc;
+		r->n_sleep++;
+		rc = futex_wait_until(word, expected, timeout_ms >= 0 ? &deadline : NULL);
+		ap_ring_end_sleep(r);
+		if (rc == -ETIMEDOUT) {
+			r->n_timeout++;
+			if (__atomic_exchange_n(&r->kick, 0, __ATOMIC_ACQUIRE))
+				return 0;
+			/* The last look: a wake-up may have raced the timeout. */
+			int now = r_ready(r, len);
+			return now > 0 ? 0 : now < 0 ? now : -ETIMEDOUT;
+		}
+		if (rc < 0)
+			return rc;
 	}
-	return 0;
 }
 
 int ap_ring_wait(struct ap_ring *r, unsigned spin, int timeout_ms)
@@ -386,9 +436,12 @@ int ap_ring_wait_space(struct ap_ring *r, size_t len, unsigned spin, int timeout
 
 void ap_ring_wake(struct ap_ring *r)
 {
+	if (!r->hdr)
+		return; /* a failed attach */
+	__atomic_store_n(&r->kick, 1, __ATOMIC_RELEASE);
 	__atomic_fetch_add(&r->hdr->data_bell, 1, __ATOMIC_RELEASE);
 	ap_ring_futex_wake(&r->hdr->data_bell, INT_MAX);
-	r->n_wake++;
+	__atomic_fetch_add(&r->n_wake, 1, __ATOMIC_RELAXED); /* may be another thread's view */
 }
 
 /* Shared futexes (no FUTEX_PRIVATE_FLAG): the words live in MAP_SHARED
@@ -402,9 +455,9 @@ int ap_ring_futex_wait(uint32_t *word, uint32_t expected, int timeout_ms)
 		ts.tv_nsec = (long)(timeout_ms % 1000) * 1000000L;
 		tsp = &ts;
 	}
-	if (syscall(SYS_futex, word, FUTEX_WAIT, expected, tsp, NULL, 0) < 0 && errno == ETIMEDOUT)
-		return -ETIMEDOUT;
-	return 0;
+	if (syscall(SYS_futex, word, FUTEX_WAIT, expected, tsp, NULL, 0) == 0 || errno == EAGAIN || errno == EINTR)
+		return 0;
+	return -errno;
 }
 
 int ap_ring_futex_wake(uint32_t *word, int n)

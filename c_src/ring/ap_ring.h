@@ -84,9 +84,25 @@
  * hostile peer's ring gives every wait a timeout; it can also make us
  * issue wake-ups we did not need (it can set the flag), which costs
  * syscalls, nothing else.
+ * Bounded waits. A wake-up proves nothing: the peer can bump the bell at
+ * will (say, whenever our flag is up), so ap_ring_wait and
+ * ap_ring_wait_space loop inside: they return 0 only when the condition
+ * holds (or on a local kick, ap_ring_wake on the waiter's own view), and
+ * sleep again otherwise, against one absolute CLOCK_MONOTONIC deadline
+ * (FUTEX_WAIT_BITSET), so a hostile peer costs us syscalls until the
+ * timeout, never a wait past it. A futex error other than EAGAIN / EINTR
+ * is returned, not taken for a wake-up. The spin before the first sleep
+ * is bounded by its count (`spin` loads and pauses, microseconds) and is
+ * not counted in timeout_ms. With no timeout (timeout_ms < 0) a hostile
+ * peer can keep a wait going for ever: whoever reads a ring the peer may
+ * scribble on passes a timeout.
  * ap_ring_prepare_sleep / ap_ring_end_sleep split steps 1-4 and 6 out, so
  * an event loop can do step 5 itself (io_uring IORING_OP_FUTEX_WAIT, see
- * ap_ring_uring.h).
+ * ap_ring_uring.h, with a linked timeout); such a loop must re-check the
+ * ring on every completion, as the waits here do.
+ *
+ * Failed attach. It zeroes the view: every call on it returns -EINVAL (or
+ * does nothing, for the void ones), never touches memory.
  *
  * Errors: negative errno values. -EAGAIN empty (read) or full (reserve),
  * -EMSGSIZE a record over ap_ring_max_payload(), -EPROTO the ring is broken
@@ -145,6 +161,7 @@ struct ap_ring {
 	uint64_t head;   /* consumer: published head; producer: last head read (validated) */
 	uint64_t tail;   /* producer: committed tail; consumer: last tail read (validated) */
 	uint64_t pos;    /* producer: end of reservations; consumer: end of records read */
+	int kick;        /* set by ap_ring_wake on this view: ends one wait */
 	int role;        /* AP_RING_PRODUCER or AP_RING_CONSUMER */
 	int broken;      /* a check failed: every call returns -EPROTO */
 	/* local counters, for tests and stats */
@@ -204,10 +221,11 @@ void ap_ring_abort(struct ap_ring *r);
  * -EMSGSIZE or -EPROTO. Reads the consumer's head. */
 int ap_ring_has_room(struct ap_ring *r, size_t len);
 
-/* Waits until a record of `len` payload bytes fits: spins `spin` rounds,
- * then sleeps on the space bell, at most timeout_ms in all (< 0: no
- * timeout). 0, -ETIMEDOUT, -EMSGSIZE, -EPROTO. Commit first: the consumer
- * cannot free what it has not been given. */
+/* Waits until a record of `len` payload bytes fits: spins `spin` rounds
+ * (not counted in timeout_ms), then sleeps on the space bell until it
+ * fits, at most timeout_ms (< 0: no timeout; see "Bounded waits"). 0,
+ * -ETIMEDOUT, -EMSGSIZE, -EPROTO, or a futex error. Commit first: the
+ * consumer cannot free what it has not been given. */
 int ap_ring_wait_space(struct ap_ring *r, size_t len, unsigned spin, int timeout_ms);
 
 /* ---- consumer ------------------------------------------------------------- */
@@ -219,21 +237,28 @@ int ap_ring_wait_space(struct ap_ring *r, size_t len, unsigned spin, int timeout
 int ap_ring_read(struct ap_ring *r, const void **p, size_t *len);
 
 /* Gives every record read so far back to the producer (one release
- * store), and wakes it if it may be asleep waiting for space. */
+ * store), and wakes it if it may be asleep waiting for space. Does nothing
+ * on a broken ring (what was refused is not given back). */
 void ap_ring_release(struct ap_ring *r);
 
 /* 1 if a committed record is there to read, 0 if not (an invalid tail
- * counts as 1: the next read reports it). */
+ * counts as 1: the next read reports it), -EINVAL if r is not a consumer
+ * (a failed attach). */
 int ap_ring_readable(struct ap_ring *r);
 
-/* Waits for data: spins `spin` rounds, then sleeps on the data bell, at
- * most timeout_ms in all (< 0: no timeout). 0 (something to read, or a
- * wake-up: read and see), -ETIMEDOUT, -EPROTO. */
+/* Waits for data: spins `spin` rounds (not counted in timeout_ms), then
+ * sleeps on the data bell until something is there to read, at most
+ * timeout_ms (< 0: no timeout; see "Bounded waits"). 0 (something to read,
+ * or a kick by ap_ring_wake on this view), -ETIMEDOUT, -EPROTO, -EINVAL, or
+ * a futex error. */
 int ap_ring_wait(struct ap_ring *r, unsigned spin, int timeout_ms);
 
-/* Wakes the consumer whatever its flag says (shutdown, tests): bumps the
- * data bell and issues FUTEX_WAKE for every waiter. Either side may call
- * it. */
+/* Wakes the consumer whatever its flag says (shutdown, tests): sets the
+ * kick of this view, bumps the data bell and issues FUTEX_WAKE for every
+ * waiter. A wait on this same view (another thread of ours) returns 0
+ * once for the kick; a waiter with another view (the peer) only looks
+ * again, so the peer cannot end our waits this way. No-op after a failed
+ * attach. */
 void ap_ring_wake(struct ap_ring *r);
 
 /* ---- sleeping in an event loop -------------------------------------------- */
@@ -251,7 +276,8 @@ void ap_ring_end_sleep(struct ap_ring *r);
 
 /* FUTEX_WAIT on a shared word while it holds `expected`, at most
  * timeout_ms (< 0: no timeout). 0 (woken, or the value differed, or a
- * signal), -ETIMEDOUT. */
+ * signal), -ETIMEDOUT, or another -errno (a failed call is not a
+ * wake-up). One sleep: the caller re-checks and loops. */
 int ap_ring_futex_wait(uint32_t *word, uint32_t expected, int timeout_ms);
 /* FUTEX_WAKE up to n waiters on a shared word; the number woken. */
 int ap_ring_futex_wake(uint32_t *word, int n);

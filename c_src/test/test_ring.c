@@ -5,6 +5,7 @@
 #include "t_helpers.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -541,7 +542,7 @@ static void test_wait_times_out_and_wake_ends_a_sleep(void **state)
 	/* ...and by ap_ring_wake with nothing to read. */
 	assert_int_equal(pthread_create(&th, NULL, t_wait_thread, &w), 0);
 	t_until_set(&h->cons_waiting, 5000);
-	ap_ring_wake(&p);
+	ap_ring_wake(&w.r); /* a kick on the waiter's own view (another thread of ours) */
 	assert_int_equal(pthread_join(th, NULL), 0);
 	assert_int_equal(w.rc, 0);
 	assert_true(w.ms < 5000);
@@ -1328,6 +1329,156 @@ static void test_uring_futex_wait_is_woken_by_another_process(void **state)
 	ap_ring_map_close(&map);
 }
 
+/* ---- review fixes: bounded waits, failed attach, stamps, segments -------------- */
+
+/* A hostile peer's thread: rings `bell` whenever `flag` is up, so every
+ * sleep of ours is cut short at once. */
+struct t_ringer {
+	uint32_t *flag, *bell;
+	int stop;
+	uint64_t rings;
+};
+
+static void *t_ringer_thread(void *arg)
+{
+	struct t_ringer *g = arg;
+
+	while (!__atomic_load_n(&g->stop, __ATOMIC_ACQUIRE)) {
+		if (__atomic_load_n(g->flag, __ATOMIC_ACQUIRE)) {
+			__atomic_fetch_add(g->bell, 1, __ATOMIC_RELEASE);
+			ap_ring_futex_wake(g->bell, INT_MAX);
+			g->rings++;
+		} else {
+			sched_yield();
+		}
+	}
+	return NULL;
+}
+
+/* Runs wait_fn under a ringer; returns its result and sets *ms. */
+static int t_wait_under_ringer(uint32_t *flag, uint32_t *bell, int (*wait_fn)(void *), void *arg, int64_t *ms,
+			       uint64_t *rings)
+{
+	struct t_ringer g = { .flag = flag, .bell = bell };
+	pthread_t th;
+
+	assert_int_equal(pthread_create(&th, NULL, t_ringer_thread, &g), 0);
+	int64_t t0 = t_now_ms();
+	int rc = wait_fn(arg);
+	*ms = t_now_ms() - t0;
+	__atomic_store_n(&g.stop, 1, __ATOMIC_RELEASE);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	*rings = g.rings;
+	return rc;
+}
+
+static int t_wait_data_200(void *r) { return ap_ring_wait(r, T_SPIN, 200); }
+static int t_wait_space_200(void *r) { return ap_ring_wait_space(r, 56, T_SPIN, 200); }
+
+static void test_hostile_bell_cannot_cut_short_or_stretch_a_wait(void **state)
+{
+	(void)state;
+	size_t cap = 4096;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+	struct ap_ring p, c;
+	uint64_t rings;
+	int64_t ms;
+	void *wp;
+	int rc;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	/* Nothing to read: the wait ends by its timeout, however often the
+	 * bell rings. */
+	rc = t_wait_under_ringer(&h->cons_waiting, &h->data_bell, t_wait_data_200, &c, &ms, &rings);
+	print_message("[ info     ] data wait under a ringer: rc %d after %" PRId64 " ms, %" PRIu64
+		      " rings, %" PRIu64 " sleeps\n", rc, ms, rings, c.n_sleep);
+	assert_int_equal(rc, -ETIMEDOUT);
+	assert_true(rings > 0);  /* the peer did ring */
+	assert_true(ms >= 199 && ms < 1000);
+	assert_int_equal(h->cons_waiting, 0);
+
+	/* The same for space: a full ring and a consumer that only rings. */
+	while (ap_ring_reserve(&p, 56, &wp) == 0)
+		;
+	assert_int_equal(ap_ring_commit(&p), 0);
+	rc = t_wait_under_ringer(&h->prod_waiting, &h->space_bell, t_wait_space_200, &p, &ms, &rings);
+	print_message("[ info     ] space wait under a ringer: rc %d after %" PRId64 " ms, %" PRIu64 " rings\n", rc,
+		      ms, rings);
+	assert_int_equal(rc, -ETIMEDOUT);
+	assert_true(rings > 0);
+	assert_true(ms >= 199 && ms < 1000);
+
+	free(m);
+}
+
+static void test_a_failed_attach_leaves_a_view_every_call_refuses(void **state)
+{
+	(void)state;
+	size_t cap = 256;
+	void *m = aligned_alloc(64, ap_ring_size(cap));
+	struct ap_ring r;
+	const void *rp;
+	size_t len;
+	void *wp;
+	uint32_t *word, expected;
+
+	assert_non_null(m);
+	memset(m, 0, ap_ring_size(cap)); /* not a ring */
+	for (int role = 0; role < 2; role++) {
+		memset(&r, 0x5a, sizeof r);
+		if (role)
+			assert_int_equal(ap_ring_attach_producer(&r, m, ap_ring_size(cap)), -EINVAL);
+		else
+			assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EINVAL);
+		assert_null(r.hdr);
+		assert_int_equal(ap_ring_readable(&r), -EINVAL);
+		assert_int_equal(ap_ring_wait(&r, 10, 10), -EINVAL);
+		assert_int_equal(ap_ring_read(&r, &rp, &len), -EINVAL);
+		ap_ring_release(&r);
+		ap_ring_wake(&r);
+		assert_int_equal(ap_ring_prepare_sleep(&r, 0, &word, &expected), -EINVAL);
+		ap_ring_end_sleep(&r);
+		assert_int_equal(ap_ring_reserve(&r, 8, &wp), -EINVAL);
+		assert_int_equal(ap_ring_commit(&r), -EINVAL);
+		assert_int_equal(ap_ring_publish(&r), -EINVAL);
+		assert_int_equal(ap_ring_notify(&r), -EINVAL);
+		assert_int_equal(ap_ring_has_room(&r, 8), -EINVAL);
+		assert_int_equal(ap_ring_wait_space(&r, 8, 10, 10), -EINVAL);
+		ap_ring_abort(&r);
+	}
+	/* Nothing was written to the memory it refused. */
+	for (size_t i = 0; i < ap_ring_size(cap); i++)
+		assert_int_equal(((uint8_t *)m)[i], 0);
+	free(m);
+}
+
+static void test_release_on_a_broken_ring_gives_nothing_back(void **state)
+{
+	(void)state;
+	size_t cap = 256;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+
+	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	for (uint64_t k = 0; k < 3; k++)
+		assert_int_equal(t_put(&p, 40, k), 0);
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	*t_word(m, cap, 48) = 0x4141414141414141ull;
+	assert_int_equal(ap_ring_read(&c, &rp, &len), -EPROTO);
+	h->prod_waiting = 1;
+	ap_ring_release(&c);
+	assert_true(h->head == 0);
+	assert_int_equal(h->prod_waiting, 1); /* and no wake-up either */
+	assert_true(c.n_wake == 0);
+	free(m);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1348,6 +1499,9 @@ int main(void)
 		cmocka_unit_test(test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus),
 		cmocka_unit_test(test_memfd_segment_is_sealed_and_unsealed_fds_are_refused),
 		cmocka_unit_test(test_uring_futex_wait_is_woken_by_another_process),
+		cmocka_unit_test(test_hostile_bell_cannot_cut_short_or_stretch_a_wait),
+		cmocka_unit_test(test_a_failed_attach_leaves_a_view_every_call_refuses),
+		cmocka_unit_test(test_release_on_a_broken_ring_gives_nothing_back),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
