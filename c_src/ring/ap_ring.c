@@ -8,6 +8,7 @@
 #include <linux/futex.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -33,7 +34,10 @@ static uint64_t rec_size(uint64_t len)
 	return AP_RING_REC_HDR + ((len + AP_RING_ALIGN - 1) & ~(uint64_t)(AP_RING_ALIGN - 1));
 }
 
-static uint32_t stamp_at(uint32_t kind, uint64_t idx) { return kind ^ (uint32_t)(idx >> 3); }
+static uint32_t stamp_at(const struct ap_ring *r, uint32_t kind, uint64_t idx)
+{
+	return ap_ring_stamp(r->nonce, kind, idx);
+}
 
 static uint64_t *rec_word(const struct ap_ring *r, uint64_t off) { return (uint64_t *)(void *)(r->data + off); }
 
@@ -45,18 +49,46 @@ static uint64_t need_at(const struct ap_ring *r, uint64_t pos, uint64_t sz)
 	return sz <= to_end ? sz : to_end + sz;
 }
 
+/* A fresh random 32-bit value. Without the entropy pool (early boot) a
+ * mix of the clock, the pid and the address still differs per format,
+ * which is all the nonce must do; only a hostile peer could guess it, and
+ * it can write any record it likes anyway. */
+static uint32_t new_nonce(const void *mem)
+{
+	uint32_t n;
+	struct timespec ts;
+
+	if (getrandom(&n, sizeof n, GRND_NONBLOCK) == (ssize_t)sizeof n)
+		return n;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	uint64_t x = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+	x ^= (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)mem;
+	x = (x ^ x >> 30) * 0xbf58476d1ce4e5b9ULL;
+	x = (x ^ x >> 27) * 0x94d049bb133111ebULL;
+	return (uint32_t)(x ^ x >> 31);
+}
+
 int ap_ring_format(void *mem, size_t mem_size, size_t cap)
 {
 	struct ap_ring_hdr *h = mem;
+	uint32_t old = 0, nonce;
 
 	if (!mem || ((uintptr_t)mem & (AP_RING_ALIGN - 1)) || cap < AP_RING_MIN_CAP || cap > AP_RING_MAX_CAP ||
 	    (cap & (cap - 1)) || mem_size < ap_ring_size(cap))
 		return -EINVAL;
+	/* A new nonce per format, never the one the memory had: records of
+	 * an earlier format carry the old one, so they are refused. */
+	if (LOAD(&h->magic, RELAXED) == AP_RING_MAGIC)
+		old = LOAD(&h->nonce, RELAXED);
+	do
+		nonce = new_nonce(mem);
+	while (nonce == old);
 	STORE(&h->magic, 0, RELAXED);
 	memset((uint8_t *)mem + sizeof h->magic, 0, AP_RING_HDR_SIZE - sizeof h->magic);
 	h->version = AP_RING_VERSION;
 	h->hdr_size = AP_RING_HDR_SIZE;
 	h->cap = cap;
+	h->nonce = nonce;
 	/* The magic last: whoever sees it sees the sizes. */
 	STORE(&h->magic, AP_RING_MAGIC, RELEASE);
 	return 0;
@@ -85,6 +117,7 @@ static int r_attach(struct ap_ring *r, void *mem, size_t mem_size, int role)
 	r->data = (uint8_t *)mem + AP_RING_HDR_SIZE;
 	r->cap = cap;
 	r->mask = cap - 1;
+	r->nonce = LOAD(&h->nonce, RELAXED); /* read once: line 0 is immutable to us */
 	r->head = head;
 	r->tail = tail;
 	r->pos = role == AP_RING_PRODUCER ? tail : head;
@@ -156,12 +189,12 @@ int ap_ring_reserve(struct ap_ring *r, size_t len, void **p)
 	off = r->pos & r->mask;
 	if (need != sz) {
 		uint64_t to_end = r->cap - off;
-		STORE(rec_word(r, off), (uint64_t)stamp_at(AP_RING_STAMP_PAD, r->pos) << 32 | (to_end - AP_RING_REC_HDR),
+		STORE(rec_word(r, off), (uint64_t)stamp_at(r, AP_RING_STAMP_PAD, r->pos) << 32 | (to_end - AP_RING_REC_HDR),
 		      RELAXED);
 		r->pos += to_end;
 		off = 0;
 	}
-	STORE(rec_word(r, off), (uint64_t)stamp_at(AP_RING_STAMP_DATA, r->pos) << 32 | len, RELAXED);
+	STORE(rec_word(r, off), (uint64_t)stamp_at(r, AP_RING_STAMP_DATA, r->pos) << 32 | len, RELAXED);
 	r->pos += sz;
 	*p = r->data + off + AP_RING_REC_HDR;
 	return 0;
@@ -258,7 +291,7 @@ int ap_ring_read(struct ap_ring *r, const void **p, size_t *len)
 		uint64_t w = LOAD(rec_word(r, off), RELAXED);
 		uint32_t l = (uint32_t)w, stamp = (uint32_t)(w >> 32);
 
-		if (stamp == stamp_at(AP_RING_STAMP_PAD, r->pos)) {
+		if (stamp == stamp_at(r, AP_RING_STAMP_PAD, r->pos)) {
 			/* A pad fills the data area to its end, never from 0
 			 * (a record that does not fit at 0 is too big), and
 			 * is committed with the record after it. */
@@ -267,7 +300,7 @@ int ap_ring_read(struct ap_ring *r, const void **p, size_t *len)
 			r->pos += to_end;
 			continue;
 		}
-		if (stamp != stamp_at(AP_RING_STAMP_DATA, r->pos) || l > ap_ring_max_payload(r->cap))
+		if (stamp != stamp_at(r, AP_RING_STAMP_DATA, r->pos) || l > ap_ring_max_payload(r->cap))
 			return r_broken(r);
 		uint64_t sz = rec_size(l);
 		if (sz > to_end || sz > avail)

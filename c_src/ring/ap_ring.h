@@ -6,8 +6,9 @@
  * provides the memory (a segment may hold several rings); ap_ring_map_*
  * create and map segments. Native endianness: both sides share the host.
  *
- *   line 0  magic, version, hdr_size, cap: written once by ap_ring_format
- *           (magic last, release), never again.
+ *   line 0  magic, version, hdr_size, cap, nonce: written once by
+ *           ap_ring_format (magic last, release), never again; each side
+ *           reads it once, at attach.
  *   line 1  the producer's: `tail` (the producer index), `data_bell`
  *           (futex word), `prod_waiting` (it sleeps for space; the
  *           consumer clears it when it wakes the producer).
@@ -28,11 +29,21 @@
  * (its len is the bytes up to the end minus 8) and puts the record at
  * offset 0, so a reader always gets one contiguous slice. A record takes at
  * most cap / 2 bytes (payload up to ap_ring_max_payload()), so an empty
- * ring always has room for any record, pad included. The stamp is the
- * kind (AP_RING_STAMP_DATA or _PAD) xor the low 32 bits of index / 8, so a
- * record left from an earlier lap, or bytes that were never written as a
- * record, are recognised (until 2^35 bytes later: 32 GiB, a chance the
- * consumer accepts).
+ * ring always has room for any record, pad included. The stamp
+ * (ap_ring_stamp) is the kind (AP_RING_STAMP_DATA or _PAD) xor the low 32
+ * bits of index / 8 xor the ring's nonce, with bit 0 forced to 1. The
+ * nonce is a random 32-bit value drawn at every format (never the one the
+ * memory held before), so:
+ *  - a record left from an earlier lap is refused (until 2^35 bytes
+ *    later: 32 GiB, a chance the consumer accepts);
+ *  - a record left from an earlier format of the same memory is refused
+ *    (the nonce differs; a reformat resets the indexes to 0, so without
+ *    it old records would be valid again);
+ *  - a stamp of 0 is never written and always refused, so zeroed memory
+ *    (fresh memfd or tmpfs pages) published without a write is an error
+ *    at every index, not a zero-length record at index 8 * kind.
+ * Bit 0 of index / 8 carries no lap information (laps are multiples of
+ * cap >= 64 bytes), so forcing it costs nothing.
  *
  * Memory ordering (GCC __atomic builtins on naturally aligned words, which
  * are lock-free and address-free, so they work across processes):
@@ -116,7 +127,7 @@
 #include <stdint.h>
 
 #define AP_RING_MAGIC 0x31474e4952504100ULL /* "\0APRING1" */
-#define AP_RING_VERSION 1u
+#define AP_RING_VERSION 2u /* 2: the nonce in line 0 and in every stamp */
 #define AP_RING_LINE 64u
 #define AP_RING_HDR_SIZE (4u * AP_RING_LINE)
 #define AP_RING_MIN_CAP 64u
@@ -136,7 +147,9 @@ struct ap_ring_hdr {
 	uint32_t version;
 	uint32_t hdr_size;
 	uint64_t cap;
-	uint8_t pad0[AP_RING_LINE - 24];
+	uint32_t nonce; /* random per format, mixed into every stamp */
+	uint32_t reserved0;
+	uint8_t pad0[AP_RING_LINE - 32];
 	/* line 1: the producer's */
 	uint64_t tail;
 	uint32_t data_bell;
@@ -161,6 +174,7 @@ struct ap_ring {
 	uint64_t head;   /* consumer: published head; producer: last head read (validated) */
 	uint64_t tail;   /* producer: committed tail; consumer: last tail read (validated) */
 	uint64_t pos;    /* producer: end of reservations; consumer: end of records read */
+	uint32_t nonce;  /* line 0's, read once at attach */
 	int kick;        /* set by ap_ring_wake on this view: ends one wait */
 	int role;        /* AP_RING_PRODUCER or AP_RING_CONSUMER */
 	int broken;      /* a check failed: every call returns -EPROTO */
@@ -173,6 +187,13 @@ struct ap_ring {
 #define AP_RING_PRODUCER 1
 #define AP_RING_CONSUMER 2
 
+/* The stamp of a record of `kind` at index idx in a ring formatted with
+ * `nonce`; never 0. */
+static inline uint32_t ap_ring_stamp(uint32_t nonce, uint32_t kind, uint64_t idx)
+{
+	return (kind ^ (uint32_t)(idx >> 3) ^ nonce) | 1u;
+}
+
 /* Bytes a ring of `cap` data bytes needs. */
 static inline size_t ap_ring_size(size_t cap) { return AP_RING_HDR_SIZE + cap; }
 
@@ -180,8 +201,8 @@ static inline size_t ap_ring_size(size_t cap) { return AP_RING_HDR_SIZE + cap; }
 static inline size_t ap_ring_max_payload(uint64_t cap) { return (size_t)(cap / 2 - AP_RING_REC_HDR); }
 
 /* Formats a ring of `cap` bytes (power of two) at mem (8-aligned, at least
- * ap_ring_size(cap) bytes, zeroed by the caller or not). Nobody may be
- * attached while it runs. 0 or -EINVAL. */
+ * ap_ring_size(cap) bytes, zeroed by the caller or not), with a fresh
+ * nonce. Nobody may be attached while it runs. 0 or -EINVAL. */
 int ap_ring_format(void *mem, size_t mem_size, size_t cap);
 
 /* Attach to a formatted ring at mem as its one producer or its one

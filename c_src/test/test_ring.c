@@ -90,10 +90,11 @@ static uint64_t *t_word(void *mem, size_t cap, uint64_t idx)
 	return (uint64_t *)((uint8_t *)mem + AP_RING_HDR_SIZE + (idx & (cap - 1)));
 }
 
-/* A record header word as the producer writes it at index idx. */
-static uint64_t t_rec_word(uint32_t kind, uint64_t idx, uint32_t len)
+/* A record header word as the producer of the ring at mem writes it at
+ * index idx (the ring's nonce is in its line 0). */
+static uint64_t t_rec_word(const void *mem, uint32_t kind, uint64_t idx, uint32_t len)
 {
-	return (uint64_t)(kind ^ (uint32_t)(idx >> 3)) << 32 | len;
+	return (uint64_t)ap_ring_stamp(((const struct ap_ring_hdr *)mem)->nonce, kind, idx) << 32 | len;
 }
 
 /* ---- format and attach ---------------------------------------------------- */
@@ -118,7 +119,7 @@ static void test_format_and_attach_reject_what_is_not_a_ring(void **state)
 	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap) - 8), -EINVAL); /* cap past the mapping */
 	assert_int_equal(ap_ring_attach_consumer(&r, m, 100), -EINVAL);
 
-	h->version = 2;
+	h->version = AP_RING_VERSION + 1;
 	assert_int_equal(ap_ring_attach_consumer(&r, m, ap_ring_size(cap)), -EINVAL);
 	h->version = AP_RING_VERSION;
 	h->cap = 4000;
@@ -277,7 +278,7 @@ static void test_wrap_around_writes_a_pad_and_records_stay_contiguous(void **sta
 	}
 	assert_int_equal(ap_ring_reserve(&p, 40, &wp), 0);
 	assert_ptr_equal(wp, p.data + AP_RING_REC_HDR);
-	assert_true(*t_word(m, cap, 240) == t_rec_word(AP_RING_STAMP_PAD, 240, 8));
+	assert_true(*t_word(m, cap, 240) == t_rec_word(m, AP_RING_STAMP_PAD, 240, 8));
 	t_fill(wp, 40, 5);
 	/* Not visible before the commit, pad included. */
 	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
@@ -792,8 +793,8 @@ static void test_writer_killed_mid_write_is_never_read(void **state)
 
 	/* The pad and the fifth record really were written... */
 	void *m = map.mem;
-	assert_true(*t_word(m, cap, 3736) == t_rec_word(AP_RING_STAMP_PAD, 3736, 360 - 8));
-	assert_true(*t_word(m, cap, 4096) == t_rec_word(AP_RING_STAMP_DATA, 4096, 500));
+	assert_true(*t_word(m, cap, 3736) == t_rec_word(m, AP_RING_STAMP_PAD, 3736, 360 - 8));
+	assert_true(*t_word(m, cap, 4096) == t_rec_word(m, AP_RING_STAMP_DATA, 4096, 500));
 	assert_true(((uint8_t *)m)[AP_RING_HDR_SIZE + 8] == 0x5a);
 	/* ...and none of it is read: tail stayed at 3624. */
 	assert_int_equal(ap_ring_read(&c, &p, &len), -EAGAIN);
@@ -821,27 +822,27 @@ typedef void (*t_scribble_fn)(void *mem, size_t cap);
 static void t_sc_tail_unaligned(void *m, size_t cap) { (void)cap; ((struct ap_ring_hdr *)m)->tail = 148; }
 static void t_sc_tail_past_cap(void *m, size_t cap) { ((struct ap_ring_hdr *)m)->tail = cap + 8; }
 static void t_sc_tail_huge(void *m, size_t cap) { (void)cap; ((struct ap_ring_hdr *)m)->tail = UINT64_MAX - 7; }
-static void t_sc_len_huge(void *m, size_t cap) { *t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_DATA, 0, 0xffffffffu); }
+static void t_sc_len_huge(void *m, size_t cap) { *t_word(m, cap, 0) = t_rec_word(m, AP_RING_STAMP_DATA, 0, 0xffffffffu); }
 static void t_sc_len_max(void *m, size_t cap)
 {
-	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_DATA, 0, (uint32_t)ap_ring_max_payload(cap) + 1);
+	*t_word(m, cap, 0) = t_rec_word(m, AP_RING_STAMP_DATA, 0, (uint32_t)ap_ring_max_payload(cap) + 1);
 }
-static void t_sc_len_past_tail(void *m, size_t cap) { *t_word(m, cap, 96) = t_rec_word(AP_RING_STAMP_DATA, 96, 48); }
+static void t_sc_len_past_tail(void *m, size_t cap) { *t_word(m, cap, 96) = t_rec_word(m, AP_RING_STAMP_DATA, 96, 48); }
 static void t_sc_stale_stamp(void *m, size_t cap)
 {
-	*t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_DATA, 48 + cap, 40);
+	*t_word(m, cap, 48) = t_rec_word(m, AP_RING_STAMP_DATA, 48 + cap, 40);
 }
 static void t_sc_garbage(void *m, size_t cap) { memset((uint8_t *)m + AP_RING_HDR_SIZE, 0x41, cap); }
 static void t_sc_pad_at_zero(void *m, size_t cap)
 {
-	*t_word(m, cap, 0) = t_rec_word(AP_RING_STAMP_PAD, 0, (uint32_t)cap - 8);
+	*t_word(m, cap, 0) = t_rec_word(m, AP_RING_STAMP_PAD, 0, (uint32_t)cap - 8);
 }
-static void t_sc_pad_short(void *m, size_t cap) { *t_word(m, cap, 48) = t_rec_word(AP_RING_STAMP_PAD, 48, 16); }
+static void t_sc_pad_short(void *m, size_t cap) { *t_word(m, cap, 48) = t_rec_word(m, AP_RING_STAMP_PAD, 48, 16); }
 /* A pad to the end committed alone: the producer never does that. */
 static void t_sc_pad_alone(void *m, size_t cap)
 {
 	struct ap_ring_hdr *h = m;
-	*t_word(m, cap, 144) = t_rec_word(AP_RING_STAMP_PAD, 144, (uint32_t)(cap - 144 - 8));
+	*t_word(m, cap, 144) = t_rec_word(m, AP_RING_STAMP_PAD, 144, (uint32_t)(cap - 144 - 8));
 	h->tail = cap;
 }
 /* Tail published past a record that was never written (stale bytes). */
@@ -1479,6 +1480,64 @@ static void test_release_on_a_broken_ring_gives_nothing_back(void **state)
 	free(m);
 }
 
+/* Zeroed memory published without a write, at indexes where an all-zero
+ * word used to be a valid header (stamp 0 == kind ^ index / 8). */
+static void test_zeroed_data_published_without_a_write_is_an_error(void **state)
+{
+	(void)state;
+	size_t cap = 256;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+
+	for (int i = 0; i < 4; i++) {
+		struct ap_ring c;
+		const void *rp;
+		size_t len;
+
+		assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+		uint64_t at[] = { 0, 8ull * AP_RING_STAMP_DATA, 8ull * AP_RING_STAMP_PAD,
+				  8ull * (AP_RING_STAMP_DATA ^ h->nonce) };
+		memset((uint8_t *)m + AP_RING_HDR_SIZE, 0, cap);
+		h->head = h->tail = at[i];
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		h->tail = at[i] + 48;
+		int rc = ap_ring_read(&c, &rp, &len);
+		if (rc != -EPROTO)
+			fail_msg("zeroes at index 0x%" PRIx64 ": read %d (len %zu), want -EPROTO", at[i], rc, len);
+		assert_null(rp);
+	}
+	free(m);
+}
+
+static void test_records_of_an_earlier_format_are_refused(void **state)
+{
+	(void)state;
+	size_t cap = 256;
+	void *m = t_ring_mem(cap);
+	struct ap_ring_hdr *h = m;
+	struct ap_ring p, c;
+	const void *rp;
+	size_t len;
+
+	for (int lap = 0; lap < 3; lap++) {
+		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
+		for (uint64_t k = 0; k < 3; k++)
+			assert_int_equal(t_put(&p, 40, k), 0); /* records at 0, 48, 96 */
+		uint32_t before = h->nonce;
+		assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+		assert_true(h->tail == 0);
+		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		/* A producer of the new format publishes without writing:
+		 * the old records lie there with the old nonce. */
+		h->tail = 144;
+		assert_int_equal(ap_ring_read(&c, &rp, &len), -EPROTO);
+		assert_null(rp);
+		assert_true(h->nonce != before);
+		assert_int_equal(ap_ring_format(m, ap_ring_size(cap), cap), 0);
+	}
+	free(m);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1502,6 +1561,8 @@ int main(void)
 		cmocka_unit_test(test_hostile_bell_cannot_cut_short_or_stretch_a_wait),
 		cmocka_unit_test(test_a_failed_attach_leaves_a_view_every_call_refuses),
 		cmocka_unit_test(test_release_on_a_broken_ring_gives_nothing_back),
+		cmocka_unit_test(test_zeroed_data_published_without_a_write_is_an_error),
+		cmocka_unit_test(test_records_of_an_earlier_format_are_refused),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
