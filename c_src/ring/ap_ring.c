@@ -561,12 +561,20 @@ int ap_ring_map_open_shm(struct ap_ring_map *m, const char *name, size_t min_siz
 	m->fd = -1;
 	if (!valid_shm_name(name))
 		return -EINVAL;
-	fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+	/* O_NONBLOCK: a FIFO planted under the name must not block us; it
+	 * is refused below. */
+	fd = shm_open(name, O_RDWR | O_CLOEXEC | O_NONBLOCK, 0);
 	if (fd < 0)
 		return -errno;
 	if (fstat(fd, &st) < 0)
 		rc = -errno;
-	else if (st.st_size < 0 || (uint64_t)st.st_size < min_size || (uint64_t)st.st_size < AP_RING_HDR_SIZE)
+	else if (!S_ISREG(st.st_mode))
+		rc = -EINVAL;
+	else if (st.st_uid != geteuid() || (st.st_mode & 077))
+		rc = -EPERM; /* made by someone else, or open to others */
+	else if (st.st_size < 0 || (uint64_t)st.st_blocks * 512 < (uint64_t)st.st_size)
+		rc = -EINVAL; /* sparse: a first touch on a full tmpfs is SIGBUS */
+	else if ((uint64_t)st.st_size < min_size || (uint64_t)st.st_size < AP_RING_HDR_SIZE)
 		rc = -EINVAL;
 	else
 		rc = map_fd(m, fd, (size_t)st.st_size);
@@ -615,7 +623,11 @@ int ap_ring_map_open_fd(struct ap_ring_map *m, int fd, size_t min_size)
 		return -EPERM;
 	if (fstat(fd, &st) < 0)
 		return -errno;
-	if (st.st_size < 0 || (uint64_t)st.st_size < min_size || (uint64_t)st.st_size < AP_RING_HDR_SIZE)
+	/* Sealed but sparse would still fault pages in on first touch, which
+	 * can fail (SIGBUS) under a memory limit: the creator reserves all. */
+	if (!S_ISREG(st.st_mode) || st.st_size < 0 || (uint64_t)st.st_blocks * 512 < (uint64_t)st.st_size)
+		return -EINVAL;
+	if ((uint64_t)st.st_size < min_size || (uint64_t)st.st_size < AP_RING_HDR_SIZE)
 		return -EINVAL;
 	return map_fd(m, fd, (size_t)st.st_size);
 }

@@ -115,6 +115,22 @@
  * Failed attach. It zeroes the view: every call on it returns -EINVAL (or
  * does nothing, for the void ones), never touches memory.
  *
+ * Segments: who attaches how (a design decision). A shm object can be
+ * shrunk by anyone who can open it (ftruncate), and a mapping of a shrunk
+ * object raises SIGBUS on touch: in the BEAM that is a VM crash. So:
+ *  - the NIF side (the BEAM) attaches ONLY through a sealed memfd
+ *    (F_SEAL_SHRINK | F_SEAL_GROW, checked by ap_ring_map_open_fd),
+ *    received over a connected AF_UNIX socket with SCM_RIGHTS
+ *    (ap_ring_send_fd / ap_ring_recv_fd); the NIF may just as well be the
+ *    creator and pass the fd the other way. Seals cannot be removed, so
+ *    the peer cannot shrink it later.
+ *  - shm names (ap_ring_map_create_shm / _open_shm) are only for the side
+ *    that created the segment, or for a rendezvous; ap_ring_map_open_shm
+ *    refuses what is not a regular file, not owned by geteuid(), open to
+ *    group or others, or not fully allocated (st_blocks * 512 < st_size:
+ *    sparse, SIGBUS on a full tmpfs), but it cannot stop a same-uid peer
+ *    from shrinking the object later.
+ *
  * Errors: negative errno values. -EAGAIN empty (read) or full (reserve),
  * -EMSGSIZE a record over ap_ring_max_payload(), -EPROTO the ring is broken
  * (a check failed; it stays broken), -ETIMEDOUT a wait ended by its timeout,
@@ -330,9 +346,11 @@ struct ap_ring_map {
 int ap_ring_map_create_shm(struct ap_ring_map *m, const char *name, size_t size);
 
 /* Opens and maps an existing shm object read-write; its size is fstat's,
- * which must be at least min_size. 0 or -errno. A peer with the same uid
- * could still shrink a shm object under the mapping (SIGBUS): memfd with
- * seals does not have that hole. */
+ * which must be at least min_size. Refuses what is not a regular file
+ * (-EINVAL), not owned by geteuid() or with any group/other mode bit
+ * (-EPERM), or not fully allocated (-EINVAL). 0 or -errno. A peer with the
+ * same uid could still shrink it under the mapping (SIGBUS): only for the
+ * creator's side or a rendezvous; the NIF uses a sealed memfd. */
 int ap_ring_map_open_shm(struct ap_ring_map *m, const char *name, size_t min_size);
 
 /* Creates an anonymous memfd of `size` bytes, reserved with
@@ -341,9 +359,20 @@ int ap_ring_map_open_shm(struct ap_ring_map *m, const char *name, size_t min_siz
 int ap_ring_map_create_memfd(struct ap_ring_map *m, const char *tag, size_t size);
 
 /* Maps a memfd received from a peer; it must carry the shrink and grow
- * seals (so it cannot SIGBUS us) and be at least min_size bytes. Takes the
- * fd on success. 0 or -errno (-EPERM: not sealed). */
+ * seals (so it cannot SIGBUS us), be a fully allocated regular file and
+ * at least min_size bytes. Takes the fd on success. 0 or -errno (-EPERM:
+ * not sealed). */
 int ap_ring_map_open_fd(struct ap_ring_map *m, int fd, size_t min_size);
+
+/* Passes fd (one SCM_RIGHTS message with one data byte) over a connected
+ * AF_UNIX socket. 0 or -errno. */
+int ap_ring_send_fd(int sock, int fd);
+
+/* Receives one fd sent by ap_ring_send_fd (close-on-exec). A message with
+ * no fd, more than one, or truncated control data is -EPROTO, and every
+ * fd it carried is closed; -ECONNRESET at end of stream. 0 or -errno;
+ * *fd is -1 on error. Map it with ap_ring_map_open_fd, which checks it. */
+int ap_ring_recv_fd(int sock, int *fd);
 
 /* Unmaps and closes; does not unlink. */
 void ap_ring_map_close(struct ap_ring_map *m);

@@ -12,6 +12,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -1538,6 +1539,194 @@ static void test_records_of_an_earlier_format_are_refused(void **state)
 	free(m);
 }
 
+/* Segment objects made by hand, as a peer (or a stranger) would. */
+static const char *const t_shm_kinds[] = { "good", "sparse", "grp", "oth", "foreign", "fifo" };
+
+static int t_unlink_kinds(void **state)
+{
+	char name[64], path[96];
+
+	(void)state;
+	for (size_t i = 0; i < sizeof t_shm_kinds / sizeof t_shm_kinds[0]; i++) {
+		t_shm_name(name, sizeof name, t_shm_kinds[i]);
+		ap_ring_shm_unlink(name);
+		snprintf(path, sizeof path, "/dev/shm%s", name);
+		unlink(path); /* the FIFO, should shm_unlink refuse it */
+	}
+	return 0;
+}
+
+static void t_shm_obj(const char *name, mode_t mode, size_t size, int reserve, uid_t uid)
+{
+	int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+	assert_true(fd >= 0);
+	assert_int_equal(ftruncate(fd, (off_t)size), 0);
+	if (reserve)
+		assert_int_equal(posix_fallocate(fd, 0, (off_t)size), 0);
+	if (uid != geteuid())
+		assert_int_equal(fchown(fd, uid, uid), 0);
+	assert_int_equal(fchmod(fd, mode), 0);
+	close(fd);
+}
+
+/* Each case is checked and reported; the test fails at the end, listing
+ * every case that was let through. */
+static int t_shm_case(const char *kind, int want, size_t size, int *bad)
+{
+	struct ap_ring_map m;
+	char name[64];
+
+	t_shm_name(name, sizeof name, kind);
+	int rc = ap_ring_map_open_shm(&m, name, size);
+	if (rc == 0)
+		ap_ring_map_close(&m);
+	else if (m.mem || m.fd != -1)
+		rc = 1000; /* a refusal must leave nothing mapped or open */
+	print_message("[ info     ] open_shm %-8s -> %d (want %d)\n", kind, rc, want);
+	if (rc != want)
+		(*bad)++;
+	return rc;
+}
+
+static void test_shm_open_refuses_sparse_foreign_and_open_objects(void **state)
+{
+	(void)state;
+	size_t size = ap_ring_size(65536);
+	char name[64], path[96];
+	struct stat st;
+	int bad = 0;
+
+	t_unlink_kinds(NULL);
+	/* The control: a private, reserved object of ours is taken. */
+	t_shm_name(name, sizeof name, "good");
+	t_shm_obj(name, 0600, size, 1, geteuid());
+	t_shm_case("good", 0, size, &bad);
+	/* Sparse: its first touch on a full tmpfs would be SIGBUS. */
+	t_shm_name(name, sizeof name, "sparse");
+	t_shm_obj(name, 0600, size, 0, geteuid());
+	t_shm_case("sparse", -EINVAL, size, &bad);
+	t_shm_name(name, sizeof name, "grp");
+	t_shm_obj(name, 0640, size, 1, geteuid());
+	t_shm_case("grp", -EPERM, size, &bad);
+	t_shm_name(name, sizeof name, "oth");
+	t_shm_obj(name, 0602, size, 1, geteuid());
+	t_shm_case("oth", -EPERM, size, &bad);
+	/* Owned by someone else (a root test can give it away). */
+	t_shm_name(name, sizeof name, "foreign");
+	if (geteuid() == 0) {
+		t_shm_obj(name, 0600, size, 1, 65534);
+		snprintf(path, sizeof path, "/dev/shm%s", name);
+		assert_int_equal(stat(path, &st), 0);
+		assert_true(st.st_uid == 65534);
+		t_shm_case("foreign", -EPERM, size, &bad);
+	} else {
+		print_message("[ info     ] not root: cannot make an object owned by another uid, "
+			      "the foreign-owner case is not exercised here\n");
+	}
+	/* Not a regular file: refused, and the open does not block. */
+	t_shm_name(name, sizeof name, "fifo");
+	snprintf(path, sizeof path, "/dev/shm%s", name);
+	assert_int_equal(mkfifo(path, 0600), 0);
+	t_shm_case("fifo", -EINVAL, 0, &bad);
+	t_unlink_kinds(NULL);
+	if (bad)
+		fail_msg("%d shm objects got an answer other than the one wanted (see above)", bad);
+}
+
+/* Sends n fds in one message, as a hostile peer might. */
+static void t_send_fds(int sock, const int *fds, size_t n)
+{
+	char byte = 'x';
+	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	char buf[CMSG_SPACE(8 * sizeof(int))];
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+	memset(buf, 0, sizeof buf);
+	if (n) {
+		msg.msg_control = buf;
+		msg.msg_controllen = CMSG_SPACE(n * sizeof(int));
+		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(n * sizeof(int));
+		memcpy(CMSG_DATA(c), fds, n * sizeof(int));
+	}
+	assert_int_equal(sendmsg(sock, &msg, 0), 1);
+}
+
+static int t_fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
+
+static void test_memfd_passed_over_a_socket_cannot_be_shrunk_by_the_peer(void **state)
+{
+	(void)state;
+	size_t cap = 65536, size = ap_ring_size(cap);
+	struct ap_ring_map a;
+	struct ap_ring c;
+	int sv[2], st, fd;
+
+	assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+	assert_int_equal(ap_ring_map_create_memfd(&a, "t_pass", size), 0);
+	assert_int_equal(ap_ring_format(a.mem, a.size, cap), 0);
+	assert_int_equal(ap_ring_attach_consumer(&c, a.mem, a.size), 0);
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		/* The peer: gets the fd, tries to shrink, grow and unseal it,
+		 * then produces through it. */
+		struct ap_ring_map pm;
+		struct ap_ring r;
+		close(sv[0]);
+		T_CK(ap_ring_recv_fd(sv[1], &fd) == 0 && fd >= 0);
+		T_CK((fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0);
+		T_CK(ftruncate(fd, 0) < 0 && errno == EPERM);
+		T_CK(ftruncate(fd, (off_t)size / 2) < 0 && errno == EPERM);
+		T_CK(ftruncate(fd, (off_t)size * 2) < 0 && errno == EPERM);
+		T_CK(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) < 0 && errno == EPERM);
+		T_CK(ap_ring_map_open_fd(&pm, fd, size) == 0);
+		T_CK(ap_ring_attach_producer(&r, pm.mem, pm.size) == 0);
+		T_CK(t_put(&r, 300, 3) == 0);
+		ap_ring_map_close(&pm);
+		_exit(0);
+	}
+	close(sv[1]);
+	assert_int_equal(ap_ring_send_fd(sv[0], a.fd), 0);
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	assert_true(WIFEXITED(st));
+	assert_int_equal(WEXITSTATUS(st), 0);
+	const void *rp;
+	size_t len;
+	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
+	assert_true(len == 300 && t_check_rec(rp, len, 3));
+	/* Every byte of our mapping is still there (a shrink would SIGBUS). */
+	struct stat sb;
+	assert_int_equal(fstat(a.fd, &sb), 0);
+	assert_true((size_t)sb.st_size == size);
+	t_touch += ((volatile uint8_t *)a.mem)[size - 1];
+	close(sv[0]);
+
+	/* Hostile messages: two fds at once, none, end of stream. Whatever
+	 * came is closed. */
+	assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+	int probe = dup(0);
+	assert_true(probe >= 0);
+	close(probe); /* the lowest free number: where a received fd lands */
+	int two[2] = { a.fd, a.fd };
+	t_send_fds(sv[0], two, 2);
+	assert_int_equal(ap_ring_recv_fd(sv[1], &fd), -EPROTO);
+	assert_int_equal(fd, -1);
+	assert_false(t_fd_open(probe));
+	assert_false(t_fd_open(probe + 1));
+	t_send_fds(sv[0], NULL, 0);
+	assert_int_equal(ap_ring_recv_fd(sv[1], &fd), -EPROTO);
+	close(sv[0]);
+	assert_int_equal(ap_ring_recv_fd(sv[1], &fd), -ECONNRESET);
+	assert_int_equal(ap_ring_send_fd(sv[1], -1), -EBADF);
+	close(sv[1]);
+	ap_ring_map_close(&a);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1563,6 +1752,8 @@ int main(void)
 		cmocka_unit_test(test_release_on_a_broken_ring_gives_nothing_back),
 		cmocka_unit_test(test_zeroed_data_published_without_a_write_is_an_error),
 		cmocka_unit_test(test_records_of_an_earlier_format_are_refused),
+		cmocka_unit_test_teardown(test_shm_open_refuses_sparse_foreign_and_open_objects, t_unlink_kinds),
+		cmocka_unit_test(test_memfd_passed_over_a_socket_cannot_be_shrunk_by_the_peer),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,89 @@
+/* ap_ring_fd: passing a segment's memfd to the peer over a connected
+ * AF_UNIX socket (SCM_RIGHTS), the only way the NIF side attaches (see
+ * "Segments" in ap_ring.h). */
+#include "ap_ring.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+int ap_ring_send_fd(int sock, int fd)
+{
+	char byte = 'R';
+	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} u;
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf };
+	struct cmsghdr *c;
+	ssize_t n;
+
+	if (sock < 0 || fd < 0)
+		return -EBADF;
+	memset(&u, 0, sizeof u);
+	c = CMSG_FIRSTHDR(&msg);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(c), &fd, sizeof fd);
+	do
+		n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	return n == 1 ? 0 : n < 0 ? -errno : -EIO;
+}
+
+/* Closes every fd a message carried: what a hostile sender adds beyond
+ * the one we asked for must not leak into our process. */
+static void close_all(struct msghdr *msg)
+{
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
+			continue;
+		size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < n; i++) {
+			int fd;
+			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+			close(fd);
+		}
+	}
+}
+
+int ap_ring_recv_fd(int sock, int *fd)
+{
+	char byte;
+	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	/* Room for a few: a sender that passes more is detected and its fds
+	 * closed, instead of the kernel truncating (and leaking nothing we
+	 * could see). */
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(4 * sizeof(int))];
+	} u;
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf };
+	struct cmsghdr *c;
+	ssize_t n;
+
+	*fd = -1;
+	if (sock < 0)
+		return -EBADF;
+	do
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		return -errno;
+	if (n == 0) {
+		close_all(&msg);
+		return -ECONNRESET;
+	}
+	c = CMSG_FIRSTHDR(&msg);
+	if ((msg.msg_flags & MSG_CTRUNC) || !c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+	    c->cmsg_len != CMSG_LEN(sizeof(int)) || CMSG_NXTHDR(&msg, c)) {
+		close_all(&msg);
+		return -EPROTO;
+	}
+	memcpy(fd, CMSG_DATA(c), sizeof *fd);
+	return 0;
+}
