@@ -100,6 +100,16 @@ static uint64_t t_rec_word(const void *mem, uint32_t kind, uint64_t idx, uint32_
 
 /* ---- format and attach ---------------------------------------------------- */
 
+/* A fresh ring of cap bytes, formatted, with a producer and a consumer
+ * attached; free() the returned memory. */
+static void *t_pair(size_t cap, struct ap_ring *p, struct ap_ring *c)
+{
+	void *m = t_ring_mem(cap);
+	assert_int_equal(ap_ring_attach_producer(p, m, ap_ring_size(cap)), 0);
+	assert_int_equal(ap_ring_attach_consumer(c, m, ap_ring_size(cap)), 0);
+	return m;
+}
+
 static void test_format_and_attach_reject_what_is_not_a_ring(void **state)
 {
 	(void)state;
@@ -261,14 +271,12 @@ static void test_wrap_around_writes_a_pad_and_records_stay_contiguous(void **sta
 {
 	(void)state;
 	size_t cap = 256;
-	void *m = t_ring_mem(cap);
 	struct ap_ring p, c;
 	const void *rp;
 	size_t len;
 	void *wp;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
 	/* 40-byte payloads take 48 bytes: five fill 240, the sixth does not
 	 * fit in the last 16 and goes to offset 0 behind a pad. */
 	for (uint64_t k = 0; k < 5; k++) {
@@ -311,14 +319,12 @@ static void test_full_and_empty(void **state)
 {
 	(void)state;
 	size_t cap = 4096;
-	void *m = t_ring_mem(cap);
 	struct ap_ring p, c;
 	const void *rp;
 	size_t len;
 	void *wp;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
 	assert_int_equal(ap_ring_read(&c, &rp, &len), -EAGAIN);
 	assert_int_equal(ap_ring_readable(&c), 0);
 	assert_int_equal(ap_ring_wait(&c, 10, 0), -ETIMEDOUT);
@@ -390,16 +396,14 @@ static void test_batch_commit_publishes_all_and_rings_once(void **state)
 {
 	(void)state;
 	size_t cap = 32768;
-	void *m = t_ring_mem(cap);
-	struct ap_ring_hdr *h = m;
 	struct ap_ring p, c;
 	const void *rp;
 	size_t len;
 	void *wp;
 	uint32_t *word, expected;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
+	struct ap_ring_hdr *h = m;
 	/* The consumer is about to sleep (its flag is up). */
 	assert_int_equal(ap_ring_prepare_sleep(&c, 0, &word, &expected), 1);
 	assert_ptr_equal(word, &h->data_bell);
@@ -461,14 +465,12 @@ static void test_abort_drops_uncommitted_reservations(void **state)
 {
 	(void)state;
 	size_t cap = 1024;
-	void *m = t_ring_mem(cap);
 	struct ap_ring p, c;
 	const void *rp;
 	size_t len;
 	void *wp;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
 	assert_int_equal(t_put(&p, 10, 1), 0);
 	assert_int_equal(ap_ring_reserve(&p, 30, &wp), 0);
 	memset(wp, 0x55, 30);
@@ -877,14 +879,12 @@ static void test_hostile_tail_and_records_are_errors_never_reads(void **state)
 	size_t cap = 256;
 
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-		void *m = t_ring_mem(cap);
 		struct ap_ring p, c;
 		const void *rp;
 		size_t len;
 		int rc = 0, n = 0;
 
-		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		void *m = t_pair(cap, &p, &c);
 		for (uint64_t k = 0; k < 3; k++)
 			assert_int_equal(t_put(&p, 40, k), 0);
 		cases[i].fn(m, cap);
@@ -911,15 +911,13 @@ static void test_hostile_head_is_an_error_for_the_producer(void **state)
 	size_t cap = 256;
 
 	for (size_t i = 0; i < sizeof bad_heads / sizeof bad_heads[0] + 1; i++) {
-		void *m = t_ring_mem(cap);
-		struct ap_ring_hdr *h = m;
 		struct ap_ring p, c;
 		const void *rp;
 		size_t len;
 		void *wp;
 
-		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		void *m = t_pair(cap, &p, &c);
+		struct ap_ring_hdr *h = m;
 		for (uint64_t k = 0; k < 5; k++)
 			assert_int_equal(t_put(&p, 40, k), 0); /* 240 of 256: the next needs head */
 		assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
@@ -955,15 +953,13 @@ static void test_random_scribbles_never_crash(void **state)
 
 	t_rng_seed(&rng, t_seed("scribbles"));
 	for (int it = 0; it < 20000; it++) {
-		void *m = t_ring_mem(cap);
 		struct ap_ring p, c;
 		const void *rp;
 		size_t len;
 		void *wp;
 		int n = (int)t_rand_range(&rng, 0, 12);
 
-		assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-		assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+		void *m = t_pair(cap, &p, &c);
 		for (int k = 0; k < n; k++) {
 			if (ap_ring_reserve(&p, t_rand_range(&rng, 0, 100), &wp) == 0 && k % 3 == 2)
 				ap_ring_commit(&p);
@@ -1381,16 +1377,14 @@ static void test_hostile_bell_cannot_cut_short_or_stretch_a_wait(void **state)
 {
 	(void)state;
 	size_t cap = 4096;
-	void *m = t_ring_mem(cap);
-	struct ap_ring_hdr *h = m;
 	struct ap_ring p, c;
 	uint64_t rings;
 	int64_t ms;
 	void *wp;
 	int rc;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
+	struct ap_ring_hdr *h = m;
 	/* Nothing to read: the wait ends by its timeout, however often the
 	 * bell rings. */
 	rc = t_wait_under_ringer(&h->cons_waiting, &h->data_bell, t_wait_data_200, &c, &ms, &rings);
@@ -1460,14 +1454,12 @@ static void test_release_on_a_broken_ring_gives_nothing_back(void **state)
 {
 	(void)state;
 	size_t cap = 256;
-	void *m = t_ring_mem(cap);
-	struct ap_ring_hdr *h = m;
 	struct ap_ring p, c;
 	const void *rp;
 	size_t len;
 
-	assert_int_equal(ap_ring_attach_producer(&p, m, ap_ring_size(cap)), 0);
-	assert_int_equal(ap_ring_attach_consumer(&c, m, ap_ring_size(cap)), 0);
+	void *m = t_pair(cap, &p, &c);
+	struct ap_ring_hdr *h = m;
 	for (uint64_t k = 0; k < 3; k++)
 		assert_int_equal(t_put(&p, 40, k), 0);
 	assert_int_equal(ap_ring_read(&c, &rp, &len), 0);
