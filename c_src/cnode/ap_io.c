@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_time.h"
 
 ap_loop *ap_loop_new(const char *want, const ap_io_cbs *cbs, void *arg)
 {
@@ -160,13 +161,6 @@ void ap_io_finished(ap_loop *l, ap_io_conn *c)
 	l->closed = c;
 }
 
-static int64_t now_us(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 void ap_io_accepted(ap_loop *l, int fd)
 {
 	if (l->accept_backoff_ms) {
@@ -236,14 +230,14 @@ int ap_io_accept_error(ap_loop *l, int err, int can_shed)
 			l->accept_backoff_ms = AP_IO_ACCEPT_PAUSE_MAX_MS;
 	}
 	l->accept_paused = 1;
-	l->accept_resume_us = now_us() + (int64_t)l->accept_backoff_ms * 1000;
+	l->accept_resume_us = ap_mono_us() + (int64_t)l->accept_backoff_ms * 1000;
 	l->ops->accept_pause(l);
 	return 1;
 }
 
 int ap_io_coalesce_check(ap_loop *l)
 {
-	int64_t t = now_us();
+	int64_t t = ap_mono_us();
 	if (t - l->win_start_us < AP_IO_RATE_WINDOW_US)
 		return l->coalesce;
 	/* Start on many small receives; keep going while each pause still
@@ -274,7 +268,7 @@ int ap_loop_run_once(ap_loop *l, int timeout_ms)
 	}
 	if (l->accept_paused) {
 		/* Wake for the end of the accept pause. */
-		int64_t left = (l->accept_resume_us - now_us() + 999) / 1000;
+		int64_t left = (l->accept_resume_us - ap_mono_us() + 999) / 1000;
 		if (left < 0)
 			left = 0;
 		if (timeout_ms < 0 || timeout_ms > left)
@@ -282,7 +276,7 @@ int ap_loop_run_once(ap_loop *l, int timeout_ms)
 	}
 	/* Something closed while flushing: report it before sleeping. */
 	int r = l->ops->wait(l, l->closed ? 0 : timeout_ms);
-	if (l->accept_paused && now_us() >= l->accept_resume_us) {
+	if (l->accept_paused && ap_mono_us() >= l->accept_resume_us) {
 		l->accept_paused = 0;
 		l->ops->accept_resume(l);
 	}

@@ -12,6 +12,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ap_time.h"
+
 /* Kinds are format strings, so a handful per node; a format that finds no
  * free slot shares the last one with the others that did not. */
 #define KINDS 128 /* power of two */
@@ -60,11 +62,7 @@ void ap_log_set_clock(int64_t (*now_ms)(void))
 
 static int64_t now_ms(void)
 {
-	if (clock_ms)
-		return clock_ms();
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+	return clock_ms ? clock_ms() : ap_mono_ms();
 }
 
 static int write_all(int fd, const void *p, size_t n)

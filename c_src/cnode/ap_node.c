@@ -22,6 +22,7 @@
 #include "ap_sendq.h"
 #include "ap_setup.h"
 #include "ap_term.h"
+#include "ap_time.h"
 
 #define PROC_BUCKETS 256
 #define READER_QUEUE 0
@@ -74,13 +75,6 @@ struct ap_node {
 	ap_dead_letter_fn dead_letter;
 	volatile int stop;
 };
-
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- processes ---------------------------------------------------------- */
 
@@ -576,7 +570,7 @@ static int io_on_data(void *arg, ap_io_conn *io, const uint8_t *data, size_t len
 {
 	ap_node *n = arg;
 	ap_conn *c = io->owner;
-	n->now_ms = mono_ms(); /* vDSO, no syscall */
+	n->now_ms = ap_mono_ms(); /* vDSO, no syscall */
 	c->last_rx_ms = n->now_ms;
 	int r = ap_frame_rx_feed(&c->rx, data, len, on_frame, c);
 	if (r == -EMSGSIZE)
@@ -637,7 +631,7 @@ static void drain_queue(ap_node *n)
 		case AP_Q_CALL: {
 			struct ap_call_item ci;
 			memcpy(&ci, it->data, sizeof ci);
-			n->now_ms = mono_ms();
+			n->now_ms = ap_mono_ms();
 			ci.fn(n, ci.arg);
 			break;
 		}
@@ -804,7 +798,7 @@ void ap_node_free(ap_node *n)
 int ap_node_run(ap_node *n)
 {
 	signal(SIGPIPE, SIG_IGN);
-	n->now_ms = mono_ms();
+	n->now_ms = ap_mono_ms();
 	n->lfd = ap_ei_listen(&n->ec, n->cfg.listen, &n->port);
 	if (n->lfd < 0)
 		return -EIO;
@@ -845,7 +839,7 @@ int ap_node_run(ap_node *n)
 			ap_log(AP_LOG_ERROR, "event loop failed: %s", strerror(-r));
 			return r;
 		}
-		n->now_ms = mono_ms();
+		n->now_ms = ap_mono_ms();
 		run_timers(n);
 		if (n->now_ms >= n->next_tick_ms) {
 			on_timer(n);
@@ -877,7 +871,7 @@ int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg)
 	struct ap_timer *t = malloc(sizeof *t);
 	if (!t)
 		return -1;
-	t->at_ms = mono_ms() + (delay_ms > 0 ? delay_ms : 0);
+	t->at_ms = ap_mono_ms() + (delay_ms > 0 ? delay_ms : 0);
 	t->fn = fn;
 	t->arg = arg;
 	/* Few timers are live at once (worker restarts, a stats tick): a

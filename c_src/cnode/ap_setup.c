@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_time.h"
 
 #define DEF_HANDSHAKE_MS 5000
 #define DEF_MAX_PENDING 256
@@ -27,13 +28,6 @@
 #define DEF_GRACE_MS 250
 #define SUMMARY_MS 1000
 #define EPMD_PORT 4369
-
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* One accepted socket from accept to hand-over. The gate thread owns it in
  * P_GATE and P_READY (only it frees those), a handshake thread in P_RUN.
@@ -111,7 +105,7 @@ static int wait_fd(int fd, short ev, unsigned tmo)
 	for (;;) {
 		int t = tmo == EI_SCLBK_INF_TMO ? -1 : (int)tmo;
 		if (tl_deadline) {
-			int64_t left = tl_deadline - mono_ms();
+			int64_t left = tl_deadline - ap_mono_ms();
 			if (left <= 0)
 				return ETIMEDOUT;
 			if (t < 0 || left < t)
@@ -121,7 +115,7 @@ static int wait_fd(int fd, short ev, unsigned tmo)
 		if (r > 0)
 			return 0;
 		if (r == 0) {
-			if (tl_deadline && mono_ms() < tl_deadline)
+			if (tl_deadline && ap_mono_ms() < tl_deadline)
 				continue;
 			return ETIMEDOUT;
 		}
@@ -490,7 +484,7 @@ void ap_setup_accept(ap_setup *s, int fd)
 	source_of(fd, p->src, &p->srclen);
 	pthread_mutex_lock(&s->mu);
 	s->st.accepted++;
-	int64_t now = mono_ms();
+	int64_t now = ap_mono_ms();
 	p->deadline = now + s->cfg.handshake_ms;
 	/* At a cap with nothing that may go, the newcomer is refused. */
 	int refuse = 0;
@@ -706,7 +700,7 @@ static void *gate_main(void *arg)
 	int64_t next_summary = INT64_MAX;
 	pthread_mutex_lock(&s->mu);
 	while (!s->stop) {
-		int64_t now = mono_ms();
+		int64_t now = ap_mono_ms();
 		int64_t due = gate_evict(s, now);
 		if (next_summary < due)
 			due = next_summary;
@@ -757,7 +751,7 @@ static void *gate_main(void *arg)
 		pthread_mutex_unlock(&s->mu);
 		int tmo = due == INT64_MAX ? -1 : due <= now ? 0 : (int)(due - now);
 		int r = poll(pfd, k, tmo);
-		now = mono_ms();
+		now = ap_mono_ms();
 		if (r > 0 && (pfd[0].revents & POLLIN)) {
 			uint64_t v;
 			ssize_t rr = read(s->wake_fd, &v, sizeof v);
@@ -783,7 +777,7 @@ static void *gate_main(void *arg)
 		}
 	}
 	pthread_mutex_unlock(&s->mu);
-	gate_summary(s, mono_ms(), &next_summary, 1);
+	gate_summary(s, ap_mono_ms(), &next_summary, 1);
 	free(pfd);
 	free(pp);
 	return NULL;
@@ -880,7 +874,7 @@ static void *worker_main(void *arg)
 			continue;
 		}
 		p->st = P_RUN;
-		p->t_run = mono_ms();
+		p->t_run = ap_mono_ms();
 		s->nready--;
 		s->nrun++;
 		pthread_mutex_unlock(&s->mu);
@@ -973,7 +967,7 @@ static int host_ip(const char *host, struct in_addr *ip)
 static void run_connect(ap_setup *s, struct cjob *j)
 {
 	last_ctx = NULL;
-	int64_t deadline = mono_ms() + s->cfg.handshake_ms;
+	int64_t deadline = ap_mono_ms() + s->cfg.handshake_ms;
 	tl_deadline = deadline;
 	int fd = -1, err = EINVAL;
 	char alive[EI_MAXALIVELEN + 1];
@@ -986,7 +980,7 @@ static void run_connect(ap_setup *s, struct cjob *j)
 		if (!host_ip(at + 1, &ip)) {
 			int port = epmd_port(s, ip, alive);
 			err = errno;
-			int64_t left = deadline - mono_ms();
+			int64_t left = deadline - ap_mono_ms();
 			if (port > 0 && left > 0) {
 				fd = ei_xconnect_host_port_tmo(s->ec, &ip, port, (unsigned)left);
 				err = erl_errno;
@@ -1124,7 +1118,7 @@ ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, const ap_setup_cfg *cfg)
 						   : s->cfg.threads > 1 ? s->cfg.threads - 1 : 1;
 	if (s->run_cap > s->cfg.threads)
 		s->run_cap = s->cfg.threads;
-	s->last_summary = mono_ms() - SUMMARY_MS;
+	s->last_summary = ap_mono_ms() - SUMMARY_MS;
 	pthread_mutex_init(&s->mu, NULL);
 	pthread_cond_init(&s->ready_cv, NULL);
 	pthread_cond_init(&s->conn_cv, NULL);

@@ -65,6 +65,7 @@
 #include "ap_main.h"
 #include "ap_shm.h"
 #include "ap_term.h"
+#include "ap_time.h"
 #include "registry.h"
 
 #define PROC_NAME "actor_receptionist"
@@ -213,9 +214,7 @@ static void rebuild_tick(ap_node *n, void *arg)
  * before it runs). */
 static uint64_t mono_ms(void)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+	return (uint64_t)ap_mono_ms();
 }
 
 static void heartbeat_tick(ap_node *n, void *arg)
