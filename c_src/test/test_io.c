@@ -575,20 +575,30 @@ static void test_eventfd_reader_triggers_on_readable(void **state)
 	close(efd);
 }
 
+/* A listener on an ephemeral loopback port, handed to t's loop; its
+ * address in *a. */
+static int t_listen_loopback(struct t_io *t, int backlog, struct sockaddr_in *a)
+{
+	int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	assert_true(lfd >= 0);
+	*a = (struct sockaddr_in){ .sin_family = AF_INET, .sin_port = 0 };
+	a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	assert_int_equal(bind(lfd, (struct sockaddr *)a, sizeof *a), 0);
+	assert_int_equal(listen(lfd, backlog), 0);
+	socklen_t alen = sizeof *a;
+	assert_int_equal(getsockname(lfd, (struct sockaddr *)a, &alen), 0);
+	assert_int_equal(ap_loop_listen(t->l, lfd), 0);
+	return lfd;
+}
+
 /* (f) */
 static void test_listener_accepts_with_a_valid_blocking_fd(void **state)
 {
 	const char *backend = *state;
 	struct t_io *t = t_io_new(backend);
-	int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	assert_true(lfd >= 0);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = 0 };
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
-	assert_int_equal(listen(lfd, 16), 0);
-	socklen_t alen = sizeof a;
-	assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &alen), 0);
-	assert_int_equal(ap_loop_listen(t->l, lfd), 0);
+	struct sockaddr_in a;
+	int lfd = t_listen_loopback(t, 16, &a);
+	socklen_t alen;
 
 	int cl[2];
 	struct sockaddr_in local[2];
@@ -645,15 +655,8 @@ static void test_accept_at_the_fd_limit_pauses_sheds_and_resumes(void **state)
 {
 	const char *backend = *state;
 	struct t_io *t = t_io_new(backend);
-	int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	assert_true(lfd >= 0);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = 0 };
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
-	assert_int_equal(listen(lfd, 64), 0);
-	socklen_t alen = sizeof a;
-	assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &alen), 0);
-	assert_int_equal(ap_loop_listen(t->l, lfd), 0);
+	struct sockaddr_in a;
+	int lfd = t_listen_loopback(t, 64, &a);
 	int cl[T_FDLIMIT_CLIENTS];
 	for (int i = 0; i < T_FDLIMIT_CLIENTS; i++) {
 		cl[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

@@ -3,6 +3,7 @@
  * killed mid-write, hostile indexes and records, segments, and the io_uring
  * futex wait. */
 #include "t_helpers.h"
+#include "t_tmpfs.h"
 
 #include <fcntl.h>
 #include <limits.h>
@@ -25,14 +26,6 @@
 #define T_WAIT_MS 2000
 
 /* Checks in a forked child: exit with the line that failed. */
-#define T_CK(c)                                                              \
-	do {                                                                 \
-		if (!(c)) {                                                  \
-			fprintf(stderr, "child check failed line %d: %s\n", __LINE__, #c); \
-			_exit(__LINE__ & 0x7f ? __LINE__ & 0x7f : 1);        \
-		}                                                            \
-	} while (0)
-
 /* ---- helpers ---------------------------------------------------------------- */
 
 /* A formatted ring in exact-size heap memory (ASan sees any overrun). */
@@ -1066,8 +1059,6 @@ static void test_shm_segment_is_exclusive_0600_reserved_and_unlinked(void **stat
  * store past the filesystem's end would have been SIGBUS. Runs in a forked
  * child with a 1 MiB tmpfs on /dev/shm in a private mount namespace (root
  * only, as test_shm's full-tmpfs cases); the child checks with T_CK. */
-#define T_CHILD_SKIP 77
-
 static void t_child_small_tmpfs(void)
 {
 	struct ap_ring_map m;
@@ -1089,28 +1080,7 @@ static void t_child_small_tmpfs(void)
 static void test_shm_segment_larger_than_tmpfs_is_enospc_not_sigbus(void **state)
 {
 	(void)state;
-	int st = 0;
-
-	fflush(stdout);
-	fflush(stderr);
-	pid_t pid = fork();
-	assert_true(pid >= 0);
-	if (pid == 0) {
-		/* Private first, so that the mount does not propagate out. */
-		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
-		    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777") < 0) {
-			fprintf(stderr, "no private tmpfs (%s): skipped\n", strerror(errno));
-			_exit(T_CHILD_SKIP);
-		}
-		t_child_small_tmpfs();
-	}
-	assert_int_equal(waitpid(pid, &st, 0), pid);
-	if (WIFSIGNALED(st))
-		fail_msg("the child was killed by signal %d (SIGBUS is %d)", WTERMSIG(st), SIGBUS);
-	assert_true(WIFEXITED(st));
-	if (WEXITSTATUS(st) == T_CHILD_SKIP)
-		skip();
-	assert_int_equal(WEXITSTATUS(st), 0);
+	t_in_small_tmpfs("size=1m", t_child_small_tmpfs);
 }
 
 static void test_memfd_segment_is_sealed_and_unsealed_fds_are_refused(void **state)

@@ -2,6 +2,7 @@
  * separate read-only mappings (as the NIF reads them); readers racing the
  * writer; hostile and truncated segments. */
 #include "t_helpers.h"
+#include "t_tmpfs.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -1670,15 +1671,7 @@ static void test_truncations_never_read_past_len(void **state)
  * copy of the runner): it checks with T_CK and exits 1; the parent checks
  * that it exited 0 and was not killed by a signal. */
 #define T_FS_SIZE "size=4m"
-#define T_CHILD_SKIP 77
 
-#define T_CK(c)                                                                                    \
-	do {                                                                                       \
-		if (!(c)) {                                                                        \
-			fprintf(stderr, "%s:%d: in the child: %s\n", __FILE__, __LINE__, #c);      \
-			_exit(1);                                                                  \
-		}                                                                                  \
-	} while (0)
 
 static const void *t_child_map_ro(const char *name, size_t *len)
 {
@@ -1844,42 +1837,16 @@ static void t_child_compaction(void)
 	T_CK(!t_shm_exists(name));
 }
 
-static void t_in_small_tmpfs(void (*fn)(void))
-{
-	int st = 0;
-	fflush(stdout);
-	fflush(stderr);
-	pid_t pid = fork();
-	assert_true(pid >= 0);
-	if (pid == 0) {
-		/* Private first, so that the mount does not propagate out. */
-		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
-		    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, T_FS_SIZE ",mode=1777") < 0) {
-			fprintf(stderr, "no private tmpfs (%s): skipped\n", strerror(errno));
-			_exit(T_CHILD_SKIP);
-		}
-		fn();
-		_exit(0);
-	}
-	assert_int_equal(waitpid(pid, &st, 0), pid);
-	if (WIFSIGNALED(st))
-		fail_msg("the writer's process was killed by signal %d (SIGBUS is %d)", WTERMSIG(st), SIGBUS);
-	assert_true(WIFEXITED(st));
-	if (WEXITSTATUS(st) == T_CHILD_SKIP)
-		skip();
-	assert_int_equal(WEXITSTATUS(st), 0);
-}
-
 static void test_full_tmpfs_is_enospc_not_sigbus(void **state)
 {
 	(void)state;
-	t_in_small_tmpfs(t_child_appends);
+	t_in_small_tmpfs(T_FS_SIZE, t_child_appends);
 }
 
 static void test_full_tmpfs_compaction_is_enospc_not_sigbus(void **state)
 {
 	(void)state;
-	t_in_small_tmpfs(t_child_compaction);
+	t_in_small_tmpfs(T_FS_SIZE, t_child_compaction);
 }
 
 int main(void)
