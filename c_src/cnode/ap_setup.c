@@ -657,7 +657,7 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 }
 
 /* Outside s->mu: at most one line a second (force: now, at stop), only
- * when something was refused. */
+ * when a handshake was refused or a connection closed before its name. */
 static void gate_summary(ap_setup *s, int64_t now, int64_t *next, int force)
 {
 	pthread_mutex_lock(&s->mu);
