@@ -110,7 +110,7 @@ plain_message_with_pid_is_forwarded(#{node := N}) ->
 stats_count_messages_and_name_the_backend(#{node := N}) ->
     Before = stats(N),
     [?assert(is_integer(maps:get(K, Before)))
-     || K <- [received, unknown_name, bad_frames, utime_us, stime_us, connections]],
+     || K <- [received, unknown_name, bad_frames, oversized, utime_us, stime_us, connections]],
     ?assert(lists:member(maps:get(io, Before), [uring, epoll])),
     {echo, N} ! <<"a plain binary">>,
     {echo, N} ! {batch, [a, b, c]},
@@ -164,11 +164,13 @@ malformed_frames_close_only_that_connection(#{node := N}) ->
     %% A 5-byte frame: 'p' then bytes that are no control tuple.
     ?assertEqual("closed", rawpeer(N, "000000057000000000")),
     ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
-    %% A length header far beyond max_frame.
-    ?assertEqual("closed", rawpeer(N, "FFFFFFFF")),
+    %% A length header far beyond max_frame is no malformed frame: the node
+    %% waits for its bytes to pass them over (actor_cnode_oversize_tests),
+    %% and the idle timeout ends a peer that sends nothing more.
+    ?assertEqual("open", rawpeer(N, "FFFFFFFF")),
     ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
     #{bad_frames := Bad1} = stats(N),
-    ?assert(Bad1 >= Bad0 + 2).
+    ?assert(Bad1 >= Bad0 + 1).
 
 wrong_cookie_is_refused_right_cookie_accepted(#{node := N}) ->
     ?assertEqual(pang, ping_from_peer(N, "actor_pool_not_the_cookie")),
