@@ -25,6 +25,7 @@
 -export([call_over_max_frame_gets_too_large_and_the_connection_stays/1,
          cast_over_max_frame_is_dropped_and_the_connection_stays/1,
          calls_in_flight_beside_an_oversized_one_are_answered/1,
+         a_64_mib_call_is_read_through_without_being_kept/1,
          receptionist_answers_too_large_drops_the_cast_and_keeps_serving/1]).
 %% logger handler callback: passes on the events of one C node.
 -export([log/2]).
@@ -45,6 +46,7 @@ actor_cnode_oversize_test_() ->
               || Name <- [call_over_max_frame_gets_too_large_and_the_connection_stays,
                           cast_over_max_frame_is_dropped_and_the_connection_stays,
                           calls_in_flight_beside_an_oversized_one_are_answered,
+                          a_64_mib_call_is_read_through_without_being_kept,
                           receptionist_answers_too_large_drops_the_cast_and_keeps_serving]]
      end}.
 
@@ -147,6 +149,25 @@ calls_in_flight_beside_an_oversized_one_are_answered(#{peer := Peer, pool_node :
     ?assertEqual(Conn, connection_id(Peer, PN)),
     ok = actor_pool:stop_pool(Pool).
 
+%% The issue's example, a 64 MiB call (built on the peer, by erl_eval, so
+%% it never crosses the peer's control channel): the pool node reads all of
+%% it and keeps none of it; its peak resident memory barely moves.
+a_64_mib_call_is_read_through_without_being_kept(#{peer := Peer, pool_node := PN,
+                                                    pool_owner := Owner} = Ctx) ->
+    {Pool, _} = start_pool(Ctx, ov_huge, 1),
+    ?assertEqual({ok, <<"warm">>}, echo_call(Peer, Pool, <<"warm">>)),
+    Conn = connection_id(Peer, PN),
+    #{os_pid := OsPid} = actor_cnode:info(Owner),
+    Hwm0 = vm_hwm_kib(OsPid),
+    ?assertEqual({error, too_large},
+                 peer_eval(Peer, "gen_server:call(P, binary:copy(<<\"0123456789abcdef\">>, 4194304), 60000).",
+                           #{'P' => Pool})),
+    ?assertEqual({ok, <<"after">>}, echo_call(Peer, Pool, <<"after">>)),
+    ?assertEqual(Conn, connection_id(Peer, PN)),
+    GrowthKiB = vm_hwm_kib(OsPid) - Hwm0,
+    ?assert(GrowthKiB < 16 * 1024),
+    ok = actor_pool:stop_pool(Pool).
+
 %% ===================================================================
 %% Cases: the receptionist node
 %% ===================================================================
@@ -207,6 +228,21 @@ peer_call(Peer, Pool, Msg) ->
 %% The echo handler answers a call with {ok, Request}.
 echo_call(Peer, Pool, Msg) ->
     peer_call(Peer, Pool, Msg).
+
+%% Evaluate Expr on the peer, with the given variables bound: only stdlib
+%% runs there.
+peer_eval(Peer, Expr, Vars) ->
+    {ok, Tokens, _} = erl_scan:string(Expr),
+    {ok, Exprs} = erl_parse:parse_exprs(Tokens),
+    Bindings = maps:fold(fun erl_eval:add_binding/3, erl_eval:new_bindings(), Vars),
+    {value, Value, _} = peer:call(Peer, erl_eval, exprs, [Exprs, Bindings], 120000),
+    Value.
+
+%% Peak resident memory of an OS process, KiB.
+vm_hwm_kib(OsPid) ->
+    {ok, Status} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status"),
+    {match, [Kib]} = re:run(Status, "VmHWM:\\s+([0-9]+) kB", [{capture, all_but_first, list}]),
+    list_to_integer(Kib).
 
 %% The peer's connection to Node: the same id before and after means it
 %% was never closed (a new connection gets a new id).
