@@ -4,7 +4,8 @@
 %% (stdlib functions, never a fun of this module).
 %%
 %% A pool node and a receptionist node of this module's own run with a
-%% `max_frame' of 64 KiB; a 256 KiB message is over it. The C node reads the
+%% `max_frame' of 64 KiB; a 256 KiB message is over it (and a 64 MiB one,
+%% the issue's example, far over). The C node reads the
 %% frame and passes it over: a call gets `{error, too_large}', a cast is
 %% dropped, each is counted and logged once, and the connection stays up:
 %% the same peer's next call is answered, and calls in flight with it
