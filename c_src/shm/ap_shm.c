@@ -630,6 +630,8 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	return 0;
 }
 
+static int w_name_held(const char *name);
+
 int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, const char *node,
 			 uint64_t incarnation)
 {
@@ -642,6 +644,10 @@ int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, 
 		return -EINVAL;
 	if (seg_size < SEG_MIN_CREATE || seg_size > SEG_MAX)
 		return -EINVAL;
+	/* Never take the name from a writer that still runs (a second node
+	 * started under a name in use); a dead one's object is replaced. */
+	if (w_name_held(name))
+		return -EEXIST;
 	/* A reader still mapping an old object keeps it; new readers get ours. */
 	if (shm_unlink(name) < 0 && errno != ENOENT)
 		return -errno;
@@ -1143,6 +1149,29 @@ static enum ap_shm_fate sweep_one(int dfd, struct ap_shm_swept *s)
 	}
 	close(fd);
 	return s->v.fate;
+}
+
+/* Whether shm object name is a snapshot whose writer runs and has not
+ * closed it: our uid's regular file whose header ap_shm_judge finds LIVE
+ * and whose state is not CLOSED. Anything else (no such object, another
+ * user's, unreadable, a writer gone or that cannot be judged) is not held:
+ * creating over it is what the writer always did. */
+static int w_name_held(const char *name)
+{
+	struct ap_shm_verdict v;
+	struct ap_shm_hdr h;
+	struct stat st;
+	ssize_t n;
+	int fd, held = 0;
+
+	fd = shm_open(name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK, 0);
+	if (fd < 0)
+		return 0;
+	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+	    (n = pread(fd, &h, sizeof h, 0)) == (ssize_t)sizeof h)
+		held = ap_shm_judge(&h, (size_t)n, &v) == AP_SHM_FATE_LIVE && h.state != AP_SHM_STATE_CLOSED;
+	close(fd);
+	return held;
 }
 
 int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg)

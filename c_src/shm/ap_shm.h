@@ -183,8 +183,11 @@ uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t len);
 typedef struct ap_shm_writer ap_shm_writer;
 
 /* Create the POSIX shm object `name` ("/..."), replacing any object of that
- * name (shm_unlink first: a reader still mapping the old one keeps it),
- * mode 0600 whatever the umask, sized seg_size (sparse), mapped read-write.
+ * name (shm_unlink first: a reader still mapping the old one keeps it)
+ * except a snapshot whose writer still runs and has not closed it
+ * (ap_shm_judge says LIVE): that is -EEXIST, and nothing changes. The
+ * object is mode 0600 whatever the umask, sized seg_size (sparse), mapped
+ * read-write.
  * The writer keeps the object's fd and backs pages with posix_fallocate,
  * a chunk at a time, before it first writes to them: it never stores to a
  * page the filesystem could not back (on a full tmpfs that would be

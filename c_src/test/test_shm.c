@@ -2206,6 +2206,51 @@ static void test_sweep_removes_a_killed_writers_segment_and_keeps_a_live_one(voi
 	close(p[1]);
 }
 
+/* A second writer under a name in use gets -EEXIST and changes nothing;
+ * a writer that closed it, or died, gives the name up. */
+static void test_create_never_takes_a_live_writers_name(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	ap_shm_writer *w2;
+	int p[2], ws;
+	char c = 0;
+	t_seg_open(&s, "held", 1u << 20);
+	assert_int_equal(t_put_str(s.w, "a", "b"), 0);
+	assert_int_equal(ap_shm_writer_create(&w2, s.name, 1u << 20, "second@test", 9), -EEXIST);
+	assert_null(w2);
+	size_t len;
+	const void *now = t_map_ro(s.name, &len);
+	assert_int_equal(((const struct ap_shm_hdr *)now)->incarnation, 7); /* still the first */
+	assert_int_equal(t_lookup_rc(now, len, "a"), AP_SHM_OK);
+	munmap((void *)now, len);
+	assert_int_equal(t_put_str(s.w, "c", "d"), 0);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "c"), AP_SHM_OK);
+	t_seg_close(&s);
+
+	/* A writer killed with SIGKILL: its name is taken over. */
+	assert_int_equal(pipe(p), 0);
+	char name[64];
+	t_name(name, sizeof name, "held_dead");
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		ap_shm_writer *cw;
+		if (ap_shm_writer_create(&cw, name, 1u << 20, "dead@test", 1) < 0 || write(p[1], "r", 1) != 1)
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	assert_int_equal(read(p[0], &c, 1), 1);
+	assert_int_equal(kill(pid, SIGKILL), 0);
+	assert_int_equal(waitpid(pid, &ws, 0), pid);
+	assert_int_equal(ap_shm_writer_create(&w2, name, 1u << 20, "next@test", 2), 0);
+	ap_shm_writer_close(w2, 1);
+	assert_false(t_shm_exists(name));
+	close(p[0]);
+	close(p[1]);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -2236,6 +2281,7 @@ int main(void)
 		cmocka_unit_test(test_judge_of_hostile_bytes_is_never_gone_without_a_stamp),
 		cmocka_unit_test(test_sweep_removes_proven_orphans_and_nothing_else),
 		cmocka_unit_test(test_sweep_removes_a_killed_writers_segment_and_keeps_a_live_one),
+		cmocka_unit_test(test_create_never_takes_a_live_writers_name),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
