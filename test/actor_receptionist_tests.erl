@@ -48,7 +48,8 @@
          lost_connection_restarts_the_node_and_keeps_the_journal/1,
          deeply_nested_message_does_not_crash_the_node/1,
          a_killed_c_node_leaves_no_segment/1,
-         a_starting_node_sweeps_orphans_and_keeps_live_segments/1]).
+         a_starting_node_sweeps_orphans_and_keeps_live_segments/1,
+         a_second_node_never_takes_a_live_segment/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -90,7 +91,8 @@ actor_receptionist_test_() ->
                  deeply_nested_message_does_not_crash_the_node,
                  %% segments of C nodes that died
                  a_killed_c_node_leaves_no_segment,
-                 a_starting_node_sweeps_orphans_and_keeps_live_segments]]
+                 a_starting_node_sweeps_orphans_and_keeps_live_segments,
+                 a_second_node_never_takes_a_live_segment]]
      end}.
 
 case_(Name, Ctx) ->
@@ -631,6 +633,35 @@ a_starting_node_sweeps_orphans_and_keeps_live_segments(#{rcpt_node := Node}) ->
     ok = actor_receptionist:register(K, self(), self()),
     {registered, K, _} = next(),
     ?assertEqual([self()], actor_receptionist:lookup(K)).
+
+a_second_node_never_takes_a_live_segment(#{rcpt_node := Node}) ->
+    %% A receptionist node told to write the running one's segment (as a
+    %% second node started under a name in use would): it runs without.
+    Shm = ap_test_util:segment(Node),
+    {ok, #file_info{inode = Inode}} = file:read_file_info(Shm),
+    ok = logger:add_handler(?MODULE, ?MODULE, #{level => error, config => #{pid => self()}}),
+    {ok, Second} = actor_cnode:start_link(#{exe => rcpt_exe(), name => ap_test_util:alive("second"),
+                                            args => ["--shm", actor_cnode:shm_name(Node),
+                                                     "--shm-mb", "2"]}),
+    try
+        %% Ready means past its start: the segment is still the first one's.
+        ?assertMatch({ok, #file_info{inode = Inode}}, file:read_file_info(Shm)),
+        Second2 = actor_cnode:node(Second),
+        await_log_lines(Second2, [{"snapshot " ++ actor_cnode:shm_name(Node),
+                                   "belongs to a writer that still runs"}]),
+        ?assertMatch(#{shm_state := none}, gen_server:call({actor_receptionist, Second2}, stats))
+    after
+        ok = logger:remove_handler(?MODULE),
+        ok = actor_cnode:stop(Second),
+        flush_logs()
+    end,
+    %% Untouched, also after the second one stopped.
+    ?assertMatch({ok, #file_info{inode = Inode}}, file:read_file_info(Shm)),
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ?assertEqual([self()], actor_receptionist:lookup(K)),
+    ?assertMatch(#{mapped := true, state := live}, actor_nif:info()).
 
 %% Log lines of C node Node, each holding both strings of one of Want, in
 %% any order, among others.

@@ -1015,7 +1015,14 @@ static int rcpt_init(ap_node *n, int argc, char **argv)
 		st.shm_bytes = (size_t)mb << 20;
 		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
 		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(n), incarnation);
-		if (rc) {
+		if (rc == -EEXIST) {
+			/* Another node's, live: never taken from it. */
+			ap_log(AP_LOG_ERROR,
+			       "receptionist: snapshot %s belongs to a writer that still runs (another node of this "
+			       "name?); running without",
+			       st.shm_name);
+			st.w = NULL;
+		} else if (rc) {
 			/* Lookups still work, through the receptionist. */
 			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s; running without",
 			       st.shm_name, st.shm_bytes, strerror(-rc));
