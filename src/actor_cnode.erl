@@ -42,6 +42,7 @@
 -export([node/1]).
 -export([await_up/2]).
 -export([restart/1]).
+-export([shm_name/1]).
 
 %% proc_lib entry point.
 -export([init_it/1]).
@@ -74,7 +75,8 @@
                   stable_ms => non_neg_integer(),
                   start_timeout_ms => pos_integer(),
                   register => atom(),
-                  notify => atom() | pid()}.
+                  notify => atom() | pid(),
+                  shm => boolean()}.
 %% Options of {@link start_link/1}. Only `exe' is required; the others default
 %% to the application environment of `actor_pool'.
 %%
@@ -90,6 +92,13 @@
 %% `{actor_cnode, Owner, Node, up | down}' whenever an incarnation becomes
 %% ready or is gone; a name that is not registered at that moment gets
 %% nothing.
+%%
+%% `shm' (default false): the C node writes a shared-memory segment (the
+%% receptionist's snapshot). The owner names it, {@link shm_name/1}, passes
+%% that as `--shm' (after `args', so it wins), and unlinks it when an
+%% incarnation dies without doing so itself (a crash, `kill -9', a kill for
+%% not getting ready or not stopping): only if its header names that
+%% incarnation's OS pid, so a segment anyone else wrote is left alone.
 
 -type info() :: #{node := node(),
                   os_pid := non_neg_integer() | undefined,
@@ -113,6 +122,10 @@
 %% and logged as one line when the window ends.
 -define(LOG_WINDOW_MS, 1000).
 -define(LOG_PER_WINDOW, 50).
+%% Where POSIX shared-memory names live (Linux), and the snapshot header's
+%% magic (AP_SHM_MAGIC).
+-define(SHM_DIR, "/dev/shm").
+-define(SHM_MAGIC, 16#31535450435241).
 
 -record(state, {
     %% validated options, all keys present (see defaults/0)
@@ -197,6 +210,13 @@ node(Ref) ->
 -spec await_up(ref(), non_neg_integer()) -> ok | {error, timeout}.
 await_up(Ref, TimeoutMs) when is_integer(TimeoutMs), TimeoutMs >= 0 ->
     gen_server:call(Ref, {await_up, TimeoutMs}, infinity).
+
+%% @doc The POSIX shared-memory name of the segment of C node `Node' when
+%% started with `shm' (`"/actor_pool." ++ Node', also the receptionist C
+%% node's default).
+-spec shm_name(node()) -> string().
+shm_name(Node) ->
+    "/actor_pool." ++ atom_to_list(Node).
 
 %% @doc Kills the running incarnation (kill -9) so that it is restarted like
 %% a crashed one: `down' now, a new incarnation after the backoff. For a
@@ -350,7 +370,8 @@ defaults() ->
       stable_ms => Env(cnode_stable_ms, 10000),
       start_timeout_ms => Env(cnode_start_timeout_ms, 10000),
       register => undefined,
-      notify => undefined}.
+      notify => undefined,
+      shm => false}.
 
 %% The C node listens where this node's distribution does, unless told.
 %% C nodes speak IPv4 only: an IPv6 distribution interface cannot be
@@ -466,6 +487,8 @@ check(backoff, #{} = Backoff) ->
     end;
 check(register, Name) when is_atom(Name) ->
     {ok, Name};
+check(shm, Shm) when is_boolean(Shm) ->
+    {ok, Shm};
 check(_Key, _Value) ->
     error.
 
@@ -589,11 +612,16 @@ open(#state{opts = Opts, exe = Exe, node = Node} = State) ->
                max_handshakes => maps:get(max_handshakes, Opts),
                max_handshakes_per_source => maps:get(max_handshakes_per_source, Opts),
                listen => listen_config(maps:get(listen_ip, Opts)),
-               args => maps:get(args, Opts)},
+               args => maps:get(args, Opts) ++ shm_args(State)},
     %% If the C node died already, the exit_status message will tell.
     _ = (catch port_command(Port, term_to_binary(Config))),
     State#state{port = Port, os_pid = OsPid, status = starting,
                 dist_port = undefined, up_since = undefined}.
+
+shm_args(#state{opts = #{shm := true}, node = Node}) ->
+    [<<"--shm">>, unicode:characters_to_binary(shm_name(Node))];
+shm_args(#state{}) ->
+    [].
 
 %% The C node takes a dotted address; <<>> means every interface.
 listen_config(any) -> <<>>;
@@ -767,6 +795,7 @@ exited(Status, #state{node = Node} = State0) ->
     %% Drop the connection monitor now, so that a late nodedown of this
     %% incarnation cannot be taken for one of the next.
     State = monitor_node_off(cancel_timer(State0)),
+    remove_shm(State),
     start_failed(State#state{port = undefined}).
 
 %% The incarnation is gone (exited, or killed for not getting ready): mark
@@ -815,6 +844,7 @@ shutdown(State0) ->
                                    "its port closed; kill -9", [Node, ?STOP_WAIT_MS]),
                     kill_os_pid(OsPid)
             end,
+            remove_shm(State),
             State#state{port = undefined, os_pid = undefined, status = down}
     end.
 
@@ -822,7 +852,57 @@ shutdown(State0) ->
 kill(#state{port = Port, os_pid = OsPid} = State) ->
     kill_os_pid(OsPid),
     _ = (catch port_close(Port)),
+    remove_shm(State),
     State#state{port = undefined}.
+
+%% The incarnation in State is gone (or dying of kill -9): unlink its
+%% segment, which a clean exit unlinks itself, if the header says that
+%% incarnation wrote it. A starting receptionist sweeps what this misses
+%% (an owner that died too).
+remove_shm(#state{opts = #{shm := false}}) ->
+    ok;
+remove_shm(#state{os_pid = undefined}) ->
+    ok;
+remove_shm(#state{node = Node, os_pid = OsPid}) ->
+    Path = ?SHM_DIR ++ shm_name(Node),
+    case shm_writer(Path) of
+        {ok, OsPid} ->
+            case file:delete(Path) of
+                ok ->
+                    logger:notice("actor_cnode ~ts: removed the segment ~ts of the C node "
+                                  "that died (os pid ~b)", [Node, Path, OsPid]);
+                {error, enoent} ->
+                    ok;
+                {error, Reason} ->
+                    logger:warning("actor_cnode ~ts: cannot remove the segment ~ts of the "
+                                   "C node that died: ~0p", [Node, Path, Reason])
+            end;
+        {ok, Other} ->
+            logger:warning("actor_cnode ~ts: left ~ts alone: written by os pid ~b, not by "
+                           "the C node that died (os pid ~b)", [Node, Path, Other, OsPid]);
+        {error, enoent} ->
+            ok;
+        {error, Reason} ->
+            logger:warning("actor_cnode ~ts: left ~ts alone: ~0p", [Node, Path, Reason])
+    end.
+
+%% The writer's OS pid from a snapshot header (c_src/shm/ap_shm.h: the
+%% magic, then writer_pid at byte 48, native endianness); read, never
+%% mapped, and trusted for nothing but this comparison.
+shm_writer(Path) ->
+    case file:open(Path, [read, raw, binary]) of
+        {ok, Fd} ->
+            Read = file:pread(Fd, 0, 56),
+            _ = file:close(Fd),
+            case Read of
+                {ok, <<?SHM_MAGIC:64/native, _:40/binary, Pid:64/native>>} -> {ok, Pid};
+                {ok, _} -> {error, not_a_snapshot_header};
+                eof -> {error, not_a_snapshot_header};
+                {error, _} = Error -> Error
+            end;
+        {error, _} = Error ->
+            Error
+    end.
 
 kill_os_pid(undefined) ->
     ok;

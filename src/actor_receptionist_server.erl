@@ -102,7 +102,7 @@ start_link(Opts) ->
 %% `Node' (the C node's default for `--shm').
 -spec shm_name(node()) -> string().
 shm_name(Node) ->
-    "/actor_pool." ++ atom_to_list(Node).
+    actor_cnode:shm_name(Node).
 
 %% ===================================================================
 %% gen_server callbacks

@@ -81,6 +81,9 @@ start_node(#{shm_mb := Mb}) ->
     Opts = maps:merge(Extra, #{exe => Exe,
                                register => ?RCPT_OWNER,
                                notify => ?RCPT_SERVER,
+                               %% The owner names the snapshot and unlinks
+                               %% it when the C node dies.
+                               shm => true,
                                args => Args ++ ["--shm-mb", integer_to_list(Mb)]}),
     case actor_cnode:start_link(Opts) of
         {ok, Pid} ->

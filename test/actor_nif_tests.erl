@@ -40,7 +40,7 @@
          info_describes_the_mapping/1]).
 
 -define(MAGIC, 16#31535450435241).
--define(VERSION, 3).
+-define(VERSION, 4).
 -define(HDR_SIZE, 4096).
 -define(CAP, 1024).
 -define(ARENA, 262144).

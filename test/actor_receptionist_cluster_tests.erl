@@ -9,7 +9,8 @@
 %% talks to its own BEAM only). Waits poll with a deadline; listings are
 %% compared as sets (refs from different origins arrive in different orders
 %% on different nodes). Every peer is stopped (or killed and reaped) by the
-%% case that started it, and its names leave epmd.
+%% case that started it, its names leave epmd and its receptionist's
+%% snapshot segment leaves /dev/shm.
 -module(actor_receptionist_cluster_tests).
 
 -import(ap_test_util, [wait_until/2, epmd_names/0]).
@@ -62,6 +63,7 @@ setup() ->
     WasAlive.
 
 cleanup(WasAlive) ->
+    ok = ap_test_util:no_segments_left(),
     case WasAlive of
         true -> ok;
         false -> ok = net_kernel:stop()
@@ -496,8 +498,10 @@ start_member_in(Ns, #{ns := Nss, addr := Addr}) ->
     ok = call(Peer, application, set_env, [actor_pool, gossip_interval_ms, ?GOSSIP_MS]),
     ok = call(Peer, application, set_env, [actor_pool, receptionist_shm_mb, 16]),
     {ok, _} = call(Peer, application, ensure_all_started, [actor_pool]),
-    %% Its epmd is the namespace's own: netns_down kills it.
+    %% Its epmd is the namespace's own: netns_down kills it. Its segment is
+    %% in our /dev/shm (ip netns exec keeps the IPC namespace).
     put({member, Peer}, []),
+    put({segment, Peer}, ap_test_util:segment(call(Peer, actor_receptionist, receptionist_node, []))),
     {Peer, Ns}.
 
 complete_view_holds_the_first_listing() ->
@@ -737,15 +741,19 @@ start_member(Name, Extra) ->
     ok = call(Peer, application, set_env, [actor_pool, gossip_interval_ms, ?GOSSIP_MS]),
     ok = call(Peer, application, set_env, [actor_pool, receptionist_shm_mb, 16]),
     {ok, _} = call(Peer, application, ensure_all_started, [actor_pool]),
-    %% Its names, to see them leave epmd even if the case kills it.
-    put({member, Peer}, [call(Peer, erlang, node, []),
-                         call(Peer, actor_receptionist, receptionist_node, [])]),
+    %% Its names, to see them leave epmd (and its segment /dev/shm) even if
+    %% the case kills it.
+    Rcpt = call(Peer, actor_receptionist, receptionist_node, []),
+    put({member, Peer}, [call(Peer, erlang, node, []), Rcpt]),
+    put({segment, Peer}, ap_test_util:segment(Rcpt)),
     {Peer, Name}.
 
 stop_member(Peer) ->
     catch call(Peer, application, stop, [actor_pool]),
     catch peer:stop(Peer),
-    wait_gone(get({member, Peer})).
+    wait_gone(get({member, Peer})),
+    Segment = get({segment, Peer}),
+    wait_until(fun() -> not filelib:is_file(Segment) end, ?WAIT_MS).
 
 wait_gone(Nodes) ->
     Alives = [hd(string:split(atom_to_list(N), "@")) || N <- Nodes, is_atom(N), N =/= undefined],

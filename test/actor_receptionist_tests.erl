@@ -46,7 +46,10 @@
          requests_while_down_are_applied_once_back/1,
          server_crash_restarts_the_node_and_keeps_the_journal/1,
          lost_connection_restarts_the_node_and_keeps_the_journal/1,
-         deeply_nested_message_does_not_crash_the_node/1]).
+         deeply_nested_message_does_not_crash_the_node/1,
+         a_killed_c_node_leaves_no_segment/1,
+         a_starting_node_sweeps_orphans_and_keeps_live_segments/1,
+         a_second_node_never_takes_a_live_segment/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -85,7 +88,11 @@ actor_receptionist_test_() ->
                  requests_while_down_are_applied_once_back,
                  server_crash_restarts_the_node_and_keeps_the_journal,
                  lost_connection_restarts_the_node_and_keeps_the_journal,
-                 deeply_nested_message_does_not_crash_the_node]]
+                 deeply_nested_message_does_not_crash_the_node,
+                 %% segments of C nodes that died
+                 a_killed_c_node_leaves_no_segment,
+                 a_starting_node_sweeps_orphans_and_keeps_live_segments,
+                 a_second_node_never_takes_a_live_segment]]
      end}.
 
 case_(Name, Ctx) ->
@@ -552,8 +559,166 @@ deeply_nested_message_does_not_crash_the_node(#{rcpt_node := Node}) ->
     ok = actor_receptionist:find(K, self()),
     ?assertEqual({listing, K, [self()]}, next()).
 
-%% logger handler callback: C-node log lines of at least warning level go
-%% to the test process.
+%% ===================================================================
+%% Segments of C nodes that died
+%% ===================================================================
+
+a_killed_c_node_leaves_no_segment(#{rcpt_node := Node}) ->
+    %% A slow restart, so that the time between the two incarnations shows.
+    with_env(#{receptionist_node_opts => #{backoff => #{min_ms => 1500, max_ms => 2000}}}, fun() ->
+        Shm = ap_test_util:segment(Node),
+        ?assert(filelib:is_file(Shm)),
+        #{os_pid := OsPid, restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+        os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        %% The owner unlinks it when it sees the exit, before it reports down.
+        wait_until(fun() -> maps:get(status, actor_cnode:info(actor_receptionist_owner)) =:= down end,
+                   ?WAIT_MS),
+        ?assertNot(filelib:is_file(Shm)),
+        %% The next incarnation writes a new one, and lookups follow it.
+        wait_restarted(R0),
+        ?assert(filelib:is_file(Shm)),
+        K = key(?FUNCTION_NAME),
+        ok = actor_receptionist:register(K, self(), self()),
+        {registered, K, _} = next(),
+        ?assertEqual([self()], actor_receptionist:lookup(K))
+    end).
+
+a_starting_node_sweeps_orphans_and_keeps_live_segments(#{rcpt_node := Node}) ->
+    Beam = list_to_integer(os:getpid()),
+    Start = proc_start(Beam),
+    {ok, #file_info{inode = Ns}} = file:read_file_info("/proc/self/ns/pid"),
+    Dead = dead_os_pid(),
+    %% A live receptionist C node besides the application's (started first:
+    %% it sweeps at its own start).
+    {ok, Other} = actor_cnode:start_link(#{exe => rcpt_exe(), name => ap_test_util:alive("sweep_other"),
+                                           shm => true, args => ["--shm-mb", "2"]}),
+    OtherShm = ap_test_util:segment(actor_cnode:node(Other)),
+    %% Stamps: a writer that is gone, a pid now someone else's, a live
+    %% writer (this BEAM), one in another PID namespace; and a file that is
+    %% not a snapshot at all.
+    Fakes = #{dead => fake_segment("dead", header(Dead, Start, Ns)),
+              reused => fake_segment("reused", header(Beam, Start + 1, Ns)),
+              live => fake_segment("live", header(Beam, Start, Ns)),
+              other_ns => fake_segment("other_ns", header(Dead, Start, Ns + 1)),
+              junk => fake_segment("junk", <<"not a snapshot">>)},
+    ok = logger:add_handler(?MODULE, ?MODULE, #{level => notice, config => #{pid => self()}}),
+    try
+        ?assert(filelib:is_file(OtherShm)),
+        #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+        ok = actor_cnode:restart(actor_receptionist_owner),
+        wait_restarted(R0),
+        %% Swept when the new incarnation started, before it was ready.
+        ?assertNot(filelib:is_file(maps:get(dead, Fakes))),
+        ?assertNot(filelib:is_file(maps:get(reused, Fakes))),
+        [?assert(filelib:is_file(maps:get(F, Fakes))) || F <- [live, other_ns, junk]],
+        ?assert(filelib:is_file(OtherShm)),
+        ?assert(filelib:is_file(ap_test_util:segment(Node))),
+        %% What the operator sees: a line per removal, a line per segment
+        %% left alone that could not be judged.
+        Want = [{"removed orphaned snapshot " ++ maps:get(dead, Fakes), "is gone"},
+                {"removed orphaned snapshot " ++ maps:get(reused, Fakes), "another process's"},
+                {"left " ++ maps:get(other_ns, Fakes) ++ " alone", "another PID namespace"},
+                {"left " ++ maps:get(junk, Fakes) ++ " alone", "shorter than a snapshot header"}],
+        await_log_lines(Node, Want),
+        %% The live node's own segment goes with it when it stops.
+        ok = actor_cnode:stop(Other),
+        ?assertNot(filelib:is_file(OtherShm))
+    after
+        ok = logger:remove_handler(?MODULE),
+        catch actor_cnode:stop(Other),
+        [file:delete(F) || F <- maps:values(Fakes)],
+        flush_logs()
+    end,
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ?assertEqual([self()], actor_receptionist:lookup(K)).
+
+a_second_node_never_takes_a_live_segment(#{rcpt_node := Node}) ->
+    %% A receptionist node told to write the running one's segment (as a
+    %% second node started under a name in use would): it runs without.
+    Shm = ap_test_util:segment(Node),
+    {ok, #file_info{inode = Inode}} = file:read_file_info(Shm),
+    ok = logger:add_handler(?MODULE, ?MODULE, #{level => error, config => #{pid => self()}}),
+    {ok, Second} = actor_cnode:start_link(#{exe => rcpt_exe(), name => ap_test_util:alive("second"),
+                                            args => ["--shm", actor_cnode:shm_name(Node),
+                                                     "--shm-mb", "2"]}),
+    try
+        %% Ready means past its start: the segment is still the first one's.
+        ?assertMatch({ok, #file_info{inode = Inode}}, file:read_file_info(Shm)),
+        Second2 = actor_cnode:node(Second),
+        await_log_lines(Second2, [{"snapshot " ++ actor_cnode:shm_name(Node),
+                                   "belongs to a writer that still runs"}]),
+        ?assertMatch(#{shm_state := none}, gen_server:call({actor_receptionist, Second2}, stats))
+    after
+        ok = logger:remove_handler(?MODULE),
+        ok = actor_cnode:stop(Second),
+        flush_logs()
+    end,
+    %% Untouched, also after the second one stopped.
+    ?assertMatch({ok, #file_info{inode = Inode}}, file:read_file_info(Shm)),
+    K = key(?FUNCTION_NAME),
+    ok = actor_receptionist:register(K, self(), self()),
+    {registered, K, _} = next(),
+    ?assertEqual([self()], actor_receptionist:lookup(K)),
+    ?assertMatch(#{mapped := true, state := live}, actor_nif:info()).
+
+%% Log lines of C node Node, each holding both strings of one of Want, in
+%% any order, among others.
+await_log_lines(_Node, []) ->
+    ok;
+await_log_lines(Node, Want) ->
+    receive
+        {cnode_log, Node, Text} ->
+            await_log_lines(Node, [W || {A, B} = W <- Want,
+                                        string:find(Text, A) =:= nomatch
+                                            orelse string:find(Text, B) =:= nomatch])
+    after ?WAIT_MS ->
+        error({log_lines_missing, Want})
+    end.
+
+%% Log lines the handler sent before it was removed.
+flush_logs() ->
+    receive {cnode_log, _, _} -> flush_logs()
+    after 0 -> ok
+    end.
+
+%% A file in /dev/shm named like a receptionist's snapshot of this test
+%% node (ap_test_util:own_segments/0 sees it), 0600 as a writer makes it.
+fake_segment(Tag, Bin) ->
+    Path = "/dev/shm/actor_pool." ++ ap_test_util:alive("sweep_" ++ Tag) ++ "@nohost",
+    ok = file:write_file(Path, Bin),
+    ok = file:change_mode(Path, 8#600),
+    Path.
+
+%% A layout-4 snapshot header (c_src/shm/ap_shm.h) with this writer stamp,
+%% padded to its 4096 bytes.
+header(Pid, Start, Ns) ->
+    Node = <<"sweep@nohost">>,
+    Bin = <<16#31535450435241:64/native, 4:32/native, 4096:32/native,
+            (1 bsl 20):64/native, 0:64, 0:64, 0:64, Pid:64/native, 1:64/native,
+            1:32/native, 0:32, 1:64/native, 0:64,
+            Node/binary, 0:((256 - byte_size(Node)) * 8),
+            Start:64/native, Ns:64/native>>,
+    <<Bin/binary, 0:((4096 - byte_size(Bin)) * 8)>>.
+
+%% Field 22 of /proc/PID/stat: the start time in clock ticks after boot.
+proc_start(OsPid) ->
+    {ok, Stat} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
+    [_, After] = string:split(Stat, ")", trailing),
+    binary_to_integer(lists:nth(20, string:lexemes(After, " \n"))).
+
+%% The pid of a shell that has exited.
+dead_os_pid() ->
+    Pid = list_to_integer(string:trim(os:cmd("echo $$"))),
+    wait_until(fun() -> not os_pid_alive(Pid) end, ?WAIT_MS),
+    Pid.
+
+rcpt_exe() ->
+    os:getenv("ACTOR_RECEPTIONIST_NODE_EXE", "actor_receptionist_node").
+
+%% logger handler callback: C-node log lines (of the handler's level or
+%% above) go to the test process.
 log(#{msg := {Format, Args}, meta := #{cnode := Node}}, #{config := #{pid := Pid}})
   when is_list(Format) ->
     Pid ! {cnode_log, Node, lists:flatten(io_lib:format(Format, Args))};

@@ -1,11 +1,16 @@
 %% @doc Helpers shared by the EUnit modules: polling with a deadline instead
-%% of sleeping, and checks that a test left no OS process or epmd name behind.
+%% of sleeping, and checks that a test left no OS process, epmd name or
+%% shared-memory segment behind.
 -module(ap_test_util).
 
 -export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
-         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0]).
+         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
+         segment/1, own_segments/0, no_segments_left/0]).
 
 -define(POLL_MS, 10).
+%% How long an owner may take to notice its C node's exit and unlink the
+%% segment (the C node itself unlinks it on a clean stop).
+-define(SEGMENT_WAIT_MS, 20000).
 
 %% Poll Fun until it returns true; fail the test after TimeoutMs.
 -spec wait_until(fun(() -> boolean()), non_neg_integer()) -> ok.
@@ -67,10 +72,12 @@ start_app() ->
     {ok, _} = application:ensure_all_started(actor_pool),
     WasAlive.
 
-%% Stops the application, and distribution too when the test setup started it.
+%% Stops the application, and distribution too when the test setup started
+%% it; fails if a C node of this test node left a segment behind.
 -spec stop_app(WasAlive :: boolean()) -> ok.
 stop_app(WasAlive) ->
     ok = application:stop(actor_pool),
+    ok = no_segments_left(),
     case WasAlive of
         true -> ok;
         false -> ok = net_kernel:stop()
@@ -131,4 +138,46 @@ echo_exe() ->
     case os:getenv("ACTOR_POOL_ECHO_EXE") of
         Exe when is_list(Exe), Exe =/= "" -> Exe;
         _ -> "actor_echo_node"
+    end.
+
+%% The /dev/shm file of C node Node's snapshot segment.
+-spec segment(node()) -> file:filename().
+segment(Node) ->
+    "/dev/shm" ++ actor_cnode:shm_name(Node).
+
+%% Snapshot segments (/dev/shm/actor_pool.*) of C nodes that this test node
+%% started or that its peers started: named after this node's alive name,
+%% or after a peer:random_name/1 name of this OS process. Other test runs
+%% on the machine have other names.
+-spec own_segments() -> [string()].
+own_segments() ->
+    [Alive, _Host] = string:split(atom_to_list(node()), "@"),
+    Peer = "-" ++ os:getpid() ++ "-",
+    case file:list_dir("/dev/shm") of
+        {ok, Names} ->
+            lists:sort([N || "actor_pool." ++ Rest = N <- Names,
+                             lists:prefix(Alive ++ "_", Rest)
+                                 orelse string:find(Rest, Peer) =/= nomatch]);
+        {error, _} ->
+            []
+    end.
+
+%% Waits until own_segments/0 is empty (owners unlink what a dead C node
+%% left once they notice); fails with the names otherwise. Call while this
+%% node is still distributed.
+-spec no_segments_left() -> ok.
+no_segments_left() ->
+    Deadline = erlang:monotonic_time(millisecond) + ?SEGMENT_WAIT_MS,
+    no_segments_left(Deadline).
+
+no_segments_left(Deadline) ->
+    case own_segments() of
+        [] -> ok;
+        Left ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> error({segments_left_behind, Left});
+                false ->
+                    receive after ?POLL_MS -> ok end,
+                    no_segments_left(Deadline)
+            end
     end.

@@ -45,6 +45,16 @@
  * put failure (none is expected: the registry refuses keys and listings over
  * the snapshot's limits) also forces STALE, never a silently old value.
  *
+ * Orphans: at start, before creating its own, the node sweeps the shm
+ * directory for actor_pool.* segments whose writer is provably gone (its
+ * pid is no process's, or another process's: the header stamps pid, start
+ * time and PID namespace) and unlinks them; every other one is kept, and
+ * one it cannot judge is logged. The sweep is here rather than in the
+ * BEAM-side owner: the header's format and its hostile-input checks are
+ * this C code's (one decoder, tested and fuzzed with it), and a node
+ * started by hand or by another supervisor sweeps too. (The owner still
+ * unlinks the segment of its own child when that dies: it knows the name.)
+ *
  * Exit: stdin EOF (port mode), SIGTERM, or SIGINT (not under a port: there
  * Ctrl-C at the owner's shell must not take the registry away) stop the
  * loop; the snapshot is then marked CLOSED and its name unlinked. A second
@@ -903,6 +913,55 @@ static void teardown(void)
 	ei_x_free(&st.x);
 }
 
+/* ---- orphaned snapshots -------------------------------------------------------------------- */
+
+#define SHM_DIR "/dev/shm"
+#define SHM_PREFIX "actor_pool."
+
+static void on_swept(void *arg, const struct ap_shm_swept *s)
+{
+	const struct ap_shm_verdict *v = &s->v;
+	(void)arg;
+	switch (v->fate) {
+	case AP_SHM_FATE_LIVE:
+		ap_log(AP_LOG_DEBUG, "receptionist: kept " SHM_DIR "/%s: its writer (pid %llu) runs", s->name,
+		       (unsigned long long)v->pid);
+		break;
+	case AP_SHM_FATE_GONE:
+	case AP_SHM_FATE_REUSED:
+		if (s->removed && v->fate == AP_SHM_FATE_GONE)
+			ap_log(AP_LOG_NOTICE,
+			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu) is gone",
+			       s->name, (unsigned long long)v->pid);
+		else if (s->removed)
+			ap_log(AP_LOG_NOTICE,
+			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu, started "
+			       "at tick %llu) is gone, the pid is another process's (started at tick %llu)",
+			       s->name, (unsigned long long)v->pid, (unsigned long long)v->start,
+			       (unsigned long long)v->start_now);
+		else if (s->err != ENOENT) /* ENOENT: another sweeper was first */
+			ap_log(AP_LOG_WARNING, "receptionist: cannot remove orphaned snapshot " SHM_DIR "/%s: %s",
+			       s->name, s->err == ESTALE ? "replaced while judged" : strerror(s->err));
+		break;
+	case AP_SHM_FATE_UNKNOWN:
+		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s (writer pid %llu, layout %u)",
+		       s->name, v->why, (unsigned long long)v->pid, v->version);
+		break;
+	case AP_SHM_FATE_UNREADABLE:
+		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s%s%s", s->name, v->why,
+		       s->err ? ": " : "", s->err ? strerror(s->err) : "");
+		break;
+	}
+}
+
+static void sweep_orphans(void)
+{
+	int rc = ap_shm_sweep(SHM_DIR, SHM_PREFIX, NULL, on_swept, NULL);
+	if (rc < 0)
+		ap_log(AP_LOG_WARNING, "receptionist: cannot look for orphaned snapshots in " SHM_DIR ": %s",
+		       strerror(-rc));
+}
+
 static int parse_args(int argc, char **argv, long long *mb, long long *max_listing)
 {
 	for (int k = 0; k < argc; k++) {
@@ -952,11 +1011,19 @@ static int rcpt_init(ap_node *n, int argc, char **argv)
 		return 1;
 	if (start_signal_thread(n, st.port_mode))
 		ap_log(AP_LOG_WARNING, "receptionist: cannot handle SIGTERM/SIGINT: %s", strerror(errno));
+	sweep_orphans();
 	if (mb > 0) {
 		st.shm_bytes = (size_t)mb << 20;
 		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
 		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(n), incarnation);
-		if (rc) {
+		if (rc == -EEXIST) {
+			/* Another node's, live: never taken from it. */
+			ap_log(AP_LOG_ERROR,
+			       "receptionist: snapshot %s belongs to a writer that still runs (another node of this "
+			       "name?); running without",
+			       st.shm_name);
+			st.w = NULL;
+		} else if (rc) {
 			/* Lookups still work, through the receptionist. */
 			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s; running without",
 			       st.shm_name, st.shm_bytes, strerror(-rc));

@@ -51,9 +51,12 @@
  */
 #include "ap_shm.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -85,8 +88,12 @@
 _Static_assert(sizeof(struct ap_shm_hdr) <= AP_SHM_HDR_SIZE, "header too big");
 /* Readers (and test encoders) rely on these offsets. */
 _Static_assert(offsetof(struct ap_shm_hdr, state) == 64 && offsetof(struct ap_shm_hdr, changes) == 72 &&
-		       offsetof(struct ap_shm_hdr, hash_seed) == 80 && offsetof(struct ap_shm_hdr, node) == 88,
+		       offsetof(struct ap_shm_hdr, hash_seed) == 80 && offsetof(struct ap_shm_hdr, node) == 88 &&
+		       offsetof(struct ap_shm_hdr, writer_start) == 344 &&
+		       offsetof(struct ap_shm_hdr, writer_pidns) == 352 && sizeof(struct ap_shm_hdr) == 360,
 	       "header layout");
+/* Layout 3 (no start time) kept the same offsets up to the node name. */
+_Static_assert(offsetof(struct ap_shm_hdr, writer_pid) == 48, "writer_pid in every layout");
 _Static_assert(sizeof(struct ap_shm_half) == 64, "half header layout");
 _Static_assert(sizeof(struct ap_shm_entry) == 16, "entry header layout");
 /* off32 counts 8-byte units: every arena offset of a half below 32 GiB fits. */
@@ -603,6 +610,11 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	hdr->gen = 0;
 	hdr->heartbeat_ms = 0;
 	hdr->writer_pid = (uint64_t)getpid();
+	/* 0 when /proc cannot tell: the segment can then never be proved
+	 * orphaned, only kept (see "Writers that are gone"). */
+	if (ap_proc_stat((long)getpid(), &hdr->writer_start, NULL) < 0)
+		hdr->writer_start = 0;
+	hdr->writer_pidns = ap_proc_pidns();
 	hdr->incarnation = incarnation;
 	hdr->pad = 0;
 	hdr->changes = w->changes;
@@ -618,6 +630,8 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	return 0;
 }
 
+static int w_name_held(const char *name);
+
 int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, const char *node,
 			 uint64_t incarnation)
 {
@@ -630,6 +644,10 @@ int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, 
 		return -EINVAL;
 	if (seg_size < SEG_MIN_CREATE || seg_size > SEG_MAX)
 		return -EINVAL;
+	/* Never take the name from a writer that still runs (a second node
+	 * started under a name in use); a dead one's object is replaced. */
+	if (w_name_held(name))
+		return -EEXIST;
 	/* A reader still mapping an old object keeps it; new readers get ours. */
 	if (shm_unlink(name) < 0 && errno != ENOENT)
 		return -errno;
@@ -974,4 +992,209 @@ int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, vo
 	uint64_t gen, off;
 
 	return r_search(base, len, key, klen, 1, out, out ? cap : 0, &gen, &off, vlen);
+}
+
+/* ---- writers that are gone ---------------------------------------------- */
+
+int ap_proc_stat(long pid, uint64_t *start, char *state)
+{
+	char path[64], buf[2048], *p, *end;
+	unsigned long long v;
+	ssize_t n;
+	int fd, e;
+
+	if (pid <= 0 || pid > INT_MAX)
+		return -EINVAL;
+	snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errno == ENOENT || errno == ESRCH ? -ENOENT : -errno;
+	n = read(fd, buf, sizeof buf - 1);
+	e = errno;
+	close(fd);
+	if (n < 0)
+		return e == ESRCH ? -ENOENT : -e; /* it exited between open and read */
+	buf[n] = 0;
+	/* "pid (comm) S f4 ... f22 ...": comm may hold spaces and ')', so
+	 * the fields start after the last ')'. */
+	p = memrchr(buf, ')', (size_t)n);
+	if (!p || p[1] != ' ' || !p[2])
+		return -EINVAL;
+	p += 2;
+	if (state)
+		*state = *p;
+	for (int f = 3; f < 22; f++) {
+		p = strchr(p, ' ');
+		if (!p)
+			return -EINVAL;
+		p++;
+	}
+	if (*p < '0' || *p > '9')
+		return -EINVAL;
+	errno = 0;
+	v = strtoull(p, &end, 10);
+	if (errno || (*end != ' ' && *end != '\n' && *end))
+		return -EINVAL;
+	if (start)
+		*start = v;
+	return 0;
+}
+
+uint64_t ap_proc_pidns(void)
+{
+	struct stat st;
+
+	return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+static enum ap_shm_fate v_set(struct ap_shm_verdict *v, enum ap_shm_fate fate, const char *why)
+{
+	v->fate = fate;
+	v->why = why;
+	return fate;
+}
+
+enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, struct ap_shm_verdict *v)
+{
+	struct ap_shm_hdr h;
+	uint64_t own, now = 0;
+	char state = 0;
+	int r;
+
+	memset(v, 0, sizeof *v);
+	/* A copy: buf may be anyone's bytes, and judging reads them once. */
+	memset(&h, 0, sizeof h);
+	memcpy(&h, buf, len < sizeof h ? len : sizeof h);
+	if (len < offsetof(struct ap_shm_hdr, incarnation))
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "shorter than a snapshot header");
+	if (h.magic != AP_SHM_MAGIC)
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "not a snapshot (magic)");
+	v->version = h.version;
+	v->pid = h.writer_pid;
+	if (h.version == 3)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "layout 3 stamps no start time");
+	if (h.version != AP_SHM_VERSION)
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "unknown layout version");
+	if (len < sizeof h || h.hdr_size != AP_SHM_HDR_SIZE)
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "truncated header");
+	v->start = h.writer_start;
+	if (!h.writer_pid || h.writer_pid > INT_MAX)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "no writer pid");
+	if (!h.writer_start || !h.writer_pidns)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "the writer could not stamp its start time");
+	own = ap_proc_pidns();
+	if (!own)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "our own PID namespace is unknown (/proc)");
+	if (own != h.writer_pidns)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "the writer ran in another PID namespace");
+	r = ap_proc_stat((long)h.writer_pid, &now, &state);
+	if (r == -ENOENT) {
+		/* Two witnesses: a /proc that hides the pid (hidepid, another
+		 * mount) is not proof on its own. */
+		if (kill((pid_t)h.writer_pid, 0) < 0 && errno == ESRCH)
+			return v_set(v, AP_SHM_FATE_GONE, NULL);
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "the pid is not in /proc but kill(2) finds it");
+	}
+	if (r < 0)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "cannot read /proc/PID/stat");
+	v->start_now = now;
+	if (now != h.writer_start)
+		return v_set(v, AP_SHM_FATE_REUSED, NULL);
+	/* A zombie runs no code and maps nothing: its segment is orphaned. */
+	if (state == 'Z' || state == 'X')
+		return v_set(v, AP_SHM_FATE_GONE, NULL);
+	return v_set(v, AP_SHM_FATE_LIVE, NULL);
+}
+
+/* Judge one directory entry and unlink it if proven orphaned. Reads the
+ * header with pread, never maps it: the object may be truncated under us. */
+static enum ap_shm_fate sweep_one(int dfd, struct ap_shm_swept *s)
+{
+	struct ap_shm_hdr h;
+	struct stat st, again;
+	ssize_t n;
+	int fd;
+
+	fd = openat(dfd, s->name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+	if (fd < 0) {
+		s->err = errno;
+		return v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot open it");
+	}
+	if (fstat(fd, &st) < 0) {
+		s->err = errno;
+		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot stat it");
+	} else if (!S_ISREG(st.st_mode)) {
+		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "not a regular file");
+	} else if (st.st_uid != geteuid()) {
+		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "another user's");
+	} else if ((n = pread(fd, &h, sizeof h, 0)) < 0) {
+		s->err = errno;
+		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot read it");
+	} else {
+		ap_shm_judge(&h, (size_t)n, &s->v);
+	}
+	if (s->v.fate == AP_SHM_FATE_GONE || s->v.fate == AP_SHM_FATE_REUSED) {
+		/* Only the object we judged: a writer may have replaced it under
+		 * the same name since (ap_shm_writer_create unlinks, then
+		 * creates). What is left is the window between this check and
+		 * the unlink. */
+		if (fstatat(dfd, s->name, &again, AT_SYMLINK_NOFOLLOW) < 0)
+			s->err = errno;
+		else if (again.st_ino != st.st_ino || again.st_dev != st.st_dev)
+			s->err = ESTALE;
+		else if (unlinkat(dfd, s->name, 0) < 0)
+			s->err = errno;
+		else
+			s->removed = 1;
+	}
+	close(fd);
+	return s->v.fate;
+}
+
+/* Whether shm object name is a snapshot whose writer runs and has not
+ * closed it: our uid's regular file whose header ap_shm_judge finds LIVE
+ * and whose state is not CLOSED. Anything else (no such object, another
+ * user's, unreadable, a writer gone or that cannot be judged) is not held:
+ * creating over it is what the writer always did. */
+static int w_name_held(const char *name)
+{
+	struct ap_shm_verdict v;
+	struct ap_shm_hdr h;
+	struct stat st;
+	ssize_t n;
+	int fd, held = 0;
+
+	fd = shm_open(name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK, 0);
+	if (fd < 0)
+		return 0;
+	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+	    (n = pread(fd, &h, sizeof h, 0)) == (ssize_t)sizeof h)
+		held = ap_shm_judge(&h, (size_t)n, &v) == AP_SHM_FATE_LIVE && h.state != AP_SHM_STATE_CLOSED;
+	close(fd);
+	return held;
+}
+
+int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg)
+{
+	size_t plen = strlen(prefix);
+	int removed = 0, seen = 0;
+	struct dirent *de;
+	DIR *d;
+
+	d = opendir(dir);
+	if (!d)
+		return -errno;
+	while (seen < AP_SHM_SWEEP_MAX && (de = readdir(d))) {
+		struct ap_shm_swept s = { .name = de->d_name };
+
+		if (strncmp(de->d_name, prefix, plen) || (skip && !strcmp(de->d_name, skip)))
+			continue;
+		seen++;
+		sweep_one(dirfd(d), &s);
+		removed += s.removed;
+		if (fn)
+			fn(arg, &s);
+	}
+	closedir(d);
+	return removed;
 }

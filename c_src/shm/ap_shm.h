@@ -10,7 +10,9 @@
  *   [header: AP_SHM_HDR_SIZE bytes][half 0: half_size][half 1: half_size]
  *
  *   header   magic, version, sizes, `gen`, writer pid, incarnation, state,
- *            `changes`, `hash_seed`, node name (struct ap_shm_hdr).
+ *            `changes`, `hash_seed`, node name, the writer's start time
+ *            and PID namespace (struct ap_shm_hdr; see "Writers that are
+ *            gone" below).
  *   half     struct ap_shm_half, then `cap` index slots (uint64 each), then
  *            the arena: `arena_size` bytes starting at `arena_off` (from the
  *            half's start). Arena offset 0 is reserved (means "empty").
@@ -75,6 +77,18 @@
  * can only make lookups miss. Without the seed, chosen collisions are as
  * hard as forging SipHash.
  *
+ * Writers that are gone. A segment outlives a writer that is killed (its
+ * name is unlinked only on a clean exit), so the header stamps who wrote it:
+ * `writer_pid`, `writer_start` (the process's start time in clock ticks
+ * after boot, field 22 of /proc/PID/stat) and `writer_pidns` (the inode of
+ * its PID namespace), all stored before the magic and never changed. The
+ * writer is provably gone when, in the same PID namespace, no process has
+ * that pid (or it is a zombie), or the process that has it started at
+ * another time (the pid was reused). Anything less is no proof: a pid
+ * stamped in another namespace (a container sharing /dev/shm) names nobody
+ * here, and a layout-3 header has no start time. ap_shm_sweep removes only
+ * proven cases and leaves every other segment alone.
+ *
  * Readers trust nothing: every offset and length is checked against the
  * mapping before it is dereferenced, probes are bounded by
  * min(`cap`, AP_SHM_MAX_PROBES), retries by AP_SHM_MAX_RETRIES, so a torn
@@ -92,7 +106,10 @@
 #include <stdint.h>
 
 #define AP_SHM_MAGIC 0x31535450435241ULL /* "ARCPTS1" little-endian, plus a 0 byte */
-#define AP_SHM_VERSION 3u   /* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3 */
+/* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3; 4: `writer_start`
+ * and `writer_pidns`, so that a segment whose writer is gone can be told
+ * from a live one (ap_shm_sweep). */
+#define AP_SHM_VERSION 4u
 #define AP_SHM_HDR_SIZE 4096u
 #define AP_SHM_MAX_KEY 1024u          /* bytes */
 #define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
@@ -130,6 +147,8 @@ struct ap_shm_hdr {
 	uint64_t changes;      /* atomic: changes counted so far, >= 1 (see "Changes" above) */
 	uint64_t hash_seed;    /* the hash's key, fixed for the segment's life (see "Hashing" above) */
 	char node[256];        /* the receptionist node's name, NUL-terminated */
+	uint64_t writer_start; /* the writer's start time, /proc/PID/stat field 22 (clock ticks after boot); 0: unknown */
+	uint64_t writer_pidns; /* the inode of the writer's /proc/self/ns/pid; 0: unknown */
 };
 
 struct ap_shm_half {
@@ -164,8 +183,11 @@ uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t len);
 typedef struct ap_shm_writer ap_shm_writer;
 
 /* Create the POSIX shm object `name` ("/..."), replacing any object of that
- * name (shm_unlink first: a reader still mapping the old one keeps it),
- * mode 0600 whatever the umask, sized seg_size (sparse), mapped read-write.
+ * name (shm_unlink first: a reader still mapping the old one keeps it)
+ * except a snapshot whose writer still runs and has not closed it
+ * (ap_shm_judge says LIVE): that is -EEXIST, and nothing changes. The
+ * object is mode 0600 whatever the umask, sized seg_size (sparse), mapped
+ * read-write.
  * The writer keeps the object's fd and backs pages with posix_fallocate,
  * a chunk at a time, before it first writes to them: it never stores to a
  * page the filesystem could not back (on a full tmpfs that would be
@@ -252,5 +274,59 @@ int ap_shm_read(const void *base, size_t len, uint64_t gen, uint64_t off, void *
  * find does, or AP_SHM_ETOOBIG with *vlen set (out NULL counts as cap 0). */
 int ap_shm_lookup(const void *base, size_t len, const void *key, size_t klen, void *out, size_t cap,
 		  uint32_t *vlen);
+
+/* ---- writers that are gone (see "Writers that are gone" above) -------- */
+
+/* Field 22 (starttime, clock ticks after boot) and field 3 (state) of
+ * /proc/PID/stat. Returns 0, -ENOENT when no such process (or thread) is
+ * visible, -EINVAL when the line does not parse, or another -errno. */
+int ap_proc_stat(long pid, uint64_t *start, char *state);
+
+/* The inode of this process's PID namespace, 0 when /proc cannot tell. */
+uint64_t ap_proc_pidns(void);
+
+/* What a segment's header says about its writer. */
+enum ap_shm_fate {
+	AP_SHM_FATE_LIVE,       /* a process with the stamped pid and start time runs: keep */
+	AP_SHM_FATE_GONE,       /* no process has the pid, or a zombie does: remove */
+	AP_SHM_FATE_REUSED,     /* the pid is another process's now (another start time): remove */
+	AP_SHM_FATE_UNKNOWN,    /* ours, but the stamp proves nothing here (`why`): keep */
+	AP_SHM_FATE_UNREADABLE, /* not a snapshot header we can read (`why`): keep */
+};
+
+struct ap_shm_verdict {
+	enum ap_shm_fate fate;
+	const char *why;     /* UNKNOWN, UNREADABLE: a short reason (static text) */
+	uint32_t version;    /* the header's, when its magic is ours */
+	uint64_t pid;        /* writer_pid, as stamped */
+	uint64_t start;      /* writer_start, as stamped */
+	uint64_t start_now;  /* REUSED, LIVE: the start time of the process that has the pid now */
+};
+
+/* Judge the header in buf (len bytes: what could be read from the
+ * segment's start; nothing is trusted, nothing past len is read). Returns
+ * v->fate. */
+enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, struct ap_shm_verdict *v);
+
+/* One segment the sweep looked at. */
+struct ap_shm_swept {
+	const char *name;        /* its name in the directory (no leading '/') */
+	struct ap_shm_verdict v;
+	int removed;             /* 1: unlinked by this sweep */
+	int err;                 /* GONE/REUSED not removed: why (errno; ESTALE: the name now names
+				  * another object); UNREADABLE: the open/read error, if any */
+};
+typedef void (*ap_shm_sweep_fn)(void *arg, const struct ap_shm_swept *s);
+
+#define AP_SHM_SWEEP_MAX 4096 /* segments a sweep looks at, at most (the directory may be anyone's) */
+
+/* Look at every regular file in dir (the shm directory, "/dev/shm") whose
+ * name starts with prefix and is not skip (NULL: none), at most
+ * AP_SHM_SWEEP_MAX of them: read its header (O_NOFOLLOW, our uid only, at
+ * most sizeof(struct ap_shm_hdr) bytes, never mapped), judge it, and
+ * unlink it when the verdict is GONE or REUSED and the name still names
+ * the object that was read. fn (may be NULL) hears about each. Returns the
+ * number removed, or -errno when dir cannot be opened. */
+int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg);
 
 #endif

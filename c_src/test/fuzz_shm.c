@@ -19,6 +19,8 @@
  * through lookup and through find + read, and read is also asked for a
  * (gen, off) taken from the payload. Results must be ones the API names,
  * consistent with the buffer sizes; and, on an untouched template, right.
+ * A whole-segment payload is also judged as the sweep judges a header
+ * (ap_shm_judge).
  */
 #include <errno.h>
 #include <stddef.h>
@@ -172,6 +174,26 @@ static void t_read(const uint8_t *seg, size_t len, const uint8_t *payload, size_
 	}
 }
 
+/* The sweep's verdict on the same bytes (a header read from a file anyone
+ * could have written): one the API names, and "gone" only for a whole
+ * header with our magic and layout. kill(pid, 0) and /proc reads of
+ * whatever pid the bytes name are harmless. */
+static void t_judge(const uint8_t *seg, size_t len)
+{
+	struct ap_shm_verdict v;
+	struct ap_shm_hdr h;
+	enum ap_shm_fate f = ap_shm_judge(seg, len, &v);
+
+	t_check(f == v.fate && f <= AP_SHM_FATE_UNREADABLE);
+	if (f == AP_SHM_FATE_GONE || f == AP_SHM_FATE_REUSED) {
+		t_check(len >= sizeof h);
+		memcpy(&h, seg, sizeof h);
+		t_check(h.magic == AP_SHM_MAGIC && h.version == AP_SHM_VERSION && h.writer_start && h.writer_pidns);
+	}
+	if (f == AP_SHM_FATE_UNKNOWN || f == AP_SHM_FATE_UNREADABLE)
+		t_check(v.why != NULL);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -199,6 +221,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (len)
 			memcpy(seg, payload, len);
 		t_read(seg, len, payload, plen, 0);
+		t_judge(seg, len);
 		free(seg);
 		return 0;
 	}

@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1849,6 +1850,407 @@ static void test_full_tmpfs_compaction_is_enospc_not_sigbus(void **state)
 	t_in_small_tmpfs(T_FS_SIZE, t_child_compaction);
 }
 
+/* ---- writers that are gone: the stamp, the verdict, the sweep ----------- */
+
+/* A child that exited and was reaped: its pid names no process (until the
+ * kernel hands it out again, which takes a full turn of pid_max). */
+static pid_t t_dead_pid(void)
+{
+	int st;
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0)
+		_exit(0);
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	return pid;
+}
+
+static uint64_t t_own_start(void)
+{
+	uint64_t start = 0;
+	assert_int_equal(ap_proc_stat((long)getpid(), &start, NULL), 0);
+	assert_true(start > 0);
+	return start;
+}
+
+/* A header as a writer with this stamp would leave it. */
+static struct ap_shm_hdr t_stamp(uint64_t pid, uint64_t start, uint64_t pidns)
+{
+	struct ap_shm_hdr h;
+	memset(&h, 0, sizeof h);
+	h.magic = AP_SHM_MAGIC;
+	h.version = AP_SHM_VERSION;
+	h.hdr_size = AP_SHM_HDR_SIZE;
+	h.writer_pid = pid;
+	h.writer_start = start;
+	h.writer_pidns = pidns;
+	return h;
+}
+
+static enum ap_shm_fate t_judge(const struct ap_shm_hdr *h, size_t len)
+{
+	struct ap_shm_verdict v;
+	enum ap_shm_fate f = ap_shm_judge(h, len, &v);
+	assert_int_equal(f, v.fate);
+	return f;
+}
+
+static void test_header_stamps_the_writers_pid_start_time_and_pid_namespace(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	struct stat ns;
+	t_seg_open(&s, "stamp", 1u << 20);
+	const struct ap_shm_hdr *h = s.ro;
+	assert_int_equal(stat("/proc/self/ns/pid", &ns), 0);
+	assert_int_equal(h->writer_pid, (uint64_t)getpid());
+	assert_int_equal(h->writer_start, t_own_start());
+	assert_int_equal(h->writer_pidns, (uint64_t)ns.st_ino);
+	assert_int_equal(ap_proc_pidns(), (uint64_t)ns.st_ino);
+	struct ap_shm_verdict v;
+	assert_int_equal(ap_shm_judge(h, s.len, &v), AP_SHM_FATE_LIVE);
+	assert_int_equal(v.pid, (uint64_t)getpid());
+	assert_int_equal(v.start_now, h->writer_start);
+	t_seg_close(&s);
+}
+
+/* The start time is field 22 counted after the last ')': a name holding
+ * spaces and parentheses must not shift it. */
+static void test_proc_stat_survives_a_name_with_spaces_and_parens(void **state)
+{
+	(void)state;
+	int up[2], down[2];
+	uint64_t before = 0, after = 0;
+	char st = 0, c = 0;
+	assert_int_equal(pipe(up), 0);
+	assert_int_equal(pipe(down), 0);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		uint64_t mine = 0;
+		if (ap_proc_stat((long)getpid(), &mine, NULL) < 0)
+			_exit(1);
+		prctl(PR_SET_NAME, ") 1 2 (3) 4", 0, 0, 0);
+		if (write(up[1], &mine, sizeof mine) != (ssize_t)sizeof mine)
+			_exit(1);
+		(void)!read(down[0], &c, 1); /* until the parent has looked */
+		_exit(0);
+	}
+	assert_int_equal(read(up[0], &before, sizeof before), (ssize_t)sizeof before);
+	assert_int_equal(ap_proc_stat((long)pid, &after, &st), 0);
+	assert_true(before > 0);
+	assert_int_equal(after, before);
+	assert_true(st == 'S' || st == 'R');
+	assert_int_equal(write(down[1], "x", 1), 1);
+	int ws;
+	assert_int_equal(waitpid(pid, &ws, 0), pid);
+	assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+	assert_int_equal(ap_proc_stat((long)pid, &after, NULL), -ENOENT);
+	assert_int_equal(ap_proc_stat(0, &after, NULL), -EINVAL);
+	assert_int_equal(ap_proc_stat(-1, &after, NULL), -EINVAL);
+	for (int k = 0; k < 4; k++)
+		close(k < 2 ? up[k] : down[k - 2]);
+}
+
+static void test_judge_proves_gone_only_by_pid_and_start_time(void **state)
+{
+	(void)state;
+	uint64_t me = (uint64_t)getpid(), start = t_own_start(), ns = ap_proc_pidns();
+	struct ap_shm_hdr h;
+	assert_true(ns != 0);
+
+	/* Us, as stamped: alive. Our pid with another start time: reused. */
+	h = t_stamp(me, start, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_LIVE);
+	h = t_stamp(me, start + 1, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_REUSED);
+	h = t_stamp(me, start - 1, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_REUSED);
+	/* Nobody has the pid: gone, whatever the start time. */
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_GONE);
+
+	/* A zombie (exited, not reaped) with its own start time: gone. */
+	pid_t z = fork();
+	assert_true(z >= 0);
+	if (z == 0)
+		_exit(0);
+	uint64_t zstart = 0;
+	char zst = 0;
+	for (int tries = 0; tries < 5000; tries++) {
+		assert_int_equal(ap_proc_stat((long)z, &zstart, &zst), 0);
+		if (zst == 'Z')
+			break;
+		usleep(1000); /* no event says "became a zombie": poll /proc, bounded */
+	}
+	assert_int_equal(zst, 'Z');
+	h = t_stamp((uint64_t)z, zstart, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_GONE);
+	int ws;
+	assert_int_equal(waitpid(z, &ws, 0), z);
+
+	/* No proof: another PID namespace, no start time, no pid, layout 3. */
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns + 1);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+	h = t_stamp((uint64_t)t_dead_pid(), 0, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+	h = t_stamp((uint64_t)t_dead_pid(), start, 0);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+	h = t_stamp(0, start, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+	h = t_stamp(1ull << 40, start, ns);
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	h.version = 3;
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNKNOWN);
+
+	/* Not a header we read: short, not ours, another layout, a bad size. */
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	assert_int_equal(t_judge(&h, sizeof h - 1), AP_SHM_FATE_UNREADABLE);
+	assert_int_equal(t_judge(&h, 0), AP_SHM_FATE_UNREADABLE);
+	h.magic ^= 1;
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNREADABLE);
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	h.version = AP_SHM_VERSION + 1;
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNREADABLE);
+	h = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	h.hdr_size = 8192;
+	assert_int_equal(t_judge(&h, sizeof h), AP_SHM_FATE_UNREADABLE);
+}
+
+/* Random bytes and every truncation of a valid header: a verdict, never a
+ * read past len (ASan would say). */
+static void test_judge_of_hostile_bytes_is_never_gone_without_a_stamp(void **state)
+{
+	(void)state;
+	t_rng r;
+	t_rng_seed(&r, t_seed("judge"));
+	struct ap_shm_hdr h = t_stamp((uint64_t)t_dead_pid(), t_own_start(), ap_proc_pidns());
+	for (size_t len = 0; len <= sizeof h; len++) {
+		uint8_t *copy = t_dup(&h, len);
+		enum ap_shm_fate f = t_judge((const struct ap_shm_hdr *)copy, len);
+		assert_true(f == (len == sizeof h ? AP_SHM_FATE_GONE : AP_SHM_FATE_UNREADABLE));
+		free(copy);
+	}
+	for (int k = 0; k < 2000; k++) {
+		uint8_t buf[sizeof h];
+		for (size_t i = 0; i < sizeof buf; i++)
+			buf[i] = (uint8_t)t_rand32(&r);
+		/* Random bytes are never our magic: unreadable. */
+		assert_int_equal(t_judge((const struct ap_shm_hdr *)buf, sizeof buf), AP_SHM_FATE_UNREADABLE);
+	}
+}
+
+struct t_swept {
+	char name[16][64];
+	enum ap_shm_fate fate[16];
+	int removed[16];
+	int n;
+};
+
+static void t_on_swept(void *arg, const struct ap_shm_swept *s)
+{
+	struct t_swept *t = arg;
+	assert_true(t->n < 16);
+	snprintf(t->name[t->n], sizeof t->name[0], "%s", s->name);
+	t->fate[t->n] = s->v.fate;
+	t->removed[t->n] = s->removed;
+	t->n++;
+}
+
+/* name's fate as the sweep reported it, or -1 if it was not reported. */
+static int t_fate_of(const struct t_swept *t, const char *name, int *removed)
+{
+	for (int i = 0; i < t->n; i++)
+		if (!strcmp(t->name[i], name)) {
+			*removed = t->removed[i];
+			return (int)t->fate[i];
+		}
+	return -1;
+}
+
+static void t_write_file(int dfd, const char *name, const void *p, size_t n, mode_t mode)
+{
+	int fd = openat(dfd, name, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, mode);
+	assert_true(fd >= 0);
+	assert_int_equal(write(fd, p, n), (ssize_t)n);
+	close(fd);
+}
+
+static int t_exists_at(int dfd, const char *name)
+{
+	struct stat st;
+	return fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+static void test_sweep_removes_proven_orphans_and_nothing_else(void **state)
+{
+	(void)state;
+	char dir[] = "/tmp/ap_sweep_XXXXXX";
+	assert_non_null(mkdtemp(dir));
+	int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	assert_true(dfd >= 0);
+	uint64_t start = t_own_start(), ns = ap_proc_pidns();
+	struct ap_shm_hdr dead = t_stamp((uint64_t)t_dead_pid(), start, ns);
+	struct ap_shm_hdr reused = t_stamp((uint64_t)getpid(), start + 7, ns);
+	struct ap_shm_hdr live = t_stamp((uint64_t)getpid(), start, ns);
+	struct ap_shm_hdr v3 = dead, alien = dead;
+	v3.version = 3;
+	alien.writer_pidns = ns + 1;
+
+	t_write_file(dfd, "ap.dead", &dead, sizeof dead, 0600);
+	t_write_file(dfd, "ap.reused", &reused, sizeof reused, 0600);
+	t_write_file(dfd, "ap.live", &live, sizeof live, 0600);
+	t_write_file(dfd, "ap.v3", &v3, sizeof v3, 0600);
+	t_write_file(dfd, "ap.alien", &alien, sizeof alien, 0600);
+	t_write_file(dfd, "ap.short", "ARCPTS1", 7, 0600);
+	t_write_file(dfd, "ap.skipme", &dead, sizeof dead, 0600);
+	t_write_file(dfd, "other.dead", &dead, sizeof dead, 0600);
+	assert_int_equal(symlinkat("ap.dead", dfd, "ap.link"), 0);
+	assert_int_equal(mkfifoat(dfd, "ap.fifo", 0600), 0);
+	assert_int_equal(mkdirat(dfd, "ap.dir", 0700), 0);
+	int root = geteuid() == 0;
+	if (root) {
+		t_write_file(dfd, "ap.theirs", &dead, sizeof dead, 0600);
+		assert_int_equal(fchownat(dfd, "ap.theirs", 65534, 65534, AT_SYMLINK_NOFOLLOW), 0);
+	}
+
+	struct t_swept t = { 0 };
+	assert_int_equal(ap_shm_sweep(dir, "ap.", "ap.skipme", t_on_swept, &t), 2);
+	int removed = -1;
+	assert_int_equal(t_fate_of(&t, "ap.dead", &removed), AP_SHM_FATE_GONE);
+	assert_int_equal(removed, 1);
+	assert_int_equal(t_fate_of(&t, "ap.reused", &removed), AP_SHM_FATE_REUSED);
+	assert_int_equal(removed, 1);
+	assert_int_equal(t_fate_of(&t, "ap.live", &removed), AP_SHM_FATE_LIVE);
+	assert_int_equal(removed, 0);
+	assert_int_equal(t_fate_of(&t, "ap.v3", &removed), AP_SHM_FATE_UNKNOWN);
+	assert_int_equal(t_fate_of(&t, "ap.alien", &removed), AP_SHM_FATE_UNKNOWN);
+	assert_int_equal(t_fate_of(&t, "ap.short", &removed), AP_SHM_FATE_UNREADABLE);
+	/* A symlink to an orphan is not followed (O_NOFOLLOW), nor removed. */
+	assert_int_equal(t_fate_of(&t, "ap.link", &removed), AP_SHM_FATE_UNREADABLE);
+	assert_int_equal(t_fate_of(&t, "ap.fifo", &removed), AP_SHM_FATE_UNREADABLE);
+	assert_int_equal(t_fate_of(&t, "ap.dir", &removed), AP_SHM_FATE_UNREADABLE);
+	if (root)
+		assert_int_equal(t_fate_of(&t, "ap.theirs", &removed), AP_SHM_FATE_UNREADABLE);
+	assert_int_equal(t_fate_of(&t, "ap.skipme", &removed), -1);
+	assert_int_equal(t_fate_of(&t, "other.dead", &removed), -1);
+	assert_int_equal(t.n, root ? 10 : 9);
+
+	assert_false(t_exists_at(dfd, "ap.dead"));
+	assert_false(t_exists_at(dfd, "ap.reused"));
+	const char *kept[] = { "ap.live", "ap.v3", "ap.alien", "ap.short", "ap.skipme", "other.dead",
+			       "ap.link", "ap.fifo", "ap.dir" };
+	for (size_t i = 0; i < sizeof kept / sizeof *kept; i++)
+		assert_true(t_exists_at(dfd, kept[i]));
+	if (root)
+		assert_true(t_exists_at(dfd, "ap.theirs"));
+
+	/* Nothing is left to prove: a second sweep removes nothing. */
+	struct t_swept t2 = { 0 };
+	assert_int_equal(ap_shm_sweep(dir, "ap.", "ap.skipme", t_on_swept, &t2), 0);
+	assert_int_equal(ap_shm_sweep("/nonexistent-ap-dir", "ap.", NULL, NULL, NULL), -ENOENT);
+
+	const char *all[] = { "ap.live", "ap.v3", "ap.alien", "ap.short", "ap.skipme", "other.dead",
+			      "ap.link", "ap.fifo", "ap.theirs" };
+	for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+		unlinkat(dfd, all[i], 0);
+	assert_int_equal(unlinkat(dfd, "ap.dir", AT_REMOVEDIR), 0);
+	close(dfd);
+	assert_int_equal(rmdir(dir), 0);
+}
+
+/* The real thing in /dev/shm: a writer killed with SIGKILL leaves its
+ * segment; the sweep removes it and keeps a live writer's. */
+static void test_sweep_removes_a_killed_writers_segment_and_keeps_a_live_one(void **state)
+{
+	(void)state;
+	char prefix[64], dead[80], alive[80];
+	int p[2], ws;
+	char c = 0;
+	snprintf(prefix, sizeof prefix, "ap_shm_test_%d_sweep_", (int)getpid());
+	snprintf(dead, sizeof dead, "/%sdead", prefix);
+	snprintf(alive, sizeof alive, "/%salive", prefix);
+	assert_int_equal(pipe(p), 0);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		ap_shm_writer *cw;
+		if (ap_shm_writer_create(&cw, dead, 1u << 20, "dead@test", 1) < 0)
+			_exit(1);
+		if (write(p[1], "r", 1) != 1)
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	assert_int_equal(read(p[0], &c, 1), 1);
+	assert_int_equal(kill(pid, SIGKILL), 0);
+	assert_int_equal(waitpid(pid, &ws, 0), pid);
+	assert_true(WIFSIGNALED(ws));
+	assert_true(t_shm_exists(dead));
+
+	ap_shm_writer *w;
+	assert_int_equal(ap_shm_writer_create(&w, alive, 1u << 20, "alive@test", 2), 0);
+	struct t_swept t = { 0 };
+	assert_int_equal(ap_shm_sweep("/dev/shm", prefix, NULL, t_on_swept, &t), 1);
+	int removed = -1;
+	assert_int_equal(t_fate_of(&t, dead + 1, &removed), AP_SHM_FATE_GONE);
+	assert_int_equal(removed, 1);
+	assert_int_equal(t_fate_of(&t, alive + 1, &removed), AP_SHM_FATE_LIVE);
+	assert_int_equal(t.n, 2);
+	assert_false(t_shm_exists(dead));
+	assert_true(t_shm_exists(alive));
+	ap_shm_writer_close(w, 1);
+	assert_false(t_shm_exists(alive));
+	close(p[0]);
+	close(p[1]);
+}
+
+/* A second writer under a name in use gets -EEXIST and changes nothing;
+ * a writer that closed it, or died, gives the name up. */
+static void test_create_never_takes_a_live_writers_name(void **state)
+{
+	(void)state;
+	struct t_seg s;
+	ap_shm_writer *w2;
+	int p[2], ws;
+	char c = 0;
+	t_seg_open(&s, "held", 1u << 20);
+	assert_int_equal(t_put_str(s.w, "a", "b"), 0);
+	assert_int_equal(ap_shm_writer_create(&w2, s.name, 1u << 20, "second@test", 9), -EEXIST);
+	assert_null(w2);
+	size_t len;
+	const void *now = t_map_ro(s.name, &len);
+	assert_int_equal(((const struct ap_shm_hdr *)now)->incarnation, 7); /* still the first */
+	assert_int_equal(t_lookup_rc(now, len, "a"), AP_SHM_OK);
+	munmap((void *)now, len);
+	assert_int_equal(t_put_str(s.w, "c", "d"), 0);
+	assert_int_equal(t_lookup_rc(s.ro, s.len, "c"), AP_SHM_OK);
+	t_seg_close(&s);
+
+	/* A writer killed with SIGKILL: its name is taken over. */
+	assert_int_equal(pipe(p), 0);
+	char name[64];
+	t_name(name, sizeof name, "held_dead");
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		ap_shm_writer *cw;
+		if (ap_shm_writer_create(&cw, name, 1u << 20, "dead@test", 1) < 0 || write(p[1], "r", 1) != 1)
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	assert_int_equal(read(p[0], &c, 1), 1);
+	assert_int_equal(kill(pid, SIGKILL), 0);
+	assert_int_equal(waitpid(pid, &ws, 0), pid);
+	assert_int_equal(ap_shm_writer_create(&w2, name, 1u << 20, "next@test", 2), 0);
+	ap_shm_writer_close(w2, 1);
+	assert_false(t_shm_exists(name));
+	close(p[0]);
+	close(p[1]);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1873,6 +2275,13 @@ int main(void)
 		cmocka_unit_test(test_truncations_never_read_past_len),
 		cmocka_unit_test(test_full_tmpfs_is_enospc_not_sigbus),
 		cmocka_unit_test(test_full_tmpfs_compaction_is_enospc_not_sigbus),
+		cmocka_unit_test(test_header_stamps_the_writers_pid_start_time_and_pid_namespace),
+		cmocka_unit_test(test_proc_stat_survives_a_name_with_spaces_and_parens),
+		cmocka_unit_test(test_judge_proves_gone_only_by_pid_and_start_time),
+		cmocka_unit_test(test_judge_of_hostile_bytes_is_never_gone_without_a_stamp),
+		cmocka_unit_test(test_sweep_removes_proven_orphans_and_nothing_else),
+		cmocka_unit_test(test_sweep_removes_a_killed_writers_segment_and_keeps_a_live_one),
+		cmocka_unit_test(test_create_never_takes_a_live_writers_name),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
