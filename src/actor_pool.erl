@@ -70,6 +70,7 @@
                   backoff => backoff(),
                   stable_ms => 0..86400000,
                   node => node(),
+                  fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
 %% Options of {@link start_pool/3}; see its doc for the defaults.
 
@@ -94,7 +95,8 @@
                    dropped_tells := non_neg_integer(),
                    throughput := number(),
                    uptime_ms := non_neg_integer(),
-                   workers := [worker_stats()]}.
+                   workers := [worker_stats()],
+                   by_path => #{dist := non_neg_integer(), ring := non_neg_integer()}}.
 %% Documented field by field in docs/stateless-workers.md ("Metrics").
 
 -define(DEFAULT_TIMEOUT, 5000).
@@ -133,6 +135,10 @@
 %% <li>`stable_ms' (0..86400000, default 10000): a replacement worker that
 %%     lived this long resets its backoff.</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
+%% <li>`fast_path' (boolean, default `true'): `false' makes the calls from
+%%     this BEAM to this pool (tell, ask, stats) use distribution even when
+%%     its pool node offers shared-memory rings (see
+%%     docs/same-host-transport.md). Other BEAMs decide for themselves.</li>
 %% <li>`service_key': register the pool (its pid) with this node's
 %%     receptionist under that key once it runs, so that any node of the
 %%     cluster finds it and can call it by key; {@link stop_pool/1}
@@ -162,10 +168,15 @@ start_pool(Name, Handler, Opts) ->
 start_pool(Name, Handler, Opts, Keep) ->
     case validate(Name, Handler, Opts) of
         {ok, PoolNode, Handler1, Full0} ->
-            {Key, Full} = case maps:take(service_key, Full0) of
-                              {Id, Rest} -> {Id, Rest};
-                              error -> {none, Full0}
-                          end,
+            {Key, Full1} = case maps:take(service_key, Full0) of
+                               {Id, Rest} -> {Id, Rest};
+                               error -> {none, Full0}
+                           end,
+            %% BEAM-side only: the pool node never sees it.
+            {Fast, Full} = case maps:take(fast_path, Full1) of
+                               {F, Rest1} -> {F, Rest1};
+                               error -> {true, Full1}
+                           end,
             Manager = {?MANAGER, PoolNode},
             Result = case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
                                ?MANAGER_TIMEOUT) of
@@ -174,6 +185,11 @@ start_pool(Name, Handler, Opts, Keep) ->
                          {error, _} = Error -> Error;
                          Other -> {error, {unexpected_reply, Other}}
                      end,
+            case Result of
+                {ok, P} when Fast =:= false -> ok = actor_pool_dp:set_slow(P, Name, PoolNode);
+                {ok, _} -> ok = actor_pool_dp:unset_slow({Name, PoolNode});
+                _ -> ok
+            end,
             %% On this node's own pool node: kept across its restarts, with
             %% the options as given (the defaults are filled in again).
             case Result of
@@ -285,6 +301,10 @@ stop_pool(Pool) ->
                      N -> deregister_pool(undefined, N, PoolNode)
                  end,
             ok = forget_kept(Target, PoolNode),
+            ok = actor_pool_dp:unset_slow(case is_pid(Target) of
+                                              true -> Target;
+                                              false -> {Target, PoolNode}
+                                          end),
             case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
                       ?MANAGER_TIMEOUT) of
                 ok -> ok;
@@ -306,7 +326,11 @@ stop_pool(Pool) ->
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
     case sendable(Msg) andalso dest(Pool) of
-        {ok, Dest, Node} -> actor_pool_batcher:send(Node, Dest, {tell, Msg});
+        {ok, Dest, Node} ->
+            case actor_pool_dp:lane(Node, Dest) of
+                {lane, Seg} -> ring_tell(Seg, Node, Dest, Msg);
+                none -> dist_send(Node, Dest, {tell, Msg})
+            end;
         undefined -> ok;
         no_pool -> count_no_pool();
         _ -> erlang:error(badarg, [Pool, Msg])
@@ -333,7 +357,12 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
     case sendable(Msg) andalso dest(Pool) of
         {ok, Dest, Node} ->
-            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+            case actor_pool_dp:lane(Node, Dest) of
+                {lane, Seg} ->
+                    ring_request(Seg, Node, Dest, ask, Msg, Timeout);
+                none ->
+                    request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout)
+            end;
         undefined ->
             {error, noproc};
         no_pool ->
@@ -353,7 +382,13 @@ ask(Pool, Msg, Timeout) ->
 stats(Pool) ->
     case dest(Pool) of
         {ok, Dest, Node} ->
-            case call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT) of
+            Reply = case actor_pool_dp:lane(Node, Dest) of
+                        {lane, Seg} ->
+                            ring_request(Seg, Node, Dest, stats, undefined, ?DEFAULT_TIMEOUT);
+                        none ->
+                            call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT)
+                    end,
+            case Reply of
                 #{} = Stats -> Stats;
                 {ok, #{} = Stats} -> Stats;
                 {error, timeout} -> {error, timeout};
@@ -456,7 +491,7 @@ call(Node, Dest, Request, Timeout) ->
 request(Node, Dest, MakeItem, Timeout) ->
     Mref = erlang:monitor(process, Dest, [{alias, demonitor}]),
     Tag = [alias | Mref],
-    ok = actor_pool_batcher:send(Node, Dest, MakeItem(Tag)),
+    ok = dist_send(Node, Dest, MakeItem(Tag)),
     receive
         {Tag, Reply} ->
             erlang:demonitor(Mref, [flush]),
@@ -475,6 +510,143 @@ request(Node, Dest, MakeItem, Timeout) ->
         after 0 ->
             {error, timeout}
         end
+    end.
+
+%% ===================================================================
+%% Transports: distribution and the same-host rings
+%% ===================================================================
+
+%% Process dictionary, per pool node: how this process last sent to it,
+%% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
+%% undefined). See docs/same-host-transport.md, "Ordering".
+-define(DP_KEY(Node), {'$actor_pool_dp', Node}).
+%% A full ring: a tell retries for this long (yielding), then is dropped.
+-define(FULL_RETRY_US, 1000).
+%% Switching from a ring to distribution: wait at most this long until the
+%% pool node has read what this process put in the ring.
+-define(DRAIN_WAIT_US, 1000000).
+%% A reply the NIF committed to sending just as the ask timed out.
+-define(LATE_REPLY_MS, 1000).
+
+%% Everything sent by distribution passes here. A process whose last message
+%% to Node went into a ring first waits until the pool node has read it, so
+%% that this one cannot overtake it.
+dist_send(Node, Dest, Item) ->
+    Key = ?DP_KEY(Node),
+    case get(Key) of
+        dist -> ok;
+        undefined -> put(Key, dist);
+        {Seg, Ticket} -> ring_drained(Seg, Ticket), put(Key, dist)
+    end,
+    actor_pool_batcher:send(Node, Dest, Item).
+
+ring_drained(_Seg, undefined) ->
+    ok;
+ring_drained(Seg, Ticket) ->
+    ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0).
+
+ring_drained(Seg, Ticket, Deadline, N) ->
+    case catch actor_dp:consumed(Seg, Ticket) of
+        false ->
+            case erlang:monotonic_time(microsecond) < Deadline of
+                true when N < 100 ->
+                    erlang:yield(),
+                    ring_drained(Seg, Ticket, Deadline, N + 1);
+                true ->
+                    %% The pool node is slow to read: stop spinning the
+                    %% scheduler.
+                    receive after 1 -> ok end,
+                    ring_drained(Seg, Ticket, Deadline, N);
+                false ->
+                    ok
+            end;
+        _TrueOrClosed ->
+            ok
+    end.
+
+%% One record into the lane. ok (tell) | {ok, AskId} | full | dist (use
+%% distribution instead: too large for a ring, or the lane is closed).
+ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
+    Key = ?DP_KEY(Node),
+    Prev = case get(Key) of
+               {Seg, T} ->
+                   T;
+               dist ->
+                   %% Everything this process sent by distribution is
+                   %% dispatched once a call behind it is answered.
+                   _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
+                   put(Key, {Seg, undefined}),
+                   undefined;
+               _OtherSegOrNone ->
+                   undefined
+           end,
+    RDest = case Dest of
+                {Name, _} -> Name;
+                Pid -> Pid
+            end,
+    case actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
+        {ok, T1} -> put(Key, {Seg, T1}), ok;
+        {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
+        full -> full;
+        too_large -> actor_pool_dp:count(too_large), dist;
+        closed -> actor_pool_dp:lane_closed(Node, Seg), dist
+    end.
+
+ring_tell(Seg, Node, Dest, Msg) ->
+    ring_tell(Seg, Node, Dest, Msg, undefined).
+
+ring_tell(Seg, Node, Dest, Msg, Deadline) ->
+    case ring_submit(Seg, Node, tell, Dest, Msg, undefined) of
+        ok ->
+            ok;
+        dist ->
+            dist_send(Node, Dest, {tell, Msg});
+        full ->
+            Now = erlang:monotonic_time(microsecond),
+            case Deadline of
+                undefined ->
+                    erlang:yield(),
+                    ring_tell(Seg, Node, Dest, Msg, Now + ?FULL_RETRY_US);
+                _ when Now < Deadline ->
+                    erlang:yield(),
+                    ring_tell(Seg, Node, Dest, Msg, Deadline);
+                _ ->
+                    %% Not to distribution: it would overtake what is in the
+                    %% ring. Counted (actor_pool_dp:info/0), as a full mailbox
+                    %% counts its dropped tells.
+                    actor_pool_dp:count(tell_dropped)
+            end
+    end.
+
+%% An ask or a stats request over the lane. The reply comes from the NIF's
+%% reply thread as {Ref, Answer}; a closed lane answers every waiting ask
+%% {error, {nodedown, Node}} at once. On timeout the ask is cancelled in the
+%% NIF (after which no reply is sent) and a reply that raced it is taken.
+ring_request(Seg, Node, Dest, Kind, Msg, Timeout) ->
+    Ref = make_ref(),
+    case ring_submit(Seg, Node, Kind, Dest, Msg, Ref) of
+        {ok, AskId} ->
+            receive
+                {Ref, Reply} -> Reply
+            after Timeout ->
+                case actor_dp:cancel(Seg, AskId) of
+                    true ->
+                        {error, timeout};
+                    false ->
+                        receive
+                            {Ref, Reply} -> Reply
+                        after ?LATE_REPLY_MS ->
+                            {error, timeout}
+                        end
+                end
+            end;
+        full when Kind =:= ask ->
+            actor_pool_dp:count(ask_full),
+            {error, overloaded};
+        _DistOrFullStats when Kind =:= ask ->
+            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+        _DistOrFullStats ->
+            call(Node, Dest, '$ap_stats', Timeout)
     end.
 
 %% ===================================================================
@@ -545,6 +717,8 @@ option(service_key, Key) ->
         {ok, Id} -> {ok, Id};
         error -> error
     end;
+option(fast_path, B) when is_boolean(B) ->
+    {ok, B};
 option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
     case lists:member($@, atom_to_list(Node)) of
         true -> {ok, Node};
