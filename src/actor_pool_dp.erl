@@ -251,6 +251,9 @@ handle_info({actor_dp, Seg, down, Reason}, St) ->
         [N] -> {noreply, drop_lane(N, Seg, Reason, St)};
         [] -> {noreply, St}
     end;
+handle_info({close, Seg, Reason}, St) ->
+    _ = (catch actor_dp:close(Seg, Reason)),
+    {noreply, St};
 handle_info(tick, St) ->
     erlang:send_after(?RETRY_MS, self(), tick),
     {noreply, refresh(St)};
@@ -368,7 +371,16 @@ drop_lane(Node, Seg, Why, #st{lanes = Lanes} = St) ->
                          {nodedown, _} -> Why;
                          _ -> {nodedown, Node}
                      end,
-            _ = (catch actor_dp:close(S, Reason)),
+            case Why of
+                {fast_path, false} ->
+                    %% The pool node is alive and may still hold records
+                    %% callers put in: they wait for them to be read before
+                    %% they switch to distribution (actor_pool), so the
+                    %% segment is closed only once that had time to happen.
+                    erlang:send_after(?RETRY_MS, self(), {close, S, Reason});
+                _ ->
+                    _ = (catch actor_dp:close(S, Reason))
+            end,
             logger:notice("actor_pool: the shared-memory lane to pool node ~p is closed: ~p",
                           [Node, Why]),
             persistent_term:put(?LANE(Node), none),
@@ -389,7 +401,7 @@ log_once(Node, Why, #st{logged = Logged} = St) ->
     end.
 
 lane_info(Node, {lane, Seg}) ->
-    #{node => Node, transport => ring,
+    #{node => Node, transport => ring, lane => Seg,
       segment => try actor_dp:info(Seg) catch _:_ -> #{} end};
 lane_info(Node, {none, Why}) ->
     #{node => Node, transport => distribution, reason => Why}.
