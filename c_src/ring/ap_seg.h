@@ -98,7 +98,7 @@ struct ap_seg_hdr {
 	uint64_t total_size; /* bytes of the whole segment */
 	uint32_t n_req, n_rep;
 	uint64_t req_cap, rep_cap; /* data bytes of each ring (power of two) */
-	uint8_t pad0[AP_RING_LINE - 40];
+	uint8_t pad0[AP_RING_LINE - 48];
 	/* line 1: the request doorbell (the pool node's loop sleeps on it) */
 	uint32_t req_bell;
 	uint32_t req_sleeping;
