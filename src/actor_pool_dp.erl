@@ -354,7 +354,10 @@ refresh(#st{lanes = Lanes} = St) ->
               true ->
                   St
           end,
-    lists:foldl(fun({Node, {none, Why}}, Acc) when Why =/= other_host -> forget(Node, Acc);
+    Env = fast_path_env(),
+    lists:foldl(fun({_Node, {none, other_host}}, Acc) -> Acc;
+                   ({_Node, {none, {fast_path, false}}}, Acc) when not Env -> Acc;
+                   ({Node, {none, _}}, Acc) -> forget(Node, Acc);
                    (_, Acc) -> Acc
                 end, St1, maps:to_list(St1#st.lanes)).
 

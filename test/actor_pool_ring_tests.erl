@@ -123,11 +123,11 @@ errors_are_identical_over_ring_and_distribution(#{pool_node := N}) ->
             R1 = actor_pool:ask(P, {fail, no_thanks}),
             R2 = actor_pool:ask(P, <<"crash">>),
             _ = wait_stats(P, fun(#{workers := [#{alive := A}]}) -> A end),
-            %% One sleeping in the worker, one queued: the next overflows.
+            %% One in the worker fills its mailbox (limit 1): the next
+            %% ask overflows.
             Self = self(),
-            Sleepers = [spawn_link(fun() -> Self ! {slept, self(), actor_pool:ask(P, {sleep, 400})} end)
-                        || _ <- [1, 2]],
-            _ = wait_stats(P, fun(#{workers := [#{mailbox := M}]}) -> M >= 2 end),
+            Sleepers = [spawn_link(fun() -> Self ! {slept, self(), actor_pool:ask(P, {sleep, 400})} end)],
+            _ = wait_stats(P, fun(#{workers := [#{mailbox := M}]}) -> M >= 1 end),
             R3 = actor_pool:ask(P, <<"over">>),
             Slept = [receive {slept, Pid, R} -> R after ?WAIT_MS -> error(sleeper) end
                      || Pid <- Sleepers],
@@ -139,7 +139,7 @@ errors_are_identical_over_ring_and_distribution(#{pool_node := N}) ->
     {Fast, FastPaths} = Run(true),
     {Slow, SlowPaths} = Run(false),
     ?assertEqual([{error, no_thanks}, {error, worker_crashed}, {error, overloaded},
-                  {error, noproc}, {error, noproc}, {ok, ok}, {ok, ok}], Fast),
+                  {error, noproc}, {error, noproc}, {ok, ok}], Fast),
     ?assertEqual(Fast, Slow),
     ?assertMatch(#{dist := 0, ring := R} when R >= 4, FastPaths),
     ?assertMatch(#{dist := D, ring := 0} when D >= 4, SlowPaths),
@@ -190,9 +190,8 @@ order_holds_across_scheduler_changes(_Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
         Self = self(),
         {Pid, Mref} = spawn_monitor(fun() ->
-            {Moves, _} = lists:foldl(fun(Round, {Moved, Sent0}) ->
+            _ = lists:foldl(fun(Round, Sent0) ->
                 Tells = 20 + rand:uniform(100),
-                Before = scheduler(),
                 [begin
                      I rem 25 =:= 0 andalso move_scheduler(Scheds),
                      ok = actor_pool:tell(P, {sleep, 0})
@@ -205,15 +204,16 @@ order_holds_across_scheduler_changes(_Ctx) ->
                     #{processed := Sent, workers := [#{mailbox := 0}]} -> ok;
                     S -> exit({reordered, Round, Sent, maps:get(processed, S), maps:get(workers, S)})
                 end,
-                {Moved + (case scheduler() of Before -> 0; _ -> 1 end), Sent}
-            end, {0, 0}, lists:seq(1, Rounds)),
+                Sent
+            end, 0, lists:seq(1, Rounds)),
             _ = erlang:process_flag(scheduler, 0),
-            Self ! {moves, self(), Moves}
+            Self ! {moves, self(), get(moves)}
         end),
         receive
             {moves, Pid, Moves} ->
                 erlang:demonitor(Mref, [flush]),
-                ?assert(Moves >= Rounds div 2);
+                %% every round moved at least twice
+                ?assert(Moves >= 2 * Rounds);
             {'DOWN', Mref, process, Pid, Why} ->
                 error(Why)
         after 100000 ->
@@ -352,7 +352,8 @@ scheduler() ->
 move_scheduler(Scheds) ->
     To = scheduler() rem Scheds + 1,
     _ = erlang:process_flag(scheduler, To),
-    move_wait(To, 1000).
+    move_wait(To, 1000),
+    put(moves, case get(moves) of undefined -> 1; M -> M + 1 end).
 
 move_wait(To, 0) ->
     error({not_moved_to_scheduler, To});
