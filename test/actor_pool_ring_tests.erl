@@ -181,8 +181,10 @@ fast_path_false_setting_sends_by_distribution(#{pool_node := N}) ->
 %% One process sends tells, asks and stats requests while it is moved from
 %% scheduler to scheduler (so from request ring to request ring). One
 %% worker handles its mailbox in order and each tell takes a moment
-%% ({sleep, 0}), so a tell that arrived after the ask would still be queued
-%% or unhandled when the stats request behind the ask is answered.
+%% ({sleep, 0}), so a tell that arrived after the ask would still be
+%% unhandled when the stats request behind the ask is answered (`processed'
+%% is counted before a reply is sent; the mailbox gauge only after, so it is
+%% not checked).
 order_holds_across_scheduler_changes(_Ctx) ->
     Scheds = erlang:system_info(schedulers_online),
     ?assert(Scheds >= 2),
@@ -201,7 +203,7 @@ order_holds_across_scheduler_changes(_Ctx) ->
                 Sent = Sent0 + Tells + 1,
                 move_scheduler(Scheds),
                 case actor_pool:stats(P) of
-                    #{processed := Sent, workers := [#{mailbox := 0}]} -> ok;
+                    #{processed := Sent} -> ok;
                     S -> exit({reordered, Round, Sent, maps:get(processed, S), maps:get(workers, S)})
                 end,
                 Sent
@@ -226,7 +228,7 @@ order_holds_across_scheduler_changes(_Ctx) ->
 %% earlier ring messages are read first, and its next ring message waits
 %% for the distribution ones. With one worker: once an ask is answered,
 %% every earlier message of the process was handled (a stats request right
-%% after sees them all and an empty mailbox).
+%% after counts them all).
 order_holds_across_a_transport_switch(_Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
         Big = {sleep, 0, binary:copy(<<1>>, 8 * 1024 * 1024)},
@@ -236,12 +238,12 @@ order_holds_across_a_transport_switch(_Ctx) ->
              [ok = actor_pool:tell(P, Small) || _ <- lists:seq(1, 500)],
              %% ring tells, then an ask by distribution
              ?assertEqual({ok, Big}, actor_pool:ask(P, Big, 30000)),
-             ?assertMatch(#{processed := C, workers := [#{mailbox := 0}]} when C =:= Base + 501,
+             ?assertMatch(#{processed := C} when C =:= Base + 501,
                           actor_pool:stats(P)),
              %% distribution tells, then an ask by ring
              [ok = actor_pool:tell(P, Big) || _ <- lists:seq(1, 2)],
              ?assertEqual({ok, ok}, actor_pool:ask(P, Small, 30000)),
-             ?assertMatch(#{processed := C, workers := [#{mailbox := 0}]} when C =:= Base + 504,
+             ?assertMatch(#{processed := C} when C =:= Base + 504,
                           actor_pool:stats(P))
          end || Round <- lists:seq(1, 3)],
         ?assertMatch(#{by_path := #{dist := 9, ring := 1503}}, actor_pool:stats(P)),
@@ -271,6 +273,9 @@ killed_pool_node_answers_64_waiting_askers_promptly(#{pool_node := N}) ->
     {ok, P} = actor_pool:start_pool(ring_kill, crash_plugin(), #{workers => 2}),
     ?assertEqual({ok, <<"up">>}, actor_pool:ask(P, <<"up">>)),
     #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
+    #{lane := Old} = lane_info(N),
+    %% for the next case: this lane must be closed for good
+    persistent_term:put({?MODULE, old_lane}, Old),
     Self = self(),
     Askers = [spawn_link(fun() ->
                   T0 = erlang:monotonic_time(millisecond),
@@ -297,7 +302,8 @@ killed_pool_node_answers_64_waiting_askers_promptly(#{pool_node := N}) ->
 %% it answer `closed'), the next call makes a fresh one, over which calls
 %% work.
 restarted_pool_node_gets_a_fresh_lane(#{pool_node := N}) ->
-    Old = maps:get(lane, lane_info_any(N), undefined),
+    Old = persistent_term:get({?MODULE, old_lane}),
+    _ = persistent_term:erase({?MODULE, old_lane}),
     wait_until(fun() ->
                    case actor_cnode:info(actor_pool_node_owner) of
                        #{os_pid := Os} when is_integer(Os) -> true;
@@ -312,8 +318,8 @@ restarted_pool_node_gets_a_fresh_lane(#{pool_node := N}) ->
                    end, 15000),
         #{lane := New} = lane_info(N),
         ?assertNotEqual(Old, New),
-        Old =/= undefined andalso
-            ?assertEqual(closed, actor_dp:submit(Old, tell, ring_fresh, x, undefined, undefined)),
+        ?assertEqual(closed, actor_dp:submit(Old, tell, ring_fresh, x, undefined, undefined)),
+        ?assertMatch(#{state := closed}, actor_dp:info(Old)),
         ?assertEqual({ok, <<"fresh">>}, actor_pool:ask(P, <<"fresh">>)),
         ?assertMatch(#{by_path := #{ring := R}} when R >= 1, actor_pool:stats(P))
     end).
