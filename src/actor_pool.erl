@@ -520,8 +520,12 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
 %% undefined). See docs/same-host-transport.md, "Ordering".
 -define(DP_KEY(Node), {'$actor_pool_dp', Node}).
-%% A full ring: a tell retries for this long (yielding), then is dropped.
--define(FULL_RETRY_US, 1000).
+%% A full ring: a tell retries (yielding, then sleeping 1 ms between
+%% tries, so the scheduler is never held) for this long, then is dropped.
+%% This is the data plane's backpressure on fast senders: the pool node's
+%% reader empties a ring in well under that time unless it is stuck.
+-define(FULL_RETRY_US, 100000).
+-define(FULL_YIELDS, 20).
 %% Switching from a ring to distribution: wait at most this long until the
 %% pool node has read what this process put in the ring.
 -define(DRAIN_WAIT_US, 1000000).
@@ -593,9 +597,9 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
     end.
 
 ring_tell(Seg, Node, Dest, Msg) ->
-    ring_tell(Seg, Node, Dest, Msg, undefined).
+    ring_tell(Seg, Node, Dest, Msg, undefined, 0).
 
-ring_tell(Seg, Node, Dest, Msg, Deadline) ->
+ring_tell(Seg, Node, Dest, Msg, Deadline, Tries) ->
     case ring_submit(Seg, Node, tell, Dest, Msg, undefined) of
         ok ->
             ok;
@@ -606,10 +610,13 @@ ring_tell(Seg, Node, Dest, Msg, Deadline) ->
             case Deadline of
                 undefined ->
                     erlang:yield(),
-                    ring_tell(Seg, Node, Dest, Msg, Now + ?FULL_RETRY_US);
-                _ when Now < Deadline ->
+                    ring_tell(Seg, Node, Dest, Msg, Now + ?FULL_RETRY_US, 1);
+                _ when Now < Deadline, Tries < ?FULL_YIELDS ->
                     erlang:yield(),
-                    ring_tell(Seg, Node, Dest, Msg, Deadline);
+                    ring_tell(Seg, Node, Dest, Msg, Deadline, Tries + 1);
+                _ when Now < Deadline ->
+                    receive after 1 -> ok end,
+                    ring_tell(Seg, Node, Dest, Msg, Deadline, Tries + 1);
                 _ ->
                     %% Not to distribution: it would overtake what is in the
                     %% ring. Counted (actor_pool_dp:info/0), as a full mailbox
