@@ -247,6 +247,15 @@ order_holds_across_a_transport_switch(_Ctx) ->
                           actor_pool:stats(P))
          end || Round <- lists:seq(1, 3)],
         ?assertMatch(#{by_path := #{dist := 9, ring := 1503}}, actor_pool:stats(P)),
+        %% A burst that the pool node is still reading when a message just
+        %% over the ring's record size (half the 1 MiB ring) goes out.
+        Mid = {sleep, 0, binary:copy(<<2>>, 600 * 1024)},
+        [begin
+             #{processed := C0} = actor_pool:stats(P),
+             [ok = actor_pool:tell(P, Small) || _ <- lists:seq(1, 4000)],
+             ?assertEqual({ok, Mid}, actor_pool:ask(P, Mid, 30000)),
+             ?assertMatch(#{processed := C} when C =:= C0 + 4001, actor_pool:stats(P))
+         end || _ <- lists:seq(1, 5)],
         ?assertMatch(#{counters := #{too_large := TL}} when TL >= 9, actor_pool_dp:info())
     end).
 
