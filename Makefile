@@ -4,7 +4,7 @@
 REBAR ?= rebar3
 EPMD  ?= epmd
 
-.PHONY: all compile deps epmd test eunit eunit-asan dep-test elixir-test dialyzer demo bench bench-run \
+.PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
         fuzz clean
 
 all: compile
@@ -53,6 +53,23 @@ eunit-asan: epmd
 	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
 	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
+	$(MAKE) eunit-asan-dp
+
+# The data plane NIF under ASan+UBSan: a sanitized actor_dp.so inside the
+# test BEAM itself (libasan preloaded, ACTOR_DP_NIF naming the build, and
+# +Mea min so that enif_alloc is malloc, which ASan watches), its suite
+# against the real peers; a crash or any sanitizer report fails the run.
+ASAN_DP_LOG_DIR = _build/asan-dp-logs
+eunit-asan-dp: epmd
+	$(MAKE) -C c_src build/actor_dp_asan.so
+	$(REBAR) compile
+	rm -rf $(ASAN_DP_LOG_DIR) && mkdir -p $(ASAN_DP_LOG_DIR)
+	@rc=0; ACTOR_DP_NIF=$(CURDIR)/c_src/build/actor_dp_asan.so LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+	  ERL_FLAGS="+Mea min $$ERL_FLAGS" ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/asan \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/ubsan \
+	  $(REBAR) eunit --module=actor_dp_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
+	  if [ -n "$$(ls -A $(ASAN_DP_LOG_DIR))" ]; then cat $(ASAN_DP_LOG_DIR)/*; \
+	  echo "sanitizer reports from the data plane NIF (above)"; exit 1; fi; exit $$rc
 
 dep-test:
 	bash test/dep_project/run

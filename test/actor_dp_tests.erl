@@ -62,7 +62,15 @@ with_peer(Name) ->
     end.
 
 nif_is_loaded_test() ->
-    ?assert(actor_dp:loaded()).
+    ?assert(actor_dp:loaded()),
+    %% under make eunit-asan: the sanitized build is the one mapped
+    case os:getenv("ACTOR_DP_NIF") of
+        Path when is_list(Path), Path =/= "" ->
+            {ok, Maps} = file:read_file("/proc/self/maps"),
+            ?assertMatch({_, _}, binary:match(Maps, list_to_binary(Path)));
+        _ ->
+            ok
+    end.
 
 asks_are_answered_with_their_ref(P) ->
     Seg = open(P, #{req_rings => 1}),
