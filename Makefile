@@ -32,6 +32,7 @@ test: deps
 	$(MAKE) dialyzer
 
 eunit: epmd
+	$(MAKE) -C c_src build/dp_client
 	ACTOR_POOL_IO=uring $(REBAR) eunit --sname ap_eunit_uring_$$$$
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
 	$(MAKE) eunit-asan
@@ -41,9 +42,10 @@ eunit: epmd
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan
+	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan \
+	  build/dp_client
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
