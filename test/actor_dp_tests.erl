@@ -28,7 +28,11 @@
          owner_exit_closes_the_segment/1,
          refused_and_failed_attaches/1,
          segments_are_freed_no_fd_leaks/1,
-         bad_arguments_are_badarg/1]).
+         bad_arguments_are_badarg/1,
+         pool_node_answers_asks_tells_and_stats/1,
+         pool_node_cancel_and_close_leave_no_reply_behind/1,
+         pool_node_scribbled_segment_is_errors_not_crashes/1,
+         pool_node_killed_answers_64_pending_asks_promptly/1]).
 
 -define(T, 5000).
 
@@ -60,6 +64,21 @@ with_peer(Name) ->
     try ?MODULE:Name(P)
     after peer_stop(P)
     end.
+
+%% ===================================================================
+%% Against the pool node the application starts
+%% ===================================================================
+
+actor_dp_pool_node_test_() ->
+    {setup, fun pool_setup/0, fun pool_cleanup/1,
+     fun(Ctx) ->
+             [{atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}
+              || Name <- [pool_node_answers_asks_tells_and_stats,
+                          pool_node_cancel_and_close_leave_no_reply_behind,
+                          pool_node_scribbled_segment_is_errors_not_crashes,
+                          %% last: the node restarts afterwards
+                          pool_node_killed_answers_64_pending_asks_promptly]]
+     end}.
 
 nif_is_loaded_test() ->
     ?assert(actor_dp:loaded()),
@@ -318,8 +337,161 @@ bad_arguments_are_badarg(P) ->
     ok = actor_dp:close(Seg, done).
 
 %% ===================================================================
+%% Pool node cases
+%% ===================================================================
+
+pool_node_answers_asks_tells_and_stats(#{pool_node := N} = Ctx) ->
+    with_pool(dp_echo, echo, #{workers => 2}, fun(P) ->
+        Seg = pool_open(Ctx, #{}),
+        Msgs = [<<"bin">>, {a, [1, 2.5, "s"]}, #{k => v}, binary:copy(<<9>>, 80000)],
+        [?assertEqual({ok, M}, ask(Seg, dp_echo, M)) || M <- Msgs],
+        ?assertEqual({ok, by_pid}, ask(Seg, P, by_pid)),
+        ?assertEqual({error, noproc}, ask(Seg, dp_no_such_pool, x)),
+        Last = lists:foldl(fun(K, T) ->
+                                   {ok, T2} = actor_dp:submit(Seg, tell, dp_echo, {t, K}, undefined, T),
+                                   T2
+                           end, undefined, lists:seq(1, 100)),
+        ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+        %% every tell and ask by ring, counted by the pool on that path
+        ap_test_util:wait_until(
+          fun() ->
+                  {ok, #{by_path := #{ring := R}}} = {ok, ask(Seg, dp_echo, '$stats')},
+                  R =:= 105
+          end, ?T),
+        #{tells := 100, replies := Replies, late := 0, bad_records := 0, pending := 0} = actor_dp:info(Seg),
+        ?assert(Replies >= 7),
+        ok = actor_dp:close(Seg, done),
+        %% distribution still serves the pool; the node did not restart
+        ?assertEqual({ok, dist}, actor_pool:ask(P, dist)),
+        ?assertMatch(#{os_pid := OsPid} when OsPid =:= map_get(os_pid, Ctx),
+                     actor_cnode:info(actor_pool_node_owner)),
+        ?assertEqual(N, node(P))
+    end).
+
+pool_node_cancel_and_close_leave_no_reply_behind(Ctx) ->
+    with_pool(dp_slow, crash_plugin(), #{workers => 1}, fun(_P) ->
+        Seg = pool_open(Ctx, #{}),
+        %% one worker: the sleep holds it, the others queue behind it
+        [{RA, _}, {RB, _}, {RC, IdC}, {RD, _}] =
+            [submit_ask(Seg, dp_slow, M) || M <- [{sleep, 300}, b, c, d]],
+        ?assert(actor_dp:cancel(Seg, IdC)),
+        [receive {R, A} -> ?assertEqual(Want, A) after ?T -> error({no_reply, Want}) end
+         || {R, Want} <- [{RA, {ok, ok}}, {RB, {ok, b}}, {RD, {ok, d}}]],
+        ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+        receive {RC, _} = Late -> error({cancelled_ask_answered, Late}) after 0 -> ok end,
+        %% close with an ask in the worker: answered at once, by close
+        {RE, _} = submit_ask(Seg, dp_slow, {sleep, 300}),
+        ok = actor_dp:close(Seg, {nodedown, gone}),
+        receive {RE, E} -> ?assertEqual({error, {nodedown, gone}}, E) after 0 -> error(not_at_once) end,
+        %% its late reply is never delivered: the worker's answer goes nowhere
+        ?assertEqual({ok, after_close}, actor_pool:ask(dp_slow, after_close, ?T)),
+        receive {RE, _} = Again -> error({answered_twice, Again}) after 0 -> ok end
+    end).
+
+pool_node_scribbled_segment_is_errors_not_crashes(#{os_pid := OsPid} = Ctx) ->
+    with_pool(dp_scribble, crash_plugin(), #{workers => 2}, fun(P) ->
+        ReqBytes = 4096,
+        Geo = #{req_rings => 2, req_bytes => ReqBytes, rep_rings => 1, rep_bytes => 4096},
+        %% the reply ring's tail made impossible, an ask pending
+        Seg = pool_open(Ctx, Geo),
+        {R, _} = submit_ask(Seg, dp_scribble, {sleep, 200}),
+        ok = actor_dp:scribble(Seg, 256 + 2 * (256 + ReqBytes) + 64, <<(1 bsl 40):64/little>>),
+        receive {R, A} -> ?assertEqual({error, bad_segment}, A) after ?T -> error(no_answer) end,
+        receive {actor_dp, Seg, down, bad_segment} -> ok after ?T -> error(owner_not_told) end,
+        ok = actor_dp:close(Seg, done),
+        %% random bytes anywhere, while asks and tells go both ways
+        Seg2 = pool_open(Ctx, Geo),
+        #{size := Size} = actor_dp:info(Seg2),
+        rand:seed(exsss, {1, 2, 3}),
+        Self = self(),
+        _ = spawn_link(fun() -> scribble_loop(Seg2, Size, 3000), Self ! scribbled end),
+        _ = [actor_dp:submit(Seg2, K, dp_scribble, M, make_ref(), undefined)
+             || M <- lists:seq(1, 200), K <- [ask, tell]],
+        receive scribbled -> ok after 30000 -> error(scribbler_stuck) end,
+        ok = actor_dp:close(Seg2, done),
+        flush_all(),
+        %% the pool node and the VM are both still here and serving
+        ?assertEqual({ok, x}, actor_pool:ask(P, x)),
+        ?assertMatch(#{os_pid := OsPid, status := up}, actor_cnode:info(actor_pool_node_owner)),
+        Seg3 = pool_open(Ctx, #{}),
+        ?assertEqual({ok, fresh}, ask(Seg3, dp_scribble, fresh)),
+        ok = actor_dp:close(Seg3, done)
+    end).
+
+pool_node_killed_answers_64_pending_asks_promptly(#{pool_node := N, os_pid := OsPid} = Ctx) ->
+    {ok, _} = actor_pool:start_pool(dp_killed, crash_plugin(), #{workers => 2}),
+    Seg = pool_open(Ctx, #{}),
+    Self = self(),
+    Callers = [spawn_link(fun() ->
+                                  {R, _} = submit_ask(Seg, dp_killed, {sleep, 3000}),
+                                  Self ! {queued, self()},
+                                  receive {R, A} -> Self ! {answer, self(), A}
+                                  after 10000 -> Self ! {answer, self(), timeout}
+                                  end
+                          end) || _ <- lists:seq(1, 64)],
+    [receive {queued, C} -> ok after ?T -> error(not_queued) end || C <- Callers],
+    T0 = erlang:monotonic_time(millisecond),
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+    Answers = [receive {answer, C, A} -> A after 2000 -> hung end || C <- Callers],
+    Ms = erlang:monotonic_time(millisecond) - T0,
+    ?assertEqual([], [A || A <- Answers, A =/= {error, {nodedown, N}}]),
+    ?assert(Ms < 2000),
+    receive {actor_dp, Seg, down, Why} -> ?assertEqual({nodedown, N}, Why)
+    after ?T -> error(owner_not_told)
+    end,
+    ok = actor_dp:close(Seg, done),
+    %% the node comes back (a fresh segment is another open); leave it clean
+    ap_test_util:wait_until(fun() ->
+                                    case actor_cnode:info(actor_pool_node_owner) of
+                                        #{status := up, os_pid := New} -> New =/= OsPid;
+                                        _ -> false
+                                    end
+                            end, 20000),
+    ap_test_util:wait_until(fun() -> lists:keymember(dp_killed, 1, actor_pool:which_pools()) end, ?T),
+    ok = actor_pool:stop_pool(dp_killed).
+
+%% ===================================================================
 %% Helpers
 %% ===================================================================
+
+pool_setup() ->
+    WasAlive = ap_test_util:start_app(),
+    PoolNode = actor_pool:pool_node(),
+    #{os_pid := OsPid, status := up} = actor_cnode:info(actor_pool_node_owner),
+    #{was_alive => WasAlive, pool_node => PoolNode, os_pid => OsPid}.
+
+pool_cleanup(#{was_alive := WasAlive}) ->
+    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
+    ap_test_util:stop_app(WasAlive).
+
+%% A segment to the pool node, attached with what its dp_info says now.
+pool_open(#{pool_node := N}, Opts) ->
+    {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
+    {ok, Seg} = actor_dp:open(Sock, Token, Opts#{node => N}),
+    Seg.
+
+with_pool(Name, Handler, Opts, Fun) ->
+    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
+    try Fun(P)
+    after actor_pool:stop_pool(P)
+    end.
+
+crash_plugin() ->
+    {plugin, filename:join([ap_test_util:priv_dir(), "test", "plugin_crash.so"])}.
+
+submit_ask(Seg, Dest, Msg) ->
+    Ref = make_ref(),
+    {ok, _, Id} = actor_dp:submit(Seg, ask, Dest, Msg, Ref, undefined),
+    {Ref, Id}.
+
+%% An ask by ring; '$stats' asks for the pool's stats instead.
+ask(Seg, Dest, '$stats') ->
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, stats, Dest, undefined, Ref, undefined),
+    receive {Ref, A} -> A after ?T -> error(no_stats) end;
+ask(Seg, Dest, Msg) ->
+    {Ref, _} = submit_ask(Seg, Dest, Msg),
+    receive {Ref, A} -> A after ?T -> error({no_reply, Msg}) end.
 
 peer_start() ->
     Exe = filename:join([ap_test_util:priv_dir(), "test", "actor_dp_peer"]),
