@@ -60,13 +60,15 @@ eunit-asan: epmd
 # The data plane NIF under ASan+UBSan: a sanitized actor_dp.so inside the
 # test BEAM itself (libasan preloaded, ACTOR_DP_NIF naming the build, and
 # +Mea min so that enif_alloc is malloc, which ASan watches), its suite
-# against the real peers; a crash or any sanitizer report fails the run.
+# against the real peers (the pool node's ASan build too); a crash or any
+# sanitizer report fails the run.
 ASAN_DP_LOG_DIR = _build/asan-dp-logs
 eunit-asan-dp: epmd
-	$(MAKE) -C c_src build/actor_dp_asan.so
+	$(MAKE) -C c_src build/actor_dp_asan.so build/actor_pool_node_asan
 	$(REBAR) compile
 	rm -rf $(ASAN_DP_LOG_DIR) && mkdir -p $(ASAN_DP_LOG_DIR)
-	@rc=0; ACTOR_DP_NIF=$(CURDIR)/c_src/build/actor_dp_asan.so LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+	@rc=0; ACTOR_DP_NIF=$(CURDIR)/c_src/build/actor_dp_asan.so \
+	  ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
 	  ERL_FLAGS="+Mea min $$ERL_FLAGS" ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/ubsan \
 	  $(REBAR) eunit --module=actor_dp_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
