@@ -209,6 +209,11 @@ bad_replies_are_errors_not_crashes(P) ->
     ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 1 end, ?T),
     %% the record was skipped, the ask is still pending, the segment lives
     ?assert(actor_dp:cancel(Seg, Id2)),
+    %% a compressed answer would have the decoder allocate what it claims
+    cmd(P, "mode compressed"),
+    {ok, _, Id4} = actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined),
+    ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 2 end, ?T),
+    ?assert(actor_dp:cancel(Seg, Id4)),
     cmd(P, "mode echo"),
     Ref3 = make_ref(),
     {ok, _, _} = actor_dp:submit(Seg, ask, echo, again, Ref3, undefined),

@@ -8,7 +8,8 @@
  * stdin (one command a line; EOF: exit): "pause" / "resume" (stop / go on
  * reading the request rings), "mode M" (how asks are answered:
  * echo {ok, Msg}; bad_term: bytes that are no term; bad_len: a header
- * that lies about its length; twice: the answer twice; silent: none),
+ * that lies about its length; twice: the answer twice; silent: none;
+ * compressed: a compressed term claiming 4 GiB inflated),
  * "refuse" (the next attach gets status EPERM), "quit".
  * Asks to a name other than "echo" are answered {error, noproc}; STATS
  * with #{tells => N, asks => M}. Fences are not followed (one request
@@ -24,7 +25,7 @@
 #include "dp_core.h"
 #include "t_dp_peer.h"
 
-enum mode { M_ECHO, M_BAD_TERM, M_BAD_LEN, M_TWICE, M_SILENT };
+enum mode { M_ECHO, M_BAD_TERM, M_BAD_LEN, M_TWICE, M_SILENT, M_COMPRESSED };
 
 static struct t_dp_peer peer;
 static int attached, paused, refuse;
@@ -114,6 +115,9 @@ static void handle(const uint8_t *p, size_t len)
 		break;
 	case M_SILENT:
 		break;
+	case M_COMPRESSED:
+		reply(h.ask_id, (const uint8_t *)"\x50\xff\xff\xff\xf0\x78\x9c\x03\x00", 9, 9);
+		break;
 	}
 	return;
 bad:
@@ -168,6 +172,8 @@ static void command(const char *c)
 		mode = M_TWICE;
 	else if (!strcmp(c, "mode silent"))
 		mode = M_SILENT;
+	else if (!strcmp(c, "mode compressed"))
+		mode = M_COMPRESSED;
 	printf("ok %s\n", c);
 }
 

@@ -169,6 +169,13 @@ static void test_reply_header_must_match_the_record_exactly(void **state)
 	h.len = 0xffffffffu;
 	memcpy(b, &h, sizeof h);
 	assert_int_equal(dp_rep_parse(b, 16 + 7, &id, &tl), -EPROTO);
+	/* a compressed term would have the decoder allocate what it claims */
+	h.len = 7;
+	memcpy(b, &h, sizeof h);
+	memcpy(b + 16, "\x50\xff\xff\xff\xff\x78\x9c", 7);
+	assert_int_equal(dp_rep_parse(b, 16 + 7, &id, &tl), -EPROTO);
+	b[16] = 104;
+	assert_int_equal(dp_rep_parse(b, 16 + 7, &id, &tl), 0);
 }
 
 struct t_got {
