@@ -110,9 +110,13 @@ asks_are_answered_with_their_ref(P) ->
 
 tells_stats_and_consumed(P) ->
     Seg = open(P, #{req_rings => 2}),
-    {ok, T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
-    {ok, T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
-    expect(P, <<"tell 2">>),
+    {ok, {R1, Pos1} = T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
+    {ok, {R1, Pos2} = T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
+    ?assert(Pos2 > Pos1),
+    R1B = integer_to_binary(R1),
+    expect(P, <<"tell 1 ring ", R1B/binary, " fence none">>),
+    %% the same ring as the ticket: no fence needed
+    expect(P, <<"tell 2 ring ", R1B/binary, " fence none">>),
     ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, T2) end, ?T),
     Ref = make_ref(),
     {ok, _, _} = actor_dp:submit(Seg, stats, echo, undefined, Ref, T2),
@@ -120,6 +124,10 @@ tells_stats_and_consumed(P) ->
     after ?T -> error(no_stats)
     end,
     #{tells := 2, stats := 1} = actor_dp:info(Seg),
+    %% a ticket of the other ring (the caller moved): the record carries it
+    Other = 1 - R1,
+    {ok, {R1, _}} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, {Other, 4242}),
+    expect(P, iolist_to_binary(["tell 3 ring ", R1B, " fence ", integer_to_binary(Other), " 4242"])),
     ok = actor_dp:close(Seg, done),
     closed = actor_dp:consumed(Seg, T2),
     closed = actor_dp:submit(Seg, tell, echo, <<"late">>, undefined, T2).

@@ -3,7 +3,9 @@
  * socket, takes attaches, reads request rings, answers asks.
  *
  * stdout: "ready <socket name hex> <token hex>" once listening, then
- * "attached <node name>", "detached", "tell <n>" (per tell, its count),
+ * "attached <node name>", "detached", "tell <n> ring <r> fence <f> <pos>"
+ * (per tell: its count, the request ring it came on, its fence or
+ * "fence none"),
  * "bad <n>" (a request record that failed the checks).
  * stdin (one command a line; EOF: exit): "pause" / "resume" (stop / go on
  * reading the request rings), "mode M" (how asks are answered:
@@ -59,7 +61,7 @@ static void put_be32(uint8_t *p, uint32_t v)
 	p[3] = (uint8_t)v;
 }
 
-static void handle(const uint8_t *p, size_t len)
+static void handle(uint32_t ring, const uint8_t *p, size_t len)
 {
 	static uint8_t out[1 << 20];
 	struct ap_dp_req h;
@@ -74,7 +76,11 @@ static void handle(const uint8_t *p, size_t len)
 	dest = p + sizeof h;
 	msg = dest + h.dest_len;
 	if (h.kind == AP_DP_TELL) {
-		printf("tell %llu\n", (unsigned long long)++n_tells);
+		if (h.fence_ring == AP_DP_NO_FENCE)
+			printf("tell %llu ring %u fence none\n", (unsigned long long)++n_tells, ring);
+		else
+			printf("tell %llu ring %u fence %u %llu\n", (unsigned long long)++n_tells, ring, h.fence_ring,
+			       (unsigned long long)h.fence_pos);
 		return;
 	}
 	if (h.kind == AP_DP_STATS) {
@@ -146,7 +152,7 @@ static void drain(void)
 				printf("broken %u\n", i);
 				break;
 			}
-			handle(p, len);
+			handle(i, p, len);
 		}
 		ap_ring_release(&peer.req[i]);
 	}
