@@ -677,8 +677,8 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 			q.msg_len = msg_bin.size - 1;
 		}
 	}
-	if (dp_req_check(&q)) {
-		ret = q.dest_len > DP_MAX_DEST_NAME ? enif_make_badarg(env) : a_too_large;
+	if ((rc = dp_req_check(&q))) {
+		ret = rc == -EMSGSIZE ? a_too_large : enif_make_badarg(env);
 		goto done;
 	}
 	if (dp_req_len(q.dest_len, q.pre_len + q.msg_len) > ap_ring_max_payload(s->seg.req_cap)) {

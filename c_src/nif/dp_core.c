@@ -92,6 +92,8 @@ int dp_rep_parse(const uint8_t *buf, size_t len, uint64_t *ask_id, size_t *term_
 	/* An empty answer is no term: refused here, not at decode. */
 	if (h.reserved != 0 || h.len == 0 || (uint64_t)h.len != len - sizeof h)
 		return -EPROTO;
+	if (buf[sizeof h] == 80) /* COMPRESSED_TERM */
+		return -EPROTO;
 	*ask_id = h.ask_id;
 	*term_len = h.len;
 	return 0;

@@ -20,8 +20,9 @@
 #define DP_DRAIN_BATCH 256u
 /* The longest pool name (ap_seg.h: 1..1020 bytes of UTF-8). */
 #define DP_MAX_DEST_NAME 1020u
-/* A pid as an external term (without the 131 byte) is far smaller. */
-#define DP_MAX_DEST_PID 256u
+/* A pid as an external term without the 131 byte: a node name atom of up
+ * to 255 characters (each up to 4 bytes in UTF-8) and three words. */
+#define DP_MAX_DEST_PID 1040u
 
 /* Checks a geometry asked for by the caller: 0, or -EINVAL. *size is the
  * segment's bytes. */
@@ -59,8 +60,11 @@ void dp_binary_prefix(uint8_t out[5], uint32_t len);
 
 /* Parses a reply record's payload, already COPIED out of shared memory
  * (buf, len bytes): the header must say exactly len - 16 bytes of answer
- * and a zero reserved word. 0 with *ask_id and *term_len set (the answer
- * is buf + sizeof(struct ap_dp_rep)), or -EPROTO. */
+ * and a zero reserved word, and the answer must not be a compressed term
+ * (tag 80: it states its own inflated size, up to 4 GiB, which the
+ * decoder would allocate; the pool node never compresses). 0 with
+ * *ask_id and *term_len set (the answer is buf + sizeof(struct
+ * ap_dp_rep)), or -EPROTO. */
 int dp_rep_parse(const uint8_t *buf, size_t len, uint64_t *ask_id, size_t *term_len);
 
 /* Called for each valid reply: ask_id, and the answer's external term

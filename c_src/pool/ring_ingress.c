@@ -237,24 +237,27 @@ static void bad_record(struct ap_dp_seg *sg, uint32_t ring, const char *why)
 	}
 }
 
-static ap_pool *resolve(const struct ap_dp_req *h, const char *dest)
+/* The pool a destination names (*pool NULL: nobody by that name or pid),
+ * or -1 when the destination is not a name or pid at all (a bad record). */
+static int resolve(const struct ap_dp_req *h, const char *dest, ap_pool **pool)
 {
+	*pool = NULL;
 	if (h->dest_kind == AP_DP_DEST_NAME) {
 		char name[MAXATOMLEN_UTF8];
-		if (h->dest_len < 1 || h->dest_len >= sizeof name)
-			return NULL;
+		if (h->dest_len < 1 || h->dest_len >= sizeof name || memchr(dest, 0, h->dest_len))
+			return -1;
 		memcpy(name, dest, h->dest_len);
 		name[h->dest_len] = 0;
-		if (strlen(name) != h->dest_len)
-			return NULL;
-		return ap_pool_find(dp.n, name, NULL);
+		*pool = ap_pool_find(dp.n, name, NULL);
+		return 0;
 	}
 	erlang_pid pid;
 	int i = 0, type, size;
 	if (ap_term_end(dest, h->dest_len, 0) != (int)h->dest_len || ei_get_type(dest, &i, &type, &size) ||
 	    type != ERL_PID_EXT || ei_decode_pid(dest, &i, &pid))
-		return NULL;
-	return ap_pool_find(dp.n, NULL, &pid);
+		return -1;
+	*pool = ap_pool_find(dp.n, NULL, &pid);
+	return 0;
 }
 
 static int drain_to(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int depth);
@@ -294,7 +297,11 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 		return;
 	}
 	const char *dest = (const char *)dp.copy.data, *msg = dest + h.dest_len;
-	ap_pool *pool = resolve(&h, dest);
+	ap_pool *pool;
+	if (resolve(&h, dest, &pool)) {
+		bad_record(sg, ring, "the destination is not a name or a pid");
+		return;
+	}
 	if (h.kind == AP_DP_STATS) {
 		if (!pool) {
 			ap_dp_reply_error_loop(sg, h.ask_id, "noproc");
@@ -738,7 +745,7 @@ static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattache
 	if (r == -EAGAIN || r == -EINTR)
 		return;
 	if (r) {
-		refuse(a, EPROTO, "no segment fd");
+		refuse(a, EPROTO, r == -ECONNRESET ? "closed before it sent the segment" : "no segment fd");
 		return;
 	}
 	if (atomic_load(&dp.nsegs) >= DP_MAX_SEGS) {
