@@ -98,7 +98,7 @@ struct ap_seg_hdr {
 	uint64_t total_size; /* bytes of the whole segment */
 	uint32_t n_req, n_rep;
 	uint64_t req_cap, rep_cap; /* data bytes of each ring (power of two) */
-	uint8_t pad0[AP_RING_LINE - 40];
+	uint8_t pad0[AP_RING_LINE - 48];
 	/* line 1: the request doorbell (the pool node's loop sleeps on it) */
 	uint32_t req_bell;
 	uint32_t req_sleeping;
@@ -161,9 +161,12 @@ void ap_seg_sleep_end(struct ap_seg_hdr *h, enum ap_seg_bell b);
 
 /* The whole wait for a thread that may block: spins `spin` rounds calling
  * ready(arg), then sleeps (begin, ready?, futex wait, end) until ready(arg)
- * returns non-zero, the bell is kicked by ap_seg_kick, or timeout_ms
- * passes. 0 (ready or kicked), -ETIMEDOUT, or a futex error. ready()
- * returns > 0 for "something to do". */
+ * returns > 0 ("something to do"), a side closed the segment
+ * (ap_seg_close), or timeout_ms passes (< 0: no timeout; a side that
+ * reads a hostile peer's segment passes one). 0 (ready, or closed: check
+ * ap_seg_closed), -ETIMEDOUT, or a futex error. A wake-up proves nothing:
+ * after one that finds nothing ready it sleeps again, against the same
+ * deadline. */
 int ap_seg_wait(struct ap_seg_hdr *h, enum ap_seg_bell b, int (*ready)(void *), void *arg, unsigned spin,
 		int timeout_ms);
 
@@ -235,5 +238,6 @@ struct ap_dp_rep {
 _Static_assert(sizeof(struct ap_dp_req) == 32, "request header is 32 bytes");
 _Static_assert(sizeof(struct ap_dp_rep) == 16, "reply header is 16 bytes");
 _Static_assert(sizeof(struct ap_seg_hdr) == AP_SEG_HDR_SIZE, "segment header is 4 lines");
+_Static_assert(sizeof(struct ap_seg_hello) == 32, "hello is 32 bytes");
 
 #endif
