@@ -71,7 +71,7 @@ eunit-asan-dp: epmd
 	  ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
 	  ERL_FLAGS="+Mea min $$ERL_FLAGS" ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=actor_dp_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
+	  $(REBAR) eunit --module=actor_dp_tests,actor_pool_ring_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
 	  if [ -n "$$(ls -A $(ASAN_DP_LOG_DIR))" ]; then cat $(ASAN_DP_LOG_DIR)/*; \
 	  echo "sanitizer reports from the data plane NIF (above)"; exit 1; fi; exit $$rc
 
