@@ -14,11 +14,15 @@
 %% node's pool node), or `{Name, PoolNode}'. `gen_server:call/2,3' and
 %% `gen_server:cast/2' on it work too (Elixir's `GenServer.call/2'), unbatched.
 %%
-%% {@link tell/2} and {@link ask/3} go through {@link actor_pool_batcher}: a
-%% message is sent at once when the connection to the pool node is idle, and
-%% coalesced with others while it is busy. Everything one process sends to one
-%% pool node through this module (tells, asks, stats, stop) arrives in the
-%% order it was sent.
+%% {@link tell/2}, {@link ask/3} and {@link stats/1} to a pool on a pool node
+%% of this host that offers them go through shared-memory rings ({@link
+%% actor_pool_dp}, docs/same-host-transport.md), unless the application
+%% setting or the pool option `fast_path' is `false'. Otherwise they go
+%% through {@link actor_pool_batcher}: a message is sent at once when the
+%% connection to the pool node is idle, and coalesced with others while it
+%% is busy. Everything one process sends to one pool node through this
+%% module (tells, asks, stats, stop) arrives in the order it was sent,
+%% across both transports.
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
