@@ -524,11 +524,13 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
 %% undefined). See docs/same-host-transport.md, "Ordering".
 -define(DP_KEY(Node), {'$actor_pool_dp', Node}).
-%% A full ring: a tell retries (yielding, then sleeping 1 ms between
-%% tries, so the scheduler is never held) for this long, then is dropped.
+%% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
+%% between tries, so the scheduler is never held) for this long (an ask, at
+%% most its timeout), then the tell is dropped, the ask answered
+%% {error, overloaded}.
 %% This is the data plane's backpressure on fast senders: the pool node's
 %% reader empties a ring in well under that time unless it is stuck.
--define(FULL_RETRY_US, 100000).
+-define(FULL_RETRY_US, 1000000).
 -define(FULL_YIELDS, 20).
 %% Switching from a ring to distribution: wait at most this long until the
 %% pool node has read what this process put in the ring.
@@ -601,32 +603,42 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
     end.
 
 ring_tell(Seg, Node, Dest, Msg) ->
-    ring_tell(Seg, Node, Dest, Msg, undefined, 0).
-
-ring_tell(Seg, Node, Dest, Msg, Deadline, Tries) ->
-    case ring_submit(Seg, Node, tell, Dest, Msg, undefined) of
+    case ring_submit_wait(Seg, Node, tell, Dest, Msg, undefined, ?FULL_RETRY_US) of
         ok ->
             ok;
         dist ->
             dist_send(Node, Dest, {tell, Msg});
         full ->
+            %% Not to distribution: it would overtake what is in the ring.
+            %% Counted (actor_pool_dp:info/0), as a full mailbox counts its
+            %% dropped tells.
+            actor_pool_dp:count(tell_dropped)
+    end.
+
+%% ring_submit/6, retried while the ring is full for at most WaitUs:
+%% yielding first, then sleeping 1 ms between tries.
+ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) ->
+    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, undefined, 0).
+
+ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries) ->
+    case ring_submit(Seg, Node, Kind, Dest, Msg, Ref) of
+        full when WaitUs > 0 ->
             Now = erlang:monotonic_time(microsecond),
             case Deadline of
                 undefined ->
                     erlang:yield(),
-                    ring_tell(Seg, Node, Dest, Msg, Now + ?FULL_RETRY_US, 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Now + WaitUs, 1);
                 _ when Now < Deadline, Tries < ?FULL_YIELDS ->
                     erlang:yield(),
-                    ring_tell(Seg, Node, Dest, Msg, Deadline, Tries + 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
                 _ when Now < Deadline ->
                     receive after 1 -> ok end,
-                    ring_tell(Seg, Node, Dest, Msg, Deadline, Tries + 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
                 _ ->
-                    %% Not to distribution: it would overtake what is in the
-                    %% ring. Counted (actor_pool_dp:info/0), as a full mailbox
-                    %% counts its dropped tells.
-                    actor_pool_dp:count(tell_dropped)
-            end
+                    full
+            end;
+        Other ->
+            Other
     end.
 
 %% An ask or a stats request over the lane. The reply comes from the NIF's
@@ -635,7 +647,12 @@ ring_tell(Seg, Node, Dest, Msg, Deadline, Tries) ->
 %% NIF (after which no reply is sent) and a reply that raced it is taken.
 ring_request(Seg, Node, Dest, Kind, Msg, Timeout) ->
     Ref = make_ref(),
-    case ring_submit(Seg, Node, Kind, Dest, Msg, Ref) of
+    %% A full ring is waited for as a tell waits, within the timeout.
+    WaitUs = case Timeout of
+                 infinity -> ?FULL_RETRY_US;
+                 _ -> min(?FULL_RETRY_US, Timeout * 1000)
+             end,
+    case ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) of
         {ok, AskId} ->
             receive
                 {Ref, Reply} -> Reply

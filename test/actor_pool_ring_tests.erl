@@ -27,6 +27,7 @@
          order_holds_across_scheduler_changes/1,
          order_holds_across_a_transport_switch/1,
          timed_out_ring_asks_leave_no_late_reply/1,
+         full_rings_slow_senders_down_and_lose_nothing/1,
          killed_pool_node_answers_64_waiting_askers_promptly/1,
          restarted_pool_node_gets_a_fresh_lane/1]).
 
@@ -49,6 +50,7 @@ ring_test_() ->
                  order_holds_across_scheduler_changes,
                  order_holds_across_a_transport_switch,
                  timed_out_ring_asks_leave_no_late_reply,
+                 full_rings_slow_senders_down_and_lose_nothing,
                  %% last: they kill the pool node
                  killed_pool_node_answers_64_waiting_askers_promptly,
                  restarted_pool_node_gets_a_fresh_lane]]
@@ -274,6 +276,45 @@ timed_out_ring_asks_leave_no_late_reply(_Ctx) ->
         ?assertMatch(#{by_path := #{dist := 0}}, actor_pool:stats(P))
     end).
 
+%% 8 senders of 400 KB tells and 8 callers of 400 KB asks fill the 1 MiB
+%% request rings (two records each): senders wait for room (the NIF counts
+%% `full' submits), no tell is dropped, no ask is refused. Whether a burst
+%% finds a ring full depends on the host's scheduling, so bursts are
+%% repeated (at most 10) until one did.
+full_rings_slow_senders_down_and_lose_nothing(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2, mailbox_limit => 1048576}, fun(P) ->
+        #{lane := Seg} = lane_info(N),
+        #{full := Full0} = actor_dp:info(Seg),
+        #{counters := #{tell_dropped := Dropped0, ask_full := AskFull0}} = actor_pool_dp:info(),
+        Rounds = full_bursts(P, Seg, Full0, 1, 10),
+        #{full := Full1} = actor_dp:info(Seg),
+        ?assert(Full1 > Full0),
+        S = actor_pool:stats(P),
+        ?assertMatch(#{processed := C, dropped_tells := 0, by_path := #{dist := 0, ring := C}}
+                       when C =:= Rounds * 320, S),
+        ?assertMatch(#{counters := #{tell_dropped := Dropped0, ask_full := AskFull0}},
+                     actor_pool_dp:info())
+    end).
+
+full_bursts(P, Seg, Full0, Round, Max) ->
+    Big = fun(I) -> binary:copy(<<I>>, 400 * 1024) end,
+    Self = self(),
+    Pids = [spawn_link(fun() ->
+                           [ok = actor_pool:tell(P, Big(I)) || _ <- lists:seq(1, 30)],
+                           Asks = [actor_pool:ask(P, Big(I), 30000) || _ <- lists:seq(1, 10)],
+                           Self ! {done, self(), Asks}
+                       end) || I <- lists:seq(1, 8)],
+    Asks = [receive {done, Pid, A} -> A after 60000 -> error(sender_stuck) end || Pid <- Pids],
+    ?assertEqual([[{ok, Big(I)} || _ <- lists:seq(1, 10)] || I <- lists:seq(1, 8)], Asks),
+    try wait_stats(P, fun(#{processed := C}) -> C >= Round * 320 end)
+    catch error:Why -> error({Why, actor_pool_dp:info()})
+    end,
+    case maps:get(full, actor_dp:info(Seg)) > Full0 of
+        true -> Round;
+        false when Round < Max -> full_bursts(P, Seg, Full0, Round + 1, Max);
+        false -> Round
+    end.
+
 %% 64 callers wait on ring asks that the workers hold (they sleep); the
 %% pool node is killed with SIGKILL. Every caller gets {error, {nodedown,
 %% Node}} or {error, noproc} promptly: none hangs, none waits out its
@@ -297,13 +338,16 @@ killed_pool_node_answers_64_waiting_askers_promptly(#{pool_node := N}) ->
                       end),
     T0 = erlang:monotonic_time(millisecond),
     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-    Results = [receive {asked, A, R, _Ms} -> R after 10000 -> hung end || A <- Askers],
+    Results = [receive {asked, A, R, _Ms} -> R after 10000 -> {hung, A} end || A <- Askers],
     Elapsed = erlang:monotonic_time(millisecond) - T0,
-    Hung = length([x || hung <- Results]),
+    HungPids = [A || {hung, A} <- Results],
     Timeouts = length([x || {error, timeout} <- Results]),
-    Other = [R || R <- Results, R =/= hung, R =/= {error, timeout},
+    Other = [R || R <- Results, element(1, R) =/= hung, R =/= {error, timeout},
                   R =/= {error, {nodedown, N}}, R =/= {error, noproc}],
-    ?assertEqual({0, 0, []}, {Hung, Timeouts, Other}),
+    {0, 0, []} =:= {length(HungPids), Timeouts, Other} orelse
+        error({{hung, length(HungPids)}, {timeouts, Timeouts}, {other, Other},
+               {segment, actor_dp:info(Old)},
+               {hung_askers, [process_info(A, [current_stacktrace, messages]) || A <- HungPids]}}),
     ?assert(Elapsed < 5000),
     %% (the askers may learn of it before the kernel has reaped every
     %% thread of the killed process)
