@@ -258,7 +258,8 @@ wrong_token_is_refused(#{socket := Sock, token := Token} = Ctx) ->
 stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token} = Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1}, fun(P) ->
         Dest = dest(?FUNCTION_NAME),
-        %% A peer that stops mid-handshake: others attach meanwhile.
+        %% A peer that stops mid-handshake: others attach meanwhile, and
+        %% the node's deadline (2 s) ends it with an ETIMEDOUT ack.
         {Stalled, StalledPid} = open_client(Sock, Token, ["--stall-after-hello"]),
         try
             ?assertEqual("stalled", line(Stalled)),
@@ -266,7 +267,8 @@ stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token
                 {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(x)]),
                 ok = publish(C, [0]),
                 ?assertEqual([{1, {ok, x}}], wait_replies(C, 1))
-            end)
+            end),
+            ?assertEqual("refused 110", line(Stalled)) % ETIMEDOUT
         after
             stop_client(Stalled, StalledPid)
         end,

@@ -7,8 +7,9 @@
  * SOCKET_HEX is the abstract socket name as dp_info gives it (leading 0
  * byte included), TOKEN_HEX the 16-byte token. It creates a sealed memfd,
  * formats the segment, attaches (hello, fd, ack) and prints "attached" or
- * "refused ERRNO" (then exits 1). --stall-after-hello sends the hello and
- * then waits on stdin without sending the fd (a peer stuck mid-handshake).
+ * "refused ERRNO" (then exits 1). --stall-after-hello sends the hello,
+ * prints "stalled", never sends the fd (a peer stuck mid-handshake) and
+ * prints how the node ended it: "refused ERRNO" (its ack) or "not refused".
  *
  * Then one command per stdin line, one answer line each:
  *   tell R DEST MSG [FR FP]      a tell into request ring R (reserved, not
@@ -281,11 +282,14 @@ int main(int argc, char **argv)
 	int sent = send(s, &h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h &&
 		   send(s, me, strlen(me), MSG_NOSIGNAL) == (ssize_t)strlen(me);
 	if (stall) {
+		/* Never sends the fd: the node's deadline must end it. */
 		printf("stalled\n");
-		char c;
-		while (read(0, &c, 1) > 0)
-			;
-		return 0;
+		struct ap_seg_ack late;
+		if (read_full(s, &late, sizeof late, AP_SEG_ATTACH_TIMEOUT_MS * 5) == 0 && late.magic == AP_SEG_HELLO_MAGIC)
+			printf("refused %u\n", late.status);
+		else
+			printf("not refused\n");
+		return 1;
 	}
 	if (sent)
 		sent = ap_ring_send_fd(s, m.fd) == 0;
