@@ -14,7 +14,7 @@
 %% wake-ups under test are io_uring futex waits or waiter threads.
 -module(actor_pool_ring_node_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, priv_dir/0]).
+-import(ap_test_util, [wait_until/2, os_pid_alive/1, priv_dir/0, alive/1, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -28,7 +28,9 @@
          fence_makes_the_other_ring_go_first/1,
          bad_records_are_skipped_and_the_connection_kept/1,
          wrong_token_is_refused/1,
-         stalled_or_killed_client_does_not_hold_the_node/1]).
+         stalled_or_killed_client_does_not_hold_the_node/1,
+         no_fast_path_node_answers_disabled/1,
+         lone_asks_wake_the_sleeping_node_every_time/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -46,7 +48,9 @@ ring_node_test_() ->
                  fence_makes_the_other_ring_go_first,
                  bad_records_are_skipped_and_the_connection_kept,
                  wrong_token_is_refused,
-                 stalled_or_killed_client_does_not_hold_the_node]]
+                 stalled_or_killed_client_does_not_hold_the_node,
+                 no_fast_path_node_answers_disabled,
+                 lone_asks_wake_the_sleeping_node_every_time]]
      end}.
 
 case_(Name, Ctx) ->
@@ -254,7 +258,8 @@ wrong_token_is_refused(#{socket := Sock, token := Token} = Ctx) ->
 stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token} = Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1}, fun(P) ->
         Dest = dest(?FUNCTION_NAME),
-        %% A peer that stops mid-handshake: others attach meanwhile.
+        %% A peer that stops mid-handshake: others attach meanwhile, and
+        %% the node's deadline (2 s) ends it with an ETIMEDOUT ack.
         {Stalled, StalledPid} = open_client(Sock, Token, ["--stall-after-hello"]),
         try
             ?assertEqual("stalled", line(Stalled)),
@@ -262,7 +267,8 @@ stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token
                 {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(x)]),
                 ok = publish(C, [0]),
                 ?assertEqual([{1, {ok, x}}], wait_replies(C, 1))
-            end)
+            end),
+            ?assertEqual("refused 110", line(Stalled)) % ETIMEDOUT
         after
             stop_client(Stalled, StalledPid)
         end,
@@ -293,6 +299,57 @@ stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token
             ?assertEqual([{1, {ok, y}}], wait_replies(C, 1))
         end)
     end).
+
+%% Asks 5 ms apart (past the node's 2 ms of spinning, so it sleeps on the
+%% bell before each): every one is answered by a wake-up, none waits for
+%% the 1 s re-check that would hide a lost one. A functional bound, not a
+%% latency target.
+lone_asks_wake_the_sleeping_node_every_time(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        with_client(Ctx, fun(C) ->
+            port_command(C, ["pingpong 200 5000 ", dest(?FUNCTION_NAME), " ", enc(<<"p">>), "\n"]),
+            ["pingpong", Ok, P50, Max] = string:split(line(C), " ", all),
+            ?assertEqual(200, list_to_integer(Ok)),
+            ?debugFmt("200 lone ring asks after 5 ms idle: p50 ~s us, max ~s us", [P50, Max]),
+            ?assert(list_to_integer(Max) < 500000),
+            ?assertMatch(#{by_path := #{ring := 200}}, actor_pool:stats(P))
+        end)
+    end).
+
+%% A pool node started by hand with --no-fast-path (between other
+%% options) offers no rings, and says so.
+no_fast_path_node_answers_disabled(_Ctx) ->
+    Dir = ap_test_util:temp_dir("actor_pool_ring_node_tests"),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    [_, Host] = string:split(atom_to_list(node()), "@"),
+    Alive = alive("nofast"),
+    N = list_to_atom(Alive ++ "@" ++ Host),
+    Exe = case os:getenv("ACTOR_POOL_NODE_EXE") of
+              E when is_list(E), E =/= "" -> E;
+              _ -> filename:join(priv_dir(), "actor_pool_node")
+          end,
+    Port = open_port({spawn_executable, Exe},
+                     [{args, ["--name", atom_to_list(N), "--cookie-file", CookieFile,
+                              "--no-fast-path", "--connect", atom_to_list(node()),
+                              "--pool", "nofast:echo:1"]},
+                      exit_status, binary, stderr_to_stdout, use_stdio]),
+    {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+    try
+        wait_until(fun() -> lists:member(N, nodes(hidden)) end, ?WAIT_MS),
+        ?assertEqual({error, disabled}, gen_server:call({actor_pool_node, N}, dp_info, ?WAIT_MS)),
+        %% The rest of its command line was read as before.
+        ?assertEqual({ok, <<"x">>}, gen_server:call({nofast, N}, <<"x">>, ?WAIT_MS))
+    after
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        wait_until(fun() -> not os_pid_alive(OsPid) end, ?WAIT_MS),
+        catch port_close(Port),
+        flush_port(Port),
+        _ = file:del_dir_r(Dir)
+    end,
+    wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS),
+    wait_until(fun() -> not lists:member(Alive, epmd_names()) end, ?WAIT_MS).
 
 %% ===================================================================
 %% The client

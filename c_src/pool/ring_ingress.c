@@ -808,7 +808,7 @@ static void *attach_main(void *arg)
 			(void)!read(dp.efd, &v, sizeof v);
 		}
 		/* Sockets first, in the order polled; the lists change after. */
-		int base = 2;
+		int base = 2, polled_segs = nseg; /* step may add segments: not polled yet */
 		for (int i = 0; i < natt; i++) {
 			if (pfd[base + i].revents)
 				step(&att[i], segs, &nseg);
@@ -816,12 +816,10 @@ static void *attach_main(void *arg)
 				refuse(&att[i], ETIMEDOUT, "handshake timed out");
 		}
 		base += natt;
-		int polled_segs = nseg; /* step may have added some: they were not polled */
-		for (int i = 0; i < polled_segs && i < DP_MAX_SEGS; i++) {
+		for (int i = 0; i < nseg; i++) {
 			struct ap_dp_seg *sg = segs[i];
 			int gone = atomic_load(&sg->close_req);
-			if (i < np - base && (pfd[base + i].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR)) &&
-			    pfd[base + i].fd == sg->sock) {
+			if (i < polled_segs && (pfd[base + i].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
 				char junk[256];
 				ssize_t k = recv(sg->sock, junk, sizeof junk, MSG_DONTWAIT);
 				if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR))
