@@ -26,6 +26,7 @@
          link_delivers_exit_with_the_stop_reason/1,
          call_to_missing_name_replies_noproc/1,
          malformed_frames_close_only_that_connection/1,
+         oversized_frame_with_an_unreadable_head_is_passed_over/1,
          wrong_cookie_is_refused_right_cookie_accepted/1,
          io_backend_is_the_one_requested/1,
          await_up_returns_ok_when_up/1,
@@ -56,6 +57,7 @@ actor_cnode_test_() ->
                  link_delivers_exit_with_the_stop_reason,
                  call_to_missing_name_replies_noproc,
                  malformed_frames_close_only_that_connection,
+                 oversized_frame_with_an_unreadable_head_is_passed_over,
                  wrong_cookie_is_refused_right_cookie_accepted,
                  io_backend_is_the_one_requested,
                  await_up_returns_ok_when_up,
@@ -110,7 +112,7 @@ plain_message_with_pid_is_forwarded(#{node := N}) ->
 stats_count_messages_and_name_the_backend(#{node := N}) ->
     Before = stats(N),
     [?assert(is_integer(maps:get(K, Before)))
-     || K <- [received, unknown_name, bad_frames, utime_us, stime_us, connections]],
+     || K <- [received, unknown_name, bad_frames, oversized, utime_us, stime_us, connections]],
     ?assert(lists:member(maps:get(io, Before), [uring, epoll])),
     {echo, N} ! <<"a plain binary">>,
     {echo, N} ! {batch, [a, b, c]},
@@ -164,11 +166,33 @@ malformed_frames_close_only_that_connection(#{node := N}) ->
     %% A 5-byte frame: 'p' then bytes that are no control tuple.
     ?assertEqual("closed", rawpeer(N, "000000057000000000")),
     ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
-    %% A length header far beyond max_frame.
-    ?assertEqual("closed", rawpeer(N, "FFFFFFFF")),
+    %% A length header far beyond max_frame is no malformed frame: the node
+    %% waits for its bytes to pass them over (actor_cnode_oversize_tests),
+    %% and the idle timeout ends a peer that sends nothing more.
+    ?assertEqual("open", rawpeer(N, "FFFFFFFF")),
     ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
     #{bad_frames := Bad1} = stats(N),
-    ?assert(Bad1 >= Bad0 + 2).
+    ?assert(Bad1 >= Bad0 + 1).
+
+%% A frame over max_frame whose first bytes are no control message at all:
+%% it cannot be answered, but it is passed over by its length like any
+%% oversized frame (actor_cnode_oversize_tests has the readable ones), and
+%% the connection stays.
+oversized_frame_with_an_unreadable_head_is_passed_over(_Ctx) ->
+    Alive = alive("ovhead"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 1024}),
+    try
+        N = actor_cnode:node(Owner),
+        #{oversized := Ov0, bad_frames := Bad0} = stats(N),
+        %% 2000 bytes: 'q', then zeros.
+        ?assertEqual("open", rawpeer(N, "000007D0" ++ "71" ++ lists:duplicate(1999 * 2, $0))),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        #{oversized := Ov1, bad_frames := Bad1} = stats(N),
+        ?assertEqual({Ov0 + 1, Bad0}, {Ov1, Bad1})
+    after
+        ok = actor_cnode:stop(Owner),
+        wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
+    end.
 
 wrong_cookie_is_refused_right_cookie_accepted(#{node := N}) ->
     ?assertEqual(pang, ping_from_peer(N, "actor_pool_not_the_cookie")),

@@ -29,6 +29,7 @@
          refused_and_failed_attaches/1,
          segments_are_freed_no_fd_leaks/1,
          bad_arguments_are_badarg/1,
+         many_answers_in_a_row_arrive_whole/1,
          pool_node_answers_asks_tells_and_stats/1,
          pool_node_cancel_and_close_leave_no_reply_behind/1,
          pool_node_scribbled_segment_is_errors_not_crashes/1,
@@ -56,7 +57,8 @@ actor_dp_peer_test_() ->
                   owner_exit_closes_the_segment,
                   refused_and_failed_attaches,
                   segments_are_freed_no_fd_leaks,
-                  bad_arguments_are_badarg]].
+                  bad_arguments_are_badarg,
+                  many_answers_in_a_row_arrive_whole]].
 
 %% The peer's port belongs to the process that runs the case.
 with_peer(Name) ->
@@ -348,6 +350,40 @@ bad_arguments_are_badarg(P) ->
     %% a ticket naming a ring this segment does not have is no fence
     {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, {5000, 1}),
     ok = actor_dp:close(Seg, done).
+
+%% Many answers sent back to back, by the reply thread (replies) and by
+%% close (errors), to callers already waiting: each arrives whole, once.
+%% (The NIF reuses one env per sender; a send invalidates it.)
+many_answers_in_a_row_arrive_whole(P) ->
+    Self = self(),
+    [begin
+         Seg = open(P, #{}),
+         cmd(P, "mode echo"),
+         Echoed = callers(Seg, 100, fun(K) -> {K, binary:copy(<<K>>, K)} end),
+         [?assertEqual({ok, {K, binary:copy(<<K>>, K)}}, A) || {K, A} <- Echoed],
+         cmd(P, "mode silent"),
+         Pids = [spawn_link(fun() -> waiting_caller(Seg, Self, K) end) || K <- lists:seq(1, 100)],
+         [receive {queued, Pid} -> ok after ?T -> error(not_queued) end || Pid <- Pids],
+         ok = actor_dp:close(Seg, {closed, lists:seq(1, 20)}),
+         Closed = [receive {answer, Pid, K, A} -> {K, A} after ?T -> {Pid, hung} end || Pid <- Pids],
+         [?assertEqual({error, {closed, lists:seq(1, 20)}}, A) || {_, A} <- Closed]
+     end || _ <- lists:seq(1, 20)],
+    ok.
+
+callers(Seg, N, MsgOf) ->
+    Self = self(),
+    Pids = [spawn_link(fun() ->
+                               Ref = make_ref(),
+                               {ok, _, _} = actor_dp:submit(Seg, ask, echo, MsgOf(K), Ref, undefined),
+                               receive {Ref, A} -> Self ! {answer, self(), K, A} after ?T -> ok end
+                       end) || K <- lists:seq(1, N)],
+    [receive {answer, Pid, K, A} -> {K, A} after ?T -> error(hung) end || Pid <- Pids].
+
+waiting_caller(Seg, Parent, K) ->
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, K, Ref, undefined),
+    Parent ! {queued, self()},
+    receive {Ref, A} -> Parent ! {answer, self(), K, A} after ?T -> ok end.
 
 %% ===================================================================
 %% Pool node cases

@@ -29,7 +29,8 @@
          bad_records_are_skipped_and_the_connection_kept/1,
          wrong_token_is_refused/1,
          stalled_or_killed_client_does_not_hold_the_node/1,
-         no_fast_path_node_answers_disabled/1]).
+         no_fast_path_node_answers_disabled/1,
+         lone_asks_wake_the_sleeping_node_every_time/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -48,7 +49,8 @@ ring_node_test_() ->
                  bad_records_are_skipped_and_the_connection_kept,
                  wrong_token_is_refused,
                  stalled_or_killed_client_does_not_hold_the_node,
-                 no_fast_path_node_answers_disabled]]
+                 no_fast_path_node_answers_disabled,
+                 lone_asks_wake_the_sleeping_node_every_time]]
      end}.
 
 case_(Name, Ctx) ->
@@ -256,7 +258,8 @@ wrong_token_is_refused(#{socket := Sock, token := Token} = Ctx) ->
 stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token} = Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1}, fun(P) ->
         Dest = dest(?FUNCTION_NAME),
-        %% A peer that stops mid-handshake: others attach meanwhile.
+        %% A peer that stops mid-handshake: others attach meanwhile, and
+        %% the node's deadline (2 s) ends it with an ETIMEDOUT ack.
         {Stalled, StalledPid} = open_client(Sock, Token, ["--stall-after-hello"]),
         try
             ?assertEqual("stalled", line(Stalled)),
@@ -264,7 +267,8 @@ stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token
                 {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(x)]),
                 ok = publish(C, [0]),
                 ?assertEqual([{1, {ok, x}}], wait_replies(C, 1))
-            end)
+            end),
+            ?assertEqual("refused 110", line(Stalled)) % ETIMEDOUT
         after
             stop_client(Stalled, StalledPid)
         end,
@@ -293,6 +297,22 @@ stalled_or_killed_client_does_not_hold_the_node(#{socket := Sock, token := Token
             {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(y)]),
             ok = publish(C, [0]),
             ?assertEqual([{1, {ok, y}}], wait_replies(C, 1))
+        end)
+    end).
+
+%% Asks 5 ms apart (past the node's 2 ms of spinning, so it sleeps on the
+%% bell before each): every one is answered by a wake-up, none waits for
+%% the 1 s re-check that would hide a lost one. A functional bound, not a
+%% latency target.
+lone_asks_wake_the_sleeping_node_every_time(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        with_client(Ctx, fun(C) ->
+            port_command(C, ["pingpong 200 5000 ", dest(?FUNCTION_NAME), " ", enc(<<"p">>), "\n"]),
+            ["pingpong", Ok, P50, Max] = string:split(line(C), " ", all),
+            ?assertEqual(200, list_to_integer(Ok)),
+            ?debugFmt("200 lone ring asks after 5 ms idle: p50 ~s us, max ~s us", [P50, Max]),
+            ?assert(list_to_integer(Max) < 500000),
+            ?assertMatch(#{by_path := #{ring := 200}}, actor_pool:stats(P))
         end)
     end).
 

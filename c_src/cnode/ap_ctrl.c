@@ -34,7 +34,9 @@ static int dec_skip(const char *buf, size_t len, int *idx)
 	return ap_term_skip(buf, len, idx);
 }
 
-int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
+/* whole: frame is all of a frame; else only its first bytes, whose message
+ * (if any) may be cut short and is not checked here. */
+static int decode(const uint8_t *frame, size_t len, ap_ctrl *c, int whole)
 {
 	const char *buf = (const char *)frame;
 	int idx = 2, end, arity;
@@ -115,14 +117,24 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
 		return -EBADMSG; /* trailing elements the arity did not announce */
 
 	if (c->op == AP_OP_SEND || c->op == AP_OP_REG_SEND || c->op == AP_OP_ALIAS_SEND) {
-		if (ap_term_validate_msg(buf + end, len - (size_t)end))
+		if (whole && ap_term_validate_msg(buf + end, len - (size_t)end))
 			return -EBADMSG;
 		c->msg = buf + end;
 		c->msg_len = (int)(len - (size_t)end);
-	} else if ((size_t)end != len) {
+	} else if (whole && (size_t)end != len) {
 		return -EBADMSG; /* a message after a control op that takes none */
 	}
 	return 0;
+}
+
+int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c)
+{
+	return decode(frame, len, c, 1);
+}
+
+int ap_ctrl_decode_head(const uint8_t *head, size_t len, ap_ctrl *c)
+{
+	return decode(head, len, c, 0);
 }
 
 size_t ap_frame_begin(ap_buf *b)

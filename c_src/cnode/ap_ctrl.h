@@ -40,6 +40,11 @@ typedef struct ap_ctrl {
  * -ENOTSUP for a well-formed operation this runtime does not take (it is
  * logged and dropped). */
 int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c);
+/* The same for the first len bytes of a frame too large to keep: the
+ * control tuple must lie whole inside them; the message of a send is what
+ * of it came (msg_len may be 0), unvalidated: read it only through
+ * bounds-checked walks. */
+int ap_ctrl_decode_head(const uint8_t *head, size_t len, ap_ctrl *c);
 
 /* Outgoing frames: ap_frame_begin reserves the length and writes 'p';
  * the encoders append one control tuple; a send's message goes after it;

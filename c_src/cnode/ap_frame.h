@@ -13,13 +13,25 @@
  * delivered: one large frame does not pin its size for the connection's
  * life. */
 #define AP_FRAME_KEEP (64u << 10)
+/* Of a frame over max_frame, at most this many first bytes are kept, for
+ * its control message and the head of its message (who sent it, to whom,
+ * and a call's reply tag); the rest is passed over as it arrives. */
+#define AP_FRAME_HEAD_DEFAULT (64u << 10)
+
+/* Called once per frame over max_frame, with its first bytes (after the
+ * length): head_len is min(frame_len, head_max). The rest of the frame is
+ * then read and discarded, never buffered. Returns like ap_frame_cb. */
+typedef int (*ap_frame_over_cb)(void *arg, const uint8_t *head, size_t head_len, uint32_t frame_len);
 
 typedef struct ap_frame_rx {
 	/* Bytes of an unfinished frame, carried between reads. It grows with
 	 * the bytes that arrive, never from the announced length, so a header
 	 * alone reserves nothing. */
 	ap_buf part;
-	uint32_t max_frame; /* a larger announced length closes the connection */
+	uint32_t max_frame; /* a larger frame is an error, or passed over (on_over) */
+	ap_frame_over_cb on_over; /* NULL: a frame over max_frame is -EMSGSIZE */
+	uint32_t head_max;        /* bytes of an oversized frame given to on_over */
+	uint64_t skip;            /* bytes of an oversized frame still to discard */
 } ap_frame_rx;
 
 /* Called once per complete frame; len 0 is a tick. A non-zero return stops
@@ -29,11 +41,17 @@ typedef int (*ap_frame_cb)(void *arg, const uint8_t *frame, size_t len);
 
 void ap_frame_rx_init(ap_frame_rx *rx, uint32_t max_frame);
 void ap_frame_rx_free(ap_frame_rx *rx);
+/* Pass frames over max_frame over instead of failing: cb sees the first
+ * head_max bytes (0: AP_FRAME_HEAD_DEFAULT), the rest is skipped. Memory
+ * stays bounded by head_max whatever length a peer announces. */
+void ap_frame_rx_on_oversize(ap_frame_rx *rx, ap_frame_over_cb cb, uint32_t head_max);
 
 /* Feed n bytes. Frames lying wholly inside `data` are passed without a copy;
- * only a frame split across reads is assembled in rx->part.
- * Returns 0, -EMSGSIZE (a length over max_frame), -ENOMEM, or the callback's
- * non-zero value. After an error the rx must not be fed again. */
+ * only a frame split across reads is assembled in rx->part (for an
+ * oversized frame, only its head).
+ * Returns 0, -EMSGSIZE (a length over max_frame, without on_over), -ENOMEM,
+ * or a callback's non-zero value. After an error the rx must not be fed
+ * again. */
 int ap_frame_rx_feed(ap_frame_rx *rx, const uint8_t *data, size_t n, ap_frame_cb cb, void *arg);
 
 #endif

@@ -334,28 +334,35 @@ static int log_unknown(ap_node *n)
 	return k <= 10 || k % 1000 == 0;
 }
 
-/* Parse {'$gen_call', {Pid, Tag}, Req} or {'$gen_cast', Req} in a validated
- * message; fills m. Anything else stays an INFO. */
+/* Parse {'$gen_call', {Pid, Tag}, Req} or {'$gen_cast', Req}; fills m.
+ * Anything else stays an INFO. m->buf may hold only the start of the
+ * message (the head of an oversized frame): each part is proved to lie
+ * within m->len before ei reads it, and the request may be cut short. */
 static void classify(ap_msg *m)
 {
 	const char *b = m->buf;
+	size_t len = m->len > 0 ? (size_t)m->len : 0;
 	int i = 1, arity, type, size;
 	char atom[16];
+	/* 131, then SMALL_TUPLE_EXT (1-byte arity) or LARGE_TUPLE_EXT (4). */
+	if (len < 3 || (uint8_t)b[0] != 131 || ((uint8_t)b[1] != 104 && ((uint8_t)b[1] != 105 || len < 6)))
+		return;
 	if (ei_decode_tuple_header(b, &i, &arity) || (arity != 2 && arity != 3))
 		return;
-	if (ei_get_type(b, &i, &type, &size) || type != ERL_ATOM_EXT || size >= (int)sizeof atom ||
-	    ei_decode_atom_as(b, &i, atom, sizeof atom, ERLANG_UTF8, NULL, NULL))
+	if (ap_term_end(b, len, i) < 0 || ei_get_type(b, &i, &type, &size) || type != ERL_ATOM_EXT ||
+	    size >= (int)sizeof atom || ei_decode_atom_as(b, &i, atom, sizeof atom, ERLANG_UTF8, NULL, NULL))
 		return;
 	if (arity == 3 && strcmp(atom, "$gen_call") == 0) {
 		int a2;
 		erlang_pid from;
-		if (ei_decode_tuple_header(b, &i, &a2) || a2 != 2 || ei_get_type(b, &i, &type, &size) ||
-		    type != ERL_PID_EXT || ei_decode_pid(b, &i, &from))
+		/* {Pid, Tag} whole, then its parts. */
+		if (ap_term_end(b, len, i) < 0 || ei_decode_tuple_header(b, &i, &a2) || a2 != 2 ||
+		    ei_get_type(b, &i, &type, &size) || type != ERL_PID_EXT || ei_decode_pid(b, &i, &from))
 			return;
 		/* The tag's end by the walk: it is copied into the reply, and
 		 * the request starts there. */
 		int t0 = i;
-		if (ap_term_skip(b, (size_t)m->len, &i))
+		if (ap_term_skip(b, len, &i))
 			return;
 		m->kind = AP_MSG_CALL;
 		m->from = from;
@@ -423,6 +430,52 @@ static void bad_frame(ap_node *n, ap_conn *c, const char *why)
 {
 	n->stats.bad_frames++;
 	ap_log(AP_LOG_WARNING, "closing connection to %s: %s", c->peer, why);
+}
+
+/* A frame over max_frame: its first bytes are here, the rest is being
+ * passed over. Nothing is delivered; a call whose caller and tag are in
+ * those bytes is answered {error, too_large}, as a missing process would be
+ * answered noproc, so the caller does not wait out its timeout. The
+ * connection stays: the frame's length keeps the stream in step. */
+static int on_oversize(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
+{
+	ap_conn *c = arg;
+	ap_node *n = c->node;
+	uint64_t k = ++n->stats.oversized;
+	const char *what = "frame";
+	char to[MAXATOMLEN_UTF8 + 48] = "unknown (header unreadable)";
+	int answered = 0;
+	ap_ctrl ctl;
+	int r = ap_ctrl_decode_head(head, hl, &ctl);
+	if (r == 0 && (ctl.op == AP_OP_SEND || ctl.op == AP_OP_REG_SEND || ctl.op == AP_OP_ALIAS_SEND)) {
+		ap_msg m = { .kind = AP_MSG_INFO, .buf = ctl.msg, .len = ctl.msg_len, .index = 1, .conn = c };
+		classify(&m);
+		what = m.kind == AP_MSG_CALL ? "call" : m.kind == AP_MSG_CAST ? "cast" : "message";
+		if (ctl.op == AP_OP_REG_SEND)
+			snprintf(to, sizeof to, "'%s'", ctl.toname);
+		else if (ctl.op == AP_OP_SEND)
+			snprintf(to, sizeof to, "<%u.%u>", ctl.to.num, ctl.to.serial);
+		else
+			snprintf(to, sizeof to, "an alias");
+		if (m.kind == AP_MSG_CALL) {
+			static const char too_large[] = { (char)131, 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r',
+							  119, 9, 't', 'o', 'o', '_', 'l', 'a', 'r', 'g', 'e' };
+			if (ap_encode_reply(&c->io->out, &n->kernel->pid, &m.from, m.tag, m.tag_len, too_large,
+					    sizeof too_large) == 0) {
+				conn_flush(n, c);
+				answered = 1;
+			}
+		}
+	} else if (r == 0 || r == -ENOTSUP) {
+		what = "control message";
+		if (r == 0 && ctl.to.node[0])
+			snprintf(to, sizeof to, "<%u.%u>", ctl.to.num, ctl.to.serial);
+	}
+	/* One format for every case: ap_log limits it as one kind. */
+	ap_log(AP_LOG_WARNING, "oversized %s from %s to %s dropped%s: %u bytes, max_frame %u (%llu so far)", what,
+	       c->peer, to, answered ? ", answered {error, too_large}" : "", flen, n->cfg.max_frame,
+	       (unsigned long long)k);
+	return 0;
 }
 
 static int on_frame(void *arg, const uint8_t *f, size_t len)
@@ -529,6 +582,7 @@ static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 	c->node = n;
 	snprintf(c->peer, sizeof c->peer, "%s", peer);
 	ap_frame_rx_init(&c->rx, n->cfg.max_frame);
+	ap_frame_rx_on_oversize(&c->rx, on_oversize, 0);
 	c->last_rx_ms = c->last_tx_ms = n->now_ms;
 	c->io = ap_loop_add_conn(n->loop, fd, c);
 	if (!c->io) {

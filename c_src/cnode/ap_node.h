@@ -68,6 +68,7 @@ typedef struct ap_node_stats {
 	uint64_t unknown_name;  /* messages to a name or pid that does not exist */
 	uint64_t bad_frames;    /* connections closed for bad input */
 	uint64_t dropped;       /* messages to a node with no connection */
+	uint64_t oversized;     /* frames over max_frame, passed over (a call among them answered) */
 	int connections;
 } ap_node_stats;
 

@@ -66,7 +66,7 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	getrusage(RUSAGE_SELF, &ru);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 8);
+	ei_x_encode_map_header(&x, 9);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "tells");
@@ -75,6 +75,8 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulonglong(&x, s->unknown_name);
 	ei_x_encode_atom(&x, "bad_frames");
 	ei_x_encode_ulonglong(&x, s->bad_frames);
+	ei_x_encode_atom(&x, "oversized");
+	ei_x_encode_ulonglong(&x, s->oversized);
 	ei_x_encode_atom(&x, "utime_us");
 	ei_x_encode_longlong(&x, (long long)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec);
 	ei_x_encode_atom(&x, "stime_us");

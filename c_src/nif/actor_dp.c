@@ -268,8 +268,10 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 			if (m) {
 				ERL_NIF_TERM msg = enif_make_tuple2(m, enif_make_copy(m, a->ref),
 								    error_tuple(m, enif_make_copy(m, s->reason)));
-				if (!enif_send(caller_env, &a->pid, m, msg))
-					enif_clear_env(m);
+				/* A send invalidates the env: cleared before reuse, whether
+				 * or not the receiver was alive. */
+				(void)enif_send(caller_env, &a->pid, m, msg);
+				enif_clear_env(m);
 			}
 			a->next = NULL;
 			ask_free(s, a);
@@ -282,8 +284,8 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 	if (notify && m && s->keep) {
 		ERL_NIF_TERM msg = enif_make_tuple4(m, a_actor_dp, enif_make_resource(m, s), a_down,
 						    enif_make_copy(m, s->reason));
-		if (!enif_send(caller_env, &s->owner, m, msg))
-			enif_clear_env(m);
+		(void)enif_send(caller_env, &s->owner, m, msg);
+		enif_clear_env(m);
 	}
 	enif_mutex_unlock(s->mu);
 	if (m)
@@ -322,16 +324,20 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	enif_mutex_lock(s->mu);
 	a = ask_take(s, id);
 	if (!a) {
-		enif_mutex_unlock(s->mu);
+		/* Counted before the lock is dropped, like a delivery below: a
+		 * caller that saw the effect sees the count. */
 		cnt(&s->n_late);
+		enif_mutex_unlock(s->mu);
 		enif_clear_env(s->tenv);
 		return;
 	}
-	if (!enif_send(NULL, &a->pid, s->tenv, enif_make_tuple2(s->tenv, enif_make_copy(s->tenv, a->ref), ans)))
-		enif_clear_env(s->tenv);
+	cnt(&s->n_replies);
+	/* A send invalidates the env whatever its result: cleared before the
+	 * next reply is decoded into it. */
+	(void)enif_send(NULL, &a->pid, s->tenv, enif_make_tuple2(s->tenv, enif_make_copy(s->tenv, a->ref), ans));
+	enif_clear_env(s->tenv);
 	ask_free(s, a);
 	enif_mutex_unlock(s->mu);
-	cnt(&s->n_replies);
 }
 
 static int rep_ready(void *arg)

@@ -225,8 +225,11 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		}
 		size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
 		ap_job *c = ap_job_alloc(&w->mb, &w->job_cache, need);
-		if (!c)
+		if (!c) {
+			if (j->seg)
+				ap_dp_seg_put(j->seg); /* lost with its job: the segment must still go */
 			break;
+		}
 		c->is_ask = j->is_ask;
 		c->is_binary = j->is_binary;
 		c->seg = j->seg; /* the reference moves with the job */

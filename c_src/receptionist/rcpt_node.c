@@ -708,7 +708,7 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	if (st.w)
 		ap_shm_writer_stats(st.w, &skeys, &used, &compactions);
 	x_reset();
-	ei_x_encode_map_header(&st.x, 27);
+	ei_x_encode_map_header(&st.x, 28);
 	x_counter("keys", rs.keys);
 	x_counter("refs", rs.refs);
 	x_counter("subscriptions", rs.subscriptions);
@@ -724,6 +724,7 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	x_counter("remote_ops", st.remote_ops);
 	x_counter("origin_drops", st.origin_drops);
 	x_counter("origins", st.norigins);
+	x_counter("oversized", ap_node_get_stats(n)->oversized);
 	x_counter("entries", rs.entries);
 	x_counter("nodes", rs.nodes);
 	x_counter("memory", registry_mem_bytes(st.reg));

@@ -7,8 +7,9 @@
  * SOCKET_HEX is the abstract socket name as dp_info gives it (leading 0
  * byte included), TOKEN_HEX the 16-byte token. It creates a sealed memfd,
  * formats the segment, attaches (hello, fd, ack) and prints "attached" or
- * "refused ERRNO" (then exits 1). --stall-after-hello sends the hello and
- * then waits on stdin without sending the fd (a peer stuck mid-handshake).
+ * "refused ERRNO" (then exits 1). --stall-after-hello sends the hello,
+ * prints "stalled", never sends the fd (a peer stuck mid-handshake) and
+ * prints how the node ended it: "refused ERRNO" (its ack) or "not refused".
  *
  * Then one command per stdin line, one answer line each:
  *   tell R DEST MSG [FR FP]      a tell into request ring R (reserved, not
@@ -19,6 +20,9 @@
  *   bell                         rings the request bell ("ok")
  *   wait N MS                    reads reply rings until N replies came or
  *                                MS passed: "reply ID HEX" each, then "done K"
+ *   pingpong N GAP_US DEST MSG   N asks one at a time, each waited for, GAP_US
+ *                                apart (a gap past the node's spin makes it
+ *                                sleep): "pingpong OK P50_US MAX_US"
  *   quit                         exits (the socket closes: EOF for the node)
  * DEST is n:NAME (a registered name) or p:HEX (a pid, external format
  * without the 131 byte); MSG and HEX are hex; FR FP a fence (ring, pos).
@@ -32,6 +36,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ap_ring.h"
@@ -80,7 +85,7 @@ static uint8_t scratch[1 << 20];
 
 /* Reserve and fill one request record; prints "ok POS". */
 static int record(uint32_t r, uint8_t kind, uint64_t id, const char *dest, const char *msg_hex, uint32_t fr,
-		  uint64_t fp)
+		  uint64_t fp, int quiet)
 {
 	static uint8_t d[2048];
 	size_t dlen, mlen = 0;
@@ -107,13 +112,15 @@ static int record(uint32_t r, uint8_t kind, uint64_t id, const char *dest, const
 	void *p;
 	int rc = ap_ring_reserve(&req[r], sizeof h + dlen + mlen, &p);
 	if (rc) {
-		printf("error %d\n", rc);
-		return 0;
+		if (!quiet)
+			printf("error %d\n", rc);
+		return quiet ? -1 : 0;
 	}
 	memcpy(p, &h, sizeof h);
 	memcpy((uint8_t *)p + sizeof h, d, dlen);
 	memcpy((uint8_t *)p + sizeof h + dlen, scratch, mlen);
-	printf("ok %llu\n", (unsigned long long)req[r].pos);
+	if (!quiet)
+		printf("ok %llu\n", (unsigned long long)req[r].pos);
 	return 0;
 }
 
@@ -163,6 +170,61 @@ static void wait_replies(int want, int ms)
 		}
 	}
 	printf("done %d\n", got);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* One ask at a time on ring 0, its reply awaited before the next. */
+static void pingpong(int n, int gap_us, const char *dest, const char *msg_hex)
+{
+	static uint64_t lat[100000];
+	if (n < 1 || n > (int)(sizeof lat / sizeof lat[0])) {
+		printf("badcmd\n");
+		return;
+	}
+	int ok = 0;
+	for (int i = 0; i < n; i++) {
+		if (gap_us > 0)
+			usleep((useconds_t)gap_us);
+		uint64_t t0 = now_ns();
+		if (record(0, AP_DP_ASK, 1000000 + (uint64_t)i, dest, msg_hex, AP_DP_NO_FENCE, 0, 1))
+			break;
+		ap_ring_publish(&req[0]);
+		ap_seg_notify(seg.hdr, AP_SEG_BELL_REQ);
+		int got = 0;
+		while (!got) {
+			if (ap_seg_wait(seg.hdr, AP_SEG_BELL_REP, rep_ready, NULL, AP_RING_DEFAULT_SPIN, 1000) == -ETIMEDOUT)
+				break;
+			for (uint32_t k = 0; k < seg.n_rep; k++) {
+				const void *p;
+				size_t len;
+				while (ap_ring_read(&rep[k], &p, &len) == 0)
+					got++;
+				ap_ring_release(&rep[k]);
+			}
+		}
+		if (!got)
+			break;
+		lat[ok++] = now_ns() - t0;
+	}
+	if (ok == 0) {
+		printf("pingpong 0 0 0\n");
+		return;
+	}
+	qsort(lat, (size_t)ok, sizeof lat[0], cmp_u64);
+	printf("pingpong %d %llu %llu\n", ok, (unsigned long long)(lat[ok / 2] / 1000),
+	       (unsigned long long)(lat[ok - 1] / 1000));
 }
 
 int main(int argc, char **argv)
@@ -220,11 +282,14 @@ int main(int argc, char **argv)
 	int sent = send(s, &h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h &&
 		   send(s, me, strlen(me), MSG_NOSIGNAL) == (ssize_t)strlen(me);
 	if (stall) {
+		/* Never sends the fd: the node's deadline must end it. */
 		printf("stalled\n");
-		char c;
-		while (read(0, &c, 1) > 0)
-			;
-		return 0;
+		struct ap_seg_ack late;
+		if (read_full(s, &late, sizeof late, AP_SEG_ATTACH_TIMEOUT_MS * 5) == 0 && late.magic == AP_SEG_HELLO_MAGIC)
+			printf("refused %u\n", late.status);
+		else
+			printf("not refused\n");
+		return 1;
 	}
 	if (sent)
 		sent = ap_ring_send_fd(s, m.fd) == 0;
@@ -251,13 +316,13 @@ int main(int argc, char **argv)
 		int bad = 0;
 		if (!strcmp(cmd, "tell") && (nt == 3 || nt == 5)) {
 			bad = record((uint32_t)atoi(t[0]), AP_DP_TELL, 0, t[1], t[2],
-				     nt == 5 ? (uint32_t)atoi(t[3]) : AP_DP_NO_FENCE, nt == 5 ? strtoull(t[4], NULL, 10) : 0);
+				     nt == 5 ? (uint32_t)atoi(t[3]) : AP_DP_NO_FENCE, nt == 5 ? strtoull(t[4], NULL, 10) : 0, 0);
 		} else if (!strcmp(cmd, "ask") && (nt == 4 || nt == 6)) {
 			bad = record((uint32_t)atoi(t[0]), AP_DP_ASK, strtoull(t[1], NULL, 10), t[2], t[3],
-				     nt == 6 ? (uint32_t)atoi(t[4]) : AP_DP_NO_FENCE, nt == 6 ? strtoull(t[5], NULL, 10) : 0);
+				     nt == 6 ? (uint32_t)atoi(t[4]) : AP_DP_NO_FENCE, nt == 6 ? strtoull(t[5], NULL, 10) : 0, 0);
 		} else if (!strcmp(cmd, "stats") && nt == 3) {
 			bad = record((uint32_t)atoi(t[0]), AP_DP_STATS, strtoull(t[1], NULL, 10), t[2], NULL,
-				     AP_DP_NO_FENCE, 0);
+				     AP_DP_NO_FENCE, 0, 0);
 		} else if (!strcmp(cmd, "raw") && nt == 2) {
 			size_t len;
 			uint32_t r = (uint32_t)atoi(t[0]);
@@ -281,6 +346,8 @@ int main(int argc, char **argv)
 			printf("ok\n");
 		} else if (!strcmp(cmd, "wait") && nt == 2) {
 			wait_replies(atoi(t[0]), atoi(t[1]));
+		} else if (!strcmp(cmd, "pingpong") && nt == 4) {
+			pingpong(atoi(t[0]), atoi(t[1]), t[2], t[3]);
 		} else if (!strcmp(cmd, "quit")) {
 			break;
 		} else {

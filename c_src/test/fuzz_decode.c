@@ -8,6 +8,9 @@
  * validates whole, a reason is one term, and ei, which takes no length, ends
  * both exactly where the walk did. ap_term_skip and ap_term_validate_msg also
  * run on the raw input, and ei must agree with whatever they accept.
+ * With bit 3 of byte 0 set, frames over T_MAX_FRAME are passed over instead
+ * (ap_frame_rx_on_oversize, a head of T_HEAD bytes), and every head, like
+ * a prefix of every frame, goes through ap_ctrl_decode_head.
  */
 #include <ei.h>
 #include <errno.h>
@@ -21,12 +24,39 @@
 #include "ap_term.h"
 
 #define T_MAX_FRAME (1u << 20)
+#define T_HEAD 64
 
 #define t_check(cond)                       \
 	do {                                \
 		if (!(cond))                \
 			__builtin_trap();   \
 	} while (0)
+
+/* The head of a frame, from an exact-size copy: a control tuple that lies
+ * inside it, and a message span (maybe empty) that ends with it. */
+static void t_head(const uint8_t *h, size_t len)
+{
+	uint8_t *d = malloc(len ? len : 1);
+	if (!d)
+		return;
+	memcpy(d, h, len);
+	ap_ctrl c;
+	int r = ap_ctrl_decode_head(d, len, &c);
+	t_check(r == 0 || r == -EBADMSG || r == -ENOTSUP);
+	if (r == 0 && c.msg)
+		t_check(c.msg >= (const char *)d && c.msg_len >= 0 && c.msg + c.msg_len == (const char *)d + len);
+	if (r == 0 && c.op == AP_OP_REG_SEND)
+		t_check(memchr(c.toname, 0, sizeof c.toname) != NULL);
+	free(d);
+}
+
+static int t_on_over(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
+{
+	(void)arg;
+	t_check(flen > T_MAX_FRAME && hl == T_HEAD);
+	t_head(head, hl);
+	return 0;
+}
 
 /* The differential check: for a term ap_term vouched for at buf[start..end)
  * of an exact-size block buf[0..len), ei_skip_term must succeed and end at
@@ -50,6 +80,7 @@ static int t_on_frame(void *arg, const uint8_t *f, size_t len)
 	if (len == 0)
 		return 0; /* a tick */
 
+	t_head(f, len / 2);
 	uint8_t *d = malloc(len);
 	if (!d)
 		return -ENOMEM;
@@ -134,6 +165,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 	ap_frame_rx rx;
 	ap_frame_rx_init(&rx, T_MAX_FRAME);
+	if (data[0] & 8)
+		ap_frame_rx_on_oversize(&rx, t_on_over, T_HEAD);
 	size_t frames = 0;
 	int r = 0;
 	for (size_t at = 0, i = 0; at < n && r == 0; i++) {
@@ -151,6 +184,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 	t_check(r == 0 || r == -EMSGSIZE || r == -ENOMEM);
 	t_check(rx.part.len <= 4 + (size_t)T_MAX_FRAME);
+	t_check(!(data[0] & 8) || r != -EMSGSIZE);
 	ap_frame_rx_free(&rx);
 	return 0;
 }

@@ -288,6 +288,45 @@ static void test_every_truncation_of_captured_frames_is_ebadmsg(void **state)
 	}
 }
 
+/* The head of an oversized frame: every prefix of every captured frame is
+ * refused until its control tuple is whole, and from there decodes to the
+ * fields of the whole frame, a send's message being what of it came. */
+static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
+{
+	(void)state;
+	for (size_t k = 0; k < sizeof cap_frames / sizeof cap_frames[0]; k++) {
+		const struct cap_frame *f = &cap_frames[k];
+		if (f->len == 0)
+			continue; /* the tick */
+		ap_ctrl whole = t_decode_ok(f->data, f->len);
+		size_t end = whole.msg ? (size_t)(whole.msg - (const char *)f->data) : f->len;
+		for (size_t n = 0; n <= f->len; n++) {
+			ap_ctrl c;
+			uint8_t *d = t_dup(f->data, n);
+			int r = ap_ctrl_decode_head(d, n, &c);
+			if (n < end) {
+				if (r != -EBADMSG)
+					fail_msg("%s head of %zu bytes (control ends at %zu): %d", f->name, n, end, r);
+				free(d);
+				continue;
+			}
+			if (r != 0)
+				fail_msg("%s head of %zu bytes (control ends at %zu): %d", f->name, n, end, r);
+			assert_int_equal(c.op, whole.op);
+			assert_string_equal(c.toname, whole.toname);
+			t_assert_pid_eq(c.from, whole.from);
+			t_assert_pid_eq(c.to, whole.to);
+			if (whole.msg) {
+				assert_ptr_equal(c.msg, (const char *)d + end);
+				assert_int_equal(c.msg_len, (int)(n - end));
+			} else {
+				assert_null(c.msg);
+			}
+			free(d);
+		}
+	}
+}
+
 static void test_wrong_first_byte_or_version_is_ebadmsg(void **state)
 {
 	(void)state;
@@ -854,6 +893,7 @@ int main(void)
 		cmocka_unit_test(test_captured_traced_exit_decodes),
 		cmocka_unit_test(test_captured_tick_is_an_empty_frame),
 		cmocka_unit_test(test_every_truncation_of_captured_frames_is_ebadmsg),
+		cmocka_unit_test(test_heads_decode_once_the_control_tuple_is_whole),
 		cmocka_unit_test(test_wrong_first_byte_or_version_is_ebadmsg),
 		cmocka_unit_test(test_wrong_arity_is_ebadmsg),
 		cmocka_unit_test(test_trailing_term_after_linklike_ops_is_ebadmsg),
