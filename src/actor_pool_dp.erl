@@ -278,7 +278,7 @@ attach(Node, St) ->
     case open_lane(Node) of
         {ok, Seg} ->
             persistent_term:put(?LANE(Node), {lane, Seg}),
-            logger:notice("actor_pool: calls to pool node ~p use shared-memory rings", [Node]),
+            logger:info("actor_pool: calls to pool node ~p use shared-memory rings", [Node]),
             {reply, {lane, Seg}, St#st{lanes = maps:put(Node, {lane, Seg}, St#st.lanes)}};
         {none, Why} ->
             persistent_term:put(?LANE(Node), none),
@@ -387,14 +387,19 @@ drop_lane(Node, Seg, Why, #st{lanes = Lanes} = St) ->
                 _ ->
                     _ = (catch actor_dp:close(S, Reason))
             end,
-            logger:notice("actor_pool: the shared-memory lane to pool node ~p is closed: ~p",
-                          [Node, Why]),
+            %% Info, not notice: a pool node going down is logged already
+            %% (actor_cnode, net_kernel), and the next lane is made at once.
+            logger:info("actor_pool: the shared-memory lane to pool node ~p is closed: ~p",
+                        [Node, Why]),
             persistent_term:put(?LANE(Node), none),
             St#st{lanes = maps:put(Node, {none, Why}, Lanes)};
         _ ->
             St
     end.
 
+log_once(_Node, not_connected, St) ->
+    %% Transient: the first call connects, and the lane is made at nodeup.
+    St;
 log_once(Node, Why, #st{logged = Logged} = St) ->
     Key = {Node, Why},
     case maps:is_key(Key, Logged) of
