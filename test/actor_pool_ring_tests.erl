@@ -26,6 +26,7 @@
          fast_path_false_setting_sends_by_distribution/1,
          order_holds_across_scheduler_changes/1,
          order_holds_across_a_transport_switch/1,
+         switch_to_distribution_waits_until_the_ring_is_read/1,
          timed_out_ring_asks_leave_no_late_reply/1,
          full_rings_slow_senders_down_and_lose_nothing/1,
          killed_pool_node_answers_64_waiting_askers_promptly/1,
@@ -49,6 +50,7 @@ ring_test_() ->
                  fast_path_false_setting_sends_by_distribution,
                  order_holds_across_scheduler_changes,
                  order_holds_across_a_transport_switch,
+                 switch_to_distribution_waits_until_the_ring_is_read,
                  timed_out_ring_asks_leave_no_late_reply,
                  full_rings_slow_senders_down_and_lose_nothing,
                  %% last: they kill the pool node
@@ -259,6 +261,38 @@ order_holds_across_a_transport_switch(_Ctx) ->
              ?assertMatch(#{processed := C} when C =:= C0 + 4001, actor_pool:stats(P))
          end || _ <- lists:seq(1, 5)],
         ?assertMatch(#{counters := #{too_large := TL}} when TL >= 9, actor_pool_dp:info())
+    end).
+
+%% The pool node is stopped (SIGSTOP) while a process puts tells in the
+%% ring and then an ask too large for a ring: the ask does not leave by
+%% distribution while the pool node has not read the tells (the sender is
+%% seen waiting for it), and once the pool node runs again every message is
+%% handled, the tells first.
+switch_to_distribution_waits_until_the_ring_is_read(_Ctx) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+        ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
+        #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
+        Os = integer_to_list(OsPid),
+        Big = {sleep, 0, binary:copy(<<3>>, 600 * 1024)},
+        Self = self(),
+        _ = os:cmd("kill -STOP " ++ Os),
+        Sender = try
+                     S = spawn_link(fun() ->
+                                        [ok = actor_pool:tell(P, {sleep, 0}) || _ <- lists:seq(1, 100)],
+                                        Self ! {asked, self(), actor_pool:ask(P, Big, 30000)}
+                                    end),
+                     wait_until(fun() ->
+                                    process_info(S, current_function) =:=
+                                        {current_function, {actor_pool, ring_drained, 4}}
+                                end, 900),
+                     S
+                 after
+                     _ = os:cmd("kill -CONT " ++ Os)
+                 end,
+        receive {asked, Sender, R} -> ?assertEqual({ok, Big}, R)
+        after 30000 -> error(ask_stuck)
+        end,
+        ?assertMatch(#{processed := 102, by_path := #{dist := 1, ring := 101}}, actor_pool:stats(P))
     end).
 
 %% Asks that time out while the worker sleeps: each is cancelled, and
