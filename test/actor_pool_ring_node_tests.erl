@@ -30,7 +30,10 @@
          wrong_token_is_refused/1,
          stalled_or_killed_client_does_not_hold_the_node/1,
          no_fast_path_node_answers_disabled/1,
-         lone_asks_wake_the_sleeping_node_every_time/1]).
+         lone_asks_wake_the_sleeping_node_every_time/1,
+         answer_over_the_reply_ring_size_is_reply_too_large/1,
+         full_reply_ring_drops_after_a_wait_and_the_pool_goes_on/1,
+         broken_rings_detach_the_segment_and_the_node_goes_on/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -50,7 +53,10 @@ ring_node_test_() ->
                  wrong_token_is_refused,
                  stalled_or_killed_client_does_not_hold_the_node,
                  no_fast_path_node_answers_disabled,
-                 lone_asks_wake_the_sleeping_node_every_time]]
+                 lone_asks_wake_the_sleeping_node_every_time,
+                 answer_over_the_reply_ring_size_is_reply_too_large,
+                 full_reply_ring_drops_after_a_wait_and_the_pool_goes_on,
+                 broken_rings_detach_the_segment_and_the_node_goes_on]]
      end}.
 
 case_(Name, Ctx) ->
@@ -316,6 +322,86 @@ lone_asks_wake_the_sleeping_node_every_time(Ctx) ->
         end)
     end).
 
+%% Reply rings of 4 KiB take records of at most 2040 bytes.
+answer_over_the_reply_ring_size_is_reply_too_large(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(_P) ->
+        with_client(Ctx, ["2", "1", "65536", "4096"], fun(C) ->
+            Dest = dest(?FUNCTION_NAME),
+            {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(binary:copy(<<"b">>, 3000))]),
+            {ok, _} = cmd(C, ["ask 1 2 ", Dest, " ", enc(small)]),
+            ok = publish(C, [0, 1]),
+            ?assertEqual([{1, {error, reply_too_large}}, {2, {ok, small}}], lists:sort(wait_replies(C, 2)))
+        end)
+    end).
+
+%% A client that does not read its one 4 KiB reply ring: once it is full,
+%% each further answer waits 1 s for room and is dropped; the worker goes
+%% on, and once the client reads, answers flow again.
+full_reply_ring_drops_after_a_wait_and_the_pool_goes_on(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            Dest = dest(?FUNCTION_NAME),
+            Msg = enc(<<"0123456789">>),
+            N = 90,
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", Msg]) || Id <- lists:seq(1, N)],
+            ok = publish(C, [0]),
+            S = wait_stats(P, fun(#{processed := K}) -> K >= N end, 60000),
+            ?assertMatch(#{processed := N}, S),
+            Got = wait_replies(C, N, 500),
+            Ids = [Id || {Id, _} <- Got],
+            ?assert(length(Got) > 0 andalso length(Got) < N, {got, length(Got)}),
+            %% What came is the first answers, in order, whole; then the
+            %% last one at most (its worker may still have been waiting for
+            %% room when this client began to read); those between were
+            %% dropped.
+            {Head, Tail} = lists:splitwith(fun({Pos, Id}) -> Pos =:= Id end,
+                                           lists:zip(lists:seq(1, length(Ids)), Ids)),
+            ?assert(length(Head) > 0),
+            ?assert(Tail =:= [] orelse [Id || {_, Id} <- Tail] =:= [N], {tail, Tail}),
+            [?assertEqual({ok, <<"0123456789">>}, A) || {_, A} <- Got],
+            {ok, _} = cmd(C, ["ask 0 1000 ", Dest, " ", enc(again)]),
+            ok = publish(C, [0]),
+            ?assertEqual([{1000, {ok, again}}], wait_replies(C, 1))
+        end)
+    end).
+
+%% Indexes a buggy or hostile BEAM wrote: a request ring's tail past its
+%% capacity, or a reply ring's head past what the node wrote, break that
+%% ring; the node detaches the segment (closes the socket), keeps serving
+%% everyone else, and keeps its OS pid (checked after every case).
+broken_rings_detach_the_segment_and_the_node_goes_on(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        Dest = dest(?FUNCTION_NAME),
+        with_client(Ctx, fun(C) ->
+            "ok" = poke(C, "req 2 tail 1000000008"),
+            port_command(C, "bell\n"),
+            "ok" = line(C),
+            ?assertEqual("eof", eof(C))
+        end),
+        %% The node reads a reply ring's head only when its own view of
+        %% it leaves no room: a small ring, filled, the client not reading.
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            "ok" = poke(C, "rep 0 head 1000000008"),
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", enc(Id)]) || Id <- lists:seq(1, 150)],
+            ok = publish(C, [0]),
+            ?assertEqual("eof", eof(C))
+        end),
+        ?assertEqual({ok, dist}, gen_server:call(P, dist, ?WAIT_MS)),
+        with_client(Ctx, fun(C) ->
+            {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(y)]),
+            ok = publish(C, [0]),
+            ?assertEqual([{1, {ok, y}}], wait_replies(C, 1))
+        end)
+    end).
+
+poke(C, What) ->
+    port_command(C, ["poke ", What, "\n"]),
+    line(C).
+
+eof(C) ->
+    port_command(C, ["eof ", int(?WAIT_MS div 2), "\n"]),
+    line(C).
+
 %% A pool node started by hand with --no-fast-path (between other
 %% options) offers no rings, and says so.
 no_fast_path_node_answers_disabled(_Ctx) ->
@@ -375,6 +461,9 @@ real_dir(Dir) ->
     end.
 
 open_client(Sock, Token, Extra) ->
+    open_client(Sock, Token, [], Extra).
+
+open_client(Sock, Token, Geometry, Extra) ->
     Exe = client_exe(),
     ?assert(filelib:is_regular(Exe), {no_client, Exe, "make -C c_src build/dp_client"}),
     %% The client is an ASan build: its leak check at exit cannot run on
@@ -384,7 +473,7 @@ open_client(Sock, Token, Extra) ->
                _ -> "detect_leaks=0"
            end,
     Port = open_port({spawn_executable, Exe},
-                     [{args, [binary:encode_hex(Sock), binary:encode_hex(Token) | Extra]},
+                     [{args, [binary:encode_hex(Sock), binary:encode_hex(Token)] ++ Geometry ++ Extra},
                       {env, [{"ASAN_OPTIONS", Asan}]},
                       {line, 1 bsl 22}, use_stdio, exit_status, binary]),
     {os_pid, OsPid} = erlang:port_info(Port, os_pid),
@@ -405,8 +494,12 @@ flush_port(Port) ->
     after 0 -> ok
     end.
 
-with_client(#{socket := Sock, token := Token}, Fun) ->
-    {Port, OsPid} = open_client(Sock, Token, []),
+with_client(Ctx, Fun) ->
+    with_client(Ctx, [], Fun).
+
+%% Geometry: [] (the client's default) or [N_REQ, N_REP, REQ_BYTES, REP_BYTES].
+with_client(#{socket := Sock, token := Token}, Geometry, Fun) ->
+    {Port, OsPid} = open_client(Sock, Token, Geometry, []),
     try
         ?assertEqual("attached", line(Port)),
         Fun(Port),
@@ -494,7 +587,10 @@ crash_plugin() ->
     {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
 
 wait_stats(P, Pred) ->
-    Deadline = erlang:monotonic_time(millisecond) + ?WAIT_MS,
+    wait_stats(P, Pred, ?WAIT_MS).
+
+wait_stats(P, Pred, TimeoutMs) ->
+    Deadline = erlang:monotonic_time(millisecond) + TimeoutMs,
     wait_stats_until(P, Pred, Deadline).
 
 wait_stats_until(P, Pred, Deadline) ->

@@ -60,6 +60,7 @@ struct dp_rep {
 struct ap_dp_seg {
 	_Atomic int refs;
 	_Atomic int dead; /* detached: replies are dropped */
+	_Atomic int rep_broken; /* a reply ring broke: the detach is on its way */
 	uint32_t id;
 	struct ap_ring_map map;
 	struct ap_seg s;
@@ -202,10 +203,15 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 	if (r == 0) {
 		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
 	} else if (r == -EPROTO) {
-		ap_log(AP_LOG_WARNING, "reply ring of %s is broken; detaching it", sg->peer);
-		ap_dp_seg_get(sg);
-		if (ap_node_call_on_loop(dp.n, rep_broken, sg))
-			ap_dp_seg_put(sg);
+		/* Once: every later reply is dropped at once, not logged, while
+		 * the loop gets round to the detach. */
+		atomic_store_explicit(&sg->dead, 1, memory_order_release);
+		if (!atomic_exchange(&sg->rep_broken, 1)) {
+			ap_log(AP_LOG_WARNING, "reply ring of %s is broken; detaching it", sg->peer);
+			ap_dp_seg_get(sg);
+			if (ap_node_call_on_loop(dp.n, rep_broken, sg))
+				ap_dp_seg_put(sg);
+		}
 	} else if (r != -EPIPE) {
 		ap_log(AP_LOG_WARNING, "ring reply to %s dropped: %s", sg->peer,
 		       r == -ETIMEDOUT ? "its reply ring stayed full" : strerror(-r));

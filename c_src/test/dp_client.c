@@ -23,6 +23,10 @@
  *   pingpong N GAP_US DEST MSG   N asks one at a time, each waited for, GAP_US
  *                                apart (a gap past the node's spin makes it
  *                                sleep): "pingpong OK P50_US MAX_US"
+ *   poke req|rep R head|tail V   writes V into that index of that ring's
+ *                                header, as a buggy or hostile BEAM would ("ok")
+ *   eof MS                       "eof" if the node closed the socket within MS
+ *                                (it detached the segment), else "open"
  *   quit                         exits (the socket closes: EOF for the node)
  * DEST is n:NAME (a registered name) or p:HEX (a pid, external format
  * without the 131 byte); MSG and HEX are hex; FR FP a fence (ring, pos).
@@ -348,6 +352,26 @@ int main(int argc, char **argv)
 			wait_replies(atoi(t[0]), atoi(t[1]));
 		} else if (!strcmp(cmd, "pingpong") && nt == 4) {
 			pingpong(atoi(t[0]), atoi(t[1]), t[2], t[3]);
+		} else if (!strcmp(cmd, "poke") && nt == 4) {
+			uint32_t r = (uint32_t)atoi(t[1]);
+			int is_req = !strcmp(t[0], "req");
+			struct ap_ring_hdr *rh = NULL;
+			if (is_req && r < seg.n_req)
+				rh = req[r].hdr;
+			else if (!is_req && r < seg.n_rep)
+				rh = rep[r].hdr;
+			if (!rh) {
+				bad = 1;
+			} else {
+				uint64_t v = strtoull(t[3], NULL, 10);
+				__atomic_store_n(!strcmp(t[2], "head") ? &rh->head : &rh->tail, v, __ATOMIC_RELEASE);
+				printf("ok\n");
+			}
+		} else if (!strcmp(cmd, "eof") && nt == 1) {
+			struct pollfd pf = { .fd = s, .events = POLLIN };
+			char c;
+			int closed = poll(&pf, 1, atoi(t[0])) > 0 && recv(s, &c, 1, MSG_DONTWAIT) == 0;
+			printf("%s\n", closed ? "eof" : "open");
 		} else if (!strcmp(cmd, "quit")) {
 			break;
 		} else {
