@@ -4,7 +4,7 @@
 REBAR ?= rebar3
 EPMD  ?= epmd
 
-.PHONY: all compile deps epmd test eunit eunit-asan dep-test elixir-test dialyzer demo bench bench-run \
+.PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
         fuzz clean
 
 all: compile
@@ -32,6 +32,7 @@ test: deps
 	$(MAKE) dialyzer
 
 eunit: epmd
+	$(MAKE) -C c_src build/dp_client
 	ACTOR_POOL_IO=uring $(REBAR) eunit --sname ap_eunit_uring_$$$$
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
 	$(MAKE) eunit-asan
@@ -41,9 +42,10 @@ eunit: epmd
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan
+	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan \
+	  build/dp_client
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
@@ -53,6 +55,25 @@ eunit-asan: epmd
 	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$
 	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
 	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
+	$(MAKE) eunit-asan-dp
+
+# The data plane NIF under ASan+UBSan: a sanitized actor_dp.so inside the
+# test BEAM itself (libasan preloaded, ACTOR_DP_NIF naming the build, and
+# +Mea min so that enif_alloc is malloc, which ASan watches), its suite
+# against the real peers (the pool node's ASan build too); a crash or any
+# sanitizer report fails the run.
+ASAN_DP_LOG_DIR = _build/asan-dp-logs
+eunit-asan-dp: epmd
+	$(MAKE) -C c_src build/actor_dp_asan.so build/actor_pool_node_asan
+	$(REBAR) compile
+	rm -rf $(ASAN_DP_LOG_DIR) && mkdir -p $(ASAN_DP_LOG_DIR)
+	@rc=0; ACTOR_DP_NIF=$(CURDIR)/c_src/build/actor_dp_asan.so \
+	  ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+	  ERL_FLAGS="+Mea min $$ERL_FLAGS" ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/asan \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/ubsan \
+	  $(REBAR) eunit --module=actor_dp_tests,actor_pool_ring_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
+	  if [ -n "$$(ls -A $(ASAN_DP_LOG_DIR))" ]; then cat $(ASAN_DP_LOG_DIR)/*; \
+	  echo "sanitizer reports from the data plane NIF (above)"; exit 1; fi; exit $$rc
 
 dep-test:
 	bash test/dep_project/run

@@ -66,8 +66,8 @@
 -define(WAIT_MS, 120000).
 %% The ask cells whose work is all done in this BEAM and the pool node, for
 %% the CPU per ask of both together (the peer's cells spend theirs elsewhere).
--define(ASK_CELLS, [ap_ask64, pool_call64, ap_json64, vm_ask64, erlpool_json64,
-                    poolboy_json64]).
+-define(ASK_CELLS, [ap_ask64, pool_call64, ap_json64, apd_ask64, apd_json64, vm_ask64,
+                    erlpool_json64, poolboy_json64]).
 
 -spec main() -> no_return().
 main() -> main([]).
@@ -151,7 +151,13 @@ start_pools(#{workers := W}) ->
     Opts = #{workers => W, mailbox_limit => ?MAILBOX_LIMIT},
     Echo = start_pool(ap_bench_echo_pool, echo, Opts),
     Json = start_pool(ap_bench_json_pool, json_validate, Opts),
-    #{echo => Echo, json => Json, pool_os_pid => pool_node_os_pid(Echo)}.
+    %% The same pools called through distribution (issue 13: that path's
+    %% rows must be no worse than before the rings).
+    Slow = Opts#{fast_path => false},
+    EchoD = start_pool(ap_bench_echo_dist_pool, echo, Slow),
+    JsonD = start_pool(ap_bench_json_dist_pool, json_validate, Slow),
+    #{echo => Echo, json => Json, echo_dist => EchoD, json_dist => JsonD,
+      pool_os_pid => pool_node_os_pid(Echo)}.
 
 start_pool(Name, Handler, Opts) ->
     case actor_pool:start_pool(Name, Handler, Opts) of
@@ -170,7 +176,7 @@ start_pool(Name, Handler, Opts) ->
 
 stop_pools(Pools) ->
     maps:foreach(
-      fun(K, Pool) when K =:= echo; K =:= json ->
+      fun(K, Pool) when K =:= echo; K =:= json; K =:= echo_dist; K =:= json_dist ->
               case catch actor_pool:stop_pool(Pool) of
                   ok -> ok;
                   Other -> io:format("warning: actor_pool:stop_pool(~p): ~p~n", [Pool, Other])
@@ -203,22 +209,28 @@ bench(Cfg, Pools, Anchors) ->
     #{peer_echo := PeerEcho, erlpool := EP, poolboy := PB, vmpool := VM} = Anchors,
     Echo = maps:get(echo, Pools, undefined),
     Json = maps:get(json, Pools, undefined),
+    EchoD = maps:get(echo_dist, Pools, undefined),
+    JsonD = maps:get(json_dist, Pools, undefined),
     P = ?PAYLOAD,
     PoolSeen = fun() -> pool_processed(Echo) end,
+    PoolSeenD = fun() -> pool_processed(EchoD) end,
     %% {Key, Fun returning {[{SubKey, Value}], Messages}}, all run once per round.
     PoolCells =
         [{ap_tell, fun() -> tells(Tells, fun(Pl) -> actor_pool:tell(Echo, Pl) end, PoolSeen) end},
          {pool_bang, fun() -> tells(ATells, fun(Pl) -> Echo ! Pl end, PoolSeen) end},
          {ap_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(Echo, P) end) end},
          {pool_call64, fun() -> asks(Asks, fun(_) -> {ok, P} = gen_server:call(Echo, P) end) end},
-         {ap_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(Json, doc(Docs, I)) end) end}],
+         {ap_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(Json, doc(Docs, I)) end) end},
+         {apd_tell, fun() -> tells(Tells, fun(Pl) -> actor_pool:tell(EchoD, Pl) end, PoolSeenD) end},
+         {apd_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(EchoD, P) end) end},
+         {apd_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(JsonD, doc(Docs, I)) end) end}],
     AnchorCells =
         [{peer_tell, fun() -> tells(ATells, fun(M) -> PeerEcho ! M end, fun() -> peer_seen(PeerEcho) end) end},
          {peer_ask64, fun() -> asks(Asks, fun(_) -> P = gen_server:call(PeerEcho, P) end) end},
          {vm_tell, fun() -> tells(VTells, fun(M) -> ap_bench_erlpool:cast(VM, M) end,
                                   fun() -> ap_bench_erlpool:processed(VM) end) end},
          {vm_ask64, fun() -> asks(VAsks, fun(_) -> P = ap_bench_erlpool:call(VM, P) end) end},
-         {lone, fun() -> lone(Lone, AO, Echo, PeerEcho, VM) end},
+         {lone, fun() -> lone(Lone, AO, {Echo, EchoD}, PeerEcho, VM) end},
          {erlpool_json64, fun() -> asks(JAsks, fun(I) -> ok = ap_bench_erlpool:call(EP, doc(Docs, I)) end) end},
          {poolboy_json64,
           fun() -> asks(JAsks, fun(I) ->
@@ -261,11 +273,23 @@ bench(Cfg, Pools, Anchors) ->
           [{"same pool, unbatched Pool ! Msg", V(pool_bang, rate)},
            {"BEAM peer echo, Pid ! Msg", V(peer_tell, rate)}],
           ">= 1M msg/s", fun(A, _) -> A >= 1.0e6 end},
+         {"  same, by distribution (fast_path false)", V(apd_tell, rate),
+          [{"same pool, unbatched Pool ! Msg", V(pool_bang, rate)},
+           {"BEAM peer echo, Pid ! Msg", V(peer_tell, rate)}],
+          ">= 1M msg/s", fun(A, _) -> A >= 1.0e6 end},
          {"echo ask, 64 callers (asks/s)", V(ap_ask64, rate),
           [{"BEAM peer echo, gen_server:call", V(peer_ask64, rate)},
            {"same pool, unbatched gen_server:call", V(pool_call64, rate)}],
           "ratio >= 3.0 (vs peer)", fun(A, [Pe | _]) -> A >= 3 * Pe end},
+         {"  same, by distribution (fast_path false)", V(apd_ask64, rate),
+          [{"BEAM peer echo, gen_server:call", V(peer_ask64, rate)},
+           {"same pool, unbatched gen_server:call", V(pool_call64, rate)}],
+          "ratio >= 3.0 (vs peer)", fun(A, [Pe | _]) -> A >= 3 * Pe end},
          {"echo lone ask p50 (us)", V(lone, ap_p50),
+          [{"same pool, unbatched gen_server:call", V(lone, call_p50)},
+           {"BEAM peer echo, gen_server:call", V(lone, peer_p50)}],
+          "ratio <= 1.10 (vs unbatched)", fun(A, [U | _]) -> A =< 1.10 * U end},
+         {"  same, by distribution (fast_path false)", V(lone, apd_p50),
           [{"same pool, unbatched gen_server:call", V(lone, call_p50)},
            {"BEAM peer echo, gen_server:call", V(lone, peer_p50)}],
           "ratio <= 1.10 (vs unbatched)", fun(A, [U | _]) -> A =< 1.10 * U end},
@@ -274,6 +298,10 @@ bench(Cfg, Pools, Anchors) ->
            {"BEAM peer echo, gen_server:call", V(lone, peer_p99)}],
           "", none},
          {"json_validate ask, 64 callers (docs/s)", V(ap_json64, rate),
+          [{"Erlang round-robin pool, jiffy", V(erlpool_json64, rate)},
+           {"poolboy, jiffy", V(poolboy_json64, rate)}],
+          "ratio > 1.0 (vs both)", fun(A, As) -> lists:all(fun(X) -> A > X end, As) end},
+         {"  same, by distribution (fast_path false)", V(apd_json64, rate),
           [{"Erlang round-robin pool, jiffy", V(erlpool_json64, rate)},
            {"poolboy, jiffy", V(poolboy_json64, rate)}],
           "ratio > 1.0 (vs both)", fun(A, As) -> lists:all(fun(X) -> A > X end, As) end},
@@ -296,7 +324,10 @@ bench(Cfg, Pools, Anchors) ->
           "ratio >= 1.5", fun(A, [B]) -> A >= 1.5 * B end},
          {"#13 CPU per ask, BEAM + pool node (us)", CpuAsk(ap_ask64),
           [{VMPool ++ "64 callers", CpuAsk(vm_ask64)}],
-          "<= 8 us", fun(A, _) -> A =< 8 end}],
+          "<= 8 us", fun(A, _) -> A =< 8 end},
+         {"#13 same, by distribution (fast_path false)", CpuAsk(apd_ask64),
+          [{VMPool ++ "64 callers", CpuAsk(vm_ask64)}],
+          "", none}],
     Verdicts = print_rows(Rows),
     print_cpu(Samples, Cells),
     print_contention(Samples),
@@ -391,6 +422,10 @@ wait_seen(Seen, Expected, Deadline) ->
 %% The pool's processed count; a dropped tell fails the bench at once.
 pool_processed(Pool) ->
     S = actor_pool:stats(Pool),
+    %% Tells a full ring made the BEAM drop (actor_pool_dp) are lost too.
+    #{counters := #{tell_dropped := RingDropped}} = actor_pool_dp:info(),
+    RingDropped =:= 0 orelse fail("~p tells dropped for a full ring (actor_pool_dp:info/0)",
+                                  [RingDropped]),
     case S of
         #{processed := Done, dropped_tells := 0} -> Done;
         #{dropped_tells := Dropped} ->
@@ -414,17 +449,24 @@ ask_n(Ask, I, N) -> Ask(I), ask_n(Ask, I + 1, N - 1).
 %% order, then the next round), so drifting load hits every kind alike and
 %% each kind follows each other kind equally often (an ask right after another
 %% ask to the same node finds the pool node's threads awake and is faster).
-lone(N, AO, Pool, PeerEcho, VM) ->
+lone(N, AO, {Pool, PoolD}, PeerEcho, VM) ->
     P = ?PAYLOAD,
     Kinds = [{peer, fun() -> P = gen_server:call(PeerEcho, P) end},
              {vm, fun() -> P = ap_bench_erlpool:call(VM, P) end}
              | case AO of
                    true -> [];
                    false -> [{ap, fun() -> {ok, P} = actor_pool:ask(Pool, P) end},
+                             %% From a process of its own: one process that
+                             %% alternates between the ring and distribution
+                             %% to one pool node pays for keeping its order
+                             %% at every switch (docs/same-host-transport.md).
+                             {apd, timed_in(fun() -> {ok, P} = actor_pool:ask(PoolD, P) end)},
                              {call, fun() -> {ok, P} = gen_server:call(Pool, P) end}]
                end],
-    [F() || _ <- lists:seq(1, 500), {_, F} <- Kinds], % warm up
-    Ts = lone_loop(N, Kinds, #{}),
+    [run_kind(F) || _ <- lists:seq(1, 500), {_, F} <- Kinds], % warm up
+    Ts = try lone_loop(N, Kinds, #{})
+         after [Pid ! stop || {_, {timed_in, Pid}} <- Kinds]
+         end,
     Values = lists:append(
                [begin
                     S = lists:sort(L),
@@ -439,12 +481,34 @@ lone_loop(N, Kinds, Acc) ->
     Shuffled = [KF || {_, KF} <- lists:sort([{rand:uniform(), KF} || KF <- Kinds])],
     Acc1 = lists:foldl(
              fun({K, F}, A) ->
-                     T0 = erlang:monotonic_time(nanosecond),
-                     F(),
-                     T = erlang:monotonic_time(nanosecond) - T0,
+                     T = run_kind(F),
                      maps:update_with(K, fun(L) -> [T | L] end, [T], A)
              end, Acc, Shuffled),
     lone_loop(N - 1, Kinds, Acc1).
+
+%% Runs a kind once; its time in ns.
+run_kind({timed_in, Pid}) ->
+    Pid ! {run, self()},
+    receive {Pid, T} -> T after ?WAIT_MS -> fail("a lone-ask helper did not answer", []) end;
+run_kind(F) ->
+    T0 = erlang:monotonic_time(nanosecond),
+    F(),
+    erlang:monotonic_time(nanosecond) - T0.
+
+%% F run (and timed) by a process of its own.
+timed_in(F) ->
+    Pid = spawn_link(fun Loop() ->
+                             receive
+                                 {run, From} ->
+                                     T0 = erlang:monotonic_time(nanosecond),
+                                     F(),
+                                     From ! {self(), erlang:monotonic_time(nanosecond) - T0},
+                                     Loop();
+                                 stop ->
+                                     ok
+                             end
+                     end),
+    {timed_in, Pid}.
 
 pct(Sorted, Len, P) -> lists:nth(max(1, (Len * P) div 100), Sorted) / 1000.
 
@@ -467,11 +531,11 @@ par(N, F) ->
 
 pool_counters(Pools) ->
     maps:from_list([{K, maps:with([processed | ?LOSS_KEYS], actor_pool:stats(P))}
-                    || {K, P} <- maps:to_list(Pools), K =:= echo orelse K =:= json]).
+                    || {K, P} <- maps:to_list(Pools), is_pid(P)]).
 
 check_counters(Key, Round, Pools) ->
     maps:foreach(
-      fun(K, Pool) when K =:= echo; K =:= json ->
+      fun(K, Pool) when is_pid(Pool) ->
               S = actor_pool:stats(Pool),
               Bad = [{C, maps:get(C, S)} || C <- ?LOSS_KEYS, maps:get(C, S, 0) =/= 0],
               Bad =:= [] orelse

@@ -14,11 +14,15 @@
 %% node's pool node), or `{Name, PoolNode}'. `gen_server:call/2,3' and
 %% `gen_server:cast/2' on it work too (Elixir's `GenServer.call/2'), unbatched.
 %%
-%% {@link tell/2} and {@link ask/3} go through {@link actor_pool_batcher}: a
-%% message is sent at once when the connection to the pool node is idle, and
-%% coalesced with others while it is busy. Everything one process sends to one
-%% pool node through this module (tells, asks, stats, stop) arrives in the
-%% order it was sent.
+%% {@link tell/2}, {@link ask/3} and {@link stats/1} to a pool on a pool node
+%% of this host that offers them go through shared-memory rings ({@link
+%% actor_pool_dp}, docs/same-host-transport.md), unless the application
+%% setting or the pool option `fast_path' is `false'. Otherwise they go
+%% through {@link actor_pool_batcher}: a message is sent at once when the
+%% connection to the pool node is idle, and coalesced with others while it
+%% is busy. Everything one process sends to one pool node through this
+%% module (tells, asks, stats, stop) arrives in the order it was sent,
+%% across both transports.
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
@@ -70,6 +74,7 @@
                   backoff => backoff(),
                   stable_ms => 0..86400000,
                   node => node(),
+                  fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
 %% Options of {@link start_pool/3}; see its doc for the defaults.
 
@@ -94,7 +99,8 @@
                    dropped_tells := non_neg_integer(),
                    throughput := number(),
                    uptime_ms := non_neg_integer(),
-                   workers := [worker_stats()]}.
+                   workers := [worker_stats()],
+                   by_path => #{dist := non_neg_integer(), ring := non_neg_integer()}}.
 %% Documented field by field in docs/stateless-workers.md ("Metrics").
 
 -define(DEFAULT_TIMEOUT, 5000).
@@ -133,6 +139,10 @@
 %% <li>`stable_ms' (0..86400000, default 10000): a replacement worker that
 %%     lived this long resets its backoff.</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
+%% <li>`fast_path' (boolean, default `true'): `false' makes the calls from
+%%     this BEAM to this pool (tell, ask, stats) use distribution even when
+%%     its pool node offers shared-memory rings (see
+%%     docs/same-host-transport.md). Other BEAMs decide for themselves.</li>
 %% <li>`service_key': register the pool (its pid) with this node's
 %%     receptionist under that key once it runs, so that any node of the
 %%     cluster finds it and can call it by key; {@link stop_pool/1}
@@ -162,10 +172,15 @@ start_pool(Name, Handler, Opts) ->
 start_pool(Name, Handler, Opts, Keep) ->
     case validate(Name, Handler, Opts) of
         {ok, PoolNode, Handler1, Full0} ->
-            {Key, Full} = case maps:take(service_key, Full0) of
-                              {Id, Rest} -> {Id, Rest};
-                              error -> {none, Full0}
-                          end,
+            {Key, Full1} = case maps:take(service_key, Full0) of
+                               {Id, Rest} -> {Id, Rest};
+                               error -> {none, Full0}
+                           end,
+            %% BEAM-side only: the pool node never sees it.
+            {Fast, Full} = case maps:take(fast_path, Full1) of
+                               {F, Rest1} -> {F, Rest1};
+                               error -> {true, Full1}
+                           end,
             Manager = {?MANAGER, PoolNode},
             Result = case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
                                ?MANAGER_TIMEOUT) of
@@ -174,6 +189,11 @@ start_pool(Name, Handler, Opts, Keep) ->
                          {error, _} = Error -> Error;
                          Other -> {error, {unexpected_reply, Other}}
                      end,
+            case Result of
+                {ok, P} when Fast =:= false -> ok = actor_pool_dp:set_slow(P, Name, PoolNode);
+                {ok, _} -> ok = actor_pool_dp:unset_slow({Name, PoolNode});
+                _ -> ok
+            end,
             %% On this node's own pool node: kept across its restarts, with
             %% the options as given (the defaults are filled in again).
             case Result of
@@ -285,6 +305,10 @@ stop_pool(Pool) ->
                      N -> deregister_pool(undefined, N, PoolNode)
                  end,
             ok = forget_kept(Target, PoolNode),
+            ok = actor_pool_dp:unset_slow(case is_pid(Target) of
+                                              true -> Target;
+                                              false -> {Target, PoolNode}
+                                          end),
             case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
                       ?MANAGER_TIMEOUT) of
                 ok -> ok;
@@ -306,7 +330,11 @@ stop_pool(Pool) ->
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
     case sendable(Msg) andalso dest(Pool) of
-        {ok, Dest, Node} -> actor_pool_batcher:send(Node, Dest, {tell, Msg});
+        {ok, Dest, Node} ->
+            case actor_pool_dp:lane(Node, Dest) of
+                {lane, Seg} -> ring_tell(Seg, Node, Dest, Msg);
+                none -> dist_send(Node, Dest, {tell, Msg})
+            end;
         undefined -> ok;
         no_pool -> count_no_pool();
         _ -> erlang:error(badarg, [Pool, Msg])
@@ -333,7 +361,12 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
     case sendable(Msg) andalso dest(Pool) of
         {ok, Dest, Node} ->
-            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+            case actor_pool_dp:lane(Node, Dest) of
+                {lane, Seg} ->
+                    ring_request(Seg, Node, Dest, ask, Msg, Timeout);
+                none ->
+                    request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout)
+            end;
         undefined ->
             {error, noproc};
         no_pool ->
@@ -353,7 +386,13 @@ ask(Pool, Msg, Timeout) ->
 stats(Pool) ->
     case dest(Pool) of
         {ok, Dest, Node} ->
-            case call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT) of
+            Reply = case actor_pool_dp:lane(Node, Dest) of
+                        {lane, Seg} ->
+                            ring_request(Seg, Node, Dest, stats, undefined, ?DEFAULT_TIMEOUT);
+                        none ->
+                            call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT)
+                    end,
+            case Reply of
                 #{} = Stats -> Stats;
                 {ok, #{} = Stats} -> Stats;
                 {error, timeout} -> {error, timeout};
@@ -456,7 +495,7 @@ call(Node, Dest, Request, Timeout) ->
 request(Node, Dest, MakeItem, Timeout) ->
     Mref = erlang:monitor(process, Dest, [{alias, demonitor}]),
     Tag = [alias | Mref],
-    ok = actor_pool_batcher:send(Node, Dest, MakeItem(Tag)),
+    ok = dist_send(Node, Dest, MakeItem(Tag)),
     receive
         {Tag, Reply} ->
             erlang:demonitor(Mref, [flush]),
@@ -475,6 +514,167 @@ request(Node, Dest, MakeItem, Timeout) ->
         after 0 ->
             {error, timeout}
         end
+    end.
+
+%% ===================================================================
+%% Transports: distribution and the same-host rings
+%% ===================================================================
+
+%% Process dictionary, per pool node: how this process last sent to it,
+%% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
+%% undefined). See docs/same-host-transport.md, "Ordering".
+-define(DP_KEY(Node), {'$actor_pool_dp', Node}).
+%% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
+%% between tries, so the scheduler is never held) for this long (an ask, at
+%% most its timeout), then the tell is dropped, the ask answered
+%% {error, overloaded}.
+%% This is the data plane's backpressure on fast senders: the pool node's
+%% reader empties a ring in well under that time unless it is stuck.
+-define(FULL_RETRY_US, 1000000).
+-define(FULL_YIELDS, 20).
+%% Switching from a ring to distribution: wait at most this long until the
+%% pool node has read what this process put in the ring.
+-define(DRAIN_WAIT_US, 1000000).
+%% A reply the NIF committed to sending just as the ask timed out.
+-define(LATE_REPLY_MS, 1000).
+
+%% Everything sent by distribution passes here. A process whose last message
+%% to Node went into a ring first waits until the pool node has read it, so
+%% that this one cannot overtake it.
+dist_send(Node, Dest, Item) ->
+    Key = ?DP_KEY(Node),
+    case get(Key) of
+        dist -> ok;
+        undefined -> put(Key, dist);
+        {Seg, Ticket} -> ring_drained(Seg, Ticket), put(Key, dist)
+    end,
+    actor_pool_batcher:send(Node, Dest, Item).
+
+ring_drained(_Seg, undefined) ->
+    ok;
+ring_drained(Seg, Ticket) ->
+    ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0).
+
+ring_drained(Seg, Ticket, Deadline, N) ->
+    case catch actor_dp:consumed(Seg, Ticket) of
+        false ->
+            case erlang:monotonic_time(microsecond) < Deadline of
+                true when N < 100 ->
+                    erlang:yield(),
+                    ring_drained(Seg, Ticket, Deadline, N + 1);
+                true ->
+                    %% The pool node is slow to read: stop spinning the
+                    %% scheduler.
+                    receive after 1 -> ok end,
+                    ring_drained(Seg, Ticket, Deadline, N);
+                false ->
+                    ok
+            end;
+        _TrueOrClosed ->
+            ok
+    end.
+
+%% One record into the lane. ok (tell) | {ok, AskId} | full | dist (use
+%% distribution instead: too large for a ring, or the lane is closed).
+ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
+    Key = ?DP_KEY(Node),
+    Prev = case get(Key) of
+               {Seg, T} ->
+                   T;
+               dist ->
+                   %% Everything this process sent by distribution is
+                   %% dispatched once a call behind it is answered.
+                   _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
+                   put(Key, {Seg, undefined}),
+                   undefined;
+               _OtherSegOrNone ->
+                   undefined
+           end,
+    RDest = case Dest of
+                {Name, _} -> Name;
+                Pid -> Pid
+            end,
+    case actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
+        {ok, T1} -> put(Key, {Seg, T1}), ok;
+        {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
+        full -> full;
+        too_large -> actor_pool_dp:count(too_large), dist;
+        closed -> actor_pool_dp:lane_closed(Node, Seg), dist
+    end.
+
+ring_tell(Seg, Node, Dest, Msg) ->
+    case ring_submit_wait(Seg, Node, tell, Dest, Msg, undefined, ?FULL_RETRY_US) of
+        ok ->
+            ok;
+        dist ->
+            dist_send(Node, Dest, {tell, Msg});
+        full ->
+            %% Not to distribution: it would overtake what is in the ring.
+            %% Counted (actor_pool_dp:info/0), as a full mailbox counts its
+            %% dropped tells.
+            actor_pool_dp:count(tell_dropped)
+    end.
+
+%% ring_submit/6, retried while the ring is full for at most WaitUs:
+%% yielding first, then sleeping 1 ms between tries.
+ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) ->
+    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, undefined, 0).
+
+ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries) ->
+    case ring_submit(Seg, Node, Kind, Dest, Msg, Ref) of
+        full when WaitUs > 0 ->
+            Now = erlang:monotonic_time(microsecond),
+            case Deadline of
+                undefined ->
+                    erlang:yield(),
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Now + WaitUs, 1);
+                _ when Now < Deadline, Tries < ?FULL_YIELDS ->
+                    erlang:yield(),
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
+                _ when Now < Deadline ->
+                    receive after 1 -> ok end,
+                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
+                _ ->
+                    full
+            end;
+        Other ->
+            Other
+    end.
+
+%% An ask or a stats request over the lane. The reply comes from the NIF's
+%% reply thread as {Ref, Answer}; a closed lane answers every waiting ask
+%% {error, {nodedown, Node}} at once. On timeout the ask is cancelled in the
+%% NIF (after which no reply is sent) and a reply that raced it is taken.
+ring_request(Seg, Node, Dest, Kind, Msg, Timeout) ->
+    Ref = make_ref(),
+    %% A full ring is waited for as a tell waits, within the timeout.
+    WaitUs = case Timeout of
+                 infinity -> ?FULL_RETRY_US;
+                 _ -> min(?FULL_RETRY_US, Timeout * 1000)
+             end,
+    case ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) of
+        {ok, AskId} ->
+            receive
+                {Ref, Reply} -> Reply
+            after Timeout ->
+                case actor_dp:cancel(Seg, AskId) of
+                    true ->
+                        {error, timeout};
+                    false ->
+                        receive
+                            {Ref, Reply} -> Reply
+                        after ?LATE_REPLY_MS ->
+                            {error, timeout}
+                        end
+                end
+            end;
+        full when Kind =:= ask ->
+            actor_pool_dp:count(ask_full),
+            {error, overloaded};
+        _DistOrFullStats when Kind =:= ask ->
+            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+        _DistOrFullStats ->
+            call(Node, Dest, '$ap_stats', Timeout)
     end.
 
 %% ===================================================================
@@ -545,6 +745,8 @@ option(service_key, Key) ->
         {ok, Id} -> {ok, Id};
         error -> error
     end;
+option(fast_path, B) when is_boolean(B) ->
+    {ok, B};
 option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
     case lists:member($@, atom_to_list(Node)) of
         true -> {ok, Node};

@@ -12,6 +12,8 @@
 %% <li>{@link actor_receptionist_sup}, this node's receptionist (its C node
 %%     and BEAM-side server), unless the application environment says
 %%     `{receptionist, false}';</li>
+%% <li>{@link actor_pool_dp}, the lanes (shared-memory rings) to pool nodes
+%%     of this host;</li>
 %% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
 %% </ol>
 %% The owner restarts its C node when it dies; the pools it hosted are gone
@@ -93,6 +95,12 @@ init([]) ->
                  shutdown => infinity,
                  type => supervisor,
                  modules => [actor_pool_batch_sup]},
+    Dp = #{id => actor_pool_dp,
+           start => {actor_pool_dp, start_link, []},
+           restart => permanent,
+           shutdown => 5000,
+           type => worker,
+           modules => [actor_pool_dp]},
     RcptSup = #{id => actor_receptionist_sup,
                 start => {actor_receptionist_sup, start_link, []},
                 restart => permanent,
@@ -104,5 +112,5 @@ init([]) ->
         ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
-        ++ [BatchSup],
+        ++ [Dp, BatchSup],
     {ok, {Flags, Children}}.

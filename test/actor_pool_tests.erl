@@ -612,7 +612,8 @@ late_reply_after_timeout_is_dropped(_Ctx) ->
     end).
 
 killed_batcher_is_restarted_and_messages_flow(#{pool_node := N}) ->
-    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+    %% Batchers carry the distribution path: fast_path false.
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2, fast_path => false}, fun(P) ->
         ?assertEqual({ok, <<"a">>}, actor_pool:ask(P, <<"a">>)),
         Groups = actor_pool_batch_sup:batchers(),
         Count = max(2, erlang:system_info(schedulers_online)),
@@ -650,7 +651,11 @@ killed_batcher_is_restarted_and_messages_flow(#{pool_node := N}) ->
 %% on a busy distribution port) holds at most ~4096 items; its senders wait
 %% instead of growing its mailbox, and carry on when it does.
 stalled_batcher_makes_its_senders_wait(#{pool_node := N}) ->
-    with_pool(?FUNCTION_NAME, echo, #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+    %% Batchers carry the distribution path (fast_path false; over the
+    %% same-host rings a full ring makes senders wait, see
+    %% actor_pool_ring_tests).
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1, mailbox_limit => 1048576,
+                                      fast_path => false}, fun(P) ->
         {_, _, Batchers} = persistent_term:get({actor_pool_batcher, N}),
         Self = self(),
         Sender = spawn_link(fun() ->

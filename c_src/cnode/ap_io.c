@@ -65,6 +65,21 @@ int ap_loop_listen(ap_loop *l, int lfd)
 
 int ap_loop_add_reader(ap_loop *l, int fd, int id) { return l->ops->add_reader(l, fd, id); }
 
+int ap_loop_futex_supported(const ap_loop *l) { return l->ops->futex_supported && l->ops->futex_supported(l); }
+
+int ap_loop_futex_wait(ap_loop *l, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms)
+{
+	if (!ap_loop_futex_supported(l))
+		return -ENOTSUP;
+	return l->ops->futex_wait(l, f, word, expected, timeout_ms);
+}
+
+void ap_loop_futex_cancel(ap_loop *l, ap_io_futex *f)
+{
+	if (ap_loop_futex_supported(l))
+		l->ops->futex_cancel(l, f);
+}
+
 ap_io_conn *ap_loop_add_conn(ap_loop *l, int fd, void *owner)
 {
 	ap_io_conn *c = calloc(1, sizeof *c);

@@ -9,6 +9,7 @@
 #ifndef AP_IO_H
 #define AP_IO_H
 
+#include <linux/time_types.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -63,6 +64,26 @@ ap_io_conn *ap_loop_add_conn(ap_loop *l, int fd, void *owner);
 void ap_loop_flush(ap_loop *l, ap_io_conn *c);
 void ap_loop_close(ap_loop *l, ap_io_conn *c, int err);
 int ap_loop_add_reader(ap_loop *l, int fd, int id);      /* 0 or -errno */
+/* A wait on a futex word inside the loop (io_uring IORING_OP_FUTEX_WAIT,
+ * Linux 6.7+, with a linked timeout): for doorbells in memory shared with
+ * another process. The caller owns f and keeps it alive until done() has
+ * run, which it does exactly once per accepted wait, on the loop thread:
+ * res 0 (woken), -EAGAIN (the word no longer held expected), -ECANCELED
+ * (the timeout passed, or ap_loop_futex_cancel), or another -errno.
+ * Whatever res says, the caller looks again: a wake-up proves nothing. */
+typedef struct ap_io_futex {
+	void (*done)(struct ap_io_futex *f, int res);
+	void *arg;
+	struct __kernel_timespec ts; /* the linked timeout, read at submit */
+} ap_io_futex;
+/* 1 if this loop can wait on futex words (io_uring with futex support). */
+int ap_loop_futex_supported(const ap_loop *l);
+/* 0, or -ENOTSUP (epoll, or a kernel without futex operations). */
+int ap_loop_futex_wait(ap_loop *l, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms);
+/* Ends an armed wait early; its done() still runs (reap it before
+ * unmapping the word). */
+void ap_loop_futex_cancel(ap_loop *l, ap_io_futex *f);
+
 /* Flush, wait up to timeout_ms (-1: no limit) and dispatch what arrived.
  * Returns 0, or -errno on a fatal backend error. */
 int ap_loop_run_once(ap_loop *l, int timeout_ms);

@@ -16,6 +16,10 @@ struct ap_io_ops {
 	int (*wait)(ap_loop *l, int timeout_ms);
 	void (*accept_pause)(ap_loop *l);  /* stop taking connections off the listener */
 	void (*accept_resume)(ap_loop *l); /* and take them again */
+	/* Optional (NULL: unsupported): ap_loop_futex_wait / _cancel. */
+	int (*futex_supported)(const ap_loop *l);
+	int (*futex_wait)(ap_loop *l, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms);
+	void (*futex_cancel)(ap_loop *l, ap_io_futex *f);
 };
 
 struct ap_loop {

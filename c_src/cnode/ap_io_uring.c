@@ -9,7 +9,9 @@
  * messages instead of one each (a multishot receive cannot be paused);
  * one send in flight per socket, its remainder resubmitted after a short
  * send; readers as one-shot polls re-armed after each wakeup; waits bounded
- * by the caller's next timer through the EXT_ARG timeout.
+ * by the caller's next timer through the EXT_ARG timeout; futex waits
+ * (IORING_OP_FUTEX_WAIT, 6.7+, probed at init) with a linked timeout, for
+ * doorbells in shared memory.
  */
 #include "ap_io_int.h"
 
@@ -22,6 +24,7 @@
 #include <sys/socket.h>
 
 #include "ap_log.h"
+#include "ap_ring_uring.h"
 
 #define SQ_ENTRIES 256
 #define CQ_ENTRIES 8192
@@ -31,7 +34,7 @@
 #define MAX_READERS 8
 
 /* user_data: a pointer (8-byte aligned) or a reader id, tagged in the low bits. */
-enum { TAG_ACCEPT = 1, TAG_RECV = 2, TAG_SEND = 3, TAG_POLL = 4, TAG_CANCEL = 5 };
+enum { TAG_ACCEPT = 1, TAG_RECV = 2, TAG_SEND = 3, TAG_POLL = 4, TAG_CANCEL = 5, TAG_FUTEX = 6, TAG_FTMO = 7 };
 #define UD(p, tag) ((uint64_t)(uintptr_t)(p) | (tag))
 #define UD_TAG(u) ((int)((u) & 7))
 #define UD_PTR(u) ((void *)(uintptr_t)((u) & ~(uint64_t)7))
@@ -45,6 +48,7 @@ struct uring_be {
 	int accepting;            /* a multishot accept is armed */
 	int readers[MAX_READERS]; /* fd by id, -1 when unused */
 	ap_io_conn *rearm;        /* receives to arm after the coalescing pause */
+	int futex_ok;             /* IORING_OP_FUTEX_WAIT and _WAKE are supported */
 };
 
 
@@ -110,6 +114,7 @@ static int u_init(ap_loop *l)
 				      io_uring_buf_ring_mask(BUF_COUNT), i);
 	io_uring_buf_ring_advance(be->br, BUF_COUNT);
 	be->lfd = -1;
+	be->futex_ok = ap_ring_uring_futex_supported(&be->ring);
 	for (int i = 0; i < MAX_READERS; i++)
 		be->readers[i] = -1;
 	l->be = be;
@@ -224,6 +229,38 @@ static int u_add_reader(ap_loop *l, int fd, int id)
 	return 0;
 }
 
+static int u_futex_supported(const ap_loop *l)
+{
+	const struct uring_be *be = l->be;
+	return be->futex_ok;
+}
+
+/* The wait and its timeout go in one submit (the next enter): the timeout
+ * SQE must directly follow the wait, so both slots are taken first. */
+static int u_futex_wait(ap_loop *l, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms)
+{
+	struct uring_be *be = l->be;
+	if (io_uring_sq_space_left(&be->ring) < 2)
+		io_uring_submit(&be->ring);
+	struct io_uring_sqe *w = io_uring_get_sqe(&be->ring);
+	struct io_uring_sqe *t = w ? io_uring_get_sqe(&be->ring) : NULL;
+	if (!w || !t)
+		return -EBUSY; /* not after the submit above: it freed the SQ */
+	f->ts.tv_sec = timeout_ms / 1000;
+	f->ts.tv_nsec = (long long)(timeout_ms % 1000) * 1000000LL;
+	ap_ring_uring_prep_futex_wait(w, word, expected, UD(f, TAG_FUTEX));
+	ap_ring_uring_link_timeout(w, t, &f->ts, UD(NULL, TAG_FTMO));
+	return 0;
+}
+
+static void u_futex_cancel(ap_loop *l, ap_io_futex *f)
+{
+	struct uring_be *be = l->be;
+	struct io_uring_sqe *sqe = get_sqe(be);
+	io_uring_prep_cancel64(sqe, UD(f, TAG_FUTEX), 0);
+	io_uring_sqe_set_data64(sqe, UD(NULL, TAG_CANCEL));
+}
+
 static void put_ref(ap_loop *l, ap_io_conn *c)
 {
 	if (--c->refs == 0 && c->closing)
@@ -281,6 +318,11 @@ static void on_cqe(ap_loop *l, struct uring_be *be, struct io_uring_cqe *cqe)
 		ap_io_sent(l, c, cqe->res);
 		put_ref(l, c);
 		break;
+	case TAG_FUTEX: {
+		ap_io_futex *f = UD_PTR(ud);
+		f->done(f, cqe->res);
+		break;
+	}
 	case TAG_POLL: {
 		int id = (int)(ud >> 3);
 		if (cqe->res >= 0 || cqe->res == -EINTR)
@@ -351,4 +393,7 @@ const struct ap_io_ops ap_io_uring_ops = {
 	.wait = u_wait,
 	.accept_pause = u_accept_pause,
 	.accept_resume = u_accept_resume,
+	.futex_supported = u_futex_supported,
+	.futex_wait = u_futex_wait,
+	.futex_cancel = u_futex_cancel,
 };

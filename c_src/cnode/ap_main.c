@@ -190,6 +190,11 @@ static int parse_cli(int argc, char **argv, struct settings *s)
 				s->argv[s->argc++] = strdup(argv[i]);
 			break;
 		}
+		if (!strncmp(a, "--no-", 5) && s->argc < MAX_ARGS) {
+			/* A service's switch without a value (--no-fast-path). */
+			s->argv[s->argc++] = strdup(a);
+			continue;
+		}
 		if (!v)
 			return -1;
 		if (!strcmp(a, "--name"))

@@ -73,6 +73,8 @@ struct ap_node {
 	FILE *dump;               /* $ACTOR_POOL_FRAME_DUMP: every received frame, for captures */
 	struct ap_timer *timers;  /* one-shot timers, soonest first */
 	ap_dead_letter_fn dead_letter;
+	ap_idle_fn idle;
+	void *idle_arg;
 	volatile int stop;
 };
 
@@ -888,6 +890,8 @@ int ap_node_run(ap_node *n)
 		if (n->timers && n->timers->at_ms < due)
 			due = n->timers->at_ms;
 		int64_t wait = due - n->now_ms;
+		if (n->idle && n->idle(n, n->idle_arg))
+			wait = 0;
 		int r = ap_loop_run_once(n->loop, wait < 0 ? 0 : (int)wait);
 		if (r < 0) {
 			ap_log(AP_LOG_ERROR, "event loop failed: %s", strerror(-r));
@@ -949,4 +953,19 @@ static void run_timers(ap_node *n)
 }
 
 void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn) { n->dead_letter = fn; }
+
+void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
+{
+	n->idle = fn;
+	n->idle_arg = arg;
+}
+
+int ap_node_futex_supported(const ap_node *n) { return ap_loop_futex_supported(n->loop); }
+
+int ap_node_futex_wait(ap_node *n, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms)
+{
+	return ap_loop_futex_wait(n->loop, f, word, expected, timeout_ms);
+}
+
+void ap_node_futex_cancel(ap_node *n, ap_io_futex *f) { ap_loop_futex_cancel(n->loop, f); }
 int64_t ap_node_now_ms(const ap_node *n) { return n->now_ms; }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "ap_buf.h"
+#include "ap_io.h"
 
 typedef struct ap_node ap_node;
 typedef struct ap_proc ap_proc;
@@ -138,6 +139,18 @@ int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg);
  * process usable as a sender. */
 typedef int (*ap_dead_letter_fn)(ap_node *n, ap_proc *self, const ap_msg *m);
 void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
+
+/* Loop thread: fn(n, arg) runs before every wait of the loop; it returns
+ * 1 when it found work (the loop then only polls, without sleeping), 0
+ * when the loop may sleep. For ingresses that are not sockets (the
+ * same-host rings), with a bounded spin. One hook. */
+typedef int (*ap_idle_fn)(ap_node *n, void *arg);
+void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg);
+
+/* Loop thread: futex waits inside the event loop (ap_io.h). */
+int ap_node_futex_supported(const ap_node *n);
+int ap_node_futex_wait(ap_node *n, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms);
+void ap_node_futex_cancel(ap_node *n, ap_io_futex *f);
 int64_t ap_node_now_ms(const ap_node *n);
 
 #endif

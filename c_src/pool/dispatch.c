@@ -73,16 +73,28 @@ void ap_pool_wake_pushed(ap_pool *p)
 	p->nwake = 0;
 }
 
-/* Route one message. msg/msg_len: a term without its 131 byte. For an ask,
- * the reply head is in p->scratch from head_start and node names the
- * caller's node. */
-static void queue(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t head_start, const char *node)
+/* The loop's own answer to an ask no worker will see. */
+static void loop_error(ap_pool *p, const ap_request *rq, size_t head_start, const char *reason)
 {
+	if (rq->seg)
+		ap_dp_reply_error_loop(rq->seg, rq->ask_id, reason);
+	else
+		ap_pool_loop_error_reply(p, head_start, rq->caller->node, reason);
+}
+
+/* Route one message. rq->msg: a term without its 131 byte. For a
+ * distribution ask, the reply head is in p->scratch from head_start. */
+static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
+{
+	const char *msg = rq->msg;
+	int msg_len = rq->msg_len;
+	int is_ask = rq->kind == AP_REQ_ASK;
+	int by_dist = is_ask && !rq->seg;
 	ap_worker *w = ap_pool_route(p);
 	if (!w) {
 		if (is_ask) {
 			p->overloaded++;
-			ap_pool_loop_error_reply(p, head_start, node, "overloaded");
+			loop_error(p, rq, head_start, "overloaded");
 		} else {
 			p->dropped_tells++;
 		}
@@ -90,16 +102,23 @@ static void queue(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t h
 	}
 	int is_binary = msg_len >= 5 && (uint8_t)msg[0] == 109;
 	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
-	size_t head = is_ask ? p->scratch.len - head_start : 0;
-	size_t nodelen = is_ask ? strlen(node) + 1 : 0;
+	size_t head = by_dist ? p->scratch.len - head_start : 0;
+	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
 	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {
 		if (is_ask)
-			ap_pool_loop_error_reply(p, head_start, node, "enomem");
+			loop_error(p, rq, head_start, "enomem");
 		return;
 	}
 	j->is_ask = (uint8_t)is_ask;
 	j->is_binary = (uint8_t)is_binary;
+	j->seg = NULL;
+	j->ask_id = 0;
+	if (is_ask && rq->seg) {
+		j->seg = rq->seg;
+		j->ask_id = rq->ask_id;
+		ap_dp_seg_get(rq->seg);
+	}
 	j->head_len = (uint32_t)head;
 	j->msg_len = (uint32_t)body;
 	j->node_len = (uint32_t)nodelen;
@@ -115,14 +134,18 @@ static void queue(ap_pool *p, const char *msg, int msg_len, int is_ask, size_t h
 	}
 	d += body;
 	if (nodelen)
-		memcpy(d, node, nodelen);
+		memcpy(d, rq->caller->node, nodelen);
 	ap_pool_push(w, j);
 }
 
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
-	if (rq->kind == AP_REQ_TELL) {
-		queue(p, rq->msg, rq->msg_len, 0, 0, NULL);
+	if (rq->seg)
+		p->by_ring++;
+	else
+		p->by_dist++;
+	if (rq->kind == AP_REQ_TELL || rq->seg) {
+		queue(p, rq, 0);
 		return;
 	}
 	/* The reply's head is made here, once: the worker only appends the
@@ -131,5 +154,5 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, rq->caller, rq->tag, rq->tag_len);
 	if (st == (size_t)-1)
 		return;
-	queue(p, rq->msg, rq->msg_len, 1, st, rq->caller->node);
+	queue(p, rq, st);
 }

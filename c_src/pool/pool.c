@@ -225,10 +225,15 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		}
 		size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
 		ap_job *c = ap_job_alloc(&w->mb, &w->job_cache, need);
-		if (!c)
+		if (!c) {
+			if (j->seg)
+				ap_dp_seg_put(j->seg); /* lost with its job: the segment must still go */
 			break;
+		}
 		c->is_ask = j->is_ask;
 		c->is_binary = j->is_binary;
+		c->seg = j->seg; /* the reference moves with the job */
+		c->ask_id = j->ask_id;
 		c->head_len = j->head_len;
 		c->msg_len = j->msg_len;
 		c->node_len = j->node_len;
@@ -411,6 +416,13 @@ int ap_pool_encode_list(ei_x_buff *x)
 		ei_x_encode_pid(x, &p->pid);
 	}
 	return ei_x_encode_empty_list(x);
+}
+
+void ap_pool_wake_all_pushed(void)
+{
+	for (ap_pool *p = pools; p; p = p->next)
+		if (p->nwake)
+			ap_pool_wake_pushed(p);
 }
 
 void ap_pool_tick(ap_node *n, void *arg)

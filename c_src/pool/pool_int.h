@@ -6,6 +6,7 @@
  *   mailbox.c       the per-worker queue of jobs, and its doorbell
  *   reply.c         the reply frames a pool builds
  *   stats.c         counters and the stats map
+ *   ring_ingress.c  the same-host rings: attach, ring -> requests, ring replies
  *
  * Threads: the loop thread owns every pool and is the only producer into
  * every mailbox; each worker thread is the only consumer of its own. So a
@@ -30,12 +31,19 @@
 
 /* ---- mailbox: SPSC intrusive queue (Vyukov) ----------------------------- */
 
+struct ap_dp_seg;
+
 typedef struct ap_job {
 	struct ap_job *_Atomic next;
 	struct ap_job *free_next;  /* on the recycle stack */
 	uint32_t cap;              /* bytes of data[] allocated */
 	uint8_t is_ask, is_binary;
-	uint32_t head_len; /* asks: the reply head (ap_encode_reply_head) */
+	/* Asks that came by ring: the answer goes to this segment's reply
+	 * rings under ask_id (the job holds a reference), and head_len and
+	 * node_len are 0. NULL for distribution asks and every tell. */
+	struct ap_dp_seg *seg;
+	uint64_t ask_id;
+	uint32_t head_len; /* distribution asks: the reply head (ap_encode_reply_head) */
 	uint32_t msg_len;  /* the message: a binary's bytes, or 131 + term */
 	uint32_t node_len; /* asks: the caller's node, NUL included */
 	uint8_t data[];    /* head, message, node */
@@ -114,6 +122,7 @@ struct ap_pool {
 	ap_worker *w;
 	uint64_t rr, rng;
 	uint64_t overloaded, dropped_tells;
+	uint64_t by_dist, by_ring;  /* messages received (tells + asks) per ingress */
 	int stopping;
 	int freeing;
 	int threads;               /* worker threads not yet joined */
@@ -154,14 +163,17 @@ void ap_worker_wake(ap_worker *w, int always);
  * job. Loop thread only. Routing, overload (an ask answered
  * {error, overloaded}, a tell counted in dropped_tells) and the copy into
  * the worker's job happen here, the same for every ingress. The reply to
- * an ask goes by distribution to the caller ({Tag, Reply}, by ALIAS_SEND
- * when the tag is [alias | Ref]). */
+ * a distribution ask goes by distribution to the caller ({Tag, Reply}, by
+ * ALIAS_SEND when the tag is [alias | Ref]); the reply to a ring ask
+ * (seg set) goes into a reply ring of that segment, under ask_id. */
 typedef enum { AP_REQ_TELL, AP_REQ_ASK } ap_req_kind;
 
 typedef struct ap_request {
 	ap_req_kind kind;
-	const erlang_pid *caller; /* ask: who gets the reply; its node carries it */
-	const char *tag;          /* ask: the reply tag, copied verbatim into {Tag, Reply} */
+	struct ap_dp_seg *seg;    /* came by ring: its segment (counted as ring); NULL: distribution */
+	uint64_t ask_id;          /* ring ask: the id the answer carries */
+	const erlang_pid *caller; /* distribution ask: who gets the reply; its node carries it */
+	const char *tag;          /* distribution ask: the reply tag, copied verbatim into {Tag, Reply} */
 	int tag_len;
 	const char *msg;          /* what the handler gets */
 	int msg_len;
@@ -171,6 +183,8 @@ typedef struct ap_request {
  * checks them again. */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 void ap_pool_wake_pushed(ap_pool *p);
+/* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
+void ap_pool_wake_all_pushed(void);
 
 /* For moving jobs that are already made (a crashed worker's). */
 ap_worker *ap_pool_route(ap_pool *p);
@@ -182,6 +196,8 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
+/* Any thread: {error, Reason} (no 131 byte) appended to b. 0 or -1. */
+int ap_pool_enc_error(ap_buf *b, const char *reason);
 /* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
 /* Append a whole frame answering the ask (caller, tag) with {error, Reason}
@@ -190,6 +206,21 @@ int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid 
 			    const char *reason);
 /* Loop thread: answer the start request once every worker ran its init. */
 void ap_pool_answer_start(ap_pool *p, int ok);
+
+/* ---- ring_ingress.c: the same-host data plane (c_src/ring/ap_seg.h) -------
+ * Segment references: the registry (loop), the attach thread's socket,
+ * a wait armed in the loop or a waiter thread, and every ring ask queued
+ * (its job). The last one unmaps. Replies: any thread; a detached
+ * segment drops them. */
+void ap_dp_seg_get(struct ap_dp_seg *s);
+void ap_dp_seg_put(struct ap_dp_seg *s);
+/* Worker thread (ring = its index): the answer term (no 131 byte) to
+ * ask_id; waits up to 1 s for room in a full reply ring, then drops it
+ * with a log line. An answer over the ring's largest record becomes
+ * {error, reply_too_large}. */
+void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
+/* Loop thread: {error, Reason} to ask_id; never waits (a full ring drops it). */
+void ap_dp_reply_error_loop(struct ap_dp_seg *s, uint64_t ask_id, const char *reason);
 
 /* dist_ingress.c: the pool process's function (ap_proc_spawn). */
 void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);

@@ -4,12 +4,15 @@
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
- *       [--listen IPV4] [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
+ *       [--listen IPV4] [--no-fast-path] [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
  * (the runtime flags, --listen and the handshake limits among them: ap_main.c).
  * A pool given a key is registered with the receptionist of the --connect
  * node (its actor_receptionist_server) each time the connection comes up,
  * so a restarted pool node registers again; the receptionist drops the
  * registration when the connection goes.
+ *
+ * The manager also answers dp_info: where a BEAM of this host attaches its
+ * same-host ring segment (ring_ingress.c), unless --no-fast-path.
  */
 #include <ei.h>
 #include <stdio.h>
@@ -21,6 +24,7 @@
 #include "ap_term.h"
 #include "handlers.h"
 #include "pool.h"
+#include "ring_ingress.h"
 
 #define HANDLER_DESC 64
 
@@ -355,6 +359,15 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	}
 	if (m->kind != AP_MSG_CALL)
 		return;
+	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "dp_info")) {
+		ei_x_buff x;
+		ei_x_new(&x);
+		ap_dp_encode_info(&x);
+		ap_reply(n, self, m, x.buff, x.index);
+		ei_x_free(&x);
+		return;
+	}
+	i = m->index;
 	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "which_pools")) {
 		ei_x_buff x;
 		ei_x_new(&x);
@@ -552,8 +565,16 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	ap_node_on_parent_up(n, parent_up, NULL);
 	ap_node_set_dead_letter(n, ap_pool_dead_letter);
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
+	int fast_path = 1;
+	for (int k = 0; k < argc; k++)
+		if (!strcmp(argv[k], "--no-fast-path"))
+			fast_path = 0;
+	if (ap_dp_start(n, fast_path))
+		return 1;
 	for (int k = 0; k < argc; k++) {
-		if (!strcmp(argv[k], "--pool") && k + 1 < argc) {
+		if (!strcmp(argv[k], "--no-fast-path")) {
+			continue;
+		} else if (!strcmp(argv[k], "--pool") && k + 1 < argc) {
 			if (start_spec(n, argv[++k]))
 				return 1;
 		} else {

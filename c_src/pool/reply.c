@@ -73,24 +73,35 @@ void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom)
 	actor_pool_reply_set(r, AP_REPLY_ATOM, atom, strlen(atom));
 }
 
-/* Worker thread: answer the ask j with {Status, reply}. */
+/* Worker thread: answer the ask j with {Status, reply}: a frame for the
+ * loop to send, or, for an ask that came by ring, the term into a reply
+ * ring of its segment (and the job's reference on it is dropped: every
+ * ask is answered exactly once, here or by the loop). */
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
 {
 	ap_buf *b = &w->out;
 	b->len = 0;
 	if (ap_buf_append(b, j->data, j->head_len))
-		return;
+		goto out;
 	if (enc_result(b, status, r)) {
 		ap_log(AP_LOG_WARNING, "pool %s: handler %s produced a reply that is not a term", w->pool->name,
 		       w->pool->handler_desc);
 		b->len = j->head_len;
 		ap_pool_set_atom_reply(r, "bad_reply");
 		if (enc_result(b, "error", r))
-			return;
+			goto out;
+	}
+	if (j->seg) {
+		ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, b->data, b->len);
+		goto out;
 	}
 	if (ap_frame_end(b, 0))
 		return;
 	ap_node_post(w->pool->n, (const char *)j->data + j->head_len + j->msg_len, b->data, b->len);
+	return;
+out:
+	if (j->seg)
+		ap_dp_seg_put(j->seg);
 }
 
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
@@ -101,7 +112,7 @@ void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
 
 /* {error, Reason} (no 131) appended to b: what a pool answers an ask that
  * no handler saw. */
-static int enc_error(ap_buf *b, const char *reason)
+int ap_pool_enc_error(ap_buf *b, const char *reason)
 {
 	char tmp[2 * MAXATOMLEN_UTF8 + 16];
 	int i = 0;
@@ -116,7 +127,7 @@ static int enc_error(ap_buf *b, const char *reason)
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason)
 {
 	ap_buf *b = &p->scratch;
-	if (enc_error(b, reason) || ap_frame_end(b, head_start))
+	if (ap_pool_enc_error(b, reason) || ap_frame_end(b, head_start))
 		return;
 	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
 }
@@ -125,7 +136,7 @@ int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid 
 			    const char *reason)
 {
 	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
-	if (st == (size_t)-1 || enc_error(b, reason))
+	if (st == (size_t)-1 || ap_pool_enc_error(b, reason))
 		return -1;
 	return ap_frame_end(b, st);
 }

@@ -23,7 +23,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		crashes += atomic_load(&p->w[i].crashes);
 		restarts += p->w[i].restarts;
 	}
-	ei_x_encode_map_header(x, 14);
+	ei_x_encode_map_header(x, 15);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -41,6 +41,12 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_double(x, p->throughput);
 	kv_u64(x, "uptime_ms", (uint64_t)(ap_node_now_ms(p->n) - p->started_ms));
 	kv_u64(x, "mailbox_limit", p->o.mailbox_limit);
+	/* Messages received (tells and asks) per ingress: stats requests and
+	 * control calls are not counted. */
+	ei_x_encode_atom(x, "by_path");
+	ei_x_encode_map_header(x, 2);
+	kv_u64(x, "dist", p->by_dist);
+	kv_u64(x, "ring", p->by_ring);
 	ei_x_encode_atom(x, "workers");
 	ei_x_encode_list_header(x, p->o.workers);
 	for (int i = 0; i < p->o.workers; i++) {

@@ -7,13 +7,16 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <linux/futex.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "ap_io.h"
 #include "ap_log.h"
+#include "ap_ring_uring.h"
 
 #define DEADLINE_MS 30000
 #define TURN_MS 20
@@ -575,6 +578,87 @@ static void test_eventfd_reader_triggers_on_readable(void **state)
 	close(efd);
 }
 
+/* ---- futex waits in the loop (the pool node's ring doorbells) ---------- */
+
+struct t_fw {
+	ap_io_futex f;
+	int done;
+	int res;
+};
+
+static void t_fw_done(ap_io_futex *f, int res)
+{
+	struct t_fw *w = f->arg;
+	w->done++;
+	w->res = res;
+}
+
+static void t_fw_init(struct t_fw *w)
+{
+	memset(w, 0, sizeof *w);
+	w->f.done = t_fw_done;
+	w->f.arg = w;
+}
+
+/* io_uring on this kernel: woken, stale, timed out, cancelled, each
+ * reported once; epoll (or a kernel without futex ops): -ENOTSUP. */
+static void test_futex_wait_completes_once_for_each_outcome(void **state)
+{
+	const char *backend = *state;
+	struct t_io *t = t_io_new(backend);
+	uint32_t word = 0;
+	struct t_fw w;
+	t_fw_init(&w);
+	if (!ap_loop_futex_supported(t->l)) {
+		/* epoll always; io_uring only on kernels before 6.7 */
+		if (!strcmp(backend, "uring"))
+			assert_false(ap_ring_uring_futex_supported(NULL));
+		assert_int_equal(ap_loop_futex_wait(t->l, &w.f, &word, 0, 1000), -ENOTSUP);
+		t_io_free(t);
+		return;
+	}
+
+	/* Woken: the word moves and FUTEX_WAKE comes, as a producer rings. */
+	assert_int_equal(ap_loop_futex_wait(t->l, &w.f, &word, 0, 10000), 0);
+	t_run_for(t, 60);
+	assert_int_equal(w.done, 0); /* armed, nothing rang */
+	__atomic_store_n(&word, 1, __ATOMIC_RELEASE);
+	/* shared (no FUTEX_PRIVATE_FLAG), as the ring's wake-ups are */
+	assert_true(syscall(SYS_futex, &word, FUTEX_WAKE, 1, NULL, NULL, 0) >= 0);
+	assert_true(T_RUN_UNTIL(t, w.done == 1));
+	assert_int_equal(w.res, 0);
+
+	/* Stale: the word no longer holds what the sleeper saw. */
+	t_fw_init(&w);
+	assert_int_equal(ap_loop_futex_wait(t->l, &w.f, &word, 0, 10000), 0);
+	assert_true(T_RUN_UNTIL(t, w.done == 1));
+	assert_int_equal(w.res, -EAGAIN);
+
+	/* Timed out: the linked timeout cancels it; its own CQE is not a
+	 * second completion. */
+	t_fw_init(&w);
+	int64_t t0 = t_now_ms();
+	assert_int_equal(ap_loop_futex_wait(t->l, &w.f, &word, 1, 50), 0);
+	assert_true(T_RUN_UNTIL(t, w.done == 1));
+	assert_int_equal(w.res, -ECANCELED);
+	assert_true(t_now_ms() - t0 >= 40);
+	t_run_for(t, 100);
+	assert_int_equal(w.done, 1);
+
+	/* Cancelled long before its timeout: reported at once, so the word's
+	 * memory can go. */
+	t_fw_init(&w);
+	assert_int_equal(ap_loop_futex_wait(t->l, &w.f, &word, 1, 60000), 0);
+	t_run_for(t, 40);
+	assert_int_equal(w.done, 0);
+	ap_loop_futex_cancel(t->l, &w.f);
+	assert_true(T_RUN_UNTIL(t, w.done == 1));
+	assert_int_equal(w.res, -ECANCELED);
+	t_run_for(t, 60);
+	assert_int_equal(w.done, 1);
+	t_io_free(t);
+}
+
 /* A listener on an ephemeral loopback port, handed to t's loop; its
  * address in *a. */
 static int t_listen_loopback(struct t_io *t, int backlog, struct sockaddr_in *a)
@@ -727,6 +811,7 @@ int main(void)
 		BOTH(test_conn_closed_from_another_callback_gets_no_more_data),
 		BOTH(test_double_close_with_pending_output_reports_once),
 		BOTH(test_eventfd_reader_triggers_on_readable),
+		BOTH(test_futex_wait_completes_once_for_each_outcome),
 		BOTH(test_listener_accepts_with_a_valid_blocking_fd),
 		{ "test_accept_at_the_fd_limit_pauses_sheds_and_resumes(uring)",
 		  test_accept_at_the_fd_limit_pauses_sheds_and_resumes, NULL, t_restore_nofile, (void *)"uring" },

@@ -1,0 +1,973 @@
+/* actor_dp: the BEAM's end of the same-host data plane (issue 13). One
+ * segment (a resource) per (BEAM, pool node) pair: request rings that
+ * submit/6 writes, reply rings that a thread of this library drains and
+ * delivers with enif_send. The layout, doorbells, attach handshake and
+ * record formats are c_src/ring/ap_seg.h's; parsing and the handshake are
+ * in dp_core.c (no erl_nif, tested and fuzzed alone).
+ *
+ * This code runs inside the VM, where a fault kills the node, so:
+ *
+ * - The segment is hostile: the pool node (or anything with its uid that
+ *   maps the memfd) may write any bytes at any time. The BEAM creates the
+ *   segment (a sealed memfd: nobody can shrink it under our mapping), reads
+ *   its own geometry from its own arguments, never from shared memory, and
+ *   reads the peer's indexes and records only through ap_ring (every index
+ *   and length read once and checked; a failed check breaks the ring).
+ *   Replies are copied out before they are parsed (dp_drain). A broken
+ *   ring or a bad header closes the segment with reason bad_segment.
+ *
+ * - Bounded work: a submit tries each request ring's lock once; the reply
+ *   thread drains at most DP_DRAIN_BATCH records per ring per pass and
+ *   waits with a timeout, so it notices the peer's EOF (a socket poll) and
+ *   a close within DP_WAIT_MS.
+ *
+ * - Exactly one answer per ask. An ask is registered (id -> pid, ref)
+ *   under `mu` before its record is published. The reply thread delivers a
+ *   reply while holding `mu` and only if the entry is still there; cancel
+ *   and close take entries out under the same lock. So a cancelled ask
+ *   never gets a message (cancel -> true), and once cancel answers false
+ *   the message is already in the asker's queue (a flush after 0 finds
+ *   it). close answers every pending ask at once with {Ref, {error, R}}.
+ *
+ * - Lifetime. The resource is kept alive by one reference of its own
+ *   (`keep`) while it is open; close/2 or the exit of the owner process
+ *   (a monitor) drops it. The reply thread never drops a reference, so the
+ *   destructor never runs on it; the destructor stops and joins the thread
+ *   (it has already exited, or exits within one wait) and then unmaps.
+ */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <erl_nif.h>
+
+#include "dp_core.h"
+
+#define DP_WAIT_MS 50      /* the reply thread's longest sleep: EOF and close are seen within it */
+#define DP_SPIN 100u       /* pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_FREE_ASKS 1024u /* spare ask entries (each with an env) kept for reuse */
+#define DP_TAB_INIT 256u
+
+struct ask {
+	uint64_t id;
+	ErlNifPid pid;
+	ErlNifEnv *env; /* owns ref */
+	ERL_NIF_TERM ref;
+	struct ask *next;
+};
+
+struct req_ring {
+	struct ap_ring r;
+	atomic_int busy; /* the try-lock: one producer at a time */
+	char pad[64];    /* keep neighbours' locks off this line */
+};
+
+struct dp {
+	struct ap_ring_map map;
+	struct ap_seg seg;
+	struct req_ring *req;
+	struct ap_ring *rep;
+	uint8_t *buf; /* the reply thread's copy of one record */
+	size_t buf_cap;
+	int sock;
+
+	ErlNifMutex *mu; /* the asks, closed, keep, free list */
+	struct ask **tab;
+	uint32_t tab_mask;
+	uint32_t n_asks;
+	struct ask *spare;
+	uint32_t n_spare;
+	int keep; /* the resource holds a reference to itself */
+
+	atomic_int closed;
+	atomic_int stop;
+	atomic_uint_fast64_t next_id;
+	int thread_started;
+	ErlNifTid tid;
+	ErlNifEnv *tenv; /* the reply thread's message env */
+	ErlNifPid owner;
+	ErlNifEnv *penv; /* node, the close reason: terms kept for the segment's life */
+	ERL_NIF_TERM node;
+	ERL_NIF_TERM reason; /* valid once closed */
+	int64_t last_poll;
+
+	atomic_uint_fast64_t n_tells, n_asks_sent, n_stats, n_replies, n_late, n_bad, n_full, n_too_large;
+};
+
+static ErlNifResourceType *g_dp_type;
+static atomic_uint g_next_slot;
+static _Thread_local unsigned tl_slot; /* 0: none yet; else the thread's slot + 1 */
+
+static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, a_stats, a_full, a_too_large,
+	a_closed, a_bad_reply, a_bad_segment, a_nodedown, a_actor_dp, a_down, a_badarg, a_owner_down, a_open,
+	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
+	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
+	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc;
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static ERL_NIF_TERM err_atom(int e)
+{
+	switch (e) {
+	case ECONNREFUSED:
+		return a_econnrefused;
+	case ENOENT:
+		return a_enoent;
+	case ETIMEDOUT:
+		return a_etimedout;
+	case EPERM:
+	case EACCES:
+		return a_eperm;
+	case EPROTO:
+		return a_eproto;
+	case ECONNRESET:
+	case EPIPE:
+		return a_econnreset;
+	case ENOMEM:
+	case ENOSPC:
+		return a_enomem;
+	case EINVAL:
+		return a_einval;
+	case EMFILE:
+	case ENFILE:
+		return a_emfile;
+	default:
+		return 0;
+	}
+}
+
+static ERL_NIF_TERM errno_term(ErlNifEnv *env, int e)
+{
+	ERL_NIF_TERM a = err_atom(e);
+
+	return a ? a : enif_make_tuple2(env, a_errno, enif_make_int(env, e));
+}
+
+static ERL_NIF_TERM error_tuple(ErlNifEnv *env, ERL_NIF_TERM reason)
+{
+	return enif_make_tuple2(env, a_error, reason);
+}
+
+static int get_dp(ErlNifEnv *env, ERL_NIF_TERM t, struct dp **s)
+{
+	return enif_get_resource(env, t, g_dp_type, (void **)s);
+}
+
+static void cnt(atomic_uint_fast64_t *c) { atomic_fetch_add_explicit(c, 1, memory_order_relaxed); }
+
+/* ---- asks (caller holds mu) --------------------------------------------------- */
+
+static struct ask *ask_new(struct dp *s)
+{
+	struct ask *a = s->spare;
+
+	if (a) {
+		s->spare = a->next;
+		s->n_spare--;
+		return a;
+	}
+	a = enif_alloc(sizeof *a);
+	if (!a)
+		return NULL;
+	a->env = enif_alloc_env();
+	if (!a->env) {
+		enif_free(a);
+		return NULL;
+	}
+	return a;
+}
+
+static void ask_free(struct dp *s, struct ask *a)
+{
+	enif_clear_env(a->env);
+	if (s->n_spare < DP_FREE_ASKS) {
+		a->next = s->spare;
+		s->spare = a;
+		s->n_spare++;
+		return;
+	}
+	enif_free_env(a->env);
+	enif_free(a);
+}
+
+static uint32_t slot_of(uint64_t id, uint32_t mask) { return (uint32_t)((id * 0x9e3779b97f4a7c15ull) >> 32) & mask; }
+
+static void tab_grow(struct dp *s)
+{
+	uint32_t n = (s->tab_mask + 1) * 2, mask = n - 1;
+	struct ask **t = enif_alloc(n * sizeof *t);
+
+	if (!t)
+		return; /* chains just get longer */
+	memset(t, 0, n * sizeof *t);
+	for (uint32_t i = 0; i <= s->tab_mask; i++) {
+		struct ask *a = s->tab[i], *next;
+		for (; a; a = next) {
+			next = a->next;
+			a->next = t[slot_of(a->id, mask)];
+			t[slot_of(a->id, mask)] = a;
+		}
+	}
+	enif_free(s->tab);
+	s->tab = t;
+	s->tab_mask = mask;
+}
+
+static void ask_put(struct dp *s, struct ask *a)
+{
+	uint32_t i;
+
+	if (s->n_asks > s->tab_mask && s->tab_mask < (1u << 24))
+		tab_grow(s);
+	i = slot_of(a->id, s->tab_mask);
+	a->next = s->tab[i];
+	s->tab[i] = a;
+	s->n_asks++;
+}
+
+static struct ask *ask_take(struct dp *s, uint64_t id)
+{
+	struct ask **pp = &s->tab[slot_of(id, s->tab_mask)];
+
+	for (; *pp; pp = &(*pp)->next) {
+		struct ask *a = *pp;
+		if (a->id == id) {
+			*pp = a->next;
+			s->n_asks--;
+			return a;
+		}
+	}
+	return NULL;
+}
+
+/* ---- closing ------------------------------------------------------------------ */
+
+/* Closes the segment once, from any thread but the destructor: every
+ * pending ask gets {Ref, {error, Reason}}, the owner (if notify) gets
+ * {actor_dp, Seg, down, Reason}, the pool node sees our closed bit and
+ * EOF. caller_env: the calling NIF's env, or NULL on the reply thread. */
+static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, int notify)
+{
+	ErlNifEnv *m;
+
+	enif_mutex_lock(s->mu);
+	if (atomic_load(&s->closed)) {
+		enif_mutex_unlock(s->mu);
+		return;
+	}
+	s->reason = enif_make_copy(s->penv, reason);
+	atomic_store(&s->closed, 1);
+	m = enif_alloc_env();
+	for (uint32_t i = 0; i <= s->tab_mask; i++) {
+		struct ask *a, *next;
+		for (a = s->tab[i]; a; a = next) {
+			next = a->next;
+			if (m) {
+				ERL_NIF_TERM msg = enif_make_tuple2(m, enif_make_copy(m, a->ref),
+								    error_tuple(m, enif_make_copy(m, s->reason)));
+				/* A send invalidates the env: cleared before reuse, whether
+				 * or not the receiver was alive. */
+				(void)enif_send(caller_env, &a->pid, m, msg);
+				enif_clear_env(m);
+			}
+			a->next = NULL;
+			ask_free(s, a);
+		}
+		s->tab[i] = NULL;
+	}
+	s->n_asks = 0;
+	/* keep is held here (it is dropped only after a shut), so the
+	 * resource cannot be going away while we make a term of it. */
+	if (notify && m && s->keep) {
+		ERL_NIF_TERM msg = enif_make_tuple4(m, a_actor_dp, enif_make_resource(m, s), a_down,
+						    enif_make_copy(m, s->reason));
+		(void)enif_send(caller_env, &s->owner, m, msg);
+		enif_clear_env(m);
+	}
+	enif_mutex_unlock(s->mu);
+	if (m)
+		enif_free_env(m);
+	ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
+	if (s->sock >= 0)
+		shutdown(s->sock, SHUT_RDWR);
+}
+
+/* Drops the resource's reference to itself (close/2, the owner's exit);
+ * never called on the reply thread. */
+static void dp_unkeep(struct dp *s)
+{
+	int drop;
+
+	enif_mutex_lock(s->mu);
+	drop = s->keep;
+	s->keep = 0;
+	enif_mutex_unlock(s->mu);
+	if (drop)
+		enif_release_resource(s);
+}
+
+/* ---- the reply thread ----------------------------------------------------------- */
+
+static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
+{
+	struct dp *s = arg;
+	ERL_NIF_TERM ans;
+	struct ask *a;
+
+	/* Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
+	 * may over distribution. The whole copy must be one term. */
+	if (enif_binary_to_term(s->tenv, term, len, &ans, 0) != len)
+		ans = error_tuple(s->tenv, a_bad_reply);
+	enif_mutex_lock(s->mu);
+	a = ask_take(s, id);
+	if (!a) {
+		/* Counted before the lock is dropped, like a delivery below: a
+		 * caller that saw the effect sees the count. */
+		cnt(&s->n_late);
+		enif_mutex_unlock(s->mu);
+		enif_clear_env(s->tenv);
+		return;
+	}
+	cnt(&s->n_replies);
+	/* A send invalidates the env whatever its result: cleared before the
+	 * next reply is decoded into it. */
+	(void)enif_send(NULL, &a->pid, s->tenv, enif_make_tuple2(s->tenv, enif_make_copy(s->tenv, a->ref), ans));
+	enif_clear_env(s->tenv);
+	ask_free(s, a);
+	enif_mutex_unlock(s->mu);
+}
+
+static int rep_ready(void *arg)
+{
+	struct dp *s = arg;
+
+	if (atomic_load(&s->stop) || atomic_load(&s->closed))
+		return 1;
+	for (uint32_t i = 0; i < s->seg.n_rep; i++)
+		if (ap_ring_readable(&s->rep[i]) > 0)
+			return 1;
+	return 0;
+}
+
+static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
+{
+	dp_shut(s, NULL, reason_in_tenv, 1);
+	enif_clear_env(s->tenv);
+}
+
+static void *reply_thread(void *arg)
+{
+	struct dp *s = arg;
+
+	while (!atomic_load(&s->stop) && !atomic_load(&s->closed)) {
+		int total = 0, rc = 0;
+		int64_t now;
+
+		for (uint32_t i = 0; i < s->seg.n_rep; i++) {
+			struct dp_drain_stats st = { 0, 0 };
+			rc = dp_drain(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, deliver, s, &st);
+			if (st.bad_records)
+				atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
+			if (rc < 0)
+				break;
+			total += rc;
+		}
+		if (rc < 0) {
+			shut_from_thread(s, a_bad_segment);
+			break;
+		}
+		if (!total)
+			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, DP_SPIN, DP_WAIT_MS);
+		/* The peer's EOF: on every timeout, and at least every
+		 * DP_WAIT_MS however busy (or however often a hostile peer
+		 * rings). The closed bit is only a hint to look now. */
+		now = dp_now_ms();
+		if (rc != 0 || now - s->last_poll >= DP_WAIT_MS || (ap_seg_closed(s->seg.hdr) & AP_SEG_CLOSED_NODE)) {
+			s->last_poll = now;
+			if (dp_peer_gone(s->sock)) {
+				shut_from_thread(s, enif_make_tuple2(s->tenv, a_nodedown, s->node));
+				break;
+			}
+		}
+	}
+	return NULL;
+}
+
+/* ---- resource ------------------------------------------------------------------- */
+
+static void dp_dtor(ErlNifEnv *env, void *obj)
+{
+	struct dp *s = obj;
+
+	(void)env;
+	atomic_store(&s->stop, 1);
+	if (s->thread_started) {
+		ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
+		enif_thread_join(s->tid, NULL);
+	}
+	if (s->seg.hdr && !atomic_load(&s->closed))
+		ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
+	if (s->sock >= 0)
+		close(s->sock);
+	if (s->tab) {
+		for (uint32_t i = 0; i <= s->tab_mask; i++) {
+			struct ask *a, *next;
+			for (a = s->tab[i]; a; a = next) {
+				next = a->next;
+				enif_free_env(a->env);
+				enif_free(a);
+			}
+		}
+		enif_free(s->tab);
+	}
+	while (s->spare) {
+		struct ask *a = s->spare;
+		s->spare = a->next;
+		enif_free_env(a->env);
+		enif_free(a);
+	}
+	if (s->map.mem)
+		ap_ring_map_close(&s->map);
+	enif_free(s->req);
+	enif_free(s->rep);
+	enif_free(s->buf);
+	if (s->tenv)
+		enif_free_env(s->tenv);
+	if (s->penv)
+		enif_free_env(s->penv);
+	if (s->mu)
+		enif_mutex_destroy(s->mu);
+}
+
+/* The owner exited: nobody will close the segment, so close it now. */
+static void dp_owner_down(ErlNifEnv *env, void *obj, ErlNifPid *pid, ErlNifMonitor *mon)
+{
+	struct dp *s = obj;
+
+	(void)pid;
+	(void)mon;
+	dp_shut(s, env, a_owner_down, 0);
+	dp_unkeep(s);
+}
+
+/* ---- open ----------------------------------------------------------------------- */
+
+static int get_u64(ErlNifEnv *env, ERL_NIF_TERM t, uint64_t *v)
+{
+	ErlNifUInt64 x;
+
+	if (!enif_get_uint64(env, t, &x))
+		return 0;
+	*v = x;
+	return 1;
+}
+
+/* open_nif(Socket, Token, NodeName, {NReq, ReqBytes, NRep, RepBytes},
+ *          Owner, Node, TimeoutMs) */
+static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	ErlNifBinary sock_name, token, name;
+	const ERL_NIF_TERM *geo;
+	int arity, timeout, rc, sock;
+	uint64_t n_req, req_cap, n_rep, rep_cap;
+	ErlNifPid owner;
+	size_t size;
+	struct dp *s;
+	ERL_NIF_TERM ret;
+
+	(void)argc;
+	if (!enif_inspect_binary(env, argv[0], &sock_name) || !enif_inspect_binary(env, argv[1], &token) ||
+	    token.size != AP_SEG_TOKEN_LEN || !enif_inspect_binary(env, argv[2], &name) ||
+	    !enif_get_tuple(env, argv[3], &arity, &geo) || arity != 4 || !get_u64(env, geo[0], &n_req) ||
+	    !get_u64(env, geo[1], &req_cap) || !get_u64(env, geo[2], &n_rep) || !get_u64(env, geo[3], &rep_cap) ||
+	    !enif_get_local_pid(env, argv[4], &owner) || !enif_is_atom(env, argv[5]) ||
+	    !enif_get_int(env, argv[6], &timeout) || timeout < 0 || n_req > UINT32_MAX || n_rep > UINT32_MAX)
+		return enif_make_badarg(env);
+	if (dp_geom((uint32_t)n_req, req_cap, (uint32_t)n_rep, rep_cap, &size))
+		return error_tuple(env, a_einval);
+
+	s = enif_alloc_resource(g_dp_type, sizeof *s);
+	if (!s)
+		return error_tuple(env, a_enomem);
+	memset(s, 0, sizeof *s);
+	s->sock = -1;
+	s->map.fd = -1;
+	s->owner = owner;
+	s->mu = enif_mutex_create("actor_dp");
+	s->tenv = enif_alloc_env();
+	s->penv = enif_alloc_env();
+	s->tab = enif_alloc(DP_TAB_INIT * sizeof *s->tab);
+	s->req = enif_alloc(n_req * sizeof *s->req);
+	s->rep = enif_alloc(n_rep * sizeof *s->rep);
+	s->buf_cap = ap_ring_max_payload(rep_cap) + 1;
+	s->buf = enif_alloc(s->buf_cap);
+	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->buf) {
+		ret = error_tuple(env, a_enomem);
+		goto out;
+	}
+	memset(s->tab, 0, DP_TAB_INIT * sizeof *s->tab);
+	memset(s->req, 0, n_req * sizeof *s->req);
+	s->tab_mask = DP_TAB_INIT - 1;
+	s->node = enif_make_copy(s->penv, argv[5]);
+	atomic_store(&s->next_id, 1);
+
+	if ((rc = ap_ring_map_create_memfd(&s->map, "actor_dp", size))) {
+		memset(&s->map, 0, sizeof s->map);
+		s->map.fd = -1;
+		ret = error_tuple(env, errno_term(env, -rc));
+		goto out;
+	}
+	if (ap_seg_format(s->map.mem, s->map.size, (uint32_t)n_req, req_cap, (uint32_t)n_rep, rep_cap) ||
+	    ap_seg_parse(&s->seg, s->map.mem, s->map.size)) {
+		ret = error_tuple(env, a_einval);
+		goto out;
+	}
+	/* Our views, attached before the peer sees the memory: nothing in
+	 * them was written by anyone else yet. */
+	for (uint32_t i = 0; i < s->seg.n_req; i++)
+		if (ap_ring_attach_producer(&s->req[i].r, ap_seg_req(&s->seg, i), ap_seg_req_size(&s->seg))) {
+			ret = error_tuple(env, a_einval);
+			goto out;
+		}
+	for (uint32_t i = 0; i < s->seg.n_rep; i++)
+		if (ap_ring_attach_consumer(&s->rep[i], ap_seg_rep(&s->seg, i), ap_seg_rep_size(&s->seg))) {
+			ret = error_tuple(env, a_einval);
+			goto out;
+		}
+	rc = dp_attach(sock_name.data, sock_name.size, token.data, name.data, name.size, s->map.fd,
+		       dp_now_ms() + timeout, &sock);
+	if (rc) {
+		ret = rc > 0 ? error_tuple(env, enif_make_tuple2(env, a_refused, errno_term(env, rc)))
+			     : error_tuple(env, errno_term(env, -rc));
+		goto out;
+	}
+	s->sock = sock;
+	/* The peer has its own fd now; the mapping needs none. */
+	close(s->map.fd);
+	s->map.fd = -1;
+	s->last_poll = dp_now_ms();
+
+	if (enif_monitor_process(env, s, &owner, NULL)) {
+		ret = error_tuple(env, a_noproc);
+		goto out;
+	}
+	enif_keep_resource(s);
+	s->keep = 1;
+	if (enif_thread_create("actor_dp_reply", &s->tid, reply_thread, s, NULL)) {
+		s->keep = 0;
+		enif_release_resource(s);
+		ret = error_tuple(env, a_enomem);
+		goto out;
+	}
+	s->thread_started = 1;
+	ret = enif_make_tuple2(env, a_ok, enif_make_resource(env, s));
+out:
+	enif_release_resource(s);
+	return ret;
+}
+
+/* ---- submit --------------------------------------------------------------------- */
+
+/* The caller's ring: a slot per scheduler thread, handed out in order, so
+ * that with one ring per scheduler each has its own. */
+static uint32_t my_ring(const struct dp *s)
+{
+	if (!tl_slot)
+		tl_slot = atomic_fetch_add(&g_next_slot, 1) + 1;
+	return (tl_slot - 1) % s->seg.n_req;
+}
+
+/* An atom's text as UTF-8 (names travel as UTF-8; OTP 25's API gives
+ * Latin-1). 0 if it is not a Latin-1 atom or too long. */
+static size_t atom_utf8(ErlNifEnv *env, ERL_NIF_TERM a, uint8_t *out, size_t cap)
+{
+	char l1[256];
+	int n = enif_get_atom(env, a, l1, sizeof l1, ERL_NIF_LATIN1);
+	size_t o = 0;
+
+	if (n <= 1)
+		return 0;
+	for (int i = 0; i < n - 1; i++) {
+		uint8_t c = (uint8_t)l1[i];
+		if (o + 2 > cap)
+			return 0;
+		if (c < 0x80) {
+			out[o++] = c;
+		} else {
+			out[o++] = (uint8_t)(0xc0 | c >> 6);
+			out[o++] = (uint8_t)(0x80 | (c & 0x3f));
+		}
+	}
+	return o;
+}
+
+/* submit(Seg, Kind, Dest, Msg, Ref, Ticket) */
+static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	struct dp_req_parts q = { .fence_ring = AP_DP_NO_FENCE };
+	uint8_t name[DP_MAX_DEST_NAME], prefix[5];
+	ErlNifBinary dest_bin = { 0 }, msg_bin = { 0 }, mbin;
+	int own_dest = 0, own_msg = 0, rc;
+	const ERL_NIF_TERM *tk;
+	int arity;
+	uint32_t ring = 0, k;
+	struct req_ring *rr = NULL;
+	struct ask *a = NULL;
+	uint64_t tail = 0;
+	void *p;
+	ERL_NIF_TERM ret;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s))
+		return enif_make_badarg(env);
+	if (enif_is_identical(argv[1], a_tell))
+		q.kind = AP_DP_TELL;
+	else if (enif_is_identical(argv[1], a_ask))
+		q.kind = AP_DP_ASK;
+	else if (enif_is_identical(argv[1], a_stats))
+		q.kind = AP_DP_STATS;
+	else
+		return enif_make_badarg(env);
+	if (q.kind != AP_DP_TELL && !enif_is_ref(env, argv[4]))
+		return enif_make_badarg(env);
+	if (enif_get_tuple(env, argv[5], &arity, &tk)) {
+		ErlNifUInt64 tr, tp;
+		if (arity != 2 || !enif_get_uint64(env, tk[0], &tr) || !enif_get_uint64(env, tk[1], &tp))
+			return enif_make_badarg(env);
+		/* A ticket of another segment's geometry is no fence. */
+		if (tr < s->seg.n_req) {
+			q.fence_ring = (uint32_t)tr;
+			q.fence_pos = tp;
+		}
+	} else if (!enif_is_identical(argv[5], a_undefined)) {
+		return enif_make_badarg(env);
+	}
+	if (enif_is_atom(env, argv[2])) {
+		q.dest_kind = AP_DP_DEST_NAME;
+		q.dest_len = atom_utf8(env, argv[2], name, sizeof name);
+		q.dest = name;
+		if (!q.dest_len)
+			return enif_make_badarg(env);
+	} else if (enif_is_pid(env, argv[2])) {
+		if (!enif_term_to_binary(env, argv[2], &dest_bin))
+			return enif_make_badarg(env);
+		own_dest = 1;
+		q.dest_kind = AP_DP_DEST_PID;
+		q.dest = dest_bin.data + 1;
+		q.dest_len = dest_bin.size - 1;
+	} else {
+		return enif_make_badarg(env);
+	}
+	if (q.kind != AP_DP_STATS) {
+		if (enif_inspect_binary(env, argv[3], &mbin)) {
+			if (mbin.size > UINT32_MAX - 64) {
+				ret = a_too_large;
+				goto done;
+			}
+			dp_binary_prefix(prefix, (uint32_t)mbin.size);
+			q.msg_pre = prefix;
+			q.pre_len = sizeof prefix;
+			q.msg = mbin.data;
+			q.msg_len = mbin.size;
+		} else {
+			if (!enif_term_to_binary(env, argv[3], &msg_bin)) {
+				ret = enif_make_badarg(env);
+				goto done;
+			}
+			own_msg = 1;
+			q.msg = msg_bin.data + 1;
+			q.msg_len = msg_bin.size - 1;
+		}
+	}
+	if ((rc = dp_req_check(&q))) {
+		ret = rc == -EMSGSIZE ? a_too_large : enif_make_badarg(env);
+		goto done;
+	}
+	if (dp_req_len(q.dest_len, q.pre_len + q.msg_len) > ap_ring_max_payload(s->seg.req_cap)) {
+		cnt(&s->n_too_large);
+		ret = a_too_large;
+		goto done;
+	}
+	if (atomic_load(&s->closed)) {
+		ret = a_closed;
+		goto done;
+	}
+	if (q.kind != AP_DP_TELL) {
+		/* Registered before the record is visible: the reply may come
+		 * back before we return. */
+		enif_mutex_lock(s->mu);
+		if (atomic_load(&s->closed) || !(a = ask_new(s))) {
+			enif_mutex_unlock(s->mu);
+			ret = a_closed; /* or no memory for the entry: the caller falls back */
+			goto done;
+		}
+		a->id = atomic_fetch_add(&s->next_id, 1);
+		a->ref = enif_make_copy(a->env, argv[4]);
+		enif_self(env, &a->pid);
+		ask_put(s, a);
+		enif_mutex_unlock(s->mu);
+		q.ask_id = a->id;
+	}
+	/* Our scheduler's ring, or the next free one: another thread may share
+	 * it (dirty schedulers, more schedulers than rings). */
+	ring = my_ring(s);
+	for (k = 0; k < s->seg.n_req; k++) {
+		uint32_t i = (ring + k) % s->seg.n_req;
+		int expect = 0;
+		if (atomic_compare_exchange_strong_explicit(&s->req[i].busy, &expect, 1, memory_order_acquire,
+							    memory_order_relaxed)) {
+			rr = &s->req[i];
+			ring = i;
+			break;
+		}
+	}
+	rc = -EAGAIN;
+	if (rr) {
+		rc = ap_ring_reserve(&rr->r, dp_req_len(q.dest_len, q.pre_len + q.msg_len), &p);
+		if (rc == 0) {
+			if (q.fence_ring == ring)
+				q.fence_ring = AP_DP_NO_FENCE;
+			dp_req_write(p, &q);
+			rc = ap_ring_publish(&rr->r);
+			tail = rr->r.tail;
+		} else {
+			ap_ring_abort(&rr->r);
+		}
+		atomic_store_explicit(&rr->busy, 0, memory_order_release);
+	}
+	if (rc == 0) {
+		ap_seg_notify(s->seg.hdr, AP_SEG_BELL_REQ);
+		cnt(q.kind == AP_DP_TELL ? &s->n_tells : q.kind == AP_DP_ASK ? &s->n_asks_sent : &s->n_stats);
+	} else if (rc == -EPROTO) {
+		/* The pool node moved our ring's head where it cannot be. */
+		dp_shut(s, env, a_bad_segment, 1);
+	} else {
+		cnt(&s->n_full);
+	}
+	if (rc && a) {
+		struct ask *back;
+		enif_mutex_lock(s->mu);
+		back = ask_take(s, a->id);
+		if (back)
+			ask_free(s, back);
+		enif_mutex_unlock(s->mu);
+		/* A close answered the ask meanwhile ({Ref, {error, R}} is on
+		 * its way): the caller must wait for it as for any answer. */
+		if (!back) {
+			ret = enif_make_tuple3(env, a_ok,
+					       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, 0)),
+					       enif_make_uint64(env, q.ask_id));
+			goto done;
+		}
+	}
+	if (rc == -EPROTO)
+		ret = a_closed;
+	else if (rc)
+		ret = a_full;
+	else if (q.kind == AP_DP_TELL)
+		ret = enif_make_tuple2(env, a_ok,
+				       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)));
+	else
+		ret = enif_make_tuple3(env, a_ok,
+				       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
+				       enif_make_uint64(env, q.ask_id));
+done:
+	if (own_dest)
+		enif_release_binary(&dest_bin);
+	if (own_msg)
+		enif_release_binary(&msg_bin);
+	return ret;
+}
+
+/* ---- cancel, consumed, close, info, scribble ------------------------------------- */
+
+static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	ErlNifUInt64 id;
+	struct ask *a;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_get_uint64(env, argv[1], &id))
+		return enif_make_badarg(env);
+	enif_mutex_lock(s->mu);
+	a = ask_take(s, id);
+	if (a)
+		ask_free(s, a);
+	enif_mutex_unlock(s->mu);
+	return a ? a_true : a_false;
+}
+
+static ERL_NIF_TERM nif_consumed(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	const ERL_NIF_TERM *tk;
+	int arity;
+	ErlNifUInt64 ring, pos;
+	uint64_t head;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_get_tuple(env, argv[1], &arity, &tk) || arity != 2 ||
+	    !enif_get_uint64(env, tk[0], &ring) || !enif_get_uint64(env, tk[1], &pos) || ring >= s->seg.n_req)
+		return enif_make_badarg(env);
+	if (atomic_load(&s->closed))
+		return a_closed;
+	/* The peer's head, read once; a hostile value only makes the answer
+	 * wrong, which costs the caller ordering, never memory. */
+	head = __atomic_load_n(&s->req[ring].r.hdr->head, __ATOMIC_ACQUIRE);
+	return head >= pos ? a_true : a_false;
+}
+
+static ERL_NIF_TERM nif_close(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s))
+		return enif_make_badarg(env);
+	dp_shut(s, env, argv[1], 0);
+	dp_unkeep(s);
+	return a_ok;
+}
+
+static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	ERL_NIF_TERM k[16], v[16], map;
+	unsigned n = 0;
+	uint32_t pending;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s))
+		return enif_make_badarg(env);
+	enif_mutex_lock(s->mu);
+	pending = s->n_asks;
+	enif_mutex_unlock(s->mu);
+#define KV(key, val) (k[n] = (key), v[n++] = (val))
+#define C(c) enif_make_uint64(env, atomic_load_explicit(&s->c, memory_order_relaxed))
+	KV(a_state, atomic_load(&s->closed) ? a_closed : a_open);
+	KV(a_tells, C(n_tells));
+	KV(a_asks, C(n_asks_sent));
+	KV(a_stats, C(n_stats));
+	KV(a_replies, C(n_replies));
+	KV(a_late, C(n_late));
+	KV(a_bad_records, C(n_bad));
+	KV(a_full, C(n_full));
+	KV(a_too_large, C(n_too_large));
+	KV(a_pending, enif_make_uint(env, pending));
+	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
+	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
+	KV(a_req_bytes, enif_make_uint64(env, s->seg.req_cap));
+	KV(a_rep_bytes, enif_make_uint64(env, s->seg.rep_cap));
+	KV(a_size, enif_make_uint64(env, s->map.size));
+#undef C
+#undef KV
+	if (!enif_make_map_from_arrays(env, k, v, n, &map))
+		return enif_make_badarg(env);
+	return map;
+}
+
+/* A test hook: writes bytes into the live segment, as a hostile or
+ * broken pool node could. */
+static ERL_NIF_TERM nif_scribble(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	ErlNifUInt64 off;
+	ErlNifBinary b;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_get_uint64(env, argv[1], &off) || !enif_inspect_binary(env, argv[2], &b) ||
+	    off > s->map.size || b.size > s->map.size - off)
+		return error_tuple(env, a_badarg);
+	memcpy((uint8_t *)s->map.mem + off, b.data, b.size);
+	return a_ok;
+}
+
+static ERL_NIF_TERM nif_loaded(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	(void)env;
+	(void)argc;
+	(void)argv;
+	return a_true;
+}
+
+/* ---- load ------------------------------------------------------------------------ */
+
+static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
+{
+	ErlNifResourceTypeInit init = { .dtor = dp_dtor, .down = dp_owner_down };
+
+	(void)priv;
+	(void)info;
+#define ATOM(name) a_##name = enif_make_atom(env, #name)
+	ATOM(ok);
+	ATOM(error);
+	ATOM(true);
+	ATOM(false);
+	ATOM(undefined);
+	ATOM(tell);
+	ATOM(ask);
+	ATOM(stats);
+	ATOM(full);
+	ATOM(too_large);
+	ATOM(closed);
+	ATOM(bad_reply);
+	ATOM(bad_segment);
+	ATOM(nodedown);
+	ATOM(actor_dp);
+	ATOM(down);
+	ATOM(badarg);
+	ATOM(owner_down);
+	ATOM(open);
+	ATOM(state);
+	ATOM(tells);
+	ATOM(asks);
+	ATOM(replies);
+	ATOM(late);
+	ATOM(bad_records);
+	ATOM(pending);
+	ATOM(req_rings);
+	ATOM(rep_rings);
+	ATOM(req_bytes);
+	ATOM(rep_bytes);
+	ATOM(size);
+	ATOM(refused);
+	ATOM(errno);
+	ATOM(econnrefused);
+	ATOM(etimedout);
+	ATOM(eperm);
+	ATOM(eproto);
+	ATOM(econnreset);
+	ATOM(enomem);
+	ATOM(einval);
+	ATOM(emfile);
+	ATOM(enoent);
+	ATOM(noproc);
+#undef ATOM
+	g_dp_type = enif_open_resource_type_x(env, "actor_dp_seg", &init, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER,
+					      NULL);
+	return g_dp_type ? 0 : -1;
+}
+
+static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM info)
+{
+	(void)old_priv;
+	return load(env, priv, info);
+}
+
+static ErlNifFunc funcs[] = {
+	{"open_nif", 7, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
+	{"submit", 6, nif_submit, 0},
+	{"cancel", 2, nif_cancel, 0},
+	{"consumed", 2, nif_consumed, 0},
+	{"close", 2, nif_close, 0},
+	{"info", 1, nif_info, 0},
+	{"scribble", 3, nif_scribble, 0},
+	{"loaded", 0, nif_loaded, 0},
+};
+
+ERL_NIF_INIT(actor_dp, funcs, load, NULL, upgrade, NULL)

@@ -1,0 +1,949 @@
+/* ring_ingress: the pool node's side of the same-host data plane
+ * (c_src/ring/ap_seg.h is the contract; docs/runtime.md, "Ring ingress").
+ *
+ *  - An abstract AF_UNIX socket and a random token, both drawn at start
+ *    and handed out by the manager (dp_info) over distribution.
+ *  - An attach thread: accepts, runs each handshake (SO_PEERCRED, hello,
+ *    memfd, ap_seg_parse, ack) without ever blocking on one peer (poll,
+ *    a deadline each, at most DP_MAX_ATTACHING at once, at most
+ *    DP_MAX_SEGS segments attached), then watches every attached socket
+ *    for EOF. It hands segments to the loop with ap_node_call_on_loop.
+ *  - The loop thread is the one consumer of every request ring: it drains
+ *    them (records validated, fences followed, dispatched through
+ *    ap_pool_dispatch), woken by an io_uring FUTEX_WAIT on the segment's
+ *    request bell or, on epoll, by a waiter thread per segment; and before
+ *    sleeping it spins briefly over its segments when they were busy.
+ *  - Replies go into the segment's reply rings, from workers (a mutex per
+ *    ring) and from the loop (errors; never waiting).
+ *
+ * A segment is reference counted (ap_dp_seg_get/put): the registry, the
+ * attach thread's socket, an armed wait (uring) or waiter thread (epoll),
+ * each wake-up posted to the loop, and each ring ask in a mailbox. Detached
+ * (peer EOF, a broken ring, the peer's closed bit) means: out of the
+ * registry, no more reads, replies dropped; the memory goes with the last
+ * reference, so an armed io_uring wait is cancelled and reaped first.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "ap_log.h"
+#include "ap_seg.h"
+#include "ap_term.h"
+#include "ap_time.h"
+#include "pool_int.h"
+#include "ring_ingress.h"
+
+#define DP_MAX_ATTACHING 64  /* handshakes in progress at once */
+#define DP_MAX_SEGS 256      /* segments attached at once */
+#define DP_WAIT_MS 1000      /* a bell wait's timeout: a hostile peer may never ring */
+#define DP_REPLY_WAIT_MS 1000 /* a worker waits this long for room in a full reply ring */
+#define DP_SPIN 200          /* pause rounds over the segments before the loop sleeps */
+#define DP_SPIN_HOT_MS 2     /* ... only while records came this recently */
+#define DP_BUDGET 4096       /* records per ring per drain: distribution is not starved */
+#define DP_LOG_GAP_MS 1000   /* bad-record log lines, at most one per segment per second */
+
+struct dp_rep {
+	pthread_mutex_t mu;
+	struct ap_ring r;
+};
+
+struct ap_dp_seg {
+	_Atomic int refs;
+	_Atomic int dead; /* detached: replies are dropped */
+	_Atomic int rep_broken; /* a reply ring broke: the detach is on its way */
+	uint32_t id;
+	struct ap_ring_map map;
+	struct ap_seg s;
+	struct ap_ring *req; /* n_req consumer views: loop thread only */
+	uint8_t *busy;       /* per request ring: being drained (fences never re-enter it) */
+	struct dp_rep *rep;  /* n_rep producer views */
+	char peer[AP_SEG_MAX_NAME + 1];
+	uint32_t os_pid;
+	/* attach thread */
+	int sock;
+	_Atomic int close_req; /* the loop asks the attach thread to close sock */
+	/* loop thread */
+	int slot;            /* in the registry; -1 once detached */
+	ap_io_futex fw;      /* io_uring: the wait on req_bell */
+	int fw_armed;
+	int64_t last_bad_ms;
+	uint64_t bad, dropped_replies;
+	/* epoll: the waiter thread */
+	_Atomic int stop;
+	_Atomic uint32_t posted; /* a wake-up is queued for the loop; the waiter waits for it to clear */
+};
+
+static struct {
+	ap_node *n;
+	int enabled;
+	int uring;
+	struct sockaddr_un addr;
+	socklen_t addr_len;
+	char name[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* abstract: name[0] == 0 */
+	size_t name_len;
+	uint8_t token[AP_SEG_TOKEN_LEN];
+	int lfd, efd;
+	pthread_t th;
+	_Atomic int nsegs; /* attached or being handed over: the cap's count */
+	uint32_t next_id;
+	/* loop thread */
+	struct ap_dp_seg *segs[DP_MAX_SEGS];
+	int n_live;
+	int64_t hot_until_ms;
+	ap_buf copy; /* a record copied out of shared memory */
+} dp = { .lfd = -1, .efd = -1 };
+
+static void detach(struct ap_dp_seg *sg, const char *why);
+
+/* ---- references ------------------------------------------------------------ */
+
+void ap_dp_seg_get(struct ap_dp_seg *sg) { atomic_fetch_add_explicit(&sg->refs, 1, memory_order_relaxed); }
+
+static void seg_free(struct ap_dp_seg *sg)
+{
+	if (sg->rep)
+		for (uint32_t i = 0; i < sg->s.n_rep; i++)
+			pthread_mutex_destroy(&sg->rep[i].mu);
+	free(sg->rep);
+	free(sg->req);
+	free(sg->busy);
+	ap_ring_map_close(&sg->map);
+	free(sg);
+}
+
+void ap_dp_seg_put(struct ap_dp_seg *sg)
+{
+	if (atomic_fetch_sub_explicit(&sg->refs, 1, memory_order_acq_rel) == 1) {
+		atomic_fetch_sub(&dp.nsegs, 1);
+		seg_free(sg);
+	}
+}
+
+/* ---- replies ----------------------------------------------------------------- */
+
+/* {error, Reason} (no 131 byte) in tmp; Reason is one of our own short
+ * atoms. The length. */
+static size_t enc_error(char tmp[64], const char *reason)
+{
+	int i = 0;
+	ei_encode_tuple_header(tmp, &i, 2);
+	ei_encode_atom(tmp, &i, "error");
+	ei_encode_atom_len(tmp, &i, reason, strnlen(reason, 40));
+	return (size_t)i;
+}
+
+static void rep_broken(ap_node *n, void *arg)
+{
+	(void)n;
+	struct ap_dp_seg *sg = arg;
+	detach(sg, "a reply ring is broken");
+	ap_dp_seg_put(sg);
+}
+
+/* Writes one reply record into rr (locked by the caller). wait_ms: how
+ * long to wait for room. 0, or -ETIMEDOUT / -EPROTO / -EMSGSIZE. */
+static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_t len, int wait_ms)
+{
+	void *p;
+	int r = ap_ring_reserve(&rr->r, sizeof(struct ap_dp_rep) + len, &p);
+	if (r == -EAGAIN && wait_ms > 0) {
+		r = ap_ring_wait_space(&rr->r, sizeof(struct ap_dp_rep) + len, AP_RING_DEFAULT_SPIN, wait_ms);
+		if (r == 0)
+			r = ap_ring_reserve(&rr->r, sizeof(struct ap_dp_rep) + len, &p);
+	}
+	if (r == -EAGAIN)
+		r = -ETIMEDOUT;
+	if (r)
+		return r;
+	struct ap_dp_rep h = { .ask_id = ask_id, .len = (uint32_t)len };
+	memcpy(p, &h, sizeof h);
+	memcpy((uint8_t *)p + sizeof h, term, len);
+	return ap_ring_publish(&rr->r) < 0 ? -EPROTO : 0;
+}
+
+static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len, int loop)
+{
+	if (atomic_load_explicit(&sg->dead, memory_order_acquire))
+		return;
+	uint32_t n_rep = sg->s.n_rep;
+	struct dp_rep *rr = NULL;
+	if (loop) {
+		/* The loop never waits on a worker that waits for the BEAM:
+		 * the first reply ring that is free now. */
+		for (uint32_t k = 0; k < n_rep && !rr; k++) {
+			struct dp_rep *c = &sg->rep[(ring + k) % n_rep];
+			if (pthread_mutex_trylock(&c->mu) == 0)
+				rr = c;
+		}
+		if (!rr) {
+			ap_log(AP_LOG_WARNING, "ring reply to %s dropped: every reply ring is busy", sg->peer);
+			return;
+		}
+	} else {
+		rr = &sg->rep[ring % n_rep];
+		pthread_mutex_lock(&rr->mu);
+	}
+	char big[64];
+	if (len > ap_ring_max_payload(sg->s.rep_cap) - sizeof(struct ap_dp_rep)) {
+		len = enc_error(big, "reply_too_large");
+		term = big;
+	}
+	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, loop ? 0 : DP_REPLY_WAIT_MS);
+	pthread_mutex_unlock(&rr->mu);
+	if (r == 0) {
+		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
+	} else if (r == -EPROTO) {
+		/* Once: every later reply is dropped at once, not logged, while
+		 * the loop gets round to the detach. */
+		atomic_store_explicit(&sg->dead, 1, memory_order_release);
+		if (!atomic_exchange(&sg->rep_broken, 1)) {
+			ap_log(AP_LOG_WARNING, "reply ring of %s is broken; detaching it", sg->peer);
+			ap_dp_seg_get(sg);
+			if (ap_node_call_on_loop(dp.n, rep_broken, sg))
+				ap_dp_seg_put(sg);
+		}
+	} else if (r != -EPIPE) {
+		ap_log(AP_LOG_WARNING, "ring reply to %s dropped: %s", sg->peer,
+		       r == -ETIMEDOUT ? "its reply ring stayed full" : strerror(-r));
+	}
+}
+
+void ap_dp_reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len)
+{
+	reply(sg, ring, ask_id, term, len, 0);
+}
+
+void ap_dp_reply_error_loop(struct ap_dp_seg *sg, uint64_t ask_id, const char *reason)
+{
+	char tmp[64];
+	size_t len = enc_error(tmp, reason);
+	reply(sg, (unsigned)(ask_id % sg->s.n_rep), ask_id, tmp, len, 1);
+}
+
+/* ---- the ingress: records -> requests (loop thread) -------------------------- */
+
+static void bad_record(struct ap_dp_seg *sg, uint32_t ring, const char *why)
+{
+	sg->bad++;
+	int64_t now = ap_node_now_ms(dp.n);
+	if (now - sg->last_bad_ms >= DP_LOG_GAP_MS || sg->bad == 1) {
+		sg->last_bad_ms = now;
+		ap_log(AP_LOG_WARNING, "bad ring record from %s (ring %u): %s; skipped (%llu so far)", sg->peer, ring,
+		       why, (unsigned long long)sg->bad);
+	}
+}
+
+/* The pool a destination names (*pool NULL: nobody by that name or pid),
+ * or -1 when the destination is not a name or pid at all (a bad record). */
+static int resolve(const struct ap_dp_req *h, const char *dest, ap_pool **pool)
+{
+	*pool = NULL;
+	if (h->dest_kind == AP_DP_DEST_NAME) {
+		char name[MAXATOMLEN_UTF8];
+		if (h->dest_len < 1 || h->dest_len >= sizeof name || memchr(dest, 0, h->dest_len))
+			return -1;
+		memcpy(name, dest, h->dest_len);
+		name[h->dest_len] = 0;
+		*pool = ap_pool_find(dp.n, name, NULL);
+		return 0;
+	}
+	erlang_pid pid;
+	int i = 0, type, size;
+	if (ap_term_end(dest, h->dest_len, 0) != (int)h->dest_len || ei_get_type(dest, &i, &type, &size) ||
+	    type != ERL_PID_EXT || ei_decode_pid(dest, &i, &pid))
+		return -1;
+	*pool = ap_pool_find(dp.n, NULL, &pid);
+	return 0;
+}
+
+static int drain_to(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int depth);
+
+/* One record of request ring `ring`: its payload p (shared memory, len
+ * bytes read once and checked by the ring). */
+static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t len, int depth)
+{
+	struct ap_dp_req h;
+	if (len < sizeof h) {
+		bad_record(sg, ring, "shorter than its header");
+		return;
+	}
+	memcpy(&h, p, sizeof h);
+	if (len != sizeof h + (size_t)h.dest_len + h.msg_len) {
+		bad_record(sg, ring, "lengths do not add up");
+		return;
+	}
+	if ((h.kind != AP_DP_TELL && h.kind != AP_DP_ASK && h.kind != AP_DP_STATS) ||
+	    (h.dest_kind != AP_DP_DEST_NAME && h.dest_kind != AP_DP_DEST_PID)) {
+		bad_record(sg, ring, "unknown kind");
+		return;
+	}
+	/* The process's earlier records, in another ring, go first. */
+	if (h.fence_ring != AP_DP_NO_FENCE && h.fence_ring != ring && h.fence_ring < sg->s.n_req &&
+	    depth < AP_SEG_MAX_FENCE_DEPTH && !sg->busy[h.fence_ring]) {
+		if (drain_to(sg, h.fence_ring, h.fence_pos, depth + 1) < 0)
+			return; /* that ring broke: the segment is detached */
+	}
+	/* Copied out first: the peer may still change the bytes while they are
+	 * checked and queued. */
+	size_t body = len - sizeof h;
+	dp.copy.len = 0;
+	if (ap_buf_append(&dp.copy, p + sizeof h, body)) {
+		if (h.kind != AP_DP_TELL)
+			ap_dp_reply_error_loop(sg, h.ask_id, "enomem");
+		return;
+	}
+	const char *dest = (const char *)dp.copy.data, *msg = dest + h.dest_len;
+	ap_pool *pool;
+	if (resolve(&h, dest, &pool)) {
+		bad_record(sg, ring, "the destination is not a name or a pid");
+		return;
+	}
+	if (h.kind == AP_DP_STATS) {
+		if (!pool) {
+			ap_dp_reply_error_loop(sg, h.ask_id, "noproc");
+			return;
+		}
+		ei_x_buff x;
+		if (ei_x_new(&x))
+			return;
+		ap_pool_encode_stats(pool, &x);
+		reply(sg, (unsigned)(h.ask_id % sg->s.n_rep), h.ask_id, x.buff, (size_t)x.index, 1);
+		ei_x_free(&x);
+		return;
+	}
+	if (h.msg_len == 0 || h.msg_len > INT32_MAX || ap_term_end(msg, h.msg_len, 0) != (int)h.msg_len) {
+		bad_record(sg, ring, "the message is not one whole term");
+		return;
+	}
+	if (!pool) {
+		if (h.kind == AP_DP_ASK)
+			ap_dp_reply_error_loop(sg, h.ask_id, "noproc");
+		return; /* a tell to nobody is dropped, as distribution drops it */
+	}
+	ap_pool_dispatch(pool, &(ap_request){ .kind = h.kind == AP_DP_ASK ? AP_REQ_ASK : AP_REQ_TELL, .seg = sg,
+					      .ask_id = h.ask_id, .msg = msg, .msg_len = (int)h.msg_len });
+}
+
+/* Reads ring `ring` while its read position is before upto, at most
+ * budget records. The number handled, or -1 if the ring broke (then the
+ * segment is detached). */
+static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int budget, int depth)
+{
+	struct ap_ring *r = &sg->req[ring];
+	int done = 0;
+	sg->busy[ring] = 1;
+	while (done < budget && r->pos < upto && sg->slot >= 0) {
+		const void *p;
+		size_t len;
+		int rc = ap_ring_read(r, &p, &len);
+		if (rc == -EAGAIN)
+			break;
+		if (rc < 0) {
+			sg->busy[ring] = 0;
+			ap_log(AP_LOG_WARNING, "request ring %u of %s is broken (%s)", ring, sg->peer, strerror(-rc));
+			detach(sg, "a request ring is broken");
+			return -1;
+		}
+		handle(sg, ring, p, len, depth);
+		done++;
+	}
+	sg->busy[ring] = 0;
+	if (sg->slot >= 0)
+		ap_ring_release(r);
+	return sg->slot >= 0 ? done : -1;
+}
+
+/* A fence: ring up to upto. Those records were committed before the one
+ * carrying the fence, so this never waits; an empty ring ends it (a stale
+ * or hostile fence). Bounded: at most cap bytes lie before upto. */
+static int drain_to(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int depth)
+{
+	return drain_ring(sg, ring, upto, INT32_MAX, depth);
+}
+
+/* Every request ring of sg once: the records handled, or -1 (detached). */
+static int drain_seg_ref(struct ap_dp_seg *sg)
+{
+	int total = 0;
+	if (sg->slot < 0)
+		return -1;
+	if (ap_seg_closed(sg->s.hdr) & AP_SEG_CLOSED_BEAM) {
+		/* The BEAM left in order: what it published before is read. */
+		for (uint32_t i = 0; i < sg->s.n_req; i++)
+			if (drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0) < 0)
+				return -1;
+		ap_pool_wake_all_pushed();
+		detach(sg, "the BEAM closed it");
+		return -1;
+	}
+	for (uint32_t i = 0; i < sg->s.n_req; i++) {
+		int k = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0);
+		if (k < 0) {
+			ap_pool_wake_all_pushed();
+			return -1;
+		}
+		total += k;
+	}
+	ap_pool_wake_all_pushed();
+	if (total)
+		dp.hot_until_ms = ap_node_now_ms(dp.n) + DP_SPIN_HOT_MS;
+	return total;
+}
+
+/* A detach inside drops the registry's reference while the drain still
+ * uses sg: it holds one of its own. */
+static int drain_seg(struct ap_dp_seg *sg)
+{
+	ap_dp_seg_get(sg);
+	int r = drain_seg_ref(sg);
+	ap_dp_seg_put(sg);
+	return r;
+}
+
+/* Anything committed and not yet read, by the shared indexes (any thread:
+ * no view is touched). */
+static int seg_pending(struct ap_dp_seg *sg)
+{
+	for (uint32_t i = 0; i < sg->s.n_req; i++) {
+		struct ap_ring_hdr *h = sg->req[i].hdr;
+		if (__atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&h->head, __ATOMIC_ACQUIRE))
+			return 1;
+	}
+	return 0;
+}
+
+/* ---- wake-ups: io_uring ------------------------------------------------------- */
+
+static void fw_done(ap_io_futex *f, int res);
+
+/* Sleep protocol of ap_seg.h: raise the flag, look again, then wait. */
+static void arm(struct ap_dp_seg *sg)
+{
+	for (int tries = 0; tries < 4 && sg->slot >= 0 && !sg->fw_armed; tries++) {
+		uint32_t *word, expected;
+		ap_seg_sleep_begin(sg->s.hdr, AP_SEG_BELL_REQ, &word, &expected);
+		if (seg_pending(sg)) {
+			ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
+			if (drain_seg(sg) < 0)
+				return;
+			continue;
+		}
+		ap_dp_seg_get(sg); /* the armed wait's */
+		int r = ap_node_futex_wait(dp.n, &sg->fw, word, expected, DP_WAIT_MS);
+		if (r) {
+			ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
+			ap_dp_seg_put(sg);
+			ap_log(AP_LOG_ERROR, "cannot wait on the bell of %s: %s", sg->peer, strerror(-r));
+			return;
+		}
+		sg->fw_armed = 1;
+	}
+	/* Still busy after a few drains: the idle spin picks it up, and the
+	 * next drain that finds it empty arms (dp_idle). */
+}
+
+static void fw_done(ap_io_futex *f, int res)
+{
+	struct ap_dp_seg *sg = f->arg;
+	(void)res; /* woken, stale, timed out, cancelled: look again either way */
+	sg->fw_armed = 0;
+	if (sg->slot >= 0) {
+		ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
+		if (drain_seg(sg) >= 0)
+			arm(sg);
+	}
+	ap_dp_seg_put(sg);
+}
+
+/* ---- wake-ups: epoll (a waiter thread per segment) ---------------------------- */
+
+static int waiter_ready(void *arg)
+{
+	struct ap_dp_seg *sg = arg;
+	return atomic_load(&sg->stop) || seg_pending(sg);
+}
+
+static void posted_drain(ap_node *n, void *arg)
+{
+	(void)n;
+	struct ap_dp_seg *sg = arg;
+	drain_seg(sg);
+	atomic_store(&sg->posted, 0);
+	ap_ring_futex_wake((uint32_t *)&sg->posted, 1);
+	ap_dp_seg_put(sg);
+}
+
+static void *waiter_main(void *arg)
+{
+	struct ap_dp_seg *sg = arg;
+	char tname[16];
+	snprintf(tname, sizeof tname, "dp-wait/%u", sg->id);
+	pthread_setname_np(pthread_self(), tname);
+	while (!atomic_load(&sg->stop)) {
+		int r = ap_seg_wait(sg->s.hdr, AP_SEG_BELL_REQ, waiter_ready, sg, 0, DP_WAIT_MS);
+		if (atomic_load(&sg->stop))
+			break;
+		if (r == -ETIMEDOUT)
+			continue;
+		if (r < 0 && r != -EINTR) {
+			ap_log(AP_LOG_ERROR, "waiter of %s: %s", sg->peer, strerror(-r));
+			break;
+		}
+		/* Ready, or the BEAM closed: the loop drains (and detaches). One
+		 * wake-up queued at a time; wait until the loop took it. */
+		atomic_store(&sg->posted, 1);
+		ap_dp_seg_get(sg);
+		if (ap_node_call_on_loop(dp.n, posted_drain, sg)) {
+			atomic_store(&sg->posted, 0);
+			ap_dp_seg_put(sg);
+		}
+		while (atomic_load(&sg->posted) && !atomic_load(&sg->stop))
+			ap_ring_futex_wait((uint32_t *)&sg->posted, 1, DP_WAIT_MS);
+	}
+	ap_dp_seg_put(sg);
+	return NULL;
+}
+
+/* ---- registry (loop thread) ------------------------------------------------------ */
+
+static void seg_added(ap_node *n, void *arg)
+{
+	(void)n;
+	struct ap_dp_seg *sg = arg; /* carries the registry's reference */
+	int slot = -1;
+	for (int i = 0; i < DP_MAX_SEGS; i++)
+		if (!dp.segs[i]) {
+			slot = i;
+			break;
+		}
+	if (slot < 0 || atomic_load(&sg->dead)) {
+		atomic_store(&sg->dead, 1);
+		atomic_store(&sg->close_req, 1);
+		uint64_t one = 1;
+		(void)!write(dp.efd, &one, sizeof one);
+		ap_dp_seg_put(sg);
+		return;
+	}
+	sg->slot = slot;
+	dp.segs[slot] = sg;
+	dp.n_live++;
+	ap_log(AP_LOG_INFO, "ring segment %u attached: %s (os pid %u), %u request rings of %llu bytes, %u reply rings of %llu bytes, wake-ups by %s",
+	       sg->id, sg->peer, sg->os_pid, sg->s.n_req, (unsigned long long)sg->s.req_cap, sg->s.n_rep,
+	       (unsigned long long)sg->s.rep_cap, dp.uring ? "io_uring futex wait" : "waiter thread");
+	sg->fw.done = fw_done;
+	sg->fw.arg = sg;
+	if (dp.uring) {
+		arm(sg);
+		return;
+	}
+	pthread_t th;
+	ap_dp_seg_get(sg); /* the waiter's */
+	if (pthread_create(&th, NULL, waiter_main, sg)) {
+		ap_dp_seg_put(sg);
+		detach(sg, "no thread for its waiter");
+		return;
+	}
+	pthread_detach(th);
+	drain_seg(sg); /* records published before the waiter slept */
+}
+
+/* Loop thread: out of the registry, replies dropped, wait cancelled, the
+ * socket closed (by the attach thread), the registry's reference dropped. */
+static void detach(struct ap_dp_seg *sg, const char *why)
+{
+	if (sg->slot < 0)
+		return;
+	ap_log(AP_LOG_INFO, "ring segment %u of %s detached: %s (%llu bad records)", sg->id, sg->peer, why,
+	       (unsigned long long)sg->bad);
+	dp.segs[sg->slot] = NULL;
+	dp.n_live--;
+	sg->slot = -1;
+	atomic_store_explicit(&sg->dead, 1, memory_order_release);
+	ap_seg_close(sg->s.hdr, AP_SEG_CLOSED_NODE);
+	if (sg->fw_armed)
+		ap_node_futex_cancel(dp.n, &sg->fw); /* its completion drops the wait's reference */
+	atomic_store(&sg->stop, 1);
+	atomic_store(&sg->posted, 0);
+	ap_ring_futex_wake((uint32_t *)&sg->posted, 1);
+	atomic_store(&sg->close_req, 1);
+	uint64_t one = 1;
+	(void)!write(dp.efd, &one, sizeof one);
+	ap_dp_seg_put(sg);
+}
+
+static void peer_gone(ap_node *n, void *arg)
+{
+	(void)n;
+	struct ap_dp_seg *sg = arg;
+	detach(sg, "its socket closed");
+	ap_dp_seg_put(sg); /* the attach thread's */
+}
+
+/* Before the loop sleeps: drain what came since, spinning a little while
+ * the segments are busy, so a stream of records costs no wake-up each. */
+static int dp_idle(ap_node *n, void *arg)
+{
+	(void)arg;
+	if (!dp.n_live)
+		return 0;
+	int spin = ap_node_now_ms(n) < dp.hot_until_ms ? DP_SPIN : 1;
+	for (int k = 0; k < spin; k++) {
+		int found = 0;
+		for (int i = 0; i < DP_MAX_SEGS; i++) {
+			struct ap_dp_seg *sg = dp.segs[i];
+			if (sg && seg_pending(sg) && drain_seg(sg) > 0)
+				found = 1;
+		}
+		if (found)
+			return 1;
+		ap_ring_cpu_relax();
+	}
+	if (dp.uring)
+		for (int i = 0; i < DP_MAX_SEGS; i++)
+			if (dp.segs[i] && !dp.segs[i]->fw_armed)
+				arm(dp.segs[i]);
+	return 0;
+}
+
+/* ---- the attach thread ---------------------------------------------------------- */
+
+struct attaching {
+	int fd;
+	int64_t deadline_ms;
+	int stage; /* 0 hello, 1 name, 2 fd */
+	size_t got;
+	struct ap_seg_hello hello;
+	char name[AP_SEG_MAX_NAME + 1];
+};
+
+static int send_ack(int fd, uint32_t status)
+{
+	struct ap_seg_ack a = { .magic = AP_SEG_HELLO_MAGIC, .status = status };
+	return send(fd, &a, sizeof a, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)sizeof a ? 0 : -1;
+}
+
+static void refuse(struct attaching *a, uint32_t status, const char *why)
+{
+	ap_log(AP_LOG_WARNING, "ring attach%s%s refused: %s", a->stage > 0 ? " of " : "", a->stage > 0 ? a->name : "",
+	       why);
+	if (status)
+		(void)send_ack(a->fd, status);
+	close(a->fd);
+	a->fd = -1;
+}
+
+static int token_ok(const uint8_t *t)
+{
+	uint8_t d = 0;
+	for (int i = 0; i < AP_SEG_TOKEN_LEN; i++)
+		d |= (uint8_t)(t[i] ^ dp.token[i]);
+	return d == 0;
+}
+
+/* Maps and parses the segment in mfd, attaches every ring. 0, or a
+ * positive errno for the ack. */
+static uint32_t make_seg(struct attaching *a, int mfd, struct ap_dp_seg **out)
+{
+	struct ap_dp_seg *sg = calloc(1, sizeof *sg);
+	if (!sg) {
+		close(mfd);
+		return ENOMEM;
+	}
+	sg->map.fd = -1;
+	int r = ap_ring_map_open_fd(&sg->map, mfd, AP_SEG_HDR_SIZE);
+	if (r) {
+		close(mfd);
+		free(sg);
+		return (uint32_t)-r;
+	}
+	uint32_t st = EINVAL;
+	if (ap_seg_parse(&sg->s, sg->map.mem, sg->map.size))
+		goto fail;
+	sg->req = calloc(sg->s.n_req, sizeof *sg->req);
+	sg->busy = calloc(sg->s.n_req, 1);
+	sg->rep = calloc(sg->s.n_rep, sizeof *sg->rep);
+	if (!sg->req || !sg->busy || !sg->rep) {
+		st = ENOMEM;
+		goto fail;
+	}
+	for (uint32_t i = 0; i < sg->s.n_req; i++)
+		if (ap_ring_attach_consumer(&sg->req[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)))
+			goto fail;
+	for (uint32_t i = 0; i < sg->s.n_rep; i++)
+		if (ap_ring_attach_producer(&sg->rep[i].r, ap_seg_rep(&sg->s, i), ap_seg_rep_size(&sg->s)))
+			goto fail;
+	for (uint32_t i = 0; i < sg->s.n_rep; i++)
+		pthread_mutex_init(&sg->rep[i].mu, NULL);
+	memcpy(sg->peer, a->name, sizeof sg->peer);
+	sg->os_pid = a->hello.os_pid;
+	sg->slot = -1;
+	sg->id = ++dp.next_id;
+	*out = sg;
+	return 0;
+fail:
+	free(sg->req);
+	free(sg->busy);
+	free(sg->rep);
+	ap_ring_map_close(&sg->map);
+	free(sg);
+	return st;
+}
+
+/* One step of a handshake, when its socket is readable. */
+static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattached)
+{
+	ssize_t k;
+	if (a->stage == 0) {
+		k = recv(a->fd, (uint8_t *)&a->hello + a->got, sizeof a->hello - a->got, MSG_DONTWAIT);
+		if (k <= 0) {
+			if (k < 0 && (errno == EAGAIN || errno == EINTR))
+				return;
+			refuse(a, 0, "closed during the hello");
+			return;
+		}
+		a->got += (size_t)k;
+		if (a->got < sizeof a->hello)
+			return;
+		if (a->hello.magic != AP_SEG_HELLO_MAGIC || a->hello.version != AP_SEG_VERSION) {
+			refuse(a, EPROTO, "not a hello of this version");
+			return;
+		}
+		if (!token_ok(a->hello.token)) {
+			refuse(a, EACCES, "wrong token");
+			return;
+		}
+		if (a->hello.name_len > AP_SEG_MAX_NAME) {
+			refuse(a, EPROTO, "node name too long");
+			return;
+		}
+		a->stage = 1;
+		a->got = 0;
+	}
+	if (a->stage == 1) {
+		/* Exactly name_len bytes: the fd rides on the next one. */
+		if (a->got < a->hello.name_len) {
+			k = recv(a->fd, a->name + a->got, a->hello.name_len - a->got, MSG_DONTWAIT);
+			if (k <= 0) {
+				if (k < 0 && (errno == EAGAIN || errno == EINTR))
+					return;
+				refuse(a, 0, "closed during the hello");
+				return;
+			}
+			a->got += (size_t)k;
+			if (a->got < a->hello.name_len)
+				return;
+		}
+		a->name[a->hello.name_len] = 0;
+		a->stage = 2;
+	}
+	int mfd;
+	int r = ap_ring_recv_fd(a->fd, &mfd);
+	if (r == -EAGAIN || r == -EINTR)
+		return;
+	if (r) {
+		refuse(a, EPROTO, r == -ECONNRESET ? "closed before it sent the segment" : "no segment fd");
+		return;
+	}
+	if (atomic_load(&dp.nsegs) >= DP_MAX_SEGS) {
+		close(mfd);
+		refuse(a, EMFILE, "too many segments attached");
+		return;
+	}
+	struct ap_dp_seg *sg = NULL;
+	uint32_t st = make_seg(a, mfd, &sg);
+	if (st) {
+		refuse(a, st, "the segment is not valid");
+		return;
+	}
+	if (send_ack(a->fd, 0)) {
+		refuse(a, 0, "cannot answer");
+		seg_free(sg);
+		return;
+	}
+	sg->sock = a->fd;
+	a->fd = -1;
+	atomic_fetch_add(&dp.nsegs, 1);
+	atomic_store(&sg->refs, 2); /* the attach thread's socket, the registry's */
+	attached[(*nattached)++] = sg;
+	if (ap_node_call_on_loop(dp.n, seg_added, sg)) {
+		atomic_store(&sg->dead, 1);
+		atomic_store(&sg->close_req, 1);
+		uint64_t one = 1;
+		(void)!write(dp.efd, &one, sizeof one); /* so the next poll returns */
+		ap_dp_seg_put(sg);
+	}
+}
+
+static void *attach_main(void *arg)
+{
+	(void)arg;
+	pthread_setname_np(pthread_self(), "dp-attach");
+	static struct attaching att[DP_MAX_ATTACHING];
+	static struct ap_dp_seg *segs[DP_MAX_SEGS];
+	static struct pollfd pfd[2 + DP_MAX_ATTACHING + DP_MAX_SEGS];
+	int natt = 0, nseg = 0;
+	for (;;) {
+		int64_t now = ap_mono_ms(), next = -1;
+		int np = 0;
+		pfd[np++] = (struct pollfd){ .fd = dp.efd, .events = POLLIN };
+		pfd[np++] = (struct pollfd){ .fd = natt < DP_MAX_ATTACHING ? dp.lfd : -1, .events = POLLIN };
+		for (int i = 0; i < natt; i++) {
+			pfd[np++] = (struct pollfd){ .fd = att[i].fd, .events = POLLIN };
+			if (next < 0 || att[i].deadline_ms < next)
+				next = att[i].deadline_ms;
+		}
+		for (int i = 0; i < nseg; i++)
+			pfd[np++] = (struct pollfd){ .fd = segs[i]->sock, .events = POLLIN | POLLRDHUP };
+		int tmo = next < 0 ? -1 : next <= now ? 0 : (int)(next - now);
+		int r = poll(pfd, (nfds_t)np, tmo);
+		if (r < 0 && errno != EINTR)
+			break;
+		now = ap_mono_ms();
+		if (pfd[0].revents) {
+			uint64_t v;
+			(void)!read(dp.efd, &v, sizeof v);
+		}
+		/* Sockets first, in the order polled; the lists change after. */
+		int base = 2, polled_segs = nseg; /* step may add segments: not polled yet */
+		for (int i = 0; i < natt; i++) {
+			if (pfd[base + i].revents)
+				step(&att[i], segs, &nseg);
+			else if (att[i].fd >= 0 && now >= att[i].deadline_ms)
+				refuse(&att[i], ETIMEDOUT, "handshake timed out");
+		}
+		base += natt;
+		for (int i = 0; i < nseg; i++) {
+			struct ap_dp_seg *sg = segs[i];
+			int gone = atomic_load(&sg->close_req);
+			if (i < polled_segs && (pfd[base + i].revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
+				char junk[256];
+				ssize_t k = recv(sg->sock, junk, sizeof junk, MSG_DONTWAIT);
+				if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR))
+					gone = 2; /* EOF or error: the peer is gone */
+			}
+			if (!gone)
+				continue;
+			close(sg->sock);
+			sg->sock = -1;
+			segs[i] = NULL;
+			if (gone == 2) {
+				if (ap_node_call_on_loop(dp.n, peer_gone, sg))
+					ap_dp_seg_put(sg);
+			} else {
+				ap_dp_seg_put(sg);
+			}
+		}
+		int w = 0;
+		for (int i = 0; i < nseg; i++)
+			if (segs[i])
+				segs[w++] = segs[i];
+		nseg = w;
+		w = 0;
+		for (int i = 0; i < natt; i++)
+			if (att[i].fd >= 0)
+				att[w++] = att[i];
+		natt = w;
+		/* New connections last (their slots were not polled). */
+		if (pfd[1].revents & POLLIN) {
+			while (natt < DP_MAX_ATTACHING) {
+				int fd = accept4(dp.lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+				if (fd < 0)
+					break;
+				struct ucred cr;
+				socklen_t cl = sizeof cr;
+				if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) || cr.uid != geteuid()) {
+					ap_log(AP_LOG_WARNING, "ring attach refused: peer of another user");
+					(void)send_ack(fd, EPERM);
+					close(fd);
+					continue;
+				}
+				att[natt++] = (struct attaching){ .fd = fd, .deadline_ms = now + AP_SEG_ATTACH_TIMEOUT_MS };
+			}
+		}
+	}
+	ap_log(AP_LOG_ERROR, "ring attach thread stopped: %s", strerror(errno));
+	return NULL;
+}
+
+/* ---- start and dp_info -------------------------------------------------------- */
+
+int ap_dp_start(ap_node *n, int enabled)
+{
+	dp.n = n;
+	if (!enabled) {
+		ap_log(AP_LOG_INFO, "same-host rings: disabled (--no-fast-path)");
+		return 0;
+	}
+	uint8_t rnd[8];
+	if (getrandom(dp.token, sizeof dp.token, 0) != (ssize_t)sizeof dp.token ||
+	    getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
+		ap_log(AP_LOG_ERROR, "same-host rings: no random bytes (%s)", strerror(errno));
+		return -1;
+	}
+	char hex[2 * sizeof rnd + 1];
+	for (size_t i = 0; i < sizeof rnd; i++)
+		snprintf(hex + 2 * i, 3, "%02x", rnd[i]);
+	/* "\0actor_pool.<node>.<os pid>.<hex>"; a long node name is cut so the
+	 * pid and the random part always fit. */
+	char body[sizeof dp.name];
+	int k = snprintf(body, sizeof body, "actor_pool.%.60s.%d.%s", ap_node_name(n), (int)getpid(), hex);
+	if (k < 0 || (size_t)k >= sizeof body - 1)
+		return -1;
+	dp.name[0] = 0;
+	memcpy(dp.name + 1, body, (size_t)k);
+	dp.name_len = (size_t)k + 1;
+	dp.addr.sun_family = AF_UNIX;
+	memcpy(dp.addr.sun_path, dp.name, dp.name_len);
+	dp.addr_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + dp.name_len);
+	dp.lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	dp.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (dp.lfd < 0 || dp.efd < 0 || bind(dp.lfd, (struct sockaddr *)&dp.addr, dp.addr_len) ||
+	    listen(dp.lfd, 128)) {
+		ap_log(AP_LOG_ERROR, "same-host rings: cannot listen (%s); distribution only", strerror(errno));
+		goto off;
+	}
+	dp.uring = ap_node_futex_supported(n);
+	if (pthread_create(&dp.th, NULL, attach_main, NULL)) {
+		ap_log(AP_LOG_ERROR, "same-host rings: no attach thread; distribution only");
+		goto off;
+	}
+	pthread_detach(dp.th);
+	ap_node_set_idle(n, dp_idle, NULL);
+	dp.enabled = 1;
+	ap_log(AP_LOG_INFO, "same-host rings: listening on @%s, wake-ups by %s", body,
+	       dp.uring ? "io_uring futex waits" : "waiter threads");
+	return 0;
+off:
+	if (dp.lfd >= 0)
+		close(dp.lfd);
+	if (dp.efd >= 0)
+		close(dp.efd);
+	dp.lfd = dp.efd = -1;
+	return 0;
+}
+
+void ap_dp_encode_info(ei_x_buff *x)
+{
+	ei_x_encode_tuple_header(x, 2);
+	if (!dp.enabled) {
+		ei_x_encode_atom(x, "error");
+		ei_x_encode_atom(x, "disabled");
+		return;
+	}
+	ei_x_encode_atom(x, "ok");
+	ei_x_encode_map_header(x, 2);
+	ei_x_encode_atom(x, "socket");
+	ei_x_encode_binary(x, dp.name, (long)dp.name_len);
+	ei_x_encode_atom(x, "token");
+	ei_x_encode_binary(x, dp.token, sizeof dp.token);
+}

@@ -1,0 +1,20 @@
+/* ring_ingress.h: what the pool node's main (pool_node.c) needs of the
+ * same-host data plane (ring_ingress.c). */
+#ifndef AP_RING_INGRESS_H
+#define AP_RING_INGRESS_H
+
+#include <ei.h>
+
+#include "ap_node.h"
+
+/* At start, before the loop runs: the listen socket, the token, the
+ * attach thread, the loop's idle hook. enabled 0 (--no-fast-path): none
+ * of it, and dp_info answers {error, disabled}. A failure to listen is
+ * logged and leaves the node on distribution only. 0, or -1 (no random
+ * bytes: the node should not start). */
+int ap_dp_start(ap_node *n, int enabled);
+/* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
+ * token => <<_:16/binary>>}} or {error, disabled}. */
+void ap_dp_encode_info(ei_x_buff *x);
+
+#endif

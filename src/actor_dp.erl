@@ -1,0 +1,204 @@
+%% @doc The BEAM's end of the same-host data plane (issue 13), in a NIF.
+%%
+%% A segment ({@link seg()}) joins this BEAM to one pool node on the same
+%% host: request rings this module writes (one per scheduler), reply rings
+%% a thread of the NIF library drains, delivering `{Ref, Answer}' to the
+%% asker with `enif_send'. The layout and the attach handshake are
+%% `c_src/ring/ap_seg.h''s; `docs/same-host-transport.md' has the design.
+%% This module is thin: routing, lanes and ordering across transports are
+%% `actor_pool''s.
+%%
+%% The pool node is not trusted: whatever it writes in the segment yields
+%% errors (`bad_records' counted, the segment closed with `bad_segment'),
+%% never a VM crash.
+%%
+%% Lifetime: a segment stays open until {@link close/2}, the pool node's
+%% end (EOF on the attach socket, a broken ring: the owner gets
+%% `{actor_dp, Seg, down, Reason}' and every pending ask
+%% `{Ref, {error, Reason}}'), or the exit of its owner process. Its memory
+%% is freed once it is closed and no term refers to it.
+%%
+%% The NIF library is `priv/actor_dp.so' (or the file named by the
+%% environment variable `ACTOR_DP_NIF', without its extension: the ASan
+%% build in tests). If it cannot be loaded the module still loads, with a
+%% warning: {@link loaded/0} is then `false' and the other functions raise
+%% `error:not_loaded'.
+-module(actor_dp).
+
+-export([open/3]).
+-export([submit/6]).
+-export([cancel/2]).
+-export([consumed/2]).
+-export([close/2]).
+-export([info/1]).
+-export([scribble/3]).
+-export([loaded/0]).
+
+-export_type([seg/0, ticket/0, ask_id/0, open_opts/0, open_error/0, info/0]).
+
+-on_load(init/0).
+
+-opaque seg() :: reference().
+%% A segment (a NIF resource).
+
+-opaque ticket() :: {non_neg_integer(), non_neg_integer()}.
+%% Where a submit's record went (request ring, position after it).
+
+-type ask_id() :: non_neg_integer().
+
+-type open_opts() :: #{req_rings => pos_integer(),
+                       req_bytes => pos_integer(),
+                       rep_rings => pos_integer(),
+                       rep_bytes => pos_integer(),
+                       owner => pid(),
+                       node => atom(),
+                       timeout => non_neg_integer()}.
+%% `req_rings' (default: the number of schedulers) request rings of
+%% `req_bytes' (a power of two, default 1 MiB) each; `rep_rings' (default
+%% 2) reply rings of `rep_bytes' (default 4 MiB); `owner' (default the
+%% caller) gets `{actor_dp, Seg, down, Reason}' and its exit closes the
+%% segment; `node' (default `undefined') is the pool node, for the
+%% `{nodedown, Node}' answers; `timeout' bounds the attach (default 2000 ms).
+
+-type open_error() :: econnrefused | enoent | etimedout | eperm | eproto | econnreset | enomem
+                    | einval | emfile | noproc | {refused, atom() | {errno, integer()}}
+                    | {errno, integer()}.
+%% `econnrefused': no such socket (the pool node is gone or runs without
+%% the fast path); `eperm': the socket belongs to another user;
+%% `{refused, Why}': the pool node refused the attach (`eperm': bad
+%% token; `emfile': too many segments); `einval': a bad geometry.
+
+-type info() :: #{state := open | closed,
+                  tells := non_neg_integer(),
+                  asks := non_neg_integer(),
+                  stats := non_neg_integer(),
+                  replies := non_neg_integer(),
+                  late := non_neg_integer(),
+                  bad_records := non_neg_integer(),
+                  full := non_neg_integer(),
+                  too_large := non_neg_integer(),
+                  pending := non_neg_integer(),
+                  req_rings := pos_integer(),
+                  rep_rings := pos_integer(),
+                  req_bytes := pos_integer(),
+                  rep_bytes := pos_integer(),
+                  size := pos_integer()}.
+%% Counters since open: records submitted per kind, replies delivered,
+%% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
+%% (reply records with a bad header, skipped), `full' and `too_large'
+%% (submits refused), `pending' asks now; and the geometry.
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc Creates a segment and attaches it to the pool node listening on
+%% `Socket' (an abstract AF_UNIX name, `<<0, Name/binary>>') with `Token'
+%% (16 bytes), both from the pool node's `dp_info'. Runs on a dirty I/O
+%% scheduler; bounded by the `timeout' option.
+-spec open(Socket :: binary(), Token :: binary(), Opts :: open_opts()) ->
+          {ok, seg()} | {error, open_error()}.
+open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts) ->
+    Geometry = {maps:get(req_rings, Opts, erlang:system_info(schedulers)),
+                maps:get(req_bytes, Opts, 1 bsl 20),
+                maps:get(rep_rings, Opts, 2),
+                maps:get(rep_bytes, Opts, 4 bsl 20)},
+    open_nif(Socket, Token, atom_to_binary(node(), utf8), Geometry,
+             maps:get(owner, Opts, self()), maps:get(node, Opts, undefined),
+             maps:get(timeout, Opts, 2000)).
+
+%% @doc Writes one request into this scheduler's request ring (or another
+%% free one) and rings the pool node. `Dest' is the pool's registered name
+%% (a Latin-1 atom) or pid. A binary `Msg' travels as itself; another term
+%% as its external format. `Ref' (a reference, for `ask' and `stats'; else
+%% ignored) is what the answer `{Ref, Answer}' carries. `Ticket' is the
+%% caller's previous ticket for this segment (or `undefined'): when it
+%% names another ring the record carries a fence, so the pool node reads
+%% that ring up to it first and the caller's order holds.
+%%
+%% `full': no room in the ring now (yield and retry, or give up);
+%% `too_large': over the ring's record size; `closed': the segment is
+%% closed. An ask is answered exactly once, unless cancelled.
+-spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
+             Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
+          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed.
+submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Forgets a pending ask: `true' if it was still pending (no answer
+%% will ever be sent), `false' if its answer was already sent (it is in the
+%% asker's mailbox: flush it) or the id is unknown.
+-spec cancel(Seg :: seg(), AskId :: ask_id()) -> boolean().
+cancel(_Seg, _AskId) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Whether the pool node has read everything up to `Ticket' (its
+%% consumer has passed it); `closed' once the segment is closed.
+-spec consumed(Seg :: seg(), Ticket :: ticket()) -> boolean() | closed.
+consumed(_Seg, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Closes the segment: every pending ask gets `{Ref, {error, Reason}}'
+%% at once, the reply thread stops, the pool node sees EOF, later submits
+%% return `closed'. Idempotent.
+-spec close(Seg :: seg(), Reason :: term()) -> ok.
+close(_Seg, _Reason) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Counters and geometry (see {@link info()}).
+-spec info(Seg :: seg()) -> info().
+info(_Seg) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc A TEST HOOK: writes `Bin' at byte `Offset' of the live segment, as a
+%% broken or hostile pool node could. `{error, badarg}' past the end.
+-spec scribble(Seg :: seg(), Offset :: non_neg_integer(), Bin :: binary()) -> ok | {error, badarg}.
+scribble(_Seg, _Offset, _Bin) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Whether the NIF library is loaded.
+-spec loaded() -> boolean().
+loaded() ->
+    false.
+
+%% ===================================================================
+%% Internal functions
+%% ===================================================================
+
+-spec open_nif(binary(), binary(), binary(),
+               {pos_integer(), pos_integer(), pos_integer(), pos_integer()},
+               pid(), atom(), non_neg_integer()) -> {ok, seg()} | {error, open_error()}.
+open_nif(_Socket, _Token, _Name, _Geometry, _Owner, _Node, _Timeout) ->
+    erlang:nif_error(not_loaded).
+
+%% @private
+-spec init() -> ok.
+init() ->
+    Path = nif_path(),
+    case erlang:load_nif(Path, 0) of
+        ok ->
+            ok;
+        {error, {Reason, Text}} ->
+            logger:warning("actor_dp: cannot load ~ts: ~0p: ~ts; "
+                           "the same-host fast path is disabled",
+                           [Path, Reason, Text]),
+            ok
+    end.
+
+-spec nif_path() -> file:filename().
+nif_path() ->
+    case os:getenv("ACTOR_DP_NIF") of
+        Path when is_list(Path), Path =/= "" ->
+            filename:rootname(Path, ".so");
+        _ ->
+            case code:priv_dir(actor_pool) of
+                {error, bad_name} ->
+                    Ebin = case code:which(?MODULE) of
+                               Beam when is_list(Beam) -> filename:dirname(Beam);
+                               _ -> "."
+                           end,
+                    filename:join([Ebin, "..", "priv", "actor_dp"]);
+                Priv ->
+                    filename:join(Priv, "actor_dp")
+            end
+    end.

@@ -1,0 +1,589 @@
+%% The data plane NIF (actor_dp) against real peers.
+%%
+%% - The pool-node end of c_src/test/dp_peer.c (priv/test/actor_dp_peer):
+%%   the real ring library, driven over its stdin (pause, answer modes,
+%%   refuse), so the cases that need a misbehaving or stalled pool node can
+%%   have one: replies that are no term or lie about their length, a full
+%%   request ring, a kill -9 with asks pending.
+%% - The pool node itself (actor_dp_pool_node_test_): the application's
+%%   pool node, attached through its manager's dp_info, asks and tells to
+%%   an echo pool, the node killed under pending asks.
+%%
+%% Every peer is stopped by its OS pid and checked gone.
+-module(actor_dp_tests).
+
+-include_lib("eunit/include/eunit.hrl").
+
+-export([asks_are_answered_with_their_ref/1,
+         tells_stats_and_consumed/1,
+         unknown_pool_is_noproc/1,
+         cancel_before_the_reply_means_no_message/1,
+         cancel_after_the_reply_is_false_and_late_replies_are_dropped/1,
+         close_answers_every_pending_ask_at_once/1,
+         peer_killed_answers_pending_asks_promptly/1,
+         bad_replies_are_errors_not_crashes/1,
+         scribbled_reply_ring_closes_with_bad_segment/1,
+         scribbling_anywhere_never_crashes/1,
+         full_ring_and_too_large/1,
+         owner_exit_closes_the_segment/1,
+         refused_and_failed_attaches/1,
+         segments_are_freed_no_fd_leaks/1,
+         bad_arguments_are_badarg/1,
+         many_answers_in_a_row_arrive_whole/1,
+         pool_node_answers_asks_tells_and_stats/1,
+         pool_node_cancel_and_close_leave_no_reply_behind/1,
+         pool_node_scribbled_segment_is_errors_not_crashes/1,
+         pool_node_killed_answers_64_pending_asks_promptly/1]).
+
+-define(T, 5000).
+
+%% ===================================================================
+%% Against actor_dp_peer
+%% ===================================================================
+
+actor_dp_peer_test_() ->
+    [{atom_to_list(Name), {timeout, 60, fun() -> with_peer(Name) end}}
+      || Name <- [asks_are_answered_with_their_ref,
+                  tells_stats_and_consumed,
+                  unknown_pool_is_noproc,
+                  cancel_before_the_reply_means_no_message,
+                  cancel_after_the_reply_is_false_and_late_replies_are_dropped,
+                  close_answers_every_pending_ask_at_once,
+                  peer_killed_answers_pending_asks_promptly,
+                  bad_replies_are_errors_not_crashes,
+                  scribbled_reply_ring_closes_with_bad_segment,
+                  scribbling_anywhere_never_crashes,
+                  full_ring_and_too_large,
+                  owner_exit_closes_the_segment,
+                  refused_and_failed_attaches,
+                  segments_are_freed_no_fd_leaks,
+                  bad_arguments_are_badarg,
+                  many_answers_in_a_row_arrive_whole]].
+
+%% The peer's port belongs to the process that runs the case.
+with_peer(Name) ->
+    P = peer_start(),
+    try ?MODULE:Name(P)
+    after peer_stop(P)
+    end.
+
+%% ===================================================================
+%% Against the pool node the application starts
+%% ===================================================================
+
+actor_dp_pool_node_test_() ->
+    {setup, fun pool_setup/0, fun pool_cleanup/1,
+     fun(Ctx) ->
+             [{atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}
+              || Name <- [pool_node_answers_asks_tells_and_stats,
+                          pool_node_cancel_and_close_leave_no_reply_behind,
+                          pool_node_scribbled_segment_is_errors_not_crashes,
+                          %% last: the node restarts afterwards
+                          pool_node_killed_answers_64_pending_asks_promptly]]
+     end}.
+
+nif_is_loaded_test() ->
+    ?assert(actor_dp:loaded()),
+    %% under make eunit-asan: the sanitized build is the one mapped
+    case os:getenv("ACTOR_DP_NIF") of
+        Path when is_list(Path), Path =/= "" ->
+            {ok, Maps} = file:read_file("/proc/self/maps"),
+            ?assertMatch({_, _}, binary:match(Maps, list_to_binary(Path)));
+        _ ->
+            ok
+    end.
+
+asks_are_answered_with_their_ref(P) ->
+    Seg = open(P, #{req_rings => 1}),
+    Node = atom_to_binary(node(), utf8),
+    expect(P, <<"attached ", Node/binary>>),
+    Msgs = [<<"bin">>, {a, tuple, [1, 2.5, "str"]}, <<>>, binary:copy(<<7>>, 100000), self()],
+    Refs = [begin
+                Ref = make_ref(),
+                {ok, {0, _}, Id} = actor_dp:submit(Seg, ask, echo, M, Ref, undefined),
+                ?assert(is_integer(Id)),
+                {Ref, M}
+            end || M <- Msgs],
+    [receive {Ref, R} -> ?assertEqual({ok, M}, R) after ?T -> error({no_reply, M}) end
+     || {Ref, M} <- Refs],
+    #{asks := 5, replies := 5, pending := 0, late := 0, bad_records := 0, state := open,
+      req_rings := 1, rep_rings := 2} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+tells_stats_and_consumed(P) ->
+    Seg = open(P, #{req_rings => 2}),
+    {ok, {R1, Pos1} = T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
+    {ok, {R1, Pos2} = T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
+    ?assert(Pos2 > Pos1),
+    R1B = integer_to_binary(R1),
+    expect(P, <<"tell 1 ring ", R1B/binary, " fence none">>),
+    %% the same ring as the ticket: no fence needed
+    expect(P, <<"tell 2 ring ", R1B/binary, " fence none">>),
+    ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, T2) end, ?T),
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, stats, echo, undefined, Ref, T2),
+    receive {Ref, Stats} -> ?assertEqual(#{tells => 2, asks => 0}, Stats)
+    after ?T -> error(no_stats)
+    end,
+    #{tells := 2, stats := 1} = actor_dp:info(Seg),
+    %% a ticket of the other ring (the caller moved): the record carries it
+    Other = 1 - R1,
+    {ok, {R1, _}} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, {Other, 4242}),
+    expect(P, iolist_to_binary(["tell 3 ring ", R1B, " fence ", integer_to_binary(Other), " 4242"])),
+    ok = actor_dp:close(Seg, done),
+    closed = actor_dp:consumed(Seg, T2),
+    closed = actor_dp:submit(Seg, tell, echo, <<"late">>, undefined, T2).
+
+unknown_pool_is_noproc(P) ->
+    Seg = open(P, #{}),
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, no_such_pool, hi, Ref, undefined),
+    receive {Ref, R} -> ?assertEqual({error, noproc}, R) after ?T -> error(no_reply) end,
+    ok = actor_dp:close(Seg, done).
+
+cancel_before_the_reply_means_no_message(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "pause"),
+    Ref = make_ref(),
+    {ok, _, Id} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    ?assert(actor_dp:cancel(Seg, Id)),
+    ?assertNot(actor_dp:cancel(Seg, Id)),
+    cmd(P, "resume"),
+    %% The reply comes and is dropped: counted late, never sent.
+    ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+    receive {Ref, _} = Late -> error({late_reply_delivered, Late}) after 0 -> ok end,
+    ok = actor_dp:close(Seg, done).
+
+cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode twice"),
+    Ref = make_ref(),
+    {ok, _, Id} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    receive {Ref, {ok, hi}} -> ok after ?T -> error(no_reply) end,
+    ?assertNot(actor_dp:cancel(Seg, Id)),
+    ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+    receive {Ref, _} = Twice -> error({second_reply_delivered, Twice}) after 0 -> ok end,
+    #{replies := 1} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+close_answers_every_pending_ask_at_once(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode silent"),
+    Refs = [begin
+                Ref = make_ref(),
+                {ok, _, _} = actor_dp:submit(Seg, ask, echo, N, Ref, undefined),
+                Ref
+            end || N <- lists:seq(1, 20)],
+    ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 20 end, ?T),
+    ok = actor_dp:close(Seg, {nodedown, x@y}),
+    [receive {Ref, R} -> ?assertEqual({error, {nodedown, x@y}}, R) after 0 -> error(not_at_once) end
+     || Ref <- Refs],
+    ok = actor_dp:close(Seg, again),
+    #{state := closed, pending := 0} = actor_dp:info(Seg),
+    closed = actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined),
+    %% the pool node's end sees EOF
+    expect(P, <<"detached">>),
+    receive {Ref2, _} = Extra when is_reference(Ref2) -> error({extra, Extra}) after 0 -> ok end.
+
+peer_killed_answers_pending_asks_promptly(P) ->
+    Seg = open(P, #{node => pool@here}),
+    cmd(P, "mode silent"),
+    Refs = [begin
+                Ref = make_ref(),
+                {ok, _, _} = actor_dp:submit(Seg, ask, echo, N, Ref, undefined),
+                Ref
+            end || N <- lists:seq(1, 64)],
+    ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 64 end, ?T),
+    T0 = erlang:monotonic_time(millisecond),
+    kill_peer(P),
+    %% promptly: EOF is seen within the reply thread's wait (50 ms), far
+    %% under any ask timeout
+    [receive {Ref, R} -> ?assertEqual({error, {nodedown, pool@here}}, R) after 1000 -> error(hung) end
+     || Ref <- Refs],
+    ?assert(erlang:monotonic_time(millisecond) - T0 < 1000),
+    receive {actor_dp, Seg, down, Why} -> ?assertEqual({nodedown, pool@here}, Why)
+    after 1000 -> error(owner_not_told)
+    end,
+    #{state := closed} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+bad_replies_are_errors_not_crashes(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode bad_term"),
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    receive {Ref, R} -> ?assertEqual({error, bad_reply}, R) after ?T -> error(no_reply) end,
+    cmd(P, "mode bad_len"),
+    Ref2 = make_ref(),
+    {ok, _, Id2} = actor_dp:submit(Seg, ask, echo, hi, Ref2, undefined),
+    ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 1 end, ?T),
+    %% the record was skipped, the ask is still pending, the segment lives
+    ?assert(actor_dp:cancel(Seg, Id2)),
+    %% a compressed answer would have the decoder allocate what it claims
+    cmd(P, "mode compressed"),
+    {ok, _, Id4} = actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined),
+    ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 2 end, ?T),
+    ?assert(actor_dp:cancel(Seg, Id4)),
+    cmd(P, "mode echo"),
+    Ref3 = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, again, Ref3, undefined),
+    receive {Ref3, R3} -> ?assertEqual({ok, again}, R3) after ?T -> error(no_reply) end,
+    #{state := open} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+scribbled_reply_ring_closes_with_bad_segment(P) ->
+    ReqBytes = 4096,
+    Seg = open(P, #{req_rings => 2, req_bytes => ReqBytes, rep_rings => 1, rep_bytes => 4096}),
+    cmd(P, "mode silent"),
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    ap_test_util:wait_until(fun() -> maps:get(asks, actor_dp:info(Seg)) =:= 1 end, ?T),
+    %% reply ring 0's tail (line 1 of its header): far past head + cap
+    RepRing = 256 + 2 * (256 + ReqBytes),
+    ok = actor_dp:scribble(Seg, RepRing + 64, <<(1 bsl 40):64/little>>),
+    receive {Ref, R} -> ?assertEqual({error, bad_segment}, R) after ?T -> error(no_answer) end,
+    receive {actor_dp, Seg, down, Why} -> ?assertEqual(bad_segment, Why) after ?T -> error(not_told) end,
+    closed = actor_dp:submit(Seg, tell, echo, hi, undefined, undefined),
+    ok = actor_dp:close(Seg, done).
+
+scribbling_anywhere_never_crashes(P) ->
+    Seg = open(P, #{req_rings => 2, req_bytes => 4096, rep_rings => 2, rep_bytes => 4096}),
+    #{size := Size} = actor_dp:info(Seg),
+    {error, badarg} = actor_dp:scribble(Seg, Size, <<1>>),
+    {error, badarg} = actor_dp:scribble(Seg, Size - 1, <<1, 2>>),
+    ok = actor_dp:scribble(Seg, Size - 1, <<1>>),
+    rand:seed(exsss, {13, 17, 19}),
+    Self = self(),
+    %% random bytes at random places while asks and tells go both ways
+    Scribbler = spawn_link(fun() -> scribble_loop(Seg, Size, 2000), Self ! scribbled end),
+    Results = [actor_dp:submit(Seg, ask, echo, N, make_ref(), undefined) || N <- lists:seq(1, 300)],
+    receive scribbled -> ok after 30000 -> error(scribbler_stuck) end,
+    ?assertNot(is_process_alive(Scribbler)),
+    [?assert(is_tuple(R) andalso element(1, R) =:= ok orelse lists:member(R, [full, closed])) || R <- Results],
+    %% the segment either lives or was closed with bad_segment; the VM lives
+    #{state := State} = actor_dp:info(Seg),
+    ?assert(lists:member(State, [open, closed])),
+    ok = actor_dp:close(Seg, done),
+    flush_all().
+
+scribble_loop(_Seg, _Size, 0) ->
+    ok;
+scribble_loop(Seg, Size, N) ->
+    Len = rand:uniform(16),
+    Off = rand:uniform(Size - Len) - 1,
+    ok = actor_dp:scribble(Seg, Off, rand:bytes(Len)),
+    scribble_loop(Seg, Size, N - 1).
+
+full_ring_and_too_large(P) ->
+    Seg = open(P, #{req_rings => 1, req_bytes => 4096}),
+    cmd(P, "pause"),
+    too_large = actor_dp:submit(Seg, tell, echo, binary:copy(<<0>>, 2048), undefined, undefined),
+    Last = fill(Seg, undefined, 0),
+    #{full := Full, too_large := 1} = actor_dp:info(Seg),
+    ?assert(Full >= 1),
+    ?assertNot(actor_dp:consumed(Seg, Last)),
+    cmd(P, "resume"),
+    ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+    {ok, _} = actor_dp:submit(Seg, tell, echo, <<"room again">>, undefined, Last),
+    ok = actor_dp:close(Seg, done).
+
+fill(Seg, Ticket, N) when N < 1000 ->
+    case actor_dp:submit(Seg, tell, echo, binary:copy(<<1>>, 200), undefined, Ticket) of
+        {ok, T} -> fill(Seg, T, N + 1);
+        full -> Ticket
+    end.
+
+owner_exit_closes_the_segment(P) ->
+    Self = self(),
+    Owner = spawn(fun() -> receive stop -> ok end end),
+    Seg = open(P, #{owner => Owner}),
+    cmd(P, "mode silent"),
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    MRef = monitor(process, Owner),
+    Owner ! stop,
+    receive {'DOWN', MRef, process, Owner, _} -> ok end,
+    receive {Ref, R} -> ?assertEqual({error, owner_down}, R) after ?T -> error(no_answer) end,
+    #{state := closed} = actor_dp:info(Seg),
+    expect(P, <<"detached">>),
+    Self = self().
+
+refused_and_failed_attaches(P) ->
+    #{socket := Sock, token := Token} = P,
+    cmd(P, "refuse"),
+    ?assertEqual({error, {refused, eperm}}, actor_dp:open(Sock, Token, #{})),
+    expect(P, <<"refused">>),
+    %% a wrong token: the pool node drops the connection without an ack
+    Bad = crypto:strong_rand_bytes(16),
+    ?assertEqual({error, econnreset}, actor_dp:open(Sock, Bad, #{})),
+    %% nobody listening under that name
+    ?assertEqual({error, econnrefused}, actor_dp:open(<<0, "actor_dp_nobody">>, Token, #{})),
+    ?assertEqual({error, einval}, actor_dp:open(Sock, Token, #{req_bytes => 1000})),
+    ?assertEqual({error, einval}, actor_dp:open(Sock, Token, #{rep_rings => 0})),
+    %% it still attaches afterwards
+    Seg = open(P, #{}),
+    ok = actor_dp:close(Seg, done).
+
+segments_are_freed_no_fd_leaks(P) ->
+    Fds0 = fd_count(),
+    [begin
+         Seg = open(P, #{req_rings => 1, req_bytes => 4096, rep_rings => 1, rep_bytes => 4096}),
+         expect(P, <<"attached ", (atom_to_binary(node(), utf8))/binary>>),
+         ok = actor_dp:close(Seg, done),
+         expect(P, <<"detached">>)
+     end || _ <- lists:seq(1, 20)],
+    %% the resources are gone once nothing refers to them: the destructor
+    %% joined the thread and closed the socket
+    erlang:garbage_collect(),
+    ap_test_util:wait_until(fun() -> erlang:garbage_collect(), fd_count() =< Fds0 end, ?T).
+
+bad_arguments_are_badarg(P) ->
+    Seg = open(P, #{}),
+    ?assertError(badarg, actor_dp:submit(Seg, nope, echo, hi, undefined, undefined)),
+    ?assertError(badarg, actor_dp:submit(Seg, ask, echo, hi, not_a_ref, undefined)),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, "echo", hi, undefined, undefined)),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0})),
+    ?assertError(badarg, actor_dp:submit(make_ref(), tell, echo, hi, undefined, undefined)),
+    ?assertError(badarg, actor_dp:cancel(Seg, -1)),
+    ?assertError(badarg, actor_dp:consumed(Seg, {99, 0})),
+    ?assertError(badarg, actor_dp:close(make_ref(), x)),
+    %% a ticket naming a ring this segment does not have is no fence
+    {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, {5000, 1}),
+    ok = actor_dp:close(Seg, done).
+
+%% Many answers sent back to back, by the reply thread (replies) and by
+%% close (errors), to callers already waiting: each arrives whole, once.
+%% (The NIF reuses one env per sender; a send invalidates it.)
+many_answers_in_a_row_arrive_whole(P) ->
+    Self = self(),
+    [begin
+         Seg = open(P, #{}),
+         cmd(P, "mode echo"),
+         Echoed = callers(Seg, 100, fun(K) -> {K, binary:copy(<<K>>, K)} end),
+         [?assertEqual({ok, {K, binary:copy(<<K>>, K)}}, A) || {K, A} <- Echoed],
+         cmd(P, "mode silent"),
+         Pids = [spawn_link(fun() -> waiting_caller(Seg, Self, K) end) || K <- lists:seq(1, 100)],
+         [receive {queued, Pid} -> ok after ?T -> error(not_queued) end || Pid <- Pids],
+         ok = actor_dp:close(Seg, {closed, lists:seq(1, 20)}),
+         Closed = [receive {answer, Pid, K, A} -> {K, A} after ?T -> {Pid, hung} end || Pid <- Pids],
+         [?assertEqual({error, {closed, lists:seq(1, 20)}}, A) || {_, A} <- Closed]
+     end || _ <- lists:seq(1, 20)],
+    ok.
+
+callers(Seg, N, MsgOf) ->
+    Self = self(),
+    Pids = [spawn_link(fun() ->
+                               Ref = make_ref(),
+                               {ok, _, _} = actor_dp:submit(Seg, ask, echo, MsgOf(K), Ref, undefined),
+                               receive {Ref, A} -> Self ! {answer, self(), K, A} after ?T -> ok end
+                       end) || K <- lists:seq(1, N)],
+    [receive {answer, Pid, K, A} -> {K, A} after ?T -> error(hung) end || Pid <- Pids].
+
+waiting_caller(Seg, Parent, K) ->
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, ask, echo, K, Ref, undefined),
+    Parent ! {queued, self()},
+    receive {Ref, A} -> Parent ! {answer, self(), K, A} after ?T -> ok end.
+
+%% ===================================================================
+%% Pool node cases
+%% ===================================================================
+
+pool_node_answers_asks_tells_and_stats(#{pool_node := N} = Ctx) ->
+    with_pool(dp_echo, echo, #{workers => 2}, fun(P) ->
+        Seg = pool_open(Ctx, #{}),
+        Msgs = [<<"bin">>, {a, [1, 2.5, "s"]}, #{k => v}, binary:copy(<<9>>, 80000)],
+        [?assertEqual({ok, M}, ask(Seg, dp_echo, M)) || M <- Msgs],
+        ?assertEqual({ok, by_pid}, ask(Seg, P, by_pid)),
+        ?assertEqual({error, noproc}, ask(Seg, dp_no_such_pool, x)),
+        Last = lists:foldl(fun(K, T) ->
+                                   {ok, T2} = actor_dp:submit(Seg, tell, dp_echo, {t, K}, undefined, T),
+                                   T2
+                           end, undefined, lists:seq(1, 100)),
+        ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+        %% every tell and ask by ring, counted by the pool on that path
+        ap_test_util:wait_until(
+          fun() ->
+                  {ok, #{by_path := #{ring := R}}} = {ok, ask(Seg, dp_echo, '$stats')},
+                  R =:= 105
+          end, ?T),
+        #{tells := 100, replies := Replies, late := 0, bad_records := 0, pending := 0} = actor_dp:info(Seg),
+        ?assert(Replies >= 7),
+        ok = actor_dp:close(Seg, done),
+        %% distribution still serves the pool; the node did not restart
+        ?assertEqual({ok, dist}, actor_pool:ask(P, dist)),
+        ?assertMatch(#{os_pid := OsPid} when OsPid =:= map_get(os_pid, Ctx),
+                     actor_cnode:info(actor_pool_node_owner)),
+        ?assertEqual(N, node(P))
+    end).
+
+pool_node_cancel_and_close_leave_no_reply_behind(Ctx) ->
+    with_pool(dp_slow, crash_plugin(), #{workers => 1}, fun(_P) ->
+        Seg = pool_open(Ctx, #{}),
+        %% one worker: the sleep holds it, the others queue behind it
+        [{RA, _}, {RB, _}, {RC, IdC}, {RD, _}] =
+            [submit_ask(Seg, dp_slow, M) || M <- [{sleep, 300}, b, c, d]],
+        ?assert(actor_dp:cancel(Seg, IdC)),
+        [receive {R, A} -> ?assertEqual(Want, A) after ?T -> error({no_reply, Want}) end
+         || {R, Want} <- [{RA, {ok, ok}}, {RB, {ok, b}}, {RD, {ok, d}}]],
+        ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+        receive {RC, _} = Late -> error({cancelled_ask_answered, Late}) after 0 -> ok end,
+        %% close with an ask in the worker: answered at once, by close
+        {RE, _} = submit_ask(Seg, dp_slow, {sleep, 300}),
+        ok = actor_dp:close(Seg, {nodedown, gone}),
+        receive {RE, E} -> ?assertEqual({error, {nodedown, gone}}, E) after 0 -> error(not_at_once) end,
+        %% its late reply is never delivered: the worker's answer goes nowhere
+        ?assertEqual({ok, after_close}, actor_pool:ask(dp_slow, after_close, ?T)),
+        receive {RE, _} = Again -> error({answered_twice, Again}) after 0 -> ok end
+    end).
+
+pool_node_scribbled_segment_is_errors_not_crashes(#{os_pid := OsPid} = Ctx) ->
+    with_pool(dp_scribble, crash_plugin(), #{workers => 2}, fun(P) ->
+        ReqBytes = 4096,
+        Geo = #{req_rings => 2, req_bytes => ReqBytes, rep_rings => 1, rep_bytes => 4096},
+        %% the reply ring's tail made impossible, an ask pending
+        Seg = pool_open(Ctx, Geo),
+        {R, _} = submit_ask(Seg, dp_scribble, {sleep, 200}),
+        ok = actor_dp:scribble(Seg, 256 + 2 * (256 + ReqBytes) + 64, <<(1 bsl 40):64/little>>),
+        receive {R, A} -> ?assertEqual({error, bad_segment}, A) after ?T -> error(no_answer) end,
+        receive {actor_dp, Seg, down, bad_segment} -> ok after ?T -> error(owner_not_told) end,
+        ok = actor_dp:close(Seg, done),
+        %% random bytes anywhere, while asks and tells go both ways
+        Seg2 = pool_open(Ctx, Geo),
+        #{size := Size} = actor_dp:info(Seg2),
+        rand:seed(exsss, {1, 2, 3}),
+        Self = self(),
+        _ = spawn_link(fun() -> scribble_loop(Seg2, Size, 3000), Self ! scribbled end),
+        _ = [actor_dp:submit(Seg2, K, dp_scribble, M, make_ref(), undefined)
+             || M <- lists:seq(1, 200), K <- [ask, tell]],
+        receive scribbled -> ok after 30000 -> error(scribbler_stuck) end,
+        ok = actor_dp:close(Seg2, done),
+        flush_all(),
+        %% the pool node and the VM are both still here and serving
+        ?assertEqual({ok, x}, actor_pool:ask(P, x)),
+        ?assertMatch(#{os_pid := OsPid, status := up}, actor_cnode:info(actor_pool_node_owner)),
+        Seg3 = pool_open(Ctx, #{}),
+        ?assertEqual({ok, fresh}, ask(Seg3, dp_scribble, fresh)),
+        ok = actor_dp:close(Seg3, done)
+    end).
+
+pool_node_killed_answers_64_pending_asks_promptly(#{pool_node := N, os_pid := OsPid} = Ctx) ->
+    {ok, _} = actor_pool:start_pool(dp_killed, crash_plugin(), #{workers => 2}),
+    Seg = pool_open(Ctx, #{}),
+    Self = self(),
+    Callers = [spawn_link(fun() ->
+                                  {R, _} = submit_ask(Seg, dp_killed, {sleep, 3000}),
+                                  Self ! {queued, self()},
+                                  receive {R, A} -> Self ! {answer, self(), A}
+                                  after 10000 -> Self ! {answer, self(), timeout}
+                                  end
+                          end) || _ <- lists:seq(1, 64)],
+    [receive {queued, C} -> ok after ?T -> error(not_queued) end || C <- Callers],
+    T0 = erlang:monotonic_time(millisecond),
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+    Answers = [receive {answer, C, A} -> A after 2000 -> hung end || C <- Callers],
+    Ms = erlang:monotonic_time(millisecond) - T0,
+    ?assertEqual([], [A || A <- Answers, A =/= {error, {nodedown, N}}]),
+    ?assert(Ms < 2000),
+    receive {actor_dp, Seg, down, Why} -> ?assertEqual({nodedown, N}, Why)
+    after ?T -> error(owner_not_told)
+    end,
+    ok = actor_dp:close(Seg, done),
+    %% the node comes back (a fresh segment is another open); leave it clean
+    ap_test_util:wait_until(fun() ->
+                                    case actor_cnode:info(actor_pool_node_owner) of
+                                        #{status := up, os_pid := New} -> New =/= OsPid;
+                                        _ -> false
+                                    end
+                            end, 20000),
+    ap_test_util:wait_until(fun() -> lists:keymember(dp_killed, 1, actor_pool:which_pools()) end, ?T),
+    ok = actor_pool:stop_pool(dp_killed).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+pool_setup() ->
+    WasAlive = ap_test_util:start_app(),
+    PoolNode = actor_pool:pool_node(),
+    #{os_pid := OsPid, status := up} = actor_cnode:info(actor_pool_node_owner),
+    #{was_alive => WasAlive, pool_node => PoolNode, os_pid => OsPid}.
+
+pool_cleanup(#{was_alive := WasAlive}) ->
+    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
+    ap_test_util:stop_app(WasAlive).
+
+%% A segment to the pool node, attached with what its dp_info says now.
+pool_open(#{pool_node := N}, Opts) ->
+    {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
+    {ok, Seg} = actor_dp:open(Sock, Token, Opts#{node => N}),
+    Seg.
+
+with_pool(Name, Handler, Opts, Fun) ->
+    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
+    try Fun(P)
+    after actor_pool:stop_pool(P)
+    end.
+
+crash_plugin() ->
+    {plugin, filename:join([ap_test_util:priv_dir(), "test", "plugin_crash.so"])}.
+
+submit_ask(Seg, Dest, Msg) ->
+    Ref = make_ref(),
+    {ok, _, Id} = actor_dp:submit(Seg, ask, Dest, Msg, Ref, undefined),
+    {Ref, Id}.
+
+%% An ask by ring; '$stats' asks for the pool's stats instead.
+ask(Seg, Dest, '$stats') ->
+    Ref = make_ref(),
+    {ok, _, _} = actor_dp:submit(Seg, stats, Dest, undefined, Ref, undefined),
+    receive {Ref, A} -> A after ?T -> error(no_stats) end;
+ask(Seg, Dest, Msg) ->
+    {Ref, _} = submit_ask(Seg, Dest, Msg),
+    receive {Ref, A} -> A after ?T -> error({no_reply, Msg}) end.
+
+peer_start() ->
+    Exe = filename:join([ap_test_util:priv_dir(), "test", "actor_dp_peer"]),
+    Port = open_port({spawn_executable, Exe}, [{line, 1024}, binary, exit_status, use_stdio]),
+    {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+    receive
+        {Port, {data, {eol, <<"ready ", Rest/binary>>}}} ->
+            [SockHex, TokenHex] = binary:split(Rest, <<" ">>),
+            #{port => Port, os_pid => OsPid,
+              socket => binary:decode_hex(SockHex), token => binary:decode_hex(TokenHex)}
+    after ?T -> error(peer_not_ready)
+    end.
+
+peer_stop(#{port := Port, os_pid := OsPid}) ->
+    catch port_close(Port),
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid) ++ " 2>/dev/null"),
+    ap_test_util:wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?T),
+    flush_all().
+
+kill_peer(#{os_pid := OsPid}) ->
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+    ap_test_util:wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?T).
+
+open(#{socket := Sock, token := Token}, Opts) ->
+    {ok, Seg} = actor_dp:open(Sock, Token, Opts),
+    Seg.
+
+cmd(#{port := Port} = P, Line) ->
+    true = port_command(Port, [Line, $\n]),
+    expect(P, iolist_to_binary(["ok ", Line])).
+
+%% The next line of the peer equal to Line (others are skipped).
+expect(#{port := Port}, Line) ->
+    receive
+        {Port, {data, {eol, Line}}} -> ok;
+        {Port, {data, {eol, _Other}}} -> expect(#{port => Port}, Line);
+        {Port, {exit_status, S}} -> error({peer_exited, S})
+    after ?T -> error({peer_line_missing, Line})
+    end.
+
+fd_count() ->
+    {ok, Fds} = file:list_dir("/proc/self/fd"),
+    length(Fds).
+
+flush_all() ->
+    receive _ -> flush_all() after 0 -> ok end.

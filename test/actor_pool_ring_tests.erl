@@ -1,0 +1,481 @@
+%% The same-host data plane end to end: actor_pool's tell, ask and stats
+%% over the shared-memory rings (actor_pool_dp's lanes, the actor_dp NIF,
+%% the pool node's ring ingress) against the real pool C node that the
+%% application starts, compared with the distribution path (pools started
+%% with `fast_path => false', and the application setting).
+%%
+%% Every case checks that its calls really took the path it means (the
+%% pool's `by_path' counters and actor_pool_dp:info/0). Ordering cases move
+%% the calling process between schedulers with process_flag(scheduler, N)
+%% (a request ring per scheduler) and switch transports (a message too large
+%% for a ring goes by distribution). The last two cases kill the pool node
+%% with SIGKILL under 64 waiting askers and check the fresh lane of its next
+%% incarnation. Cases wait on messages or poll with a deadline, never sleep.
+%%
+%% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
+-module(actor_pool_ring_tests).
+
+-import(ap_test_util, [wait_until/2, priv_dir/0, os_pid_alive/1]).
+
+-include_lib("eunit/include/eunit.hrl").
+
+-export([same_host_pool_node_gets_a_ring_lane/1,
+         every_reference_form_answers_alike_over_ring_and_distribution/1,
+         errors_are_identical_over_ring_and_distribution/1,
+         fast_path_option_is_validated/1,
+         fast_path_false_setting_sends_by_distribution/1,
+         order_holds_across_scheduler_changes/1,
+         order_holds_across_a_transport_switch/1,
+         switch_to_distribution_waits_until_the_ring_is_read/1,
+         timed_out_ring_asks_leave_no_late_reply/1,
+         full_rings_slow_senders_down_and_lose_nothing/1,
+         killed_pool_node_answers_64_waiting_askers_promptly/1,
+         restarted_pool_node_gets_a_fresh_lane/1]).
+
+-define(WAIT_MS, 10000).
+-define(POLL_MS, 5).
+
+%% ===================================================================
+%% Fixture
+%% ===================================================================
+
+ring_test_() ->
+    {setup, fun setup/0, fun cleanup/1,
+     fun(Ctx) ->
+             [case_(Name, Ctx) || Name <- [
+                 same_host_pool_node_gets_a_ring_lane,
+                 every_reference_form_answers_alike_over_ring_and_distribution,
+                 errors_are_identical_over_ring_and_distribution,
+                 fast_path_option_is_validated,
+                 fast_path_false_setting_sends_by_distribution,
+                 order_holds_across_scheduler_changes,
+                 order_holds_across_a_transport_switch,
+                 switch_to_distribution_waits_until_the_ring_is_read,
+                 timed_out_ring_asks_leave_no_late_reply,
+                 full_rings_slow_senders_down_and_lose_nothing,
+                 %% last: they kill the pool node
+                 killed_pool_node_answers_64_waiting_askers_promptly,
+                 restarted_pool_node_gets_a_fresh_lane]]
+     end}.
+
+case_(Name, Ctx) ->
+    {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
+
+setup() ->
+    WasAlive = ap_test_util:start_app(),
+    PoolNode = actor_pool:pool_node(),
+    ?assert(is_atom(PoolNode) andalso PoolNode =/= undefined),
+    #{pool_node => PoolNode, was_alive => WasAlive}.
+
+cleanup(#{was_alive := WasAlive}) ->
+    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
+    ap_test_util:stop_app(WasAlive).
+
+%% ===================================================================
+%% Cases
+%% ===================================================================
+
+%% The first call makes the lane; asks and tells then count as `ring' in
+%% the pool's stats, none as `dist'.
+same_host_pool_node_gets_a_ring_lane(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        ?assertEqual({ok, <<"x">>}, actor_pool:ask(P, <<"x">>)),
+        ?assertMatch(#{transport := ring}, lane_info(N)),
+        [ok = actor_pool:tell(P, <<"t">>) || _ <- lists:seq(1, 100)],
+        S = wait_stats(P, fun(#{processed := C}) -> C >= 101 end),
+        ?assertEqual(#{dist => 0, ring => 101}, maps:get(by_path, S))
+    end).
+
+%% Pools started with fast_path true (the default) and false answer the
+%% same terms the same way, by pid, name, {Name, Node} and service key; the
+%% first counts only ring messages, the second only distribution ones.
+every_reference_form_answers_alike_over_ring_and_distribution(#{pool_node := N}) ->
+    KF = actor_receptionist:service_key(<<"ring.fast">>),
+    KS = actor_receptionist:service_key(<<"ring.slow">>),
+    with_pool(ring_fast, echo, #{workers => 2, service_key => KF}, fun(F) ->
+    with_pool(ring_slow, echo, #{workers => 2, service_key => KS, fast_path => false}, fun(S) ->
+        Terms = [<<"bin">>, <<>>, binary:copy(<<7>>, 70000), 1 bsl 200, -3, 1.5, atom,
+                 'héllo', "string", [a | b], {}, #{a => [1, {2}]}, self(), make_ref(),
+                 fun lists:reverse/1, <<1:3>>, {'$gen_call', x, y}, {'$gen_cast', z}],
+        Forms = fun(P, Name, Key) -> [P, Name, {Name, N}, Key] end,
+        Fast = [actor_pool:ask(R, T) || R <- Forms(F, ring_fast, KF), T <- Terms],
+        Slow = [actor_pool:ask(R, T) || R <- Forms(S, ring_slow, KS), T <- Terms],
+        ?assertEqual([{ok, T} || _ <- Forms(F, ring_fast, KF), T <- Terms], Fast),
+        ?assertEqual(Fast, Slow),
+        [ok = actor_pool:tell(R, T) || R <- Forms(F, ring_fast, KF), T <- Terms],
+        [ok = actor_pool:tell(R, T) || R <- Forms(S, ring_slow, KS), T <- Terms],
+        StatsF = [actor_pool:stats(R) || R <- [F, ring_fast, {ring_fast, N}]],
+        StatsS = [actor_pool:stats(R) || R <- [S, ring_slow, {ring_slow, N}]],
+        ?assertEqual(lists:duplicate(3, ring_fast), [maps:get(name, X) || X <- StatsF]),
+        ?assertEqual(lists:duplicate(3, ring_slow), [maps:get(name, X) || X <- StatsS]),
+        ?assertEqual([lists:sort(maps:keys(X)) || X <- StatsF],
+                     [lists:sort(maps:keys(X)) || X <- StatsS]),
+        Total = 2 * 4 * length(Terms),
+        SF = wait_stats(F, fun(#{processed := C}) -> C >= Total end),
+        SS = wait_stats(S, fun(#{processed := C}) -> C >= Total end),
+        ?assertEqual(#{dist => 0, ring => Total}, maps:get(by_path, SF)),
+        ?assertEqual(#{dist => Total, ring => 0}, maps:get(by_path, SS))
+    end) end).
+
+%% Refusals, crashes, overload, unknown pools and stopped pools: the same
+%% answer whichever path carried the ask.
+errors_are_identical_over_ring_and_distribution(#{pool_node := N}) ->
+    Run = fun(Fast) ->
+        Name = list_to_atom("ring_err_" ++ atom_to_list(Fast)),
+        with_pool(Name, crash_plugin(), #{workers => 1, mailbox_limit => 1, fast_path => Fast},
+                  fun(P) ->
+            R1 = actor_pool:ask(P, {fail, no_thanks}),
+            R2 = actor_pool:ask(P, <<"crash">>),
+            _ = wait_stats(P, fun(#{workers := [#{alive := A}]}) -> A end),
+            %% One in the worker fills its mailbox (limit 1): the next
+            %% ask overflows.
+            Self = self(),
+            Sleepers = [spawn_link(fun() -> Self ! {slept, self(), actor_pool:ask(P, {sleep, 400})} end)],
+            _ = wait_stats(P, fun(#{workers := [#{mailbox := M}]}) -> M >= 1 end),
+            R3 = actor_pool:ask(P, <<"over">>),
+            Slept = [receive {slept, Pid, R} -> R after ?WAIT_MS -> error(sleeper) end
+                     || Pid <- Sleepers],
+            R4 = actor_pool:ask({no_such_ring_pool, N}, x),
+            R5 = actor_pool:stats({no_such_ring_pool, N}),
+            {[R1, R2, R3, R4, R5 | Slept], maps:get(by_path, actor_pool:stats(P))}
+        end)
+    end,
+    {Fast, FastPaths} = Run(true),
+    {Slow, SlowPaths} = Run(false),
+    ?assertEqual([{error, no_thanks}, {error, worker_crashed}, {error, overloaded},
+                  {error, noproc}, {error, noproc}, {ok, ok}], Fast),
+    ?assertEqual(Fast, Slow),
+    ?assertMatch(#{dist := 0, ring := R} when R >= 4, FastPaths),
+    ?assertMatch(#{dist := D, ring := 0} when D >= 4, SlowPaths),
+    %% A stopped pool's pid and name: noproc both ways.
+    {ok, Gone} = actor_pool:start_pool(ring_gone, echo, #{workers => 1}),
+    ok = actor_pool:stop_pool(Gone),
+    ?assertEqual({error, noproc}, actor_pool:ask(Gone, x)),
+    ?assertEqual({error, noproc}, actor_pool:ask(ring_gone, x)),
+    ?assertEqual({error, noproc}, actor_pool:stats(Gone)).
+
+fast_path_option_is_validated(_Ctx) ->
+    [?assertEqual({error, {badarg, {fast_path, V}}},
+                  actor_pool:start_pool(ring_bad_opt, echo, #{fast_path => V}))
+     || V <- [maybe, 1, "true", undefined]],
+    ?assertEqual([], [x || {ring_bad_opt, _} <- actor_pool:which_pools()]).
+
+%% The application setting turns the rings off for every pool (the lane is
+%% closed, the reason shown by actor_pool_dp:info/0) and on again.
+fast_path_false_setting_sends_by_distribution(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        ?assertEqual({ok, 1}, actor_pool:ask(P, 1)),
+        ok = application:set_env(actor_pool, fast_path, false),
+        try
+            ok = actor_pool_dp:refresh(),
+            ?assertMatch(#{transport := distribution, reason := {fast_path, false}}, lane_info(N)),
+            ?assertEqual({ok, 2}, actor_pool:ask(P, 2)),
+            ok = actor_pool:tell(P, 3),
+            ?assertMatch(#{by_path := #{dist := 2, ring := 1}},
+                         wait_stats(P, fun(#{processed := C}) -> C >= 3 end))
+        after
+            ok = application:set_env(actor_pool, fast_path, true),
+            ok = actor_pool_dp:refresh()
+        end,
+        ?assertEqual({ok, 4}, actor_pool:ask(P, 4)),
+        ?assertMatch(#{transport := ring}, lane_info(N)),
+        ?assertMatch(#{by_path := #{dist := 2, ring := 2}}, actor_pool:stats(P))
+    end).
+
+%% One process sends tells, asks and stats requests while it is moved from
+%% scheduler to scheduler (so from request ring to request ring). One
+%% worker handles its mailbox in order and each tell takes a moment
+%% ({sleep, 0}), so a tell that arrived after the ask would still be
+%% unhandled when the stats request behind the ask is answered (`processed'
+%% is counted before a reply is sent; the mailbox gauge only after, so it is
+%% not checked).
+order_holds_across_scheduler_changes(_Ctx) ->
+    Scheds = erlang:system_info(schedulers_online),
+    ?assert(Scheds >= 2),
+    Rounds = 40,
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+        Self = self(),
+        {Pid, Mref} = spawn_monitor(fun() ->
+            _ = lists:foldl(fun(Round, Sent0) ->
+                Tells = 20 + rand:uniform(100),
+                [begin
+                     I rem 25 =:= 0 andalso move_scheduler(Scheds),
+                     ok = actor_pool:tell(P, {sleep, 0})
+                 end || I <- lists:seq(1, Tells)],
+                move_scheduler(Scheds),
+                {ok, ok} = actor_pool:ask(P, {sleep, 0}),
+                Sent = Sent0 + Tells + 1,
+                move_scheduler(Scheds),
+                case actor_pool:stats(P) of
+                    #{processed := Sent} -> ok;
+                    S -> exit({reordered, Round, Sent, maps:get(processed, S), maps:get(workers, S)})
+                end,
+                Sent
+            end, 0, lists:seq(1, Rounds)),
+            _ = erlang:process_flag(scheduler, 0),
+            Self ! {moves, self(), get(moves)}
+        end),
+        receive
+            {moves, Pid, Moves} ->
+                erlang:demonitor(Mref, [flush]),
+                %% every round moved at least twice
+                ?assert(Moves >= 2 * Rounds);
+            {'DOWN', Mref, process, Pid, Why} ->
+                error(Why)
+        after 100000 ->
+            error(order_case_timeout)
+        end,
+        ?assertMatch(#{by_path := #{dist := 0}}, actor_pool:stats(P))
+    end).
+
+%% A message too large for a ring goes by distribution; the process's
+%% earlier ring messages are read first, and its next ring message waits
+%% for the distribution ones. With one worker: once an ask is answered,
+%% every earlier message of the process was handled (a stats request right
+%% after counts them all).
+order_holds_across_a_transport_switch(_Ctx) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+        Big = {sleep, 0, binary:copy(<<1>>, 8 * 1024 * 1024)},
+        Small = {sleep, 0},
+        [begin
+             Base = (Round - 1) * 504,
+             [ok = actor_pool:tell(P, Small) || _ <- lists:seq(1, 500)],
+             %% ring tells, then an ask by distribution
+             ?assertEqual({ok, Big}, actor_pool:ask(P, Big, 30000)),
+             ?assertMatch(#{processed := C} when C =:= Base + 501,
+                          actor_pool:stats(P)),
+             %% distribution tells, then an ask by ring
+             [ok = actor_pool:tell(P, Big) || _ <- lists:seq(1, 2)],
+             ?assertEqual({ok, ok}, actor_pool:ask(P, Small, 30000)),
+             ?assertMatch(#{processed := C} when C =:= Base + 504,
+                          actor_pool:stats(P))
+         end || Round <- lists:seq(1, 3)],
+        ?assertMatch(#{by_path := #{dist := 9, ring := 1503}}, actor_pool:stats(P)),
+        %% A burst that the pool node is still reading when a message just
+        %% over the ring's record size (half the 1 MiB ring) goes out.
+        Mid = {sleep, 0, binary:copy(<<2>>, 600 * 1024)},
+        [begin
+             #{processed := C0} = actor_pool:stats(P),
+             [ok = actor_pool:tell(P, Small) || _ <- lists:seq(1, 4000)],
+             ?assertEqual({ok, Mid}, actor_pool:ask(P, Mid, 30000)),
+             ?assertMatch(#{processed := C} when C =:= C0 + 4001, actor_pool:stats(P))
+         end || _ <- lists:seq(1, 5)],
+        ?assertMatch(#{counters := #{too_large := TL}} when TL >= 9, actor_pool_dp:info())
+    end).
+
+%% The pool node is stopped (SIGSTOP) while a process puts tells in the
+%% ring and then an ask too large for a ring: the ask does not leave by
+%% distribution while the pool node has not read the tells (the sender is
+%% seen waiting for it), and once the pool node runs again every message is
+%% handled, the tells first.
+switch_to_distribution_waits_until_the_ring_is_read(_Ctx) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+        ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
+        #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
+        Os = integer_to_list(OsPid),
+        Big = {sleep, 0, binary:copy(<<3>>, 600 * 1024)},
+        Self = self(),
+        _ = os:cmd("kill -STOP " ++ Os),
+        Sender = try
+                     S = spawn_link(fun() ->
+                                        [ok = actor_pool:tell(P, {sleep, 0}) || _ <- lists:seq(1, 100)],
+                                        Self ! {asked, self(), actor_pool:ask(P, Big, 30000)}
+                                    end),
+                     wait_until(fun() ->
+                                    process_info(S, current_function) =:=
+                                        {current_function, {actor_pool, ring_drained, 4}}
+                                end, 900),
+                     S
+                 after
+                     _ = os:cmd("kill -CONT " ++ Os)
+                 end,
+        receive {asked, Sender, R} -> ?assertEqual({ok, Big}, R)
+        after 30000 -> error(ask_stuck)
+        end,
+        ?assertMatch(#{processed := 102, by_path := #{dist := 1, ring := 101}}, actor_pool:stats(P))
+    end).
+
+%% Asks that time out while the worker sleeps: each is cancelled, and
+%% neither its reply nor anything else is left in the caller's mailbox.
+timed_out_ring_asks_leave_no_late_reply(_Ctx) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2}, fun(P) ->
+        [?assertEqual({error, timeout}, actor_pool:ask(P, {sleep, 60}, T))
+         || T <- [0, 1, 5, 20, 40, 55]],
+        _ = wait_stats(P, fun(#{processed := C}) -> C >= 6 end),
+        %% racing replies: timeouts around the sleep itself
+        Rs = [actor_pool:ask(P, {sleep, 10}, T) || T <- lists:seq(5, 15), _ <- [1, 2]],
+        ?assertEqual([], [R || R <- Rs, R =/= {ok, ok}, R =/= {error, timeout}]),
+        ?assertEqual({ok, <<"next">>}, actor_pool:ask(P, <<"next">>)),
+        ?assertEqual([], flush_mailbox()),
+        ?assertMatch(#{by_path := #{dist := 0}}, actor_pool:stats(P))
+    end).
+
+%% 8 senders of 400 KB tells and 8 callers of 400 KB asks fill the 1 MiB
+%% request rings (two records each): senders wait for room (the NIF counts
+%% `full' submits), no tell is dropped, no ask is refused. Whether a burst
+%% finds a ring full depends on the host's scheduling, so bursts are
+%% repeated (at most 10) until one did.
+full_rings_slow_senders_down_and_lose_nothing(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2, mailbox_limit => 1048576}, fun(P) ->
+        #{lane := Seg} = lane_info(N),
+        #{full := Full0} = actor_dp:info(Seg),
+        #{counters := #{tell_dropped := Dropped0, ask_full := AskFull0}} = actor_pool_dp:info(),
+        Rounds = full_bursts(P, Seg, Full0, 1, 10),
+        #{full := Full1} = actor_dp:info(Seg),
+        ?assert(Full1 > Full0),
+        S = actor_pool:stats(P),
+        ?assertMatch(#{processed := C, dropped_tells := 0, by_path := #{dist := 0, ring := C}}
+                       when C =:= Rounds * 320, S),
+        ?assertMatch(#{counters := #{tell_dropped := Dropped0, ask_full := AskFull0}},
+                     actor_pool_dp:info())
+    end).
+
+full_bursts(P, Seg, Full0, Round, Max) ->
+    Big = fun(I) -> binary:copy(<<I>>, 400 * 1024) end,
+    Self = self(),
+    Pids = [spawn_link(fun() ->
+                           [ok = actor_pool:tell(P, Big(I)) || _ <- lists:seq(1, 30)],
+                           Asks = [actor_pool:ask(P, Big(I), 30000) || _ <- lists:seq(1, 10)],
+                           Self ! {done, self(), Asks}
+                       end) || I <- lists:seq(1, 8)],
+    Asks = [receive {done, Pid, A} -> A after 60000 -> error(sender_stuck) end || Pid <- Pids],
+    ?assertEqual([[{ok, Big(I)} || _ <- lists:seq(1, 10)] || I <- lists:seq(1, 8)], Asks),
+    try wait_stats(P, fun(#{processed := C}) -> C >= Round * 320 end)
+    catch error:Why -> error({Why, actor_pool_dp:info()})
+    end,
+    case maps:get(full, actor_dp:info(Seg)) > Full0 of
+        true -> Round;
+        false when Round < Max -> full_bursts(P, Seg, Full0, Round + 1, Max);
+        false -> Round
+    end.
+
+%% 64 callers wait on ring asks that the workers hold (they sleep); the
+%% pool node is killed with SIGKILL. Every caller gets {error, {nodedown,
+%% Node}} or {error, noproc} promptly: none hangs, none waits out its
+%% timeout.
+killed_pool_node_answers_64_waiting_askers_promptly(#{pool_node := N}) ->
+    {ok, P} = actor_pool:start_pool(ring_kill, crash_plugin(), #{workers => 2}),
+    ?assertEqual({ok, <<"up">>}, actor_pool:ask(P, <<"up">>)),
+    #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
+    #{lane := Old} = lane_info(N),
+    %% for the next case: this lane must be closed for good
+    persistent_term:put({?MODULE, old_lane}, Old),
+    Self = self(),
+    Askers = [spawn_link(fun() ->
+                  T0 = erlang:monotonic_time(millisecond),
+                  R = actor_pool:ask(P, {sleep, 20000}, 30000),
+                  Self ! {asked, self(), R, erlang:monotonic_time(millisecond) - T0}
+              end) || _ <- lists:seq(1, 64)],
+    %% all 64 are in the pool (2 sleeping, 62 queued)
+    _ = wait_stats(P, fun(#{workers := Ws}) ->
+                          lists:sum([M || #{mailbox := M} <- Ws]) >= 64
+                      end),
+    T0 = erlang:monotonic_time(millisecond),
+    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+    Results = [receive {asked, A, R, _Ms} -> R after 10000 -> {hung, A} end || A <- Askers],
+    Elapsed = erlang:monotonic_time(millisecond) - T0,
+    HungPids = [A || {hung, A} <- Results],
+    Timeouts = length([x || {error, timeout} <- Results]),
+    Other = [R || R <- Results, element(1, R) =/= hung, R =/= {error, timeout},
+                  R =/= {error, {nodedown, N}}, R =/= {error, noproc}],
+    {0, 0, []} =:= {length(HungPids), Timeouts, Other} orelse
+        error({{hung, length(HungPids)}, {timeouts, Timeouts}, {other, Other},
+               {segment, actor_dp:info(Old)},
+               {hung_askers, [process_info(A, [current_stacktrace, messages]) || A <- HungPids]}}),
+    ?assert(Elapsed < 5000),
+    %% (the askers may learn of it before the kernel has reaped every
+    %% thread of the killed process)
+    wait_until(fun() -> not os_pid_alive(OsPid) end, 5000).
+
+%% The owner starts the pool node again: the old lane is closed (submits to
+%% it answer `closed'), the next call makes a fresh one, over which calls
+%% work.
+restarted_pool_node_gets_a_fresh_lane(#{pool_node := N}) ->
+    Old = persistent_term:get({?MODULE, old_lane}),
+    _ = persistent_term:erase({?MODULE, old_lane}),
+    wait_until(fun() ->
+                   case actor_cnode:info(actor_pool_node_owner) of
+                       #{os_pid := Os} when is_integer(Os) -> true;
+                       _ -> false
+                   end
+               end, 30000),
+    wait_until(fun() -> lists:member(N, nodes(connected)) end, 30000),
+    with_pool(ring_fresh, echo, #{workers => 1}, fun(P) ->
+        wait_until(fun() ->
+                       _ = actor_pool:ask(P, <<"again">>),
+                       maps:get(transport, lane_info_any(N), none) =:= ring
+                   end, 15000),
+        #{lane := New} = lane_info(N),
+        ?assertNotEqual(Old, New),
+        ?assertEqual(closed, actor_dp:submit(Old, tell, ring_fresh, x, undefined, undefined)),
+        ?assertMatch(#{state := closed}, actor_dp:info(Old)),
+        ?assertEqual({ok, <<"fresh">>}, actor_pool:ask(P, <<"fresh">>)),
+        ?assertMatch(#{by_path := #{ring := R}} when R >= 1, actor_pool:stats(P))
+    end).
+
+%% ===================================================================
+%% Helpers
+%% ===================================================================
+
+with_pool(Name, Handler, Opts, Fun) ->
+    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
+    try
+        Fun(P)
+    after
+        actor_pool:stop_pool(P)
+    end.
+
+crash_plugin() ->
+    {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
+
+lane_info(Node) ->
+    I = lane_info_any(Node),
+    ?assertMatch(#{node := Node}, I),
+    I.
+
+lane_info_any(Node) ->
+    case [L || #{node := Nd} = L <- maps:get(lanes, actor_pool_dp:info()), Nd =:= Node] of
+        [L] -> L;
+        [] -> #{}
+    end.
+
+scheduler() ->
+    erlang:system_info(scheduler_id).
+
+%% Bind the calling process to another scheduler and wait until it runs
+%% there (process_flag(scheduler, N) moves it at its next schedule-in).
+move_scheduler(Scheds) ->
+    To = scheduler() rem Scheds + 1,
+    _ = erlang:process_flag(scheduler, To),
+    move_wait(To, 1000),
+    put(moves, case get(moves) of undefined -> 1; M -> M + 1 end).
+
+move_wait(To, 0) ->
+    error({not_moved_to_scheduler, To});
+move_wait(To, N) ->
+    erlang:yield(),
+    case scheduler() of
+        To -> ok;
+        _ -> move_wait(To, N - 1)
+    end.
+
+wait_stats(P, Pred) ->
+    Deadline = erlang:monotonic_time(millisecond) + ?WAIT_MS,
+    wait_stats_until(P, Pred, Deadline).
+
+wait_stats_until(P, Pred, Deadline) ->
+    S = actor_pool:stats(P),
+    ?assert(is_map(S)),
+    case Pred(S) of
+        true -> S;
+        false ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> error({stats_condition_not_met, S});
+                false ->
+                    receive after ?POLL_MS -> ok end,
+                    wait_stats_until(P, Pred, Deadline)
+            end
+    end.
+
+flush_mailbox() ->
+    receive M -> [M | flush_mailbox()] after 0 -> [] end.
