@@ -83,7 +83,8 @@
 %% `listen_ip' is the interface the C node accepts distribution connections
 %% on: by default the BEAM's own (`kernel' `inet_dist_use_interface', when an
 %% IPv4 address: C nodes speak IPv4 only), else `actor_pool' `cnode_listen_ip',
-%% else `any'. Handshakes need no cookie to
+%% else `any'. `max_frame' (bytes, default 64 MiB) is at least 65536: a
+%% smaller one is `{error, {badarg, {max_frame, N}}}'. Handshakes need no cookie to
 %% start, so they are bounded: `handshake_timeout_ms' for a whole handshake
 %% (default 5000, below the BEAM's `net_setuptime'), `max_handshakes' pending
 %% at once (default 256) and `max_handshakes_per_source' from one address
@@ -105,9 +106,12 @@
                   io := uring | epoll | undefined,
                   status := status(),
                   restarts := non_neg_integer(),
-                  port := inet:port_number() | undefined}.
+                  port := inet:port_number() | undefined,
+                  max_frame := pos_integer()}.
 %% `os_pid', `io' and `port' (the C node's distribution port) describe the
 %% running incarnation; `os_pid' and `port' are `undefined' while it is down.
+%% `max_frame' is the largest distribution frame the C node delivers (the
+%% option, or its default).
 
 %% How long terminate/2 waits for the C node to exit after closing the port.
 -define(STOP_WAIT_MS, 2000).
@@ -126,6 +130,10 @@
 %% magic (AP_SHM_MAGIC).
 -define(SHM_DIR, "/dev/shm").
 -define(SHM_MAGIC, 16#31535450435241).
+%% The smallest max_frame accepted: below it, ordinary control messages and
+%% the library's own batches (which are capped to fit, see
+%% actor_pool_batcher) would be dropped as oversized.
+-define(MIN_MAX_FRAME, 65536).
 
 -record(state, {
     %% validated options, all keys present (see defaults/0)
@@ -448,8 +456,9 @@ check(name, [_ | _] = Name) ->
     end;
 check(io, Io) when Io =:= auto; Io =:= uring; Io =:= epoll ->
     {ok, Io};
-check(Key, N) when (Key =:= max_frame orelse Key =:= idle_timeout_ms
-                    orelse Key =:= start_timeout_ms),
+check(max_frame, N) when is_integer(N), N >= ?MIN_MAX_FRAME, N =< 16#FFFFFFFF ->
+    {ok, N};
+check(Key, N) when (Key =:= idle_timeout_ms orelse Key =:= start_timeout_ms),
                    is_integer(N), N > 0 ->
     {ok, N};
 check(stable_ms, N) when is_integer(N), N >= 0 ->
@@ -950,4 +959,5 @@ info_map(#state{} = State) ->
       io => State#state.io,
       status => State#state.status,
       restarts => State#state.restarts,
-      port => State#state.dist_port}.
+      port => State#state.dist_port,
+      max_frame => maps:get(max_frame, State#state.opts)}.

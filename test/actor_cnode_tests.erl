@@ -180,12 +180,13 @@ malformed_frames_close_only_that_connection(#{node := N}) ->
 %% the connection stays.
 oversized_frame_with_an_unreadable_head_is_passed_over(_Ctx) ->
     Alive = alive("ovhead"),
-    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 1024}),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 65536}),
     try
         N = actor_cnode:node(Owner),
         #{oversized := Ov0, bad_frames := Bad0} = stats(N),
-        %% 2000 bytes: 'q', then zeros.
-        ?assertEqual("open", rawpeer(N, "000007D0" ++ "71" ++ lists:duplicate(1999 * 2, $0))),
+        %% 66000 bytes (0x101D0): 'q', then zeros; more hex than one
+        %% argument may hold, so it goes through a file.
+        ?assertEqual("open", rawpeer_file(N, "000101D0" ++ "71" ++ lists:duplicate(65999 * 2, $0))),
         ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
         #{oversized := Ov1, bad_frames := Bad1} = stats(N),
         ?assertEqual({Ov0 + 1, Bad0}, {Ov1, Bad1})
@@ -274,6 +275,9 @@ bad_options_are_badarg(_Ctx) ->
            {#{exe => ""}, {exe, ""}},
            {#{exe => E, io => bogus}, {io, bogus}},
            {#{exe => E, max_frame => 0}, {max_frame, 0}},
+           %% Below the floor: the library's own batches are capped to fit.
+           {#{exe => E, max_frame => 65535}, {max_frame, 65535}},
+           {#{exe => E, max_frame => 1024}, {max_frame, 1024}},
            {#{exe => E, idle_timeout_ms => -1}, {idle_timeout_ms, -1}},
            {#{exe => E, start_timeout_ms => 0}, {start_timeout_ms, 0}},
            {#{exe => E, stable_ms => soon}, {stable_ms, soon}},
@@ -357,6 +361,16 @@ rawpeer(Node, Hex) ->
                                 erlang:monotonic_time(millisecond) + 15000),
         ?assertEqual(0, Status),
         lists:last(string:lexemes(binary_to_list(Out), "\r\n"))
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
+rawpeer_file(Node, Hex) ->
+    Dir = ap_test_util:temp_dir("actor_cnode_tests_hex"),
+    HexFile = filename:join(Dir, "frame.hex"),
+    ok = file:write_file(HexFile, Hex),
+    try
+        rawpeer(Node, "@" ++ HexFile)
     after
         _ = file:del_dir_r(Dir)
     end.

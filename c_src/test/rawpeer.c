@@ -2,7 +2,7 @@
  * with ei, then writes raw bytes (say, a malformed frame) and reports
  * whether the other side closed the connection.
  *
- * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES [hold]
+ * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES|@HEXFILE [hold]
  *   prints "closed" or "open"; with -m, "closed|open BYTES SEEN": the bytes
  *   it read back (ticks and replies) and whether MARKER was among them.
  *   -N sets this peer's own node name, so frames can carry pids of it and
@@ -48,6 +48,25 @@ static unsigned char *unhex(const char *h, size_t *n)
 	return b;
 }
 
+/* HEXBYTES as "@PATH": the hex is read from that file (at most this
+ * much), for frames larger than one argument may be. */
+#define HEXFILE_MAX (64u << 20)
+
+static char *read_hexfile(const char *path)
+{
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return NULL;
+	char *h = malloc(HEXFILE_MAX + 1);
+	size_t n = h ? fread(h, 1, HEXFILE_MAX, f) : 0;
+	fclose(f);
+	if (!h)
+		return NULL;
+	h[n] = 0;
+	h[strcspn(h, "\r\n")] = 0;
+	return h;
+}
+
 /* What is read back is kept up to this much for the marker search. */
 #define KEEP_MAX (16u << 20)
 
@@ -84,7 +103,9 @@ int main(int argc, char **argv)
 	cookie[strcspn(cookie, "\r\n")] = 0;
 
 	size_t nbytes;
-	unsigned char *bytes = unhex(argv[3], &nbytes);
+	char *hexfile = argv[3][0] == '@' ? read_hexfile(argv[3] + 1) : NULL;
+	unsigned char *bytes = unhex(hexfile ? hexfile : argv[3], &nbytes);
+	free(hexfile);
 	if (!bytes) {
 		fprintf(stderr, "bad hex\n");
 		return 2;
