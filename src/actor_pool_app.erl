@@ -27,4 +27,6 @@ stop(_State) ->
     %% The pool C node is gone: a pool name must not resolve to it any more.
     _ = persistent_term:erase(?POOL_NODE_KEY),
     _ = persistent_term:erase(?RCPT_NODE_KEY),
+    _ = persistent_term:erase(?POOL_MAX_FRAME_KEY),
+    _ = [persistent_term:erase(K) || {{actor_pool, max_frame, _} = K, _} <- persistent_term:get()],
     actor_pool_batcher:unpublish_all().

@@ -16,7 +16,13 @@
 %% the schedulers: no single process is the bottleneck.
 %%
 %% A batcher blocks for its first item, then takes more with `receive ...
-%% after 0', up to 256 items or about 1 MiB per round. Consecutive items for
+%% after 0', up to 256 items per round. A batch holds at most 1 MiB
+%% (external size), and never more than fits in one frame of the pool node
+%% (its `max_frame' less the envelope): a C node drops a frame over its
+%% `max_frame' whole. The `max_frame' of this node's own pool node is known
+%% (its actor_cnode options); for another pool node the floor that every
+%% `max_frame' is at or above (64 KiB, see actor_cnode) is assumed, unless
+%% it was learned ({@link max_frame/1}). Consecutive items for
 %% the same destination become one distribution message
 %% `{'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]}'; a group of one goes
 %% out in its plain form (`Msg', or `{'$gen_call', {Pid, Tag}, Msg}'), so a
@@ -56,6 +62,7 @@
 -export([send/3]).
 -export([start_link/3]).
 -export([unpublish_all/0]).
+-export([max_frame/1]).
 
 %% proc_lib and sys internals.
 -export([init/4]).
@@ -77,7 +84,7 @@
 %% `tell' and `ask' may be batched; `call' always goes out alone as a
 %% `{'$gen_call', {Pid, Tag}, Msg}'.
 
-%% Items per round and bytes per batch (estimated from the messages).
+%% Items per round and bytes per batch (external size, at most).
 -define(MAX_ITEMS, 256).
 -define(MAX_BYTES, 1048576).
 %% Items waiting in one batcher beyond which a sender waits for it.
@@ -107,7 +114,12 @@
     %% 1..N
     index :: pos_integer(),
     %% the group's atomics (see the layout above)
-    atomics :: atomics:atomics_ref()
+    atomics :: atomics:atomics_ref(),
+    %% bytes (external size) a batch may hold, and what a tell and an ask
+    %% add to their message's size inside one
+    limit :: pos_integer(),
+    tell_extra :: pos_integer(),
+    ask_extra :: pos_integer()
 }).
 
 %% ===================================================================
@@ -213,12 +225,34 @@ throttle(Batcher) ->
         {'DOWN', Ref, process, _, _} -> ok
     end.
 
+%% The message's external size (a binary's: its bytes and a 5-byte
+%% header); the batcher adds its wrapper's.
 item_size({tell, Msg}) -> msg_size(Msg);
-item_size({ask, _, _, Msg}) -> msg_size(Msg) + 64;
+item_size({ask, _, _, Msg}) -> msg_size(Msg);
 item_size({call, _, _, _}) -> 0.
 
-msg_size(Msg) when is_binary(Msg) -> byte_size(Msg);
+msg_size(Msg) when is_binary(Msg) -> byte_size(Msg) + 6;
 msg_size(Msg) -> erlang:external_size(Msg).
+
+%% @private
+%% @doc The `max_frame' of pool node `Node' as far as this node knows it:
+%% that of its own pool node (its actor_cnode options), one learned from
+%% another pool node (actor_pool, for a large message), else `undefined'.
+-spec max_frame(node()) -> pos_integer() | undefined.
+max_frame(Node) ->
+    case persistent_term:get(?POOL_MAX_FRAME_KEY, undefined) of
+        {Node, MaxFrame} -> MaxFrame;
+        _ -> persistent_term:get(?MAX_FRAME_KEY(Node), undefined)
+    end.
+
+%% Bytes a batch to Node may hold: under its max_frame, or under the floor
+%% of every max_frame when it is not known.
+batch_limit(Node) ->
+    MaxFrame = case max_frame(Node) of
+                   undefined -> ?MIN_MAX_FRAME;
+                   M -> M
+               end,
+    min(?MAX_BYTES, MaxFrame - ?FRAME_ENVELOPE).
 
 direct(Dest, Item) ->
     out(Dest, plain(Item)).
@@ -253,7 +287,13 @@ init(Parent, Node, Index, N) ->
     process_flag(trap_exit, true),
     A = register_batcher(Node, Index, N),
     proc_lib:init_ack(Parent, {ok, self()}),
-    loop(#st{parent = Parent, node = Node, index = Index, atomics = A}).
+    %% An item's wrapper in a batch: {tell, Msg}, or {ask, Pid, Tag, Msg}
+    %% with a pid and an alias of this node (the message's own size is
+    %% counted by the sender). Rounded up for larger pid and ref encodings.
+    TellExtra = erlang:external_size({tell, <<>>}) + 8,
+    AskExtra = erlang:external_size({ask, self(), [alias | make_ref()], <<>>}) + 32,
+    loop(#st{parent = Parent, node = Node, index = Index, atomics = A,
+             limit = batch_limit(Node), tell_extra = TellExtra, ask_extra = AskExtra}).
 
 %% Batcher 1 starts first (also after a one_for_all restart) and makes a fresh
 %% staging row in ETS with fresh atomics; the others fill in their slot, and
@@ -309,17 +349,27 @@ loop(St) ->
 
 %% One round. Dest/Bytes/Items: the group being built (Items reversed);
 %% Count: '$ap' items taken this round.
-take({'$ap', D, Size, Item}, Dest, Bytes, Items, Count, St) ->
+take({'$ap', D, Size0, Item}, Dest, Bytes, Items, Count, St) ->
     case Item of
         {call, _, _, _} ->
             flush(Dest, Items),
             out(D, plain(Item)),
             next(undefined, 0, [], Count + 1, St);
-        _ when D =:= Dest, Bytes + Size =< ?MAX_BYTES ->
-            next(Dest, Bytes + Size, [Item | Items], Count + 1, St);
         _ ->
-            flush(Dest, Items),
-            next(D, Size, [Item], Count + 1, St)
+            Size = Size0 + case Item of
+                               {tell, _} -> St#st.tell_extra;
+                               _ -> St#st.ask_extra
+                           end,
+            case D =:= Dest andalso Bytes + Size =< St#st.limit of
+                true ->
+                    next(Dest, Bytes + Size, [Item | Items], Count + 1, St);
+                false ->
+                    %% A batch is split by size too: one over the pool
+                    %% node's max_frame would be dropped whole. (An item
+                    %% alone goes out plain; its sender checked its size.)
+                    flush(Dest, Items),
+                    next(D, Size, [Item], Count + 1, St)
+            end
     end;
 take({'$ap_mark', Pid, Ref}, Dest, _Bytes, Items, Count, St) ->
     flush(Dest, Items),

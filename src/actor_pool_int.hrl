@@ -50,3 +50,20 @@
 %% actor_receptionist_server).
 -define(RCPT_SHARED, actor_receptionist_shared).
 -define(RCPT_BYNODE, actor_receptionist_bynode).
+
+%% Frame sizes. A C node refuses no max_frame at or above MIN_MAX_FRAME
+%% (actor_cnode refuses a smaller one); DEFAULT_MAX_FRAME is the C node's
+%% own default. FRAME_ENVELOPE is what a distribution frame holds besides the
+%% messages in it: the control message (two pids or a pid and a name, node
+%% names up to 255 characters), and a message's or a batch's wrapper with
+%% the caller's pid and reply tag. A message or a batch of at most
+%% max_frame - FRAME_ENVELOPE bytes (external size) fits in one frame.
+-define(MIN_MAX_FRAME, 65536).
+-define(DEFAULT_MAX_FRAME, 67108864).
+-define(FRAME_ENVELOPE, 8192).
+%% persistent_term key: {LocalPoolNode, MaxFrame} of the pool C node that the
+%% application started on this node (written by actor_pool_sup).
+-define(POOL_MAX_FRAME_KEY, {actor_pool, pool_max_frame}).
+%% persistent_term key: the max_frame learned from another pool node
+%% (written once per node, by the first sender of a large message to it).
+-define(MAX_FRAME_KEY(Node), {actor_pool, max_frame, Node}).

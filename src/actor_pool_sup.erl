@@ -55,7 +55,12 @@ start_pool_node() ->
         {ok, Pid} ->
             %% The same value on every restart of the owner, so this put is
             %% free after the first (persistent_term compares first).
-            persistent_term:put(?POOL_NODE_KEY, {node(), actor_cnode:node(Pid)}),
+            PoolNode = actor_cnode:node(Pid),
+            persistent_term:put(?POOL_NODE_KEY, {node(), PoolNode}),
+            %% Senders size their messages and batches by it (actor_pool,
+            %% actor_pool_batcher); the same value on every restart too.
+            #{max_frame := MaxFrame} = actor_cnode:info(Pid),
+            persistent_term:put(?POOL_MAX_FRAME_KEY, {PoolNode, MaxFrame}),
             {ok, Pid};
         {error, _} = Error ->
             Error
