@@ -40,6 +40,8 @@
 -export([which_pools/1]).
 -export([pool_node/0]).
 -export([no_pool_tells/0]).
+-export([oversized/0]).
+-export([node_stats/1]).
 
 -export_type([pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
               stats/0, worker_stats/0]).
@@ -285,6 +287,32 @@ no_pool_tells() ->
         C -> counters:get(C, 1)
     end.
 
+%% @doc Messages refused for being larger than a frame of their pool node
+%% since this node first started the application: `tells' dropped (each
+%% logged, at most one line a second) and `asks' answered `{error,
+%% {too_large, Size, Max}}'. Nothing of them was sent.
+-spec oversized() -> #{tells := non_neg_integer(), asks := non_neg_integer()}.
+oversized() ->
+    case persistent_term:get(?OVERSIZED, undefined) of
+        {C, _} -> #{tells => counters:get(C, ?OVERSIZED_TELLS),
+                    asks => counters:get(C, ?OVERSIZED_ASKS)};
+        undefined -> #{tells => 0, asks => 0}
+    end.
+
+%% @doc The node-wide counters of pool node `PoolNode' (its manager's
+%% `node_stats' answer): `received', `unknown_name', `bad_frames',
+%% `dropped', `oversized' (frames over its `max_frame' it passed over, from
+%% any peer), `connections', `io' and `max_frame'. See docs/operations.md.
+%% `{error, Reason}' when it cannot be reached, or (`unknown_request') is
+%% older than this call.
+-spec node_stats(node()) -> #{atom() => term()} | {error, term()}.
+node_stats(PoolNode) when is_atom(PoolNode) ->
+    case call(PoolNode, {?MANAGER, PoolNode}, node_stats, ?DEFAULT_TIMEOUT) of
+        #{} = Stats -> Stats;
+        {error, _} = Error -> Error;
+        Other -> {error, {unexpected_reply, Other}}
+    end.
+
 %% @doc Stops a pool: every worker stops, the name is free again, and asks
 %% still queued in it get `{error, stopped}'. `{error, noproc}' if there is no
 %% such pool (or its pool node is gone).
@@ -329,15 +357,39 @@ stop_pool(Pool) ->
 %% flight to that pool node.
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
-    case sendable(Msg) andalso dest(Pool) of
-        {ok, Dest, Node} ->
-            case actor_pool_dp:lane(Node, Dest) of
-                {lane, Seg} -> ring_tell(Seg, Node, Dest, Msg);
-                none -> dist_send(Node, Dest, {tell, Msg})
-            end;
-        undefined -> ok;
-        no_pool -> count_no_pool();
-        _ -> erlang:error(badarg, [Pool, Msg])
+    case sendable(Msg) of
+        false ->
+            erlang:error(badarg, [Pool, Msg]);
+        Est ->
+            case dest(Pool) of
+                {ok, Dest, Node} ->
+                    case actor_pool_dp:lane(Node, Dest) of
+                        {lane, Seg} -> ring_tell(Seg, Node, Dest, Msg, Est);
+                        none -> dist_tell(Node, Dest, Msg, Est)
+                    end;
+                undefined -> ok;
+                no_pool -> count_no_pool();
+                badarg -> erlang:error(badarg, [Pool, Msg])
+            end
+    end.
+
+%% A tell by distribution, unless the message does not fit in a frame of
+%% the pool node: then it is dropped, counted and logged, and nothing is
+%% sent.
+dist_tell(Node, Dest, Msg, Est) ->
+    case fits(Node, Msg, Est) of
+        ok -> dist_send(Node, Dest, {tell, Msg});
+        {too_large, Size, Max} -> oversized_tell(Node, Dest, Size, Max)
+    end.
+
+%% An ask by distribution, likewise: {error, {too_large, Size, Max}}.
+dist_ask(Node, Dest, Msg, Est, Timeout) ->
+    case fits(Node, Msg, Est) of
+        ok ->
+            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+        {too_large, _Size, _Max} = Why ->
+            count_oversized(?OVERSIZED_ASKS),
+            {error, Why}
     end.
 
 %% @equiv ask(Pool, Msg, 5000)
@@ -359,20 +411,25 @@ ask(Pool, Msg) ->
 -spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
 ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
-    case sendable(Msg) andalso dest(Pool) of
-        {ok, Dest, Node} ->
-            case actor_pool_dp:lane(Node, Dest) of
-                {lane, Seg} ->
-                    ring_request(Seg, Node, Dest, ask, Msg, Timeout);
-                none ->
-                    request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout)
-            end;
-        undefined ->
-            {error, noproc};
-        no_pool ->
-            {error, no_pool};
-        _ ->
-            erlang:error(badarg, [Pool, Msg, Timeout])
+    case sendable(Msg) of
+        false ->
+            erlang:error(badarg, [Pool, Msg, Timeout]);
+        Est ->
+            case dest(Pool) of
+                {ok, Dest, Node} ->
+                    case actor_pool_dp:lane(Node, Dest) of
+                        {lane, Seg} ->
+                            ring_request(Seg, Node, Dest, ask, {Msg, Est}, Timeout);
+                        none ->
+                            dist_ask(Node, Dest, Msg, Est, Timeout)
+                    end;
+                undefined ->
+                    {error, noproc};
+                no_pool ->
+                    {error, no_pool};
+                badarg ->
+                    erlang:error(badarg, [Pool, Msg, Timeout])
+            end
     end;
 ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
@@ -388,7 +445,7 @@ stats(Pool) ->
         {ok, Dest, Node} ->
             Reply = case actor_pool_dp:lane(Node, Dest) of
                         {lane, Seg} ->
-                            ring_request(Seg, Node, Dest, stats, undefined, ?DEFAULT_TIMEOUT);
+                            ring_request(Seg, Node, Dest, stats, {undefined, 0}, ?DEFAULT_TIMEOUT);
                         none ->
                             call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT)
                     end,
@@ -472,6 +529,77 @@ by_key(Key) ->
                    end,
             Pid = lists:nth(rand:uniform(length(Pick)), Pick),
             {ok, Pid, node(Pid)}
+    end.
+
+%% ok, or {too_large, Size, Max} when Msg (of external size at most Est)
+%% does not fit in one frame of the pool node: Max is its max_frame less the
+%% frame's envelope. Nothing is looked up while Est is under the floor of
+%% every max_frame; above it, the pool node's max_frame (learned once from
+%% another pool node) and then the exact size are taken.
+fits(_Node, _Msg, Est) when Est =< ?MIN_MAX_FRAME - ?FRAME_ENVELOPE ->
+    ok;
+fits(Node, Msg, Est) ->
+    Max = max_frame(Node) - ?FRAME_ENVELOPE,
+    case Est =< Max of
+        true ->
+            ok;
+        false ->
+            Size = case is_binary(Msg) of
+                       true -> Est;
+                       false -> erlang:external_size(Msg)
+                   end,
+            case Size =< Max of
+                true -> ok;
+                false -> {too_large, Size, Max}
+            end
+    end.
+
+%% The pool node's max_frame: this node's own pool node's is known; another
+%% pool node is asked once (node_stats), and one that cannot tell (an older
+%% pool node) is taken to have the default. Not remembered when the pool
+%% node did not answer: the next large message asks again.
+max_frame(Node) ->
+    case actor_pool_batcher:max_frame(Node) of
+        undefined ->
+            case node_stats(Node) of
+                #{max_frame := M} when is_integer(M), M > 0 ->
+                    persistent_term:put(?MAX_FRAME_KEY(Node), M),
+                    M;
+                {error, unknown_request} ->
+                    persistent_term:put(?MAX_FRAME_KEY(Node), ?DEFAULT_MAX_FRAME),
+                    ?DEFAULT_MAX_FRAME;
+                _ ->
+                    ?DEFAULT_MAX_FRAME
+            end;
+        M ->
+            M
+    end.
+
+oversized_tell(Node, Dest, Size, Max) ->
+    count_oversized(?OVERSIZED_TELLS),
+    case persistent_term:get(?OVERSIZED, undefined) of
+        {_, A} ->
+            %% At most one line a second from this node; the ones passed
+            %% over are counted in the next line.
+            Now = erlang:monotonic_time(second),
+            case atomics:exchange(A, 1, Now) of
+                Now ->
+                    atomics:add(A, 2, 1);
+                _ ->
+                    More = atomics:exchange(A, 2, 0),
+                    logger:warning("actor_pool: tell to ~p on pool node ~p dropped: ~b bytes, "
+                                   "at most ~b fit in a frame of it (~b more dropped since the "
+                                   "last line)", [Dest, Node, Size, Max, More],
+                                   #{actor_pool => oversized_tell})
+            end;
+        undefined ->
+            ok
+    end.
+
+count_oversized(Slot) ->
+    case persistent_term:get(?OVERSIZED, undefined) of
+        {C, _} -> counters:add(C, Slot, 1);
+        undefined -> ok
     end.
 
 count_no_pool() ->
@@ -602,12 +730,14 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
         closed -> actor_pool_dp:lane_closed(Node, Seg), dist
     end.
 
-ring_tell(Seg, Node, Dest, Msg) ->
+ring_tell(Seg, Node, Dest, Msg, Est) ->
     case ring_submit_wait(Seg, Node, tell, Dest, Msg, undefined, ?FULL_RETRY_US) of
         ok ->
             ok;
         dist ->
-            dist_send(Node, Dest, {tell, Msg});
+            %% Too large for a ring record (or the lane closed): it goes by
+            %% distribution if it fits in a frame.
+            dist_tell(Node, Dest, Msg, Est);
         full ->
             %% Not to distribution: it would overtake what is in the ring.
             %% Counted (actor_pool_dp:info/0), as a full mailbox counts its
@@ -645,7 +775,7 @@ ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries) ->
 %% reply thread as {Ref, Answer}; a closed lane answers every waiting ask
 %% {error, {nodedown, Node}} at once. On timeout the ask is cancelled in the
 %% NIF (after which no reply is sent) and a reply that raced it is taken.
-ring_request(Seg, Node, Dest, Kind, Msg, Timeout) ->
+ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
     Ref = make_ref(),
     %% A full ring is waited for as a tell waits, within the timeout.
     WaitUs = case Timeout of
@@ -672,7 +802,7 @@ ring_request(Seg, Node, Dest, Kind, Msg, Timeout) ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};
         _DistOrFullStats when Kind =:= ask ->
-            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
+            dist_ask(Node, Dest, Msg, Est, Timeout);
         _DistOrFullStats ->
             call(Node, Dest, '$ap_stats', Timeout)
     end.
@@ -765,7 +895,7 @@ handler({plugin, Path}, PoolNode) ->
         error -> error
     end;
 handler({plugin, Path, Config}, PoolNode) ->
-    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) of
+    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) =/= false of
         true ->
             {ok, Abs} = plugin_path(Path, PoolNode),
             {ok, {plugin, Abs, Config}};
@@ -805,30 +935,58 @@ host(Node) ->
         _ -> ""
     end.
 
-%% True unless T holds a closure or nests deeper than a C node accepts. A C
-%% node takes well-formed funs, but no handler can run a closure, so one is
-%% refused here with a clear error; containers nested deeper than the C node
-%% accepts (see ?MAX_DEPTH) would close the whole connection, failing every
-%% ask in flight to that node. Binaries, the usual message, cost one test.
-sendable(T) -> sendable(T, 0).
+%% An upper bound of T's external size, or false when T holds a closure or
+%% nests deeper than a C node accepts. A C node takes well-formed funs, but
+%% no handler can run a closure, so one is refused here with a clear error;
+%% containers nested deeper than the C node accepts (see ?MAX_DEPTH) would
+%% close the whole connection, failing every ask in flight to that node.
+%% The bound comes with the walk that these checks make anyway; a binary,
+%% the usual message, costs one test and its byte_size.
+sendable(T) -> sendable(T, 0, 0).
 
-%% D: containers open above T.
-sendable(T, _D) when is_binary(T); is_atom(T); is_number(T) -> true;
-sendable([], _D) -> true;
-sendable([_ | _] = L, D) when D < ?MAX_DEPTH -> sendable_list(L, D + 1);
-sendable(T, D) when is_tuple(T), D < ?MAX_DEPTH -> sendable_tuple(T, tuple_size(T), D + 1);
-sendable(T, D) when is_map(T), D < ?MAX_DEPTH -> sendable_map(maps:next(maps:iterator(T)), D + 1);
-sendable(F, D) when is_function(F), D < ?MAX_DEPTH -> erlang:fun_info(F, type) =:= {type, external};
-sendable(T, _D) when is_pid(T); is_port(T); is_reference(T); is_bitstring(T) -> true;
-sendable(_T, _D) -> false.
+%% D: containers open above T; A: the bytes counted so far.
+sendable(T, _D, A) when is_binary(T) -> A + byte_size(T) + 6;
+sendable(T, _D, A) when is_integer(T), T >= -16#80000000, T =< 16#7FFFFFFF -> A + 5;
+sendable(T, _D, A) when is_float(T) -> A + 9;
+sendable(T, _D, A) when is_atom(T); is_integer(T) -> A + erlang:external_size(T);
+sendable([], _D, A) -> A + 1;
+sendable([_ | _] = L, D, A) when D < ?MAX_DEPTH -> sendable_list(L, D + 1, A + 5);
+sendable(T, D, A) when is_tuple(T), D < ?MAX_DEPTH ->
+    sendable_tuple(T, tuple_size(T), D + 1, A + 5);
+sendable(T, D, A) when is_map(T), D < ?MAX_DEPTH ->
+    sendable_map(maps:next(maps:iterator(T)), D + 1, A + 5);
+sendable(F, D, A) when is_function(F), D < ?MAX_DEPTH ->
+    case erlang:fun_info(F, type) of
+        {type, external} -> A + erlang:external_size(F);
+        _ -> false
+    end;
+sendable(T, _D, A) when is_pid(T); is_port(T); is_reference(T) -> A + erlang:external_size(T);
+sendable(T, _D, A) when is_bitstring(T) -> A + byte_size(T) + 7;
+sendable(_T, _D, _A) -> false.
 
-sendable_list([H | T], D) -> sendable(H, D) andalso sendable_list(T, D);
-sendable_list([], _D) -> true;
-sendable_list(Tail, D) -> sendable(Tail, D).
+sendable_list([H | T], D, A) ->
+    case sendable(H, D, A) of
+        false -> false;
+        A1 -> sendable_list(T, D, A1)
+    end;
+sendable_list([], _D, A) -> A + 1;
+sendable_list(Tail, D, A) -> sendable(Tail, D, A).
 
-sendable_tuple(_T, 0, _D) -> true;
-sendable_tuple(T, I, D) -> sendable(element(I, T), D) andalso sendable_tuple(T, I - 1, D).
+sendable_tuple(_T, 0, _D, A) -> A;
+sendable_tuple(T, I, D, A) ->
+    case sendable(element(I, T), D, A) of
+        false -> false;
+        A1 -> sendable_tuple(T, I - 1, D, A1)
+    end.
 
-sendable_map(none, _D) -> true;
-sendable_map({K, V, Next}, D) ->
-    sendable(K, D) andalso sendable(V, D) andalso sendable_map(maps:next(Next), D).
+sendable_map(none, _D, A) -> A;
+sendable_map({K, V, Next}, D, A) ->
+    case sendable(K, D, A) of
+        false ->
+            false;
+        A1 ->
+            case sendable(V, D, A1) of
+                false -> false;
+                A2 -> sendable_map(maps:next(Next), D, A2)
+            end
+    end.

@@ -67,3 +67,10 @@
 %% persistent_term key: the max_frame learned from another pool node
 %% (written once per node, by the first sender of a large message to it).
 -define(MAX_FRAME_KEY(Node), {actor_pool, max_frame, Node}).
+%% persistent_term key: {Counters, Atomics} of messages refused for their
+%% size (actor_pool:oversized/0): counter slots, and the atomics of the log
+%% line's rate limit (slot 1: the second of the last line, slot 2: lines
+%% passed over since).
+-define(OVERSIZED, {actor_pool, oversized}).
+-define(OVERSIZED_TELLS, 1).
+-define(OVERSIZED_ASKS, 2).

@@ -74,6 +74,11 @@ init([]) ->
         undefined -> persistent_term:put(?NO_POOL_TELLS, counters:new(1, [write_concurrency]));
         _ -> ok
     end,
+    case persistent_term:get(?OVERSIZED, undefined) of
+        undefined -> persistent_term:put(?OVERSIZED, {counters:new(2, [write_concurrency]),
+                                                      atomics:new(2, [{signed, true}])});
+        _ -> ok
+    end,
     Flags = #{strategy => one_for_one, intensity => 5, period => 10},
     CnodeSup = #{id => actor_cnode_sup,
                  start => {actor_cnode_sup, start_link, []},

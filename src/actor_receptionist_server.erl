@@ -50,7 +50,9 @@
                   max_subscribers_total := non_neg_integer(),
                   gossip_interval_ms := pos_integer()}.
 
-%% Messages per {batch, Msgs} to the C node.
+%% Messages per {batch, Msgs} to the C node; a batch's bytes (external
+%% size) stay under the C node's max_frame less the envelope (a frame over
+%% it is dropped whole, and with it registrations nobody would send again).
 -define(MAX_BATCH, 1024).
 %% How long a replay may take before the incarnation is given up on.
 -define(SYNC_TIMEOUT, 15000).
@@ -86,7 +88,9 @@
     reap = [] :: [ets:tid()],
     %% a hidden node: its registrations are also made on the members it
     %% follows
-    follower = false :: boolean()
+    follower = false :: boolean(),
+    %% bytes a {batch, Msgs} to the C node may hold
+    batch_bytes :: pos_integer()
 }).
 
 %% ===================================================================
@@ -128,7 +132,8 @@ init(Node, Owner, PerKey, Total, Interval) ->
     %% registrations again, and take ours from our journal.
     G = actor_receptionist_gossip:new(Interval),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
-                    gossip = G, follower = actor_receptionist_gossip:hidden(G)},
+                    gossip = G, follower = actor_receptionist_gossip:hidden(G),
+                    batch_bytes = batch_bytes(Owner)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
@@ -693,14 +698,34 @@ send_all([], _State) ->
     ok;
 send_all([Msg], State) ->
     send(Msg, State);
-send_all(Msgs, State) ->
-    {Batch, Rest} = take(Msgs, ?MAX_BATCH, []),
-    send({batch, Batch}, State),
+send_all(Msgs, #state{batch_bytes = Max} = State) ->
+    {Batch, Rest} = take(Msgs, ?MAX_BATCH, Max, []),
+    case Batch of
+        [Msg] -> send(Msg, State);
+        _ -> send({batch, Batch}, State)
+    end,
     send_all(Rest, State).
 
-take(Rest, 0, Acc) -> {lists:reverse(Acc), Rest};
-take([], _N, Acc) -> {lists:reverse(Acc), []};
-take([M | Rest], N, Acc) -> take(Rest, N - 1, [M | Acc]).
+%% Up to N messages and Bytes bytes; at least one (a single message is
+%% bounded by the key's and the reply's limits, far under any max_frame).
+take(Rest, 0, _Bytes, Acc) ->
+    {lists:reverse(Acc), Rest};
+take([], _N, _Bytes, Acc) ->
+    {lists:reverse(Acc), []};
+take([M | Rest] = Msgs, N, Bytes, Acc) ->
+    case erlang:external_size(M) of
+        Size when Size =< Bytes; Acc =:= [] -> take(Rest, N - 1, Bytes - Size, [M | Acc]);
+        _ -> {lists:reverse(Acc), Msgs}
+    end.
+
+%% The C node's max_frame (from its owner), less the frame's envelope.
+batch_bytes(Owner) ->
+    MaxFrame = try actor_cnode:info(Owner) of
+                   #{max_frame := M} -> M
+               catch
+                   exit:_ -> ?MIN_MAX_FRAME
+               end,
+    MaxFrame - ?FRAME_ENVELOPE.
 
 send(_Msg, #state{pid = undefined}) ->
     ok;

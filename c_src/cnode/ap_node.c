@@ -911,6 +911,7 @@ void ap_node_stop(ap_node *n) { n->stop = 1; }
 const char *ap_node_name(const ap_node *n) { return n->name; }
 const char *ap_node_backend(const ap_node *n) { return ap_loop_backend(n->loop); }
 const ap_node_stats *ap_node_get_stats(const ap_node *n) { return &n->stats; }
+uint32_t ap_node_max_frame(const ap_node *n) { return n->cfg.max_frame; }
 ei_cnode *ap_node_ei(ap_node *n) { return &n->ec; }
 
 int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg)

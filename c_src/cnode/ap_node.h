@@ -82,6 +82,7 @@ void ap_node_stop(ap_node *n);
 const char *ap_node_name(const ap_node *n);
 const char *ap_node_backend(const ap_node *n);
 const ap_node_stats *ap_node_get_stats(const ap_node *n);
+uint32_t ap_node_max_frame(const ap_node *n); /* the frame limit in force */
 ei_cnode *ap_node_ei(ap_node *n);
 
 /* Processes (loop thread). name may be NULL. */

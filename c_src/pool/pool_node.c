@@ -11,7 +11,8 @@
  * so a restarted pool node registers again; the receptionist drops the
  * registration when the connection goes.
  *
- * The manager also answers dp_info: where a BEAM of this host attaches its
+ * The manager also answers node_stats (the node-wide counters and
+ * max_frame) and dp_info: where a BEAM of this host attaches its
  * same-host ring segment (ring_ingress.c), unless --no-fast-path.
  */
 #include <ei.h>
@@ -348,6 +349,35 @@ static void stop_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b,
 
 static void registered(const char *b, int i);
 
+/* node_stats: the node-wide counters (a frame over max_frame from any peer
+ * is counted in `oversized'), and max_frame, so that a BEAM sizes its
+ * messages and batches to fit. */
+static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
+{
+	const ap_node_stats *s = ap_node_get_stats(n);
+	ei_x_buff x;
+	ei_x_new(&x);
+	ei_x_encode_map_header(&x, 8);
+	ei_x_encode_atom(&x, "received");
+	ei_x_encode_ulonglong(&x, s->received);
+	ei_x_encode_atom(&x, "unknown_name");
+	ei_x_encode_ulonglong(&x, s->unknown_name);
+	ei_x_encode_atom(&x, "bad_frames");
+	ei_x_encode_ulonglong(&x, s->bad_frames);
+	ei_x_encode_atom(&x, "dropped");
+	ei_x_encode_ulonglong(&x, s->dropped);
+	ei_x_encode_atom(&x, "oversized");
+	ei_x_encode_ulonglong(&x, s->oversized);
+	ei_x_encode_atom(&x, "connections");
+	ei_x_encode_long(&x, s->connections);
+	ei_x_encode_atom(&x, "io");
+	ei_x_encode_atom(&x, ap_node_backend(n));
+	ei_x_encode_atom(&x, "max_frame");
+	ei_x_encode_ulong(&x, ap_node_max_frame(n));
+	ap_reply(n, self, m, x.buff, x.index);
+	ei_x_free(&x);
+}
+
 static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 {
 	const char *b = m->buf;
@@ -365,6 +395,11 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		ap_dp_encode_info(&x);
 		ap_reply(n, self, m, x.buff, x.index);
 		ei_x_free(&x);
+		return;
+	}
+	i = m->index;
+	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "node_stats")) {
+		reply_node_stats(n, self, m);
 		return;
 	}
 	i = m->index;
