@@ -281,6 +281,7 @@ out(Dest, Msg) ->
 %% ===================================================================
 
 %% @private
+-dialyzer({no_improper_lists, init/4}).
 -spec init(pid(), node(), pos_integer(), pos_integer()) -> no_return().
 init(Parent, Node, Index, N) ->
     %% Trapped so that a shutdown first sends what is queued.
