@@ -355,6 +355,11 @@ stop_pool(Pool) ->
 %% or containers nested more than 1000 deep, raises `badarg' here: a C node
 %% refuses such a term by closing the whole connection, failing every ask in
 %% flight to that pool node.
+%%
+%% A message larger than fits in one frame of the pool node (its `max_frame'
+%% less 8 KiB of envelope), and too large for a ring record when it would
+%% go by ring, is dropped before anything is sent: counted in {@link
+%% oversized/0} and logged (a warning, at most one a second).
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
     case sendable(Msg) of
@@ -406,8 +411,10 @@ ask(Pool, Msg) ->
 %% `noproc' (no such pool); `{nodedown, PoolNode}' (the connection to the
 %% pool node was lost: the message may or may not have been handled);
 %% `timeout' (a reply that comes later is dropped, never left in the
-%% caller's mailbox). Raises `badarg' for a message that holds a closure
-%% (see {@link tell/2}).
+%% caller's mailbox); `{too_large, Size, Max}' (the message, of external
+%% size `Size', does not fit in a frame of the pool node, nor in a ring
+%% record: nothing was sent; see {@link tell/2}). Raises `badarg' for a
+%% message that holds a closure (see {@link tell/2}).
 -spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
 ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
