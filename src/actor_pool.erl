@@ -955,7 +955,10 @@ sendable(T) -> sendable(T, 0, 0).
 sendable(T, _D, A) when is_binary(T) -> A + byte_size(T) + 6;
 sendable(T, _D, A) when is_integer(T), T >= -16#80000000, T =< 16#7FFFFFFF -> A + 5;
 sendable(T, _D, A) when is_float(T) -> A + 9;
-sendable(T, _D, A) when is_atom(T); is_integer(T) -> A + erlang:external_size(T);
+%% An atom: at most 255 characters of up to 4 bytes, and a 3-byte header
+%% (a bound, not its size: no lookup of its text).
+sendable(T, _D, A) when is_atom(T) -> A + 1023;
+sendable(T, _D, A) when is_integer(T) -> A + erlang:external_size(T);
 sendable([], _D, A) -> A + 1;
 sendable([_ | _] = L, D, A) when D < ?MAX_DEPTH -> sendable_list(L, D + 1, A + 5);
 sendable(T, D, A) when is_tuple(T), D < ?MAX_DEPTH ->
