@@ -106,6 +106,8 @@
 %% Documented field by field in docs/stateless-workers.md ("Metrics").
 
 -define(DEFAULT_TIMEOUT, 5000).
+%% Learning another pool node's max_frame holds up one large message.
+-define(LEARN_TIMEOUT, 1000).
 %% Starting a pool runs every worker's handler init; stopping one waits for
 %% the handlers that are running.
 -define(MANAGER_TIMEOUT, 30000).
@@ -307,7 +309,10 @@ oversized() ->
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.
 node_stats(PoolNode) when is_atom(PoolNode) ->
-    case call(PoolNode, {?MANAGER, PoolNode}, node_stats, ?DEFAULT_TIMEOUT) of
+    node_stats(PoolNode, ?DEFAULT_TIMEOUT).
+
+node_stats(PoolNode, Timeout) ->
+    case call(PoolNode, {?MANAGER, PoolNode}, node_stats, Timeout) of
         #{} = Stats -> Stats;
         {error, _} = Error -> Error;
         Other -> {error, {unexpected_reply, Other}}
@@ -562,13 +567,14 @@ fits(Node, Msg, Est) ->
     end.
 
 %% The pool node's max_frame: this node's own pool node's is known; another
-%% pool node is asked once (node_stats), and one that cannot tell (an older
-%% pool node) is taken to have the default. Not remembered when the pool
-%% node did not answer: the next large message asks again.
+%% pool node is asked once (node_stats; kept until the application stops),
+%% and one that cannot tell (an older pool node) is taken to have the
+%% default. Not remembered when the pool node did not answer within a
+%% second: the next large message asks again.
 max_frame(Node) ->
     case actor_pool_batcher:max_frame(Node) of
         undefined ->
-            case node_stats(Node) of
+            case node_stats(Node, ?LEARN_TIMEOUT) of
                 #{max_frame := M} when is_integer(M), M > 0 ->
                     persistent_term:put(?MAX_FRAME_KEY(Node), M),
                     M;

@@ -26,6 +26,7 @@
 
 -export([ask_over_the_limit_by_distribution_is_refused_unsent/1,
          tell_over_the_limit_by_distribution_is_a_counted_drop/1,
+         tell_drops_are_logged_at_most_once_a_second/1,
          ask_too_large_for_ring_and_frame_is_refused_unsent/1,
          tell_too_large_for_ring_and_frame_is_a_counted_drop/1,
          a_message_under_the_limit_still_goes/1,
@@ -39,6 +40,8 @@
 -define(ENVELOPE, 8192).
 -define(MAX_MSG, (?MAX_FRAME - ?ENVELOPE)).
 -define(WAIT_MS, 30000).
+%% logger handler callback: passes on actor_pool's oversized-tell lines.
+-export([log/2]).
 
 %% ===================================================================
 %% Fixture
@@ -50,6 +53,7 @@ actor_pool_oversize_test_() ->
              [{atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}
               || Name <- [ask_over_the_limit_by_distribution_is_refused_unsent,
                           tell_over_the_limit_by_distribution_is_a_counted_drop,
+                          tell_drops_are_logged_at_most_once_a_second,
                           ask_too_large_for_ring_and_frame_is_refused_unsent,
                           tell_too_large_for_ring_and_frame_is_a_counted_drop,
                           a_message_under_the_limit_still_goes,
@@ -113,6 +117,53 @@ tell_over_the_limit_by_distribution_is_a_counted_drop(#{pool_node := PN}) ->
     ?assertMatch(#{tells := T1} when T1 =:= T0 + 2, actor_pool:oversized()),
     ?assertEqual(Before, snapshot(ov_tell_dist, PN)),
     ok = actor_pool:stop_pool(ov_tell_dist).
+
+%% Oversized tells, 20 ms apart, until a line is logged (the limit allows
+%% one a second, so one comes within about a second): every one counted,
+%% at most one line per second begun, naming the pool, the size, the limit.
+tell_drops_are_logged_at_most_once_a_second(_Ctx) ->
+    {ok, _} = actor_pool:start_pool(ov_tell_log, echo, #{workers => 1, fast_path => false}),
+    Handler = ov_tell_log_handler,
+    ok = logger:add_handler(Handler, ?MODULE, #{level => all, config => #{pid => self()}}),
+    try
+        #{tells := T0} = actor_pool:oversized(),
+        Start = erlang:monotonic_time(millisecond),
+        N = tell_until_logged(binary:copy(<<"x">>, ?MAX_FRAME), Start + 5000, 0),
+        Elapsed = erlang:monotonic_time(millisecond) - Start,
+        ?assertMatch(#{tells := T1} when T1 =:= T0 + N, actor_pool:oversized()),
+        Lines = drain_lines([]),
+        ?assert(length(Lines) >= 1),
+        ?assert(length(Lines) =< Elapsed div 1000 + 2),
+        [Line | _] = Lines,
+        [?assertNotEqual(nomatch, string:find(Line, S))
+         || S <- ["ov_tell_log", integer_to_list(?MAX_FRAME + 6) ++ " bytes",
+                  "at most " ++ integer_to_list(?MAX_MSG)]]
+    after
+        ok = logger:remove_handler(Handler)
+    end,
+    ok = actor_pool:stop_pool(ov_tell_log).
+
+tell_until_logged(Msg, Deadline, N) ->
+    ok = actor_pool:tell(ov_tell_log, Msg),
+    receive
+        {ov_line, _} = Line -> self() ! Line, N + 1
+    after 20 ->
+        case erlang:monotonic_time(millisecond) < Deadline of
+            true -> tell_until_logged(Msg, Deadline, N + 1);
+            false -> error(no_log_line)
+        end
+    end.
+
+drain_lines(Acc) ->
+    receive {ov_line, L} -> drain_lines([L | Acc])
+    after 0 -> lists:reverse(Acc)
+    end.
+
+log(#{meta := #{actor_pool := oversized_tell}, msg := {F, A}}, #{config := #{pid := Pid}}) ->
+    Pid ! {ov_line, lists:flatten(io_lib:format(F, A))},
+    ok;
+log(_Event, _Config) ->
+    ok.
 
 %% A 4 MiB binary fits in no request ring record (the NIF says too_large)
 %% nor in a frame of 64 KiB.
