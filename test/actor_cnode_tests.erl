@@ -26,7 +26,8 @@
          link_delivers_exit_with_the_stop_reason/1,
          call_to_missing_name_replies_noproc/1,
          malformed_frames_close_only_that_connection/1,
-         oversized_frame_with_an_unreadable_head_is_passed_over/1,
+         oversized_frame_whose_head_is_no_control_message_closes_the_connection/1,
+         a_burst_of_calls_over_a_small_max_frame_is_all_answered/1,
          wrong_cookie_is_refused_right_cookie_accepted/1,
          io_backend_is_the_one_requested/1,
          await_up_returns_ok_when_up/1,
@@ -57,7 +58,8 @@ actor_cnode_test_() ->
                  link_delivers_exit_with_the_stop_reason,
                  call_to_missing_name_replies_noproc,
                  malformed_frames_close_only_that_connection,
-                 oversized_frame_with_an_unreadable_head_is_passed_over,
+                 oversized_frame_whose_head_is_no_control_message_closes_the_connection,
+                 a_burst_of_calls_over_a_small_max_frame_is_all_answered,
                  wrong_cookie_is_refused_right_cookie_accepted,
                  io_backend_is_the_one_requested,
                  await_up_returns_ok_when_up,
@@ -174,21 +176,54 @@ malformed_frames_close_only_that_connection(#{node := N}) ->
     #{bad_frames := Bad1} = stats(N),
     ?assert(Bad1 >= Bad0 + 1).
 
-%% A frame over max_frame whose first bytes are no control message at all:
-%% it cannot be answered, but it is passed over by its length like any
-%% oversized frame (actor_cnode_oversize_tests has the readable ones), and
-%% the connection stays.
-oversized_frame_with_an_unreadable_head_is_passed_over(_Ctx) ->
+%% A frame over max_frame whose first bytes are no control message at all
+%% means the peer's stream is out of step: its length cannot be trusted to
+%% skip by (it may come from junk, and then the next 4 GiB of good frames
+%% would be passed over), so the connection closes as for a bad frame
+%% within max_frame. Readable oversized frames are passed over
+%% (actor_cnode_oversize_tests).
+oversized_frame_whose_head_is_no_control_message_closes_the_connection(_Ctx) ->
     Alive = alive("ovhead"),
     {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 1024}),
     try
         N = actor_cnode:node(Owner),
         #{oversized := Ov0, bad_frames := Bad0} = stats(N),
         %% 2000 bytes: 'q', then zeros.
-        ?assertEqual("open", rawpeer(N, "000007D0" ++ "71" ++ lists:duplicate(1999 * 2, $0))),
+        ?assertEqual("closed", rawpeer(N, "000007D0" ++ "71" ++ lists:duplicate(1999 * 2, $0))),
+        %% 4 junk bytes that read as a 1 MiB length, then good frames
+        %% (ticks, enough to fill the head the node looks at): those
+        %% frames would have been passed over with the junk.
+        ?assertEqual("closed", rawpeer(N, "00100000" ++ lists:duplicate(1100 * 8, $0))),
         ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
         #{oversized := Ov1, bad_frames := Bad1} = stats(N),
-        ?assertEqual({Ov0 + 1, Bad0}, {Ov1, Bad1})
+        ?assertEqual({Ov0, Bad0 + 2}, {Ov1, Bad1})
+    after
+        ok = actor_cnode:stop(Owner),
+        wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
+    end.
+
+%% 500 calls of 1 KiB at once from this node, which reads its replies, to
+%% a node whose max_frame is 4 KiB: the replies pile up faster than one
+%% write takes them, far past 4 * max_frame, and that is no sign of a peer
+%% that stopped reading. Every call is answered on the same connection.
+a_burst_of_calls_over_a_small_max_frame_is_all_answered(_Ctx) ->
+    Alive = alive("burst"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 4096}),
+    try
+        N = actor_cnode:node(Owner),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        #{connections := C0} = stats(N),
+        Parent = self(),
+        Bins = [<<I:32, (binary:copy(<<I:8>>, 1020))/binary>> || I <- lists:seq(1, 500)],
+        Pids = [spawn_link(fun() ->
+                               R = (catch gen_server:call({echo, N}, B, 30000)),
+                               Parent ! {self(), R =:= B}
+                           end) || B <- Bins],
+        Answers = [receive {P, Ok} -> Ok after 60000 -> timeout end || P <- Pids],
+        ?assertEqual(500, length([ok || true <- Answers])),
+        %% Still the one connection it had.
+        #{connections := C1} = stats(N),
+        ?assertEqual(C0, C1)
     after
         ok = actor_cnode:stop(Owner),
         wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)

@@ -289,8 +289,9 @@ static void test_every_truncation_of_captured_frames_is_ebadmsg(void **state)
 }
 
 /* The head of an oversized frame: every prefix of every captured frame is
- * refused until its control tuple is whole, and from there decodes to the
- * fields of the whole frame, a send's message being what of it came. */
+ * refused until its control tuple is whole (-ENODATA, cut short, once the
+ * op is in it; -EBADMSG before), and from there decodes to the fields of
+ * the whole frame, a send's message being what of it came. */
 static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 {
 	(void)state;
@@ -305,7 +306,7 @@ static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 			uint8_t *d = t_dup(f->data, n);
 			int r = ap_ctrl_decode_head(d, n, &c);
 			if (n < end) {
-				if (r != -EBADMSG)
+				if (r != (n >= 6 ? -ENODATA : -EBADMSG))
 					fail_msg("%s head of %zu bytes (control ends at %zu): %d", f->name, n, end, r);
 				free(d);
 				continue;
@@ -324,6 +325,31 @@ static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 			}
 			free(d);
 		}
+	}
+}
+
+/* A head that does not start as a control tuple is -EBADMSG, however it
+ * ends: its stream is out of step (these are what a frame length read from
+ * the middle of a message or from junk finds), never -ENODATA. */
+static void test_heads_that_are_no_control_tuple_are_ebadmsg(void **state)
+{
+	(void)state;
+	static const struct { const char *what; uint8_t b[8]; } heads[] = {
+		{ "'q' then zeros", { 'q', 0, 0, 0, 0, 0, 0, 0 } },
+		{ "a length and 'p'", { 0, 0, 0, 200, 'p', 131, 104, 4 } },
+		{ "no version", { 'p', 130, 104, 4, 97, 6, 0, 0 } },
+		{ "a list, not a tuple", { 'p', 131, 108, 0, 0, 0, 4, 97 } },
+		{ "an arity of 9", { 'p', 131, 104, 9, 97, 6, 103, 0 } },
+		{ "an atom op", { 'p', 131, 104, 4, 100, 0, 1, 'a' } },
+		{ "op 0", { 'p', 131, 104, 4, 97, 0, 103, 100 } },
+	};
+	for (size_t k = 0; k < sizeof heads / sizeof heads[0]; k++) {
+		ap_ctrl c;
+		uint8_t *d = t_dup(heads[k].b, sizeof heads[k].b);
+		int r = ap_ctrl_decode_head(d, sizeof heads[k].b, &c);
+		if (r != -EBADMSG)
+			fail_msg("%s: %d, not -EBADMSG", heads[k].what, r);
+		free(d);
 	}
 }
 
@@ -894,6 +920,7 @@ int main(void)
 		cmocka_unit_test(test_captured_tick_is_an_empty_frame),
 		cmocka_unit_test(test_every_truncation_of_captured_frames_is_ebadmsg),
 		cmocka_unit_test(test_heads_decode_once_the_control_tuple_is_whole),
+		cmocka_unit_test(test_heads_that_are_no_control_tuple_are_ebadmsg),
 		cmocka_unit_test(test_wrong_first_byte_or_version_is_ebadmsg),
 		cmocka_unit_test(test_wrong_arity_is_ebadmsg),
 		cmocka_unit_test(test_trailing_term_after_linklike_ops_is_ebadmsg),
