@@ -6,6 +6,7 @@
  * its only reader and writer.
  */
 #include "ap_node.h"
+#include "ap_node_int.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -359,8 +360,9 @@ static int log_unknown(ap_node *n)
 /* Parse {'$gen_call', {Pid, Tag}, Req} or {'$gen_cast', Req}; fills m.
  * Anything else stays an INFO. m->buf may hold only the start of the
  * message (the head of an oversized frame): each part is proved to lie
- * within m->len before ei reads it, and the request may be cut short. */
-static void classify(ap_msg *m)
+ * within m->len before ei reads it, and the request may be cut short.
+ * (Not static only for fuzz_classify: see ap_node_int.h.) */
+void ap_node_classify(ap_msg *m)
 {
 	const char *b = m->buf;
 	size_t len = m->len > 0 ? (size_t)m->len : 0;
@@ -400,7 +402,7 @@ static void classify(ap_msg *m)
 static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, const char *toname)
 {
 	ap_msg m = { .kind = AP_MSG_INFO, .buf = ctl->msg, .len = ctl->msg_len, .index = 1, .conn = c };
-	classify(&m);
+	ap_node_classify(&m);
 	if (p) {
 		n->stats.received++;
 		p->fn(n, p, &m);
@@ -490,7 +492,7 @@ static int on_oversize(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
 	ap_log_escape(peer, sizeof peer, c->peer);
 	if (r == 0 && (ctl.op == AP_OP_SEND || ctl.op == AP_OP_REG_SEND || ctl.op == AP_OP_ALIAS_SEND)) {
 		ap_msg m = { .kind = AP_MSG_INFO, .buf = ctl.msg, .len = ctl.msg_len, .index = 1, .conn = c };
-		classify(&m);
+		ap_node_classify(&m);
 		what = m.kind == AP_MSG_CALL ? "call" : m.kind == AP_MSG_CAST ? "cast" : "message";
 		if (ctl.op == AP_OP_REG_SEND) {
 			char name[2 * MAXATOMLEN_UTF8 - 2];
