@@ -28,6 +28,7 @@
          malformed_frames_close_only_that_connection/1,
          oversized_frame_whose_head_is_no_control_message_closes_the_connection/1,
          a_burst_of_calls_over_a_small_max_frame_is_all_answered/1,
+         an_exit_whose_reason_outgrows_the_head_is_passed_over/1,
          wrong_cookie_is_refused_right_cookie_accepted/1,
          io_backend_is_the_one_requested/1,
          await_up_returns_ok_when_up/1,
@@ -60,6 +61,7 @@ actor_cnode_test_() ->
                  malformed_frames_close_only_that_connection,
                  oversized_frame_whose_head_is_no_control_message_closes_the_connection,
                  a_burst_of_calls_over_a_small_max_frame_is_all_answered,
+                 an_exit_whose_reason_outgrows_the_head_is_passed_over,
                  wrong_cookie_is_refused_right_cookie_accepted,
                  io_backend_is_the_one_requested,
                  await_up_returns_ok_when_up,
@@ -197,6 +199,26 @@ oversized_frame_whose_head_is_no_control_message_closes_the_connection(_Ctx) ->
         ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
         #{oversized := Ov1, bad_frames := Bad1} = stats(N),
         ?assertEqual({Ov0, Bad0 + 2}, {Ov1, Bad1})
+    after
+        ok = actor_cnode:stop(Owner),
+        wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
+    end.
+
+%% An exit signal whose reason is over max_frame: the reason lies inside
+%% the control tuple, so the head the node keeps (4 KiB here) ends before
+%% the control message does. That is a readable stream, not one out of
+%% step: the frame is passed over and counted, and the connection stays.
+an_exit_whose_reason_outgrows_the_head_is_passed_over(_Ctx) ->
+    Alive = alive("ovexit"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 1024}),
+    try
+        N = actor_cnode:node(Owner),
+        {ok, P} = gen_server:call({echo, N}, spawn, ?CALL_TIMEOUT),
+        #{oversized := Ov0, bad_frames := Bad0, connections := C0} = stats(N),
+        exit(P, {big, binary:copy(<<"reason">>, 10000)}),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        #{oversized := Ov1, bad_frames := Bad1, connections := C1} = stats(N),
+        ?assertEqual({Ov0 + 1, Bad0, C0}, {Ov1, Bad1, C1})
     after
         ok = actor_cnode:stop(Owner),
         wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
