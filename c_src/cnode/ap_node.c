@@ -158,8 +158,9 @@ static int conn_close_if_not_reading(ap_node *n, ap_conn *c)
 	if (unsent <= n->out_limit ||
 	    (unsent <= 2 * n->out_limit && n->now_ms - c->progress_ms < OUT_STALL_MS))
 		return 0;
+	char peer[4 * MAXNODELEN + 8];
 	ap_log(AP_LOG_WARNING, "closing connection to %s: %zu bytes unsent, none written for %lld ms, peer not reading",
-	       c->peer, unsent, (long long)(n->now_ms - c->progress_ms));
+	       ap_log_escape(peer, sizeof peer, c->peer), unsent, (long long)(n->now_ms - c->progress_ms));
 	ap_loop_close(n->loop, io, ENOBUFS);
 	return 1;
 }
@@ -457,8 +458,9 @@ static void send_exit_noproc(ap_node *n, ap_conn *c, const erlang_pid *from, con
 
 static void bad_frame(ap_node *n, ap_conn *c, const char *why)
 {
+	char peer[4 * MAXNODELEN + 8];
 	n->stats.bad_frames++;
-	ap_log(AP_LOG_WARNING, "closing connection to %s: %s", c->peer, why);
+	ap_log(AP_LOG_WARNING, "closing connection to %s: %s", ap_log_escape(peer, sizeof peer, c->peer), why);
 }
 
 /* A frame over max_frame: its first bytes are here, the rest is being
