@@ -18,7 +18,8 @@
 -export([clients_over_the_fd_limit_leave_the_node_idle_and_it_recovers/1,
          failed_handshakes_make_a_bounded_number_of_logger_events/1,
          the_owner_bounds_log_packets_from_its_child/1,
-         announced_frame_lengths_reserve_no_memory/1]).
+         announced_frame_lengths_reserve_no_memory/1,
+         a_peer_that_stops_reading_is_cut_off_with_bounded_memory/1]).
 %% logger handler callback: counts the events of one C node.
 -export([log/2]).
 
@@ -36,7 +37,8 @@ actor_cnode_abuse_test_() ->
               || Name <- [clients_over_the_fd_limit_leave_the_node_idle_and_it_recovers,
                           failed_handshakes_make_a_bounded_number_of_logger_events,
                           the_owner_bounds_log_packets_from_its_child,
-                          announced_frame_lengths_reserve_no_memory]]
+                          announced_frame_lengths_reserve_no_memory,
+                          a_peer_that_stops_reading_is_cut_off_with_bounded_memory]]
      end}.
 
 setup() ->
@@ -169,6 +171,34 @@ announced_frame_lengths_reserve_no_memory(Ctx) ->
         end
     end).
 
+%% A peer that sends calls and never reads the replies: 3000 calls of
+%% 32 KiB (96 MiB of replies) to a node with a max_frame of 1 MiB. Once
+%% more than 64 MiB wait unwritten and none has gone out for a while, the
+%% node closes that connection with one line, its memory stays bounded,
+%% and it serves everyone else.
+a_peer_that_stops_reading_is_cut_off_with_bounded_memory(Ctx) ->
+    with_standalone(Ctx, "noreader", unlimited, ["--max-frame", "1048576"],
+                    fun(#{node := N, port := Port, os_pid := OsPid}) ->
+        #{connections := C0} = stats(N),
+        Ctl = term_to_binary({6, self(), '', echo}),
+        Msg = term_to_binary({'$gen_call', {self(), make_ref()}, rand:bytes(32768)}),
+        Frame = <<(1 + byte_size(Ctl) + byte_size(Msg)):32, $p, Ctl/binary, Msg/binary>>,
+        Hex = binary_to_list(binary:encode_hex(Frame)),
+        Peer = rawpeer_hold(Ctx, N, Hex, ["-n", "-r", "3000"]),
+        try
+            ?assertEqual("sent", await_peer_line(Peer)),
+            Line = await_line(Port, "peer not reading", 60000),
+            {match, [Unsent]} = re:run(Line, "([0-9]+) bytes unsent", [{capture, all_but_first, list}]),
+            ?assert(list_to_integer(Unsent) > 64 * 1024 * 1024),
+            wait_until(fun() -> maps:get(connections, stats(N)) =:= C0 end, ?WAIT_MS),
+            ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+            %% Twice the limit may be queued, in buffers that double.
+            ?assert(vm_hwm_kib(OsPid) < 512 * 1024)
+        after
+            stop_rawpeer(Peer)
+        end
+    end).
+
 %% ===================================================================
 %% logger handler
 %% ===================================================================
@@ -235,7 +265,10 @@ flush_events() ->
 
 %% Runs Fun with a standalone echo node under `ulimit -n Fds' (or no
 %% limit), its stderr lines coming to this process; kills it afterwards.
-with_standalone(#{cookie_file := CookieFile}, Tag, Fds, Fun) ->
+with_standalone(Ctx, Tag, Fds, Fun) ->
+    with_standalone(Ctx, Tag, Fds, [], Fun).
+
+with_standalone(#{cookie_file := CookieFile}, Tag, Fds, Args, Fun) ->
     Alive = alive(Tag),
     [_, Host] = string:split(atom_to_list(node()), "@"),
     N = list_to_atom(Alive ++ "@" ++ Host),
@@ -246,7 +279,7 @@ with_standalone(#{cookie_file := CookieFile}, Tag, Fds, Fun) ->
     Port = open_port({spawn_executable, "/bin/sh"},
                      [{args, ["-c", Limit ++ "exec \"$0\" \"$@\"", abs_exe(echo_exe()),
                               "--name", atom_to_list(N), "--cookie-file", CookieFile,
-                              "--io", io()]},
+                              "--io", io() | Args]},
                       %% One malloc arena: each handshake thread's first
                       %% malloc would otherwise reserve an arena of 64 MiB
                       %% of address space, which is not what the frame
@@ -306,6 +339,11 @@ cpu_ticks(OsPid) ->
 clock_ticks() ->
     list_to_integer(string:trim(os:cmd("getconf CLK_TCK"))).
 
+vm_hwm_kib(OsPid) ->
+    {ok, Status} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status"),
+    {match, [KiB]} = re:run(Status, "VmHWM:\\s+([0-9]+) kB", [{capture, all_but_first, binary}]),
+    binary_to_integer(KiB).
+
 vm_size_kib(OsPid) ->
     {ok, Status} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status"),
     {match, [KiB]} = re:run(Status, "VmSize:\\s+([0-9]+) kB", [{capture, all_but_first, binary}]),
@@ -313,10 +351,14 @@ vm_size_kib(OsPid) ->
 
 %% priv/actor_rawpeer in hold mode: handshakes with Node, writes the bytes,
 %% prints "sent" and keeps the connection until its stdin closes.
-rawpeer_hold(#{cookie_file := CookieFile}, Node, Hex) ->
+rawpeer_hold(Ctx, Node, Hex) ->
+    rawpeer_hold(Ctx, Node, Hex, []).
+
+%% The same with options before the arguments (-n: never read, -r: repeat).
+rawpeer_hold(#{cookie_file := CookieFile}, Node, Hex, Opts) ->
     Exe = filename:join(priv_dir(), "actor_rawpeer"),
     Port = open_port({spawn_executable, Exe},
-                     [{args, [atom_to_list(Node), CookieFile, Hex, "hold"]},
+                     [{args, Opts ++ [atom_to_list(Node), CookieFile, Hex, "hold"]},
                       {line, 256}, binary, exit_status, use_stdio]),
     {os_pid, OsPid} = erlang:port_info(Port, os_pid),
     {Port, OsPid}.

@@ -27,7 +27,8 @@
          cast_over_max_frame_is_dropped_and_the_connection_stays/1,
          calls_in_flight_beside_an_oversized_one_are_answered/1,
          a_64_mib_call_is_read_through_without_being_kept/1,
-         receptionist_answers_too_large_drops_the_cast_and_keeps_serving/1]).
+         receptionist_answers_too_large_drops_the_cast_and_keeps_serving/1,
+         the_line_names_the_sender_and_escapes_the_name/1]).
 %% logger handler callback: passes on the events of one C node.
 -export([log/2]).
 
@@ -48,7 +49,8 @@ actor_cnode_oversize_test_() ->
                           cast_over_max_frame_is_dropped_and_the_connection_stays,
                           calls_in_flight_beside_an_oversized_one_are_answered,
                           a_64_mib_call_is_read_through_without_being_kept,
-                          receptionist_answers_too_large_drops_the_cast_and_keeps_serving]]
+                          receptionist_answers_too_large_drops_the_cast_and_keeps_serving,
+                          the_line_names_the_sender_and_escapes_the_name]]
      end}.
 
 setup() ->
@@ -194,6 +196,29 @@ receptionist_answers_too_large_drops_the_cast_and_keeps_serving(#{peer := Peer, 
     ?assertEqual(Conn, connection_id(Peer, RN)),
     #{oversized := O1} = gen_server:call(Rcpt, stats, ?CALL_TIMEOUT),
     ?assertEqual(O0 + 2, O1).
+
+%% The oversized line names the caller (its pid, as num.serial), and a name
+%% the peer chose is escaped in it: a newline in an atom cannot start a
+%% forged line. The line for a message to an unregistered name escapes it
+%% the same way.
+the_line_names_the_sender_and_escapes_the_name(#{peer := Peer, pool_node := PN}) ->
+    Evil = list_to_atom("evil\nname"),
+    with_log(PN, fun() ->
+        {Caller, Reply} = peer_eval(Peer, "{self(), gen_server:call({Name, PN}, Big, Timeout)}.",
+                                    #{'Name' => Evil, 'PN' => PN, 'Big' => big(),
+                                      'Timeout' => ?CALL_TIMEOUT}),
+        ?assertEqual({error, too_large}, Reply),
+        Line = await_log(PN, "oversized call"),
+        {match, [Num, Serial]} = re:run(pid_to_list(Caller), "<[0-9]+\\.([0-9]+)\\.([0-9]+)>",
+                                        [{capture, all_but_first, list}]),
+        ?assertNotEqual(nomatch, string:find(Line, "from <" ++ Num ++ "." ++ Serial ++ "> on ")),
+        ?assertNotEqual(nomatch, string:find(Line, "to 'evil\\x0aname'")),
+        ?assertEqual(nomatch, string:find(Line, "\n")),
+        _ = peer:call(Peer, erlang, send, [{Evil, PN}, small]),
+        Unknown = await_log(PN, "unregistered name"),
+        ?assertNotEqual(nomatch, string:find(Unknown, "'evil\\x0aname'")),
+        ?assertEqual(nomatch, string:find(Unknown, "\n"))
+    end).
 
 %% ===================================================================
 %% logger handler

@@ -26,7 +26,9 @@
          link_delivers_exit_with_the_stop_reason/1,
          call_to_missing_name_replies_noproc/1,
          malformed_frames_close_only_that_connection/1,
-         oversized_frame_with_an_unreadable_head_is_passed_over/1,
+         oversized_frame_whose_head_is_no_control_message_closes_the_connection/1,
+         a_burst_of_calls_over_a_small_max_frame_is_all_answered/1,
+         an_exit_whose_reason_outgrows_the_head_is_passed_over/1,
          wrong_cookie_is_refused_right_cookie_accepted/1,
          io_backend_is_the_one_requested/1,
          await_up_returns_ok_when_up/1,
@@ -57,7 +59,9 @@ actor_cnode_test_() ->
                  link_delivers_exit_with_the_stop_reason,
                  call_to_missing_name_replies_noproc,
                  malformed_frames_close_only_that_connection,
-                 oversized_frame_with_an_unreadable_head_is_passed_over,
+                 oversized_frame_whose_head_is_no_control_message_closes_the_connection,
+                 a_burst_of_calls_over_a_small_max_frame_is_all_answered,
+                 an_exit_whose_reason_outgrows_the_head_is_passed_over,
                  wrong_cookie_is_refused_right_cookie_accepted,
                  io_backend_is_the_one_requested,
                  await_up_returns_ok_when_up,
@@ -174,22 +178,75 @@ malformed_frames_close_only_that_connection(#{node := N}) ->
     #{bad_frames := Bad1} = stats(N),
     ?assert(Bad1 >= Bad0 + 1).
 
-%% A frame over max_frame whose first bytes are no control message at all:
-%% it cannot be answered, but it is passed over by its length like any
-%% oversized frame (actor_cnode_oversize_tests has the readable ones), and
-%% the connection stays.
-oversized_frame_with_an_unreadable_head_is_passed_over(_Ctx) ->
+%% A frame over max_frame whose first bytes are no control message at all
+%% means the peer's stream is out of step: its length cannot be trusted to
+%% skip by (it may come from junk, and then the next 4 GiB of good frames
+%% would be passed over), so the connection closes as for a bad frame
+%% within max_frame. Readable oversized frames are passed over
+%% (actor_cnode_oversize_tests).
+oversized_frame_whose_head_is_no_control_message_closes_the_connection(_Ctx) ->
     Alive = alive("ovhead"),
     {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 65536}),
     try
         N = actor_cnode:node(Owner),
         #{oversized := Ov0, bad_frames := Bad0} = stats(N),
-        %% 66000 bytes (0x101D0): 'q', then zeros; more hex than one
-        %% argument may hold, so it goes through a file.
-        ?assertEqual("open", rawpeer_file(N, "000101D0" ++ "71" ++ lists:duplicate(65999 * 2, $0))),
+        %% 66000 bytes (0x101D0): 'q', then zeros (through a file: more
+        %% hex than one argument may hold).
+        ?assertEqual("closed", rawpeer_file(N, "000101D0" ++ "71" ++ lists:duplicate(65999 * 2, $0))),
+        %% 4 junk bytes that read as a 1 MiB length, then good frames
+        %% (ticks, enough to fill the 64 KiB head the node looks at): those
+        %% frames would have been passed over with the junk.
+        ?assertEqual("closed", rawpeer_file(N, "00100000" ++ lists:duplicate(17000 * 8, $0))),
         ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
         #{oversized := Ov1, bad_frames := Bad1} = stats(N),
-        ?assertEqual({Ov0 + 1, Bad0}, {Ov1, Bad1})
+        ?assertEqual({Ov0, Bad0 + 2}, {Ov1, Bad1})
+    after
+        ok = actor_cnode:stop(Owner),
+        wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
+    end.
+
+%% An exit signal whose reason is over max_frame: the reason lies inside
+%% the control tuple, so the head the node keeps (64 KiB here) ends before
+%% the control message does. That is a readable stream, not one out of
+%% step: the frame is passed over and counted, and the connection stays.
+an_exit_whose_reason_outgrows_the_head_is_passed_over(_Ctx) ->
+    Alive = alive("ovexit"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 65536}),
+    try
+        N = actor_cnode:node(Owner),
+        {ok, P} = gen_server:call({echo, N}, spawn, ?CALL_TIMEOUT),
+        #{oversized := Ov0, bad_frames := Bad0, connections := C0} = stats(N),
+        exit(P, {big, binary:copy(<<"reason">>, 20000)}),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        #{oversized := Ov1, bad_frames := Bad1, connections := C1} = stats(N),
+        ?assertEqual({Ov0 + 1, Bad0, C0}, {Ov1, Bad1, C1})
+    after
+        ok = actor_cnode:stop(Owner),
+        wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)
+    end.
+
+%% 500 calls of 1 KiB at once from this node, which reads its replies, to
+%% a node whose max_frame is 64 KiB (the smallest allowed): the replies pile up faster than one
+%% write takes them, far past 4 * max_frame, and that is no sign of a peer
+%% that stopped reading. Every call is answered on the same connection.
+a_burst_of_calls_over_a_small_max_frame_is_all_answered(_Ctx) ->
+    Alive = alive("burst"),
+    {ok, Owner} = actor_cnode:start(#{exe => echo_exe(), name => Alive, max_frame => 65536}),
+    try
+        N = actor_cnode:node(Owner),
+        ?assertEqual(pong, gen_server:call({echo, N}, ping, ?CALL_TIMEOUT)),
+        #{connections := C0} = stats(N),
+        Parent = self(),
+        Bins = [<<I:32, (binary:copy(<<I:8>>, 1020))/binary>> || I <- lists:seq(1, 500)],
+        Pids = [spawn_link(fun() ->
+                               R = (catch gen_server:call({echo, N}, B, 30000)),
+                               Parent ! {self(), R =:= B}
+                           end) || B <- Bins],
+        Answers = [receive {P, Ok} -> Ok after 60000 -> timeout end || P <- Pids],
+        ?assertEqual(500, length([ok || true <- Answers])),
+        %% Still the one connection it had.
+        #{connections := C1} = stats(N),
+        ?assertEqual(C0, C1)
     after
         ok = actor_cnode:stop(Owner),
         wait_until(fun() -> not lists:member(Alive, epmd_names()) end, 10000)

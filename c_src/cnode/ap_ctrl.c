@@ -34,6 +34,17 @@ static int dec_skip(const char *buf, size_t len, int *idx)
 	return ap_term_skip(buf, len, idx);
 }
 
+/* The first bytes of a control tuple as the BEAM writes one: 'p', 131, a
+ * small tuple of 2 to 6 elements whose first is a small integer, an
+ * operation id. A head that starts so but whose tuple does not end inside
+ * it was cut shorter than its control message (an EXIT reason, a trace
+ * token): not a sign of a stream out of step. */
+static int starts_like_ctrl(const uint8_t *frame, size_t len)
+{
+	return len >= 6 && frame[2] == 104 && frame[3] >= 2 && frame[3] <= 6 && frame[4] == 97 && frame[5] >= 1 &&
+	       frame[5] <= 40;
+}
+
 /* whole: frame is all of a frame; else only its first bytes, whose message
  * (if any) may be cut short and is not checked here. */
 static int decode(const uint8_t *frame, size_t len, ap_ctrl *c, int whole)
@@ -48,7 +59,7 @@ static int decode(const uint8_t *frame, size_t len, ap_ctrl *c, int whole)
 	/* Prove the control term lies inside the frame before decoding it. */
 	end = idx;
 	if (ap_term_skip(buf, len, &end))
-		return -EBADMSG;
+		return !whole && starts_like_ctrl(frame, len) ? -ENODATA : -EBADMSG;
 	if (ei_decode_tuple_header(buf, &idx, &arity) || arity < 1)
 		return -EBADMSG;
 	if (ei_decode_long(buf, &idx, &op))

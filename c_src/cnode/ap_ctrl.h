@@ -43,7 +43,10 @@ int ap_ctrl_decode(const uint8_t *frame, size_t len, ap_ctrl *c);
 /* The same for the first len bytes of a frame too large to keep: the
  * control tuple must lie whole inside them; the message of a send is what
  * of it came (msg_len may be 0), unvalidated: read it only through
- * bounds-checked walks. */
+ * bounds-checked walks. -ENODATA: the bytes start as a control tuple does
+ * ('p', 131, a small tuple, a small-integer op) but it does not end inside
+ * them, so nothing is decoded; a head cut that short is no proof of bad
+ * input, unlike -EBADMSG. */
 int ap_ctrl_decode_head(const uint8_t *head, size_t len, ap_ctrl *c);
 
 /* Outgoing frames: ap_frame_begin reserves the length and writes 'p';

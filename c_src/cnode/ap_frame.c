@@ -17,16 +17,23 @@ void ap_frame_rx_free(ap_frame_rx *rx)
 
 void ap_frame_rx_on_oversize(ap_frame_rx *rx, ap_frame_over_cb cb, uint32_t head_max)
 {
+	if (!head_max) {
+		head_max = rx->max_frame < AP_FRAME_HEAD_MIN ? AP_FRAME_HEAD_MIN : rx->max_frame;
+		if (head_max > AP_FRAME_HEAD_DEFAULT)
+			head_max = AP_FRAME_HEAD_DEFAULT;
+	}
 	rx->on_over = cb;
-	rx->head_max = head_max ? head_max : AP_FRAME_HEAD_DEFAULT;
+	rx->head_max = head_max;
 }
 
 /* A frame assembled in part was delivered: empty it, and give a large
- * buffer back. */
+ * buffer back. A frame of AP_FRAME_KEEP bytes (a default head among them)
+ * fills 4 more with its length: that one is kept, or every oversized frame
+ * would free and grow the buffer again. */
 static void part_done(ap_frame_rx *rx)
 {
 	rx->part.len = 0;
-	if (rx->part.cap > AP_FRAME_KEEP)
+	if (rx->part.cap > 4 + (size_t)AP_FRAME_KEEP)
 		ap_buf_free(&rx->part);
 }
 

@@ -15,8 +15,14 @@
 #define AP_FRAME_KEEP (64u << 10)
 /* Of a frame over max_frame, at most this many first bytes are kept, for
  * its control message and the head of its message (who sent it, to whom,
- * and a call's reply tag); the rest is passed over as it arrives. */
+ * and a call's reply tag); the rest is passed over as it arrives. By
+ * default the head is max_frame, within [AP_FRAME_HEAD_MIN,
+ * AP_FRAME_HEAD_DEFAULT]: a node told to keep little keeps little, and
+ * AP_FRAME_HEAD_MIN still holds the usual headers whole (a REG_SEND of a
+ * $gen_call with an [alias|Ref] tag between 255-byte node names is under
+ * 2 KiB). */
 #define AP_FRAME_HEAD_DEFAULT (64u << 10)
+#define AP_FRAME_HEAD_MIN (4u << 10)
 
 /* Called once per frame over max_frame, with its first bytes (after the
  * length): head_len is min(frame_len, head_max). The rest of the frame is
@@ -42,7 +48,8 @@ typedef int (*ap_frame_cb)(void *arg, const uint8_t *frame, size_t len);
 void ap_frame_rx_init(ap_frame_rx *rx, uint32_t max_frame);
 void ap_frame_rx_free(ap_frame_rx *rx);
 /* Pass frames over max_frame over instead of failing: cb sees the first
- * head_max bytes (0: AP_FRAME_HEAD_DEFAULT), the rest is skipped. Memory
+ * head_max bytes (0: min(AP_FRAME_HEAD_DEFAULT, max(max_frame,
+ * AP_FRAME_HEAD_MIN))), the rest is skipped. Memory
  * stays bounded by head_max whatever length a peer announces. */
 void ap_frame_rx_on_oversize(ap_frame_rx *rx, ap_frame_over_cb cb, uint32_t head_max);
 

@@ -219,3 +219,53 @@ void ap_log_flush(void)
 		atomic_store(&pending, 1);
 	pthread_mutex_unlock(&log_mu);
 }
+
+/* Bytes of the well-formed UTF-8 sequence at s, if it is no C1 control;
+ * else 0. Stops at the first byte that is no continuation (the NUL too). */
+static size_t utf8_seq(const unsigned char *s)
+{
+	size_t n;
+	unsigned min;
+	if (s[0] >= 0xc2 && s[0] <= 0xdf)
+		n = 2, min = 0x80;
+	else if (s[0] >= 0xe0 && s[0] <= 0xef)
+		n = 3, min = 0x800;
+	else if (s[0] >= 0xf0 && s[0] <= 0xf4)
+		n = 4, min = 0x10000;
+	else
+		return 0;
+	unsigned cp = s[0] & (0x3fu >> (n - 1));
+	for (size_t i = 1; i < n; i++) {
+		if ((s[i] & 0xc0) != 0x80)
+			return 0;
+		cp = cp << 6 | (s[i] & 0x3fu);
+	}
+	if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || cp <= 0x9f)
+		return 0;
+	return n;
+}
+
+const char *ap_log_escape(char *out, size_t cap, const char *in)
+{
+	const unsigned char *s = (const unsigned char *)in;
+	size_t o = 0;
+	while (*s) {
+		size_t n = *s >= 0x80 ? utf8_seq(s) : (*s >= 0x20 && *s < 0x7f && *s != '\\' && *s != '\'');
+		/* Room for this, then "..." and the NUL. */
+		if (o + (n ? n : 4) + 4 > cap) {
+			memcpy(out + o, "...", 3);
+			o += 3;
+			break;
+		}
+		if (n) {
+			memcpy(out + o, s, n);
+			s += n;
+			o += n;
+		} else {
+			snprintf(out + o, 5, "\\x%02x", *s++);
+			o += 4;
+		}
+	}
+	out[o] = 0;
+	return out;
+}

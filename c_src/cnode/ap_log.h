@@ -10,6 +10,7 @@
 #ifndef AP_LOG_H
 #define AP_LOG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum ap_log_level { AP_LOG_ERROR, AP_LOG_WARNING, AP_LOG_NOTICE, AP_LOG_INFO, AP_LOG_DEBUG };
@@ -22,6 +23,12 @@ enum ap_log_level { AP_LOG_ERROR, AP_LOG_WARNING, AP_LOG_NOTICE, AP_LOG_INFO, AP
 void ap_log_set_port_fd(int fd);
 void ap_log_set_level(enum ap_log_level max);
 void ap_log(enum ap_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Copy a name that came from a peer (an atom, a node name) into out, cap
+ * bytes (at least 4), fit for a log line: control bytes, DEL, backslash,
+ * quote and bytes that are not well-formed UTF-8 (C1 controls included)
+ * become \xNN; a name that does not fit ends in "...". Returns out. */
+const char *ap_log_escape(char *out, size_t cap, const char *in);
 
 /* Report the kinds that dropped lines and have tokens again. Cheap when
  * nothing was dropped; the event loop calls it once per turn. */

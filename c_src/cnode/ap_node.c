@@ -6,6 +6,7 @@
  * its only reader and writer.
  */
 #include "ap_node.h"
+#include "ap_node_int.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -31,12 +32,20 @@
 #define PARENT_RETRY_MS 500
 #define PARENT_ATTEMPTS 20
 #define TAG_PARENT 1
+/* A peer is taken to have stopped reading when more than out_limit bytes
+ * wait for it and none has been written for OUT_STALL_MS, or when twice
+ * out_limit wait: a reader that is merely behind (a burst of replies, a GC
+ * pause) keeps its connection, one that stopped costs bounded memory. */
+#define OUT_LIMIT_MIN (64u << 20)
+#define OUT_STALL_MS 5000
 
 struct ap_conn {
 	ap_io_conn *io;
 	char peer[MAXNODELEN + 1];
 	ap_frame_rx rx;
 	int64_t last_rx_ms, last_tx_ms;
+	uint64_t seen_out;    /* io->bytes_out when last looked at */
+	int64_t progress_ms;  /* when bytes were last written, or the queue was under out_limit */
 	ap_node *node;
 	struct ap_conn *next;
 };
@@ -66,6 +75,7 @@ struct ap_node {
 	ap_conn *conns;
 	ap_proc *procs[PROC_BUCKETS];
 	ap_node_stats stats;
+	size_t out_limit;         /* max(4 * max_frame, OUT_LIMIT_MIN): see OUT_STALL_MS */
 	int64_t now_ms, next_tick_ms, parent_retry_ms;
 	int parent_attempts;
 	int ready_sent;
@@ -136,16 +146,32 @@ static ap_conn *conn_for(ap_node *n, const char *node)
 	return NULL;
 }
 
+/* Close c if its peer has stopped reading (see OUT_STALL_MS); 1 if so. */
+static int conn_close_if_not_reading(ap_node *n, ap_conn *c)
+{
+	ap_io_conn *io = c->io;
+	size_t unsent = io->out.len;
+	if (io->inflight_off < io->inflight.len) /* off stays at the old length after a send */
+		unsent += io->inflight.len - io->inflight_off;
+	if (io->bytes_out != c->seen_out || unsent <= n->out_limit) {
+		c->seen_out = io->bytes_out;
+		c->progress_ms = n->now_ms;
+	}
+	if (unsent <= n->out_limit ||
+	    (unsent <= 2 * n->out_limit && n->now_ms - c->progress_ms < OUT_STALL_MS))
+		return 0;
+	char peer[4 * MAXNODELEN + 8];
+	ap_log(AP_LOG_WARNING, "closing connection to %s: %zu bytes unsent, none written for %lld ms, peer not reading",
+	       ap_log_escape(peer, sizeof peer, c->peer), unsent, (long long)(n->now_ms - c->progress_ms));
+	ap_loop_close(n->loop, io, ENOBUFS);
+	return 1;
+}
+
 static void conn_flush(ap_node *n, ap_conn *c)
 {
 	c->last_tx_ms = n->now_ms;
-	if (c->io->out.len > (size_t)n->cfg.max_frame * 4) {
-		/* The peer stopped reading; holding more would only grow us. */
-		ap_log(AP_LOG_WARNING, "closing connection to %s: %zu bytes unsent, peer not reading", c->peer,
-		       c->io->out.len);
-		ap_loop_close(n->loop, c->io, ENOBUFS);
+	if (conn_close_if_not_reading(n, c))
 		return;
-	}
 	ap_loop_flush(n->loop, c->io);
 }
 
@@ -337,8 +363,9 @@ static int log_unknown(ap_node *n)
 /* Parse {'$gen_call', {Pid, Tag}, Req} or {'$gen_cast', Req}; fills m.
  * Anything else stays an INFO. m->buf may hold only the start of the
  * message (the head of an oversized frame): each part is proved to lie
- * within m->len before ei reads it, and the request may be cut short. */
-static void classify(ap_msg *m)
+ * within m->len before ei reads it, and the request may be cut short.
+ * (Not static only for fuzz_classify: see ap_node_int.h.) */
+void ap_node_classify(ap_msg *m)
 {
 	const char *b = m->buf;
 	size_t len = m->len > 0 ? (size_t)m->len : 0;
@@ -378,18 +405,23 @@ static void classify(ap_msg *m)
 static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, const char *toname)
 {
 	ap_msg m = { .kind = AP_MSG_INFO, .buf = ctl->msg, .len = ctl->msg_len, .index = 1, .conn = c };
-	classify(&m);
+	ap_node_classify(&m);
 	if (p) {
 		n->stats.received++;
 		p->fn(n, p, &m);
 		return;
 	}
 	if (log_unknown(n)) {
+		/* Both names come from the peer: escaped, a name cannot forge
+		 * log lines. */
+		char peer[4 * MAXNODELEN + 8], name[2 * MAXATOMLEN_UTF8];
+		ap_log_escape(peer, sizeof peer, c->peer);
 		if (toname)
 			ap_log(AP_LOG_WARNING, "message from %s to unregistered name '%s' dropped (%llu so far)",
-			       c->peer, toname, (unsigned long long)n->stats.unknown_name);
+			       peer, ap_log_escape(name, sizeof name, toname),
+			       (unsigned long long)n->stats.unknown_name);
 		else
-			ap_log(AP_LOG_WARNING, "message from %s to dead pid <%u.%u> dropped (%llu so far)", c->peer,
+			ap_log(AP_LOG_WARNING, "message from %s to dead pid <%u.%u> dropped (%llu so far)", peer,
 			       ctl->to.num, ctl->to.serial, (unsigned long long)n->stats.unknown_name);
 	}
 	if (n->dead_letter && n->dead_letter(n, n->kernel, &m))
@@ -428,35 +460,57 @@ static void send_exit_noproc(ap_node *n, ap_conn *c, const erlang_pid *from, con
 
 static void bad_frame(ap_node *n, ap_conn *c, const char *why)
 {
+	char peer[4 * MAXNODELEN + 8];
 	n->stats.bad_frames++;
-	ap_log(AP_LOG_WARNING, "closing connection to %s: %s", c->peer, why);
+	ap_log(AP_LOG_WARNING, "closing connection to %s: %s", ap_log_escape(peer, sizeof peer, c->peer), why);
 }
 
 /* A frame over max_frame: its first bytes are here, the rest is being
  * passed over. Nothing is delivered; a call whose caller and tag are in
  * those bytes is answered {error, too_large}, as a missing process would be
  * answered noproc, so the caller does not wait out its timeout. The
- * connection stays: the frame's length keeps the stream in step. */
+ * connection stays while the frame's length can be trusted to keep the
+ * stream in step: its head reads as a control message, or starts as one
+ * and was cut before it ended (an EXIT reason, a trace token longer than
+ * the head). A head that is no control message at all means the length
+ * came from bytes out of step (junk, a peer's framing bug): skipping by it
+ * would pass over up to 4 GiB of good frames, so the connection closes as
+ * for any bad frame. */
 static int on_oversize(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
 {
 	ap_conn *c = arg;
 	ap_node *n = c->node;
-	uint64_t k = ++n->stats.oversized;
 	const char *what = "frame";
-	char to[MAXATOMLEN_UTF8 + 48] = "unknown (header unreadable)";
+	char to[2 * MAXATOMLEN_UTF8] = "unknown (header cut short)";
+	char from[MAXATOMLEN_UTF8 + 48] = "";
+	char peer[4 * MAXNODELEN + 8];
 	int answered = 0;
 	ap_ctrl ctl;
 	int r = ap_ctrl_decode_head(head, hl, &ctl);
+	if (r == -EBADMSG || (r == -ENODATA && hl == flen)) {
+		/* (A whole frame that is no control message is bad as well.) */
+		bad_frame(n, c, "oversized frame that is no control message: stream out of step");
+		return -EBADMSG;
+	}
+	uint64_t k = ++n->stats.oversized;
+	ap_log_escape(peer, sizeof peer, c->peer);
 	if (r == 0 && (ctl.op == AP_OP_SEND || ctl.op == AP_OP_REG_SEND || ctl.op == AP_OP_ALIAS_SEND)) {
 		ap_msg m = { .kind = AP_MSG_INFO, .buf = ctl.msg, .len = ctl.msg_len, .index = 1, .conn = c };
-		classify(&m);
+		ap_node_classify(&m);
 		what = m.kind == AP_MSG_CALL ? "call" : m.kind == AP_MSG_CAST ? "cast" : "message";
-		if (ctl.op == AP_OP_REG_SEND)
-			snprintf(to, sizeof to, "'%s'", ctl.toname);
-		else if (ctl.op == AP_OP_SEND)
+		if (ctl.op == AP_OP_REG_SEND) {
+			char name[2 * MAXATOMLEN_UTF8 - 2];
+			snprintf(to, sizeof to, "'%s'", ap_log_escape(name, sizeof name, ctl.toname));
+		} else if (ctl.op == AP_OP_SEND) {
 			snprintf(to, sizeof to, "<%u.%u>", ctl.to.num, ctl.to.serial);
-		else
+		} else {
 			snprintf(to, sizeof to, "an alias");
+		}
+		/* Who sent it: the caller of a call, else the sender a REG_SEND
+		 * or ALIAS_SEND names (a SEND names none). */
+		const erlang_pid *sender = m.kind == AP_MSG_CALL ? &m.from : ctl.op != AP_OP_SEND ? &ctl.from : NULL;
+		if (sender)
+			snprintf(from, sizeof from, " <%u.%u>", sender->num, sender->serial);
 		if (m.kind == AP_MSG_CALL) {
 			static const char too_large[] = { (char)131, 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r',
 							  119, 9, 't', 'o', 'o', '_', 'l', 'a', 'r', 'g', 'e' };
@@ -468,12 +522,15 @@ static int on_oversize(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
 		}
 	} else if (r == 0 || r == -ENOTSUP) {
 		what = "control message";
+		snprintf(to, sizeof to, "unknown");
 		if (r == 0 && ctl.to.node[0])
 			snprintf(to, sizeof to, "<%u.%u>", ctl.to.num, ctl.to.serial);
+		if (r == 0 && ctl.from.node[0])
+			snprintf(from, sizeof from, " <%u.%u>", ctl.from.num, ctl.from.serial);
 	}
 	/* One format for every case: ap_log limits it as one kind. */
-	ap_log(AP_LOG_WARNING, "oversized %s from %s to %s dropped%s: %u bytes, max_frame %u (%llu so far)", what,
-	       c->peer, to, answered ? ", answered {error, too_large}" : "", flen, n->cfg.max_frame,
+	ap_log(AP_LOG_WARNING, "oversized %s from%s on %s to %s dropped%s: %u bytes, max_frame %u (%llu so far)",
+	       what, from, peer, to, answered ? ", answered {error, too_large}" : "", flen, n->cfg.max_frame,
 	       (unsigned long long)k);
 	return 0;
 }
@@ -583,7 +640,7 @@ static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 	snprintf(c->peer, sizeof c->peer, "%s", peer);
 	ap_frame_rx_init(&c->rx, n->cfg.max_frame);
 	ap_frame_rx_on_oversize(&c->rx, on_oversize, 0);
-	c->last_rx_ms = c->last_tx_ms = n->now_ms;
+	c->last_rx_ms = c->last_tx_ms = c->progress_ms = n->now_ms;
 	c->io = ap_loop_add_conn(n->loop, fd, c);
 	if (!c->io) {
 		ap_log(AP_LOG_ERROR, "cannot add connection to %s to the loop", peer);
@@ -724,6 +781,10 @@ static void on_timer(ap_node *n)
 			ap_loop_close(n->loop, c->io, ETIMEDOUT);
 			continue;
 		}
+		/* A peer that stopped reading and sends nothing more is found
+		 * here, not only when something is queued for it. */
+		if (conn_close_if_not_reading(n, c))
+			continue;
 		if (n->now_ms - c->last_tx_ms >= idle / 4 && ap_enc_tick(&c->io->out) == 0)
 			conn_flush(n, c);
 	}
@@ -784,6 +845,9 @@ ap_node *ap_node_new(const ap_node_cfg *cfg)
 	n->lfd = n->epmd_fd = -1;
 	if (!n->cfg.max_frame)
 		n->cfg.max_frame = AP_FRAME_DEFAULT_MAX;
+	n->out_limit = (size_t)n->cfg.max_frame * 4;
+	if (n->out_limit < OUT_LIMIT_MIN)
+		n->out_limit = OUT_LIMIT_MIN;
 	if (n->cfg.idle_timeout_ms <= 0)
 		n->cfg.idle_timeout_ms = 60000;
 	if (!n->cfg.io)

@@ -2,7 +2,7 @@
  * with ei, then writes raw bytes (say, a malformed frame) and reports
  * whether the other side closed the connection.
  *
- * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] NODE COOKIEFILE HEXBYTES|@HEXFILE [hold]
+ * usage: actor_rawpeer [-N SELF@HOST] [-m MARKERHEX] [-r COUNT] [-n] NODE COOKIEFILE HEXBYTES|@HEXFILE [hold]
  *   prints "closed" or "open"; with -m, "closed|open BYTES SEEN": the bytes
  *   it read back (ticks and replies) and whether MARKER was among them.
  *   -N sets this peer's own node name, so frames can carry pids of it and
@@ -10,6 +10,9 @@
  *   With "hold": prints "sent" once the bytes are written, then keeps the
  *   connection until stdin closes ("open") or the node closes it
  *   ("closed"): for tests that look at the node meanwhile.
+ *   -r writes the bytes COUNT times (more than a command line holds).
+ *   -n (with hold): never read from the node, a peer that stopped reading;
+ *   only stdin closing ends it ("open").
  */
 #include <arpa/inet.h>
 #include <ei.h>
@@ -75,10 +78,15 @@ int main(int argc, char **argv)
 	const char *selfname = NULL;
 	unsigned char *marker = NULL;
 	size_t marker_len = 0;
-	int opt;
-	while ((opt = getopt(argc, argv, "N:m:")) != -1) {
+	int opt, noread = 0;
+	long repeat = 1;
+	while ((opt = getopt(argc, argv, "N:m:r:n")) != -1) {
 		if (opt == 'N') {
 			selfname = optarg;
+		} else if (opt == 'r' && (repeat = atol(optarg)) > 0) {
+			continue;
+		} else if (opt == 'n') {
+			noread = 1;
 		} else if (opt == 'm' && (marker = unhex(optarg, &marker_len)) && marker_len > 0) {
 			continue;
 		} else {
@@ -148,15 +156,23 @@ int main(int argc, char **argv)
 	unsigned char *kept = marker ? malloc(KEEP_MAX) : NULL;
 	size_t got = 0;
 	const char *state = "open";
-	if (nbytes && write(fd, bytes, nbytes) != (ssize_t)nbytes) {
-		state = "closed";
-		goto out;
-	}
+	for (long k = 0; k < repeat && nbytes; k++)
+		for (size_t off = 0; off < nbytes;) {
+			ssize_t w = write(fd, bytes + off, nbytes - off);
+			if (w < 0 && errno == EINTR)
+				continue;
+			if (w <= 0) {
+				state = "closed";
+				goto out;
+			}
+			off += (size_t)w;
+		}
 	if (hold) {
 		printf("sent\n");
 		fflush(stdout);
 		for (;;) {
-			struct pollfd p[2] = { { .fd = fd, .events = POLLIN }, { .fd = STDIN_FILENO, .events = POLLIN } };
+			struct pollfd p[2] = { { .fd = noread ? -1 : fd, .events = POLLIN },
+					       { .fd = STDIN_FILENO, .events = POLLIN } };
 			if (poll(p, 2, -1) < 0 && errno != EINTR)
 				return 3;
 			char buf[4096];

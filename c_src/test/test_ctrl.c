@@ -3,6 +3,8 @@
 
 #include "ap_ctrl.h"
 #include "ap_frame.h"
+#include "ap_node_int.h"
+#include "ap_frame.h"
 
 #include "captured_frames.h"
 #include "t_fun_overrun.h"
@@ -289,8 +291,9 @@ static void test_every_truncation_of_captured_frames_is_ebadmsg(void **state)
 }
 
 /* The head of an oversized frame: every prefix of every captured frame is
- * refused until its control tuple is whole, and from there decodes to the
- * fields of the whole frame, a send's message being what of it came. */
+ * refused until its control tuple is whole (-ENODATA, cut short, once the
+ * op is in it; -EBADMSG before), and from there decodes to the fields of
+ * the whole frame, a send's message being what of it came. */
 static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 {
 	(void)state;
@@ -305,7 +308,7 @@ static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 			uint8_t *d = t_dup(f->data, n);
 			int r = ap_ctrl_decode_head(d, n, &c);
 			if (n < end) {
-				if (r != -EBADMSG)
+				if (r != (n >= 6 ? -ENODATA : -EBADMSG))
 					fail_msg("%s head of %zu bytes (control ends at %zu): %d", f->name, n, end, r);
 				free(d);
 				continue;
@@ -324,6 +327,85 @@ static void test_heads_decode_once_the_control_tuple_is_whole(void **state)
 			}
 			free(d);
 		}
+	}
+}
+
+/* A head that does not start as a control tuple is -EBADMSG, however it
+ * ends: its stream is out of step (these are what a frame length read from
+ * the middle of a message or from junk finds), never -ENODATA. */
+/* The smallest head a node keeps of an oversized frame (AP_FRAME_HEAD_MIN)
+ * holds the usual header whole at its longest: a REG_SEND of a $gen_call
+ * with an [alias | Ref] tag, the node names 255 bytes (the BEAM's limit for
+ * name@host), the registered name 255. Its control message decodes and the
+ * call, its caller and its tag are found, so the caller gets its answer. */
+static void test_the_smallest_head_holds_a_usual_call_header(void **state)
+{
+	(void)state;
+	char node[256], name[256];
+	memset(node, 'n', 255);
+	memcpy(node + 100, "@", 1);
+	node[255] = 0;
+	memset(name, 'r', 255);
+	name[255] = 0;
+	erlang_pid from = { .num = 123, .serial = 4, .creation = 0x5eed };
+	strcpy(from.node, node);
+	erlang_ref ref = { .len = 5, .n = { 1, 2, 3, 4, 5 }, .creation = 0x5eed };
+	strcpy(ref.node, node);
+	static char big[16384];
+	ei_x_buff x;
+	assert_int_equal(ei_x_new(&x), 0);
+	assert_int_equal(ei_x_append_buf(&x, "p", 1), 0);
+	assert_int_equal(ei_x_encode_version(&x) || ei_x_encode_tuple_header(&x, 4) || ei_x_encode_long(&x, 6) ||
+				 ei_x_encode_pid(&x, &from) || ei_x_encode_atom(&x, "") || ei_x_encode_atom(&x, name),
+			 0);
+	int msg_at = x.index;
+	assert_int_equal(ei_x_encode_version(&x) || ei_x_encode_tuple_header(&x, 3) ||
+				 ei_x_encode_atom(&x, "$gen_call") || ei_x_encode_tuple_header(&x, 2) ||
+				 ei_x_encode_pid(&x, &from),
+			 0);
+	int tag_at = x.index;
+	assert_int_equal(ei_x_encode_list_header(&x, 1) || ei_x_encode_atom(&x, "alias") || ei_x_encode_ref(&x, &ref),
+			 0);
+	int tag_end = x.index;
+	assert_int_equal(ei_x_encode_binary(&x, big, sizeof big), 0);
+	assert_true(tag_end <= (int)AP_FRAME_HEAD_MIN);
+	assert_true(x.index > (int)AP_FRAME_HEAD_MIN);
+
+	uint8_t *head = t_dup((const uint8_t *)x.buff, AP_FRAME_HEAD_MIN);
+	ap_ctrl c;
+	assert_int_equal(ap_ctrl_decode_head(head, AP_FRAME_HEAD_MIN, &c), 0);
+	assert_int_equal(c.op, AP_OP_REG_SEND);
+	assert_string_equal(c.toname, name);
+	assert_ptr_equal(c.msg, (const char *)head + msg_at);
+	ap_msg m = { .kind = AP_MSG_INFO, .buf = c.msg, .len = c.msg_len, .index = 1 };
+	ap_node_classify(&m);
+	assert_int_equal(m.kind, AP_MSG_CALL);
+	t_assert_pid_eq(m.from, from);
+	assert_ptr_equal(m.tag, (const char *)head + tag_at);
+	assert_int_equal(m.tag_len, tag_end - tag_at);
+	free(head);
+	ei_x_free(&x);
+}
+
+static void test_heads_that_are_no_control_tuple_are_ebadmsg(void **state)
+{
+	(void)state;
+	static const struct { const char *what; uint8_t b[8]; } heads[] = {
+		{ "'q' then zeros", { 'q', 0, 0, 0, 0, 0, 0, 0 } },
+		{ "a length and 'p'", { 0, 0, 0, 200, 'p', 131, 104, 4 } },
+		{ "no version", { 'p', 130, 104, 4, 97, 6, 0, 0 } },
+		{ "a list, not a tuple", { 'p', 131, 108, 0, 0, 0, 4, 97 } },
+		{ "an arity of 9", { 'p', 131, 104, 9, 97, 6, 103, 0 } },
+		{ "an atom op", { 'p', 131, 104, 4, 100, 0, 1, 'a' } },
+		{ "op 0", { 'p', 131, 104, 4, 97, 0, 103, 100 } },
+	};
+	for (size_t k = 0; k < sizeof heads / sizeof heads[0]; k++) {
+		ap_ctrl c;
+		uint8_t *d = t_dup(heads[k].b, sizeof heads[k].b);
+		int r = ap_ctrl_decode_head(d, sizeof heads[k].b, &c);
+		if (r != -EBADMSG)
+			fail_msg("%s: %d, not -EBADMSG", heads[k].what, r);
+		free(d);
 	}
 }
 
@@ -894,6 +976,8 @@ int main(void)
 		cmocka_unit_test(test_captured_tick_is_an_empty_frame),
 		cmocka_unit_test(test_every_truncation_of_captured_frames_is_ebadmsg),
 		cmocka_unit_test(test_heads_decode_once_the_control_tuple_is_whole),
+		cmocka_unit_test(test_heads_that_are_no_control_tuple_are_ebadmsg),
+		cmocka_unit_test(test_the_smallest_head_holds_a_usual_call_header),
 		cmocka_unit_test(test_wrong_first_byte_or_version_is_ebadmsg),
 		cmocka_unit_test(test_wrong_arity_is_ebadmsg),
 		cmocka_unit_test(test_trailing_term_after_linklike_ops_is_ebadmsg),

@@ -725,6 +725,83 @@ static void test_a_4_gib_frame_costs_reads_not_memory(void **state)
 	free(zeros);
 }
 
+/* The head kept of an oversized frame follows max_frame: a node with a
+ * small max_frame keeps AP_FRAME_HEAD_MIN, one with a mid-sized max_frame
+ * keeps max_frame, a large one AP_FRAME_HEAD_DEFAULT; and never more
+ * buffer than the head and its length. */
+static void test_oversized_head_follows_max_frame(void **state)
+{
+	(void)state;
+	static const struct { uint32_t max, head; } cases[] = {
+		{ 1024, AP_FRAME_HEAD_MIN },
+		{ 16u << 10, 16u << 10 },
+		{ 64u << 10, AP_FRAME_HEAD_DEFAULT },
+		{ 1u << 20, AP_FRAME_HEAD_DEFAULT },
+	};
+	const size_t flen = 2u << 20;
+	uint8_t *d = calloc(1, 4 + flen);
+	assert_non_null(d);
+	ap_put32be(d, (uint32_t)flen);
+	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+		ap_frame_rx rx;
+		struct t_seen s;
+		t_seen_init(&s);
+		ap_frame_rx_init(&rx, cases[k].max);
+		ap_frame_rx_on_oversize(&rx, t_on_over, 0);
+		size_t maxcap = 0;
+		for (size_t at = 0; at < 4 + flen; at += 1000) {
+			size_t n = 4 + flen - at < 1000 ? 4 + flen - at : 1000;
+			assert_int_equal(ap_frame_rx_feed(&rx, d + at, n, t_on_frame, &s), 0);
+			maxcap = rx.part.cap > maxcap ? rx.part.cap : maxcap;
+		}
+		assert_int_equal(s.nover, 1);
+		if (s.head_lens[0] != cases[k].head)
+			fail_msg("max_frame %u: head of %zu bytes kept, want %u", cases[k].max, s.head_lens[0],
+				 cases[k].head);
+		if (maxcap > 4 + (size_t)cases[k].head)
+			fail_msg("max_frame %u: %zu bytes buffered for a head of %u", cases[k].max, maxcap,
+				 cases[k].head);
+		ap_frame_rx_free(&rx);
+		t_seen_free(&s);
+	}
+	free(d);
+}
+
+/* Oversized frames whose default head (64 KiB, plus 4 bytes of length) is
+ * assembled over reads reuse one buffer: it is not freed after each one
+ * and grown again for the next. */
+static void test_oversized_heads_over_reads_keep_their_buffer(void **state)
+{
+	(void)state;
+	const size_t flen = 100u << 10;
+	uint8_t *d = calloc(1, 4 + flen);
+	assert_non_null(d);
+	ap_put32be(d, (uint32_t)flen);
+	ap_frame_rx rx;
+	struct t_seen s;
+	t_seen_init(&s);
+	ap_frame_rx_init(&rx, 64u << 10);
+	ap_frame_rx_on_oversize(&rx, t_on_over, 0);
+	const uint8_t *buf = NULL;
+	for (int f = 0; f < 3; f++) {
+		for (size_t at = 0; at < 4 + flen; at += 4096) {
+			size_t n = 4 + flen - at < 4096 ? 4 + flen - at : 4096;
+			assert_int_equal(ap_frame_rx_feed(&rx, d + at, n, t_on_frame, &s), 0);
+		}
+		assert_int_equal(s.nover, (size_t)f + 1);
+		assert_int_equal(s.head_lens[f], AP_FRAME_HEAD_DEFAULT);
+		if (!rx.part.data)
+			fail_msg("oversized frame %d: the head's buffer was given back", f);
+		if (f > 0)
+			assert_ptr_equal(rx.part.data, buf);
+		buf = rx.part.data;
+		assert_true(rx.part.cap <= 4 + (size_t)AP_FRAME_HEAD_DEFAULT);
+	}
+	ap_frame_rx_free(&rx);
+	t_seen_free(&s);
+	free(d);
+}
+
 static void test_oversize_callback_return_stops_feed_and_is_propagated(void **state)
 {
 	(void)state;
@@ -803,6 +880,8 @@ int main(void)
 		cmocka_unit_test(test_oversized_header_and_head_split_over_reads),
 		cmocka_unit_test(test_back_to_back_oversized_and_normal_frames_at_random_splits),
 		cmocka_unit_test(test_a_4_gib_frame_costs_reads_not_memory),
+		cmocka_unit_test(test_oversized_head_follows_max_frame),
+		cmocka_unit_test(test_oversized_heads_over_reads_keep_their_buffer),
 		cmocka_unit_test(test_oversize_callback_return_stops_feed_and_is_propagated),
 		cmocka_unit_test(test_garbage_with_oversize_passed_over_matches_a_plain_reading),
 	};

@@ -200,6 +200,41 @@ static void test_threads_share_one_count(void **state)
 	assert_int_equal(total, T_THREADS * T_PER_THREAD);
 }
 
+/* Names from a peer go into lines escaped: nothing in them can end a line,
+ * forge another, or carry bytes that are not UTF-8; printable ASCII and
+ * well-formed UTF-8 stay as they are. */
+static void test_escape_keeps_names_on_one_printable_line(void **state)
+{
+	(void)state;
+	static const struct { const char *in, *out; } cases[] = {
+		{ "echo", "echo" },
+		{ "evil\nname", "evil\\x0aname" },
+		{ "a\r\tb\x1b[31m", "a\\x0d\\x09b\\x1b[31m" },
+		{ "q'uote\\", "q\\x27uote\\x5c" },
+		{ "del\x7f", "del\\x7f" },
+		{ "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80" },
+		{ "c1\xc2\x85", "c1\\xc2\\x85" },               /* NEL, a C1 control */
+		{ "bad\xc3", "bad\\xc3" },                        /* cut sequence */
+		{ "over\xc0\xaf", "over\\xc0\\xaf" },             /* overlong */
+		{ "sur\xed\xa0\x80", "sur\\xed\\xa0\\x80" },        /* surrogate */
+	};
+	char out[64];
+	for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+		const char *r = ap_log_escape(out, sizeof out, cases[k].in);
+		assert_ptr_equal(r, out);
+		assert_string_equal(out, cases[k].out);
+	}
+	/* Too long: cut whole, with "...", inside the buffer. */
+	char big[300];
+	memset(big, '\n', sizeof big - 1);
+	big[sizeof big - 1] = 0;
+	char small[16];
+	ap_log_escape(small, sizeof small, big);
+	assert_string_equal(small, "\\x0a\\x0a\\x0a...");
+	ap_log_escape(small, 4, "abcdef");
+	assert_string_equal(small, "...");
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -208,6 +243,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_flush_reports_a_flood_that_stopped, t_setup, t_teardown),
 		cmocka_unit_test_setup_teardown(test_levels_filtered_out_cost_no_token, t_setup, t_teardown),
 		cmocka_unit_test_setup_teardown(test_threads_share_one_count, t_setup, t_teardown),
+		cmocka_unit_test(test_escape_keeps_names_on_one_printable_line),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
