@@ -948,7 +948,7 @@ static void on_swept(void *arg, const struct ap_shm_swept *s)
 			       s->name, s->err == ESTALE ? "replaced while judged" : strerror(s->err));
 		break;
 	case AP_SHM_FATE_UNKNOWN:
-		break; /* layout 3: counted in the summary */
+		break; /* layouts 3, 4: counted in the summary */
 	case AP_SHM_FATE_UNREADABLE:
 		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s%s%s", s->name, v->why,
 		       s->err ? ": " : "", s->err ? strerror(s->err) : "");
@@ -970,7 +970,7 @@ static void sweep_orphans(void)
 	if (sum.v3_kept || sum.foreign || sum.capped)
 		ap_log(AP_LOG_NOTICE,
 		       "receptionist: snapshot sweep of " SHM_DIR "/" SHM_PREFIX "*: removed %u; left alone %u of "
-		       "layout 3 whose writer pid a process here has (remove by hand once those nodes are "
+		       "layout 3 or 4 whose writer pid a process here has (remove by hand once those nodes are "
 		       "gone), %u live, %u not ours (another user's or not regular files)%s",
 		       sum.removed, sum.v3_kept, sum.live, sum.foreign,
 		       sum.capped ? "; stopped at " AP_STR(AP_SHM_SWEEP_MAX) " of ours" : "");

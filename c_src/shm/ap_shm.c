@@ -1199,14 +1199,15 @@ enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, int held, struct ap_s
 		return v_set(v, AP_SHM_FATE_UNREADABLE, "shorter than a snapshot header");
 	if (h.version == AP_SHM_VERSION)
 		return v_set(v, AP_SHM_FATE_GONE, NULL);
-	if (h.version != 3)
+	if (h.version != 3 && h.version != 4)
 		return v_set(v, AP_SHM_FATE_UNREADABLE, "unknown layout version");
-	/* Layout 3 predates the lock: gone only if nobody here has the pid. */
+	/* Layouts 3 and 4 predate the lock: gone only if nobody here has
+	 * the pid (a stamp is all there is). */
 	if (!h.writer_pid || h.writer_pid > INT_MAX)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "layout 3 without a writer pid");
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "an old layout without a writer pid");
 	if (kill((pid_t)h.writer_pid, 0) < 0 && errno == ESRCH)
 		return v_set(v, AP_SHM_FATE_GONE, NULL);
-	return v_set(v, AP_SHM_FATE_UNKNOWN, "layout 3, and a process here has its writer's pid");
+	return v_set(v, AP_SHM_FATE_UNKNOWN, "an old layout, and a process here has its writer's pid");
 }
 
 /* fd is open on name in dfd, and st is its fstat (our regular file).

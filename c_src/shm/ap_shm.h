@@ -97,9 +97,9 @@
  * stored before the magic and never changed: information for logs, never
  * evidence. A create writes AP_SHM_MAGIC_CREATING and the stamps right
  * after sizing the object, so a writer killed while creating leaves an
- * object the sweep can tell and remove. Layout-3 writers predate the
- * lock: a layout-3 segment is removed only when no process here has its
- * pid.
+ * object the sweep can tell and remove. Layout-3 and layout-4 writers
+ * predate the lock: such a segment is removed only when no process here
+ * has its pid.
  *
  * Readers trust nothing: every offset and length is checked against the
  * mapping before it is dereferenced, probes are bounded by
@@ -121,11 +121,11 @@
 /* A header being created: the stamps are there, nothing else is yet. */
 #define AP_SHM_MAGIC_CREATING 0x43535450435241ULL /* "ARCPTSC" */
 #define AP_SHM_DIR "/dev/shm" /* where POSIX shm names live (Linux, glibc) */
-/* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3; 4: the writer
- * holds flock(LOCK_SH) on the object for its life (so a segment whose
- * writer is gone can be told from a live one, ap_shm_sweep), and stamps
- * `writer_start` and `writer_pidns` for the logs. */
-#define AP_SHM_VERSION 4u
+/* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3; 4:
+ * `writer_start` and `writer_pidns`; 5: the writer holds flock(LOCK_SH) on
+ * the object for its life (so a segment whose writer is gone can be told
+ * from a live one, ap_shm_sweep). */
+#define AP_SHM_VERSION 5u
 #define AP_SHM_HDR_SIZE 4096u
 #define AP_SHM_MAX_KEY 1024u          /* bytes */
 #define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
@@ -314,8 +314,8 @@ uint64_t ap_proc_pidns(void);
 /* What the sweep (or a create, or ap_shm_remove) finds of a segment. */
 enum ap_shm_fate {
 	AP_SHM_FATE_LIVE,       /* a writer holds its lock: keep */
-	AP_SHM_FATE_GONE,       /* nobody holds the lock (layout 3: nobody has the pid): remove */
-	AP_SHM_FATE_UNKNOWN,    /* a layout-3 segment whose pid some process here has (`why`): keep */
+	AP_SHM_FATE_GONE,       /* nobody holds the lock (layouts 3, 4: nobody has the pid): remove */
+	AP_SHM_FATE_UNKNOWN,    /* a layout-3 or -4 segment whose pid some process here has (`why`): keep */
 	AP_SHM_FATE_UNREADABLE, /* not a snapshot we can judge (`why`): keep */
 };
 
@@ -331,15 +331,15 @@ struct ap_shm_verdict {
  * object's start; nothing is trusted, nothing past len is read), given
  * whether someone holds the object's lock (held: flock(LOCK_EX | LOCK_NB)
  * failed with EWOULDBLOCK; 0: the caller holds LOCK_EX). Held is LIVE.
- * Not held: GONE for our magic at layout 4, for AP_SHM_MAGIC_CREATING, and
- * for an empty object or a zero magic (a writer killed while creating);
- * layout 3: GONE only if kill(pid, 0) finds no process, else UNKNOWN;
- * anything else UNREADABLE. Returns v->fate. */
+ * Not held: GONE for our magic at this layout, for AP_SHM_MAGIC_CREATING,
+ * and for an empty object or a zero magic (a writer killed while
+ * creating); layouts 3 and 4 (writers that never locked): GONE only if
+ * kill(pid, 0) finds no process, else UNKNOWN; anything else UNREADABLE. Returns v->fate. */
 enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, int held, struct ap_shm_verdict *v);
 
 /* Unlink the segment `name` (in dir, no '/') if its writer is gone, by the
  * rule above. Returns 0 (removed), -ENOENT (no such name), -EBUSY (a
- * writer holds it, or a layout-3 writer's pid runs), -EPERM (another
+ * writer holds it, or a layout-3/4 writer's pid runs), -EPERM (another
  * user's, or not a regular file), -EPROTO (ours, but not a snapshot: left
  * alone), -ESTALE (the name was replaced meanwhile), -EINVAL (a bad name)
  * or another -errno. v (may be NULL) gets the verdict. Never blocks on
@@ -361,7 +361,7 @@ struct ap_shm_sweep_sum {
 	unsigned judged;  /* our regular files looked at (at most AP_SHM_SWEEP_MAX) */
 	unsigned removed;
 	unsigned live;
-	unsigned v3_kept; /* layout-3 segments whose pid runs here */
+	unsigned v3_kept; /* layout-3/4 segments whose pid runs here */
 	unsigned foreign; /* entries passed over: another user's, or not regular files */
 	int capped;       /* stopped at AP_SHM_SWEEP_MAX of our own files */
 };

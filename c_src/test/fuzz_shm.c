@@ -177,7 +177,7 @@ static void t_read(const uint8_t *seg, size_t len, const uint8_t *payload, size_
 /* The sweep's verdict on the same bytes (a header read from a file anyone
  * could have written): one the API names; LIVE whenever the lock is held;
  * with the lock free, "gone" only for an empty object, a zero or creating
- * magic, or our magic at layout 4 (or 3, whose pid kill(2) then finds no
+ * magic, or our magic at this layout (or 3 or 4, whose pid kill(2) finds no
  * process: harmless to ask about any pid). */
 static void t_judge(const uint8_t *seg, size_t len)
 {
@@ -193,7 +193,7 @@ static void t_judge(const uint8_t *seg, size_t len)
 	if (f == AP_SHM_FATE_GONE)
 		t_check(len == 0 || (len >= sizeof magic && (magic == 0 || magic == AP_SHM_MAGIC_CREATING ||
 							      (magic == AP_SHM_MAGIC && (v.version == AP_SHM_VERSION ||
-											v.version == 3)))));
+											v.version == 3 || v.version == 4)))));
 	if (f == AP_SHM_FATE_UNKNOWN || f == AP_SHM_FATE_UNREADABLE)
 		t_check(v.why != NULL);
 }

@@ -1987,16 +1987,20 @@ static void test_judge_trusts_the_lock_not_the_stamps(void **state)
 	assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_GONE);
 	assert_int_equal(t_judge(&h, sizeof h, 1), AP_SHM_FATE_LIVE);
 
-	/* Layout 3 predates the lock: gone only if nobody here has the pid. */
-	h = t_stamp(dead, 0, 0);
-	h.version = 3;
-	assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_GONE);
-	h.writer_pid = me;
-	assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
-	h.writer_pid = 0;
-	assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
-	h.writer_pid = 1ull << 40;
-	assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
+	/* Layouts 3 and 4 predate the lock: gone only if nobody here has
+	 * the pid. */
+	for (uint32_t old = 3; old <= 4; old++) {
+		h = t_stamp(dead, 0, 0);
+		h.version = old;
+		assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_GONE);
+		h.writer_pid = me;
+		assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
+		assert_int_equal(t_judge(&h, sizeof h, 1), AP_SHM_FATE_LIVE);
+		h.writer_pid = 0;
+		assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
+		h.writer_pid = 1ull << 40;
+		assert_int_equal(t_judge(&h, sizeof h, 0), AP_SHM_FATE_UNKNOWN);
+	}
 
 	/* Not a header we know: too short for a magic, a short header,
 	 * another layout. */
@@ -2085,8 +2089,9 @@ static void test_sweep_removes_proven_orphans_and_nothing_else(void **state)
 	uint64_t start = t_own_start(), ns = ap_proc_pidns();
 	struct ap_shm_hdr dead = t_stamp((uint64_t)t_dead_pid(), start, ns);
 	struct ap_shm_hdr stamped = t_stamp((uint64_t)getpid(), start, ns);
-	struct ap_shm_hdr v3dead = dead, v3live = stamped, creating = stamped;
+	struct ap_shm_hdr v3dead = dead, v3live = stamped, v4live = stamped, creating = stamped;
 	v3dead.version = v3live.version = 3;
+	v4live.version = 4;
 	creating.magic = AP_SHM_MAGIC_CREATING;
 
 	t_write_file(dfd, "ap.dead", &dead, sizeof dead, 0600);
@@ -2094,6 +2099,7 @@ static void test_sweep_removes_proven_orphans_and_nothing_else(void **state)
 	t_write_file(dfd, "ap.locked", &dead, sizeof dead, 0600);        /* names nobody, but locked */
 	t_write_file(dfd, "ap.v3dead", &v3dead, sizeof v3dead, 0600);
 	t_write_file(dfd, "ap.v3live", &v3live, sizeof v3live, 0600);
+	t_write_file(dfd, "ap.v4live", &v4live, sizeof v4live, 0600);
 	t_write_file(dfd, "ap.creating", &creating, sizeof creating, 0600);
 	t_write_file(dfd, "ap.empty", "", 0, 0600);
 	t_write_file(dfd, "ap.short", "ARCPTS1", 7, 0600);
@@ -2125,22 +2131,24 @@ static void test_sweep_removes_proven_orphans_and_nothing_else(void **state)
 	assert_int_equal(removed, 0);
 	assert_int_equal(t_fate_of(&t, "ap.v3live", &removed), AP_SHM_FATE_UNKNOWN);
 	assert_int_equal(removed, 0);
+	assert_int_equal(t_fate_of(&t, "ap.v4live", &removed), AP_SHM_FATE_UNKNOWN);
+	assert_int_equal(removed, 0);
 	assert_int_equal(t_fate_of(&t, "ap.short", &removed), AP_SHM_FATE_UNREADABLE);
 	/* Symlinks, FIFOs, directories and another user's files are passed
 	 * over without a word: not opened, not reported, only counted. */
 	const char *unheard[] = { "ap.link", "ap.fifo", "ap.dir", "ap.theirs", "ap.skipme", "other.dead" };
 	for (size_t i = 0; i < sizeof unheard / sizeof *unheard; i++)
 		assert_int_equal(t_fate_of(&t, unheard[i], &removed), -1);
-	assert_int_equal(t.n, 8);
-	assert_int_equal(sum.judged, 8);
+	assert_int_equal(t.n, 9);
+	assert_int_equal(sum.judged, 9);
 	assert_int_equal(sum.removed, 5);
 	assert_int_equal(sum.live, 1);
-	assert_int_equal(sum.v3_kept, 1);
+	assert_int_equal(sum.v3_kept, 2);
 	assert_int_equal(sum.foreign, root ? 4 : 3);
 	assert_int_equal(sum.capped, 0);
 
-	const char *kept[] = { "ap.locked", "ap.v3live", "ap.short", "ap.skipme", "other.dead", "ap.link",
-			       "ap.fifo", "ap.dir" };
+	const char *kept[] = { "ap.locked", "ap.v3live", "ap.v4live", "ap.short", "ap.skipme",
+			       "other.dead", "ap.link", "ap.fifo", "ap.dir" };
 	for (size_t i = 0; i < sizeof kept / sizeof *kept; i++)
 		assert_true(t_exists_at(dfd, kept[i]));
 	if (root)
@@ -2156,7 +2164,8 @@ static void test_sweep_removes_proven_orphans_and_nothing_else(void **state)
 	assert_false(t_exists_at(dfd, "ap.locked"));
 	assert_int_equal(ap_shm_sweep("/nonexistent-ap-dir", "ap.", NULL, NULL, NULL, NULL), -ENOENT);
 
-	const char *all[] = { "ap.v3live", "ap.short", "ap.skipme", "other.dead", "ap.link", "ap.fifo", "ap.theirs" };
+	const char *all[] = { "ap.v3live", "ap.v4live", "ap.short", "ap.skipme",
+			      "other.dead", "ap.link", "ap.fifo", "ap.theirs" };
 	for (size_t i = 0; i < sizeof all / sizeof *all; i++)
 		unlinkat(dfd, all[i], 0);
 	assert_int_equal(unlinkat(dfd, "ap.dir", AT_REMOVEDIR), 0);
