@@ -851,8 +851,6 @@ shutdown(State0) ->
 kill(#state{port = Port, os_pid = OsPid} = State) ->
     kill_os_pid(OsPid),
     _ = (catch port_close(Port)),
-    %% Its lock goes when it is gone, not when the signal is sent.
-    _ = wait_os_exit(OsPid, erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS),
     remove_shm(State),
     State#state{port = undefined}.
 
@@ -871,7 +869,8 @@ remove_shm(#state{os_pid = undefined}) ->
     ok;
 remove_shm(#state{node = Node, os_pid = OsPid}) ->
     Name = shm_name(Node),
-    try actor_nif:remove_segment(unicode:characters_to_binary(Name)) of
+    Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
+    try remove_segment(unicode:characters_to_binary(Name), Deadline) of
         ok ->
             logger:notice("actor_cnode ~ts: removed the segment ~ts~ts of the C node "
                           "that died (os pid ~b)", [Node, ?SHM_DIR, Name, OsPid]);
@@ -885,6 +884,23 @@ remove_shm(#state{node = Node, os_pid = OsPid}) ->
             logger:warning("actor_cnode ~ts: cannot remove the segment ~ts~ts (~0p); "
                            "the next receptionist to start sweeps it",
                            [Node, ?SHM_DIR, Name, Reason])
+    end.
+
+%% The lock of a process killed a moment ago goes when its last thread
+%% has exited, which can be after its main thread shows as a zombie: a
+%% lock still held is asked again until Deadline. (No incarnation of ours
+%% can hold it: the next one starts after this.)
+remove_segment(Name, Deadline) ->
+    case actor_nif:remove_segment(Name) of
+        {error, live} = Live ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> Live;
+                false ->
+                    receive after ?POLL_MS -> ok end,
+                    remove_segment(Name, Deadline)
+            end;
+        Other ->
+            Other
     end.
 
 kill_os_pid(undefined) ->

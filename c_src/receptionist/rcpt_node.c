@@ -1054,8 +1054,9 @@ static int rcpt_init(ap_node *n, int argc, char **argv)
 			st.w = NULL;
 		} else if (rc) {
 			/* Lookups still work, through the receptionist. */
-			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s; running without",
-			       st.shm_name, st.shm_bytes, strerror(-rc));
+			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s%s; running without",
+			       st.shm_name, st.shm_bytes, strerror(-rc),
+			       rc == -EPERM ? " (another user's object, or no regular file, has the name)" : "");
 			st.w = NULL;
 		} else {
 			ap_shm_heartbeat(st.w, mono_ms());

@@ -647,7 +647,8 @@ static enum ap_shm_fate judge_at(int dfd, const char *name, int fd, const struct
 static int ours(const struct stat *st) { return S_ISREG(st->st_mode) && st->st_uid == geteuid(); }
 
 /* The name base (in dfd) is taken by an object: remove it if its writer is
- * gone. 0: the name is free now (try again); -EEXIST: it stays. */
+ * gone. 0: the name is free now (try again); -EEXIST: a writer holds it;
+ * -EPERM: another user's, or not a regular file (never ours to take). */
 static int w_take_over(int dfd, const char *base)
 {
 	struct ap_shm_swept s = { .name = base };
@@ -656,10 +657,10 @@ static int w_take_over(int dfd, const char *base)
 
 	fd = openat(dfd, base, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
 	if (fd < 0)
-		return errno == ENOENT ? 0 : -EEXIST;
+		return errno == ENOENT ? 0 : errno == ELOOP || errno == ENXIO ? -EPERM : -errno;
 	if (fstat(fd, &st) < 0 || !ours(&st)) {
 		close(fd);
-		return -EEXIST;
+		return -EPERM;
 	}
 	/* A file of ours under our name that is no snapshot is replaced,
 	 * as it always was: only a writer that may still run keeps it. */

@@ -204,7 +204,7 @@ typedef struct ap_shm_writer ap_shm_writer;
  * mapping it keeps it). An object whose writer still holds its lock (or a
  * layout-3 one whose pid runs here) is -EEXIST and nothing changes: the
  * caller may retry, bounded, until that writer has gone. Another user's
- * object, or anything but a regular file, under the name is -EEXIST too.
+ * object, or anything but a regular file, under the name is -EPERM.
  * The new object is mode 0600 whatever the umask, sized seg_size (sparse),
  * locked LOCK_SH for the writer's life, mapped read-write.
  * The writer keeps the object's fd and backs pages with posix_fallocate,
