@@ -647,7 +647,7 @@ static enum ap_shm_fate judge_at(int dfd, const char *name, int fd, const struct
 static int ours(const struct stat *st) { return S_ISREG(st->st_mode) && st->st_uid == geteuid(); }
 
 /* The name base (in dfd) is taken by an object: remove it if its writer is
- * gone. 0: the name is free now (try again); -EEXIST: a writer holds it;
+ * gone. -EAGAIN: the name is free now (try again); -EEXIST: a writer holds it;
  * -EPERM: another user's, or not a regular file (never ours to take). */
 static int w_take_over(int dfd, const char *base)
 {
@@ -657,7 +657,7 @@ static int w_take_over(int dfd, const char *base)
 
 	fd = openat(dfd, base, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
 	if (fd < 0)
-		return errno == ENOENT ? 0 : errno == ELOOP || errno == ENXIO ? -EPERM : -errno;
+		return errno == ENOENT ? -EAGAIN : errno == ELOOP || errno == ENXIO ? -EPERM : -errno;
 	if (fstat(fd, &st) < 0 || !ours(&st)) {
 		close(fd);
 		return -EPERM;
@@ -667,7 +667,7 @@ static int w_take_over(int dfd, const char *base)
 	judge_at(dfd, base, fd, &st, REMOVE_UNREADABLE, &s);
 	close(fd);
 	if (s.removed || s.err == ENOENT || s.err == ESTALE)
-		return 0;
+		return -EAGAIN;
 	return -EEXIST;
 }
 
@@ -690,8 +690,8 @@ static int w_mark_creating(int fd)
 
 /* Create base in dfd, locked LOCK_SH, and make sure the name still names
  * it once the lock is ours (a sweeper may have found it empty and
- * unlocked in between, and removed it). Returns the fd, 0 to try again,
- * or -errno. */
+ * unlocked in between, and removed it). Returns the fd, -EAGAIN to try
+ * again, or another -errno. */
 static int w_create_locked(int dfd, const char *base)
 {
 	struct stat st, again;
@@ -711,7 +711,7 @@ static int w_create_locked(int dfd, const char *base)
 	if (fstat(fd, &st) < 0 || fstatat(dfd, base, &again, AT_SYMLINK_NOFOLLOW) < 0 ||
 	    again.st_ino != st.st_ino || again.st_dev != st.st_dev) {
 		close(fd);
-		return 0;
+		return -EAGAIN;
 	}
 	return fd;
 }
@@ -721,7 +721,7 @@ int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, 
 {
 	size_t nlen = name ? strnlen(name, NAME_MAX + 1) : 0;
 	void *p = MAP_FAILED;
-	int dfd, fd = 0, err = 0;
+	int dfd, fd = -EAGAIN, err = 0;
 
 	*wp = NULL;
 	if (nlen < 2 || nlen > NAME_MAX || name[0] != '/' || strchr(name + 1, '/'))
@@ -733,11 +733,11 @@ int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, 
 		return -errno;
 	/* Bounded: each turn either creates, or finds the name free again
 	 * after removing a dead writer's object, or gives up. */
-	for (int tries = 0; tries < 8 && fd == 0; tries++)
+	for (int tries = 0; tries < 8 && fd == -EAGAIN; tries++)
 		fd = w_create_locked(dfd, name + 1);
-	if (fd <= 0) {
+	if (fd < 0) {
 		close(dfd);
-		return fd < 0 ? fd : -EEXIST;
+		return fd == -EAGAIN ? -EEXIST : fd;
 	}
 	/* 0600 whatever the umask: a umask of 0700 would lock us out too. */
 	if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)seg_size) < 0)
