@@ -98,8 +98,9 @@
 %% receptionist's snapshot). The owner names it, {@link shm_name/1}, passes
 %% that as `--shm' (after `args', so it wins), and unlinks it when an
 %% incarnation dies without doing so itself (a crash, `kill -9', a kill for
-%% not getting ready or not stopping): only if its header names that
-%% incarnation's OS pid, so a segment anyone else wrote is left alone.
+%% not getting ready or not stopping), through {@link actor_nif:remove_segment/1}:
+%% only if no writer holds the segment's lock, so a live writer's segment
+%% (a next incarnation's included) is left alone.
 
 -type info() :: #{node := node(),
                   os_pid := non_neg_integer() | undefined,
@@ -126,10 +127,8 @@
 %% and logged as one line when the window ends.
 -define(LOG_WINDOW_MS, 1000).
 -define(LOG_PER_WINDOW, 50).
-%% Where POSIX shared-memory names live (Linux), and the snapshot header's
-%% magic (AP_SHM_MAGIC).
+%% Where POSIX shared-memory names live (Linux), for log lines.
 -define(SHM_DIR, "/dev/shm").
--define(SHM_MAGIC, 16#31535450435241).
 %% The smallest max_frame accepted: below it, ordinary control messages and
 %% the library's own batches (which are capped to fit, see
 %% actor_pool_batcher) would be dropped as oversized.
@@ -864,53 +863,53 @@ kill(#state{port = Port, os_pid = OsPid} = State) ->
     remove_shm(State),
     State#state{port = undefined}.
 
-%% The incarnation in State is gone (or dying of kill -9): unlink its
-%% segment, which a clean exit unlinks itself, if the header says that
-%% incarnation wrote it. A starting receptionist sweeps what this misses
-%% (an owner that died too).
+%% The incarnation in State is gone: unlink its segment, which a clean
+%% exit unlinks itself. Through the NIF, by the rule every party follows
+%% (c_src/shm/ap_shm.h, "Writers that are gone"): only an object of ours
+%% that no writer holds the lock of, opened without following a symlink or
+%% blocking on a FIFO, and only if the name still names it. Never by
+%% file:delete/1 or a read here: a FIFO anyone can plant under the name
+%% would hang this process, and a name the next writer already holds must
+%% stay. Without the NIF the segment is left to the sweep of the next
+%% receptionist that starts.
 remove_shm(#state{opts = #{shm := false}}) ->
     ok;
 remove_shm(#state{os_pid = undefined}) ->
     ok;
 remove_shm(#state{node = Node, os_pid = OsPid}) ->
-    Path = ?SHM_DIR ++ shm_name(Node),
-    case shm_writer(Path) of
-        {ok, OsPid} ->
-            case file:delete(Path) of
-                ok ->
-                    logger:notice("actor_cnode ~ts: removed the segment ~ts of the C node "
-                                  "that died (os pid ~b)", [Node, Path, OsPid]);
-                {error, enoent} ->
-                    ok;
-                {error, Reason} ->
-                    logger:warning("actor_cnode ~ts: cannot remove the segment ~ts of the "
-                                   "C node that died: ~0p", [Node, Path, Reason])
-            end;
-        {ok, Other} ->
-            logger:warning("actor_cnode ~ts: left ~ts alone: written by os pid ~b, not by "
-                           "the C node that died (os pid ~b)", [Node, Path, Other, OsPid]);
+    Name = shm_name(Node),
+    Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
+    try remove_segment(unicode:characters_to_binary(Name), Deadline) of
+        ok ->
+            logger:notice("actor_cnode ~ts: removed the segment ~ts~ts of the C node "
+                          "that died (os pid ~b)", [Node, ?SHM_DIR, Name, OsPid]);
         {error, enoent} ->
             ok;
         {error, Reason} ->
-            logger:warning("actor_cnode ~ts: left ~ts alone: ~0p", [Node, Path, Reason])
+            logger:warning("actor_cnode ~ts: left the segment ~ts~ts alone: ~0p",
+                           [Node, ?SHM_DIR, Name, Reason])
+    catch
+        error:Reason ->
+            logger:warning("actor_cnode ~ts: cannot remove the segment ~ts~ts (~0p); "
+                           "the next receptionist to start sweeps it",
+                           [Node, ?SHM_DIR, Name, Reason])
     end.
 
-%% The writer's OS pid from a snapshot header (c_src/shm/ap_shm.h: the
-%% magic, then writer_pid at byte 48, native endianness); read, never
-%% mapped, and trusted for nothing but this comparison.
-shm_writer(Path) ->
-    case file:open(Path, [read, raw, binary]) of
-        {ok, Fd} ->
-            Read = file:pread(Fd, 0, 56),
-            _ = file:close(Fd),
-            case Read of
-                {ok, <<?SHM_MAGIC:64/native, _:40/binary, Pid:64/native>>} -> {ok, Pid};
-                {ok, _} -> {error, not_a_snapshot_header};
-                eof -> {error, not_a_snapshot_header};
-                {error, _} = Error -> Error
+%% The lock of a process killed a moment ago goes when its last thread
+%% has exited, which can be after its main thread shows as a zombie: a
+%% lock still held is asked again until Deadline. (No incarnation of ours
+%% can hold it: the next one starts after this.)
+remove_segment(Name, Deadline) ->
+    case actor_nif:remove_segment(Name) of
+        {error, live} = Live ->
+            case erlang:monotonic_time(millisecond) >= Deadline of
+                true -> Live;
+                false ->
+                    receive after ?POLL_MS -> ok end,
+                    remove_segment(Name, Deadline)
             end;
-        {error, _} = Error ->
-            Error
+        Other ->
+            Other
     end.
 
 kill_os_pid(undefined) ->

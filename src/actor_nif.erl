@@ -21,8 +21,9 @@
 -export([lookup/1]).
 -export([info/0]).
 -export([loaded/0]).
+-export([remove_segment/1]).
 
--export_type([attach_error/0, lookup_error/0, info/0]).
+-export_type([attach_error/0, lookup_error/0, info/0, remove_error/0]).
 
 -on_load(init/0).
 
@@ -33,6 +34,13 @@
 %% a segment of another receptionist; a file smaller than a header; the
 %% writer switched halves during every try of the check (try again); any
 %% other `errno' of `shm_open', `fstat' or `mmap'.
+
+-type remove_error() :: enoent | live | not_ours | not_a_snapshot | replaced
+                      | {errno, pos_integer()}.
+%% Why {@link remove_segment/1} left a segment: no such name; a writer
+%% still holds its lock (a layout-3 one: its pid runs); another user's, or
+%% not a regular file (a FIFO, a symlink); ours but no snapshot; the name
+%% was replaced while it was judged; any other `errno'.
 
 -type lookup_error() :: unmapped | stale | busy | bad_segment | too_big.
 %% Why {@link lookup/1} could not answer: no segment attached; the writer
@@ -89,6 +97,16 @@ lookup(_Key) ->
 %% @doc Describes the current mapping (see {@link info()}).
 -spec info() -> info().
 info() ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Unlinks the segment `ShmName' (`<<"/name">>') if its writer is
+%% gone: nobody holds its lock (`c_src/shm/ap_shm.h', "Writers that are
+%% gone"). Never follows a symlink nor waits on a FIFO under the name, and
+%% unlinks only while holding the lock on the object it judged, if the name
+%% still names it: what the C nodes' sweep does. Runs on a dirty I/O
+%% scheduler.
+-spec remove_segment(ShmName :: binary()) -> ok | {error, remove_error()}.
+remove_segment(_ShmName) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Whether the NIF library is loaded (`false' when the module loaded

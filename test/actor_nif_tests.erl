@@ -37,10 +37,11 @@
          remote_pids_are_answered/1,
          reload_upgrade_and_unload/1,
          detach_unmaps/1,
-         info_describes_the_mapping/1]).
+         info_describes_the_mapping/1,
+         remove_segment_takes_only_a_dead_writers_snapshot/1]).
 
 -define(MAGIC, 16#31535450435241).
--define(VERSION, 4).
+-define(VERSION, 5).
 -define(HDR_SIZE, 4096).
 -define(CAP, 1024).
 -define(ARENA, 262144).
@@ -94,7 +95,8 @@ actor_nif_test_() ->
                           remote_pids_are_answered,
                           reload_upgrade_and_unload,
                           detach_unmaps,
-                          info_describes_the_mapping]]
+                          info_describes_the_mapping,
+                          remove_segment_takes_only_a_dead_writers_snapshot]]
      end}.
 
 setup() ->
@@ -824,6 +826,38 @@ corrupt(Bin, Regions) ->
               4 -> <<(binary:at(Bin, Pos) bxor (1 bsl (rand:uniform(8) - 1)))>>
           end,
     patch(Bin, Pos, New).
+
+%% remove_segment/1 unlinks a snapshot no writer holds the lock of (these
+%% files were never locked: their writer is gone), and nothing else: not
+%% a FIFO (without waiting for a writer to open it), not a symlink (nor
+%% what it points to), not a file of ours that is no snapshot.
+remove_segment_takes_only_a_dead_writers_snapshot(Ctx) ->
+    Seg = segment(#{half0 => [{<<"k">>, pids_val(Ctx)}]}),
+    Dead = name(Ctx),
+    ?assertEqual({error, enoent}, actor_nif:remove_segment(Dead)),
+    write_seg(Dead, Seg),
+    ?assertEqual(ok, actor_nif:remove_segment(Dead)),
+    ?assertNot(filelib:is_file(shm_path(Dead))),
+    Fifo = name(Ctx),
+    "" = os:cmd("mkfifo " ++ shm_path(Fifo)),
+    ?assertEqual({error, not_ours}, actor_nif:remove_segment(Fifo)),
+    ?assertMatch({ok, _}, file:read_link_info(shm_path(Fifo))),
+    Target = name(Ctx),
+    Link = name(Ctx),
+    write_seg(Target, Seg),
+    ok = file:make_symlink(shm_path(Target), shm_path(Link)),
+    ?assertEqual({error, not_ours}, actor_nif:remove_segment(Link)),
+    ?assert(filelib:is_file(shm_path(Target))),
+    ?assertMatch({ok, _}, file:read_link_info(shm_path(Link))),
+    Junk = name(Ctx),
+    write_seg(Junk, <<"junk, not a snapshot">>),
+    ?assertEqual({error, not_a_snapshot}, actor_nif:remove_segment(Junk)),
+    ?assertError(badarg, actor_nif:remove_segment(<<"no_slash">>)),
+    ?assertError(badarg, actor_nif:remove_segment(<<"/a/b">>)),
+    ?assertError(badarg, actor_nif:remove_segment(<<>>)),
+    ?assertError(badarg, actor_nif:remove_segment("/x")),
+    [ok = file:delete(shm_path(N)) || N <- [Fifo, Target, Link, Junk]],
+    ok.
 
 %% ===================================================================
 %% Files and helpers

@@ -502,6 +502,7 @@ start_member_in(Ns, #{ns := Nss, addr := Addr}) ->
     %% in our /dev/shm (ip netns exec keeps the IPC namespace).
     put({member, Peer}, []),
     put({segment, Peer}, ap_test_util:segment(call(Peer, actor_receptionist, receptionist_node, []))),
+    own_segment(get({segment, Peer})),
     {Peer, Ns}.
 
 complete_view_holds_the_first_listing() ->
@@ -746,7 +747,14 @@ start_member(Name, Extra) ->
     Rcpt = call(Peer, actor_receptionist, receptionist_node, []),
     put({member, Peer}, [call(Peer, erlang, node, []), Rcpt]),
     put({segment, Peer}, ap_test_util:segment(Rcpt)),
+    own_segment(get({segment, Peer})),
     {Peer, Name}.
+
+%% The leak check at the end sees this member's segment (ap_test_util's
+%% names for this test run cover it).
+own_segment(Path) ->
+    ?assert(filelib:is_file(Path)),
+    ?assert(lists:member(filename:basename(Path), ap_test_util:own_segments())).
 
 stop_member(Peer) ->
     catch call(Peer, application, stop, [actor_pool]),

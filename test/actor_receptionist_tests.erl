@@ -49,7 +49,9 @@
          deeply_nested_message_does_not_crash_the_node/1,
          a_killed_c_node_leaves_no_segment/1,
          a_starting_node_sweeps_orphans_and_keeps_live_segments/1,
-         a_second_node_never_takes_a_live_segment/1]).
+         a_second_node_never_takes_a_live_segment/1,
+         a_fifo_under_the_segment_name_never_hangs_the_owner/1,
+         an_immediate_restart_after_the_owner_dies_gets_a_live_snapshot/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -92,7 +94,9 @@ actor_receptionist_test_() ->
                  %% segments of C nodes that died
                  a_killed_c_node_leaves_no_segment,
                  a_starting_node_sweeps_orphans_and_keeps_live_segments,
-                 a_second_node_never_takes_a_live_segment]]
+                 a_second_node_never_takes_a_live_segment,
+                 a_fifo_under_the_segment_name_never_hangs_the_owner,
+                 an_immediate_restart_after_the_owner_dies_gets_a_live_snapshot]]
      end}.
 
 case_(Name, Ctx) ->
@@ -593,14 +597,18 @@ a_starting_node_sweeps_orphans_and_keeps_live_segments(#{rcpt_node := Node}) ->
     {ok, Other} = actor_cnode:start_link(#{exe => rcpt_exe(), name => ap_test_util:alive("sweep_other"),
                                            shm => true, args => ["--shm-mb", "2"]}),
     OtherShm = ap_test_util:segment(actor_cnode:node(Other)),
-    %% Stamps: a writer that is gone, a pid now someone else's, a live
-    %% writer (this BEAM), one in another PID namespace; and a file that is
-    %% not a snapshot at all.
-    Fakes = #{dead => fake_segment("dead", header(Dead, Start, Ns)),
-              reused => fake_segment("reused", header(Beam, Start + 1, Ns)),
-              live => fake_segment("live", header(Beam, Start, Ns)),
-              other_ns => fake_segment("other_ns", header(Dead, Start, Ns + 1)),
+    %% Layout 5 (its writer held a lock, nobody holds it now): gone, even
+    %% when the stamp names this running BEAM with its very start time
+    %% (stamps are no evidence: a foreign /proc or a time namespace fakes
+    %% them). Layout 4 (writers that never locked): gone only if nobody
+    %% has the pid. A file that is not a snapshot; a FIFO.
+    Fakes = #{dead => fake_segment("dead", header(5, Dead, Start, Ns)),
+              stamped => fake_segment("stamped", header(5, Beam, Start, Ns)),
+              old_dead => fake_segment("old_dead", header(4, Dead, Start, Ns)),
+              old_live => fake_segment("old_live", header(4, Beam, Start, Ns)),
               junk => fake_segment("junk", <<"not a snapshot">>)},
+    Fifo = "/dev/shm/actor_pool." ++ ap_test_util:alive("sweep_fifo") ++ "@nohost",
+    "" = os:cmd("mkfifo " ++ Fifo),
     ok = logger:add_handler(?MODULE, ?MODULE, #{level => notice, config => #{pid => self()}}),
     try
         ?assert(filelib:is_file(OtherShm)),
@@ -608,17 +616,18 @@ a_starting_node_sweeps_orphans_and_keeps_live_segments(#{rcpt_node := Node}) ->
         ok = actor_cnode:restart(actor_receptionist_owner),
         wait_restarted(R0),
         %% Swept when the new incarnation started, before it was ready.
-        ?assertNot(filelib:is_file(maps:get(dead, Fakes))),
-        ?assertNot(filelib:is_file(maps:get(reused, Fakes))),
-        [?assert(filelib:is_file(maps:get(F, Fakes))) || F <- [live, other_ns, junk]],
+        [?assertNot(filelib:is_file(maps:get(F, Fakes))) || F <- [dead, stamped, old_dead]],
+        [?assert(filelib:is_file(maps:get(F, Fakes))) || F <- [old_live, junk]],
+        ?assertMatch({ok, #file_info{type = other}}, file:read_link_info(Fifo)),
         ?assert(filelib:is_file(OtherShm)),
         ?assert(filelib:is_file(ap_test_util:segment(Node))),
-        %% What the operator sees: a line per removal, a line per segment
-        %% left alone that could not be judged.
+        %% What the operator sees: a line per removal, a line per file of
+        %% ours that is no snapshot, one summary line for the rest.
         Want = [{"removed orphaned snapshot " ++ maps:get(dead, Fakes), "is gone"},
-                {"removed orphaned snapshot " ++ maps:get(reused, Fakes), "another process's"},
-                {"left " ++ maps:get(other_ns, Fakes) ++ " alone", "another PID namespace"},
-                {"left " ++ maps:get(junk, Fakes) ++ " alone", "shorter than a snapshot header"}],
+                {"removed orphaned snapshot " ++ maps:get(stamped, Fakes), "is gone"},
+                {"removed orphaned snapshot " ++ maps:get(old_dead, Fakes), "is gone"},
+                {"left " ++ maps:get(junk, Fakes) ++ " alone", "not a snapshot"},
+                {"snapshot sweep of /dev/shm/actor_pool.*", "not ours"}],
         await_log_lines(Node, Want),
         %% The live node's own segment goes with it when it stops.
         ok = actor_cnode:stop(Other),
@@ -626,7 +635,7 @@ a_starting_node_sweeps_orphans_and_keeps_live_segments(#{rcpt_node := Node}) ->
     after
         ok = logger:remove_handler(?MODULE),
         catch actor_cnode:stop(Other),
-        [file:delete(F) || F <- maps:values(Fakes)],
+        [file:delete(F) || F <- [Fifo | maps:values(Fakes)]],
         flush_logs()
     end,
     K = key(?FUNCTION_NAME),
@@ -648,7 +657,7 @@ a_second_node_never_takes_a_live_segment(#{rcpt_node := Node}) ->
         ?assertMatch({ok, #file_info{inode = Inode}}, file:read_file_info(Shm)),
         Second2 = actor_cnode:node(Second),
         await_log_lines(Second2, [{"snapshot " ++ actor_cnode:shm_name(Node),
-                                   "belongs to a writer that still runs"}]),
+                                   "is still held by its writer"}]),
         ?assertMatch(#{shm_state := none}, gen_server:call({actor_receptionist, Second2}, stats))
     after
         ok = logger:remove_handler(?MODULE),
@@ -662,6 +671,64 @@ a_second_node_never_takes_a_live_segment(#{rcpt_node := Node}) ->
     {registered, K, _} = next(),
     ?assertEqual([self()], actor_receptionist:lookup(K)),
     ?assertMatch(#{mapped := true, state := live}, actor_nif:info()).
+
+a_fifo_under_the_segment_name_never_hangs_the_owner(_Ctx) ->
+    %% Anyone can create a FIFO in /dev/shm under a C node's segment name
+    %% once that is free. Its owner, removing the dead incarnation's
+    %% segment, must neither open it for reading (that blocks until a
+    %% writer comes) nor follow it; restart and stop must work.
+    {ok, Pid} = actor_cnode:start_link(#{exe => rcpt_exe(), name => ap_test_util:alive("fifo"),
+                                         shm => true, args => ["--shm-mb", "2"]}),
+    Node = actor_cnode:node(Pid),
+    Shm = ap_test_util:segment(Node),
+    try
+        ?assert(filelib:is_file(Shm)),
+        #{restarts := R0} = actor_cnode:info(Pid),
+        ok = file:delete(Shm),
+        "" = os:cmd("mkfifo " ++ Shm),
+        %% A kill -9 and a new incarnation: the owner answers at once.
+        ?assertEqual(ok, gen_server:call(Pid, restart, 5000)),
+        wait_until(fun() ->
+                           case actor_cnode:info(Pid) of
+                               #{restarts := R, status := up} -> R > R0;
+                               _ -> false
+                           end
+                   end, ?WAIT_MS),
+        %% The new incarnation runs without a snapshot: the name is not
+        %% its to take.
+        ?assertMatch(#{shm_state := none}, gen_server:call({actor_receptionist, Node}, stats)),
+        ?assertMatch({ok, #file_info{type = other}}, file:read_link_info(Shm)),
+        ?assertEqual(ok, actor_cnode:stop(Pid))
+    after
+        catch actor_cnode:stop(Pid),
+        file:delete(Shm)
+    end.
+
+an_immediate_restart_after_the_owner_dies_gets_a_live_snapshot(_Ctx) ->
+    %% The owner dies (its C node then exits on stdin EOF) and a new owner
+    %% starts the same node at once: the new incarnation must wait for
+    %% the old one's segment to go and write its own, not run without.
+    process_flag(trap_exit, true),
+    Opts = #{exe => rcpt_exe(), name => ap_test_util:alive("reborn"), shm => true,
+             args => ["--shm-mb", "2"]},
+    {ok, P0} = actor_cnode:start_link(Opts),
+    try
+        Last = lists:foldl(
+                 fun(_, P) ->
+                         exit(P, kill),
+                         receive {'EXIT', P, _} -> ok end,
+                         {ok, P2} = actor_cnode:start_link(Opts),
+                         ok = actor_cnode:await_up(P2, ?WAIT_MS),
+                         Node = actor_cnode:node(P2),
+                         ?assertMatch(#{shm_state := live},
+                                      gen_server:call({actor_receptionist, Node}, stats)),
+                         P2
+                 end, P0, lists:seq(1, 3)),
+        ok = actor_cnode:stop(Last),
+        receive {'EXIT', Last, _} -> ok after ?WAIT_MS -> error(no_exit) end
+    after
+        process_flag(trap_exit, false)
+    end.
 
 %% Log lines of C node Node, each holding both strings of one of Want, in
 %% any order, among others.
@@ -691,11 +758,11 @@ fake_segment(Tag, Bin) ->
     ok = file:change_mode(Path, 8#600),
     Path.
 
-%% A layout-4 snapshot header (c_src/shm/ap_shm.h) with this writer stamp,
-%% padded to its 4096 bytes.
-header(Pid, Start, Ns) ->
+%% A snapshot header (c_src/shm/ap_shm.h) of this layout with this writer
+%% stamp, padded to its 4096 bytes.
+header(Layout, Pid, Start, Ns) ->
     Node = <<"sweep@nohost">>,
-    Bin = <<16#31535450435241:64/native, 4:32/native, 4096:32/native,
+    Bin = <<16#31535450435241:64/native, Layout:32/native, 4096:32/native,
             (1 bsl 20):64/native, 0:64, 0:64, 0:64, Pid:64/native, 1:64/native,
             1:32/native, 0:32, 1:64/native, 0:64,
             Node/binary, 0:((256 - byte_size(Node)) * 8),

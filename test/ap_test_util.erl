@@ -147,19 +147,35 @@ segment(Node) ->
 
 %% Snapshot segments (/dev/shm/actor_pool.*) of C nodes that this test node
 %% started or that its peers started: named after this node's alive name,
-%% or after a peer:random_name/1 name of this OS process. Other test runs
-%% on the machine have other names.
+%% after a peer:random_name/1 name of this OS process (`Prefix-N-OsPid',
+%% then the C node's `_rcpt' suffix), or after the network-namespace peers
+%% of the cluster suite (`apns' ++ OsPid rem 100000 ++ a letter). Other
+%% test runs on the machine have other names.
 -spec own_segments() -> [string()].
 own_segments() ->
     [Alive, _Host] = string:split(atom_to_list(node()), "@"),
-    Peer = "-" ++ os:getpid() ++ "-",
+    OsPid = os:getpid(),
+    Peer = "-" ++ OsPid ++ "_",
+    Netns = "apns" ++ integer_to_list(list_to_integer(OsPid) rem 100000),
     case file:list_dir("/dev/shm") of
         {ok, Names} ->
             lists:sort([N || "actor_pool." ++ Rest = N <- Names,
                              lists:prefix(Alive ++ "_", Rest)
-                                 orelse string:find(Rest, Peer) =/= nomatch]);
+                                 orelse string:find(Rest, Peer) =/= nomatch
+                                 orelse netns_name(Netns, Rest)]);
         {error, _} ->
             []
+    end.
+
+netns_name(Prefix, Name) ->
+    case lists:prefix(Prefix, Name) of
+        true ->
+            case lists:nthtail(length(Prefix), Name) of
+                [X, $_ | _] when X >= $a, X =< $z -> true;
+                _ -> false
+            end;
+        false ->
+            false
     end.
 
 %% Waits until own_segments/0 is empty (owners unlink what a dead C node

@@ -152,7 +152,7 @@ static _Thread_local struct tlocal tl;
 static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_unmapped, a_stale, a_busy,
 	a_bad_segment, a_too_big, a_enoent, a_eacces, a_wrong_node, a_too_small, a_errno, a_enomem,
 	a_mapped, a_path, a_node, a_gen, a_state, a_live, a_closed, a_unknown, a_writer_pid,
-	a_incarnation, a_heartbeat_ms, a_retired;
+	a_incarnation, a_heartbeat_ms, a_retired, a_not_ours, a_not_a_snapshot, a_replaced;
 
 static ERL_NIF_TERM error_tuple(ErlNifEnv *env, ERL_NIF_TERM reason)
 {
@@ -266,7 +266,9 @@ static ERL_NIF_TERM nif_attach(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	memcpy(m->path, name.data, name.size);
 	m->path_len = name.size;
 
-	fd = shm_open(m->path, O_RDONLY | O_CLOEXEC, 0);
+	/* O_NONBLOCK: a FIFO planted under the name must not hold a dirty
+	 * scheduler (it is then refused as not a regular file). */
+	fd = shm_open(m->path, O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
 	if (fd < 0) {
 		err = errno_error(env, errno);
 		goto fail;
@@ -827,6 +829,9 @@ static void make_atoms(ErlNifEnv *env)
 	ATOM(too_small);
 	ATOM(errno);
 	ATOM(enomem);
+	ATOM(not_ours);
+	ATOM(not_a_snapshot);
+	ATOM(replaced);
 	ATOM(mapped);
 	ATOM(path);
 	ATOM(node);
@@ -862,6 +867,41 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	}
 	pthread_mutex_unlock(&g_mu);
 	return 0;
+}
+
+/* remove_segment(ShmName): unlink the segment of a writer that is gone,
+ * by the rule every party follows (ap_shm.h, "Writers that are gone"):
+ * under LOCK_EX on the object opened without following a symlink or
+ * blocking on a FIFO, and only if the name still names it. */
+static ERL_NIF_TERM nif_remove_segment(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	ErlNifBinary name;
+	char path[NAME_MAX_LEN + 1];
+	int rc;
+
+	(void)argc;
+	if (!enif_inspect_binary(env, argv[0], &name) || !valid_name(&name) || name.size < 2 ||
+	    name.data[0] != '/' || memchr(name.data + 1, '/', name.size - 1))
+		return enif_make_badarg(env);
+	memcpy(path, name.data, name.size);
+	path[name.size] = 0;
+	rc = ap_shm_remove(AP_SHM_DIR, path + 1, NULL);
+	switch (rc) {
+	case 0:
+		return a_ok;
+	case -ENOENT:
+		return error_tuple(env, a_enoent);
+	case -EBUSY:
+		return error_tuple(env, a_live);
+	case -EPERM:
+		return error_tuple(env, a_not_ours);
+	case -EPROTO:
+		return error_tuple(env, a_not_a_snapshot);
+	case -ESTALE:
+		return error_tuple(env, a_replaced);
+	default:
+		return error_tuple(env, enif_make_tuple2(env, a_errno, enif_make_int(env, -rc)));
+	}
 }
 
 static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM info)
@@ -905,6 +945,7 @@ static ErlNifFunc funcs[] = {
 	{"lookup", 1, nif_lookup, 0},
 	{"info", 0, nif_info, 0},
 	{"loaded", 0, nif_loaded, 0},
+	{"remove_segment", 1, nif_remove_segment, ERL_NIF_DIRTY_JOB_IO_BOUND},
 };
 
 ERL_NIF_INIT(actor_nif, funcs, load, NULL, upgrade, unload)

@@ -46,10 +46,16 @@
  * the snapshot's limits) also forces STALE, never a silently old value.
  *
  * Orphans: at start, before creating its own, the node sweeps the shm
- * directory for actor_pool.* segments whose writer is provably gone (its
- * pid is no process's, or another process's: the header stamps pid, start
- * time and PID namespace) and unlinks them; every other one is kept, and
- * one it cannot judge is logged. The sweep is here rather than in the
+ * directory for actor_pool.* segments whose writer is gone (nobody holds
+ * the segment's lock: a writer holds flock(LOCK_SH) on it for its life,
+ * see ap_shm.h) and unlinks them; every other one is kept. One line per
+ * segment removed, one summary line for what was kept or passed over.
+ * If the node's own name is still held (the previous incarnation of this
+ * node has not exited yet: its owner died and the new one started this
+ * node at once), the create is retried for up to SHM_TAKEOVER_MS: the
+ * BEAM reaches this node only once it is published to epmd, after this
+ * init, so it never attaches to the old incarnation's segment. The sweep
+ * is here rather than in the
  * BEAM-side owner: the header's format and its hostile-input checks are
  * this C code's (one decoder, tested and fuzzed with it), and a node
  * started by hand or by another supervisor sweeps too. (The owner still
@@ -862,7 +868,7 @@ static void *sig_main(void *arg)
 		if (got++ == 0 && ap_node_call_on_loop(n, stop_on_loop, NULL) == 0)
 			continue;
 		if (st.w)
-			shm_unlink(st.shm_name);
+			ap_shm_writer_unlink(st.w); /* only if the name is still ours */
 		_exit(128 + sig);
 	}
 	return NULL;
@@ -917,6 +923,10 @@ static void teardown(void)
 
 #define SHM_DIR "/dev/shm"
 #define SHM_PREFIX "actor_pool."
+#define SHM_TAKEOVER_MS 3000    /* how long a start waits for the previous writer of its name */
+#define SHM_TAKEOVER_POLL_MS 10
+#define AP_STR_(x) #x
+#define AP_STR(x) AP_STR_(x)
 
 static void on_swept(void *arg, const struct ap_shm_swept *s)
 {
@@ -924,29 +934,21 @@ static void on_swept(void *arg, const struct ap_shm_swept *s)
 	(void)arg;
 	switch (v->fate) {
 	case AP_SHM_FATE_LIVE:
-		ap_log(AP_LOG_DEBUG, "receptionist: kept " SHM_DIR "/%s: its writer (pid %llu) runs", s->name,
-		       (unsigned long long)v->pid);
+		ap_log(AP_LOG_DEBUG, "receptionist: kept " SHM_DIR "/%s: its writer (pid %llu as stamped) holds it",
+		       s->name, (unsigned long long)v->pid);
 		break;
 	case AP_SHM_FATE_GONE:
-	case AP_SHM_FATE_REUSED:
-		if (s->removed && v->fate == AP_SHM_FATE_GONE)
+		if (s->removed)
 			ap_log(AP_LOG_NOTICE,
-			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu) is gone",
-			       s->name, (unsigned long long)v->pid);
-		else if (s->removed)
-			ap_log(AP_LOG_NOTICE,
-			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu, started "
-			       "at tick %llu) is gone, the pid is another process's (started at tick %llu)",
-			       s->name, (unsigned long long)v->pid, (unsigned long long)v->start,
-			       (unsigned long long)v->start_now);
+			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu as "
+			       "stamped) is gone%s%s",
+			       s->name, (unsigned long long)v->pid, v->why ? ": " : "", v->why ? v->why : "");
 		else if (s->err != ENOENT) /* ENOENT: another sweeper was first */
 			ap_log(AP_LOG_WARNING, "receptionist: cannot remove orphaned snapshot " SHM_DIR "/%s: %s",
 			       s->name, s->err == ESTALE ? "replaced while judged" : strerror(s->err));
 		break;
 	case AP_SHM_FATE_UNKNOWN:
-		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s (writer pid %llu, layout %u)",
-		       s->name, v->why, (unsigned long long)v->pid, v->version);
-		break;
+		break; /* layouts 3, 4: counted in the summary */
 	case AP_SHM_FATE_UNREADABLE:
 		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s%s%s", s->name, v->why,
 		       s->err ? ": " : "", s->err ? strerror(s->err) : "");
@@ -956,10 +958,22 @@ static void on_swept(void *arg, const struct ap_shm_swept *s)
 
 static void sweep_orphans(void)
 {
-	int rc = ap_shm_sweep(SHM_DIR, SHM_PREFIX, NULL, on_swept, NULL);
-	if (rc < 0)
+	struct ap_shm_sweep_sum sum;
+	int rc = ap_shm_sweep(SHM_DIR, SHM_PREFIX, NULL, on_swept, NULL, &sum);
+	if (rc < 0) {
 		ap_log(AP_LOG_WARNING, "receptionist: cannot look for orphaned snapshots in " SHM_DIR ": %s",
 		       strerror(-rc));
+		return;
+	}
+	/* One line for everything left alone, never one per entry: the
+	 * directory may be anyone's. */
+	if (sum.v3_kept || sum.foreign || sum.capped)
+		ap_log(AP_LOG_NOTICE,
+		       "receptionist: snapshot sweep of " SHM_DIR "/" SHM_PREFIX "*: removed %u; left alone %u of "
+		       "layout 3 or 4 whose writer pid a process here has (remove by hand once those nodes are "
+		       "gone), %u live, %u not ours (another user's or not regular files)%s",
+		       sum.removed, sum.v3_kept, sum.live, sum.foreign,
+		       sum.capped ? "; stopped at " AP_STR(AP_SHM_SWEEP_MAX) " of ours" : "");
 }
 
 static int parse_args(int argc, char **argv, long long *mb, long long *max_listing)
@@ -994,6 +1008,20 @@ static int parse_args(int argc, char **argv, long long *mb, long long *max_listi
 	return 0;
 }
 
+/* The previous incarnation of this node may still be exiting (the BEAM
+ * restarted it at once): wait for its lock to go, bounded. The polling is
+ * on a lock with a deadline; nothing else announces it. */
+static int create_snapshot(uint64_t incarnation)
+{
+	int64_t deadline = ap_mono_ms() + SHM_TAKEOVER_MS;
+	for (;;) {
+		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(st.n), incarnation);
+		if (rc != -EEXIST || ap_mono_ms() >= deadline)
+			return rc;
+		nanosleep(&(struct timespec){ .tv_nsec = SHM_TAKEOVER_POLL_MS * 1000000L }, NULL);
+	}
+}
+
 static int rcpt_init(ap_node *n, int argc, char **argv)
 {
 	long long mb = DEFAULT_SHM_MB, max_listing = AP_SHM_MAX_VAL;
@@ -1015,18 +1043,20 @@ static int rcpt_init(ap_node *n, int argc, char **argv)
 	if (mb > 0) {
 		st.shm_bytes = (size_t)mb << 20;
 		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
-		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(n), incarnation);
+		int rc = create_snapshot(incarnation);
 		if (rc == -EEXIST) {
-			/* Another node's, live: never taken from it. */
+			/* Held after SHM_TAKEOVER_MS: never taken from a writer. */
 			ap_log(AP_LOG_ERROR,
-			       "receptionist: snapshot %s belongs to a writer that still runs (another node of this "
-			       "name?); running without",
-			       st.shm_name);
+			       "receptionist: snapshot %s is still held by its writer after %d ms (a node of this "
+			       "name runs, or an old one has not exited); running without (lookups ask the "
+			       "receptionist)",
+			       st.shm_name, SHM_TAKEOVER_MS);
 			st.w = NULL;
 		} else if (rc) {
 			/* Lookups still work, through the receptionist. */
-			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s; running without",
-			       st.shm_name, st.shm_bytes, strerror(-rc));
+			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s%s; running without",
+			       st.shm_name, st.shm_bytes, strerror(-rc),
+			       rc == -EPERM ? " (another user's object, or no regular file, has the name)" : "");
 			st.w = NULL;
 		} else {
 			ap_shm_heartbeat(st.w, mono_ms());

@@ -60,6 +60,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -216,10 +217,12 @@ struct ap_shm_writer {
 	uint8_t *base;
 	size_t len;
 	struct ap_shm_hdr *hdr;
-	int created; /* we mapped it: munmap (and maybe shm_unlink) on close */
-	int fd;      /* created: the shm object, for posix_fallocate; else -1 */
+	int created; /* we mapped it: munmap (and maybe unlink) on close */
+	int fd;      /* created: the shm object, for posix_fallocate, locked LOCK_SH; else -1 */
+	int dfd;     /* created: AP_SHM_DIR, where the name lives; else -1 */
 	uint64_t committed[2]; /* per half: bytes from its start known backed (see "Backing") */
-	char name[NAME_MAX + 2];
+	char name[NAME_MAX + 2]; /* as created, with its leading '/' */
+	int unlinked;
 	uint64_t half_size;
 	uint64_t gen;
 	uint64_t changes; /* the segment's `changes`, as last stored */
@@ -580,6 +583,15 @@ int ap_shm_rebuild(ap_shm_writer *w, ap_shm_iter_fn next, void *arg)
 	return 0;
 }
 
+/* Who writes, for the logs only (see "Writers that are gone"). */
+static void w_stamp(struct ap_shm_hdr *hdr)
+{
+	hdr->writer_pid = (uint64_t)getpid();
+	if (ap_proc_stat((long)getpid(), &hdr->writer_start, NULL) < 0)
+		hdr->writer_start = 0;
+	hdr->writer_pidns = ap_proc_pidns();
+}
+
 /* fd: the created object (its header page already reserved), or -1. */
 static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const char *node, uint64_t incarnation)
 {
@@ -589,6 +601,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	if (!w)
 		return -ENOMEM;
 	w->fd = fd;
+	w->dfd = -1;
 	w->base = base;
 	w->len = len;
 	w->hdr = hdr;
@@ -609,12 +622,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	hdr->half_size = w->half_size;
 	hdr->gen = 0;
 	hdr->heartbeat_ms = 0;
-	hdr->writer_pid = (uint64_t)getpid();
-	/* 0 when /proc cannot tell: the segment can then never be proved
-	 * orphaned, only kept (see "Writers that are gone"). */
-	if (ap_proc_stat((long)getpid(), &hdr->writer_start, NULL) < 0)
-		hdr->writer_start = 0;
-	hdr->writer_pidns = ap_proc_pidns();
+	w_stamp(hdr);
 	hdr->incarnation = incarnation;
 	hdr->pad = 0;
 	hdr->changes = w->changes;
@@ -630,49 +638,133 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	return 0;
 }
 
-static int w_name_held(const char *name);
+static enum ap_shm_fate judge_at(int dfd, const char *name, int fd, const struct stat *st, int remove,
+				 struct ap_shm_swept *s);
+#define REMOVE_GONE 1
+#define REMOVE_UNREADABLE 2 /* also what is no snapshot (under our LOCK_EX) */
+
+/* Our regular file: the only kind anybody here judges or unlinks. */
+static int ours(const struct stat *st) { return S_ISREG(st->st_mode) && st->st_uid == geteuid(); }
+
+/* The name base (in dfd) is taken by an object: remove it if its writer is
+ * gone. -EAGAIN: the name is free now (try again); -EEXIST: a writer holds it;
+ * -EPERM: another user's, or not a regular file (never ours to take). */
+static int w_take_over(int dfd, const char *base)
+{
+	struct ap_shm_swept s = { .name = base };
+	struct stat st;
+	int fd;
+
+	fd = openat(dfd, base, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+	if (fd < 0)
+		return errno == ENOENT ? -EAGAIN : errno == ELOOP || errno == ENXIO ? -EPERM : -errno;
+	if (fstat(fd, &st) < 0 || !ours(&st)) {
+		close(fd);
+		return -EPERM;
+	}
+	/* A file of ours under our name that is no snapshot is replaced,
+	 * as it always was: only a writer that may still run keeps it. */
+	judge_at(dfd, base, fd, &st, REMOVE_UNREADABLE, &s);
+	close(fd);
+	if (s.removed || s.err == ENOENT || s.err == ESTALE)
+		return -EAGAIN;
+	return -EEXIST;
+}
+
+/* Our new object, locked: write AP_SHM_MAGIC_CREATING and the stamps at
+ * once (so a writer killed from here on leaves an object the sweep can
+ * tell), after backing the header page. */
+static int w_mark_creating(int fd)
+{
+	struct ap_shm_hdr h;
+
+	if (posix_fallocate(fd, 0, AP_SHM_HDR_SIZE))
+		return -ENOSPC;
+	memset(&h, 0, sizeof h);
+	h.magic = AP_SHM_MAGIC_CREATING;
+	h.version = AP_SHM_VERSION;
+	h.hdr_size = AP_SHM_HDR_SIZE;
+	w_stamp(&h);
+	return pwrite(fd, &h, sizeof h, 0) == (ssize_t)sizeof h ? 0 : -EIO;
+}
+
+/* Create base in dfd, locked LOCK_SH, and make sure the name still names
+ * it once the lock is ours (a sweeper may have found it empty and
+ * unlocked in between, and removed it). Returns the fd, -EAGAIN to try
+ * again, or another -errno. */
+static int w_create_locked(int dfd, const char *base)
+{
+	struct stat st, again;
+	int fd = openat(dfd, base, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+
+	if (fd < 0)
+		return errno == EEXIST ? w_take_over(dfd, base) : -errno;
+	/* Blocking: only a sweeper, for the moment it reads a header, can
+	 * hold LOCK_EX on an object this fresh. */
+	while (flock(fd, LOCK_SH) < 0) {
+		if (errno != EINTR) {
+			int e = -errno;
+			close(fd);
+			return e;
+		}
+	}
+	if (fstat(fd, &st) < 0 || fstatat(dfd, base, &again, AT_SYMLINK_NOFOLLOW) < 0 ||
+	    again.st_ino != st.st_ino || again.st_dev != st.st_dev) {
+		close(fd);
+		return -EAGAIN;
+	}
+	return fd;
+}
 
 int ap_shm_writer_create(ap_shm_writer **wp, const char *name, size_t seg_size, const char *node,
 			 uint64_t incarnation)
 {
 	size_t nlen = name ? strnlen(name, NAME_MAX + 1) : 0;
 	void *p = MAP_FAILED;
-	int fd, err = 0;
+	int dfd, fd = -EAGAIN, err = 0;
 
 	*wp = NULL;
 	if (nlen < 2 || nlen > NAME_MAX || name[0] != '/' || strchr(name + 1, '/'))
 		return -EINVAL;
 	if (seg_size < SEG_MIN_CREATE || seg_size > SEG_MAX)
 		return -EINVAL;
-	/* Never take the name from a writer that still runs (a second node
-	 * started under a name in use); a dead one's object is replaced. */
-	if (w_name_held(name))
-		return -EEXIST;
-	/* A reader still mapping an old object keeps it; new readers get ours. */
-	if (shm_unlink(name) < 0 && errno != ENOENT)
+	dfd = open(AP_SHM_DIR, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dfd < 0)
 		return -errno;
-	fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-	if (fd < 0)
-		return -errno;
+	/* Bounded: each turn either creates, or finds the name free again
+	 * after removing a dead writer's object, or gives up. */
+	for (int tries = 0; tries < 8 && fd == -EAGAIN; tries++)
+		fd = w_create_locked(dfd, name + 1);
+	if (fd < 0) {
+		close(dfd);
+		return fd == -EAGAIN ? -EEXIST : fd;
+	}
 	/* 0600 whatever the umask: a umask of 0700 would lock us out too. */
 	if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)seg_size) < 0)
 		err = -errno;
+	/* The header page is backed before it is written (see "Backing"). */
+	else if ((err = w_mark_creating(fd)) < 0)
+		;
 	else if ((p = mmap(NULL, seg_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
 		err = -errno;
-	/* The header page is backed before it is written (see "Backing"). */
-	else if (posix_fallocate(fd, 0, AP_SHM_HDR_SIZE))
-		err = -ENOSPC;
-	/* The fd stays open: later reservations need it. */
+	/* The fd stays open: later reservations need it, and it holds the lock. */
 	if (!err)
 		err = w_start(wp, p, seg_size, fd, node, incarnation);
 	if (err) {
+		struct stat st, again;
 		if (p != MAP_FAILED)
 			munmap(p, seg_size);
+		/* Still under our lock: the name is ours unless a hand with rm
+		 * replaced it. */
+		if (fstat(fd, &st) == 0 && fstatat(dfd, name + 1, &again, AT_SYMLINK_NOFOLLOW) == 0 &&
+		    again.st_ino == st.st_ino && again.st_dev == st.st_dev)
+			unlinkat(dfd, name + 1, 0);
 		close(fd);
-		shm_unlink(name);
+		close(dfd);
 		return err;
 	}
 	(*wp)->created = 1;
+	(*wp)->dfd = dfd;
 	memcpy((*wp)->name, name, nlen + 1);
 	return 0;
 }
@@ -702,16 +794,38 @@ void ap_shm_writer_stats(const ap_shm_writer *w, uint64_t *keys, uint64_t *used,
 		*compactions = w->compactions;
 }
 
+int ap_shm_writer_unlink(ap_shm_writer *w)
+{
+	struct stat st, again;
+
+	if (!w->created)
+		return -EINVAL;
+	if (w->unlinked)
+		return -ENOENT;
+	/* We hold LOCK_SH: no party that follows the rule unlinks or
+	 * replaces our name meanwhile, so this check is not a race. */
+	if (fstat(w->fd, &st) < 0 || fstatat(w->dfd, w->name + 1, &again, AT_SYMLINK_NOFOLLOW) < 0)
+		return -errno;
+	if (again.st_ino != st.st_ino || again.st_dev != st.st_dev)
+		return -ESTALE;
+	if (unlinkat(w->dfd, w->name + 1, 0) < 0)
+		return -errno;
+	w->unlinked = 1;
+	return 0;
+}
+
 void ap_shm_writer_close(ap_shm_writer *w, int unlink_it)
 {
 	if (!w)
 		return;
+	/* Unlink before CLOSED: nobody finds our name on a closed object. */
+	if (w->created && unlink_it)
+		ap_shm_writer_unlink(w);
 	w_set_state(w, AP_SHM_STATE_CLOSED);
 	if (w->created) {
 		munmap(w->base, w->len);
-		close(w->fd);
-		if (unlink_it)
-			shm_unlink(w->name);
+		close(w->fd); /* drops the lock */
+		close(w->dfd);
 	}
 	free(w);
 }
@@ -1054,147 +1168,203 @@ static enum ap_shm_fate v_set(struct ap_shm_verdict *v, enum ap_shm_fate fate, c
 	return fate;
 }
 
-enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, struct ap_shm_verdict *v)
+enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, int held, struct ap_shm_verdict *v)
 {
 	struct ap_shm_hdr h;
-	uint64_t own, now = 0;
-	char state = 0;
-	int r;
 
 	memset(v, 0, sizeof *v);
 	/* A copy: buf may be anyone's bytes, and judging reads them once. */
 	memset(&h, 0, sizeof h);
 	memcpy(&h, buf, len < sizeof h ? len : sizeof h);
-	if (len < offsetof(struct ap_shm_hdr, incarnation))
+	if (len >= offsetof(struct ap_shm_hdr, incarnation) &&
+	    (h.magic == AP_SHM_MAGIC || h.magic == AP_SHM_MAGIC_CREATING)) {
+		v->version = h.version;
+		v->pid = h.writer_pid;
+		if (len >= sizeof h)
+			v->start = h.writer_start;
+	}
+	/* The lock is the only evidence about a layout-4 writer. */
+	if (held)
+		return v_set(v, AP_SHM_FATE_LIVE, NULL);
+	if (len == 0)
+		return v_set(v, AP_SHM_FATE_GONE, "empty: its writer died while creating it");
+	if (len < sizeof h.magic)
 		return v_set(v, AP_SHM_FATE_UNREADABLE, "shorter than a snapshot header");
+	if (h.magic == 0)
+		return v_set(v, AP_SHM_FATE_GONE, "no magic: its writer died while creating it");
+	if (h.magic == AP_SHM_MAGIC_CREATING)
+		return v_set(v, AP_SHM_FATE_GONE, "its writer died while creating it");
 	if (h.magic != AP_SHM_MAGIC)
 		return v_set(v, AP_SHM_FATE_UNREADABLE, "not a snapshot (magic)");
-	v->version = h.version;
-	v->pid = h.writer_pid;
-	if (h.version == 3)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "layout 3 stamps no start time");
-	if (h.version != AP_SHM_VERSION)
-		return v_set(v, AP_SHM_FATE_UNREADABLE, "unknown layout version");
-	if (len < sizeof h || h.hdr_size != AP_SHM_HDR_SIZE)
-		return v_set(v, AP_SHM_FATE_UNREADABLE, "truncated header");
-	v->start = h.writer_start;
-	if (!h.writer_pid || h.writer_pid > INT_MAX)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "no writer pid");
-	if (!h.writer_start || !h.writer_pidns)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "the writer could not stamp its start time");
-	own = ap_proc_pidns();
-	if (!own)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "our own PID namespace is unknown (/proc)");
-	if (own != h.writer_pidns)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "the writer ran in another PID namespace");
-	r = ap_proc_stat((long)h.writer_pid, &now, &state);
-	if (r == -ENOENT) {
-		/* Two witnesses: a /proc that hides the pid (hidepid, another
-		 * mount) is not proof on its own. */
-		if (kill((pid_t)h.writer_pid, 0) < 0 && errno == ESRCH)
-			return v_set(v, AP_SHM_FATE_GONE, NULL);
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "the pid is not in /proc but kill(2) finds it");
-	}
-	if (r < 0)
-		return v_set(v, AP_SHM_FATE_UNKNOWN, "cannot read /proc/PID/stat");
-	v->start_now = now;
-	if (now != h.writer_start)
-		return v_set(v, AP_SHM_FATE_REUSED, NULL);
-	/* A zombie runs no code and maps nothing: its segment is orphaned. */
-	if (state == 'Z' || state == 'X')
+	if (len < offsetof(struct ap_shm_hdr, incarnation))
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "shorter than a snapshot header");
+	if (h.version == AP_SHM_VERSION)
 		return v_set(v, AP_SHM_FATE_GONE, NULL);
-	return v_set(v, AP_SHM_FATE_LIVE, NULL);
+	if (h.version != 3 && h.version != 4)
+		return v_set(v, AP_SHM_FATE_UNREADABLE, "unknown layout version");
+	/* Layouts 3 and 4 predate the lock: gone only if nobody here has
+	 * the pid (a stamp is all there is). */
+	if (!h.writer_pid || h.writer_pid > INT_MAX)
+		return v_set(v, AP_SHM_FATE_UNKNOWN, "an old layout without a writer pid");
+	if (kill((pid_t)h.writer_pid, 0) < 0 && errno == ESRCH)
+		return v_set(v, AP_SHM_FATE_GONE, NULL);
+	return v_set(v, AP_SHM_FATE_UNKNOWN, "an old layout, and a process here has its writer's pid");
 }
 
-/* Judge one directory entry and unlink it if proven orphaned. Reads the
- * header with pread, never maps it: the object may be truncated under us. */
-static enum ap_shm_fate sweep_one(int dfd, struct ap_shm_swept *s)
+/* fd is open on name in dfd, and st is its fstat (our regular file).
+ * Lock it LOCK_EX | LOCK_NB, read and judge its header and, when GONE (or
+ * UNREADABLE, if remove says so), unlink the name while still holding the lock if the name still
+ * names that object. The caller closes fd (which drops the lock). Reads
+ * the header with pread, never maps it: the object may be truncated under
+ * us. */
+static enum ap_shm_fate judge_at(int dfd, const char *name, int fd, const struct stat *st, int remove,
+				 struct ap_shm_swept *s)
 {
 	struct ap_shm_hdr h;
-	struct stat st, again;
+	struct stat again;
 	ssize_t n;
-	int fd;
+	int held = 0;
 
-	fd = openat(dfd, s->name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-	if (fd < 0) {
-		s->err = errno;
-		return v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot open it");
-	}
-	if (fstat(fd, &st) < 0) {
-		s->err = errno;
-		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot stat it");
-	} else if (!S_ISREG(st.st_mode)) {
-		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "not a regular file");
-	} else if (st.st_uid != geteuid()) {
-		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "another user's");
-	} else if ((n = pread(fd, &h, sizeof h, 0)) < 0) {
-		s->err = errno;
-		v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot read it");
-	} else {
-		ap_shm_judge(&h, (size_t)n, &s->v);
-	}
-	if (s->v.fate == AP_SHM_FATE_GONE || s->v.fate == AP_SHM_FATE_REUSED) {
-		/* Only the object we judged: a writer may have replaced it under
-		 * the same name since (ap_shm_writer_create unlinks, then
-		 * creates). What is left is the window between this check and
-		 * the unlink. */
-		if (fstatat(dfd, s->name, &again, AT_SYMLINK_NOFOLLOW) < 0)
+	if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+		if (errno != EWOULDBLOCK) {
 			s->err = errno;
-		else if (again.st_ino != st.st_ino || again.st_dev != st.st_dev)
-			s->err = ESTALE;
-		else if (unlinkat(dfd, s->name, 0) < 0)
-			s->err = errno;
-		else
-			s->removed = 1;
+			return v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot lock it");
+		}
+		held = 1;
 	}
-	close(fd);
+	n = pread(fd, &h, sizeof h, 0);
+	if (n < 0) {
+		s->err = errno;
+		return v_set(&s->v, AP_SHM_FATE_UNREADABLE, "cannot read it");
+	}
+	ap_shm_judge(&h, (size_t)n, held, &s->v);
+	if (!(s->v.fate == AP_SHM_FATE_GONE && remove) &&
+	    !(s->v.fate == AP_SHM_FATE_UNREADABLE && !held && remove == REMOVE_UNREADABLE))
+		return s->v.fate;
+	/* Under LOCK_EX: whoever replaced the object under this name since
+	 * we opened it did so before we locked, and the name names theirs. */
+	if (fstatat(dfd, name, &again, AT_SYMLINK_NOFOLLOW) < 0)
+		s->err = errno;
+	else if (again.st_ino != st->st_ino || again.st_dev != st->st_dev)
+		s->err = ESTALE;
+	else if (unlinkat(dfd, name, 0) < 0)
+		s->err = errno;
+	else
+		s->removed = 1;
 	return s->v.fate;
 }
 
-/* Whether shm object name is a snapshot whose writer runs and has not
- * closed it: our uid's regular file whose header ap_shm_judge finds LIVE
- * and whose state is not CLOSED. Anything else (no such object, another
- * user's, unreadable, a writer gone or that cannot be judged) is not held:
- * creating over it is what the writer always did. */
-static int w_name_held(const char *name)
+/* Open name in dfd for judging: never follows a symlink nor blocks on a
+ * FIFO, and must be the object pre (an fstatat of the name, or NULL)
+ * described. Returns the fd, or -1 with s->err set. */
+static int open_judged(int dfd, const char *name, const struct stat *pre, struct stat *st, struct ap_shm_swept *s)
 {
-	struct ap_shm_verdict v;
-	struct ap_shm_hdr h;
-	struct stat st;
-	ssize_t n;
-	int fd, held = 0;
+	int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
 
-	fd = shm_open(name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK, 0);
-	if (fd < 0)
-		return 0;
-	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
-	    (n = pread(fd, &h, sizeof h, 0)) == (ssize_t)sizeof h)
-		held = ap_shm_judge(&h, (size_t)n, &v) == AP_SHM_FATE_LIVE && h.state != AP_SHM_STATE_CLOSED;
+	if (fd < 0) {
+		s->err = errno;
+		return -1;
+	}
+	if (fstat(fd, st) < 0) {
+		s->err = errno;
+	} else if (!ours(st)) {
+		s->err = EPERM;
+	} else if (pre && (pre->st_ino != st->st_ino || pre->st_dev != st->st_dev)) {
+		s->err = ESTALE;
+	} else {
+		return fd;
+	}
 	close(fd);
-	return held;
+	return -1;
 }
 
-int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg)
+int ap_shm_remove(const char *dir, const char *name, struct ap_shm_verdict *v)
 {
+	struct ap_shm_swept s = { .name = name };
+	struct stat st;
+	int dfd, fd, rc;
+
+	if (v)
+		memset(v, 0, sizeof *v);
+	if (!name || !name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+		return -EINVAL;
+	dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dfd < 0)
+		return -errno;
+	fd = open_judged(dfd, name, NULL, &st, &s);
+	if (fd < 0) {
+		close(dfd);
+		/* ELOOP: a symlink (O_NOFOLLOW); ENXIO: a FIFO or socket. */
+		return s.err == ELOOP || s.err == ENXIO ? -EPERM : -s.err;
+	}
+	judge_at(dfd, name, fd, &st, REMOVE_GONE, &s);
+	close(fd);
+	close(dfd);
+	if (v)
+		*v = s.v;
+	if (s.removed)
+		return 0;
+	switch (s.v.fate) {
+	case AP_SHM_FATE_LIVE:
+	case AP_SHM_FATE_UNKNOWN:
+		return -EBUSY;
+	case AP_SHM_FATE_UNREADABLE:
+		rc = s.err ? -s.err : -EPROTO;
+		return rc;
+	default:
+		return s.err ? -s.err : -EIO;
+	}
+}
+
+int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg,
+		 struct ap_shm_sweep_sum *sum)
+{
+	struct ap_shm_sweep_sum t = { 0 };
 	size_t plen = strlen(prefix);
-	int removed = 0, seen = 0;
 	struct dirent *de;
 	DIR *d;
 
 	d = opendir(dir);
 	if (!d)
 		return -errno;
-	while (seen < AP_SHM_SWEEP_MAX && (de = readdir(d))) {
+	while ((de = readdir(d))) {
 		struct ap_shm_swept s = { .name = de->d_name };
+		struct stat pre, st;
+		int fd;
 
 		if (strncmp(de->d_name, prefix, plen) || (skip && !strcmp(de->d_name, skip)))
 			continue;
-		seen++;
-		sweep_one(dirfd(d), &s);
-		removed += s.removed;
+		/* Cheap, and opens nothing: anybody can fill the directory
+		 * with FIFOs, symlinks and files of their own, and none of
+		 * them may cost us a place under the cap or a log line. */
+		if (fstatat(dirfd(d), de->d_name, &pre, AT_SYMLINK_NOFOLLOW) < 0)
+			continue; /* gone meanwhile */
+		if (!ours(&pre)) {
+			t.foreign++;
+			continue;
+		}
+		if (t.judged >= AP_SHM_SWEEP_MAX) {
+			t.capped = 1;
+			break;
+		}
+		t.judged++;
+		fd = open_judged(dirfd(d), de->d_name, &pre, &st, &s);
+		if (fd < 0) {
+			if (s.err == ENOENT || s.err == ESTALE)
+				continue; /* removed or replaced since the fstatat */
+			v_set(&s.v, AP_SHM_FATE_UNREADABLE, "cannot open it");
+		} else {
+			judge_at(dirfd(d), de->d_name, fd, &st, REMOVE_GONE, &s);
+			close(fd);
+		}
+		t.removed += (unsigned)s.removed;
+		t.live += s.v.fate == AP_SHM_FATE_LIVE;
+		t.v3_kept += s.v.fate == AP_SHM_FATE_UNKNOWN;
 		if (fn)
 			fn(arg, &s);
 	}
 	closedir(d);
-	return removed;
+	if (sum)
+		*sum = t;
+	return (int)t.removed;
 }

@@ -78,16 +78,28 @@
  * hard as forging SipHash.
  *
  * Writers that are gone. A segment outlives a writer that is killed (its
- * name is unlinked only on a clean exit), so the header stamps who wrote it:
- * `writer_pid`, `writer_start` (the process's start time in clock ticks
- * after boot, field 22 of /proc/PID/stat) and `writer_pidns` (the inode of
- * its PID namespace), all stored before the magic and never changed. The
- * writer is provably gone when, in the same PID namespace, no process has
- * that pid (or it is a zombie), or the process that has it started at
- * another time (the pid was reused). Anything less is no proof: a pid
- * stamped in another namespace (a container sharing /dev/shm) names nobody
- * here, and a layout-3 header has no start time. ap_shm_sweep removes only
- * proven cases and leaves every other segment alone.
+ * name is unlinked only on a clean exit), so whether its writer still runs
+ * is told by a lock, not by the header: the writer takes flock(LOCK_SH) on
+ * the object as soon as it has created it and holds it, on an O_CLOEXEC
+ * fd, until it exits; the kernel drops it however the writer dies. The
+ * writer is gone exactly when flock(LOCK_EX | LOCK_NB) on the object
+ * succeeds. That holds whatever PID or time namespace, /proc mount or pid
+ * reuse anyone sees. Anybody who unlinks a snapshot's name (the sweep, a
+ * create replacing a dead writer's object, the writer's close, the BEAM
+ * side owner through the NIF) does it only while holding LOCK_EX on the
+ * object it opened (O_NOFOLLOW | O_NONBLOCK, a regular file of our uid)
+ * and after checking that the name still names that object (dev and
+ * inode): a live writer holds LOCK_SH, so its name can never be unlinked
+ * by a party that follows this rule, and a name replaced meanwhile is left
+ * alone. A new writer under a held name gets -EEXIST and may retry until
+ * the holder is gone. `writer_pid`, `writer_start` (field 22 of
+ * /proc/PID/stat) and `writer_pidns` (the inode of its PID namespace) are
+ * stored before the magic and never changed: information for logs, never
+ * evidence. A create writes AP_SHM_MAGIC_CREATING and the stamps right
+ * after sizing the object, so a writer killed while creating leaves an
+ * object the sweep can tell and remove. Layout-3 and layout-4 writers
+ * predate the lock: such a segment is removed only when no process here
+ * has its pid.
  *
  * Readers trust nothing: every offset and length is checked against the
  * mapping before it is dereferenced, probes are bounded by
@@ -106,10 +118,14 @@
 #include <stdint.h>
 
 #define AP_SHM_MAGIC 0x31535450435241ULL /* "ARCPTS1" little-endian, plus a 0 byte */
-/* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3; 4: `writer_start`
- * and `writer_pidns`, so that a segment whose writer is gone can be told
- * from a live one (ap_shm_sweep). */
-#define AP_SHM_VERSION 4u
+/* A header being created: the stamps are there, nothing else is yet. */
+#define AP_SHM_MAGIC_CREATING 0x43535450435241ULL /* "ARCPTSC" */
+#define AP_SHM_DIR "/dev/shm" /* where POSIX shm names live (Linux, glibc) */
+/* 2: `changes` in the header; 3: `hash_seed`, SipHash-1-3; 4:
+ * `writer_start` and `writer_pidns`; 5: the writer holds flock(LOCK_SH) on
+ * the object for its life (so a segment whose writer is gone can be told
+ * from a live one, ap_shm_sweep). */
+#define AP_SHM_VERSION 5u
 #define AP_SHM_HDR_SIZE 4096u
 #define AP_SHM_MAX_KEY 1024u          /* bytes */
 #define AP_SHM_MAX_VAL (16u << 20)    /* bytes: a listing larger than this is not snapshotted */
@@ -147,8 +163,8 @@ struct ap_shm_hdr {
 	uint64_t changes;      /* atomic: changes counted so far, >= 1 (see "Changes" above) */
 	uint64_t hash_seed;    /* the hash's key, fixed for the segment's life (see "Hashing" above) */
 	char node[256];        /* the receptionist node's name, NUL-terminated */
-	uint64_t writer_start; /* the writer's start time, /proc/PID/stat field 22 (clock ticks after boot); 0: unknown */
-	uint64_t writer_pidns; /* the inode of the writer's /proc/self/ns/pid; 0: unknown */
+	uint64_t writer_start; /* for logs: /proc/PID/stat field 22 (clock ticks after boot); 0: unknown */
+	uint64_t writer_pidns; /* for logs: the inode of the writer's /proc/self/ns/pid; 0: unknown */
 };
 
 struct ap_shm_half {
@@ -182,12 +198,15 @@ uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t len);
 
 typedef struct ap_shm_writer ap_shm_writer;
 
-/* Create the POSIX shm object `name` ("/..."), replacing any object of that
- * name (shm_unlink first: a reader still mapping the old one keeps it)
- * except a snapshot whose writer still runs and has not closed it
- * (ap_shm_judge says LIVE): that is -EEXIST, and nothing changes. The
- * object is mode 0600 whatever the umask, sized seg_size (sparse), mapped
- * read-write.
+/* Create the POSIX shm object `name` ("/..."), replacing an object of
+ * that name whose writer is gone (see "Writers that are gone": taken under
+ * LOCK_EX, unlinked only if the name still names it; a reader still
+ * mapping it keeps it). An object whose writer still holds its lock (or a
+ * layout-3 one whose pid runs here) is -EEXIST and nothing changes: the
+ * caller may retry, bounded, until that writer has gone. Another user's
+ * object, or anything but a regular file, under the name is -EPERM.
+ * The new object is mode 0600 whatever the umask, sized seg_size (sparse),
+ * locked LOCK_SH for the writer's life, mapped read-write.
  * The writer keeps the object's fd and backs pages with posix_fallocate,
  * a chunk at a time, before it first writes to them: it never stores to a
  * page the filesystem could not back (on a full tmpfs that would be
@@ -232,8 +251,15 @@ uint32_t ap_shm_state(const ap_shm_writer *w);
 /* Live keys, arena bytes in use in the active half (the reserved word at
  * offset 0 included), and compactions so far (rebuilds not counted). */
 void ap_shm_writer_stats(const ap_shm_writer *w, uint64_t *keys, uint64_t *used, uint64_t *compactions);
-/* Mark CLOSED, unmap and close the fd, and (created segments) shm_unlink
- * when unlink_it. */
+/* Created segments: unlink the name if it still names this writer's object
+ * (nobody else who follows the rule can have unlinked or replaced it while
+ * the writer holds its lock, but a hand with rm can). Returns 0, -ESTALE
+ * (the name names another object now: left alone), or -errno (-ENOENT: no
+ * such name). Safe to call more than once; caller memory: -EINVAL. */
+int ap_shm_writer_unlink(ap_shm_writer *w);
+/* (Created segments, when unlink_it) ap_shm_writer_unlink first, so that
+ * no reader or new writer ever finds our name on a CLOSED object; then
+ * mark CLOSED, unmap, and close the fd, which drops the lock. */
 void ap_shm_writer_close(ap_shm_writer *w, int unlink_it);
 
 /* ---- reader (any thread, any process; nothing is trusted) -------------- */
@@ -285,48 +311,76 @@ int ap_proc_stat(long pid, uint64_t *start, char *state);
 /* The inode of this process's PID namespace, 0 when /proc cannot tell. */
 uint64_t ap_proc_pidns(void);
 
-/* What a segment's header says about its writer. */
+/* What the sweep (or a create, or ap_shm_remove) finds of a segment. */
 enum ap_shm_fate {
-	AP_SHM_FATE_LIVE,       /* a process with the stamped pid and start time runs: keep */
-	AP_SHM_FATE_GONE,       /* no process has the pid, or a zombie does: remove */
-	AP_SHM_FATE_REUSED,     /* the pid is another process's now (another start time): remove */
-	AP_SHM_FATE_UNKNOWN,    /* ours, but the stamp proves nothing here (`why`): keep */
-	AP_SHM_FATE_UNREADABLE, /* not a snapshot header we can read (`why`): keep */
+	AP_SHM_FATE_LIVE,       /* a writer holds its lock: keep */
+	AP_SHM_FATE_GONE,       /* nobody holds the lock (layouts 3, 4: nobody has the pid): remove */
+	AP_SHM_FATE_UNKNOWN,    /* a layout-3 or -4 segment whose pid some process here has (`why`): keep */
+	AP_SHM_FATE_UNREADABLE, /* not a snapshot we can judge (`why`): keep */
 };
 
 struct ap_shm_verdict {
 	enum ap_shm_fate fate;
-	const char *why;     /* UNKNOWN, UNREADABLE: a short reason (static text) */
+	const char *why;     /* UNKNOWN, UNREADABLE: a short reason (static text); GONE: how it died, or NULL */
 	uint32_t version;    /* the header's, when its magic is ours */
-	uint64_t pid;        /* writer_pid, as stamped */
-	uint64_t start;      /* writer_start, as stamped */
-	uint64_t start_now;  /* REUSED, LIVE: the start time of the process that has the pid now */
+	uint64_t pid;        /* writer_pid, as stamped (for logs) */
+	uint64_t start;      /* writer_start, as stamped (for logs) */
 };
 
 /* Judge the header in buf (len bytes: what could be read from the
- * segment's start; nothing is trusted, nothing past len is read). Returns
- * v->fate. */
-enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, struct ap_shm_verdict *v);
+ * object's start; nothing is trusted, nothing past len is read), given
+ * whether someone holds the object's lock (held: flock(LOCK_EX | LOCK_NB)
+ * failed with EWOULDBLOCK; 0: the caller holds LOCK_EX). Held is LIVE.
+ * Not held: GONE for our magic at this layout, for AP_SHM_MAGIC_CREATING,
+ * and for an empty object or a zero magic (a writer killed while
+ * creating); layouts 3 and 4 (writers that never locked): GONE only if
+ * kill(pid, 0) finds no process, else UNKNOWN; anything else UNREADABLE. Returns v->fate. */
+enum ap_shm_fate ap_shm_judge(const void *buf, size_t len, int held, struct ap_shm_verdict *v);
+
+/* Unlink the segment `name` (in dir, no '/') if its writer is gone, by the
+ * rule above. Returns 0 (removed), -ENOENT (no such name), -EBUSY (a
+ * writer holds it, or a layout-3/4 writer's pid runs), -EPERM (another
+ * user's, or not a regular file), -EPROTO (ours, but not a snapshot: left
+ * alone), -ESTALE (the name was replaced meanwhile), -EINVAL (a bad name)
+ * or another -errno. v (may be NULL) gets the verdict. Never blocks on
+ * the object (a FIFO planted under the name included). */
+int ap_shm_remove(const char *dir, const char *name, struct ap_shm_verdict *v);
 
 /* One segment the sweep looked at. */
 struct ap_shm_swept {
 	const char *name;        /* its name in the directory (no leading '/') */
 	struct ap_shm_verdict v;
 	int removed;             /* 1: unlinked by this sweep */
-	int err;                 /* GONE/REUSED not removed: why (errno; ESTALE: the name now names
-				  * another object); UNREADABLE: the open/read error, if any */
+	int err;                 /* GONE not removed: why (errno; ESTALE: the name now names another
+				  * object); UNREADABLE: the open/read/lock error, if any */
 };
 typedef void (*ap_shm_sweep_fn)(void *arg, const struct ap_shm_swept *s);
 
-#define AP_SHM_SWEEP_MAX 4096 /* segments a sweep looks at, at most (the directory may be anyone's) */
+/* What a sweep did, in sum (for one log line). */
+struct ap_shm_sweep_sum {
+	unsigned judged;  /* our regular files looked at (at most AP_SHM_SWEEP_MAX) */
+	unsigned removed;
+	unsigned live;
+	unsigned v3_kept; /* layout-3/4 segments whose pid runs here */
+	unsigned foreign; /* entries passed over: another user's, or not regular files */
+	int capped;       /* stopped at AP_SHM_SWEEP_MAX of our own files */
+};
 
-/* Look at every regular file in dir (the shm directory, "/dev/shm") whose
- * name starts with prefix and is not skip (NULL: none), at most
- * AP_SHM_SWEEP_MAX of them: read its header (O_NOFOLLOW, our uid only, at
- * most sizeof(struct ap_shm_hdr) bytes, never mapped), judge it, and
- * unlink it when the verdict is GONE or REUSED and the name still names
- * the object that was read. fn (may be NULL) hears about each. Returns the
- * number removed, or -errno when dir cannot be opened. */
-int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg);
+#define AP_SHM_SWEEP_MAX 4096 /* our own segments a sweep looks at, at most */
+
+/* Look at every entry in dir (the shm directory, AP_SHM_DIR) whose name
+ * starts with prefix and is not skip (NULL: none). fstatat
+ * (AT_SYMLINK_NOFOLLOW) first: another user's entries and anything but
+ * regular files are passed over, only counted in sum->foreign (they cost
+ * no open, no callback and no place under the cap). Each of our regular
+ * files, AP_SHM_SWEEP_MAX at most: open it (O_NOFOLLOW | O_NONBLOCK, the
+ * same inode as stat'ed), take LOCK_EX | LOCK_NB, read its header (at
+ * most sizeof(struct ap_shm_hdr) bytes, never mapped), judge it, and when
+ * GONE unlink it, still under the lock, if the name still names it. fn
+ * (may be NULL) hears about each judged file; sum (may be NULL) gets the
+ * totals. Returns the number removed, or -errno when dir cannot be
+ * opened. */
+int ap_shm_sweep(const char *dir, const char *prefix, const char *skip, ap_shm_sweep_fn fn, void *arg,
+		 struct ap_shm_sweep_sum *sum);
 
 #endif

@@ -175,21 +175,25 @@ static void t_read(const uint8_t *seg, size_t len, const uint8_t *payload, size_
 }
 
 /* The sweep's verdict on the same bytes (a header read from a file anyone
- * could have written): one the API names, and "gone" only for a whole
- * header with our magic and layout. kill(pid, 0) and /proc reads of
- * whatever pid the bytes name are harmless. */
+ * could have written): one the API names; LIVE whenever the lock is held;
+ * with the lock free, "gone" only for an empty object, a zero or creating
+ * magic, or our magic at this layout (or 3 or 4, whose pid kill(2) finds no
+ * process: harmless to ask about any pid). */
 static void t_judge(const uint8_t *seg, size_t len)
 {
 	struct ap_shm_verdict v;
-	struct ap_shm_hdr h;
-	enum ap_shm_fate f = ap_shm_judge(seg, len, &v);
+	uint64_t magic = 0;
+	enum ap_shm_fate f = ap_shm_judge(seg, len, 1, &v);
 
+	t_check(f == v.fate && f == AP_SHM_FATE_LIVE);
+	f = ap_shm_judge(seg, len, 0, &v);
 	t_check(f == v.fate && f <= AP_SHM_FATE_UNREADABLE);
-	if (f == AP_SHM_FATE_GONE || f == AP_SHM_FATE_REUSED) {
-		t_check(len >= sizeof h);
-		memcpy(&h, seg, sizeof h);
-		t_check(h.magic == AP_SHM_MAGIC && h.version == AP_SHM_VERSION && h.writer_start && h.writer_pidns);
-	}
+	if (len >= sizeof magic)
+		memcpy(&magic, seg, sizeof magic);
+	if (f == AP_SHM_FATE_GONE)
+		t_check(len == 0 || (len >= sizeof magic && (magic == 0 || magic == AP_SHM_MAGIC_CREATING ||
+							      (magic == AP_SHM_MAGIC && (v.version == AP_SHM_VERSION ||
+											v.version == 3 || v.version == 4)))));
 	if (f == AP_SHM_FATE_UNKNOWN || f == AP_SHM_FATE_UNREADABLE)
 		t_check(v.why != NULL);
 }
