@@ -47,7 +47,8 @@
 #include "dp_core.h"
 
 #define DP_WAIT_MS 50      /* the reply thread's longest sleep: EOF and close are seen within it */
-#define DP_SPIN 100u       /* pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_SPIN 100u       /* at most this many pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_SPIN_MIN 8u     /* the adaptive spin's first step up */
 #define DP_FREE_ASKS 1024u /* spare ask entries (each with an env) kept for reuse */
 #define DP_TAB_INIT 256u
 
@@ -358,9 +359,29 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
 	enif_clear_env(s->tenv);
 }
 
+/* The reply thread's spin before it sleeps adapts: it doubles when a
+ * reply came during it and halves when none did. Replies of many callers
+ * follow each other closely and are taken without a sleep; a lone ask's
+ * next reply is a whole round trip away, so its spin drops to none
+ * instead of taking, after every delivery, the CPU that the woken asker's
+ * scheduler and the pool node need on a small host. 1 if a reply came. */
+static int spin_for_reply(struct dp *s, unsigned *spin)
+{
+	for (unsigned k = 0; k < *spin; k++) {
+		if (rep_ready(s) > 0) {
+			*spin = *spin * 2 > DP_SPIN ? DP_SPIN : *spin * 2;
+			return 1;
+		}
+		ap_ring_cpu_relax();
+	}
+	*spin /= 2;
+	return 0;
+}
+
 static void *reply_thread(void *arg)
 {
 	struct dp *s = arg;
+	unsigned spin = DP_SPIN;
 
 	while (!atomic_load(&s->stop) && !atomic_load(&s->closed)) {
 		int total = 0, rc = 0;
@@ -379,8 +400,15 @@ static void *reply_thread(void *arg)
 			shut_from_thread(s, a_bad_segment);
 			break;
 		}
-		if (!total)
-			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, DP_SPIN, DP_WAIT_MS);
+		/* rc is now the last ring's record count: only the wait's
+		 * result (a timeout, an error) asks for the socket poll. */
+		rc = 0;
+		if (!total && !spin_for_reply(s, &spin)) {
+			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, 0, DP_WAIT_MS);
+			/* Woken: the next spin is worth a try again. */
+			if (spin < DP_SPIN_MIN)
+				spin = DP_SPIN_MIN;
+		}
 		/* The peer's EOF: on every timeout, and at least every
 		 * DP_WAIT_MS however busy (or however often a hostile peer
 		 * rings). The closed bit is only a hint to look now. */
