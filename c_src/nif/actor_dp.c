@@ -47,7 +47,8 @@
 #include "dp_core.h"
 
 #define DP_WAIT_MS 50      /* the reply thread's longest sleep: EOF and close are seen within it */
-#define DP_SPIN 100u       /* pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_SPIN 100u       /* at most this many pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_SPIN_MIN 8u     /* the adaptive spin's first step up */
 #define DP_FREE_ASKS 1024u /* spare ask entries (each with an env) kept for reuse */
 #define DP_TAB_INIT 256u
 
@@ -59,9 +60,16 @@ struct ask {
 	struct ask *next;
 };
 
+/* What a submit writes lives with its ring, which one scheduler holds at a
+ * time: its records counted here by the holder (a load and a store, no
+ * locked add) instead of in counters of the segment that every scheduler
+ * wrote on every tell (a cache line bounced between them). */
+enum { RC_TELLS, RC_ASKS, RC_STATS, RC_N };
+
 struct req_ring {
 	struct ap_ring r;
 	atomic_int busy; /* the try-lock: one producer at a time */
+	atomic_uint_fast64_t n[RC_N]; /* written by the holder of busy only */
 	char pad[64];    /* keep neighbours' locks off this line */
 };
 
@@ -84,7 +92,6 @@ struct dp {
 
 	atomic_int closed;
 	atomic_int stop;
-	atomic_uint_fast64_t next_id;
 	int thread_started;
 	ErlNifTid tid;
 	ErlNifEnv *tenv; /* the reply thread's message env */
@@ -94,7 +101,13 @@ struct dp {
 	ERL_NIF_TERM reason; /* valid once closed */
 	int64_t last_poll;
 
-	atomic_uint_fast64_t n_tells, n_asks_sent, n_stats, n_replies, n_late, n_bad, n_full, n_too_large;
+	/* Written per ask by every scheduler (next_id) and per reply by the
+	 * reply thread (its counters): each on lines of its own, away from
+	 * what every submit reads above. */
+	char pad0[64];
+	atomic_uint_fast64_t next_id;
+	char pad1[64];
+	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large;
 };
 
 static ErlNifResourceType *g_dp_type;
@@ -154,6 +167,15 @@ static ERL_NIF_TERM error_tuple(ErlNifEnv *env, ERL_NIF_TERM reason)
 static int get_dp(ErlNifEnv *env, ERL_NIF_TERM t, struct dp **s)
 {
 	return enif_get_resource(env, t, g_dp_type, (void **)s);
+}
+
+static uint64_t req_count(struct dp *s, int which)
+{
+	uint64_t t = 0;
+
+	for (uint32_t i = 0; s->req && i < s->seg.n_req; i++)
+		t += atomic_load_explicit(&s->req[i].n[which], memory_order_relaxed);
+	return t;
 }
 
 static void cnt(atomic_uint_fast64_t *c) { atomic_fetch_add_explicit(c, 1, memory_order_relaxed); }
@@ -358,9 +380,29 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
 	enif_clear_env(s->tenv);
 }
 
+/* The reply thread's spin before it sleeps adapts: it doubles when a
+ * reply came during it and halves when none did. Replies of many callers
+ * follow each other closely and are taken without a sleep; a lone ask's
+ * next reply is a whole round trip away, so its spin drops to none
+ * instead of taking, after every delivery, the CPU that the woken asker's
+ * scheduler and the pool node need on a small host. 1 if a reply came. */
+static int spin_for_reply(struct dp *s, unsigned *spin)
+{
+	for (unsigned k = 0; k < *spin; k++) {
+		if (rep_ready(s) > 0) {
+			*spin = *spin * 2 > DP_SPIN ? DP_SPIN : *spin * 2;
+			return 1;
+		}
+		ap_ring_cpu_relax();
+	}
+	*spin /= 2;
+	return 0;
+}
+
 static void *reply_thread(void *arg)
 {
 	struct dp *s = arg;
+	unsigned spin = DP_SPIN;
 
 	while (!atomic_load(&s->stop) && !atomic_load(&s->closed)) {
 		int total = 0, rc = 0;
@@ -379,8 +421,15 @@ static void *reply_thread(void *arg)
 			shut_from_thread(s, a_bad_segment);
 			break;
 		}
-		if (!total)
-			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, DP_SPIN, DP_WAIT_MS);
+		/* rc is now the last ring's record count: only the wait's
+		 * result (a timeout, an error) asks for the socket poll. */
+		rc = 0;
+		if (!total && !spin_for_reply(s, &spin)) {
+			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, 0, DP_WAIT_MS);
+			/* Woken: the next spin is worth a try again. */
+			if (spin < DP_SPIN_MIN)
+				spin = DP_SPIN_MIN;
+		}
 		/* The peer's EOF: on every timeout, and at least every
 		 * DP_WAIT_MS however busy (or however often a hostile peer
 		 * rings). The closed bit is only a hint to look now. */
@@ -734,6 +783,12 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 			dp_req_write(p, &q);
 			rc = ap_ring_publish(&rr->r);
 			tail = rr->r.tail;
+			if (rc == 0) {
+				atomic_uint_fast64_t *c =
+					&rr->n[q.kind == AP_DP_TELL ? RC_TELLS : q.kind == AP_DP_ASK ? RC_ASKS : RC_STATS];
+				atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
+						      memory_order_relaxed);
+			}
 		} else {
 			ap_ring_abort(&rr->r);
 		}
@@ -741,7 +796,6 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	}
 	if (rc == 0) {
 		ap_seg_notify(s->seg.hdr, AP_SEG_BELL_REQ);
-		cnt(q.kind == AP_DP_TELL ? &s->n_tells : q.kind == AP_DP_ASK ? &s->n_asks_sent : &s->n_stats);
 	} else if (rc == -EPROTO) {
 		/* The pool node moved our ring's head where it cannot be. */
 		dp_shut(s, env, a_bad_segment, 1);
@@ -850,9 +904,9 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 #define KV(key, val) (k[n] = (key), v[n++] = (val))
 #define C(c) enif_make_uint64(env, atomic_load_explicit(&s->c, memory_order_relaxed))
 	KV(a_state, atomic_load(&s->closed) ? a_closed : a_open);
-	KV(a_tells, C(n_tells));
-	KV(a_asks, C(n_asks_sent));
-	KV(a_stats, C(n_stats));
+	KV(a_tells, enif_make_uint64(env, req_count(s, RC_TELLS)));
+	KV(a_asks, enif_make_uint64(env, req_count(s, RC_ASKS)));
+	KV(a_stats, enif_make_uint64(env, req_count(s, RC_STATS)));
 	KV(a_replies, C(n_replies));
 	KV(a_late, C(n_late));
 	KV(a_bad_records, C(n_bad));

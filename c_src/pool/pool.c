@@ -129,8 +129,6 @@ static void pool_free(ap_pool *p)
 			ap_mbox_destroy(&w->mb);
 		}
 		ap_job_free_list(w->job_cache);
-		pthread_mutex_destroy(&w->mu);
-		pthread_cond_destroy(&w->cv);
 		free(w->reply.data);
 		ap_buf_free(&w->out);
 	}
@@ -327,8 +325,6 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 		ap_worker *w = &p->w[i];
 		w->pool = p;
 		w->id = i;
-		pthread_mutex_init(&w->mu, NULL);
-		pthread_cond_init(&w->cv, NULL);
 		if (ap_mbox_init(&w->mb))
 			goto nomem;
 	}

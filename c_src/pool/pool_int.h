@@ -88,12 +88,10 @@ typedef struct ap_worker {
 	int thread_live;           /* started and not joined */
 	ap_mbox mb;
 	_Atomic int alive;         /* routing skips a slot waiting for its replacement */
-	_Atomic int sleeping;
+	_Atomic int sleeping;      /* its doorbell (a private futex): 1 while it may sleep */
 	_Atomic int stop;
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
 	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
 	_Atomic uint64_t processed, errors, crashes;
 	enum exit_reason exit_reason;
 	int init_rc;

@@ -3,6 +3,9 @@
  * is the mailboxes' consumer. */
 #include "t_helpers.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include "pool_int.h"
 
 #define T_WORKERS_MAX 4
@@ -34,8 +37,6 @@ static t_pool *t_pool_new(ap_node *n, int workers, ap_routing routing, uint32_t 
 		ap_worker *w = &t->w[i];
 		w->pool = p;
 		w->id = i;
-		pthread_mutex_init(&w->mu, NULL);
-		pthread_cond_init(&w->cv, NULL);
 		assert_int_equal(ap_mbox_init(&w->mb), 0);
 		atomic_store(&w->alive, 1);
 	}
@@ -48,8 +49,6 @@ static void t_pool_free(t_pool *t)
 		ap_worker *w = &t->w[i];
 		ap_mbox_destroy(&w->mb);
 		ap_job_free_list(w->job_cache);
-		pthread_mutex_destroy(&w->mu);
-		pthread_cond_destroy(&w->cv);
 	}
 	ap_buf_free(&t->p.scratch);
 	free(t);
@@ -224,6 +223,59 @@ static void test_a_slot_awaiting_its_replacement_is_skipped(void **state)
 	t_pool_free(t);
 }
 
+/* The worker's doorbell: a consumer thread sleeping in ap_worker_next_job
+ * is woken by every push and wake, none lost, whether the push lands
+ * before, during or after it goes to sleep; a stop wakes it for good. */
+struct t_consumer {
+	ap_worker *w;
+	_Atomic int got;
+};
+
+static void *t_consume(void *arg)
+{
+	struct t_consumer *c = arg;
+	while (ap_worker_next_job(c->w)) {
+		ap_mbox_done(&c->w->mb);
+		atomic_fetch_add(&c->got, 1);
+	}
+	return NULL;
+}
+
+static void test_a_sleeping_worker_is_woken_by_every_push(void **state)
+{
+	(void)state;
+	t_pool *t = t_pool_new(NULL, 1, AP_ROUTE_ROUND_ROBIN, 0);
+	ap_worker *w = &t->w[0];
+	struct t_consumer c = { .w = w };
+	pthread_t th;
+	assert_int_equal(pthread_create(&th, NULL, t_consume, &c), 0);
+	t_rng r;
+	t_rng_seed(&r, t_seed("doorbell"));
+	enum { N = 3000 };
+	for (int i = 0; i < N; i++) {
+		ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, 16);
+		assert_non_null(j);
+		ap_mbox_push(&w->mb, j);
+		ap_worker_wake(w, 0);
+		/* Mostly let it go to sleep before the next push; sometimes
+		 * push into its spin or its way to sleep. */
+		if (t_rand32(&r) % 4) {
+			int64_t deadline = t_now_ms() + 5000;
+			while (atomic_load(&c.got) < i + 1 && t_now_ms() < deadline)
+				sched_yield();
+			assert_int_equal(atomic_load(&c.got), i + 1);
+		}
+	}
+	int64_t deadline = t_now_ms() + 5000;
+	while (atomic_load(&c.got) < N && t_now_ms() < deadline)
+		sched_yield();
+	assert_int_equal(atomic_load(&c.got), N);
+	atomic_store(&w->stop, 1);
+	ap_worker_wake(w, 1);
+	assert_int_equal(pthread_join(th, NULL), 0);
+	t_pool_free(t);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -233,6 +285,7 @@ int main(void)
 		cmocka_unit_test(test_full_mailboxes_drop_tells_and_refuse_asks),
 		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
 		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
+		cmocka_unit_test(test_a_sleeping_worker_is_woken_by_every_push),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
