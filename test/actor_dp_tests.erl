@@ -33,7 +33,8 @@
          pool_node_answers_asks_tells_and_stats/1,
          pool_node_cancel_and_close_leave_no_reply_behind/1,
          pool_node_scribbled_segment_is_errors_not_crashes/1,
-         pool_node_killed_answers_64_pending_asks_promptly/1]).
+         pool_node_killed_answers_64_pending_asks_promptly/1,
+         child_upgrade/0]).
 
 -define(T, 5000).
 
@@ -81,6 +82,65 @@ actor_dp_pool_node_test_() ->
                           %% last: the node restarts afterwards
                           pool_node_killed_answers_64_pending_asks_promptly]]
      end}.
+
+%% A hot upgrade that brings a new actor_dp.so (another file, as a release
+%% upgrade does), then a purge of the old code, while a segment is open:
+%% its reply thread still runs the old library, so the VM must not unmap
+%% it. In a child VM: the failure is a crash of the VM.
+upgrade_with_open_segment_keeps_the_vm_test_() ->
+    {timeout, 60, fun() ->
+        Dir = ap_test_util:temp_dir("dp_upgrade"),
+        So = case os:getenv("ACTOR_DP_NIF") of
+                 P when is_list(P), P =/= "" -> P;
+                 _ -> filename:join(ap_test_util:priv_dir(), "actor_dp.so")
+             end,
+        try
+            [begin
+                 ok = file:make_dir(filename:join(Dir, D)),
+                 {ok, _} = file:copy(So, filename:join([Dir, D, "actor_dp.so"]))
+             end || D <- ["a", "b"]],
+            {Status, Out} = child_vm("child_upgrade", [{"AP_DP_UPGRADE_DIR", Dir}]),
+            ?assertEqual({0, true}, {Status, string:find(Out, "alive") =/= nomatch})
+        after
+            _ = file:del_dir_r(Dir)
+        end
+    end}.
+
+-spec child_upgrade() -> ok.
+child_upgrade() ->
+    Dir = os:getenv("AP_DP_UPGRADE_DIR"),
+    os:putenv("ACTOR_DP_NIF", filename:join([Dir, "a", "actor_dp.so"])),
+    {module, actor_dp} = code:ensure_loaded(actor_dp),
+    P = peer_start(),
+    try
+        Seg = open(P, #{}),
+        os:putenv("ACTOR_DP_NIF", filename:join([Dir, "b", "actor_dp.so"])),
+        {module, actor_dp} = code:load_file(actor_dp),
+        _ = code:purge(actor_dp),
+        Ref = make_ref(),
+        {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+        receive {Ref, {ok, hi}} -> ok after ?T -> error(no_answer) end,
+        ok = actor_dp:close(Seg, done)
+    after
+        peer_stop(P)
+    end,
+    io:format("alive~n").
+
+child_vm(Fun, Env) ->
+    Erl = os:find_executable("erl"),
+    Paths = lists:append([["-pa", filename:dirname(code:which(M))] || M <- [actor_dp, ?MODULE, ap_test_util]]),
+    Port = open_port({spawn_executable, Erl},
+                     [{args, ["+S", "2", "-noshell"] ++ Paths ++
+                           ["-eval", atom_to_list(?MODULE) ++ ":" ++ Fun ++ "(), halt()."]},
+                      {env, Env}, exit_status, stderr_to_stdout, binary]),
+    child_collect(Port, []).
+
+child_collect(Port, Acc) ->
+    receive
+        {Port, {data, D}} -> child_collect(Port, [Acc, D]);
+        {Port, {exit_status, S}} -> {S, binary_to_list(iolist_to_binary(Acc))}
+    after 50000 -> error(child_hung)
+    end.
 
 nif_is_loaded_test() ->
     ?assert(actor_dp:loaded()),
