@@ -65,6 +65,7 @@ struct ap_dp_seg {
 	struct ap_ring_map map;
 	struct ap_seg s;
 	struct ap_ring *req; /* n_req consumer views: loop thread only */
+	uint64_t *seen;      /* per request ring: the position released (not the shared head, which the BEAM can write) */
 	uint8_t *busy;       /* per request ring: being drained (fences never re-enter it) */
 	struct dp_rep *rep;  /* n_rep producer views */
 	char peer[AP_SEG_MAX_NAME + 1];
@@ -117,6 +118,7 @@ static void seg_free(struct ap_dp_seg *sg)
 	free(sg->rep);
 	free(sg->req);
 	free(sg->busy);
+	free(sg->seen);
 	ap_ring_map_close(&sg->map);
 	free(sg);
 }
@@ -358,8 +360,10 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
 		done++;
 	}
 	sg->busy[ring] = 0;
-	if (sg->slot >= 0)
+	if (sg->slot >= 0) {
 		ap_ring_release(r);
+		__atomic_store_n(&sg->seen[ring], r->pos, __ATOMIC_RELEASE);
+	}
 	return sg->slot >= 0 ? done : -1;
 }
 
@@ -416,7 +420,8 @@ static int seg_pending(struct ap_dp_seg *sg)
 {
 	for (uint32_t i = 0; i < sg->s.n_req; i++) {
 		struct ap_ring_hdr *h = sg->req[i].hdr;
-		if (__atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&h->head, __ATOMIC_ACQUIRE))
+		/* Our own released position: the shared head is writable by the BEAM. */
+		if (__atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&sg->seen[i], __ATOMIC_ACQUIRE))
 			return 1;
 	}
 	return 0;
@@ -671,14 +676,17 @@ static uint32_t make_seg(struct attaching *a, int mfd, struct ap_dp_seg **out)
 		goto fail;
 	sg->req = calloc(sg->s.n_req, sizeof *sg->req);
 	sg->busy = calloc(sg->s.n_req, 1);
+	sg->seen = calloc(sg->s.n_req, sizeof *sg->seen);
 	sg->rep = calloc(sg->s.n_rep, sizeof *sg->rep);
-	if (!sg->req || !sg->busy || !sg->rep) {
+	if (!sg->req || !sg->busy || !sg->rep || !sg->seen) {
 		st = ENOMEM;
 		goto fail;
 	}
-	for (uint32_t i = 0; i < sg->s.n_req; i++)
+	for (uint32_t i = 0; i < sg->s.n_req; i++) {
 		if (ap_ring_attach_consumer(&sg->req[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)))
 			goto fail;
+		sg->seen[i] = sg->req[i].pos;
+	}
 	for (uint32_t i = 0; i < sg->s.n_rep; i++)
 		if (ap_ring_attach_producer(&sg->rep[i].r, ap_seg_rep(&sg->s, i), ap_seg_rep_size(&sg->s)))
 			goto fail;
@@ -693,6 +701,7 @@ static uint32_t make_seg(struct attaching *a, int mfd, struct ap_dp_seg **out)
 fail:
 	free(sg->req);
 	free(sg->busy);
+	free(sg->seen);
 	free(sg->rep);
 	ap_ring_map_close(&sg->map);
 	free(sg);
