@@ -35,7 +35,8 @@
          full_reply_ring_drops_after_a_wait_and_the_pool_goes_on/1,
          broken_rings_detach_the_segment_and_the_node_goes_on/1,
          freeing_a_crashed_pool_does_not_stall_the_loop/1,
-         a_written_request_head_does_not_break_wake_ups/1]).
+         a_written_request_head_does_not_break_wake_ups/1,
+         loop_answers_are_not_lost_while_a_worker_waits_for_room/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -60,7 +61,8 @@ ring_node_test_() ->
                  full_reply_ring_drops_after_a_wait_and_the_pool_goes_on,
                  broken_rings_detach_the_segment_and_the_node_goes_on,
                  freeing_a_crashed_pool_does_not_stall_the_loop,
-                 a_written_request_head_does_not_break_wake_ups]]
+                 a_written_request_head_does_not_break_wake_ups,
+                 loop_answers_are_not_lost_while_a_worker_waits_for_room]]
      end}.
 
 case_(Name, Ctx) ->
@@ -628,6 +630,36 @@ a_written_request_head_does_not_break_wake_ups(#{os_pid := OsPid} = Ctx) ->
             ?assert(list_to_integer(P50) < 100000, {p50_us, P50})
         end)
     end).
+
+%% A worker waiting for room in a full reply ring does not hold the ring:
+%% the loop's own answer (noproc here, small enough to fit) is written
+%% meanwhile instead of dropped, and the worker's answer follows once the
+%% client reads.
+loop_answers_are_not_lost_while_a_worker_waits_for_room(Ctx) ->
+    with_pool(ap_rn_room, echo, #{workers => 1}, fun(P) ->
+        %% one 4 KiB reply ring; a Fill answer takes half of it
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            Fill = enc(binary:copy(<<"f">>, 2013)),
+            Dest = dest(ap_rn_room),
+            {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(x)]),
+            {ok, _} = cmd(C, ["ask 0 2 ", Dest, " ", Fill]),
+            %% no room for this answer: the worker waits (up to 1 s)
+            {ok, _} = cmd(C, ["ask 0 3 ", Dest, " ", Fill]),
+            ok = publish(C, [0]),
+            wait_stats(P, fun(#{processed := N}) -> N >= 3 end),
+            {ok, _} = cmd(C, ["ask 0 4 ", dest(ap_rn_nobody), " ", enc(x)]),
+            ok = publish(C, [0]),
+            Got = lists:sort(gather(C, 4, [])),
+            ?assertMatch([{1, {ok, x}}, {2, {ok, _}}, {3, {ok, _}}, {4, {error, noproc}}], Got)
+        end)
+    end).
+
+%% Answers until N arrived or a 1 s wait brought none.
+gather(C, N, Acc) ->
+    case wait_replies(C, N - length(Acc), 1000) of
+        [] -> Acc;
+        New -> gather(C, N, Acc ++ New)
+    end.
 
 cpu_ms(OsPid) ->
     {ok, B} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
