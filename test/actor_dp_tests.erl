@@ -106,6 +106,32 @@ upgrade_with_open_segment_keeps_the_vm_test_() ->
         end
     end}.
 
+%% Tells published right before an orderly close/2 are read by the pool
+%% node, whichever it notices first: the BEAM's closed bit or the
+%% socket's EOF.
+tells_before_close_are_not_dropped_test_() ->
+    {setup, fun ap_test_util:start_app/0, fun ap_test_util:stop_app/1,
+     {timeout, 120, fun() ->
+        N = actor_pool:pool_node(),
+        {ok, P} = actor_pool:start_pool(dp_close, echo, #{workers => 2}),
+        try
+            Count = fun(R0) -> #{by_path := #{ring := R}} = actor_pool:stats(P), R - R0 end,
+            Lost = [begin
+                        {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
+                        {ok, Seg} = actor_dp:open(Sock, Token, #{node => N, req_rings => 1}),
+                        #{by_path := #{ring := R0}} = actor_pool:stats(P),
+                        [{ok, _} = actor_dp:submit(Seg, tell, dp_close, {t, K}, undefined, undefined)
+                         || K <- lists:seq(1, 200)],
+                        ok = actor_dp:close(Seg, done),
+                        _ = catch ap_test_util:wait_until(fun() -> Count(R0) =:= 200 end, 2000),
+                        200 - Count(R0)
+                    end || _ <- lists:seq(1, 30)],
+            ?assertEqual([], [L || L <- Lost, L =/= 0])
+        after
+            actor_pool:stop_pool(P)
+        end
+     end}}.
+
 -spec child_upgrade() -> ok.
 child_upgrade() ->
     Dir = os:getenv("AP_DP_UPGRADE_DIR"),

@@ -618,6 +618,9 @@ static void peer_gone(ap_node *n, void *arg)
 {
 	(void)n;
 	struct ap_dp_seg *sg = arg;
+	/* What the BEAM published before it closed the socket (an orderly
+	 * close may reach us as EOF before its closed bit) is read first. */
+	drain_seg(sg);
 	detach(sg, "its socket closed");
 	ap_dp_seg_put(sg); /* the attach thread's */
 }
