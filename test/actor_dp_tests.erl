@@ -33,7 +33,8 @@
          pool_node_answers_asks_tells_and_stats/1,
          pool_node_cancel_and_close_leave_no_reply_behind/1,
          pool_node_scribbled_segment_is_errors_not_crashes/1,
-         pool_node_killed_answers_64_pending_asks_promptly/1]).
+         pool_node_killed_answers_64_pending_asks_promptly/1,
+         child_upgrade/0]).
 
 -define(T, 5000).
 
@@ -81,6 +82,91 @@ actor_dp_pool_node_test_() ->
                           %% last: the node restarts afterwards
                           pool_node_killed_answers_64_pending_asks_promptly]]
      end}.
+
+%% A hot upgrade that brings a new actor_dp.so (another file, as a release
+%% upgrade does), then a purge of the old code, while a segment is open:
+%% its reply thread still runs the old library, so the VM must not unmap
+%% it. In a child VM: the failure is a crash of the VM.
+upgrade_with_open_segment_keeps_the_vm_test_() ->
+    {timeout, 60, fun() ->
+        Dir = ap_test_util:temp_dir("dp_upgrade"),
+        So = case os:getenv("ACTOR_DP_NIF") of
+                 P when is_list(P), P =/= "" -> P;
+                 _ -> filename:join(ap_test_util:priv_dir(), "actor_dp.so")
+             end,
+        try
+            [begin
+                 ok = file:make_dir(filename:join(Dir, D)),
+                 {ok, _} = file:copy(So, filename:join([Dir, D, "actor_dp.so"]))
+             end || D <- ["a", "b"]],
+            {Status, Out} = child_vm("child_upgrade", [{"AP_DP_UPGRADE_DIR", Dir}]),
+            ?assertEqual({0, true}, {Status, string:find(Out, "alive") =/= nomatch})
+        after
+            _ = file:del_dir_r(Dir)
+        end
+    end}.
+
+%% Tells published right before an orderly close/2 are read by the pool
+%% node, whichever it notices first: the BEAM's closed bit or the
+%% socket's EOF.
+tells_before_close_are_not_dropped_test_() ->
+    {setup, fun ap_test_util:start_app/0, fun ap_test_util:stop_app/1,
+     {timeout, 120, fun() ->
+        N = actor_pool:pool_node(),
+        {ok, P} = actor_pool:start_pool(dp_close, echo, #{workers => 2}),
+        try
+            Count = fun(R0) -> #{by_path := #{ring := R}} = actor_pool:stats(P), R - R0 end,
+            Lost = [begin
+                        {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
+                        {ok, Seg} = actor_dp:open(Sock, Token, #{node => N, req_rings => 1}),
+                        #{by_path := #{ring := R0}} = actor_pool:stats(P),
+                        [{ok, _} = actor_dp:submit(Seg, tell, dp_close, {t, K}, undefined, undefined)
+                         || K <- lists:seq(1, 200)],
+                        ok = actor_dp:close(Seg, done),
+                        _ = catch ap_test_util:wait_until(fun() -> Count(R0) =:= 200 end, 2000),
+                        200 - Count(R0)
+                    end || _ <- lists:seq(1, 30)],
+            ?assertEqual([], [L || L <- Lost, L =/= 0])
+        after
+            actor_pool:stop_pool(P)
+        end
+     end}}.
+
+-spec child_upgrade() -> ok.
+child_upgrade() ->
+    Dir = os:getenv("AP_DP_UPGRADE_DIR"),
+    os:putenv("ACTOR_DP_NIF", filename:join([Dir, "a", "actor_dp.so"])),
+    {module, actor_dp} = code:ensure_loaded(actor_dp),
+    P = peer_start(),
+    try
+        Seg = open(P, #{}),
+        os:putenv("ACTOR_DP_NIF", filename:join([Dir, "b", "actor_dp.so"])),
+        {module, actor_dp} = code:load_file(actor_dp),
+        _ = code:purge(actor_dp),
+        Ref = make_ref(),
+        {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+        receive {Ref, {ok, hi}} -> ok after ?T -> error(no_answer) end,
+        ok = actor_dp:close(Seg, done)
+    after
+        peer_stop(P)
+    end,
+    io:format("alive~n").
+
+child_vm(Fun, Env) ->
+    Erl = os:find_executable("erl"),
+    Paths = lists:append([["-pa", filename:dirname(code:which(M))] || M <- [actor_dp, ?MODULE, ap_test_util]]),
+    Port = open_port({spawn_executable, Erl},
+                     [{args, ["+S", "2", "-noshell"] ++ Paths ++
+                           ["-eval", atom_to_list(?MODULE) ++ ":" ++ Fun ++ "(), halt()."]},
+                      {env, Env}, exit_status, stderr_to_stdout, binary]),
+    child_collect(Port, []).
+
+child_collect(Port, Acc) ->
+    receive
+        {Port, {data, D}} -> child_collect(Port, [Acc, D]);
+        {Port, {exit_status, S}} -> {S, binary_to_list(iolist_to_binary(Acc))}
+    after 50000 -> error(child_hung)
+    end.
 
 nif_is_loaded_test() ->
     ?assert(actor_dp:loaded()),

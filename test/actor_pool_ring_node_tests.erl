@@ -33,7 +33,10 @@
          lone_asks_wake_the_sleeping_node_every_time/1,
          answer_over_the_reply_ring_size_is_reply_too_large/1,
          full_reply_ring_drops_after_a_wait_and_the_pool_goes_on/1,
-         broken_rings_detach_the_segment_and_the_node_goes_on/1]).
+         broken_rings_detach_the_segment_and_the_node_goes_on/1,
+         freeing_a_crashed_pool_does_not_stall_the_loop/1,
+         a_written_request_head_does_not_break_wake_ups/1,
+         loop_answers_are_not_lost_while_a_worker_waits_for_room/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -56,7 +59,10 @@ ring_node_test_() ->
                  lone_asks_wake_the_sleeping_node_every_time,
                  answer_over_the_reply_ring_size_is_reply_too_large,
                  full_reply_ring_drops_after_a_wait_and_the_pool_goes_on,
-                 broken_rings_detach_the_segment_and_the_node_goes_on]]
+                 broken_rings_detach_the_segment_and_the_node_goes_on,
+                 freeing_a_crashed_pool_does_not_stall_the_loop,
+                 a_written_request_head_does_not_break_wake_ups,
+                 loop_answers_are_not_lost_while_a_worker_waits_for_room]]
      end}.
 
 case_(Name, Ctx) ->
@@ -558,6 +564,108 @@ collect(Port, Acc) ->
         Other ->
             error({client_said, Other})
     end.
+
+%% Freeing a pool whose crashed worker still had ring asks queued answers
+%% them {error, stopped} from the loop thread without waiting for room in
+%% a full reply ring (which the worker path does, up to 1 s per answer):
+%% meanwhile the loop keeps serving distribution asks to another pool.
+freeing_a_crashed_pool_does_not_stall_the_loop(Ctx) ->
+    {ok, E} = actor_pool:start_pool(ap_rn_probe, echo, #{workers => 1}),
+    {ok, P} = actor_pool:start_pool(ap_rn_crashy, crash_plugin(),
+                                    #{workers => 1, backoff => #{min_ms => 1500, max_ms => 1500, jitter => 0.0}}),
+    K = 4,
+    try
+        %% one 4 KiB reply ring: two 2 KiB answers fill it, the client never reads
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            Dest = dest(ap_rn_crashy),
+            Fill = enc(binary:copy(<<"f">>, 2013)),
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", Fill]) || Id <- [1, 2]],
+            {ok, _} = cmd(C, ["ask 0 3 ", Dest, " ", enc(<<"crash">>)]),
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", enc(q)]) || Id <- lists:seq(10, 9 + K)],
+            ok = publish(C, [0]),
+            wait_until(fun() -> maps:get(crashes, actor_pool:stats(P)) >= 1 end, ?WAIT_MS),
+            Self = self(),
+            Until = erlang:monotonic_time(millisecond) + 1500 + K * 1000 + 1000,
+            Prober = spawn_link(fun() -> probe(E, Until, 0, Self) end),
+            ok = actor_pool:stop_pool(P),
+            Max = receive {Prober, max, M} -> M after 60000 -> error(no_probe) end,
+            ?assert(Max < 500, {loop_stalled_ms, Max})
+        end)
+    after
+        actor_pool:stop_pool(P),
+        actor_pool:stop_pool(E)
+    end.
+
+probe(E, Until, Max, To) ->
+    case erlang:monotonic_time(millisecond) >= Until of
+        true -> To ! {self(), max, Max};
+        false ->
+            T = erlang:monotonic_time(millisecond),
+            {ok, x} = gen_server:call(E, x, 30000),
+            D = erlang:monotonic_time(millisecond) - T,
+            %% paced probes: a 10 ms gap, not a synchronisation
+            receive after 10 -> ok end,
+            probe(E, Until, max(D, Max), To)
+    end.
+
+%% A BEAM that writes its request ring's shared head (the node never reads
+%% it back) must not make the node think records are pending for ever:
+%% no busy loop between the waiter and the loop, and asks still wake it.
+a_written_request_head_does_not_break_wake_ups(#{os_pid := OsPid} = Ctx) ->
+    with_pool(ap_rn_head, echo, #{workers => 1}, fun(_P) ->
+        with_client(Ctx, fun(C) ->
+            Dest = dest(ap_rn_head),
+            port_command(C, ["pingpong 20 2000 ", Dest, " ", enc(<<"p">>), "\n"]),
+            ["pingpong", "20" | _] = string:split(line(C), " ", all),
+            port_command(C, "poke req 3 head 8\n"),
+            "ok" = line(C),
+            Cpu1 = cpu_ms(OsPid),
+            port_command(C, ["pingpong 20 2000 ", Dest, " ", enc(<<"p">>), "\n"]),
+            ["pingpong", "20", P50, _] = string:split(line(C), " ", all),
+            %% idle 2 s (bounded: a spinning node burns most of a core)
+            receive after 2000 -> ok end,
+            Used = cpu_ms(OsPid) - Cpu1,
+            ?assert(Used < 600, {cpu_ms_in_2s, Used}),
+            %% woken by the bell, not by the loop's 1 s tick
+            ?assert(list_to_integer(P50) < 100000, {p50_us, P50})
+        end)
+    end).
+
+%% A worker waiting for room in a full reply ring does not hold the ring:
+%% the loop's own answer (noproc here, small enough to fit) is written
+%% meanwhile instead of dropped, and the worker's answer follows once the
+%% client reads.
+loop_answers_are_not_lost_while_a_worker_waits_for_room(Ctx) ->
+    with_pool(ap_rn_room, echo, #{workers => 1}, fun(P) ->
+        %% one 4 KiB reply ring; a Fill answer takes half of it
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            Fill = enc(binary:copy(<<"f">>, 2013)),
+            Dest = dest(ap_rn_room),
+            {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(x)]),
+            {ok, _} = cmd(C, ["ask 0 2 ", Dest, " ", Fill]),
+            %% no room for this answer: the worker waits (up to 1 s)
+            {ok, _} = cmd(C, ["ask 0 3 ", Dest, " ", Fill]),
+            ok = publish(C, [0]),
+            wait_stats(P, fun(#{processed := N}) -> N >= 3 end),
+            {ok, _} = cmd(C, ["ask 0 4 ", dest(ap_rn_nobody), " ", enc(x)]),
+            ok = publish(C, [0]),
+            Got = lists:sort(gather(C, 4, [])),
+            ?assertMatch([{1, {ok, x}}, {2, {ok, _}}, {3, {ok, _}}, {4, {error, noproc}}], Got)
+        end)
+    end).
+
+%% Answers until N arrived or a 1 s wait brought none.
+gather(C, N, Acc) ->
+    case wait_replies(C, N - length(Acc), 1000) of
+        [] -> Acc;
+        New -> gather(C, N, Acc ++ New)
+    end.
+
+cpu_ms(OsPid) ->
+    {ok, B} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
+    [_, Rest] = binary:split(B, <<") ">>),
+    F = string:split(binary_to_list(Rest), " ", all),
+    (list_to_integer(lists:nth(12, F)) + list_to_integer(lists:nth(13, F))) * 10.
 
 %% ===================================================================
 %% Helpers

@@ -35,6 +35,7 @@
  *   destructor never runs on it; the destructor stops and joins the thread
  *   (it has already exited, or exits within one wait) and then unmaps.
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -951,12 +952,26 @@ static ERL_NIF_TERM nif_loaded(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 
 /* ---- load ------------------------------------------------------------------------ */
 
+/* Reply threads run this library's code until their segment's destructor
+ * joins them; a taken-over resource type lets ERTS unload an old copy
+ * (upgrade, then purge) under them. Pinned: never unmapped. */
+static int pin_self(void)
+{
+	Dl_info di;
+
+	if (!dladdr((void *)&pin_self, &di) || !di.dli_fname)
+		return -1;
+	return dlopen(di.dli_fname, RTLD_NOW | RTLD_NODELETE) ? 0 : -1;
+}
+
 static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 {
 	ErlNifResourceTypeInit init = { .dtor = dp_dtor, .down = dp_owner_down };
 
 	(void)priv;
 	(void)info;
+	if (pin_self())
+		return -1;
 #define ATOM(name) a_##name = enif_make_atom(env, #name)
 	ATOM(ok);
 	ATOM(error);

@@ -122,7 +122,12 @@ static void pool_free(ap_pool *p)
 			/* A slot that never got its replacement: answer what waits. */
 			ap_job *j;
 			while ((j = ap_mbox_pop(&w->mb))) {
-				if (j->is_ask)
+				if (j->is_ask && j->seg) {
+					/* The loop thread: never the worker's path,
+					 * which waits for room in a full reply ring. */
+					ap_dp_reply_error_loop(j->seg, j->ask_id, "stopped");
+					ap_dp_seg_put(j->seg);
+				} else if (j->is_ask)
 					ap_pool_send_error(w, j, "stopped");
 				ap_mbox_done(&w->mb);
 			}

@@ -56,6 +56,7 @@
 struct dp_rep {
 	pthread_mutex_t mu;
 	struct ap_ring r;
+	unsigned sleepers; /* workers waiting for room (under mu, which they do not hold asleep) */
 };
 
 struct ap_dp_seg {
@@ -66,6 +67,7 @@ struct ap_dp_seg {
 	struct ap_ring_map map;
 	struct ap_seg s;
 	struct ap_ring *req; /* n_req consumer views: loop thread only */
+	uint64_t *seen;      /* per request ring: the position released (not the shared head, which the BEAM can write) */
 	uint8_t *busy;       /* per request ring: being drained (fences never re-enter it) */
 	struct dp_rep *rep;  /* n_rep producer views */
 	char peer[AP_SEG_MAX_NAME + 1];
@@ -120,6 +122,7 @@ static void seg_free(struct ap_dp_seg *sg)
 	free(sg->rep);
 	free(sg->req);
 	free(sg->busy);
+	free(sg->seen);
 	ap_ring_map_close(&sg->map);
 	free(sg);
 }
@@ -174,34 +177,61 @@ static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_
 	return ap_ring_publish(&rr->r) < 0 ? -EPROTO : 0;
 }
 
+/* The slow path of a worker's reply: rr (locked) had no room. Sleeps for
+ * room WITHOUT the mutex, so the loop's own answers and other workers'
+ * writes never wait behind a BEAM that does not read, against one
+ * deadline. prod_waiting is one shared flag: it is cleared only by the
+ * last sleeper, and a sleeper woken by a real space bell passes the
+ * wake-up on (the BEAM wakes one). Returns as rep_write, or -EPIPE. */
+static int rep_write_slow(struct ap_dp_seg *sg, struct dp_rep *rr, uint64_t ask_id, const void *term, size_t len)
+{
+	int64_t deadline = ap_mono_ms() + DP_REPLY_WAIT_MS;
+	for (;;) {
+		uint32_t *word, exp;
+		int s = ap_ring_prepare_sleep(&rr->r, sizeof(struct ap_dp_rep) + len, &word, &exp);
+		if (s < 0)
+			return s == -EAGAIN ? -ETIMEDOUT : s;
+		if (s > 0) {
+			int64_t left = deadline - ap_mono_ms();
+			if (left <= 0) {
+				if (!rr->sleepers)
+					ap_ring_end_sleep(&rr->r);
+				return -ETIMEDOUT;
+			}
+			rr->sleepers++;
+			pthread_mutex_unlock(&rr->mu);
+			ap_ring_futex_wait(word, exp, (int)left);
+			pthread_mutex_lock(&rr->mu);
+			if (--rr->sleepers == 0)
+				ap_ring_end_sleep(&rr->r);
+			else if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != exp)
+				ap_ring_futex_wake(word, 1);
+			if (atomic_load(&sg->dead))
+				return -EPIPE;
+		}
+		int r = rep_write(rr, ask_id, term, len, 0);
+		if (r != -ETIMEDOUT || ap_mono_ms() >= deadline)
+			return r;
+	}
+}
+
 static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len, int loop)
 {
 	if (atomic_load_explicit(&sg->dead, memory_order_acquire))
 		return;
 	uint32_t n_rep = sg->s.n_rep;
-	struct dp_rep *rr = NULL;
-	if (loop) {
-		/* The loop never waits on a worker that waits for the BEAM:
-		 * the first reply ring that is free now. */
-		for (uint32_t k = 0; k < n_rep && !rr; k++) {
-			struct dp_rep *c = &sg->rep[(ring + k) % n_rep];
-			if (pthread_mutex_trylock(&c->mu) == 0)
-				rr = c;
-		}
-		if (!rr) {
-			ap_log(AP_LOG_WARNING, "ring reply to %s dropped: every reply ring is busy", sg->peer);
-			return;
-		}
-	} else {
-		rr = &sg->rep[ring % n_rep];
-		pthread_mutex_lock(&rr->mu);
-	}
+	/* Held briefly by everyone (a worker waiting for room sleeps without
+	 * it), so the loop takes it too; the loop itself never waits for room. */
+	struct dp_rep *rr = &sg->rep[ring % n_rep];
+	pthread_mutex_lock(&rr->mu);
 	char big[64];
 	if (len > ap_ring_max_payload(sg->s.rep_cap) - sizeof(struct ap_dp_rep)) {
 		len = enc_error(big, "reply_too_large");
 		term = big;
 	}
-	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, loop ? 0 : DP_REPLY_WAIT_MS);
+	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0);
+	if (r == -ETIMEDOUT && !loop)
+		r = rep_write_slow(sg, rr, ask_id, term, len);
 	pthread_mutex_unlock(&rr->mu);
 	if (r == 0) {
 		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
@@ -361,8 +391,10 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
 		done++;
 	}
 	sg->busy[ring] = 0;
-	if (sg->slot >= 0)
+	if (sg->slot >= 0) {
 		ap_ring_release(r);
+		__atomic_store_n(&sg->seen[ring], r->pos, __ATOMIC_RELEASE);
+	}
 	return sg->slot >= 0 ? done : -1;
 }
 
@@ -419,7 +451,8 @@ static int seg_pending(struct ap_dp_seg *sg)
 {
 	for (uint32_t i = 0; i < sg->s.n_req; i++) {
 		struct ap_ring_hdr *h = sg->req[i].hdr;
-		if (__atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&h->head, __ATOMIC_ACQUIRE))
+		/* Our own released position: the shared head is writable by the BEAM. */
+		if (__atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&sg->seen[i], __ATOMIC_ACQUIRE))
 			return 1;
 	}
 	return 0;
@@ -592,6 +625,9 @@ static void peer_gone(ap_node *n, void *arg)
 {
 	(void)n;
 	struct ap_dp_seg *sg = arg;
+	/* What the BEAM published before it closed the socket (an orderly
+	 * close may reach us as EOF before its closed bit) is read first. */
+	drain_seg(sg);
 	detach(sg, "its socket closed");
 	ap_dp_seg_put(sg); /* the attach thread's */
 }
@@ -691,14 +727,17 @@ static uint32_t make_seg(struct attaching *a, int mfd, struct ap_dp_seg **out)
 		goto fail;
 	sg->req = calloc(sg->s.n_req, sizeof *sg->req);
 	sg->busy = calloc(sg->s.n_req, 1);
+	sg->seen = calloc(sg->s.n_req, sizeof *sg->seen);
 	sg->rep = calloc(sg->s.n_rep, sizeof *sg->rep);
-	if (!sg->req || !sg->busy || !sg->rep) {
+	if (!sg->req || !sg->busy || !sg->rep || !sg->seen) {
 		st = ENOMEM;
 		goto fail;
 	}
-	for (uint32_t i = 0; i < sg->s.n_req; i++)
+	for (uint32_t i = 0; i < sg->s.n_req; i++) {
 		if (ap_ring_attach_consumer(&sg->req[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)))
 			goto fail;
+		sg->seen[i] = sg->req[i].pos;
+	}
 	for (uint32_t i = 0; i < sg->s.n_rep; i++)
 		if (ap_ring_attach_producer(&sg->rep[i].r, ap_seg_rep(&sg->s, i), ap_seg_rep_size(&sg->s)))
 			goto fail;
@@ -713,6 +752,7 @@ static uint32_t make_seg(struct attaching *a, int mfd, struct ap_dp_seg **out)
 fail:
 	free(sg->req);
 	free(sg->busy);
+	free(sg->seen);
 	free(sg->rep);
 	ap_ring_map_close(&sg->map);
 	free(sg);
