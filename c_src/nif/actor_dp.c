@@ -600,15 +600,23 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->map.fd = -1;
 	s->last_poll = dp_now_ms();
 
+	/* The self-reference first: an owner that exits as soon as the monitor
+	 * is set closes the segment and drops it (dp_owner_down), which must
+	 * find it there, or the segment would stay open with nobody to close
+	 * it. */
+	enif_keep_resource(s);
+	enif_mutex_lock(s->mu);
+	s->keep = 1;
+	enif_mutex_unlock(s->mu);
 	if (enif_monitor_process(env, s, &owner, NULL)) {
+		dp_unkeep(s);
 		ret = error_tuple(env, a_noproc);
 		goto out;
 	}
-	enif_keep_resource(s);
-	s->keep = 1;
 	if (enif_thread_create("actor_dp_reply", &s->tid, reply_thread, s, NULL)) {
-		s->keep = 0;
-		enif_release_resource(s);
+		/* Under the lock, as an owner exiting now would do it too. */
+		dp_shut(s, env, a_enomem, 0);
+		dp_unkeep(s);
 		ret = error_tuple(env, a_enomem);
 		goto out;
 	}
