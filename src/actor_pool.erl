@@ -735,12 +735,17 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
                 {Name, _} -> Name;
                 Pid -> Pid
             end,
-    case actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
+    try actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
         {ok, T1} -> put(Key, {Seg, T1}), ok;
         {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
         full -> full;
         too_large -> actor_pool_dp:count(too_large), dist;
         closed -> actor_pool_dp:lane_closed(Node, Seg), dist
+    catch
+        %% The NIF reads pool names as Latin-1 only (the NIF interface of
+        %% OTP 25): a pool named outside it is reached by distribution,
+        %% after what went by ring before (the caller's "dist" path).
+        error:badarg -> dist
     end.
 
 ring_tell(Seg, Node, Dest, Msg, Est) ->

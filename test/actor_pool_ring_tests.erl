@@ -20,6 +20,7 @@
 -include_lib("eunit/include/eunit.hrl").
 
 -export([same_host_pool_node_gets_a_ring_lane/1,
+         pool_named_outside_latin1_answers_by_distribution/1,
          every_reference_form_answers_alike_over_ring_and_distribution/1,
          errors_are_identical_over_ring_and_distribution/1,
          fast_path_option_is_validated/1,
@@ -44,6 +45,7 @@ ring_test_() ->
      fun(Ctx) ->
              [case_(Name, Ctx) || Name <- [
                  same_host_pool_node_gets_a_ring_lane,
+                 pool_named_outside_latin1_answers_by_distribution,
                  every_reference_form_answers_alike_over_ring_and_distribution,
                  errors_are_identical_over_ring_and_distribution,
                  fast_path_option_is_validated,
@@ -84,6 +86,21 @@ same_host_pool_node_gets_a_ring_lane(#{pool_node := N}) ->
         [ok = actor_pool:tell(P, <<"t">>) || _ <- lists:seq(1, 100)],
         S = wait_stats(P, fun(#{processed := C}) -> C >= 101 end),
         ?assertEqual(#{dist => 0, ring => 101}, maps:get(by_path, S))
+    end).
+
+%% The NIF reads pool names as Latin-1 only: a pool named outside it is
+%% reached by distribution, by name and {Name, Node}, with the same answers
+%% (no badarg), in order after what the same process sent by ring; by pid
+%% it goes by ring.
+pool_named_outside_latin1_answers_by_distribution(#{pool_node := N}) ->
+    Name = binary_to_atom(<<"пул_"/utf8, (integer_to_binary(erlang:unique_integer([positive])))/binary>>, utf8),
+    with_pool(Name, echo, #{workers => 1}, fun(P) ->
+        ?assertEqual({ok, <<"a">>}, actor_pool:ask(P, <<"a">>)),
+        [ok = actor_pool:tell(Name, <<"t">>) || _ <- lists:seq(1, 10)],
+        ?assertEqual({ok, <<"b">>}, actor_pool:ask(Name, <<"b">>)),
+        ?assertEqual({ok, <<"c">>}, actor_pool:ask({Name, N}, <<"c">>)),
+        S = wait_stats(P, fun(#{processed := C}) -> C >= 13 end),
+        ?assertEqual(#{dist => 12, ring => 1}, maps:get(by_path, S))
     end).
 
 %% Pools started with fast_path true (the default) and false answer the
