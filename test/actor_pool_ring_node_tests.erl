@@ -33,6 +33,7 @@
          lone_asks_wake_the_sleeping_node_every_time/1,
          answer_over_the_reply_ring_size_is_reply_too_large/1,
          full_reply_ring_drops_after_a_wait_and_the_pool_goes_on/1,
+         a_beam_that_stops_reading_costs_one_wait_not_one_per_answer/1,
          broken_rings_detach_the_segment_and_the_node_goes_on/1,
          freeing_a_crashed_pool_does_not_stall_the_loop/1,
          a_written_request_head_does_not_break_wake_ups/1,
@@ -59,6 +60,7 @@ ring_node_test_() ->
                  lone_asks_wake_the_sleeping_node_every_time,
                  answer_over_the_reply_ring_size_is_reply_too_large,
                  full_reply_ring_drops_after_a_wait_and_the_pool_goes_on,
+                 a_beam_that_stops_reading_costs_one_wait_not_one_per_answer,
                  broken_rings_detach_the_segment_and_the_node_goes_on,
                  freeing_a_crashed_pool_does_not_stall_the_loop,
                  a_written_request_head_does_not_break_wake_ups,
@@ -365,6 +367,34 @@ full_reply_ring_drops_after_a_wait_and_the_pool_goes_on(Ctx) ->
             ?assert(length(Head) > 0),
             ?assert(Tail =:= [] orelse [Id || {_, Id} <- Tail] =:= [N], {tail, Tail}),
             [?assertEqual({ok, <<"0123456789">>}, A) || {_, A} <- Got],
+            {ok, _} = cmd(C, ["ask 0 1000 ", Dest, " ", enc(again)]),
+            ok = publish(C, [0]),
+            ?assertEqual([{1000, {ok, again}}], wait_replies(C, 1))
+        end)
+    end).
+
+%% A client that stopped reading for good: its reply ring fills, one
+%% answer waits its second for room, and the later ones are dropped at once
+%% (not a second each, which made the pool crawl for every other caller:
+%% 200 answers over a full ring took minutes); distribution callers of the
+%% same pool are answered meanwhile. Once the client reads again, answers
+%% flow.
+a_beam_that_stops_reading_costs_one_wait_not_one_per_answer(Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
+            Dest = dest(?FUNCTION_NAME),
+            Msg = enc(<<"0123456789">>),
+            N = 300,
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", Msg]) || Id <- lists:seq(1, N)],
+            T0 = erlang:monotonic_time(millisecond),
+            ok = publish(C, [0]),
+            S = wait_stats(P, fun(#{processed := K}) -> K >= N end, 60000),
+            ?assertMatch(#{processed := N}, S),
+            Took = erlang:monotonic_time(millisecond) - T0,
+            ?assert(Took < 10000, {took_ms, Took}),
+            ?assertEqual({ok, dist}, gen_server:call(P, dist, ?WAIT_MS)),
+            Got = wait_replies(C, N, 500),
+            ?assert(length(Got) > 0 andalso length(Got) < N, {got, length(Got)}),
             {ok, _} = cmd(C, ["ask 0 1000 ", Dest, " ", enc(again)]),
             ok = publish(C, [0]),
             ?assertEqual([{1000, {ok, again}}], wait_replies(C, 1))

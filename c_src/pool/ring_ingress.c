@@ -57,6 +57,7 @@ struct dp_rep {
 	pthread_mutex_t mu;
 	struct ap_ring r;
 	unsigned sleepers; /* workers waiting for room (under mu, which they do not hold asleep) */
+	int stuck;         /* under mu: a wait for room timed out and nothing fit since */
 };
 
 struct ap_dp_seg {
@@ -230,8 +231,17 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 		term = big;
 	}
 	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0);
-	if (r == -ETIMEDOUT && !loop)
+	/* One wait per stuck episode: a BEAM that stopped reading would
+	 * otherwise cost every worker a second per answer, slowing the pool
+	 * for every other caller. Until something fits again, answers to it
+	 * are dropped at once (its asks time out; it is not reading them). */
+	if (r == -ETIMEDOUT && !loop && !rr->stuck) {
 		r = rep_write_slow(sg, rr, ask_id, term, len);
+		if (r == -ETIMEDOUT)
+			rr->stuck = 1;
+	}
+	if (r == 0)
+		rr->stuck = 0;
 	pthread_mutex_unlock(&rr->mu);
 	if (r == 0) {
 		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
