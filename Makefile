@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz clean
+        fuzz soak clean
 
 all: compile
 
@@ -100,6 +100,15 @@ bench-run:
 
 fuzz: deps
 	$(MAKE) -C c_src fuzz
+
+# Not part of `make test`: three BEAM peers and a standalone pool node under
+# a steady load while a seeded chaos process injects faults; prints a table
+# and fails on a lost registration, tell or answer, memory growth or a leak.
+# SOAK_S seconds (default 600), SOAK_SEED to repeat a run. See
+# docs/operations.md, "The soak".
+SOAK_S ?= 600
+soak: deps
+	SOAK_S=$(SOAK_S) bash test/soak/run
 
 clean:
 	$(MAKE) -C c_src clean
