@@ -34,6 +34,7 @@
 -define(CONVERGE_MS, 20000).
 -define(WAIT_MS, 20000).
 -define(GROWTH, 0.10).
+-define(WITNESS, 1).
 %% Faults, with their weights.
 -define(FAULTS, [{kill_pool_cnode, 3}, {kill_rcpt_cnode, 3}, {kill_peer, 2},
                  {kill_standalone, 2}, {oversized, 4}, {malformed, 3}, {idle_clients, 2},
@@ -371,10 +372,16 @@ random_peer(#{peers := Peers}) ->
     I = lists:nth(rand:uniform(length(Is)), Is),
     {I, maps:get(I, Peers)}.
 
+%% A peer to kill, or whose C node to kill: never peer 1, the memory
+%% witness (its BEAM and C nodes live from the first memory sample to the
+%% end, so that growth is measured on them; they get every other fault).
+random_victim(#{peers := Peers} = S) ->
+    random_peer(S#{peers := maps:remove(?WITNESS, Peers)}).
+
 touched(Who, S) -> S#{faults := maps:put(Who, true, maps:get(faults, S))}.
 
 fault(kill_pool_cnode, S) ->
-    {I, #{peer := P} = Pe} = random_peer(S),
+    {I, #{peer := P} = Pe} = random_victim(S),
     Old = maps:get(pool_os_pid, Pe),
     kill(Old),
     New = wait_cnode_up(P, actor_pool_node_owner, Old),
@@ -385,7 +392,7 @@ fault(kill_pool_cnode, S) ->
     S1#{peers := maps:put(I, Pe#{pool_os_pid := New}, maps:get(peers, S1)),
         pids := [New | maps:get(pids, S1)]};
 fault(kill_rcpt_cnode, S) ->
-    {I, #{peer := P} = Pe} = random_peer(S),
+    {I, #{peer := P} = Pe} = random_victim(S),
     Old = maps:get(rcpt_os_pid, Pe),
     kill(Old),
     New = wait_cnode_up(P, actor_receptionist_owner, Old),
@@ -393,7 +400,7 @@ fault(kill_rcpt_cnode, S) ->
     S#{peers := maps:put(I, Pe#{rcpt_os_pid := New}, maps:get(peers, S)),
        pids := [New | maps:get(pids, S)]};
 fault(kill_peer, S) ->
-    {I, #{os_pid := OsPid, me := Me, peer := Peer}} = random_peer(S),
+    {I, #{os_pid := OsPid, me := Me, peer := Peer}} = random_victim(S),
     kill(OsPid),
     wait_until(fun() -> not os_pid_alive(OsPid) end, ?WAIT_MS),
     catch peer:stop(Peer),
@@ -970,7 +977,12 @@ memory_check(#{mem0 := M0} = S) ->
     M1 = sample_memory(S),
     Rows = [{What, V0, V1} || {What, {Pid, V0}} <- maps:to_list(M0),
                               {Pid1, V1} <- [maps:get(What, M1, {none, 0})], Pid1 =:= Pid, V0 > 0],
-    S1 = S#{mem_rows => Rows},
+    %% The witness's BEAM and its two C nodes at least.
+    S1 = case length([W || {{K, _} = W, _, _} <- Rows, K =:= beam orelse K =:= rss]) >= 3 of
+             true -> S#{mem_rows => Rows};
+             false -> fail(S#{mem_rows => Rows}, "memory: too few processes lived from the first "
+                           "sample to the end to compare (~p)", [Rows])
+         end,
     lists:foldl(fun({{rss_anon, _}, _, _}, Acc) -> Acc;
                    ({{rss_shmem, _}, _, _}, Acc) -> Acc;
                    ({What, V0, V1}, Acc) when V1 > V0 * (1 + ?GROWTH) ->
