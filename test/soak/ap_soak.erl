@@ -380,22 +380,30 @@ random_victim(#{peers := Peers} = S) ->
 
 touched(Who, S) -> S#{faults := maps:put(Who, true, maps:get(faults, S))}.
 
-fault(kill_pool_cnode, S) ->
-    {I, #{peer := P} = Pe} = random_victim(S),
+fault(kill_pool_cnode, S0) ->
+    {I, #{peer := P} = Pe} = random_victim(S0),
     Old = maps:get(pool_os_pid, Pe),
+    R0 = restarts(P, actor_pool_node_owner),
     kill(Old),
     New = wait_cnode_up(P, actor_pool_node_owner, Old),
+    %% One new incarnation: the first one got ready (its busy BEAM may
+    %% reach it before it reaches its BEAM).
+    S = expect(S0, pool_cnode_back_in_one_restart, restarts(P, actor_pool_node_owner) - R0,
+               fun(N) -> N =:= 1 end),
     %% The keeper starts its pools again: wait for them.
     wait_until(fun() -> length(catch peer:call(P, actor_pool, which_pools, [], 10000)) =:= 4 end,
                ?WAIT_MS),
     S1 = touched({peer, I}, S),
     S1#{peers := maps:put(I, Pe#{pool_os_pid := New}, maps:get(peers, S1)),
         pids := [New | maps:get(pids, S1)]};
-fault(kill_rcpt_cnode, S) ->
-    {I, #{peer := P} = Pe} = random_victim(S),
+fault(kill_rcpt_cnode, S0) ->
+    {I, #{peer := P} = Pe} = random_victim(S0),
     Old = maps:get(rcpt_os_pid, Pe),
+    R0 = restarts(P, actor_receptionist_owner),
     kill(Old),
     New = wait_cnode_up(P, actor_receptionist_owner, Old),
+    S = expect(S0, rcpt_cnode_back_in_one_restart, restarts(P, actor_receptionist_owner) - R0,
+               fun(N) -> N =:= 1 end),
     %% Registrations are replayed by its BEAM: no pool node is touched.
     S#{peers := maps:put(I, Pe#{rcpt_os_pid := New}, maps:get(peers, S)),
        pids := [New | maps:get(pids, S)]};
@@ -486,6 +494,10 @@ expect(S, What, Got, Pred) ->
         true -> count(S, {ok, What}, 1);
         false -> fail(count(S, {bad, What}, 1), "~p: got ~0p", [What, Got])
     end.
+
+restarts(P, Owner) ->
+    #{restarts := R} = peer:call(P, actor_cnode, info, [Owner], 10000),
+    R.
 
 wait_cnode_up(P, Owner, Old) ->
     wait_until(fun() ->
@@ -941,8 +953,8 @@ worker_state(P, W) ->
 %% (garbage is not growth).
 sample_memory(#{peers := Peers, standalone := #{node := SN, os_pid := SPid}}) ->
     maps:from_list(
-      lists:append([[{{beam, N}, {B, peer:call(P, ?MODULE, gc_memory, [], 30000)}}
-                     | rss_rows(PN, PO) ++ rss_rows(RN, RO)]
+      lists:append([beam_rows(N, B, peer:call(P, ?MODULE, gc_memory, [], 30000))
+                    ++ rss_rows(PN, PO) ++ rss_rows(RN, RO)
                     || #{peer := P, node := N, os_pid := B, pool_node := PN, pool_os_pid := PO,
                          rcpt_node := RN, rcpt_os_pid := RO} <- maps:values(Peers)])
       ++ rss_rows(SN, SPid)).
@@ -954,10 +966,17 @@ rss_rows(Node, OsPid) ->
     [{{rss, Node}, {OsPid, Rss}}, {{rss_anon, Node}, {OsPid, Anon}},
      {{rss_shmem, Node}, {OsPid, Shmem}}].
 
--spec gc_memory() -> non_neg_integer().
+-spec gc_memory() -> [{atom(), non_neg_integer()}].
 gc_memory() ->
     [erlang:garbage_collect(P) || P <- processes()],
-    erlang:memory(total).
+    erlang:memory().
+
+%% erlang:memory(total) (checked) and its parts, to tell what grew (shown
+%% only).
+beam_rows(N, OsPid, Mem) ->
+    [{{beam, N}, {OsPid, proplists:get_value(total, Mem)}}
+     | [{{{beam, K}, N}, {OsPid, proplists:get_value(K, Mem)}}
+        || K <- [processes, ets, binary, code, atom, system]]].
 
 rss(OsPid) ->
     case file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status") of
@@ -983,7 +1002,8 @@ memory_check(#{mem0 := M0} = S) ->
              false -> fail(S#{mem_rows => Rows}, "memory: too few processes lived from the first "
                            "sample to the end to compare (~p)", [Rows])
          end,
-    lists:foldl(fun({{rss_anon, _}, _, _}, Acc) -> Acc;
+    lists:foldl(fun({{{beam, _}, _}, _, _}, Acc) -> Acc;
+                   ({{rss_anon, _}, _, _}, Acc) -> Acc;
                    ({{rss_shmem, _}, _, _}, Acc) -> Acc;
                    ({What, V0, V1}, Acc) when V1 > V0 * (1 + ?GROWTH) ->
                         fail(Acc, "memory of ~p grew ~.1f% (~b -> ~b bytes)",
