@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz clean
+        fuzz soak clean
 
 all: compile
 
@@ -42,7 +42,7 @@ eunit: epmd
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run.
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan \
 	  build/dp_client
@@ -100,6 +100,15 @@ bench-run:
 
 fuzz: deps
 	$(MAKE) -C c_src fuzz
+
+# Not part of `make test`: three BEAM peers and a standalone pool node under
+# a steady load while a seeded chaos process injects faults; prints a table
+# and fails on a lost registration, tell or answer, memory growth or a leak.
+# SOAK_S seconds (default 600), SOAK_SEED to repeat a run. See
+# docs/operations.md, "The soak".
+SOAK_S ?= 600
+soak: deps
+	SOAK_S=$(SOAK_S) bash test/soak/run
 
 clean:
 	$(MAKE) -C c_src clean

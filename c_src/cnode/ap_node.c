@@ -653,8 +653,11 @@ static void conn_up(ap_node *n, int fd, const char *peer, int tag)
 	ap_log(AP_LOG_INFO, "connected to %s", peer);
 	if (tag == TAG_PARENT)
 		send_ready(n);
-	/* Any connection to the parent, ours or one it made to us. */
+	/* Any connection to the parent, ours or one it made to us. The parent
+	 * may connect first (its processes send to this node by name as soon
+	 * as epmd lists it), and then ours fails: this one makes us ready. */
 	if (n->cfg.parent && !strcmp(peer, n->cfg.parent)) {
+		send_ready(n);
 		n->parent_attempts = 0;
 		n->parent_retry_ms = 0;
 		if (n->parent_up_fn)
