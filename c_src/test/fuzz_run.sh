@@ -72,7 +72,7 @@ fi
 
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log")
 eps=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log")
-done_line=$(grep -E '^#[0-9]+ +DONE' "$work/log" | tail -1)
+done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$work/log" | tail -1)
 cov=$(echo "$done_line" | sed -n 's/.* cov: \([0-9]*\).*/\1/p')
 ft=$(echo "$done_line" | sed -n 's/.* ft: \([0-9]*\).*/\1/p')
 
@@ -96,7 +96,7 @@ fi
 rm -f "$corpus"/*
 cp "$work/min"/* "$corpus/"
 files=$(find "$corpus" -type f | wc -l)
-kib=$(du -sk "$corpus" | cut -f1)
+kib=$(($(cat "$corpus"/* | wc -c) / 1024))
 short=
 [ "${execs:-0}" -lt "$runs" ] && short=" (SHORT of $runs: time limit)"
 printf '%-18s %12s %8s %7s %7s %6s %8s%s\n' "fuzz_$name" "$execs" "$eps" "$elapsed" \
