@@ -1,7 +1,7 @@
 #!/bin/sh
 # capture_frames.sh: record real distribution frames an OTP BEAM sends to the echo C node.
 #
-# Regenerates test/captured_frames.h and the seed corpus test/corpus/cap_*.
+# Regenerates test/captured_frames.h and the seed corpus test/corpus_decode/cap_*.
 # A new capture has new creations and refs: update the constants at the top
 # of test_ctrl.c to what binary_to_term shows for the new frames.
 # Needs a running epmd and priv/actor_echo_node (make -C c_src all).
@@ -132,7 +132,7 @@ out.append('')
 out.append('#endif')
 open(os.path.join(here, 'captured_frames.h'), 'w').write('\n'.join(out) + '\n')
 
-os.makedirs(os.path.join(here, 'corpus'), exist_ok=True)
+os.makedirs(os.path.join(here, 'corpus_decode'), exist_ok=True)
 # Fuzz input layout (see fuzz_decode.c): byte 0 = how many chunk-size bytes
 # follow (mod 8), those bytes, then the stream. One file for the first frame
 # of each kind, fed whole, and every frame back to back fed in chunks of 3,
@@ -140,8 +140,8 @@ os.makedirs(os.path.join(here, 'corpus'), exist_ok=True)
 wrap = lambda f: struct.pack('>I', len(f)) + f
 for n, f in zip(names, frames):
     if not n[-1].isdigit():
-        open(os.path.join(here, 'corpus', 'cap_' + n), 'wb').write(b'\x00' + wrap(f))
-open(os.path.join(here, 'corpus', 'cap_all_split'), 'wb').write(
+        open(os.path.join(here, 'corpus_decode', 'cap_' + n), 'wb').write(b'\x00' + wrap(f))
+open(os.path.join(here, 'corpus_decode', 'cap_all_split'), 'wb').write(
     b'\x03\x02\x00\x10' + b''.join(wrap(f) for f in frames))
 print('%d frames: %s' % (len(frames), ' '.join(names)), file=sys.stderr)
 EOF

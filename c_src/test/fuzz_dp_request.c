@@ -1,0 +1,231 @@
+/* fuzz_dp_request: libFuzzer target over the pool node's ring ingress
+ * (pool/ring_ingress.c: drain_seg, drain_ring, handle, resolve, fences,
+ * error replies), which reads request records a BEAM writes into shared
+ * memory, so it must survive any record there.
+ *
+ * ring_ingress.c is compiled into this file (its record handling is
+ * static, on the loop thread, over its private segment struct); the rest
+ * of the pool node is stubbed below: a pool is found by the name "p" or by
+ * a pid whose number is 7, dispatch checks what it is handed, stats are a
+ * small map. Nothing of ring_ingress.c is changed for the fuzzer.
+ *
+ * Input layout: byte 0 = geometry (bits 0-1: n_req - 1, bit 2: a small
+ * reply ring that fills), then records: a byte choosing the request ring
+ * (mod n_req), two bytes of length (little-endian), that many payload
+ * bytes (cut short at the end of the input). The payload goes into the
+ * ring as one record, as the NIF's producer writes it: a struct ap_dp_req,
+ * destination, message, or anything at all. A record that does not fit
+ * (full ring, over the ring's payload limit) is skipped. Then the node's
+ * drain runs until it finds nothing (or the segment is detached), and
+ * every reply record it wrote is read back: each must be a 16-byte header
+ * whose length covers exactly one whole term.
+ */
+#include "../pool/ring_ingress.c"
+
+#define t_check(cond)                                                        \
+	do {                                                                 \
+		if (!(cond)) {                                               \
+			fprintf(stderr, "fuzz_dp_request: check failed line %d: %s\n", __LINE__, #cond); \
+			__builtin_trap();                                    \
+		}                                                            \
+	} while (0)
+
+#define T_REQ_CAP 4096u
+#define T_REP_CAP_SMALL 256u
+#define T_REP_CAP 4096u
+
+static int t_pool; /* its address is the one pool */
+static int64_t t_now;
+static volatile unsigned t_sink;
+
+/* ---- the rest of the pool node, stubbed ----------------------------------- */
+
+void ap_log(enum ap_log_level lvl, const char *fmt, ...)
+{
+	(void)lvl;
+	(void)fmt;
+}
+
+int64_t ap_node_now_ms(const ap_node *n)
+{
+	(void)n;
+	return t_now += 7;
+}
+
+/* A broken reply ring: the real loop runs fn later; here at once is the
+ * same (the drain holds its own reference). */
+int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg)
+{
+	fn(n, arg);
+	return 0;
+}
+
+void ap_node_futex_cancel(ap_node *n, ap_io_futex *f)
+{
+	(void)n;
+	(void)f;
+	t_check(0); /* never armed here */
+}
+
+int ap_node_futex_supported(const ap_node *n)
+{
+	(void)n;
+	return 0;
+}
+
+int ap_node_futex_wait(ap_node *n, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms)
+{
+	(void)n, (void)f, (void)word, (void)expected, (void)timeout_ms;
+	return -ENOSYS;
+}
+
+const char *ap_node_name(const ap_node *n)
+{
+	(void)n;
+	return "fuzz@localhost";
+}
+
+void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
+{
+	(void)n, (void)fn, (void)arg;
+}
+
+ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid)
+{
+	(void)n;
+	if (name) {
+		t_check(strlen(name) >= 1);
+		return strcmp(name, "p") == 0 ? (ap_pool *)&t_pool : NULL;
+	}
+	t_check(pid);
+	return pid->num == 7 ? (ap_pool *)&t_pool : NULL;
+}
+
+/* What the ingress hands on: one whole term, inside the copy it made. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
+{
+	t_check(p == (ap_pool *)&t_pool);
+	t_check(rq->kind == AP_REQ_TELL || rq->kind == AP_REQ_ASK);
+	t_check(rq->seg && rq->msg_len > 0);
+	t_check((const uint8_t *)rq->msg >= dp.copy.data &&
+		(const uint8_t *)rq->msg + rq->msg_len <= dp.copy.data + dp.copy.len);
+	t_check(ap_term_end(rq->msg, (size_t)rq->msg_len, 0) == rq->msg_len);
+	unsigned s = 0;
+	for (int i = 0; i < rq->msg_len; i++)
+		s += (uint8_t)rq->msg[i];
+	t_sink += s;
+	if (rq->kind == AP_REQ_ASK)
+		/* 'ok', as a worker answers; never waiting for room (nobody
+		 * reads the reply rings while the drain runs). */
+		reply(rq->seg, 0, rq->ask_id, "\x64\x00\x02ok", 5, 1);
+}
+
+void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
+{
+	t_check(p == (ap_pool *)&t_pool);
+	ei_x_encode_map_header(x, 1);
+	ei_x_encode_atom(x, "workers");
+	ei_x_encode_long(x, 4);
+}
+
+void ap_pool_wake_all_pushed(void)
+{
+}
+
+/* ---- the target -------------------------------------------------------------- */
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	if (size < 1)
+		return 0;
+	uint32_t n_req = (data[0] & 3u) + 1, n_rep = 2;
+	uint64_t rep_cap = (data[0] & 4) ? T_REP_CAP_SMALL : T_REP_CAP;
+	data++;
+	size--;
+
+	size_t segsz = ap_seg_size(n_req, T_REQ_CAP, n_rep, rep_cap);
+	t_check(segsz > 0);
+	uint8_t *mem = aligned_alloc(4096, (segsz + 4095) & ~(size_t)4095);
+	t_check(mem);
+	t_check(ap_seg_format(mem, segsz, n_req, T_REQ_CAP, n_rep, rep_cap) == 0);
+
+	/* The segment as make_seg builds it, registered in slot 0. */
+	struct ap_dp_seg *sg = calloc(1, sizeof *sg);
+	t_check(sg);
+	sg->map.fd = -1;
+	t_check(ap_seg_parse(&sg->s, mem, segsz) == 0);
+	sg->req = calloc(n_req, sizeof *sg->req);
+	sg->busy = calloc(n_req, 1);
+	sg->rep = calloc(n_rep, sizeof *sg->rep);
+	t_check(sg->req && sg->busy && sg->rep);
+	for (uint32_t i = 0; i < n_req; i++)
+		t_check(ap_ring_attach_consumer(&sg->req[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)) == 0);
+	for (uint32_t i = 0; i < n_rep; i++) {
+		t_check(ap_ring_attach_producer(&sg->rep[i].r, ap_seg_rep(&sg->s, i), ap_seg_rep_size(&sg->s)) == 0);
+		pthread_mutex_init(&sg->rep[i].mu, NULL);
+	}
+	snprintf(sg->peer, sizeof sg->peer, "beam@fuzz");
+	atomic_store(&sg->refs, 1); /* the registry's */
+	atomic_store(&dp.nsegs, 1);
+	dp.n = (ap_node *)&t_pool; /* never dereferenced: every ap_node_* is a stub */
+	dp.efd = -1;
+	dp.segs[0] = sg;
+	dp.n_live = 1;
+	dp.top = 1;
+	sg->slot = 0;
+
+	/* The BEAM's side: producer views of the request rings, consumer
+	 * views of the reply rings. */
+	struct ap_ring prod[4], cons[2];
+	for (uint32_t i = 0; i < n_req; i++)
+		t_check(ap_ring_attach_producer(&prod[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)) == 0);
+	for (uint32_t i = 0; i < n_rep; i++)
+		t_check(ap_ring_attach_consumer(&cons[i], ap_seg_rep(&sg->s, i), ap_seg_rep_size(&sg->s)) == 0);
+
+	size_t off = 0;
+	while (off + 3 <= size) {
+		uint32_t ring = data[off] % n_req;
+		size_t len = (size_t)data[off + 1] | (size_t)data[off + 2] << 8;
+		off += 3;
+		if (len > size - off)
+			len = size - off;
+		void *w;
+		if (len > 0 && ap_ring_reserve(&prod[ring], len, &w) == 0) {
+			memcpy(w, data + off, len);
+			t_check(ap_ring_publish(&prod[ring]) == 0);
+		}
+		off += len;
+	}
+
+	/* The loop's drains, until nothing is left (a bounded number: each
+	 * reads at most DP_BUDGET records per ring, and nothing refills). */
+	for (int k = 0; k < 8; k++)
+		if (drain_seg(sg) <= 0)
+			break;
+	if (sg->slot >= 0)
+		t_check(!seg_pending(sg));
+
+	/* Every reply: a header, then exactly one whole term. */
+	for (uint32_t i = 0; i < n_rep; i++) {
+		const void *p;
+		size_t len;
+		int r;
+		while ((r = ap_ring_read(&cons[i], &p, &len)) == 0) {
+			struct ap_dp_rep h;
+			t_check(len >= sizeof h);
+			memcpy(&h, p, sizeof h);
+			t_check(h.len == len - sizeof h && h.reserved == 0);
+			t_check(ap_term_end((const char *)p + sizeof h, h.len, 0) == (int)h.len);
+		}
+		t_check(r == -EAGAIN);
+		ap_ring_release(&cons[i]);
+	}
+
+	if (sg->slot >= 0)
+		detach(sg, "the fuzz input ended"); /* drops the registry's reference: freed */
+	else
+		t_check(atomic_load(&dp.nsegs) == 0); /* detached inside, and freed then */
+	t_check(dp.n_live == 0 && dp.top == 0);
+	free(mem);
+	return 0;
+}
