@@ -197,6 +197,14 @@ asks_are_answered_with_their_ref(P) ->
     ok = actor_dp:close(Seg, done).
 
 tells_stats_and_consumed(P) ->
+    %% Bound to one scheduler, so that both submits below take the same
+    %% request ring (a ring per scheduler thread).
+    Old = process_flag(scheduler, 1),
+    try tells_stats_and_consumed_bound(P)
+    after process_flag(scheduler, Old)
+    end.
+
+tells_stats_and_consumed_bound(P) ->
     Seg = open(P, #{req_rings => 2}),
     {ok, {R1, Pos1} = T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
     {ok, {R1, Pos2} = T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
