@@ -156,8 +156,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	t_check(ap_seg_parse(&sg->s, mem, segsz) == 0);
 	sg->req = calloc(n_req, sizeof *sg->req);
 	sg->busy = calloc(n_req, 1);
+	sg->seen = calloc(n_req, sizeof *sg->seen);
 	sg->rep = calloc(n_rep, sizeof *sg->rep);
-	t_check(sg->req && sg->busy && sg->rep);
+	t_check(sg->req && sg->busy && sg->seen && sg->rep);
 	for (uint32_t i = 0; i < n_req; i++)
 		t_check(ap_ring_attach_consumer(&sg->req[i], ap_seg_req(&sg->s, i), ap_seg_req_size(&sg->s)) == 0);
 	for (uint32_t i = 0; i < n_rep; i++) {
