@@ -108,7 +108,7 @@ fuzz: deps
 # docs/operations.md, "The soak".
 SOAK_S ?= 600
 soak: deps
-	SOAK_S=$(SOAK_S) bash test/soak/run
+	SOAK_S=$(SOAK_S) bash soak/run
 
 clean:
 	$(MAKE) -C c_src clean

@@ -1,4 +1,4 @@
-%% The soak (`make soak', test/soak/run): three BEAM peers running the
+%% The soak (`make soak', soak/run): three BEAM peers running the
 %% application (each with its pool and receptionist C nodes) and one
 %% standalone pool node, under a steady mix of tells, asks (by ring and by
 %% distribution, by pool and by service key), registrations,
