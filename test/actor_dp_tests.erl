@@ -12,6 +12,8 @@
 %% Every peer is stopped by its OS pid and checked gone.
 -module(actor_dp_tests).
 
+-import(ap_test_util, [with_pool/4, crash_plugin/0]).
+
 -include_lib("eunit/include/eunit.hrl").
 
 -export([asks_are_answered_with_their_ref/1,
@@ -612,15 +614,6 @@ pool_open(#{pool_node := N}, Opts) ->
     {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
     {ok, Seg} = actor_dp:open(Sock, Token, Opts#{node => N}),
     Seg.
-
-with_pool(Name, Handler, Opts, Fun) ->
-    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
-    try Fun(P)
-    after actor_pool:stop_pool(P)
-    end.
-
-crash_plugin() ->
-    {plugin, filename:join([ap_test_util:priv_dir(), "test", "plugin_crash.so"])}.
 
 submit_ask(Seg, Dest, Msg) ->
     Ref = make_ref(),

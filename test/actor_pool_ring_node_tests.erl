@@ -14,7 +14,7 @@
 %% wake-ups under test are io_uring futex waits or waiter threads.
 -module(actor_pool_ring_node_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, priv_dir/0, alive/1, epmd_names/0]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0, wait_until/2, os_pid_alive/1, priv_dir/0, alive/1, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -712,17 +712,6 @@ pid_dest(Pid) ->
     "p:" ++ binary_to_list(binary:encode_hex(Rest)).
 
 int(N) -> integer_to_list(N).
-
-with_pool(Name, Handler, Opts, Fun) ->
-    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
-    try
-        Fun(P)
-    after
-        actor_pool:stop_pool(P)
-    end.
-
-crash_plugin() ->
-    {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
 
 wait_stats(P, Pred) ->
     wait_stats(P, Pred, ?WAIT_MS).

@@ -15,7 +15,7 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
 -module(actor_pool_ring_tests).
 
--import(ap_test_util, [wait_until/2, priv_dir/0, os_pid_alive/1]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0, wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -433,17 +433,6 @@ restarted_pool_node_gets_a_fresh_lane(#{pool_node := N}) ->
 %% ===================================================================
 %% Helpers
 %% ===================================================================
-
-with_pool(Name, Handler, Opts, Fun) ->
-    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
-    try
-        Fun(P)
-    after
-        actor_pool:stop_pool(P)
-    end.
-
-crash_plugin() ->
-    {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
 
 lane_info(Node) ->
     I = lane_info_any(Node),

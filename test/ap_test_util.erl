@@ -3,6 +3,7 @@
 %% shared-memory segment behind.
 -module(ap_test_util).
 
+-export([with_pool/4, crash_plugin/0]).
 -export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
@@ -197,3 +198,18 @@ no_segments_left(Deadline) ->
                     no_segments_left(Deadline)
             end
     end.
+
+%% Runs Fun(Pid) with a pool started for it, and stops the pool after.
+-spec with_pool(atom(), term(), map(), fun((pid()) -> T)) -> T.
+with_pool(Name, Handler, Opts, Fun) ->
+    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
+    try
+        Fun(P)
+    after
+        actor_pool:stop_pool(P)
+    end.
+
+%% The test plugin that crashes on request (c_src/test/plugin_crash.c).
+-spec crash_plugin() -> {plugin, file:filename()}.
+crash_plugin() ->
+    {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
