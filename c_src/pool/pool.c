@@ -72,11 +72,15 @@ static void *worker_main(void *arg)
 		w->reply.len = 0;
 		ap_pool_set_atom_reply(&w->reply, "ok");
 		actor_pool_status st = p->h->handle(state, &req, &w->reply);
+		/* The message leaves the mailbox's depth before its answer is
+		 * sent (the job stays valid until the next pop): a caller that
+		 * has the answer and asks again must find room again, even with
+		 * mailbox_limit 1. */
+		ap_mbox_done(&w->mb);
 		if (st == AP_HANDLER_CRASH) {
 			atomic_fetch_add(&w->crashes, 1);
 			if (j->is_ask)
 				ap_pool_send_error(w, j, "worker_crashed");
-			ap_mbox_done(&w->mb);
 			w->exit_reason = EXIT_CRASH;
 			break;
 		}
@@ -85,7 +89,6 @@ static void *worker_main(void *arg)
 			atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
 		if (j->is_ask)
 			ap_pool_send_result(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply);
-		ap_mbox_done(&w->mb);
 	}
 	if (p->h->terminate)
 		p->h->terminate(state);
