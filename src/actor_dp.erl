@@ -27,6 +27,7 @@
 
 -export([open/3]).
 -export([submit/6]).
+-export([await/2, await/3]).
 -export([cancel/2]).
 -export([consumed/2]).
 -export([close/2]).
@@ -77,6 +78,8 @@
                   bad_records := non_neg_integer(),
                   full := non_neg_integer(),
                   too_large := non_neg_integer(),
+                  awaited := non_neg_integer(),
+                  await_missed := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -86,7 +89,9 @@
 %% Counters since open: records submitted per kind, replies delivered,
 %% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
 %% (reply records with a bad header, skipped), `full' and `too_large'
-%% (submits refused), `pending' asks now; and the geometry.
+%% (submits refused), `awaited' (answers taken by {@link await/2}) and
+%% `await_missed' (waits that ended without one), `pending' asks now; and
+%% the geometry.
 
 %% ===================================================================
 %% API
@@ -123,6 +128,24 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
              Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Waits briefly, on the caller's scheduler, for the answer to ask
+%% `AskId' and takes it: `{reply, Answer}', after which no message comes
+%% for it. Only when the ask is the segment's only pending one (a lone
+%% caller: its scheduler has nothing else to run) and for at most
+%% 150 us, with fewer tries after waits that ended empty; `none' at once
+%% otherwise. After `none' the answer comes as `{Ref, Answer}', as without
+%% this call (or was already sent).
+-spec await(Seg :: seg(), AskId :: ask_id()) -> {reply, term()} | none.
+await(_Seg, _AskId) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc As {@link await/2}, for at most `Us' microseconds (0..1000), and
+%% regardless of earlier waits (it neither skips nor counts towards their
+%% gap). For tests and tuning.
+-spec await(Seg :: seg(), AskId :: ask_id(), Us :: 0..1000) -> {reply, term()} | none.
+await(_Seg, _AskId, _Us) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Forgets a pending ask: `true' if it was still pending (no answer

@@ -789,10 +789,9 @@ ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries) ->
             Other
     end.
 
-%% An ask or a stats request over the lane. The reply comes from the NIF's
-%% reply thread as {Ref, Answer}; a closed lane answers every waiting ask
-%% {error, {nodedown, Node}} at once. On timeout the ask is cancelled in the
-%% NIF (after which no reply is sent) and a reply that raced it is taken.
+%% An ask or a stats request over the lane. The reply is taken by
+%% actor_dp:await/2 or comes from the NIF's reply thread as {Ref, Answer};
+%% a closed lane answers every waiting ask {error, {nodedown, Node}} at once.
 ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
     Ref = make_ref(),
     %% A full ring is waited for as a tell waits, within the timeout.
@@ -802,19 +801,12 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
              end,
     case ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) of
         {ok, AskId} ->
-            receive
-                {Ref, Reply} -> Reply
-            after Timeout ->
-                case actor_dp:cancel(Seg, AskId) of
-                    true ->
-                        {error, timeout};
-                    false ->
-                        receive
-                            {Ref, Reply} -> Reply
-                        after ?LATE_REPLY_MS ->
-                            {error, timeout}
-                        end
-                end
+            %% A lone asker takes its reply in the NIF (no wake-up of the
+            %% reply thread, then of this scheduler); else, or late, it
+            %% comes as a message.
+            case Kind =:= ask andalso Timeout =/= 0 andalso actor_dp:await(Seg, AskId) of
+                {reply, Reply} -> Reply;
+                _ -> ring_receive(Seg, AskId, Ref, Timeout)
             end;
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
@@ -823,6 +815,24 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
             dist_ask(Node, Dest, Msg, Est, Timeout);
         _DistOrFullStats ->
             call(Node, Dest, '$ap_stats', Timeout)
+    end.
+
+%% The answer as a message; on timeout the ask is cancelled in the NIF
+%% (after which no reply is sent) and a reply that raced it is taken.
+ring_receive(Seg, AskId, Ref, Timeout) ->
+    receive
+        {Ref, Reply} -> Reply
+    after Timeout ->
+        case actor_dp:cancel(Seg, AskId) of
+            true ->
+                {error, timeout};
+            false ->
+                receive
+                    {Ref, Reply} -> Reply
+                after ?LATE_REPLY_MS ->
+                    {error, timeout}
+                end
+        end
     end.
 
 %% ===================================================================

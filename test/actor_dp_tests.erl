@@ -32,6 +32,11 @@
          segments_are_freed_no_fd_leaks/1,
          bad_arguments_are_badarg/1,
          many_answers_in_a_row_arrive_whole/1,
+         await_takes_a_lone_asks_answer_once/1,
+         await_is_none_unless_the_ask_is_alone/1,
+         await_after_close_or_cancel_is_none/1,
+         await_answers_bad_replies_as_errors/1,
+         awaiting_and_waiting_askers_get_every_answer_once/1,
          pool_node_answers_asks_tells_and_stats/1,
          pool_node_cancel_and_close_leave_no_reply_behind/1,
          pool_node_scribbled_segment_is_errors_not_crashes/1,
@@ -61,7 +66,12 @@ actor_dp_peer_test_() ->
                   refused_and_failed_attaches,
                   segments_are_freed_no_fd_leaks,
                   bad_arguments_are_badarg,
-                  many_answers_in_a_row_arrive_whole]].
+                  many_answers_in_a_row_arrive_whole,
+                  await_takes_a_lone_asks_answer_once,
+                  await_is_none_unless_the_ask_is_alone,
+                  await_after_close_or_cancel_is_none,
+                  await_answers_bad_replies_as_errors,
+                  awaiting_and_waiting_askers_get_every_answer_once]].
 
 %% The peer's port belongs to the process that runs the case.
 with_peer(Name) ->
@@ -465,6 +475,123 @@ many_answers_in_a_row_arrive_whole(P) ->
          [?assertEqual({error, {closed, lists:seq(1, 20)}}, A) || {_, A} <- Closed]
      end || _ <- lists:seq(1, 20)],
     ok.
+
+%% await/2: a lone ask's answer is taken in the NIF, once: {reply, A} and
+%% no message, or none and the message. Whichever way, exactly one answer
+%% per ask and nothing late. How many are taken depends on the host (a
+%% busy one makes the peer miss the 150 us), so the count is only
+%% reported; lone_asks_until_one_is_awaited/3 proves the taking.
+await_takes_a_lone_asks_answer_once(P) ->
+    Seg = open(P, #{}),
+    Ways = [begin
+                Msg = {K, binary:copy(<<K>>, K rem 200)},
+                {Way, A} = lone_ask(Seg, Msg, fun(Id) -> actor_dp:await(Seg, Id) end),
+                ?assertEqual({ok, Msg}, A),
+                Way
+            end || K <- lists:seq(1, 300)],
+    Awaited = length([W || W <- Ways, W =:= awaited]),
+    #{awaited := Awaited, replies := 300, late := 0, pending := 0} = actor_dp:info(Seg),
+    ?assertMatch({awaited, {ok, last}}, lone_asks_until_one_is_awaited(Seg, last, 10000)),
+    receive {R, _} = Stray when is_reference(R) -> error({stray, Stray}) after 0 -> ok end,
+    ok = actor_dp:close(Seg, done).
+
+%% One ask, its answer by Await(Id) or as the message: {awaited | message,
+%% Answer}. A taken answer leaves nothing: the ask is gone, no message.
+lone_ask(Seg, Msg, Await) ->
+    {Ref, Id} = submit_ask(Seg, echo, Msg),
+    case Await(Id) of
+        {reply, A} ->
+            ?assertNot(actor_dp:cancel(Seg, Id)),
+            receive {Ref, _} = Twice -> error({answered_twice, Twice}) after 0 -> ok end,
+            {awaited, A};
+        none ->
+            receive {Ref, A} -> {message, A} after ?T -> error({no_reply, Msg}) end
+    end.
+
+%% Lone asks with await/3's longest wait (no gap after misses) until one
+%% answer is taken in the NIF, for at most Ms: {awaited, Answer}.
+lone_asks_until_one_is_awaited(Seg, Msg, Ms) ->
+    Deadline = erlang:monotonic_time(millisecond) + Ms,
+    Try = fun Try() ->
+              case lone_ask(Seg, Msg, fun(Id) -> actor_dp:await(Seg, Id, 1000) end) of
+                  {awaited, _} = Got -> Got;
+                  {message, _} = Missed ->
+                      case erlang:monotonic_time(millisecond) < Deadline of
+                          true -> Try();
+                          false -> Missed
+                      end
+              end
+          end,
+    Try().
+
+%% With another ask pending the caller's scheduler does not wait: none at
+%% once, and both answers come as messages.
+await_is_none_unless_the_ask_is_alone(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "pause"),
+    {Ref1, _Id1} = submit_ask(Seg, echo, one),
+    {Ref2, Id2} = submit_ask(Seg, echo, two),
+    ?assertEqual(none, actor_dp:await(Seg, Id2)),
+    cmd(P, "resume"),
+    receive {Ref1, A1} -> ?assertEqual({ok, one}, A1) after ?T -> error(no_reply) end,
+    receive {Ref2, A2} -> ?assertEqual({ok, two}, A2) after ?T -> error(no_reply) end,
+    #{awaited := 0, replies := 2} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+%% An ask already cancelled, answered, or closed: none, and nothing else
+%% changes (the close's answer is the message).
+await_after_close_or_cancel_is_none(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "pause"),
+    {_, Id1} = submit_ask(Seg, echo, one),
+    true = actor_dp:cancel(Seg, Id1),
+    ?assertEqual(none, actor_dp:await(Seg, Id1)),
+    ?assertEqual(none, actor_dp:await(Seg, 987654321)),
+    {Ref2, Id2} = submit_ask(Seg, echo, two),
+    ok = actor_dp:close(Seg, gone),
+    ?assertEqual(none, actor_dp:await(Seg, Id2)),
+    receive {Ref2, A2} -> ?assertEqual({error, gone}, A2) after ?T -> error(no_close_answer) end,
+    ?assertEqual(none, actor_dp:await(Seg, Id2, 1000)),
+    ?assertError(badarg, actor_dp:await(Seg, -1)),
+    ?assertError(badarg, actor_dp:await(not_a_seg, 1)),
+    ?assertError(badarg, actor_dp:await(Seg, Id2, 1001)),
+    ?assertError(badarg, actor_dp:await(Seg, Id2, -1)).
+
+%% A reply that is no term, taken by await: {error, bad_reply}, as the
+%% reply thread would answer it.
+await_answers_bad_replies_as_errors(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode bad_term"),
+    ?assertEqual({awaited, {error, bad_reply}}, lone_asks_until_one_is_awaited(Seg, hi, 10000)),
+    #{state := open, late := 0, pending := 0} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+%% Many askers, some alone for a moment (they await and drain the others'
+%% answers), some not: every ask is answered once and correctly, none late,
+%% no stray message in any mailbox.
+awaiting_and_waiting_askers_get_every_answer_once(P) ->
+    Seg = open(P, #{}),
+    Self = self(),
+    Pids = [spawn_link(fun() ->
+                               Out = [begin
+                                          Msg = {C, K},
+                                          {Ref, Id} = submit_ask(Seg, echo, Msg),
+                                          A = case actor_dp:await(Seg, Id) of
+                                                  {reply, R} -> R;
+                                                  none -> receive {Ref, R} -> R after ?T -> hung end
+                                              end,
+                                          A =:= {ok, Msg} orelse error({wrong, Msg, A}),
+                                          %% answers of this caller's pause come now
+                                          [erlang:yield() || K rem 7 =:= 0],
+                                          ok
+                                      end || K <- lists:seq(1, 400)],
+                               Stray = receive X -> [X] after 0 -> [] end,
+                               Self ! {done, self(), length(Out), Stray}
+                       end) || C <- lists:seq(1, 6)],
+    [receive {done, Pid, N, Stray} -> ?assertEqual({400, []}, {N, Stray}) after 60000 -> error(hung) end
+     || Pid <- Pids],
+    #{replies := 2400, late := 0, pending := 0} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
 
 callers(Seg, N, MsgOf) ->
     Self = self(),

@@ -52,6 +52,9 @@
 #define DP_SPIN_MIN 8u     /* the adaptive spin's first step up */
 #define DP_FREE_ASKS 1024u /* spare ask entries (each with an env) kept for reuse */
 #define DP_TAB_INIT 256u
+#define DP_AWAIT_NS 150000 /* an ask alone on its segment waits this long for its reply in await/2 */
+#define DP_AWAIT_SKIP_MAX 256u
+#define DP_AWAIT_MAX_US 1000u /* await/3's longest wait: a NIF should return within about 1 ms */ /* after misses, at most this many lone asks go without the wait */
 
 struct ask {
 	uint64_t id;
@@ -79,8 +82,17 @@ struct dp {
 	struct ap_seg seg;
 	struct req_ring *req;
 	struct ap_ring *rep;
-	uint8_t *buf; /* the reply thread's copy of one record */
+	uint8_t *buf; /* the drainer's copy of one record (under draining) */
 	size_t buf_cap;
+	/* The reply rings' consumer: the reply thread, or an asker in
+	 * await/2, whichever holds this try-lock; the views in rep, buf and
+	 * seen are theirs while they hold it. seen[i]: the position the last
+	 * drain of ring i released, read by anyone (the shared head is the
+	 * pool node's to scribble on: a wait must not trust it). */
+	atomic_int draining;
+	atomic_int awaiting; /* askers in await/2: the reply thread stands aside */
+	uint64_t *seen;
+	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
 	int sock;
 
 	ErlNifMutex *mu; /* the asks, closed, keep, free list */
@@ -90,6 +102,7 @@ struct dp {
 	struct ask *spare;
 	uint32_t n_spare;
 	int keep; /* the resource holds a reference to itself */
+	unsigned await_skip, await_backoff; /* under mu: lone asks left without the wait, the next gap */
 
 	atomic_int closed;
 	atomic_int stop;
@@ -108,7 +121,7 @@ struct dp {
 	char pad0[64];
 	atomic_uint_fast64_t next_id;
 	char pad1[64];
-	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large;
+	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed;
 };
 
 static ErlNifResourceType *g_dp_type;
@@ -119,7 +132,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_closed, a_bad_reply, a_bad_segment, a_nodedown, a_actor_dp, a_down, a_badarg, a_owner_down, a_open,
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
-	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc;
+	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed;
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -363,16 +376,62 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	enif_mutex_unlock(s->mu);
 }
 
+/* Ring i has records no drain has released (any thread, no view
+ * touched). */
+static int rep_pending(struct dp *s, uint32_t i)
+{
+	return __atomic_load_n(&s->rep[i].hdr->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&s->seen[i], __ATOMIC_ACQUIRE);
+}
+
+static int rep_any_pending(struct dp *s)
+{
+	for (uint32_t i = 0; i < s->seg.n_rep; i++)
+		if (rep_pending(s, i))
+			return 1;
+	return 0;
+}
+
+/* The reply thread's wake-up condition. While an asker waits in await/2
+ * it drains the rings itself and the thread sleeps on (were both to
+ * drain, the thread, woken by the same reply, would often take the
+ * asker's answer and send it, a wake-up of the asker's scheduler, the
+ * hop await/2 is there to save); the asker rings when it leaves anything
+ * behind. */
 static int rep_ready(void *arg)
 {
 	struct dp *s = arg;
 
 	if (atomic_load(&s->stop) || atomic_load(&s->closed))
 		return 1;
-	for (uint32_t i = 0; i < s->seg.n_rep; i++)
-		if (ap_ring_readable(&s->rep[i]) > 0)
-			return 1;
-	return 0;
+	return !atomic_load(&s->awaiting) && rep_any_pending(s);
+}
+
+static int drain_trylock(struct dp *s)
+{
+	int expect = 0;
+	return atomic_compare_exchange_strong_explicit(&s->draining, &expect, 1, memory_order_acquire,
+						       memory_order_relaxed);
+}
+
+static void drain_unlock(struct dp *s) { atomic_store_explicit(&s->draining, 0, memory_order_release); }
+
+/* Every reply ring once, fn for each reply (the caller holds draining):
+ * the replies, or < 0 when a ring broke. */
+static int drain_all(struct dp *s, dp_reply_fn fn, void *arg)
+{
+	int total = 0;
+
+	for (uint32_t i = 0; i < s->seg.n_rep; i++) {
+		struct dp_drain_stats st = { 0, 0 };
+		int rc = dp_drain(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, fn, arg, &st);
+		if (st.bad_records)
+			atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
+		__atomic_store_n(&s->seen[i], s->rep[i].pos, __ATOMIC_RELEASE);
+		if (rc < 0)
+			return rc;
+		total += rc;
+	}
+	return total;
 }
 
 static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
@@ -406,24 +465,25 @@ static void *reply_thread(void *arg)
 	unsigned spin = DP_SPIN;
 
 	while (!atomic_load(&s->stop) && !atomic_load(&s->closed)) {
-		int total = 0, rc = 0;
+		int total, rc;
 		int64_t now;
 
-		for (uint32_t i = 0; i < s->seg.n_rep; i++) {
-			struct dp_drain_stats st = { 0, 0 };
-			rc = dp_drain(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, deliver, s, &st);
-			if (st.bad_records)
-				atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
-			if (rc < 0)
-				break;
-			total += rc;
+		/* An asker in await/2 holds the rings for one pass at most. */
+		total = 0;
+		if (!atomic_load(&s->awaiting)) {
+			while (!drain_trylock(s))
+				ap_ring_cpu_relax();
+			total = drain_all(s, deliver, s);
+			drain_unlock(s);
 		}
-		if (rc < 0) {
+		if (total < 0) {
 			shut_from_thread(s, a_bad_segment);
 			break;
 		}
-		/* rc is now the last ring's record count: only the wait's
-		 * result (a timeout, an error) asks for the socket poll. */
+		if (total)
+			atomic_fetch_add_explicit(&s->drains, 1, memory_order_release);
+		/* Only the wait's result (a timeout, an error) asks for the
+		 * socket poll. */
 		rc = 0;
 		if (!total && !spin_for_reply(s, &spin)) {
 			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, 0, DP_WAIT_MS);
@@ -483,6 +543,7 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		ap_ring_map_close(&s->map);
 	enif_free(s->req);
 	enif_free(s->rep);
+	enif_free(s->seen);
 	enif_free(s->buf);
 	if (s->tenv)
 		enif_free_env(s->tenv);
@@ -552,14 +613,16 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->tab = enif_alloc(DP_TAB_INIT * sizeof *s->tab);
 	s->req = enif_alloc(n_req * sizeof *s->req);
 	s->rep = enif_alloc(n_rep * sizeof *s->rep);
+	s->seen = enif_alloc(n_rep * sizeof *s->seen);
 	s->buf_cap = ap_ring_max_payload(rep_cap) + 1;
 	s->buf = enif_alloc(s->buf_cap);
-	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->buf) {
+	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->seen || !s->buf) {
 		ret = error_tuple(env, a_enomem);
 		goto out;
 	}
 	memset(s->tab, 0, DP_TAB_INIT * sizeof *s->tab);
 	memset(s->req, 0, n_req * sizeof *s->req);
+	memset(s->seen, 0, n_rep * sizeof *s->seen);
 	s->tab_mask = DP_TAB_INIT - 1;
 	s->node = enif_make_copy(s->penv, argv[5]);
 	atomic_store(&s->next_id, 1);
@@ -846,6 +909,156 @@ done:
 	return ret;
 }
 
+/* ---- await ---------------------------------------------------------------------- */
+
+/* An ask alone on its segment takes its own reply: its scheduler spins
+ * here, holding the reply rings' lock for one pass when there is
+ * something to read, instead of the reply thread being woken and waking
+ * the asker's scheduler in turn. On a small virtual host each of those
+ * wake-ups of a sleeping CPU costs 10-20 us (docs/same-host-transport.md,
+ * "Where an ask's time goes"). Only when the ask is the segment's only
+ * one (with many askers the rings are busy, the reply thread awake, and a
+ * spinning scheduler would keep the others' processes waiting), for at
+ * most DP_AWAIT_NS, and with a growing gap of asks without the wait after
+ * misses (a handler slower than the wait). */
+struct await_ctx {
+	struct dp *s;
+	ErlNifEnv *env;
+	uint64_t mine;
+	ERL_NIF_TERM ans;
+	int got;
+};
+
+/* dp_reply_fn in await/2: the asker's own reply is kept, the others are
+ * sent, as the reply thread would. */
+static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len)
+{
+	struct await_ctx *c = arg;
+	struct dp *s = c->s;
+	ERL_NIF_TERM ans;
+	struct ask *a;
+
+	if (enif_binary_to_term(c->env, term, len, &ans, 0) != len)
+		ans = error_tuple(c->env, a_bad_reply);
+	enif_mutex_lock(s->mu);
+	a = ask_take(s, id);
+	if (!a) {
+		cnt(&s->n_late);
+		enif_mutex_unlock(s->mu);
+		return;
+	}
+	cnt(&s->n_replies);
+	if (id == c->mine) {
+		c->ans = ans;
+		c->got = 1;
+	} else {
+		(void)enif_send(c->env, &a->pid, NULL, enif_make_tuple2(c->env, enif_make_copy(c->env, a->ref), ans));
+	}
+	ask_free(s, a);
+	enif_mutex_unlock(s->mu);
+}
+
+/* Whether ask id is still waiting for its reply (none came, no close
+ * answered it); with the number of asks waiting. */
+static int ask_waiting(struct dp *s, uint64_t id, uint32_t *n_asks)
+{
+	struct ask *a;
+
+	enif_mutex_lock(s->mu);
+	for (a = s->tab[slot_of(id, s->tab_mask)]; a && a->id != id; a = a->next)
+		;
+	if (n_asks)
+		*n_asks = s->n_asks;
+	enif_mutex_unlock(s->mu);
+	return a != NULL;
+}
+
+/* await(Seg, AskId) -> {reply, Answer} | none. none: the answer comes as
+ * a message, as without this call. await(Seg, AskId, Us): a wait of Us
+ * microseconds (at most DP_AWAIT_MAX_US) that neither skips for earlier
+ * misses nor counts towards them (tests, tuning). */
+static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	ErlNifUInt64 id;
+	uint32_t n_asks;
+	uint64_t gen;
+	ErlNifTime t0, now, budget = DP_AWAIT_NS;
+	unsigned us;
+	struct await_ctx c;
+
+	if (!get_dp(env, argv[0], &s) || !enif_get_uint64(env, argv[1], &id))
+		return enif_make_badarg(env);
+	if (argc == 3) {
+		if (!enif_get_uint(env, argv[2], &us) || us > DP_AWAIT_MAX_US)
+			return enif_make_badarg(env);
+		budget = (ErlNifTime)us * 1000;
+	}
+	if (atomic_load(&s->closed) || !ask_waiting(s, id, &n_asks) || n_asks != 1)
+		return a_none;
+	enif_mutex_lock(s->mu);
+	if (argc == 2 && s->await_skip) {
+		s->await_skip--;
+		enif_mutex_unlock(s->mu);
+		return a_none;
+	}
+	enif_mutex_unlock(s->mu);
+	c = (struct await_ctx){ .s = s, .env = env, .mine = id, .got = 0 };
+	atomic_fetch_add(&s->awaiting, 1);
+	gen = atomic_load_explicit(&s->drains, memory_order_acquire);
+	t0 = enif_monotonic_time(ERL_NIF_NSEC);
+	now = t0;
+	for (unsigned k = 1;; k++) {
+		if (rep_any_pending(s) && drain_trylock(s)) {
+			int rc = drain_all(s, deliver_here, &c);
+			drain_unlock(s);
+			if (rc < 0) {
+				/* Every waiting ask, ours included, gets {error, bad_segment}. */
+				dp_shut(s, env, a_bad_segment, 1);
+				break;
+			}
+			if (c.got)
+				break;
+		}
+		if (atomic_load(&s->closed))
+			break;
+		if (!(k & 15)) {
+			uint64_t g = atomic_load_explicit(&s->drains, memory_order_acquire);
+			/* The reply thread delivered meanwhile: perhaps ours. */
+			if (g != gen) {
+				gen = g;
+				if (!ask_waiting(s, id, NULL))
+					break;
+			}
+			now = enif_monotonic_time(ERL_NIF_NSEC);
+			if (now - t0 >= budget)
+				break;
+		}
+		ap_ring_cpu_relax();
+	}
+	/* Anything left (others' replies that came after our last pass) is
+	 * the reply thread's: seq_cst against its check of awaiting. */
+	if (atomic_fetch_sub(&s->awaiting, 1) == 1 && rep_any_pending(s))
+		ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
+	(void)enif_consume_timeslice(env, 1 + (int)((now - t0) / 10000));
+	enif_mutex_lock(s->mu);
+	if (c.got) {
+		s->await_backoff = 0;
+	} else if (argc == 2 && now - t0 >= budget) {
+		s->await_backoff = s->await_backoff ? s->await_backoff * 2 : 4;
+		if (s->await_backoff > DP_AWAIT_SKIP_MAX)
+			s->await_backoff = DP_AWAIT_SKIP_MAX;
+		s->await_skip = s->await_backoff;
+	}
+	enif_mutex_unlock(s->mu);
+	if (!c.got) {
+		cnt(&s->n_await_missed);
+		return a_none;
+	}
+	cnt(&s->n_awaited);
+	return enif_make_tuple2(env, a_reply, c.ans);
+}
+
 /* ---- cancel, consumed, close, info, scribble ------------------------------------- */
 
 static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
@@ -900,7 +1113,7 @@ static ERL_NIF_TERM nif_close(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	struct dp *s;
-	ERL_NIF_TERM k[16], v[16], map;
+	ERL_NIF_TERM k[24], v[24], map;
 	unsigned n = 0;
 	uint32_t pending;
 
@@ -921,6 +1134,8 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_bad_records, C(n_bad));
 	KV(a_full, C(n_full));
 	KV(a_too_large, C(n_too_large));
+	KV(a_awaited, C(n_awaited));
+	KV(a_await_missed, C(n_await_missed));
 	KV(a_pending, enif_make_uint(env, pending));
 	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
 	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
@@ -982,6 +1197,10 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 		return -1;
 #define ATOM(name) a_##name = enif_make_atom(env, #name)
 	ATOM(ok);
+	ATOM(none);
+	ATOM(reply);
+	ATOM(awaited);
+	ATOM(await_missed);
 	ATOM(error);
 	ATOM(true);
 	ATOM(false);
@@ -1039,6 +1258,8 @@ static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM in
 static ErlNifFunc funcs[] = {
 	{"open_nif", 7, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
 	{"submit", 6, nif_submit, 0},
+	{"await", 2, nif_await, 0},
+	{"await", 3, nif_await, 0},
 	{"cancel", 2, nif_cancel, 0},
 	{"consumed", 2, nif_consumed, 0},
 	{"close", 2, nif_close, 0},
