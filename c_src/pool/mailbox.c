@@ -83,6 +83,12 @@ ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need)
 	ap_job *j = *cache;
 	if (j) {
 		*cache = j->free_next;
+		/* The recycled list is a chain of lines the worker wrote last:
+		 * each link a cache miss in turn (a fifth of the loop's time
+		 * under a tell flood). Fetch the next one while this job is
+		 * filled. */
+		if (*cache)
+			__builtin_prefetch(*cache, 1);
 		if (j->cap >= need)
 			return j;
 		free(j);
