@@ -715,7 +715,8 @@ ring_drained(Seg, Ticket, Deadline, N) ->
             ok
     end.
 
-%% One record into the lane. ok (tell) | {ok, AskId} | full | dist (use
+%% One record into the lane. ok (tell) | {ok, AskId} | {ok, AskId, await}
+%% (a lone ask: worth an actor_dp:await/2) | full | dist (use
 %% distribution instead: too large for a ring, or the lane is closed).
 ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
     Key = ?DP_KEY(Node),
@@ -738,6 +739,7 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
     try actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
         {ok, T1} -> put(Key, {Seg, T1}), ok;
         {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
+        {ok, T1, AskId, await} -> put(Key, {Seg, T1}), {ok, AskId, await};
         full -> full;
         too_large -> actor_pool_dp:count(too_large), dist;
         closed -> actor_pool_dp:lane_closed(Node, Seg), dist
@@ -800,14 +802,18 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
                  _ -> min(?FULL_RETRY_US, Timeout * 1000)
              end,
     case ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) of
-        {ok, AskId} ->
+        {ok, AskId, await} when Timeout =/= 0 ->
             %% A lone asker takes its reply in the NIF (no wake-up of the
             %% reply thread, then of this scheduler); else, or late, it
             %% comes as a message.
-            case Kind =:= ask andalso Timeout =/= 0 andalso actor_dp:await(Seg, AskId) of
+            case actor_dp:await(Seg, AskId) of
                 {reply, Reply} -> Reply;
-                _ -> ring_receive(Seg, AskId, Ref, Timeout)
+                none -> ring_receive(Seg, AskId, Ref, Timeout)
             end;
+        {ok, AskId, await} ->
+            ring_receive(Seg, AskId, Ref, Timeout);
+        {ok, AskId} ->
+            ring_receive(Seg, AskId, Ref, Timeout);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};
