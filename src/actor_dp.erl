@@ -80,6 +80,7 @@
                   too_large := non_neg_integer(),
                   awaited := non_neg_integer(),
                   await_missed := non_neg_integer(),
+                  passed_on := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -89,9 +90,10 @@
 %% Counters since open: records submitted per kind, replies delivered,
 %% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
 %% (reply records with a bad header, skipped), `full' and `too_large'
-%% (submits refused), `awaited' (answers taken by {@link await/2}) and
-%% `await_missed' (waits that ended without one), `pending' asks now; and
-%% the geometry.
+%% (submits refused), `awaited' (answers taken by {@link await/2}),
+%% `await_missed' (waits that ended without one), `passed_on' (others'
+%% answers an awaiting asker sent on), `pending' asks now; and the
+%% geometry.
 
 %% ===================================================================
 %% API
@@ -140,8 +142,10 @@ submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
 %% for it. For an ask whose submit answered `{ok, Ticket, AskId, await}';
 %% only while it is still the segment's only pending one (a lone caller:
 %% its scheduler has nothing else to run), for at most 150 us; `none' at
-%% once otherwise. After `none' the answer comes as `{Ref, Answer}', as
-%% without this call (or was already sent).
+%% once otherwise, and for the asker only. An answer over 64 KiB is left
+%% to the reply thread (no long decode on a scheduler). After `none' the
+%% answer comes as `{Ref, Answer}', as without this call (or was already
+%% sent).
 -spec await(Seg :: seg(), AskId :: ask_id()) -> {reply, term()} | none.
 await(_Seg, _AskId) ->
     erlang:nif_error(not_loaded).
