@@ -107,6 +107,7 @@ struct dp {
 	uint32_t n_spare;
 	int keep; /* the resource holds a reference to itself */
 	unsigned await_skip, await_backoff; /* under mu: lone asks left without the wait, the next gap */
+	unsigned await_misses; /* under mu: waits in a row that ran out */
 	ErlNifPid last_pid; /* under mu: who submitted the last ask, and when */
 	ErlNifTime last_ns;
 
@@ -1106,7 +1107,10 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	enif_mutex_lock(s->mu);
 	if (c.got) {
 		s->await_backoff = 0;
-	} else if (argc == 2 && now - t0 >= budget) {
+		s->await_misses = 0;
+	} else if (argc == 2 && now - t0 >= budget && ++s->await_misses >= 2) {
+		/* Two in a row: the handler is slower than the wait (one alone
+		 * is a preempted thread, as on a busy host: no gap for it). */
 		s->await_backoff = s->await_backoff ? s->await_backoff * 2 : 4;
 		if (s->await_backoff > DP_AWAIT_SKIP_MAX)
 			s->await_backoff = DP_AWAIT_SKIP_MAX;
