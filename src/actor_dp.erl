@@ -26,7 +26,7 @@
 -module(actor_dp).
 
 -export([open/3]).
--export([submit/6]).
+-export([submit/6, submit_encoded/6]).
 -export([await/2, await/3]).
 -export([cancel/2]).
 -export([consumed/2]).
@@ -78,6 +78,7 @@
                   bad_records := non_neg_integer(),
                   full := non_neg_integer(),
                   too_large := non_neg_integer(),
+                  encoded := non_neg_integer(),
                   awaited := non_neg_integer(),
                   await_missed := non_neg_integer(),
                   pending := non_neg_integer(),
@@ -89,7 +90,8 @@
 %% Counters since open: records submitted per kind, replies delivered,
 %% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
 %% (reply records with a bad header, skipped), `full' and `too_large'
-%% (submits refused), `awaited' (answers taken by {@link await/2}) and
+%% (submits refused), `encoded' (records submitted by {@link
+%% submit_encoded/6}), `awaited' (answers taken by {@link await/2}) and
 %% `await_missed' (waits that ended without one), `pending' asks now; and
 %% the geometry.
 
@@ -124,10 +126,33 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% `full': no room in the ring now (yield and retry, or give up);
 %% `too_large': over the ring's record size; `closed': the segment is
 %% closed. An ask is answered exactly once, unless cancelled.
+%%
+%% `encode': nothing was done, because `Msg' is too large to encode inside
+%% this call without holding the scheduler (a walk of a few thousand of its
+%% terms, or a bound of about 64 KiB of its encoded size, was not enough;
+%% also funs, integers over 64 bits and bitstrings that are not binaries).
+%% Encode it with `term_to_binary/1', which yields, and submit the bytes
+%% with {@link submit_encoded/6}. A binary `Msg' is never answered
+%% `encode': it is not encoded, and refused on its size alone.
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
              Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
-          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed.
+          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc As {@link submit/6} (`tell' or `ask'), for a message already
+%% encoded: `Bin' is `term_to_binary(Msg)' (not compressed), and the pool
+%% node gets `Msg' as if it were passed to submit/6, in the same order with
+%% the caller's other submits (the same tickets and fences). `too_large'
+%% is answered on the size of `Bin' alone. Raises `badarg' when `Bin' is
+%% not a binary holding exactly one external term (truncated, bytes after
+%% it, compressed, not a term): the pool node would skip such a record.
+%% The bytes are checked on a dirty CPU scheduler when there are more than
+%% 64 KiB of them.
+-spec submit_encoded(Seg :: seg(), Kind :: tell | ask, Dest :: atom() | pid(), Bin :: binary(),
+                     Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
+          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed.
+submit_encoded(_Seg, _Kind, _Dest, _Bin, _Ref, _Ticket) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Waits briefly, on the caller's scheduler, for the answer to ask
