@@ -26,7 +26,7 @@
 -module(actor_dp).
 
 -export([open/3]).
--export([submit/6, submit_encoded/6]).
+-export([submit/6, submit/7, submit_encoded/6]).
 -export([await/2, await/3]).
 -export([cancel/2]).
 -export([consumed/2]).
@@ -138,6 +138,18 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
              Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc As {@link submit/6}, with `Bound', an upper bound of the size of
+%% `Msg' in the external format that the caller has at hand (actor_pool's
+%% walk of every message gives one): at most 16 KiB, it stands for the
+%% NIF's own walk of `Msg' (which then is encoded in the call). A wrong
+%% bound only makes the call take longer.
+-spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
+             Ref :: reference() | undefined, Ticket :: ticket() | undefined,
+             Bound :: non_neg_integer()) ->
+          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed | encode.
+submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket, _Bound) ->
     erlang:nif_error(not_loaded).
 
 %% @doc As {@link submit/6} (`tell' or `ask'), for a message already

@@ -720,8 +720,8 @@ ring_drained(Seg, Ticket, Deadline, N) ->
             ok
     end.
 
-%% One record into the lane. Body: {term, Msg}, or {encoded, Bin} (Bin is
-%% term_to_binary(Msg)). ok (tell) | {ok, AskId} | full | {encoded, Bin}
+%% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
+%% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)). ok (tell) | {ok, AskId} | full | {encoded, Bin}
 %% (the NIF did not encode Msg, too large to encode within one NIF call:
 %% here it is, encoded by term_to_binary/1, which yields; submit that) |
 %% dist | {dist, Size} (use distribution instead: too large for a ring, or
@@ -748,7 +748,7 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
         {ok, T1} -> put(Key, {Seg, T1}), ok;
         {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
         full -> full;
-        encode -> {term, Msg} = Body, {encoded, term_to_binary(Msg)};
+        encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
         too_large -> actor_pool_dp:count(too_large), to_dist(Body);
         closed -> actor_pool_dp:lane_closed(Node, Seg), to_dist(Body)
     catch
@@ -758,19 +758,19 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
         error:badarg -> to_dist(Body)
     end.
 
-dp_submit(Seg, Kind, Dest, {term, Msg}, Ref, Prev) ->
-    actor_dp:submit(Seg, Kind, Dest, Msg, Ref, Prev);
+dp_submit(Seg, Kind, Dest, {term, Msg, Est}, Ref, Prev) ->
+    actor_dp:submit(Seg, Kind, Dest, Msg, Ref, Prev, Est);
 dp_submit(Seg, Kind, Dest, {encoded, Bin}, Ref, Prev) ->
     actor_dp:submit_encoded(Seg, Kind, Dest, Bin, Ref, Prev).
 
 %% The message's external size is known once it is encoded: distribution's
 %% check of it need not size it again (erlang:external_size/1 does not
 %% yield).
-to_dist({term, _}) -> dist;
+to_dist({term, _, _}) -> dist;
 to_dist({encoded, Bin}) -> {dist, byte_size(Bin)}.
 
 ring_tell(Seg, Node, Dest, Msg, Est) ->
-    case ring_submit_wait(Seg, Node, tell, Dest, {term, Msg}, undefined, ?FULL_RETRY_US) of
+    case ring_submit_wait(Seg, Node, tell, Dest, {term, Msg, Est}, undefined, ?FULL_RETRY_US) of
         ok ->
             ok;
         dist ->
@@ -825,7 +825,7 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
                  infinity -> ?FULL_RETRY_US;
                  _ -> min(?FULL_RETRY_US, Timeout * 1000)
              end,
-    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg}, Ref, WaitUs) of
+    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Ref, WaitUs) of
         {ok, AskId} ->
             %% A lone asker takes its reply in the NIF (no wake-up of the
             %% reply thread, then of this scheduler); else, or late, it

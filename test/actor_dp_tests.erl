@@ -405,7 +405,8 @@ fill(Seg, Ticket, N) when N < 1000 ->
 
 %% submit/6 encodes only small terms in its call: a large one (or one it
 %% cannot size: a fun, a bignum) is answered `encode', nothing written,
-%% nothing counted; submit_encoded/6 then carries term_to_binary/1's bytes,
+%% nothing counted (submit/7 takes the caller's bound of the size instead
+%% of its walk); submit_encoded/6 then carries term_to_binary/1's bytes,
 %% on the dirty path too (over 64 KiB), and the peer gets the same term.
 %% Binaries are never `encode': they are not encoded, and refused on their
 %% size alone.
@@ -417,6 +418,14 @@ large_terms_are_left_to_the_caller_to_encode(P) ->
     [?assertEqual(encode, actor_dp:submit(Seg, K, echo, M, make_ref(), undefined))
      || M <- Large, K <- [tell, ask]],
     #{tells := 0, asks := 0, too_large := 0, encoded := 0, pending := 0} = actor_dp:info(Seg),
+    %% submit/7: the caller's bound of the size stands for the walk up to
+    %% 16 KiB (here a wrong one: the term is encoded in the call all the
+    %% same); above, the NIF walks.
+    Mid = lists:seq(1, 3000),
+    ?assertEqual(encode, actor_dp:submit(Seg, tell, echo, Mid, undefined, undefined, 16385)),
+    ?assertMatch({ok, _}, actor_dp:submit(Seg, tell, echo, Mid, undefined, undefined, 16384)),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, echo, Mid, undefined, undefined, -1)),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, echo, Mid, undefined, undefined, undefined)),
     Small = [{a, [1, 2, 3], #{k => v}}, lists:seq(1, 500), 1 bsl 40, -(1 bsl 63), 'héllo', self(),
              binary:copy(<<2>>, 300000)],
     Big = binary:copy(<<0>>, 4 bsl 20),
@@ -439,7 +448,7 @@ large_terms_are_left_to_the_caller_to_encode(P) ->
                                                     undefined)),
     NEnc = length(Large),
     NAsks = length(Asked),
-    #{tells := 1, asks := NAsks, encoded := NEnc, too_large := 2, pending := 0, bad_records := 0} = actor_dp:info(Seg),
+    #{tells := 2, asks := NAsks, encoded := NEnc, too_large := 2, pending := 0, bad_records := 0} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
 
 ask_encoded(Seg, Msg) ->

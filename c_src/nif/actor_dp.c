@@ -746,6 +746,11 @@ static size_t atom_utf8(ErlNifEnv *env, ERL_NIF_TERM a, uint8_t *out, size_t cap
 #define DP_ENC_BYTES (64u * 1024)
 #define DP_ENC_STACK 256u  /* terms waiting in the walk: more siblings than this go to `encode` */
 #define DP_ENC_ID 1100u    /* a bound of a pid, port or reference: a node name of 255 UTF-8 characters */
+/* submit/7: the caller's own bound of the encoded size (actor_pool walks
+ * every message before it sends it) stands for the walk when it is at
+ * most this: such a term has at most twice as many terms as bytes, so its
+ * encoding is as short. A caller that lies only holds its own scheduler. */
+#define DP_ENC_VOUCHED (16u * 1024)
 /* submit_encoded/6 checks the bytes it is given (one whole term, as the
  * pool node will): in the call up to this size, on a dirty CPU scheduler
  * above it (a walk of up to a ring record's size, half a megabyte by
@@ -1000,7 +1005,8 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 				enif_make_uint64(env, q->ask_id));
 }
 
-/* submit(Seg, Kind, Dest, Msg, Ref, Ticket) */
+/* submit(Seg, Kind, Dest, Msg, Ref, Ticket), and submit/7 with the
+ * caller's Bound of Msg's encoded size. */
 static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	struct dp *s;
@@ -1008,10 +1014,11 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	uint8_t name[DP_MAX_DEST_NAME], prefix[5];
 	ErlNifBinary dest_bin = { 0 }, msg_bin = { 0 }, mbin;
 	int own_dest = 0, own_msg = 0, published;
+	ErlNifUInt64 bound = UINT64_MAX;
 	ERL_NIF_TERM ret;
 
-	(void)argc;
-	if (submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest)) {
+	if ((argc == 7 && !enif_get_uint64(env, argv[6], &bound)) ||
+	    submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest)) {
 		ret = enif_make_badarg(env);
 		goto done;
 	}
@@ -1028,7 +1035,7 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 			q.msg = mbin.data;
 			q.msg_len = mbin.size;
 		} else {
-			if (!enc_small(env, argv[3])) {
+			if (bound > DP_ENC_VOUCHED && !enc_small(env, argv[3])) {
 				ret = a_encode;
 				goto done;
 			}
@@ -1462,6 +1469,7 @@ static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM in
 static ErlNifFunc funcs[] = {
 	{"open_nif", 7, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
 	{"submit", 6, nif_submit, 0},
+	{"submit", 7, nif_submit, 0},
 	{"submit_encoded", 6, nif_submit_encoded, 0},
 	{"await", 2, nif_await, 0},
 	{"await", 3, nif_await, 0},
