@@ -202,7 +202,10 @@ tell_too_large_for_ring_and_frame_is_a_counted_drop(#{pool_node := PN}) ->
 %% ticker process bound to the caller's scheduler is never kept waiting
 %% 20 ms or more (encoding it in the NIF, or erlang:external_size/1, held
 %% the scheduler for 100 ms and more). The list is a persistent term, so
-%% that no garbage collection of the caller copies it during the run.
+%% that no garbage collection of the caller copies it during the run. (Not
+%% for a BEAM with libasan preloaded and +Mea min, as in eunit-asan-dp:
+%% there term_to_binary/1 itself holds the scheduler some 40 ms for the
+%% 50 MB buffer it reallocates.)
 huge_term_is_refused_without_holding_the_scheduler(#{pool_node := PN}) ->
     {ok, _} = actor_pool:start_pool(ov_huge, echo, #{workers => 1}),
     {ok, <<"warm">>} = actor_pool:ask(ov_huge, <<"warm">>),
