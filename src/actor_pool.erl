@@ -721,11 +721,12 @@ ring_drained(Seg, Ticket, Deadline, N) ->
     end.
 
 %% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
-%% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)). ok (tell) | {ok, AskId} | full | {encoded, Bin}
-%% (the NIF did not encode Msg, too large to encode within one NIF call:
-%% here it is, encoded by term_to_binary/1, which yields; submit that) |
-%% dist | {dist, Size} (use distribution instead: too large for a ring, or
-%% the lane is closed; Size is the message's external size once known).
+%% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)).
+%% ok (tell) | {ok, AskId} | full | {encoded, Bin} (the NIF did not encode
+%% Msg, too large to encode within one NIF call: here it is, encoded by
+%% term_to_binary/1, which yields; submit that) | dist | {dist, Size} (use
+%% distribution instead: too large for a ring, or the lane is closed; Size
+%% is the message's external size once known).
 ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
     Key = ?DP_KEY(Node),
     Prev = case get(Key) of
