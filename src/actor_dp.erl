@@ -81,6 +81,7 @@
                   encoded := non_neg_integer(),
                   awaited := non_neg_integer(),
                   await_missed := non_neg_integer(),
+                  passed_on := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -91,9 +92,10 @@
 %% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
 %% (reply records with a bad header, skipped), `full' and `too_large'
 %% (submits refused), `encoded' (records submitted by {@link
-%% submit_encoded/6}), `awaited' (answers taken by {@link await/2}) and
-%% `await_missed' (waits that ended without one), `pending' asks now; and
-%% the geometry.
+%% submit_encoded/6}), `awaited' (answers taken by {@link await/2}),
+%% `await_missed' (waits that ended without one), `passed_on' (others'
+%% answers an awaiting asker sent on), `pending' asks now; and the
+%% geometry.
 
 %% ===================================================================
 %% API
@@ -125,7 +127,11 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %%
 %% `full': no room in the ring now (yield and retry, or give up);
 %% `too_large': over the ring's record size; `closed': the segment is
-%% closed. An ask is answered exactly once, unless cancelled.
+%% closed. An ask is answered exactly once, unless cancelled. An ask that
+%% is the segment's only pending one, and follows no other process's ask
+%% within 1 ms, gets `{ok, Ticket, AskId, await}': worth a call of
+%% {@link await/2} (unless its last waits ended empty: then the next 4, 8,
+%% ... up to 256 such asks are not marked).
 %%
 %% `encode': nothing was done, because `Msg' is too large to encode inside
 %% this call without holding the scheduler (a walk of a few thousand of its
@@ -136,7 +142,8 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% `encode': it is not encoded, and refused on its size alone.
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
              Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
-          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed | encode.
+          {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
+          | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
     erlang:nif_error(not_loaded).
 
@@ -148,7 +155,8 @@ submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
              Ref :: reference() | undefined, Ticket :: ticket() | undefined,
              Bound :: non_neg_integer()) ->
-          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed | encode.
+          {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
+          | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket, _Bound) ->
     erlang:nif_error(not_loaded).
 
@@ -163,24 +171,28 @@ submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket, _Bound) ->
 %% 64 KiB of them.
 -spec submit_encoded(Seg :: seg(), Kind :: tell | ask, Dest :: atom() | pid(), Bin :: binary(),
                      Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
-          {ok, ticket()} | {ok, ticket(), ask_id()} | full | too_large | closed.
+          {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
+          | full | too_large | closed.
 submit_encoded(_Seg, _Kind, _Dest, _Bin, _Ref, _Ticket) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Waits briefly, on the caller's scheduler, for the answer to ask
 %% `AskId' and takes it: `{reply, Answer}', after which no message comes
-%% for it. Only when the ask is the segment's only pending one (a lone
-%% caller: its scheduler has nothing else to run) and for at most
-%% 150 us, with fewer tries after waits that ended empty; `none' at once
-%% otherwise. After `none' the answer comes as `{Ref, Answer}', as without
-%% this call (or was already sent).
+%% for it. For an ask whose submit answered `{ok, Ticket, AskId, await}';
+%% only while it is still the segment's only pending one (a lone caller:
+%% its scheduler has nothing else to run), for at most 150 us; `none' at
+%% once otherwise, and for the asker only. An answer over 64 KiB is left
+%% to the reply thread (no long decode on a scheduler). After `none' the
+%% answer comes as `{Ref, Answer}', as without this call (or was already
+%% sent).
 -spec await(Seg :: seg(), AskId :: ask_id()) -> {reply, term()} | none.
 await(_Seg, _AskId) ->
     erlang:nif_error(not_loaded).
 
-%% @doc As {@link await/2}, for at most `Us' microseconds (0..1000), and
-%% regardless of earlier waits (it neither skips nor counts towards their
-%% gap). For tests and tuning.
+%% @doc As {@link await/2}, for at most `Us' microseconds (0..1000), for
+%% any ask that is the only one pending (whoever asked just before), and
+%% without counting towards the gap after empty waits. For tests and
+%% tuning.
 -spec await(Seg :: seg(), AskId :: ask_id(), Us :: 0..1000) -> {reply, term()} | none.
 await(_Seg, _AskId, _Us) ->
     erlang:nif_error(not_loaded).

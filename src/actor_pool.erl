@@ -722,8 +722,9 @@ ring_drained(Seg, Ticket, Deadline, N) ->
 
 %% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
 %% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)).
-%% ok (tell) | {ok, AskId} | full | {encoded, Bin} (the NIF did not encode
-%% Msg, too large to encode within one NIF call: here it is, encoded by
+%% ok (tell) | {ok, AskId} | {ok, AskId, await} (a lone ask: worth an
+%% actor_dp:await/2) | full | {encoded, Bin} (the NIF did not encode Msg,
+%% too large to encode within one NIF call: here it is, encoded by
 %% term_to_binary/1, which yields; submit that) | dist | {dist, Size} (use
 %% distribution instead: too large for a ring, or the lane is closed; Size
 %% is the message's external size once known).
@@ -748,6 +749,7 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
         {ok, T1} -> put(Key, {Seg, T1}), ok;
         {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
+        {ok, T1, AskId, await} -> put(Key, {Seg, T1}), {ok, AskId, await};
         full -> full;
         encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
         too_large -> actor_pool_dp:count(too_large), to_dist(Body);
@@ -827,14 +829,18 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
                  _ -> min(?FULL_RETRY_US, Timeout * 1000)
              end,
     case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Ref, WaitUs) of
-        {ok, AskId} ->
+        {ok, AskId, await} when Timeout =/= 0 ->
             %% A lone asker takes its reply in the NIF (no wake-up of the
             %% reply thread, then of this scheduler); else, or late, it
             %% comes as a message.
-            case Kind =:= ask andalso Timeout =/= 0 andalso actor_dp:await(Seg, AskId) of
+            case actor_dp:await(Seg, AskId) of
                 {reply, Reply} -> Reply;
-                _ -> ring_receive(Seg, AskId, Ref, Timeout)
+                none -> ring_receive(Seg, AskId, Ref, Timeout)
             end;
+        {ok, AskId, await} ->
+            ring_receive(Seg, AskId, Ref, Timeout);
+        {ok, AskId} ->
+            ring_receive(Seg, AskId, Ref, Timeout);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};

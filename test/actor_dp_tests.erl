@@ -39,6 +39,7 @@
          await_after_close_or_cancel_is_none/1,
          await_answers_bad_replies_as_errors/1,
          awaiting_and_waiting_askers_get_every_answer_once/1,
+         await_leaves_large_answers_and_others_asks_alone/1,
          pool_node_answers_asks_tells_and_stats/1,
          pool_node_cancel_and_close_leave_no_reply_behind/1,
          pool_node_scribbled_segment_is_errors_not_crashes/1,
@@ -75,7 +76,8 @@ actor_dp_peer_test_() ->
                   await_is_none_unless_the_ask_is_alone,
                   await_after_close_or_cancel_is_none,
                   await_answers_bad_replies_as_errors,
-                  awaiting_and_waiting_askers_get_every_answer_once]].
+                  awaiting_and_waiting_askers_get_every_answer_once,
+                  await_leaves_large_answers_and_others_asks_alone]].
 
 %% The peer's port belongs to the process that runs the case.
 with_peer(Name) ->
@@ -160,7 +162,7 @@ child_upgrade() ->
         {module, actor_dp} = code:load_file(actor_dp),
         _ = code:purge(actor_dp),
         Ref = make_ref(),
-        {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+        {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
         receive {Ref, {ok, hi}} -> ok after ?T -> error(no_answer) end,
         ok = actor_dp:close(Seg, done)
     after
@@ -202,7 +204,7 @@ asks_are_answered_with_their_ref(P) ->
     Msgs = [<<"bin">>, {a, tuple, [1, 2.5, "str"]}, <<>>, binary:copy(<<7>>, 100000), self()],
     Refs = [begin
                 Ref = make_ref(),
-                {ok, {0, _}, Id} = actor_dp:submit(Seg, ask, echo, M, Ref, undefined),
+                {ok, {0, _}, Id} = asked(actor_dp:submit(Seg, ask, echo, M, Ref, undefined)),
                 ?assert(is_integer(Id)),
                 {Ref, M}
             end || M <- Msgs],
@@ -247,7 +249,7 @@ tells_stats_and_consumed_bound(P) ->
 unknown_pool_is_noproc(P) ->
     Seg = open(P, #{}),
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, no_such_pool, hi, Ref, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, no_such_pool, hi, Ref, undefined)),
     receive {Ref, R} -> ?assertEqual({error, noproc}, R) after ?T -> error(no_reply) end,
     ok = actor_dp:close(Seg, done).
 
@@ -255,7 +257,7 @@ cancel_before_the_reply_means_no_message(P) ->
     Seg = open(P, #{}),
     cmd(P, "pause"),
     Ref = make_ref(),
-    {ok, _, Id} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     ?assert(actor_dp:cancel(Seg, Id)),
     ?assertNot(actor_dp:cancel(Seg, Id)),
     cmd(P, "resume"),
@@ -268,7 +270,7 @@ cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
     Seg = open(P, #{}),
     cmd(P, "mode twice"),
     Ref = make_ref(),
-    {ok, _, Id} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     receive {Ref, {ok, hi}} -> ok after ?T -> error(no_reply) end,
     ?assertNot(actor_dp:cancel(Seg, Id)),
     ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
@@ -281,7 +283,7 @@ close_answers_every_pending_ask_at_once(P) ->
     cmd(P, "mode silent"),
     Refs = [begin
                 Ref = make_ref(),
-                {ok, _, _} = actor_dp:submit(Seg, ask, echo, N, Ref, undefined),
+                {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, N, Ref, undefined)),
                 Ref
             end || N <- lists:seq(1, 20)],
     ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 20 end, ?T),
@@ -290,7 +292,7 @@ close_answers_every_pending_ask_at_once(P) ->
      || Ref <- Refs],
     ok = actor_dp:close(Seg, again),
     #{state := closed, pending := 0} = actor_dp:info(Seg),
-    closed = actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined),
+    closed = asked(actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined)),
     %% the pool node's end sees EOF
     expect(P, <<"detached">>),
     receive {Ref2, _} = Extra when is_reference(Ref2) -> error({extra, Extra}) after 0 -> ok end.
@@ -300,7 +302,7 @@ peer_killed_answers_pending_asks_promptly(P) ->
     cmd(P, "mode silent"),
     Refs = [begin
                 Ref = make_ref(),
-                {ok, _, _} = actor_dp:submit(Seg, ask, echo, N, Ref, undefined),
+                {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, N, Ref, undefined)),
                 Ref
             end || N <- lists:seq(1, 64)],
     ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 64 end, ?T),
@@ -321,22 +323,22 @@ bad_replies_are_errors_not_crashes(P) ->
     Seg = open(P, #{}),
     cmd(P, "mode bad_term"),
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     receive {Ref, R} -> ?assertEqual({error, bad_reply}, R) after ?T -> error(no_reply) end,
     cmd(P, "mode bad_len"),
     Ref2 = make_ref(),
-    {ok, _, Id2} = actor_dp:submit(Seg, ask, echo, hi, Ref2, undefined),
+    {ok, _, Id2} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref2, undefined)),
     ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 1 end, ?T),
     %% the record was skipped, the ask is still pending, the segment lives
     ?assert(actor_dp:cancel(Seg, Id2)),
     %% a compressed answer would have the decoder allocate what it claims
     cmd(P, "mode compressed"),
-    {ok, _, Id4} = actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined),
+    {ok, _, Id4} = asked(actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined)),
     ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 2 end, ?T),
     ?assert(actor_dp:cancel(Seg, Id4)),
     cmd(P, "mode echo"),
     Ref3 = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, echo, again, Ref3, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, again, Ref3, undefined)),
     receive {Ref3, R3} -> ?assertEqual({ok, again}, R3) after ?T -> error(no_reply) end,
     #{state := open} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
@@ -346,7 +348,7 @@ scribbled_reply_ring_closes_with_bad_segment(P) ->
     Seg = open(P, #{req_rings => 2, req_bytes => ReqBytes, rep_rings => 1, rep_bytes => 4096}),
     cmd(P, "mode silent"),
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     ap_test_util:wait_until(fun() -> maps:get(asks, actor_dp:info(Seg)) =:= 1 end, ?T),
     %% reply ring 0's tail (line 1 of its header): far past head + cap
     RepRing = 256 + 2 * (256 + ReqBytes),
@@ -366,7 +368,7 @@ scribbling_anywhere_never_crashes(P) ->
     Self = self(),
     %% random bytes at random places while asks and tells go both ways
     Scribbler = spawn_link(fun() -> scribble_loop(Seg, Size, 2000), Self ! scribbled end),
-    Results = [actor_dp:submit(Seg, ask, echo, N, make_ref(), undefined) || N <- lists:seq(1, 300)],
+    Results = [asked(actor_dp:submit(Seg, ask, echo, N, make_ref(), undefined)) || N <- lists:seq(1, 300)],
     receive scribbled -> ok after 30000 -> error(scribbler_stuck) end,
     ?assertNot(is_process_alive(Scribbler)),
     [?assert(is_tuple(R) andalso element(1, R) =:= ok orelse lists:member(R, [full, closed])) || R <- Results],
@@ -453,7 +455,7 @@ large_terms_are_left_to_the_caller_to_encode(P) ->
 
 ask_encoded(Seg, Msg) ->
     Ref = make_ref(),
-    {ok, _, Id} = actor_dp:submit_encoded(Seg, ask, echo, term_to_binary(Msg), Ref, undefined),
+    {ok, _, Id} = asked(actor_dp:submit_encoded(Seg, ask, echo, term_to_binary(Msg), Ref, undefined)),
     {Ref, Id}.
 
 %% submit_encoded/6 writes only what the pool node takes for one whole
@@ -491,7 +493,7 @@ owner_exit_closes_the_segment(P) ->
     Seg = open(P, #{owner => Owner}),
     cmd(P, "mode silent"),
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, echo, hi, Ref, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     MRef = monitor(process, Owner),
     Owner ! stop,
     receive {'DOWN', MRef, process, Owner, _} -> ok end,
@@ -532,7 +534,7 @@ segments_are_freed_no_fd_leaks(P) ->
 bad_arguments_are_badarg(P) ->
     Seg = open(P, #{}),
     ?assertError(badarg, actor_dp:submit(Seg, nope, echo, hi, undefined, undefined)),
-    ?assertError(badarg, actor_dp:submit(Seg, ask, echo, hi, not_a_ref, undefined)),
+    ?assertError(badarg, asked(actor_dp:submit(Seg, ask, echo, hi, not_a_ref, undefined))),
     ?assertError(badarg, actor_dp:submit(Seg, tell, "echo", hi, undefined, undefined)),
     ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0})),
     ?assertError(badarg, actor_dp:submit(make_ref(), tell, echo, hi, undefined, undefined)),
@@ -571,7 +573,9 @@ await_takes_a_lone_asks_answer_once(P) ->
     Seg = open(P, #{}),
     Ways = [begin
                 Msg = {K, binary:copy(<<K>>, K rem 200)},
-                {Way, A} = lone_ask(Seg, Msg, fun(Id) -> actor_dp:await(Seg, Id) end),
+                {Way, A} = lone_ask(Seg, Msg, fun(Id, true) -> actor_dp:await(Seg, Id);
+                                                 (_, false) -> none
+                                              end),
                 ?assertEqual({ok, Msg}, A),
                 Way
             end || K <- lists:seq(1, 300)],
@@ -581,11 +585,16 @@ await_takes_a_lone_asks_answer_once(P) ->
     receive {R, _} = Stray when is_reference(R) -> error({stray, Stray}) after 0 -> ok end,
     ok = actor_dp:close(Seg, done).
 
-%% One ask, its answer by Await(Id) or as the message: {awaited | message,
-%% Answer}. A taken answer leaves nothing: the ask is gone, no message.
+%% One ask, its answer by Await(Id, Marked) or as the message: {awaited |
+%% message, Answer}; Marked: whether the submit said the ask is worth an
+%% await. A taken answer leaves nothing: the ask is gone, no message.
 lone_ask(Seg, Msg, Await) ->
-    {Ref, Id} = submit_ask(Seg, echo, Msg),
-    case Await(Id) of
+    Ref = make_ref(),
+    {Id, Marked} = case actor_dp:submit(Seg, ask, echo, Msg, Ref, undefined) of
+                       {ok, _, I, await} -> {I, true};
+                       {ok, _, I} -> {I, false}
+                   end,
+    case Await(Id, Marked) of
         {reply, A} ->
             ?assertNot(actor_dp:cancel(Seg, Id)),
             receive {Ref, _} = Twice -> error({answered_twice, Twice}) after 0 -> ok end,
@@ -599,7 +608,7 @@ lone_ask(Seg, Msg, Await) ->
 lone_asks_until_one_is_awaited(Seg, Msg, Ms) ->
     Deadline = erlang:monotonic_time(millisecond) + Ms,
     Try = fun Try() ->
-              case lone_ask(Seg, Msg, fun(Id) -> actor_dp:await(Seg, Id, 1000) end) of
+              case lone_ask(Seg, Msg, fun(Id, _) -> actor_dp:await(Seg, Id, 1000) end) of
                   {awaited, _} = Got -> Got;
                   {message, _} = Missed ->
                       case erlang:monotonic_time(millisecond) < Deadline of
@@ -615,13 +624,20 @@ lone_asks_until_one_is_awaited(Seg, Msg, Ms) ->
 await_is_none_unless_the_ask_is_alone(P) ->
     Seg = open(P, #{}),
     cmd(P, "pause"),
-    {Ref1, _Id1} = submit_ask(Seg, echo, one),
-    {Ref2, Id2} = submit_ask(Seg, echo, two),
+    Ref1 = make_ref(),
+    Ref2 = make_ref(),
+    %% the first is alone (a fresh segment); the second is not, and is not
+    %% marked for an await
+    {ok, _, Id1, await} = actor_dp:submit(Seg, ask, echo, one, Ref1, undefined),
+    {ok, _, Id2} = actor_dp:submit(Seg, ask, echo, two, Ref2, undefined),
+    ?assertEqual(none, actor_dp:await(Seg, Id1)),
     ?assertEqual(none, actor_dp:await(Seg, Id2)),
+    ?assertEqual(none, actor_dp:await(Seg, Id2, 1000)),
     cmd(P, "resume"),
     receive {Ref1, A1} -> ?assertEqual({ok, one}, A1) after ?T -> error(no_reply) end,
     receive {Ref2, A2} -> ?assertEqual({ok, two}, A2) after ?T -> error(no_reply) end,
-    #{awaited := 0, replies := 2} = actor_dp:info(Seg),
+    %% none at once: no wait ran out (a wait that did is a miss)
+    #{awaited := 0, await_missed := 0, replies := 2} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
 
 %% An ask already cancelled, answered, or closed: none, and nothing else
@@ -654,15 +670,24 @@ await_answers_bad_replies_as_errors(P) ->
 
 %% Many askers, some alone for a moment (they await and drain the others'
 %% answers), some not: every ask is answered once and correctly, none late,
-%% no stray message in any mailbox.
+%% no stray message in any mailbox. Rounds go on until an awaiting asker
+%% has passed others' answers on (`passed_on'), for at most 20 rounds.
 awaiting_and_waiting_askers_get_every_answer_once(P) ->
     Seg = open(P, #{}),
+    Rounds = askers_until_answers_are_passed_on(Seg, 1),
+    #{replies := Replies, late := 0, pending := 0, passed_on := On} = actor_dp:info(Seg),
+    ?assertEqual(Rounds * 6 * 400, Replies),
+    ?assert(On > 0),
+    ok = actor_dp:close(Seg, done).
+
+askers_until_answers_are_passed_on(Seg, Round) ->
     Self = self(),
     Pids = [spawn_link(fun() ->
                                Out = [begin
                                           Msg = {C, K},
                                           {Ref, Id} = submit_ask(Seg, echo, Msg),
-                                          A = case actor_dp:await(Seg, Id) of
+                                          %% await/3: alone by the count only
+                                          A = case actor_dp:await(Seg, Id, 200) of
                                                   {reply, R} -> R;
                                                   none -> receive {Ref, R} -> R after ?T -> hung end
                                               end,
@@ -676,21 +701,54 @@ awaiting_and_waiting_askers_get_every_answer_once(P) ->
                        end) || C <- lists:seq(1, 6)],
     [receive {done, Pid, N, Stray} -> ?assertEqual({400, []}, {N, Stray}) after 60000 -> error(hung) end
      || Pid <- Pids],
-    #{replies := 2400, late := 0, pending := 0} = actor_dp:info(Seg),
+    case actor_dp:info(Seg) of
+        #{passed_on := 0} when Round < 20 -> askers_until_answers_are_passed_on(Seg, Round + 1);
+        _ -> Round
+    end.
+
+%% What await does not take: an answer over 64 KiB (decoded by the reply
+%% thread, not on the asker's scheduler: it comes as the message), and an
+%% ask of another process (its answer stays its asker's).
+await_leaves_large_answers_and_others_asks_alone(P) ->
+    Seg = open(P, #{}),
+    Big = binary_to_list(binary:copy(<<"ab">>, 100000)),
+    [begin
+         Ref = make_ref(),
+         %% (too large for submit/6 to encode in its call)
+         {ok, _, Id, await} = actor_dp:submit_encoded(Seg, ask, echo, term_to_binary(Big), Ref, undefined),
+         ?assertEqual(none, actor_dp:await(Seg, Id, 1000)),
+         receive {Ref, A} -> ?assertEqual({ok, Big}, A) after ?T -> error(no_reply) end
+     end || _ <- lists:seq(1, 5)],
+    cmd(P, "pause"),
+    Ref2 = make_ref(),
+    {ok, _, Id2, await} = actor_dp:submit(Seg, ask, echo, mine, Ref2, undefined),
+    Self = self(),
+    %% another process awaits it over and over while the answer comes
+    Other = spawn_link(fun() -> Self ! {other, others_awaits(Seg, Id2, [])} end),
+    cmd(P, "resume"),
+    receive {Ref2, A2} -> ?assertEqual({ok, mine}, A2) after ?T -> error(no_reply) end,
+    Other ! stop,
+    receive {other, Rs} -> ?assertEqual([none], lists:usort(Rs)) after ?T -> error({hung, Other}) end,
+    #{late := 0, pending := 0, awaited := 0} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
+
+others_awaits(Seg, Id, Acc) ->
+    receive stop -> Acc
+    after 0 -> others_awaits(Seg, Id, [actor_dp:await(Seg, Id, 1000) | Acc])
+    end.
 
 callers(Seg, N, MsgOf) ->
     Self = self(),
     Pids = [spawn_link(fun() ->
                                Ref = make_ref(),
-                               {ok, _, _} = actor_dp:submit(Seg, ask, echo, MsgOf(K), Ref, undefined),
+                               {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, MsgOf(K), Ref, undefined)),
                                receive {Ref, A} -> Self ! {answer, self(), K, A} after ?T -> ok end
                        end) || K <- lists:seq(1, N)],
     [receive {answer, Pid, K, A} -> {K, A} after ?T -> error(hung) end || Pid <- Pids].
 
 waiting_caller(Seg, Parent, K) ->
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, ask, echo, K, Ref, undefined),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, K, Ref, undefined)),
     Parent ! {queued, self()},
     receive {Ref, A} -> Parent ! {answer, self(), K, A} after ?T -> ok end.
 
@@ -830,7 +888,7 @@ pool_open(#{pool_node := N}, Opts) ->
 
 submit_ask(Seg, Dest, Msg) ->
     Ref = make_ref(),
-    {ok, _, Id} = actor_dp:submit(Seg, ask, Dest, Msg, Ref, undefined),
+    {ok, _, Id} = asked(actor_dp:submit(Seg, ask, Dest, Msg, Ref, undefined)),
     {Ref, Id}.
 
 %% An ask by ring; '$stats' asks for the pool's stats instead.
@@ -884,6 +942,11 @@ expect(#{port := Port}, Line) ->
 fd_count() ->
     {ok, Fds} = file:list_dir("/proc/self/fd"),
     length(Fds).
+
+%% An ask's submit, the await mark dropped (lone asks get
+%% {ok, Ticket, Id, await}; these cases take the answer as a message).
+asked({ok, T, Id, await}) -> {ok, T, Id};
+asked(Other) -> Other.
 
 flush_all() ->
     receive _ -> flush_all() after 0 -> ok end.

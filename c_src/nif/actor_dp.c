@@ -54,11 +54,14 @@
 #define DP_FREE_ASKS 1024u /* spare ask entries (each with an env) kept for reuse */
 #define DP_TAB_INIT 256u
 #define DP_AWAIT_NS 150000 /* an ask alone on its segment waits this long for its reply in await/2 */
-#define DP_AWAIT_SKIP_MAX 256u
-#define DP_AWAIT_MAX_US 1000u /* await/3's longest wait: a NIF should return within about 1 ms */ /* after misses, at most this many lone asks go without the wait */
+#define DP_AWAIT_SKIP_MAX 256u /* after misses, at most this many lone asks go without the wait */
+#define DP_CROWD_NS 1000000 /* an ask within this of another process's is not alone */
+#define DP_AWAIT_MAX_US 1000u /* await/3's longest wait: a NIF should return within about 1 ms */
+#define DP_AWAIT_MAX_LEN 65536u /* larger answers are left to the reply thread: no long decode on a scheduler */
 
 struct ask {
 	uint64_t id;
+	int crowded; /* the ask before it came from another process, lately */
 	ErlNifPid pid;
 	ErlNifEnv *env; /* owns ref */
 	ERL_NIF_TERM ref;
@@ -93,6 +96,7 @@ struct dp {
 	atomic_int draining;
 	atomic_int awaiting; /* askers in await/2: the reply thread stands aside */
 	uint64_t *seen;
+	ErlNifEnv *aenv; /* an asker's env for others' answers (under draining) */
 	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
 	int sock;
 
@@ -104,6 +108,8 @@ struct dp {
 	uint32_t n_spare;
 	int keep; /* the resource holds a reference to itself */
 	unsigned await_skip, await_backoff; /* under mu: lone asks left without the wait, the next gap */
+	ErlNifPid last_pid; /* under mu: who submitted the last ask, and when */
+	ErlNifTime last_ns;
 
 	atomic_int closed;
 	atomic_int stop;
@@ -122,7 +128,7 @@ struct dp {
 	char pad0[64];
 	atomic_uint_fast64_t next_id;
 	char pad1[64];
-	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed;
+	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed, n_passed_on;
 	atomic_uint_fast64_t n_encoded; /* records of submit_encoded/6 */
 };
 
@@ -134,7 +140,8 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_closed, a_bad_reply, a_bad_segment, a_nodedown, a_actor_dp, a_down, a_badarg, a_owner_down, a_open,
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
-	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed;
+	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed,
+	a_await, a_passed_on;
 static ERL_NIF_TERM a_encode, a_encoded;
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -418,20 +425,23 @@ static int drain_trylock(struct dp *s)
 
 static void drain_unlock(struct dp *s) { atomic_store_explicit(&s->draining, 0, memory_order_release); }
 
-/* Every reply ring once, fn for each reply (the caller holds draining):
- * the replies, or < 0 when a ring broke. */
-static int drain_all(struct dp *s, dp_reply_fn fn, void *arg)
+/* Every reply ring once, fn for each reply of at most max_len bytes (the
+ * caller holds draining): the replies, or < 0 when a ring broke. *held:
+ * a longer one was left in its ring, unread. */
+static int drain_all(struct dp *s, size_t max_len, dp_reply_fn fn, void *arg, int *held)
 {
 	int total = 0;
 
 	for (uint32_t i = 0; i < s->seg.n_rep; i++) {
-		struct dp_drain_stats st = { 0, 0 };
-		int rc = dp_drain(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, fn, arg, &st);
+		struct dp_drain_stats st = { 0, 0, 0 };
+		int rc = dp_drain_upto(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, max_len, fn, arg, &st);
 		if (st.bad_records)
 			atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
 		__atomic_store_n(&s->seen[i], s->rep[i].pos, __ATOMIC_RELEASE);
 		if (rc < 0)
 			return rc;
+		if (st.held && held)
+			*held = 1;
 		total += rc;
 	}
 	return total;
@@ -471,12 +481,11 @@ static void *reply_thread(void *arg)
 		int total, rc;
 		int64_t now;
 
-		/* An asker in await/2 holds the rings for one pass at most. */
+		/* Only an asker in await/2 (awaiting > 0) holds the rings
+		 * besides us; whatever it leaves behind, it rings for. */
 		total = 0;
-		if (!atomic_load(&s->awaiting)) {
-			while (!drain_trylock(s))
-				ap_ring_cpu_relax();
-			total = drain_all(s, deliver, s);
+		if (!atomic_load(&s->awaiting) && drain_trylock(s)) {
+			total = drain_all(s, SIZE_MAX, deliver, s, NULL);
 			drain_unlock(s);
 		}
 		if (total < 0) {
@@ -552,6 +561,8 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		enif_free_env(s->tenv);
 	if (s->penv)
 		enif_free_env(s->penv);
+	if (s->aenv)
+		enif_free_env(s->aenv);
 	if (s->mu)
 		enif_mutex_destroy(s->mu);
 }
@@ -613,13 +624,14 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->mu = enif_mutex_create("actor_dp");
 	s->tenv = enif_alloc_env();
 	s->penv = enif_alloc_env();
+	s->aenv = enif_alloc_env();
 	s->tab = enif_alloc(DP_TAB_INIT * sizeof *s->tab);
 	s->req = enif_alloc(n_req * sizeof *s->req);
 	s->rep = enif_alloc(n_rep * sizeof *s->rep);
 	s->seen = enif_alloc(n_rep * sizeof *s->seen);
 	s->buf_cap = ap_ring_max_payload(rep_cap) + 1;
 	s->buf = enif_alloc(s->buf_cap);
-	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->seen || !s->buf) {
+	if (!s->mu || !s->tenv || !s->penv || !s->aenv || !s->tab || !s->req || !s->rep || !s->seen || !s->buf) {
 		ret = error_tuple(env, a_enomem);
 		goto out;
 	}
@@ -912,7 +924,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	struct ask *a = NULL;
 	uint64_t tail = 0;
 	void *p;
-	int rc;
+	int rc, lone = 0;
 
 	*published = 0;
 	if ((rc = dp_req_check(q)))
@@ -934,7 +946,23 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		a->id = atomic_fetch_add(&s->next_id, 1);
 		a->ref = enif_make_copy(a->env, ref);
 		enif_self(env, &a->pid);
+		a->crowded = 0;
+		if (q->kind == AP_DP_ASK) {
+			ErlNifTime now = enif_monotonic_time(ERL_NIF_NSEC);
+			a->crowded = s->last_ns && now - s->last_ns < DP_CROWD_NS &&
+				     enif_compare_pids(&s->last_pid, &a->pid) != 0;
+			s->last_pid = a->pid;
+			s->last_ns = now;
+		}
 		ask_put(s, a);
+		/* Worth an await/2 (decided here, under the lock we hold
+		 * anyway: the other asks never make that call). */
+		if (q->kind == AP_DP_ASK && s->n_asks == 1 && !a->crowded) {
+			if (s->await_skip)
+				s->await_skip--;
+			else
+				lone = 1;
+		}
 		enif_mutex_unlock(s->mu);
 		q->ask_id = a->id;
 	}
@@ -1001,6 +1029,10 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	if (q->kind == AP_DP_TELL)
 		return enif_make_tuple2(env, a_ok,
 					enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)));
+	if (lone)
+		return enif_make_tuple4(env, a_ok,
+					enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
+					enif_make_uint64(env, q->ask_id), a_await);
 	return enif_make_tuple3(env, a_ok, enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
 				enif_make_uint64(env, q->ask_id));
 }
@@ -1137,62 +1169,84 @@ struct await_ctx {
 	int got;
 };
 
-/* dp_reply_fn in await/2: the asker's own reply is kept, the others are
- * sent, as the reply thread would. */
+/* dp_reply_fn in await/2: the asker's own reply is kept (decoded on its
+ * heap: it is the NIF's answer), the others are sent as the reply thread
+ * would, decoded into aenv (not the asker's heap). An answer nobody waits
+ * for is not decoded at all. The lookup is done twice, before the decode
+ * and when the entry is taken, so a cancel in between still wins. */
 static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len)
 {
 	struct await_ctx *c = arg;
 	struct dp *s = c->s;
+	int mine = id == c->mine;
+	ErlNifEnv *e = mine ? c->env : s->aenv;
 	ERL_NIF_TERM ans;
 	struct ask *a;
 
-	if (enif_binary_to_term(c->env, term, len, &ans, 0) != len)
-		ans = error_tuple(c->env, a_bad_reply);
 	enif_mutex_lock(s->mu);
-	a = ask_take(s, id);
+	for (a = s->tab[slot_of(id, s->tab_mask)]; a && a->id != id; a = a->next)
+		;
+	enif_mutex_unlock(s->mu);
+	if (a && enif_binary_to_term(e, term, len, &ans, 0) != len)
+		ans = error_tuple(e, a_bad_reply);
+	enif_mutex_lock(s->mu);
+	a = a ? ask_take(s, id) : NULL;
 	if (!a) {
 		cnt(&s->n_late);
 		enif_mutex_unlock(s->mu);
+		if (!mine)
+			enif_clear_env(s->aenv);
 		return;
 	}
 	cnt(&s->n_replies);
-	if (id == c->mine) {
+	if (mine) {
 		c->ans = ans;
 		c->got = 1;
 	} else {
-		(void)enif_send(c->env, &a->pid, NULL, enif_make_tuple2(c->env, enif_make_copy(c->env, a->ref), ans));
+		cnt(&s->n_passed_on);
+		(void)enif_send(c->env, &a->pid, s->aenv, enif_make_tuple2(s->aenv, enif_make_copy(s->aenv, a->ref), ans));
+		enif_clear_env(s->aenv);
 	}
 	ask_free(s, a);
 	enif_mutex_unlock(s->mu);
 }
 
 /* Whether ask id is still waiting for its reply (none came, no close
- * answered it); with the number of asks waiting. */
-static int ask_waiting(struct dp *s, uint64_t id, uint32_t *n_asks)
+ * answered it); with whether it is alone: the only ask waiting, and the
+ * one before it came from the same process or long ago. With many
+ * callers the pool answers faster than the schedulers take the answers,
+ * so the waiting asks are few while most callers sit in the run queues:
+ * the count alone would have their scheduler spin while they wait (11%
+ * of the BEAM's samples under 64 callers). */
+static int ask_waiting(struct dp *s, uint64_t id, int *alone, int crowd_ok, const ErlNifPid *self)
 {
 	struct ask *a;
 
 	enif_mutex_lock(s->mu);
 	for (a = s->tab[slot_of(id, s->tab_mask)]; a && a->id != id; a = a->next)
 		;
-	if (n_asks)
-		*n_asks = s->n_asks;
+	/* Only the asker may take the answer: anyone else would leave it
+	 * waiting for a message that never comes. */
+	if (alone)
+		*alone = a && s->n_asks == 1 && (crowd_ok || !a->crowded) && !enif_compare_pids(&a->pid, self);
 	enif_mutex_unlock(s->mu);
 	return a != NULL;
 }
 
-/* await(Seg, AskId) -> {reply, Answer} | none. none: the answer comes as
- * a message, as without this call. await(Seg, AskId, Us): a wait of Us
- * microseconds (at most DP_AWAIT_MAX_US) that neither skips for earlier
- * misses nor counts towards them (tests, tuning). */
+/* await(Seg, AskId) -> {reply, Answer} | none, for an ask whose submit
+ * answered {ok, Ticket, Id, await} (submit keeps the gap after misses).
+ * none: the answer comes as a message, as without this call.
+ * await(Seg, AskId, Us): a wait of Us microseconds (at most
+ * DP_AWAIT_MAX_US) that does not count towards the gap (tests, tuning). */
 static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	struct dp *s;
 	ErlNifUInt64 id;
-	uint32_t n_asks;
+	int alone, pct;
 	uint64_t gen;
-	ErlNifTime t0, now, budget = DP_AWAIT_NS;
+	ErlNifTime t0, now, spent, budget = DP_AWAIT_NS;
 	unsigned us;
+	ErlNifPid me;
 	struct await_ctx c;
 
 	if (!get_dp(env, argv[0], &s) || !enif_get_uint64(env, argv[1], &id))
@@ -1202,40 +1256,40 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 			return enif_make_badarg(env);
 		budget = (ErlNifTime)us * 1000;
 	}
-	if (atomic_load(&s->closed) || !ask_waiting(s, id, &n_asks) || n_asks != 1)
+	if (!enif_self(env, &me))
+		return enif_make_badarg(env);
+	/* Before the check: a delivery by the reply thread after it shows.
+	 * await/3 takes the count alone (tests make many askers meet). */
+	gen = atomic_load_explicit(&s->drains, memory_order_acquire);
+	if (atomic_load(&s->closed) || !ask_waiting(s, id, &alone, argc == 3, &me) || !alone)
 		return a_none;
-	enif_mutex_lock(s->mu);
-	if (argc == 2 && s->await_skip) {
-		s->await_skip--;
-		enif_mutex_unlock(s->mu);
-		return a_none;
-	}
-	enif_mutex_unlock(s->mu);
 	c = (struct await_ctx){ .s = s, .env = env, .mine = id, .got = 0 };
 	atomic_fetch_add(&s->awaiting, 1);
-	gen = atomic_load_explicit(&s->drains, memory_order_acquire);
 	t0 = enif_monotonic_time(ERL_NIF_NSEC);
 	now = t0;
 	for (unsigned k = 1;; k++) {
+		int passed = 0;
 		if (rep_any_pending(s) && drain_trylock(s)) {
-			int rc = drain_all(s, deliver_here, &c);
+			int held = 0, rc = drain_all(s, DP_AWAIT_MAX_LEN, deliver_here, &c, &held);
 			drain_unlock(s);
 			if (rc < 0) {
 				/* Every waiting ask, ours included, gets {error, bad_segment}. */
 				dp_shut(s, env, a_bad_segment, 1);
 				break;
 			}
-			if (c.got)
+			/* A large answer (ours or not) is the reply thread's. */
+			if (c.got || held)
 				break;
+			passed = rc > 0;
 		}
 		if (atomic_load(&s->closed))
 			break;
-		if (!(k & 15)) {
+		if (passed || !(k & 15)) {
 			uint64_t g = atomic_load_explicit(&s->drains, memory_order_acquire);
 			/* The reply thread delivered meanwhile: perhaps ours. */
 			if (g != gen) {
 				gen = g;
-				if (!ask_waiting(s, id, NULL))
+				if (!ask_waiting(s, id, NULL, 0, &me))
 					break;
 			}
 			now = enif_monotonic_time(ERL_NIF_NSEC);
@@ -1244,11 +1298,18 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 		}
 		ap_ring_cpu_relax();
 	}
-	/* Anything left (others' replies that came after our last pass) is
-	 * the reply thread's: seq_cst against its check of awaiting. */
-	if (atomic_fetch_sub(&s->awaiting, 1) == 1 && rep_any_pending(s))
-		ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
-	(void)enif_consume_timeslice(env, 1 + (int)((now - t0) / 10000));
+	/* Anything left (others' replies that came after our last pass, a
+	 * large one) is the reply thread's. The fence orders our decrement
+	 * before the tails we read, as its own check of awaiting is ordered
+	 * after raising its sleep flag. */
+	if (atomic_fetch_sub(&s->awaiting, 1) == 1) {
+		atomic_thread_fence(memory_order_seq_cst);
+		if (rep_any_pending(s))
+			ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
+	}
+	spent = enif_monotonic_time(ERL_NIF_NSEC) - t0;
+	pct = 1 + (int)(spent / 10000); /* 1% of a timeslice per 10 us */
+	(void)enif_consume_timeslice(env, pct > 100 ? 100 : pct);
 	enif_mutex_lock(s->mu);
 	if (c.got) {
 		s->await_backoff = 0;
@@ -1345,6 +1406,7 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_encoded, C(n_encoded));
 	KV(a_awaited, C(n_awaited));
 	KV(a_await_missed, C(n_await_missed));
+	KV(a_passed_on, C(n_passed_on));
 	KV(a_pending, enif_make_uint(env, pending));
 	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
 	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
@@ -1407,6 +1469,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 #define ATOM(name) a_##name = enif_make_atom(env, #name)
 	ATOM(ok);
 	ATOM(none);
+	ATOM(await);
+	ATOM(passed_on);
 	ATOM(reply);
 	ATOM(awaited);
 	ATOM(await_missed);

@@ -102,6 +102,12 @@ int dp_rep_parse(const uint8_t *buf, size_t len, uint64_t *ask_id, size_t *term_
 int dp_drain(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, dp_reply_fn fn, void *arg,
 	     struct dp_drain_stats *st)
 {
+	return dp_drain_upto(r, buf, buf_cap, max, SIZE_MAX, fn, arg, st);
+}
+
+int dp_drain_upto(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, size_t max_len, dp_reply_fn fn,
+		  void *arg, struct dp_drain_stats *st)
+{
 	unsigned n = 0;
 	int rc = 0;
 
@@ -110,7 +116,7 @@ int dp_drain(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, dp_r
 	while (n < max) {
 		const void *p;
 		size_t len, tlen;
-		uint64_t id;
+		uint64_t id, at = r->pos;
 
 		rc = ap_ring_read(r, &p, &len);
 		if (rc == -EAGAIN) {
@@ -119,6 +125,13 @@ int dp_drain(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, dp_r
 		}
 		if (rc < 0)
 			break;
+		if (len > max_len) {
+			/* Unread: the next read (a pad before it, if any, too)
+			 * finds it again. */
+			r->pos = at;
+			st->held = 1;
+			break;
+		}
 		n++;
 		/* len was read once and checked by the ring (<= max payload);
 		 * the bytes may still change under us, so parse the copy. */

@@ -75,6 +75,7 @@ typedef void (*dp_reply_fn)(void *arg, uint64_t ask_id, const uint8_t *term, siz
 struct dp_drain_stats {
 	uint64_t replies;     /* valid records handed to the callback */
 	uint64_t bad_records; /* refused by dp_rep_parse (skipped) */
+	int held;             /* dp_drain_upto stopped before a record over max_len */
 };
 
 /* Drains up to `max` records of a reply ring (consumer view r): each is
@@ -84,6 +85,12 @@ struct dp_drain_stats {
  * hostile or torn), -EINVAL. */
 int dp_drain(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, dp_reply_fn fn, void *arg,
 	     struct dp_drain_stats *st);
+
+/* As dp_drain, but stops before the first record longer than max_len
+ * bytes and leaves it in the ring, unread (st->held set): for a drainer
+ * that must not decode large answers where it runs (a scheduler). */
+int dp_drain_upto(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max, size_t max_len, dp_reply_fn fn,
+		  void *arg, struct dp_drain_stats *st);
 
 /* ---- attach ----------------------------------------------------------------- */
 

@@ -241,6 +241,52 @@ static void test_drain_delivers_valid_replies_and_skips_bad_ones(void **state)
 	t_seg_close(&t);
 }
 
+/* dp_drain_upto stops before a record over max_len and leaves it whole in
+ * the ring (a pad before it too): a plain drain reads it next. */
+static void test_drain_upto_leaves_a_long_record_unread(void **state)
+{
+	struct t_seg t;
+	struct t_got *g = calloc(1, sizeof *g);
+	uint8_t *buf, big[1500];
+	size_t cap = ap_ring_max_payload(4096) + 1;
+	struct dp_drain_stats st = { 0, 0, 0 };
+
+	(void)state;
+	memset(big, 'a', sizeof big);
+	big[0] = 'm'; /* LARGE_BIG_EXT's tag is not needed: only lengths are checked */
+	t_seg_open(&t, 4096, 4096);
+	buf = malloc(cap);
+	/* move the ring's position on so that the long record wraps (a pad) */
+	t_put_reply(&t.prep, 9, (const char *)big, 1400, 1400);
+	t_put_reply(&t.prep, 9, (const char *)big, 1400, 1400);
+	assert_int_equal(ap_ring_publish(&t.prep), 0);
+	assert_int_equal(dp_drain(&t.nrep, buf, cap, DP_DRAIN_BATCH, t_collect, g, &st), 2);
+	assert_true((t.nrep.pos & t.nrep.mask) + 1500 > t.nrep.cap); /* the next long one wraps */
+	g->n = 0;
+	t_put_reply(&t.prep, 1, "a\x05", 2, 2);
+	t_put_reply(&t.prep, 2, (const char *)big, sizeof big, sizeof big);
+	t_put_reply(&t.prep, 3, "a\x06", 2, 2);
+	assert_int_equal(ap_ring_publish(&t.prep), 0);
+	assert_int_equal(dp_drain_upto(&t.nrep, buf, cap, DP_DRAIN_BATCH, 100, t_collect, g, &st), 1);
+	assert_int_equal(st.held, 1);
+	assert_int_equal(g->n, 1);
+	assert_int_equal(g->ids[0], 1);
+	/* still there, whole, with what follows it */
+	assert_int_equal(dp_drain_upto(&t.nrep, buf, cap, DP_DRAIN_BATCH, 100, t_collect, g, &st), 0);
+	assert_int_equal(g->n, 1);
+	st.held = 0;
+	assert_int_equal(dp_drain(&t.nrep, buf, cap, DP_DRAIN_BATCH, t_collect, g, &st), 2);
+	assert_int_equal(st.held, 0);
+	assert_int_equal(g->n, 3);
+	assert_int_equal(g->ids[1], 2);
+	assert_int_equal(g->lens[1], sizeof big + 1);
+	assert_int_equal(g->ids[2], 3);
+	assert_int_equal(__atomic_load_n(&t.prep.hdr->head, __ATOMIC_ACQUIRE), t.prep.tail);
+	free(buf);
+	free(g);
+	t_seg_close(&t);
+}
+
 static void test_drain_is_bounded_per_pass(void **state)
 {
 	struct t_seg t;
@@ -448,6 +494,7 @@ int main(void)
 		cmocka_unit_test(test_request_checks_refuse_bad_parts),
 		cmocka_unit_test(test_reply_header_must_match_the_record_exactly),
 		cmocka_unit_test(test_drain_delivers_valid_replies_and_skips_bad_ones),
+		cmocka_unit_test(test_drain_upto_leaves_a_long_record_unread),
 		cmocka_unit_test(test_drain_is_bounded_per_pass),
 		cmocka_unit_test(test_drain_reports_a_broken_ring),
 		cmocka_unit_test(test_attach_hands_the_segment_to_the_pool_node),
