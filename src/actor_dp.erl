@@ -26,7 +26,7 @@
 -module(actor_dp).
 
 -export([open/3]).
--export([submit/6]).
+-export([submit/6, submit/7, submit_encoded/6]).
 -export([await/2, await/3]).
 -export([cancel/2]).
 -export([consumed/2]).
@@ -78,6 +78,7 @@
                   bad_records := non_neg_integer(),
                   full := non_neg_integer(),
                   too_large := non_neg_integer(),
+                  encoded := non_neg_integer(),
                   awaited := non_neg_integer(),
                   await_missed := non_neg_integer(),
                   passed_on := non_neg_integer(),
@@ -90,7 +91,8 @@
 %% Counters since open: records submitted per kind, replies delivered,
 %% `late' (replies for a cancelled or unknown ask, dropped), `bad_records'
 %% (reply records with a bad header, skipped), `full' and `too_large'
-%% (submits refused), `awaited' (answers taken by {@link await/2}),
+%% (submits refused), `encoded' (records submitted by {@link
+%% submit_encoded/6}), `awaited' (answers taken by {@link await/2}),
 %% `await_missed' (waits that ended without one), `passed_on' (others'
 %% answers an awaiting asker sent on), `pending' asks now; and the
 %% geometry.
@@ -130,11 +132,48 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% within 1 ms, gets `{ok, Ticket, AskId, await}': worth a call of
 %% {@link await/2} (unless its last waits ended empty: then the next 4, 8,
 %% ... up to 256 such asks are not marked).
+%%
+%% `encode': nothing was done, because `Msg' is too large to encode inside
+%% this call without holding the scheduler (a walk of a few thousand of its
+%% terms, or a bound of about 64 KiB of its encoded size, was not enough;
+%% also funs, integers over 64 bits and bitstrings that are not binaries).
+%% Encode it with `term_to_binary/1', which yields, and submit the bytes
+%% with {@link submit_encoded/6}. A binary `Msg' is never answered
+%% `encode': it is not encoded, and refused on its size alone.
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
              Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
-          | full | too_large | closed.
+          | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc As {@link submit/6}, with `Bound', an upper bound of the size of
+%% `Msg' in the external format that the caller has at hand (actor_pool's
+%% walk of every message gives one): at most 16 KiB, it stands for the
+%% NIF's own walk of `Msg' (which then is encoded in the call). A wrong
+%% bound only makes the call take longer.
+-spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
+             Ref :: reference() | undefined, Ticket :: ticket() | undefined,
+             Bound :: non_neg_integer()) ->
+          {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
+          | full | too_large | closed | encode.
+submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket, _Bound) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc As {@link submit/6} (`tell' or `ask'), for a message already
+%% encoded: `Bin' is `term_to_binary(Msg)' (not compressed), and the pool
+%% node gets `Msg' as if it were passed to submit/6, in the same order with
+%% the caller's other submits (the same tickets and fences). `too_large'
+%% is answered on the size of `Bin' alone. Raises `badarg' when `Bin' is
+%% not a binary holding exactly one external term (truncated, bytes after
+%% it, compressed, not a term): the pool node would skip such a record.
+%% The bytes are checked on a dirty CPU scheduler when there are more than
+%% 64 KiB of them.
+-spec submit_encoded(Seg :: seg(), Kind :: tell | ask, Dest :: atom() | pid(), Bin :: binary(),
+                     Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
+          {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
+          | full | too_large | closed.
+submit_encoded(_Seg, _Kind, _Dest, _Bin, _Ref, _Ticket) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Waits briefly, on the caller's scheduler, for the answer to ask

@@ -543,11 +543,16 @@ by_key(Key) ->
             {ok, Pid, node(Pid)}
     end.
 
-%% ok, or {too_large, Size, Max} when Msg (of external size at most Est)
-%% does not fit in one frame of the pool node: Max is its max_frame less the
-%% frame's envelope. Nothing is looked up while Est is under the floor of
-%% every max_frame; above it, the pool node's max_frame (learned once from
-%% another pool node) and then the exact size are taken.
+%% ok, or {too_large, Size, Max} when Msg (of external size at most Est, or
+%% {exact, Size} when the ring path has encoded it) does not fit in one frame
+%% of the pool node: Max is its max_frame less the frame's envelope. Nothing
+%% is looked up while the size is under the floor of every max_frame; above
+%% it, the pool node's max_frame (learned once from another pool node) and
+%% then the exact size are taken.
+fits(_Node, _Msg, {exact, Size}) when Size =< ?MIN_MAX_FRAME - ?FRAME_ENVELOPE ->
+    ok;
+fits(Node, _Msg, {exact, Size}) ->
+    within(Size, max_frame(Node) - ?FRAME_ENVELOPE);
 fits(_Node, _Msg, Est) when Est =< ?MIN_MAX_FRAME - ?FRAME_ENVELOPE ->
     ok;
 fits(Node, Msg, Est) ->
@@ -560,11 +565,11 @@ fits(Node, Msg, Est) ->
                        true -> Est;
                        false -> erlang:external_size(Msg)
                    end,
-            case Size =< Max of
-                true -> ok;
-                false -> {too_large, Size, Max}
-            end
+            within(Size, Max)
     end.
+
+within(Size, Max) when Size =< Max -> ok;
+within(Size, Max) -> {too_large, Size, Max}.
 
 %% The pool node's max_frame: this node's own pool node's is known; another
 %% pool node is asked once (node_stats; kept until the application stops),
@@ -715,10 +720,15 @@ ring_drained(Seg, Ticket, Deadline, N) ->
             ok
     end.
 
-%% One record into the lane. ok (tell) | {ok, AskId} | {ok, AskId, await}
-%% (a lone ask: worth an actor_dp:await/2) | full | dist (use
-%% distribution instead: too large for a ring, or the lane is closed).
-ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
+%% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
+%% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)).
+%% ok (tell) | {ok, AskId} | {ok, AskId, await} (a lone ask: worth an
+%% actor_dp:await/2) | full | {encoded, Bin} (the NIF did not encode Msg,
+%% too large to encode within one NIF call: here it is, encoded by
+%% term_to_binary/1, which yields; submit that) | dist | {dist, Size} (use
+%% distribution instead: too large for a ring, or the lane is closed; Size
+%% is the message's external size once known).
+ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
     Key = ?DP_KEY(Node),
     Prev = case get(Key) of
                {Seg, T} ->
@@ -736,28 +746,42 @@ ring_submit(Seg, Node, Kind, Dest, Msg, Ref) ->
                 {Name, _} -> Name;
                 Pid -> Pid
             end,
-    try actor_dp:submit(Seg, Kind, RDest, Msg, Ref, Prev) of
+    try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
         {ok, T1} -> put(Key, {Seg, T1}), ok;
         {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
         {ok, T1, AskId, await} -> put(Key, {Seg, T1}), {ok, AskId, await};
         full -> full;
-        too_large -> actor_pool_dp:count(too_large), dist;
-        closed -> actor_pool_dp:lane_closed(Node, Seg), dist
+        encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
+        too_large -> actor_pool_dp:count(too_large), to_dist(Body);
+        closed -> actor_pool_dp:lane_closed(Node, Seg), to_dist(Body)
     catch
         %% The NIF reads pool names as Latin-1 only (the NIF interface of
         %% OTP 25): a pool named outside it is reached by distribution,
         %% after what went by ring before (the caller's "dist" path).
-        error:badarg -> dist
+        error:badarg -> to_dist(Body)
     end.
 
+dp_submit(Seg, Kind, Dest, {term, Msg, Est}, Ref, Prev) ->
+    actor_dp:submit(Seg, Kind, Dest, Msg, Ref, Prev, Est);
+dp_submit(Seg, Kind, Dest, {encoded, Bin}, Ref, Prev) ->
+    actor_dp:submit_encoded(Seg, Kind, Dest, Bin, Ref, Prev).
+
+%% The message's external size is known once it is encoded: distribution's
+%% check of it need not size it again (erlang:external_size/1 does not
+%% yield).
+to_dist({term, _, _}) -> dist;
+to_dist({encoded, Bin}) -> {dist, byte_size(Bin)}.
+
 ring_tell(Seg, Node, Dest, Msg, Est) ->
-    case ring_submit_wait(Seg, Node, tell, Dest, Msg, undefined, ?FULL_RETRY_US) of
+    case ring_submit_wait(Seg, Node, tell, Dest, {term, Msg, Est}, undefined, ?FULL_RETRY_US) of
         ok ->
             ok;
         dist ->
             %% Too large for a ring record (or the lane closed): it goes by
             %% distribution if it fits in a frame.
             dist_tell(Node, Dest, Msg, Est);
+        {dist, Size} ->
+            dist_tell(Node, Dest, Msg, {exact, Size});
         full ->
             %% Not to distribution: it would overtake what is in the ring.
             %% Counted (actor_pool_dp:info/0), as a full mailbox counts its
@@ -766,24 +790,27 @@ ring_tell(Seg, Node, Dest, Msg, Est) ->
     end.
 
 %% ring_submit/6, retried while the ring is full for at most WaitUs:
-%% yielding first, then sleeping 1 ms between tries.
-ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) ->
-    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, undefined, 0).
+%% yielding first, then sleeping 1 ms between tries; and at once with the
+%% message encoded when the NIF asked for it so (retries reuse the bytes).
+ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs) ->
+    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, undefined, 0).
 
-ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries) ->
-    case ring_submit(Seg, Node, Kind, Dest, Msg, Ref) of
+ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries) ->
+    case ring_submit(Seg, Node, Kind, Dest, Body, Ref) of
+        {encoded, _} = Encoded ->
+            ring_submit_wait(Seg, Node, Kind, Dest, Encoded, Ref, WaitUs, Deadline, Tries);
         full when WaitUs > 0 ->
             Now = erlang:monotonic_time(microsecond),
             case Deadline of
                 undefined ->
                     erlang:yield(),
-                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Now + WaitUs, 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Now + WaitUs, 1);
                 _ when Now < Deadline, Tries < ?FULL_YIELDS ->
                     erlang:yield(),
-                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries + 1);
                 _ when Now < Deadline ->
                     receive after 1 -> ok end,
-                    ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs, Deadline, Tries + 1);
+                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries + 1);
                 _ ->
                     full
             end;
@@ -801,7 +828,7 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
                  infinity -> ?FULL_RETRY_US;
                  _ -> min(?FULL_RETRY_US, Timeout * 1000)
              end,
-    case ring_submit_wait(Seg, Node, Kind, Dest, Msg, Ref, WaitUs) of
+    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Ref, WaitUs) of
         {ok, AskId, await} when Timeout =/= 0 ->
             %% A lone asker takes its reply in the NIF (no wake-up of the
             %% reply thread, then of this scheduler); else, or late, it
@@ -817,6 +844,8 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};
+        {dist, Size} when Kind =:= ask ->
+            dist_ask(Node, Dest, Msg, {exact, Size}, Timeout);
         _DistOrFullStats when Kind =:= ask ->
             dist_ask(Node, Dest, Msg, Est, Timeout);
         _DistOrFullStats ->

@@ -25,6 +25,7 @@
          pool_named_outside_latin1_answers_by_distribution/1,
          every_reference_form_answers_alike_over_ring_and_distribution/1,
          errors_are_identical_over_ring_and_distribution/1,
+         large_terms_are_encoded_by_the_caller_and_arrive_whole/1,
          fast_path_option_is_validated/1,
          fast_path_false_setting_sends_by_distribution/1,
          order_holds_across_scheduler_changes/1,
@@ -52,6 +53,7 @@ ring_test_() ->
                  pool_named_outside_latin1_answers_by_distribution,
                  every_reference_form_answers_alike_over_ring_and_distribution,
                  errors_are_identical_over_ring_and_distribution,
+                 large_terms_are_encoded_by_the_caller_and_arrive_whole,
                  fast_path_option_is_validated,
                  fast_path_false_setting_sends_by_distribution,
                  order_holds_across_scheduler_changes,
@@ -216,6 +218,27 @@ errors_are_identical_over_ring_and_distribution(#{pool_node := N}) ->
     ?assertEqual({error, noproc}, actor_pool:ask(Gone, x)),
     ?assertEqual({error, noproc}, actor_pool:ask(ring_gone, x)),
     ?assertEqual({error, noproc}, actor_pool:stats(Gone)).
+
+%% Terms too large to encode within one NIF call but small enough for a
+%% ring record (a 100K-element list, a tuple with a 200 KB binary, a tuple
+%% of 2000 tuples) are encoded by the caller and go by ring all the same
+%% (the segment's `encoded' counter), asked and told, between small
+%% messages, and come back from an echo pool equal.
+large_terms_are_encoded_by_the_caller_and_arrive_whole(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
+        ?assertEqual({ok, <<"warm">>}, actor_pool:ask(P, <<"warm">>)),
+        #{lane := Seg} = lane_info(N),
+        #{encoded := E0} = actor_dp:info(Seg),
+        Large = [lists:seq(1, 100000), {doc, binary:copy(<<"j">>, 200000)},
+                 list_to_tuple([{K, <<K:32>>} || K <- lists:seq(1, 2000)])],
+        ?assertEqual([{ok, T} || T <- Large], [actor_pool:ask(P, T) || T <- Large]),
+        [begin ok = actor_pool:tell(P, T), ok = actor_pool:tell(P, small) end || T <- Large],
+        %% one worker: once `last' is answered, everything before it was
+        %% handled
+        ?assertEqual({ok, last}, actor_pool:ask(P, last)),
+        ?assertMatch(#{processed := 11, by_path := #{dist := 0, ring := 11}}, actor_pool:stats(P)),
+        ?assertMatch(#{encoded := E} when E =:= E0 + 6, actor_dp:info(Seg))
+    end).
 
 fast_path_option_is_validated(_Ctx) ->
     [?assertEqual({error, {badarg, {fast_path, V}}},

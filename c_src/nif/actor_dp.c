@@ -45,6 +45,7 @@
 
 #include <erl_nif.h>
 
+#include "ap_term.h"
 #include "dp_core.h"
 
 #define DP_WAIT_MS 50      /* the reply thread's longest sleep: EOF and close are seen within it */
@@ -129,6 +130,7 @@ struct dp {
 	atomic_uint_fast64_t next_id;
 	char pad1[64];
 	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed, n_passed_on;
+	atomic_uint_fast64_t n_encoded; /* records of submit_encoded/6 */
 };
 
 static ErlNifResourceType *g_dp_type;
@@ -141,6 +143,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
 	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed,
 	a_await, a_passed_on;
+static ERL_NIF_TERM a_encode, a_encoded;
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -706,9 +709,14 @@ out:
 /* ---- submit --------------------------------------------------------------------- */
 
 /* The caller's ring: a slot per scheduler thread, handed out in order, so
- * that with one ring per scheduler each has its own. */
-static uint32_t my_ring(const struct dp *s)
+ * that with one ring per scheduler each has its own. A dirty scheduler
+ * (submit_encoded/6 of a large term) takes no slot: it would shift the
+ * normal schedulers' slots onto each other's rings; it starts at ring 0
+ * and takes the first free one. */
+static uint32_t my_ring(const struct dp *s, int dirty)
 {
+	if (dirty)
+		return 0;
 	if (!tl_slot)
 		tl_slot = atomic_fetch_add(&g_next_slot, 1) + 1;
 	return (tl_slot - 1) % s->seg.n_req;
@@ -738,113 +746,209 @@ static size_t atom_utf8(ErlNifEnv *env, ERL_NIF_TERM a, uint8_t *out, size_t cap
 	return o;
 }
 
-/* submit(Seg, Kind, Dest, Msg, Ref, Ticket) */
-static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+/* A non-binary message is encoded inside submit/6 (enif_term_to_binary,
+ * which cannot yield) only when a walk of at most DP_ENC_CELLS terms
+ * shows it small: at most that many terms and conses, within
+ * DP_ENC_BYTES by a bound of its encoded size. That encoding takes tens
+ * of microseconds at most. Anything else is answered `encode`: the
+ * caller encodes it with term_to_binary/1, which yields, and submits the
+ * bytes with submit_encoded/6. Unbounded, the encoding of a 10M-element
+ * list held the scheduler for 100 ms and more, only for the message to
+ * be refused as too large. */
+#define DP_ENC_CELLS 4096u
+#define DP_ENC_BYTES (64u * 1024)
+#define DP_ENC_STACK 256u  /* terms waiting in the walk: more siblings than this go to `encode` */
+#define DP_ENC_ID 1100u    /* a bound of a pid, port or reference: a node name of 255 UTF-8 characters */
+/* submit/7: the caller's own bound of the encoded size (actor_pool walks
+ * every message before it sends it) stands for the walk when it is at
+ * most this: such a term has at most twice as many terms as bytes, so its
+ * encoding is as short. A caller that lies only holds its own scheduler. */
+#define DP_ENC_VOUCHED (16u * 1024)
+/* submit_encoded/6 checks the bytes it is given (one whole term, as the
+ * pool node will): in the call up to this size, on a dirty CPU scheduler
+ * above it (a walk of up to a ring record's size, half a megabyte by
+ * default, is milliseconds of work). */
+#define DP_ENC_INLINE (64u * 1024)
+
+/* Whether t is small enough to encode here (see DP_ENC_CELLS). Terms a NIF
+ * cannot size cheaply (funs, which may carry any environment, integers
+ * over 64 bits, bitstrings that are not binaries) are left to the
+ * caller. */
+static int enc_small(ErlNifEnv *env, ERL_NIF_TERM t)
 {
-	struct dp *s;
-	struct dp_req_parts q = { .fence_ring = AP_DP_NO_FENCE };
-	uint8_t name[DP_MAX_DEST_NAME], prefix[5];
-	ErlNifBinary dest_bin = { 0 }, msg_bin = { 0 }, mbin;
-	int own_dest = 0, own_msg = 0, rc;
+	ERL_NIF_TERM st[DP_ENC_STACK];
+	unsigned n = 0, cells = 0;
+	size_t bytes = 1;
+
+	st[n++] = t;
+	while (n) {
+		ERL_NIF_TERM x = st[--n], h, tl, k, v;
+		const ERL_NIF_TERM *el;
+		ErlNifBinary b;
+		ErlNifSInt64 i64;
+		ErlNifUInt64 u64;
+		ErlNifMapIterator it;
+		unsigned len;
+		size_t msz;
+		int arity;
+
+		if (++cells > DP_ENC_CELLS)
+			return 0;
+		switch (enif_term_type(env, x)) {
+		case ERL_NIF_TERM_TYPE_ATOM:
+			/* Latin-1 text becomes at most twice as many UTF-8 bytes. */
+			bytes += enif_get_atom_length(env, x, &len, ERL_NIF_LATIN1) ? 3 + 2 * (size_t)len : 3 + 4 * 255;
+			break;
+		case ERL_NIF_TERM_TYPE_FLOAT:
+			bytes += 9;
+			break;
+		case ERL_NIF_TERM_TYPE_INTEGER:
+			if (!enif_get_int64(env, x, &i64) && !enif_get_uint64(env, x, &u64))
+				return 0;
+			bytes += 11;
+			break;
+		case ERL_NIF_TERM_TYPE_PID:
+		case ERL_NIF_TERM_TYPE_PORT:
+		case ERL_NIF_TERM_TYPE_REFERENCE:
+			bytes += DP_ENC_ID;
+			break;
+		case ERL_NIF_TERM_TYPE_BITSTRING:
+			if (!enif_inspect_binary(env, x, &b))
+				return 0;
+			bytes += 6 + b.size;
+			break;
+		case ERL_NIF_TERM_TYPE_LIST:
+			/* One cons: its head waits on top of its tail, so a long
+			 * list keeps the stack at one entry for its spine. */
+			if (!enif_get_list_cell(env, x, &h, &tl)) {
+				bytes += 1;
+				break;
+			}
+			if (n + 2 > DP_ENC_STACK)
+				return 0;
+			bytes += 5;
+			st[n++] = tl;
+			st[n++] = h;
+			break;
+		case ERL_NIF_TERM_TYPE_TUPLE:
+			if (!enif_get_tuple(env, x, &arity, &el) || (unsigned)arity > DP_ENC_STACK - n)
+				return 0;
+			bytes += 5;
+			for (int j = arity - 1; j >= 0; j--)
+				st[n++] = el[j];
+			break;
+		case ERL_NIF_TERM_TYPE_MAP:
+			if (!enif_get_map_size(env, x, &msz) || msz > (DP_ENC_STACK - n) / 2)
+				return 0;
+			bytes += 5;
+			if (!msz)
+				break;
+			if (!enif_map_iterator_create(env, x, &it, ERL_NIF_MAP_ITERATOR_FIRST))
+				return 0;
+			while (enif_map_iterator_get_pair(env, &it, &k, &v)) {
+				st[n++] = v;
+				st[n++] = k;
+				enif_map_iterator_next(env, &it);
+			}
+			enif_map_iterator_destroy(env, &it);
+			break;
+		default:
+			return 0;
+		}
+		if (bytes > DP_ENC_BYTES)
+			return 0;
+	}
+	return 1;
+}
+
+/* What submit/6 and submit_encoded/6 share: Seg, Kind, Dest, Ref and
+ * Ticket (argv[0..2], [4], [5]) read into *s and *q. 0, or -1 for a
+ * badarg. The destination may be in name[] or in *dest_bin (then
+ * *own_dest is set: the caller releases it). */
+static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s, struct dp_req_parts *q,
+		       uint8_t name[DP_MAX_DEST_NAME], ErlNifBinary *dest_bin, int *own_dest)
+{
 	const ERL_NIF_TERM *tk;
 	int arity;
-	uint32_t ring = 0, k;
+
+	if (!get_dp(env, argv[0], s))
+		return -1;
+	if (enif_is_identical(argv[1], a_tell))
+		q->kind = AP_DP_TELL;
+	else if (enif_is_identical(argv[1], a_ask))
+		q->kind = AP_DP_ASK;
+	else if (enif_is_identical(argv[1], a_stats))
+		q->kind = AP_DP_STATS;
+	else
+		return -1;
+	if (q->kind != AP_DP_TELL && !enif_is_ref(env, argv[4]))
+		return -1;
+	if (enif_get_tuple(env, argv[5], &arity, &tk)) {
+		ErlNifUInt64 tr, tp;
+		if (arity != 2 || !enif_get_uint64(env, tk[0], &tr) || !enif_get_uint64(env, tk[1], &tp))
+			return -1;
+		/* A ticket of another segment's geometry is no fence. */
+		if (tr < (*s)->seg.n_req) {
+			q->fence_ring = (uint32_t)tr;
+			q->fence_pos = tp;
+		}
+	} else if (!enif_is_identical(argv[5], a_undefined)) {
+		return -1;
+	}
+	if (enif_is_atom(env, argv[2])) {
+		q->dest_kind = AP_DP_DEST_NAME;
+		q->dest_len = atom_utf8(env, argv[2], name, DP_MAX_DEST_NAME);
+		q->dest = name;
+		if (!q->dest_len)
+			return -1;
+	} else if (enif_is_pid(env, argv[2])) {
+		if (!enif_term_to_binary(env, argv[2], dest_bin))
+			return -1;
+		*own_dest = 1;
+		q->dest_kind = AP_DP_DEST_PID;
+		q->dest = dest_bin->data + 1;
+		q->dest_len = dest_bin->size - 1;
+	} else {
+		return -1;
+	}
+	return 0;
+}
+
+/* Writes the record q into a request ring and answers as submit/6 does.
+ * ref: the ask's Ref (argv[4]); dirty: on a dirty scheduler. *published:
+ * whether the record went in. */
+static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_parts *q, ERL_NIF_TERM ref, int dirty,
+				  int *published)
+{
+	uint32_t ring, k;
 	struct req_ring *rr = NULL;
 	struct ask *a = NULL;
 	uint64_t tail = 0;
 	void *p;
-	int lone = 0;
-	ERL_NIF_TERM ret;
+	int rc, lone = 0;
 
-	(void)argc;
-	if (!get_dp(env, argv[0], &s))
-		return enif_make_badarg(env);
-	if (enif_is_identical(argv[1], a_tell))
-		q.kind = AP_DP_TELL;
-	else if (enif_is_identical(argv[1], a_ask))
-		q.kind = AP_DP_ASK;
-	else if (enif_is_identical(argv[1], a_stats))
-		q.kind = AP_DP_STATS;
-	else
-		return enif_make_badarg(env);
-	if (q.kind != AP_DP_TELL && !enif_is_ref(env, argv[4]))
-		return enif_make_badarg(env);
-	if (enif_get_tuple(env, argv[5], &arity, &tk)) {
-		ErlNifUInt64 tr, tp;
-		if (arity != 2 || !enif_get_uint64(env, tk[0], &tr) || !enif_get_uint64(env, tk[1], &tp))
-			return enif_make_badarg(env);
-		/* A ticket of another segment's geometry is no fence. */
-		if (tr < s->seg.n_req) {
-			q.fence_ring = (uint32_t)tr;
-			q.fence_pos = tp;
-		}
-	} else if (!enif_is_identical(argv[5], a_undefined)) {
-		return enif_make_badarg(env);
-	}
-	if (enif_is_atom(env, argv[2])) {
-		q.dest_kind = AP_DP_DEST_NAME;
-		q.dest_len = atom_utf8(env, argv[2], name, sizeof name);
-		q.dest = name;
-		if (!q.dest_len)
-			return enif_make_badarg(env);
-	} else if (enif_is_pid(env, argv[2])) {
-		if (!enif_term_to_binary(env, argv[2], &dest_bin))
-			return enif_make_badarg(env);
-		own_dest = 1;
-		q.dest_kind = AP_DP_DEST_PID;
-		q.dest = dest_bin.data + 1;
-		q.dest_len = dest_bin.size - 1;
-	} else {
-		return enif_make_badarg(env);
-	}
-	if (q.kind != AP_DP_STATS) {
-		if (enif_inspect_binary(env, argv[3], &mbin)) {
-			if (mbin.size > UINT32_MAX - 64) {
-				ret = a_too_large;
-				goto done;
-			}
-			dp_binary_prefix(prefix, (uint32_t)mbin.size);
-			q.msg_pre = prefix;
-			q.pre_len = sizeof prefix;
-			q.msg = mbin.data;
-			q.msg_len = mbin.size;
-		} else {
-			if (!enif_term_to_binary(env, argv[3], &msg_bin)) {
-				ret = enif_make_badarg(env);
-				goto done;
-			}
-			own_msg = 1;
-			q.msg = msg_bin.data + 1;
-			q.msg_len = msg_bin.size - 1;
-		}
-	}
-	if ((rc = dp_req_check(&q))) {
-		ret = rc == -EMSGSIZE ? a_too_large : enif_make_badarg(env);
-		goto done;
-	}
-	if (dp_req_len(q.dest_len, q.pre_len + q.msg_len) > ap_ring_max_payload(s->seg.req_cap)) {
+	*published = 0;
+	if ((rc = dp_req_check(q)))
+		return rc == -EMSGSIZE ? a_too_large : enif_make_badarg(env);
+	if (dp_req_len(q->dest_len, q->pre_len + q->msg_len) > ap_ring_max_payload(s->seg.req_cap)) {
 		cnt(&s->n_too_large);
-		ret = a_too_large;
-		goto done;
+		return a_too_large;
 	}
-	if (atomic_load(&s->closed)) {
-		ret = a_closed;
-		goto done;
-	}
-	if (q.kind != AP_DP_TELL) {
+	if (atomic_load(&s->closed))
+		return a_closed;
+	if (q->kind != AP_DP_TELL) {
 		/* Registered before the record is visible: the reply may come
 		 * back before we return. */
 		enif_mutex_lock(s->mu);
 		if (atomic_load(&s->closed) || !(a = ask_new(s))) {
 			enif_mutex_unlock(s->mu);
-			ret = a_closed; /* or no memory for the entry: the caller falls back */
-			goto done;
+			return a_closed; /* or no memory for the entry: the caller falls back */
 		}
 		a->id = atomic_fetch_add(&s->next_id, 1);
-		a->ref = enif_make_copy(a->env, argv[4]);
+		a->ref = enif_make_copy(a->env, ref);
 		enif_self(env, &a->pid);
 		a->crowded = 0;
-		if (q.kind == AP_DP_ASK) {
+		if (q->kind == AP_DP_ASK) {
 			ErlNifTime now = enif_monotonic_time(ERL_NIF_NSEC);
 			a->crowded = s->last_ns && now - s->last_ns < DP_CROWD_NS &&
 				     enif_compare_pids(&s->last_pid, &a->pid) != 0;
@@ -854,18 +958,18 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 		ask_put(s, a);
 		/* Worth an await/2 (decided here, under the lock we hold
 		 * anyway: the other asks never make that call). */
-		if (q.kind == AP_DP_ASK && s->n_asks == 1 && !a->crowded) {
+		if (q->kind == AP_DP_ASK && s->n_asks == 1 && !a->crowded) {
 			if (s->await_skip)
 				s->await_skip--;
 			else
 				lone = 1;
 		}
 		enif_mutex_unlock(s->mu);
-		q.ask_id = a->id;
+		q->ask_id = a->id;
 	}
 	/* Our scheduler's ring, or the next free one: another thread may share
 	 * it (dirty schedulers, more schedulers than rings). */
-	ring = my_ring(s);
+	ring = my_ring(s, dirty);
 	for (k = 0; k < s->seg.n_req; k++) {
 		uint32_t i = (ring + k) % s->seg.n_req;
 		int expect = 0;
@@ -878,16 +982,16 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	}
 	rc = -EAGAIN;
 	if (rr) {
-		rc = ap_ring_reserve(&rr->r, dp_req_len(q.dest_len, q.pre_len + q.msg_len), &p);
+		rc = ap_ring_reserve(&rr->r, dp_req_len(q->dest_len, q->pre_len + q->msg_len), &p);
 		if (rc == 0) {
-			if (q.fence_ring == ring)
-				q.fence_ring = AP_DP_NO_FENCE;
-			dp_req_write(p, &q);
+			if (q->fence_ring == ring)
+				q->fence_ring = AP_DP_NO_FENCE;
+			dp_req_write(p, q);
 			rc = ap_ring_publish(&rr->r);
 			tail = rr->r.tail;
 			if (rc == 0) {
 				atomic_uint_fast64_t *c =
-					&rr->n[q.kind == AP_DP_TELL ? RC_TELLS : q.kind == AP_DP_ASK ? RC_ASKS : RC_STATS];
+					&rr->n[q->kind == AP_DP_TELL ? RC_TELLS : q->kind == AP_DP_ASK ? RC_ASKS : RC_STATS];
 				atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
 						      memory_order_relaxed);
 			}
@@ -897,6 +1001,7 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 		atomic_store_explicit(&rr->busy, 0, memory_order_release);
 	}
 	if (rc == 0) {
+		*published = 1;
 		ap_seg_notify(s->seg.hdr, AP_SEG_BELL_REQ);
 	} else if (rc == -EPROTO) {
 		/* The pool node moved our ring's head where it cannot be. */
@@ -913,34 +1018,136 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 		enif_mutex_unlock(s->mu);
 		/* A close answered the ask meanwhile ({Ref, {error, R}} is on
 		 * its way): the caller must wait for it as for any answer. */
-		if (!back) {
-			ret = enif_make_tuple3(env, a_ok,
-					       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, 0)),
-					       enif_make_uint64(env, q.ask_id));
-			goto done;
-		}
+		if (!back)
+			return enif_make_tuple3(env, a_ok,
+						enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, 0)),
+						enif_make_uint64(env, q->ask_id));
 	}
 	if (rc == -EPROTO)
-		ret = a_closed;
-	else if (rc)
-		ret = a_full;
-	else if (q.kind == AP_DP_TELL)
-		ret = enif_make_tuple2(env, a_ok,
-				       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)));
-	else if (lone)
-		ret = enif_make_tuple4(env, a_ok,
-				       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
-				       enif_make_uint64(env, q.ask_id), a_await);
-	else
-		ret = enif_make_tuple3(env, a_ok,
-				       enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
-				       enif_make_uint64(env, q.ask_id));
+		return a_closed;
+	if (rc)
+		return a_full;
+	if (q->kind == AP_DP_TELL)
+		return enif_make_tuple2(env, a_ok,
+					enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)));
+	if (lone)
+		return enif_make_tuple4(env, a_ok,
+					enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
+					enif_make_uint64(env, q->ask_id), a_await);
+	return enif_make_tuple3(env, a_ok, enif_make_tuple2(env, enif_make_uint(env, ring), enif_make_uint64(env, tail)),
+				enif_make_uint64(env, q->ask_id));
+}
+
+/* submit(Seg, Kind, Dest, Msg, Ref, Ticket), and submit/7 with the
+ * caller's Bound of Msg's encoded size. */
+static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	struct dp_req_parts q = { .fence_ring = AP_DP_NO_FENCE };
+	uint8_t name[DP_MAX_DEST_NAME], prefix[5];
+	ErlNifBinary dest_bin = { 0 }, msg_bin = { 0 }, mbin;
+	int own_dest = 0, own_msg = 0, published;
+	ErlNifUInt64 bound = UINT64_MAX;
+	ERL_NIF_TERM ret;
+
+	if ((argc == 7 && !enif_get_uint64(env, argv[6], &bound)) ||
+	    submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest)) {
+		ret = enif_make_badarg(env);
+		goto done;
+	}
+	if (q.kind != AP_DP_STATS) {
+		if (enif_inspect_binary(env, argv[3], &mbin)) {
+			/* Refused by its size alone: a binary is never encoded. */
+			if (mbin.size > UINT32_MAX - 64) {
+				ret = a_too_large;
+				goto done;
+			}
+			dp_binary_prefix(prefix, (uint32_t)mbin.size);
+			q.msg_pre = prefix;
+			q.pre_len = sizeof prefix;
+			q.msg = mbin.data;
+			q.msg_len = mbin.size;
+		} else {
+			if (bound > DP_ENC_VOUCHED && !enc_small(env, argv[3])) {
+				ret = a_encode;
+				goto done;
+			}
+			if (!enif_term_to_binary(env, argv[3], &msg_bin)) {
+				ret = enif_make_badarg(env);
+				goto done;
+			}
+			own_msg = 1;
+			q.msg = msg_bin.data + 1;
+			q.msg_len = msg_bin.size - 1;
+		}
+	}
+	ret = submit_record(env, s, &q, argv[4], 0, &published);
 done:
 	if (own_dest)
 		enif_release_binary(&dest_bin);
 	if (own_msg)
 		enif_release_binary(&msg_bin);
 	return ret;
+}
+
+/* submit_encoded(Seg, Kind, Dest, Bin, Ref, Ticket): as submit/6 with Msg
+ * already encoded (Bin: term_to_binary/1's bytes). Bytes that are not one
+ * whole external term (as the pool node checks each message) are a
+ * badarg: written, they would be skipped by the pool node, an ask never
+ * answered. The size is checked first, so a Bin too large for a record
+ * is too_large however its bytes look. */
+static ERL_NIF_TERM submit_encoded(ErlNifEnv *env, const ERL_NIF_TERM argv[], int dirty)
+{
+	struct dp *s;
+	struct dp_req_parts q = { .fence_ring = AP_DP_NO_FENCE };
+	uint8_t name[DP_MAX_DEST_NAME];
+	ErlNifBinary dest_bin = { 0 }, mbin;
+	int own_dest = 0, published;
+	ERL_NIF_TERM ret;
+
+	if (submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest) || q.kind == AP_DP_STATS ||
+	    !enif_inspect_binary(env, argv[3], &mbin) || mbin.size < 2 || mbin.data[0] != 131) {
+		ret = enif_make_badarg(env);
+		goto done;
+	}
+	q.msg = mbin.data + 1;
+	q.msg_len = mbin.size - 1;
+	if (dp_req_len(q.dest_len, q.msg_len) > ap_ring_max_payload(s->seg.req_cap)) {
+		cnt(&s->n_too_large);
+		ret = a_too_large;
+		goto done;
+	}
+	if (ap_term_validate_msg((const char *)mbin.data, mbin.size)) {
+		ret = enif_make_badarg(env);
+		goto done;
+	}
+	ret = submit_record(env, s, &q, argv[4], dirty, &published);
+	if (published)
+		cnt(&s->n_encoded);
+done:
+	if (own_dest)
+		enif_release_binary(&dest_bin);
+	return ret;
+}
+
+static ERL_NIF_TERM nif_submit_encoded_dirty(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	(void)argc;
+	return submit_encoded(env, argv, 1);
+}
+
+static ERL_NIF_TERM nif_submit_encoded(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	ErlNifBinary b;
+
+	struct dp *s;
+
+	/* One that cannot fit is refused in the call, on its size. */
+	if (enif_inspect_binary(env, argv[3], &b) && b.size > DP_ENC_INLINE && get_dp(env, argv[0], &s) &&
+	    b.size - 1 <= ap_ring_max_payload(s->seg.req_cap))
+		return enif_schedule_nif(env, "submit_encoded", ERL_NIF_DIRTY_JOB_CPU_BOUND, nif_submit_encoded_dirty,
+					 argc, argv);
+	return submit_encoded(env, argv, 0);
 }
 
 /* ---- await ---------------------------------------------------------------------- */
@@ -1200,6 +1407,7 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_bad_records, C(n_bad));
 	KV(a_full, C(n_full));
 	KV(a_too_large, C(n_too_large));
+	KV(a_encoded, C(n_encoded));
 	KV(a_awaited, C(n_awaited));
 	KV(a_await_missed, C(n_await_missed));
 	KV(a_passed_on, C(n_passed_on));
@@ -1312,6 +1520,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(emfile);
 	ATOM(enoent);
 	ATOM(noproc);
+	ATOM(encode);
+	ATOM(encoded);
 #undef ATOM
 	g_dp_type = enif_open_resource_type_x(env, "actor_dp_seg", &init, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER,
 					      NULL);
@@ -1327,6 +1537,8 @@ static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM in
 static ErlNifFunc funcs[] = {
 	{"open_nif", 7, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
 	{"submit", 6, nif_submit, 0},
+	{"submit", 7, nif_submit, 0},
+	{"submit_encoded", 6, nif_submit_encoded, 0},
 	{"await", 2, nif_await, 0},
 	{"await", 3, nif_await, 0},
 	{"cancel", 2, nif_cancel, 0},
