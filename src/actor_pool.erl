@@ -856,19 +856,29 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
 %% (after which no reply is sent) and a reply that raced it is taken.
 ring_receive(Seg, AskId, Ref, Timeout) ->
     receive
-        {Ref, Reply} -> Reply
+        {Ref, Reply} -> ring_answer(Reply)
     after Timeout ->
         case actor_dp:cancel(Seg, AskId) of
             true ->
                 {error, timeout};
             false ->
                 receive
-                    {Ref, Reply} -> Reply
+                    {Ref, Reply} -> ring_answer(Reply)
                 after ?LATE_REPLY_MS ->
                     {error, timeout}
                 end
         end
     end.
+
+%% An answer that may hold a map of more than 32 keys comes as its external
+%% bytes: the NIF's reply thread cannot decode those on OTP before 27.3
+%% (erlang/otp#8208), this process can.
+ring_answer({'$actor_dp_ext', Bin}) ->
+    try binary_to_term(Bin)
+    catch error:badarg -> {error, bad_reply}
+    end;
+ring_answer(Reply) ->
+    Reply.
 
 %% ===================================================================
 %% Validation

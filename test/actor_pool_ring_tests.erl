@@ -22,6 +22,7 @@
 -export([same_host_pool_node_gets_a_ring_lane/1,
          lone_asks_take_their_answers_on_their_scheduler/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
+         answers_holding_large_maps_arrive_whole/1,
          pool_named_outside_latin1_answers_by_distribution/1,
          every_reference_form_answers_alike_over_ring_and_distribution/1,
          errors_are_identical_over_ring_and_distribution/1,
@@ -50,6 +51,7 @@ ring_test_() ->
                  same_host_pool_node_gets_a_ring_lane,
                  lone_asks_take_their_answers_on_their_scheduler,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
+                 answers_holding_large_maps_arrive_whole,
                  pool_named_outside_latin1_answers_by_distribution,
                  every_reference_form_answers_alike_over_ring_and_distribution,
                  errors_are_identical_over_ring_and_distribution,
@@ -135,6 +137,24 @@ sequential_asks_never_overflow_a_one_slot_mailbox(_Ctx) ->
          #{overloaded := 0} = actor_pool:stats(P)
      end) || Fast <- [true, false]],
     ok.
+
+%% Answers holding maps of more than 32 keys (hash maps), alone or inside
+%% other terms, from many callers at once (the NIF's reply thread delivers
+%% them) and from a lone one: equal answers, and the VM lives (OTP before
+%% 27.3 crashed decoding such a map on a thread that is no scheduler,
+%% erlang/otp#8208: the reply thread now passes their bytes on).
+answers_holding_large_maps_arrive_whole(_Ctx) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        Map = fun(N) -> maps:from_list([{K, {K, <<K:32>>}} || K <- lists:seq(1, N)]) end,
+        Terms = [Map(33), Map(200), {wrapped, [Map(129)]}, #{inner => Map(5000)}, Map(32)],
+        Self = self(),
+        Pids = [spawn_link(fun() ->
+                                   R = [actor_pool:ask(P, T) =:= {ok, T} || _ <- lists:seq(1, 10), T <- Terms],
+                                   Self ! {self(), lists:all(fun(X) -> X end, R)}
+                           end) || _ <- lists:seq(1, 8)],
+        [receive {Pid, Ok} -> ?assert(Ok) after 60000 -> error(hung) end || Pid <- Pids],
+        ?assertEqual([{ok, T} || T <- Terms], [actor_pool:ask(P, T) || T <- Terms])
+    end).
 
 %% The NIF reads pool names as Latin-1 only: a pool named outside it is
 %% reached by distribution, by name and {Name, Node}, with the same answers

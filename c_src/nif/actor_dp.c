@@ -142,7 +142,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
 	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed,
-	a_await, a_passed_on;
+	a_await, a_passed_on, a_ext;
 static ERL_NIF_TERM a_encode, a_encoded;
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -365,9 +365,21 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	struct ask *a;
 
 	/* Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
-	 * may over distribution. The whole copy must be one term. */
-	if (enif_binary_to_term(s->tenv, term, len, &ans, 0) != len)
+	 * may over distribution. The whole copy must be one term. An answer
+	 * that may hold a hash map goes as its bytes, decoded by the asker
+	 * (actor_pool), not on this thread (dp_maybe_big_map). */
+	if (dp_maybe_big_map(term, len)) {
+		ERL_NIF_TERM bin;
+		unsigned char *b = enif_make_new_binary(s->tenv, len, &bin);
+		if (b) {
+			memcpy(b, term, len);
+			ans = enif_make_tuple2(s->tenv, a_ext, bin);
+		} else {
+			ans = error_tuple(s->tenv, a_enomem);
+		}
+	} else if (enif_binary_to_term(s->tenv, term, len, &ans, 0) != len) {
 		ans = error_tuple(s->tenv, a_bad_reply);
+	}
 	enif_mutex_lock(s->mu);
 	a = ask_take(s, id);
 	if (!a) {
@@ -1475,6 +1487,7 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(none);
 	ATOM(await);
 	ATOM(passed_on);
+	a_ext = enif_make_atom(env, "$actor_dp_ext");
 	ATOM(reply);
 	ATOM(awaited);
 	ATOM(await_missed);
