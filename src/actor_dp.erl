@@ -128,10 +128,10 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% `full': no room in the ring now (yield and retry, or give up);
 %% `too_large': over the ring's record size; `closed': the segment is
 %% closed. An ask is answered exactly once, unless cancelled. An answer
-%% that may hold a map of more than 32 keys comes as
-%% `{Ref, {'$actor_dp_ext', ExternalBytes}}' (decode it with
-%% `binary_to_term/1'): the reply thread cannot decode those on OTP before
-%% 27.3 (erlang/otp#8208). An ask that
+%% that holds a map of more than 32 keys, or whose bytes the NIF's walk
+%% does not vouch for, comes as `{Ref, {'$actor_dp_ext', ExternalBytes}}'
+%% (decode it with `binary_to_term/1'): the reply thread cannot decode
+%% such maps on OTP before 27.3 (erlang/otp#8208). An ask that
 %% is the segment's only pending one, and follows no other process's ask
 %% within 1 ms, gets `{ok, Ticket, AskId, await}': worth a call of
 %% {@link await/2} (unless its last waits ended empty: then the next 4, 8,

@@ -111,7 +111,20 @@ static long export_size(const uint8_t *p, size_t left)
 /* No fixed end: a container whose extent is the sum of its elements. */
 #define NO_END SIZE_MAX
 
+static int skip(const char *cbuf, size_t len, int *idx, uint64_t *max_map);
+
 int ap_term_skip(const char *cbuf, size_t len, int *idx)
+{
+	return skip(cbuf, len, idx, NULL);
+}
+
+int ap_term_scan(const char *cbuf, size_t len, int *idx, uint64_t *max_map)
+{
+	*max_map = 0;
+	return skip(cbuf, len, idx, max_map);
+}
+
+static int skip(const char *cbuf, size_t len, int *idx, uint64_t *max_map)
 {
 	const uint8_t *buf = (const uint8_t *)cbuf;
 	if (*idx < 0 || (size_t)*idx > len || len > INT32_MAX)
@@ -221,6 +234,8 @@ int ap_term_skip(const char *cbuf, size_t len, int *idx)
 		case T_MAP:
 			if (left < 5) return -1;
 			pending += 2 * (uint64_t)ap_get32be(p + 1);
+			if (max_map && ap_get32be(p + 1) > *max_map)
+				*max_map = ap_get32be(p + 1);
 			i += 5;
 			break;
 		case T_PID: case T_NEW_PID:

@@ -7,6 +7,7 @@
 #define AP_TERM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Containers (tuples, lists, maps, funs) nested deeper than this are refused
  * as malformed: ei's skip and decoders recurse once per level, and a term
@@ -20,6 +21,9 @@
  * element (fuzz_decode checks this against libei): a fun ends exactly at its
  * Size, and fields ei would refuse are refused here. */
 int ap_term_skip(const char *buf, size_t len, int *idx);
+
+/* ap_term_skip that also reports the largest map arity in the term. */
+int ap_term_scan(const char *buf, size_t len, int *idx, uint64_t *max_map);
 
 /* The index just past the term at buf[i], or -1: ap_term_skip for call sites
  * that want the end. Consumers of wire bytes find ends with this, never with

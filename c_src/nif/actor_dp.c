@@ -358,6 +358,21 @@ static void dp_unkeep(struct dp *s)
 
 /* ---- the reply thread ----------------------------------------------------------- */
 
+/* Whether an answer may hold a map of more than 32 keys (a hash map):
+ * OTP before 27.3 (and its maintenance fixes, erlang/otp#8208) crashes
+ * decoding those on a thread that is no scheduler, such as the reply
+ * thread. A term the walk refuses counts as one (the asker's decode, in
+ * a process, is safe either way). term: with its 131 byte. */
+static int may_hold_hash_map(const uint8_t *term, size_t len)
+{
+	int idx = 1;
+	uint64_t max_map;
+
+	if (len < 2 || ap_term_scan((const char *)term, len, &idx, &max_map))
+		return 1;
+	return max_map > 32;
+}
+
 static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 {
 	struct dp *s = arg;
@@ -367,8 +382,8 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	/* Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
 	 * may over distribution. The whole copy must be one term. An answer
 	 * that may hold a hash map goes as its bytes, decoded by the asker
-	 * (actor_pool), not on this thread (dp_maybe_big_map). */
-	if (dp_maybe_big_map(term, len)) {
+	 * (actor_pool), not on this thread (may_hold_hash_map). */
+	if (may_hold_hash_map(term, len)) {
 		ERL_NIF_TERM bin;
 		unsigned char *b = enif_make_new_binary(s->tenv, len, &bin);
 		if (b) {

@@ -148,19 +148,6 @@ int dp_drain_upto(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max,
 	return rc < 0 ? rc : (int)n;
 }
 
-int dp_maybe_big_map(const uint8_t *term, size_t len)
-{
-	const uint8_t *p = term, *end = term + len;
-
-	while (end - p > 4 && (p = memchr(p, 116 /* MAP_EXT */, (size_t)(end - p - 4)))) {
-		uint32_t arity = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4];
-		if (arity > 32)
-			return 1;
-		p++;
-	}
-	return 0;
-}
-
 /* ---- attach ----------------------------------------------------------------- */
 
 /* Waits until fd has `events`, at most until deadline. 0, -ETIMEDOUT, or

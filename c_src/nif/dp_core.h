@@ -67,13 +67,6 @@ void dp_binary_prefix(uint8_t out[5], uint32_t len);
  * ap_dp_rep)), or -EPROTO. */
 int dp_rep_parse(const uint8_t *buf, size_t len, uint64_t *ask_id, size_t *term_len);
 
-/* Whether an answer's external term may hold a map of more than 32 keys
- * (a hash map): any MAP_EXT byte followed by such an arity, wherever it
- * is (a false positive only costs the slow path). OTP before 27.3 (and
- * its maintenance fixes, erlang/otp#8208) crashes decoding those on a
- * thread that is no scheduler, such as the reply thread. */
-int dp_maybe_big_map(const uint8_t *term, size_t len);
-
 /* Called for each valid reply: ask_id, and the answer's external term
  * WITH its 131 byte (term[-1] of the copy is overwritten with 131, so the
  * caller decodes in place): term, term_len bytes, in private memory. */

@@ -140,8 +140,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 
 	/* The raw input as a term and as a message. */
-	int idx = 0;
+	int idx = 0, sidx = 0;
+	uint64_t max_map;
+	int sr = ap_term_scan((const char *)data, size, &sidx, &max_map);
 	if (ap_term_skip((const char *)data, size, &idx) == 0) {
+		/* the scan walks alike, and no map is larger than the input */
+		t_check(sr == 0 && sidx == idx && max_map <= size);
 		t_check(idx > 0 && (size_t)idx <= size);
 		uint8_t *d = malloc((size_t)idx);
 		if (d) {
@@ -150,7 +154,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			free(d);
 		}
 	} else {
-		t_check(idx == 0);
+		t_check(idx == 0 && sr == -1 && sidx == 0);
 	}
 	if (ap_term_validate_msg((const char *)data, size) == 0)
 		t_ei_agrees((const char *)data, (int)size, 1, (int)size);

@@ -287,29 +287,6 @@ static void test_drain_upto_leaves_a_long_record_unread(void **state)
 	t_seg_close(&t);
 }
 
-/* dp_maybe_big_map: any MAP_EXT with an arity over 32, nested or not;
- * never past the end; a look-alike inside a binary is a (safe) yes. */
-static void test_maybe_big_map_finds_hash_maps(void **state)
-{
-	static const uint8_t flat[] = { 131, 116, 0, 0, 0, 32, 97, 1, 97, 1 };
-	static const uint8_t big[] = { 131, 116, 0, 0, 0, 33, 97, 1, 97, 1 };
-	static const uint8_t nested[] = { 131, 104, 2, 97, 1, 116, 0, 1, 0, 0, 106 };
-	static const uint8_t in_bin[] = { 131, 109, 0, 0, 0, 5, 116, 0, 0, 0, 200 };
-	static const uint8_t cut[] = { 131, 97, 116, 0, 0, 1 };
-	static const uint8_t none[] = { 131, 107, 0, 3, 116, 116, 116 };
-
-	(void)state;
-	assert_int_equal(dp_maybe_big_map(flat, sizeof flat), 0);
-	assert_int_equal(dp_maybe_big_map(big, sizeof big), 1);
-	assert_int_equal(dp_maybe_big_map(nested, sizeof nested), 1);
-	assert_int_equal(dp_maybe_big_map(in_bin, sizeof in_bin), 1);
-	assert_int_equal(dp_maybe_big_map(cut, sizeof cut), 0);
-	assert_int_equal(dp_maybe_big_map(none, sizeof none), 0);
-	assert_int_equal(dp_maybe_big_map(big, 5), 0);
-	assert_int_equal(dp_maybe_big_map(big, 6), 1);
-	assert_int_equal(dp_maybe_big_map(big, 0), 0);
-}
-
 static void test_drain_is_bounded_per_pass(void **state)
 {
 	struct t_seg t;
@@ -518,7 +495,6 @@ int main(void)
 		cmocka_unit_test(test_reply_header_must_match_the_record_exactly),
 		cmocka_unit_test(test_drain_delivers_valid_replies_and_skips_bad_ones),
 		cmocka_unit_test(test_drain_upto_leaves_a_long_record_unread),
-		cmocka_unit_test(test_maybe_big_map_finds_hash_maps),
 		cmocka_unit_test(test_drain_is_bounded_per_pass),
 		cmocka_unit_test(test_drain_reports_a_broken_ring),
 		cmocka_unit_test(test_attach_hands_the_segment_to_the_pool_node),

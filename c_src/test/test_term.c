@@ -382,6 +382,53 @@ static void test_real_terms_are_accepted_whole(void **state)
 	}
 }
 
+/* ap_term_scan reports the largest map arity anywhere in the term (none:
+ * 0), with the same end as ap_term_skip; map-like bytes inside atoms or
+ * binaries are not maps. */
+static void test_scan_reports_the_largest_map(void **state)
+{
+	ei_x_buff x;
+	uint64_t m = 99;
+	int idx = 1;
+
+	(void)state;
+	ei_x_new_with_version(&x);
+	ei_x_encode_tuple_header(&x, 3);
+	ei_x_encode_atom(&x, "tttt");                  /* 116 bytes, not a map */
+	ei_x_encode_binary(&x, "t\0\0\1\0", 5);
+	ei_x_encode_list_header(&x, 1);
+	ei_x_encode_map_header(&x, 2);
+	ei_x_encode_atom(&x, "a");
+	ei_x_encode_map_header(&x, 40);
+	for (int k = 0; k < 40; k++) {
+		ei_x_encode_long(&x, k);
+		ei_x_encode_long(&x, k);
+	}
+	ei_x_encode_atom(&x, "b");
+	ei_x_encode_map_header(&x, 0);
+	ei_x_encode_empty_list(&x);
+	assert_int_equal(ap_term_scan(x.buff, (size_t)x.index, &idx, &m), 0);
+	assert_int_equal(idx, x.index);
+	assert_int_equal(m, 40);
+	ei_x_free(&x);
+
+	ei_x_new_with_version(&x);
+	ei_x_encode_tuple_header(&x, 2);
+	ei_x_encode_atom(&x, "tuple");
+	ei_x_encode_map_header(&x, 32);
+	for (int k = 0; k < 32; k++) {
+		ei_x_encode_long(&x, k);
+		ei_x_encode_atom(&x, "t");
+	}
+	idx = 1;
+	assert_int_equal(ap_term_scan(x.buff, (size_t)x.index, &idx, &m), 0);
+	assert_int_equal(m, 32);
+	/* a truncated term: refused, as by ap_term_skip */
+	idx = 1;
+	assert_int_equal(ap_term_scan(x.buff, (size_t)x.index - 1, &idx, &m), -1);
+	ei_x_free(&x);
+}
+
 static void test_every_truncation_is_refused(void **state)
 {
 	(void)state;
@@ -882,6 +929,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_real_terms_are_accepted_whole),
+		cmocka_unit_test(test_scan_reports_the_largest_map),
 		cmocka_unit_test(test_every_truncation_is_refused),
 		cmocka_unit_test(test_trailing_bytes_are_refused_but_skippable),
 		cmocka_unit_test(test_missing_or_wrong_version_byte_is_refused),
