@@ -874,7 +874,11 @@ ring_receive(Seg, AskId, Ref, Timeout) ->
 %% bytes: the NIF's reply thread cannot decode those on OTP before 27.3
 %% (erlang/otp#8208), this process can.
 ring_answer({'$actor_dp_ext', Bin}) ->
-    try binary_to_term(Bin)
+    %% One whole term, as the NIF's own decode requires (binary_to_term/1
+    %% ignores bytes after the term).
+    try binary_to_term(Bin, [used]) of
+        {T, Used} when Used =:= byte_size(Bin) -> T;
+        _ -> {error, bad_reply}
     catch error:badarg -> {error, bad_reply}
     end;
 ring_answer(Reply) ->

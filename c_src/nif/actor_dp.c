@@ -782,7 +782,7 @@ static size_t atom_utf8(ErlNifEnv *env, ERL_NIF_TERM a, uint8_t *out, size_t cap
  * bytes with submit_encoded/6. Unbounded, the encoding of a 10M-element
  * list held the scheduler for 100 ms and more, only for the message to
  * be refused as too large. */
-#define DP_ENC_CELLS 4096u
+#define DP_ENC_CELLS 1024u /* also bounds the nesting below AP_TERM_MAX_DEPTH, which the pool node refuses past */
 #define DP_ENC_BYTES (64u * 1024)
 #define DP_ENC_STACK 256u  /* terms waiting in the walk: more siblings than this go to `encode` */
 #define DP_ENC_ID 1100u    /* a bound of a pid, port or reference: a node name of 255 UTF-8 characters */
