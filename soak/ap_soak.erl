@@ -962,7 +962,7 @@ worker_state(P, W) ->
 %% C nodes' /proc read at each step): on a BEAM, each sample after its
 %% mailboxes drained and every process was garbage collected
 %% (settled_memory/2). What is transient at the pause (a peer's `system'
-%% 2, 4 or 6 MiB higher in the first sample after the load stops, gone
+%% 2 to 10 MiB higher in the first sample after the load stops, gone
 %% 500 ms later: see memory_check/1) is missing from at least one sample;
 %% what is kept is in all of them.
 sample_memory(#{peers := Peers, standalone := #{node := SN, os_pid := SPid}} = S) ->
@@ -1184,7 +1184,7 @@ status_kib(St, Key) ->
 %% end's value is the least of ?MEM_SAMPLES samples 500 ms apart, the load
 %% paused, each on a BEAM after its mailboxes drained and a garbage
 %% collection of every process (sample_memory/1, settled_memory/2): the
-%% 300 s runs (SOAK_DIAG) showed the peer BEAMs' `system' 2, 4 or 6 MiB
+%% 300 and 600 s runs (SOAK_DIAG) showed the peer BEAMs' `system' 2 to 10 MiB
 %% higher (steps of 2.0 MiB) in the first sample after the load stops, in
 %% about half of the epochs, already before that collection, and gone
 %% within milliseconds once every scheduler ran (reading the allocators'
