@@ -17,9 +17,16 @@
 #   fuzz_run.sh replay NAME
 #       every file of test/corpus_NAME and test/regress_NAME run once, whole
 #       (libFuzzer's one-file mode); the status is 1 if any fails.
+#
+# FUZZ_TIMEOUT (seconds, default 25): one input running longer is a
+# finding (timeout-*), and libFuzzer's report of slow inputs starts there
+# too. The limit is wall-clock time: under nice 19 on a busy machine a fast
+# input can wait that long for a CPU (a 0 ms input was reported at 40 s
+# here), so long runs beside other work take a larger one.
 set -u
 
 mode=$1 name=$2
+timeout=${FUZZ_TIMEOUT:-25}
 bin=build/fuzz_$name
 corpus=test/corpus_$name
 regress=test/regress_$name
@@ -33,7 +40,7 @@ if [ "$mode" = replay ]; then
 		exit 0
 	fi
 	# xargs: several invocations if the list is long; any failure is 123.
-	if find "$corpus" "$regress" -type f 2>/dev/null | sort | xargs "$bin" -timeout=25 \
+	if find "$corpus" "$regress" -type f 2>/dev/null | sort | xargs "$bin" -timeout="$timeout" \
 		>"$work/replay.log" 2>&1; then
 		echo "== fuzz_$name: $n inputs replayed"
 		exit 0
@@ -61,7 +68,8 @@ row() {
 echo "== fuzz_$name: $runs runs (at most ${secs} s), max_len $maxlen, log c_src/$work/log"
 start=$(date +%s)
 # shellcheck disable=SC2086 # seeds is a list of directories
-"$bin" -runs="$runs" -max_total_time="$secs" -max_len="$maxlen" -timeout=25 -print_final_stats=1 \
+"$bin" -runs="$runs" -max_total_time="$secs" -max_len="$maxlen" -timeout="$timeout" \
+	-report_slow_units="$timeout" -print_final_stats=1 \
 	-artifact_prefix="$work/art/" "$work/new" $seeds >"$work/log" 2>&1
 rc=$?
 elapsed=$(($(date +%s) - start))
@@ -97,7 +105,7 @@ for f in "$corpus"/*; do
 	*) if [ ${#b} -eq 40 ]; then cp "$f" "$work/old/"; else cp "$f" "$work/min/"; fi ;;
 	esac
 done
-if ! "$bin" -merge=1 -max_len="$maxlen" -timeout=25 "$work/min" "$work/old" "$work/new" \
+if ! "$bin" -merge=1 -max_len="$maxlen" -timeout="$timeout" "$work/min" "$work/old" "$work/new" \
 	>"$work/merge.log" 2>&1; then
 	tail -30 "$work/merge.log"
 	row - - - 0 " FAILED in the corpus merge: see c_src/$work/merge.log"
