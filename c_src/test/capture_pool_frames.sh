@@ -9,8 +9,8 @@
 # options, which_pools, node_stats, dp_info, stop_pool by name and by pid, an
 # unknown request, a {registered, ...} message), a pool's asks, tells
 # (batched while the connection is busy), its stats, a gen_server call, cast
-# and plain message, and a batch of asks to a name nobody has (the
-# dead-letter path). Frames that carry neither SEND nor REG_SEND (ticks,
+# and plain message, a batch of asks and tells to the pool, and the same
+# batch to a name nobody has (the dead-letter path). Frames that carry neither SEND nor REG_SEND (ticks,
 # links, monitors) are not kept, nor more than three of one shape (same
 # operation and length). Each seed is named cap_NN_op_dest.
 # Needs a running epmd, priv/ built and `rebar3 compile` done.
@@ -55,6 +55,8 @@ ACTOR_POOL_FRAME_DUMP=$tmp/frames.bin erl -sname "capp$$" -noshell -pa "$top/_bu
 	_ = gen_server:call(M, {start_pool, p, echo, #{}}),
 	_ = gen_server:call(M, {what, ever}),
 	M ! {registered, {service_key, <<\"svc\">>}},
+	{p, N} ! {'\$ap_batch', [{ask, self(), make_ref(), {x, 1}}, {tell, y},
+		{ask, self(), [alias | make_ref()], z}]},
 	{gone, N} ! {'\$ap_batch', [{ask, self(), make_ref(), {x, 1}}, {tell, y},
 		{ask, self(), [alias | make_ref()], z}]},
 	{ok, Q} = actor_pool:start_pool(q, echo, #{workers => 1}),
