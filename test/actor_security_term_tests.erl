@@ -15,6 +15,11 @@
 %% what it read back. Each case checks that the node keeps its OS process,
 %% keeps serving, and that nothing beyond the request came back.
 %%
+%% A start_pool whose backoff jitter is a NaN float (NEW_FLOAT_EXT with NaN
+%% bits: a BEAM cannot send one, any peer with the cookie can) passed the
+%% manager's `d < 0 || d > 1' check, and a crashed worker's restart delay
+%% then turned NaN into an int. It is refused as badarg now.
+%%
 %% ACTOR_POOL_IO (uring | epoll) selects the I/O backend;
 %% ACTOR_POOL_NODE_EXE / ACTOR_RECEPTIONIST_NODE_EXE run the ASan builds.
 -module(actor_security_term_tests).
@@ -25,7 +30,8 @@
 
 -export([pool_survives_a_cast_of_a_fun_overrunning_its_size/1,
          pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes/1,
-         receptionist_survives_send_of_such_a_fun/1]).
+         receptionist_survives_send_of_such_a_fun/1,
+         pool_node_refuses_a_nan_jitter/1]).
 
 -define(WAIT_MS, 10000).
 %% The binary header the fun overruns into claims this much.
@@ -44,7 +50,8 @@ actor_security_term_test_() ->
              [case_(Name, Ctx) || Name <- [
                  pool_survives_a_cast_of_a_fun_overrunning_its_size,
                  pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes,
-                 receptionist_survives_send_of_such_a_fun]]
+                 receptionist_survives_send_of_such_a_fun,
+                 pool_node_refuses_a_nan_jitter]]
      end}.
 
 case_(Name, Ctx) ->
@@ -127,6 +134,28 @@ receptionist_survives_send_of_such_a_fun(#{rcpt_node := R}) ->
     after ?WAIT_MS -> error(no_listing)
     end,
     ok = actor_receptionist:deregister(K, Me).
+
+%% (d) {start_pool, Name, echo, #{backoff => #{jitter => NaN}}} to the
+%% pool node's manager: answered {error, {badarg, {backoff, _}}}, and no
+%% pool starts.
+pool_node_refuses_a_nan_jitter(#{pool_node := N}) ->
+    up(actor_pool_node_owner),
+    OsPid = os_pid(actor_pool_node_owner),
+    Name = ?FUNCTION_NAME,
+    Self = peer_name(Name),
+    NaN = <<70, 16#7ff8000000000000:64>>,
+    Opts = <<116, 1:32, (atom(backoff))/binary, 116, 1:32, (atom(jitter))/binary, NaN/binary>>,
+    Msg = <<131, 104, 3, (atom('$gen_call'))/binary, 104, 2, (pid(Self))/binary, (atom(nan_tag))/binary,
+            104, 4, (atom(start_pool))/binary, (atom(Name))/binary, (atom(echo))/binary, Opts/binary>>,
+    %% The reply {nan_tag, {error, {badarg, {backoff, _}}}} comes back to
+    %% the peer's pid: its tag and the atoms in order.
+    Marker = <<(atom(nan_tag))/binary, 104, 2, (atom(error))/binary, 104, 2, (atom(badarg))/binary,
+               104, 2, (atom(backoff))/binary>>,
+    {State, _, Seen} = rawpeer(N, Self, reg_send(Self, actor_pool_node, Msg), Marker),
+    Pools = actor_pool:which_pools(),
+    [actor_pool:stop_pool(Name) || lists:keymember(Name, 1, Pools)],
+    ?assertEqual({"open", true, false}, {State, Seen, lists:keymember(Name, 1, Pools)}),
+    ?assertEqual(OsPid, os_pid(actor_pool_node_owner)).
 
 %% ===================================================================
 %% Helpers

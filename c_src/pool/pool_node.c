@@ -98,7 +98,9 @@ static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, str
 				return bad(ba, "backoff", b, len, v0);
 			o->backoff_max_ms = (int)l;
 		} else if (!strcmp(key, "jitter")) {
-			if (get_number(b, i, &d) || d < 0 || d > 1)
+			/* Not d < 0 || d > 1: a NaN (a float a C peer can send,
+			 * a BEAM cannot) fails both and would reach backoff_ms. */
+			if (get_number(b, i, &d) || !(d >= 0 && d <= 1))
 				return bad(ba, "backoff", b, len, v0);
 			o->jitter = d;
 		} else {

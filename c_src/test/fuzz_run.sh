@@ -9,16 +9,24 @@
 #       minimized (-merge=1) back into test/corpus_NAME: the hand-made seeds
 #       (any name that is not a 40-digit hash) are always kept, the rest is
 #       the smallest set libFuzzer finds with the same features. One row of
-#       counts is appended to build/fuzz/summary. A crash, leak, timeout or
-#       out-of-memory input is copied into test/regress_NAME (commit it with
-#       the fix: fuzz-smoke replays it from then on) and the status is 1.
+#       counts is appended to build/fuzz/summary (the columns: see `row`). A
+#       crash, leak, timeout or out-of-memory input is copied into
+#       test/regress_NAME (commit it with the fix: fuzz-smoke replays it from
+#       then on), counted as a finding, and the status is 1.
 #
 #   fuzz_run.sh replay NAME
 #       every file of test/corpus_NAME and test/regress_NAME run once, whole
 #       (libFuzzer's one-file mode); the status is 1 if any fails.
+#
+# FUZZ_TIMEOUT (seconds, default 25): one input running longer is a
+# finding (timeout-*), and libFuzzer's report of slow inputs starts there
+# too. The limit is wall-clock time: under nice 19 on a busy machine a fast
+# input can wait that long for a CPU (a 0 ms input was reported at 40 s
+# here), so long runs beside other work take a larger one.
 set -u
 
 mode=$1 name=$2
+timeout=${FUZZ_TIMEOUT:-25}
 bin=build/fuzz_$name
 corpus=test/corpus_$name
 regress=test/regress_$name
@@ -32,7 +40,7 @@ if [ "$mode" = replay ]; then
 		exit 0
 	fi
 	# xargs: several invocations if the list is long; any failure is 123.
-	if find "$corpus" "$regress" -type f 2>/dev/null | sort | xargs "$bin" -timeout=25 \
+	if find "$corpus" "$regress" -type f 2>/dev/null | sort | xargs "$bin" -timeout="$timeout" \
 		>"$work/replay.log" 2>&1; then
 		echo "== fuzz_$name: $n inputs replayed"
 		exit 0
@@ -49,29 +57,39 @@ mkdir -p "$work/new" "$work/art" "$work/min" "$corpus"
 seeds="$corpus"
 [ -d "$regress" ] && seeds="$seeds $regress"
 
+# One row of build/fuzz/summary, under the header c_src/Makefile's fuzz
+# target prints: target, executions, exec/s, seconds, corpus files and KiB,
+# cov/ft, findings, then a note.
+row() {
+	printf '%-18s %12s %8s %7s %7s %6s %10s %8s%s\n' "fuzz_$name" "${execs:-?}" "${eps:-?}" "$elapsed" \
+		"$1" "$2" "$3" "$4" "$5" >>build/fuzz/summary
+}
+
 echo "== fuzz_$name: $runs runs (at most ${secs} s), max_len $maxlen, log c_src/$work/log"
 start=$(date +%s)
 # shellcheck disable=SC2086 # seeds is a list of directories
-"$bin" -runs="$runs" -max_total_time="$secs" -max_len="$maxlen" -timeout=25 -print_final_stats=1 \
+"$bin" -runs="$runs" -max_total_time="$secs" -max_len="$maxlen" -timeout="$timeout" \
+	-report_slow_units="$timeout" -print_final_stats=1 \
 	-artifact_prefix="$work/art/" "$work/new" $seeds >"$work/log" 2>&1
 rc=$?
 elapsed=$(($(date +%s) - start))
+# (libFuzzer prints these stats on a crash too.)
+execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log")
+eps=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log")
 
 if [ $rc -ne 0 ] || [ -n "$(ls "$work/art")" ]; then
 	tail -60 "$work/log"
 	mkdir -p "$regress"
+	found=0
 	for f in "$work/art"/*; do
 		[ -f "$f" ] || continue
 		cp "$f" "$regress/"
+		found=$((found + 1))
 		echo "== fuzz_$name: input kept as c_src/$regress/$(basename "$f")"
 	done
-	printf '%-12s FAILED (status %d) after %s s: see c_src/%s/log\n' "fuzz_$name" $rc $elapsed "$work" \
-		>>build/fuzz/summary
+	row - - - "$found" " FAILED (status $rc): see c_src/$work/log"
 	exit 1
 fi
-
-execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log")
-eps=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log")
 done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$work/log" | tail -1)
 cov=$(echo "$done_line" | sed -n 's/.* cov: \([0-9]*\).*/\1/p')
 ft=$(echo "$done_line" | sed -n 's/.* ft: \([0-9]*\).*/\1/p')
@@ -87,10 +105,10 @@ for f in "$corpus"/*; do
 	*) if [ ${#b} -eq 40 ]; then cp "$f" "$work/old/"; else cp "$f" "$work/min/"; fi ;;
 	esac
 done
-if ! "$bin" -merge=1 -max_len="$maxlen" -timeout=25 "$work/min" "$work/old" "$work/new" \
+if ! "$bin" -merge=1 -max_len="$maxlen" -timeout="$timeout" "$work/min" "$work/old" "$work/new" \
 	>"$work/merge.log" 2>&1; then
 	tail -30 "$work/merge.log"
-	printf '%-12s FAILED in the corpus merge: see c_src/%s/merge.log\n' "fuzz_$name" "$work" >>build/fuzz/summary
+	row - - - 0 " FAILED in the corpus merge: see c_src/$work/merge.log"
 	exit 1
 fi
 rm -f "$corpus"/*
@@ -99,6 +117,5 @@ files=$(find "$corpus" -type f | wc -l)
 kib=$(($(cat "$corpus"/* | wc -c) / 1024))
 short=
 [ "${execs:-0}" -lt "$runs" ] && short=" (SHORT of $runs: time limit)"
-printf '%-18s %12s %8s %7s %7s %6s %8s%s\n' "fuzz_$name" "$execs" "$eps" "$elapsed" \
-	"$files" "$kib" "$cov/$ft" "$short" >>build/fuzz/summary
-echo "== fuzz_$name: $execs runs, $eps exec/s, $elapsed s, cov $cov ft $ft, corpus $files files ($kib KiB)$short"
+row "$files" "$kib" "$cov/$ft" 0 "$short"
+echo "== fuzz_$name: $execs runs, $eps exec/s, $elapsed s, cov $cov ft $ft, corpus $files files ($kib KiB), no finding$short"
