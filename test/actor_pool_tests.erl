@@ -194,7 +194,11 @@ random_routing_spreads_messages_uniformly(_Ctx) ->
         Counts = worker_field(processed, S),
         ?assertEqual(4000, lists:sum(Counts)),
         Chi2 = lists:sum([(C - 1000) * (C - 1000) / 1000 || C <- Counts]),
-        ?assert(Chi2 < 16.3),
+        %% chi-square, 3 degrees of freedom: a uniform router exceeds 30.7
+        %% once in a million runs (16.3 was once in a thousand, and failed a
+        %% CI run); a router that gives one worker 1300 of the 4000 scores
+        %% about 120, one stuck on a single worker 12000.
+        ?assert(Chi2 < 30.7),
         [?assert(C > 0) || C <- Counts]
     end).
 

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/random.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -343,7 +344,11 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	p->h = h;
 	p->dl = dl;
 	p->config_len = config_len;
-	p->rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)(uintptr_t)p;
+	/* Each pool its own stream: seeded from the time and the pool's
+	 * address, pools started within a second where a stopped one's
+	 * memory was reused routed alike, message for message. */
+	if (getrandom(&p->rng, sizeof p->rng, GRND_NONBLOCK) != (ssize_t)sizeof p->rng)
+		p->rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)(uintptr_t)p;
 	if (!p->rng)
 		p->rng = 1;
 	p->started_ms = p->tp_last_ms = ap_node_now_ms(n);
