@@ -470,7 +470,7 @@ fault(malformed, #{standalone := #{node := SN, os_pid := SPid}} = S) ->
             2 -> {SN, soak_ask, SPid, cast_msg()};
             3 -> {RN, actor_receptionist, RPid, send_msg(self_name(S))}
         end,
-    {State, _Got} = rawpeer_once(S, To, reg_send(self_name(S), Name, Msg)),
+    {State, _Got} = rawpeer_once(S, To, ap_test_util:reg_send_frame(self_name(S), Name, Msg)),
     S1 = expect(S, malformed_closes_only_its_connection, State, fun(St) -> St =:= "closed" end),
     expect(S1, malformed_node_survives, OsPid, fun os_pid_alive/1);
 fault(idle_clients, S) ->
@@ -643,32 +643,12 @@ self_name(#{prefix := Prefix}) ->
 %% {'$gen_cast', {Fun, Pad}}: a fun whose Size overruns into a binary
 %% header claiming 256 MiB (actor_security_term_tests).
 cast_msg() ->
-    <<131, 104, 2, (atom('$gen_cast'))/binary, 104, 2, (fun_overrun(256 * 1024 * 1024))/binary>>.
+    <<131, 104, 2, (ap_test_util:ext_atom('$gen_cast'))/binary, 104, 2, (ap_test_util:fun_overrun(256 * 1024 * 1024))/binary>>.
 
 %% {send, Pid, {Fun, Pad}} to the receptionist node's process.
 send_msg(Self) ->
-    <<131, 104, 3, (atom(send))/binary, (pid(Self))/binary, 104, 2,
-      (fun_overrun(256 * 1024 * 1024))/binary>>.
-
-atom(A) ->
-    B = atom_to_binary(A, utf8),
-    <<119, (byte_size(B)), B/binary>>.
-
-pid(Node) ->
-    B = list_to_binary(Node),
-    <<88, 119, (byte_size(B)), B/binary, 1:32, 0:32, 1:32>>.
-
-fun_overrun(Claim) ->
-    Fields = <<119, 1, $m, 97, 5, 98, 1234:32, (pid("n@h"))/binary>>,
-    Body = <<1, (binary:copy(<<16#ab>>, 16))/binary, 5:32, 1:32, Fields/binary, 97, 7>>,
-    Fun = <<112, (4 + byte_size(Body) + 5):32, Body/binary>>,
-    Inner = <<109, Claim:32, (binary:copy(<<16#5a>>, 8))/binary>>,
-    <<Fun/binary, 109, (byte_size(Inner)):32, Inner/binary>>.
-
-reg_send(Self, ToName, Msg) ->
-    Ctrl = <<131, 104, 4, 97, 6, (pid(Self))/binary, (atom(''))/binary, (atom(ToName))/binary>>,
-    Body = <<$p, Ctrl/binary, Msg/binary>>,
-    <<(byte_size(Body)):32, Body/binary>>.
+    <<131, 104, 3, (ap_test_util:ext_atom(send))/binary, (ap_test_util:ext_pid(Self))/binary, 104, 2,
+      (ap_test_util:fun_overrun(256 * 1024 * 1024))/binary>>.
 
 rawpeer_exe() -> filename:join(code:priv_dir(actor_pool), "actor_rawpeer").
 

@@ -11,7 +11,7 @@
 %% node at once, well inside a retry interval.
 -module(actor_cnode_parent_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, echo_exe/0]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, alive/1, echo_exe/0, abs_exe/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -86,8 +86,3 @@ await_line(Port, Pattern, Timeout, Deadline) ->
         error({no_line, Pattern, Timeout})
     end.
 
-abs_exe(Exe) ->
-    case filename:pathtype(Exe) of
-        absolute -> Exe;
-        _ -> filename:join(priv_dir(), Exe)
-    end.

@@ -16,7 +16,8 @@
 %% this module once with each.
 -module(actor_pool_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1]).
+-import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, with_pool/4,
+                        crash_plugin/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -761,16 +762,6 @@ pool_node_restart_brings_its_pools_back(#{pool_node := N}) ->
 %% Helpers
 %% ===================================================================
 
-with_pool(Name, Handler, Opts, Fun) ->
-    {ok, P} = actor_pool:start_pool(Name, Handler, Opts),
-    try
-        Fun(P)
-    after
-        actor_pool:stop_pool(P)
-    end.
-
-crash_plugin() ->
-    {plugin, crash_path()}.
 
 crash_path() ->
     filename:join([priv_dir(), "test", "plugin_crash.so"]).

@@ -24,7 +24,8 @@
 %% ACTOR_POOL_NODE_EXE / ACTOR_RECEPTIONIST_NODE_EXE run the ASan builds.
 -module(actor_security_term_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1]).
+-import(ap_test_util, [wait_until/2, os_pid_alive/1, ext_atom/1, ext_pid/1, fun_overrun/1,
+                        reg_send_frame/3]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -78,8 +79,8 @@ pool_survives_a_cast_of_a_fun_overrunning_its_size(#{pool_node := N}) ->
     with_pool(Name, fun(P) ->
         OsPid = os_pid(actor_pool_node_owner),
         Self = peer_name(Name),
-        Msg = <<131, 104, 2, (atom('$gen_cast'))/binary, 104, 2, (fun_overrun(?HUGE))/binary>>,
-        {State, Got, _} = rawpeer(N, Self, reg_send(Self, Name, Msg), <<"unused">>),
+        Msg = <<131, 104, 2, (ext_atom('$gen_cast'))/binary, 104, 2, (fun_overrun(?HUGE))/binary>>,
+        {State, Got, _} = rawpeer(N, Self, reg_send_frame(Self, Name, Msg), <<"unused">>),
         %% The frame is refused and its connection closed; nothing comes
         %% back but maybe a tick.
         ?assertEqual("closed", State),
@@ -98,9 +99,9 @@ pool_call_tagged_with_such_a_fun_gets_no_foreign_bytes(#{pool_node := N}) ->
         ?assertEqual({ok, <<"sync">>}, actor_pool:ask(P, <<"sync">>)),
         Self = peer_name(Name),
         [begin
-             Msg = <<131, 104, 3, (atom('$gen_call'))/binary, 104, 2, (pid(Self))/binary,
+             Msg = <<131, 104, 3, (ext_atom('$gen_call'))/binary, 104, 2, (ext_pid(Self))/binary,
                      (fun_overrun(Claim))/binary>>,
-             {State, Got, Seen} = rawpeer(N, Self, reg_send(Self, Name, Msg), Marker),
+             {State, Got, Seen} = rawpeer(N, Self, reg_send_frame(Self, Name, Msg), Marker),
              %% Refused and closed: no reply at all (a tick at most), so
              %% none with the marker or bytes from past the request.
              ?assertEqual({Claim, "closed", small, false},
@@ -114,9 +115,9 @@ receptionist_survives_send_of_such_a_fun(#{rcpt_node := R}) ->
     up(actor_receptionist_owner),
     OsPid = os_pid(actor_receptionist_owner),
     Self = peer_name(?FUNCTION_NAME),
-    Msg = <<131, 104, 3, (atom(send))/binary, (pid(Self))/binary, 104, 2,
+    Msg = <<131, 104, 3, (ext_atom(send))/binary, (ext_pid(Self))/binary, 104, 2,
             (fun_overrun(?HUGE))/binary>>,
-    {State, Got, _} = rawpeer(R, Self, reg_send(Self, actor_receptionist, Msg), <<"unused">>),
+    {State, Got, _} = rawpeer(R, Self, reg_send_frame(Self, actor_receptionist, Msg), <<"unused">>),
     ?assertEqual("closed", State),
     ?assert(Got < 64),
     ?assertEqual(OsPid, os_pid(actor_receptionist_owner)),
@@ -144,14 +145,14 @@ pool_node_refuses_a_nan_jitter(#{pool_node := N}) ->
     Name = ?FUNCTION_NAME,
     Self = peer_name(Name),
     NaN = <<70, 16#7ff8000000000000:64>>,
-    Opts = <<116, 1:32, (atom(backoff))/binary, 116, 1:32, (atom(jitter))/binary, NaN/binary>>,
-    Msg = <<131, 104, 3, (atom('$gen_call'))/binary, 104, 2, (pid(Self))/binary, (atom(nan_tag))/binary,
-            104, 4, (atom(start_pool))/binary, (atom(Name))/binary, (atom(echo))/binary, Opts/binary>>,
+    Opts = <<116, 1:32, (ext_atom(backoff))/binary, 116, 1:32, (ext_atom(jitter))/binary, NaN/binary>>,
+    Msg = <<131, 104, 3, (ext_atom('$gen_call'))/binary, 104, 2, (ext_pid(Self))/binary, (ext_atom(nan_tag))/binary,
+            104, 4, (ext_atom(start_pool))/binary, (ext_atom(Name))/binary, (ext_atom(echo))/binary, Opts/binary>>,
     %% The reply {nan_tag, {error, {badarg, {backoff, _}}}} comes back to
     %% the peer's pid: its tag and the atoms in order.
-    Marker = <<(atom(nan_tag))/binary, 104, 2, (atom(error))/binary, 104, 2, (atom(badarg))/binary,
-               104, 2, (atom(backoff))/binary>>,
-    {State, _, Seen} = rawpeer(N, Self, reg_send(Self, actor_pool_node, Msg), Marker),
+    Marker = <<(ext_atom(nan_tag))/binary, 104, 2, (ext_atom(error))/binary, 104, 2, (ext_atom(badarg))/binary,
+               104, 2, (ext_atom(backoff))/binary>>,
+    {State, _, Seen} = rawpeer(N, Self, reg_send_frame(Self, actor_pool_node, Msg), Marker),
     Pools = actor_pool:which_pools(),
     [actor_pool:stop_pool(Name) || lists:keymember(Name, 1, Pools)],
     ?assertEqual({"open", true, false}, {State, Seen, lists:keymember(Name, 1, Pools)}),
@@ -186,31 +187,6 @@ still_serving(P, OsPid, Owner) ->
 peer_name(Case) ->
     [_, Host] = string:split(atom_to_list(node()), "@"),
     "rawsec" ++ integer_to_list(erlang:phash2({Case, os:getpid()}, 100000)) ++ "@" ++ Host.
-
-atom(A) ->
-    B = atom_to_binary(A, utf8),
-    <<119, (byte_size(B)), B/binary>>.
-
-%% A NEW_PID_EXT of node Node.
-pid(Node) ->
-    B = list_to_binary(Node),
-    <<88, 119, (byte_size(B)), B/binary, 1:32, 0:32, 1:32>>.
-
-%% Fun then Pad (two terms, no version byte): Fun has one free variable and
-%% a Size 5 bytes past its end, where Pad's content starts with a binary
-%% header claiming Claim bytes (the same bytes as c_src/test/t_fun_overrun.h).
-fun_overrun(Claim) ->
-    Fields = <<119, 1, $m, 97, 5, 98, 1234:32, (pid("n@h"))/binary>>,
-    Body = <<1, (binary:copy(<<16#ab>>, 16))/binary, 5:32, 1:32, Fields/binary, 97, 7>>,
-    Fun = <<112, (4 + byte_size(Body) + 5):32, Body/binary>>,
-    Inner = <<109, Claim:32, (binary:copy(<<16#5a>>, 8))/binary>>,
-    <<Fun/binary, 109, (byte_size(Inner)):32, Inner/binary>>.
-
-%% A REG_SEND frame {6, From, '', ToName} + Msg, From a pid of the peer.
-reg_send(Self, ToName, Msg) ->
-    Ctrl = <<131, 104, 4, 97, 6, (pid(Self))/binary, (atom(''))/binary, (atom(ToName))/binary>>,
-    Body = <<$p, Ctrl/binary, Msg/binary>>,
-    <<(byte_size(Body)):32, Body/binary>>.
 
 %% Runs priv/actor_rawpeer as node Self against Node with the frame; returns
 %% {"closed" | "open", BytesReadBack, MarkerSeen}.

@@ -3,7 +3,8 @@
 %% shared-memory segment behind.
 -module(ap_test_util).
 
--export([with_pool/4, crash_plugin/0]).
+-export([with_pool/4, crash_plugin/0, abs_exe/1]).
+-export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
 -export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
@@ -213,3 +214,46 @@ with_pool(Name, Handler, Opts, Fun) ->
 -spec crash_plugin() -> {plugin, file:filename()}.
 crash_plugin() ->
     {plugin, filename:join([priv_dir(), "test", "plugin_crash.so"])}.
+
+%% An executable path: as given when absolute, else under priv/.
+-spec abs_exe(file:filename()) -> file:filename().
+abs_exe(Exe) ->
+    case filename:pathtype(Exe) of
+        absolute -> Exe;
+        _ -> filename:join(priv_dir(), Exe)
+    end.
+
+%% ===================================================================
+%% Hand-made external-format bytes, for the hostile-input cases
+%% ===================================================================
+
+%% An ATOM_UTF8_EXT (no version byte).
+-spec ext_atom(atom()) -> binary().
+ext_atom(A) ->
+    B = atom_to_binary(A, utf8),
+    <<119, (byte_size(B)), B/binary>>.
+
+%% A NEW_PID_EXT of node Node.
+-spec ext_pid(string()) -> binary().
+ext_pid(Node) ->
+    B = list_to_binary(Node),
+    <<88, 119, (byte_size(B)), B/binary, 1:32, 0:32, 1:32>>.
+
+%% Fun then Pad (two terms, no version byte): Fun has one free variable and
+%% a Size 5 bytes past its end, where Pad's content starts with a binary
+%% header claiming Claim bytes (the same bytes as c_src/test/t_fun_overrun.h).
+-spec fun_overrun(non_neg_integer()) -> binary().
+fun_overrun(Claim) ->
+    Fields = <<119, 1, $m, 97, 5, 98, 1234:32, (ext_pid("n@h"))/binary>>,
+    Body = <<1, (binary:copy(<<16#ab>>, 16))/binary, 5:32, 1:32, Fields/binary, 97, 7>>,
+    Fun = <<112, (4 + byte_size(Body) + 5):32, Body/binary>>,
+    Inner = <<109, Claim:32, (binary:copy(<<16#5a>>, 8))/binary>>,
+    <<Fun/binary, 109, (byte_size(Inner)):32, Inner/binary>>.
+
+%% A REG_SEND frame {6, From, '', ToName} + Msg (Msg with its version
+%% byte), From a pid of node Self, with its 4-byte length.
+-spec reg_send_frame(string(), atom(), binary()) -> binary().
+reg_send_frame(Self, ToName, Msg) ->
+    Ctrl = <<131, 104, 4, 97, 6, (ext_pid(Self))/binary, (ext_atom(''))/binary, (ext_atom(ToName))/binary>>,
+    Body = <<$p, Ctrl/binary, Msg/binary>>,
+    <<(byte_size(Body)):32, Body/binary>>.

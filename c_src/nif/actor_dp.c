@@ -275,6 +275,15 @@ static void ask_put(struct dp *s, struct ask *a)
 	s->n_asks++;
 }
 
+static struct ask *ask_find(struct dp *s, uint64_t id)
+{
+	struct ask *a = s->tab[slot_of(id, s->tab_mask)];
+
+	while (a && a->id != id)
+		a = a->next;
+	return a;
+}
+
 static struct ask *ask_take(struct dp *s, uint64_t id)
 {
 	struct ask **pp = &s->tab[slot_of(id, s->tab_mask)];
@@ -1212,8 +1221,7 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 	struct ask *a;
 
 	enif_mutex_lock(s->mu);
-	for (a = s->tab[slot_of(id, s->tab_mask)]; a && a->id != id; a = a->next)
-		;
+	a = ask_find(s, id);
 	enif_mutex_unlock(s->mu);
 	if (a && enif_binary_to_term(e, term, len, &ans, 0) != len)
 		ans = error_tuple(e, a_bad_reply);
@@ -1251,8 +1259,7 @@ static int ask_waiting(struct dp *s, uint64_t id, int *alone, int crowd_ok, cons
 	struct ask *a;
 
 	enif_mutex_lock(s->mu);
-	for (a = s->tab[slot_of(id, s->tab_mask)]; a && a->id != id; a = a->next)
-		;
+	a = ask_find(s, id);
 	/* Only the asker may take the answer: anyone else would leave it
 	 * waiting for a message that never comes. */
 	if (alone)
