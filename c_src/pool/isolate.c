@@ -33,9 +33,10 @@ extern char **environ;
 #define ISO_MAGIC 0x314f5349504100ULL /* "\0APISO1" */
 #define ISO_CTL_SIZE 4096u
 #define ISO_RING_CAP (128u << 10)  /* per direction; larger messages go in chunks */
-#define ISO_MAX_MSG (1u << 30)     /* a message or a reply, whole */
+#define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
 #define ISO_FD 3                   /* where the child finds the channel */
 #define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
+#define ISO_RING_BATCH 32          /* results a busy child writes between rings of the proxy's bell */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
 #define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
@@ -47,7 +48,8 @@ struct iso_ctl {
 	uint32_t spec_off, spec_len, cfg_off, cfg_len; /* the handler spec (NUL-terminated) and its config */
 	int32_t max_memory_mb;
 	uint32_t worker;
-	uint8_t pad0[64 - 48];
+	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
+	uint8_t pad0[64 - 52];
 	/* the child's */
 	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
 	int32_t init_rc;
@@ -87,6 +89,7 @@ typedef struct ap_iso {
 	size_t sent_off;    /* bytes of cursor->next already sent */
 	uint64_t next_seq;  /* of the next job to send */
 	uint64_t front_seq; /* of the oldest job sent and not answered */
+	int64_t front_since; /* since when the child has been on it, by our clock (handler_timeout_ms) */
 	size_t got;         /* bytes of the current result assembled in w->reply */
 	uint64_t timed_out_seq;
 	int killed;         /* we sent SIGKILL */
@@ -144,6 +147,7 @@ int ap_iso_slot_init(ap_worker *w)
 	l->cfg_off = (uint32_t)cfg_off;
 	l->cfg_len = (uint32_t)p->config_len;
 	l->max_memory_mb = p->o.max_memory_mb;
+	l->layout_timeout = p->o.handler_timeout_ms > 0;
 	l->worker = (uint32_t)w->id;
 	atomic_init(&s->pidfd, -1);
 	w->iso = s;
@@ -293,6 +297,7 @@ static int iso_spawn(ap_worker *w)
 	s->cursor = w->mb.head;
 	s->sent_off = 0;
 	s->next_seq = s->front_seq = 1;
+	s->front_since = 0;
 	s->got = 0;
 	s->timed_out_seq = 0;
 	s->killed = s->handler_crash = 0;
@@ -315,6 +320,9 @@ static int iso_spawn(ap_worker *w)
 	posix_spawn_file_actions_init(&fa);
 	posix_spawn_file_actions_adddup2(&fa, s->map.fd, ISO_FD);
 	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+	/* Our stdout may be the port to the BEAM ({packet, 4}): a plugin's
+	 * printf there would corrupt it. Its output goes to our stderr. */
+	posix_spawn_file_actions_adddup2(&fa, 2, 1);
 	posix_spawnattr_init(&at);
 	posix_spawnattr_setsigmask(&at, &none);
 	posix_spawnattr_setsigdefault(&at, &def);
@@ -386,6 +394,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	ap_iso *s = w->iso;
 	ap_job *j = ap_mbox_pop(&w->mb);
 	s->front_seq++;
+	s->front_since = mono_ms(); /* the child is on the next one now, if any */
 	s->got = 0;
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
@@ -429,12 +438,13 @@ static int drain_results(ap_worker *w, int *progress)
 		    h.total > ISO_MAX_MSG || h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH ||
 		    h.b > AP_REPLY_ATOM)
 			goto bad;
-		if (h.off == 0) {
+		if (h.off == 0)
 			w->reply.len = 0;
-			if (ap_pool_reply_reserve(&w->reply, h.total))
-				goto bad;
-		}
-		memcpy(w->reply.data + h.off, (const uint8_t *)p + sizeof h, chunk);
+		/* Grown by what arrives, not by what the child claims. */
+		if (chunk && ap_pool_reply_reserve(&w->reply, chunk))
+			goto bad;
+		if (chunk)
+			memcpy(w->reply.data + h.off, (const uint8_t *)p + sizeof h, chunk);
 		s->got += chunk;
 		w->reply.len = s->got;
 		if (++n == 64) {
@@ -467,15 +477,19 @@ static int send_jobs(ap_worker *w)
 {
 	ap_iso *s = w->iso;
 	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
-	int sent = 0;
+	int sent = 0, r = 0;
 	ap_job *j;
 	while ((j = atomic_load_explicit(&s->cursor->next, memory_order_acquire))) {
 		size_t total = j->msg_len;
 		const uint8_t *msg = j->data + j->head_len;
+		if (s->front_seq == s->next_seq && s->sent_off == 0)
+			s->front_since = mono_ms(); /* an idle child starts on it now */
 		do {
 			size_t chunk = total - s->sent_off < room ? total - s->sent_off : room;
 			void *rec;
-			if (ap_ring_reserve(&s->req, sizeof(struct iso_rec) + chunk, &rec))
+			/* Full: later. Anything else (the child broke the
+			 * ring, which stays broken): the slot is lost. */
+			if ((r = ap_ring_reserve(&s->req, sizeof(struct iso_rec) + chunk, &rec)))
 				goto out;
 			struct iso_rec h = { .seq = s->next_seq, .total = (uint32_t)total, .off = (uint32_t)s->sent_off,
 					     .kind = REC_MSG, .a = j->is_ask, .b = j->is_binary };
@@ -489,9 +503,9 @@ static int send_jobs(ap_worker *w)
 		s->next_seq++;
 	}
 out:
-	if (sent)
-		ap_ring_commit(&s->req);
-	return sent;
+	if (sent && ap_ring_commit(&s->req) < 0)
+		return -1;
+	return r && r != -EAGAIN ? -1 : sent;
 }
 
 /* ---- the proxy thread ------------------------------------------------------ */
@@ -517,7 +531,7 @@ static int ready_run(ap_worker *w)
 	ap_iso *s = w->iso;
 	size_t need;
 	return ap_ring_readable(&s->rsp) || atomic_load(&s->dead) || atomic_load(&w->stop) ||
-	       ((need = next_need(s)) && ap_ring_has_room(&s->req, need) == 1);
+	       ((need = next_need(s)) && ap_ring_has_room(&s->req, need) != 0);
 }
 
 static int ready_dead(ap_worker *w) { return atomic_load(&w->iso->dead); }
@@ -530,17 +544,22 @@ static void wait_reaped(ap_worker *w, int kill_it)
 		return;
 	if (kill_it)
 		iso_kill(s);
-	int64_t end = mono_ms() + ISO_REAP_MS;
+	/* Until it is reaped, however long: its pidfd and channel stay ours
+	 * (a child stuck in the kernel, say dumping core to slow storage,
+	 * still holds the mapping the next child would get). */
+	int64_t next_log = mono_ms() + ISO_REAP_MS;
 	while (!atomic_load(&s->dead)) {
-		int64_t left = end - mono_ms();
-		if (left <= 0) {
-			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process was not reaped in %d ms", w->pool->name, w->id,
-			       ISO_REAP_MS);
+		proxy_sleep(w, 100, ready_dead);
+		if (atomic_load(&s->dead))
 			break;
+		ap_node_call_on_loop(w->pool->n, reap_cb, w);
+		if (mono_ms() >= next_log) {
+			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process (os pid %d) is not gone yet", w->pool->name,
+			       w->id, atomic_load(&w->os_pid));
+			next_log += ISO_REAP_MS;
+			if (kill_it)
+				iso_kill(s);
 		}
-		proxy_sleep(w, (int)(left < 100 ? left : 100), ready_dead);
-		if (!atomic_load(&s->dead))
-			ap_node_call_on_loop(w->pool->n, reap_cb, w);
 	}
 }
 
@@ -552,19 +571,23 @@ static void on_death(ap_worker *w)
 	int progress = 0;
 	(void)drain_results(w, &progress); /* what it finished before it died */
 	uint64_t running = atomic_load(&c->running_seq);
-	int timeout = s->timed_out_seq != 0;
+	/* Killed for a timeout, and that message is still unanswered (it may
+	 * have finished between our look and the kill). */
+	int timeout = s->timed_out_seq && s->timed_out_seq == s->front_seq && s->front_seq < s->next_seq;
 	if (s->handler_crash && !s->killed)
 		return; /* counted with its result */
 	enum ap_crash_cause cause = timeout ? AP_CRASH_TIMEOUT
 				    : s->how == CLD_EXITED ? AP_CRASH_EXIT : AP_CRASH_SIGNAL;
 	ap_worker_count_crash(w, cause);
-	if (running && running == s->front_seq && s->front_seq < s->next_seq) {
+	/* running_seq is the child's word, so only a hint: a timeout is
+	 * ours, and answers the message we timed. */
+	if (timeout || (running && running == s->front_seq && s->front_seq < s->next_seq)) {
 		ap_job *j = ap_mbox_pop(&w->mb);
 		if (j) {
 			ap_mbox_done(&w->mb);
 			s->front_seq++;
 			if (j->is_ask) {
-				set_death_reply(w, timeout && s->timed_out_seq == running);
+				set_death_reply(w, timeout);
 				ap_pool_send_result(w, j, "error", &w->reply);
 			} else if (j->seg) {
 				ap_dp_seg_put(j->seg);
@@ -591,12 +614,16 @@ static void on_stop(ap_worker *w)
 	/* A process, unlike a thread, can be made to let go: what it still
 	 * runs after the grace is killed and answered stopped. */
 	int64_t grace = mono_ms() + ISO_STOP_GRACE_MS;
-	while (s->front_seq < s->next_seq && !atomic_load(&s->dead)) {
+	while (s->front_seq < s->next_seq) {
 		progress = 0;
 		if (drain_results(w, &progress))
 			break;
 		if (progress)
 			continue;
+		if (atomic_load(&s->dead)) {
+			on_death(w); /* what it ran when it died is answered as such */
+			break;
+		}
 		int64_t left = grace - mono_ms();
 		if (left <= 0) {
 			ap_log(AP_LOG_WARNING, "pool %s: worker %d's process still busy %d ms after stop; killing it",
@@ -686,20 +713,32 @@ void *ap_iso_proxy_main(void *arg)
 				wait_reaped(w, 1);
 			break;
 		}
-		progress |= send_jobs(w);
-		if (progress)
+		int sent = send_jobs(w);
+		if (sent < 0) {
+			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process broke its request ring; killing it", p->name,
+			       w->id);
+			iso_kill(s);
+			wait_reaped(w, 0);
+			on_death(w);
+			w->exit_reason = EXIT_CRASH;
+			break;
+		}
+		if (progress || sent)
 			continue;
 		int wait = ISO_IDLE_MS;
 		int tmo = p->o.handler_timeout_ms;
-		uint64_t running = atomic_load(&c->running_seq);
-		if (tmo && running && !s->killed) {
-			int64_t left = atomic_load(&c->running_since_ms) + tmo - mono_ms();
-			if (left <= 0 && atomic_load(&c->running_seq) == running) {
-				s->timed_out_seq = running;
+		/* Our own clock: the child's running_seq and running_since_ms
+		 * are its word, and a broken child could hide behind them. The
+		 * front job has been the child's since front_since (a little
+		 * later, when we take results late: never early). */
+		if (tmo && s->front_seq < s->next_seq && !s->killed) {
+			int64_t left = s->front_since + tmo - mono_ms();
+			if (left <= 0) {
+				s->timed_out_seq = s->front_seq;
 				iso_kill(s);
 				continue;
 			}
-			if (left > 0 && left < wait)
+			if (left < wait)
 				wait = (int)left + 1;
 		}
 		proxy_sleep(w, wait, ready_run);
@@ -707,14 +746,15 @@ void *ap_iso_proxy_main(void *arg)
 done:
 	if (atomic_load(&s->pidfd) >= 0 && !atomic_load(&s->dead))
 		wait_reaped(w, 1);
-	/* Closed only once reaped: the loop may be in waitid on it until
-	 * then, and a reused number would reap another slot's child. */
-	if (atomic_load(&s->dead) || atomic_load(&s->pidfd) < 0) {
-		int fd = atomic_exchange(&s->pidfd, -1);
-		if (fd >= 0)
-			close(fd);
-	} else {
-		atomic_store(&s->pidfd, -1);
+	/* Reaped now: the loop looks at a pidfd only while `dead` is 0. */
+	int fd = atomic_exchange(&s->pidfd, -1);
+	if (fd >= 0)
+		close(fd);
+	if (w->reply.cap > (1u << 20)) {
+		/* One large answer is no reason to keep its buffer. */
+		free(w->reply.data);
+		w->reply.data = NULL;
+		w->reply.cap = w->reply.len = 0;
 	}
 	atomic_store(&w->os_pid, 0);
 	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
@@ -761,7 +801,12 @@ int ap_iso_child_main(int argc, char **argv)
 	if (argc < 3 || getppid() != (pid_t)atoi(argv[2]))
 		_exit(70);
 	/* Nothing of the pool node's but the channel (its sockets, epmd's). */
-	syscall(SYS_close_range, ISO_FD + 1, ~0U, 0);
+	if (syscall(SYS_close_range, ISO_FD + 1, ~0U, 0)) {
+		/* Before Linux 5.9. */
+		long max = sysconf(_SC_OPEN_MAX);
+		for (int fd = ISO_FD + 1; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+			close(fd);
+	}
 	struct stat st;
 	if (fstat(ISO_FD, &st) || st.st_size < (off_t)ISO_CTL_SIZE)
 		_exit(71);
@@ -815,6 +860,7 @@ int ap_iso_child_main(int argc, char **argv)
 
 	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
 	uint8_t *big = NULL;
+	unsigned unrung = 0;
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	for (;;) {
@@ -836,10 +882,17 @@ int ap_iso_child_main(int argc, char **argv)
 			_exit(0);
 		}
 		size_t chunk = len - sizeof m;
-		if (m.kind != REC_MSG || m.total > ISO_MAX_MSG || chunk > m.total - (size_t)m.off ||
+		if (m.kind != REC_MSG || chunk > m.total - (size_t)m.off ||
 		    (m.off && (m.seq != big_seq || m.off != big_got)))
 			_exit(73);
 		const uint8_t *data = (const uint8_t *)p + sizeof m;
+		if (m.off == 0) {
+			/* Ours from its first byte: dying while taking it in
+			 * (no memory for it) is dying on it. */
+			if (cc->layout_timeout)
+				atomic_store(&cc->running_since_ms, mono_ms());
+			atomic_store(&cc->running_seq, m.seq);
+		}
 		if (m.off == 0 && chunk < m.total) {
 			free(big);
 			big = malloc(m.total);
@@ -857,8 +910,6 @@ int ap_iso_child_main(int argc, char **argv)
 				continue;
 			data = big;
 		}
-		atomic_store(&cc->running_since_ms, mono_ms());
-		atomic_store(&cc->running_seq, m.seq);
 		actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
 					  .worker = cc->worker };
 		reply.len = 0;
@@ -874,7 +925,13 @@ int ap_iso_child_main(int argc, char **argv)
 			free(big);
 			big = NULL;
 		}
-		bell_ring(cc, 0);
+		/* The proxy hears of results in batches under load (a wake-up
+		 * per message would cost more than an echo), and at once when
+		 * we have caught up: a lone ask's answer waits for nothing. */
+		if (++unrung >= ISO_RING_BATCH || ap_ring_readable(&req) != 1) {
+			bell_ring(cc, 0);
+			unrung = 0;
+		}
 		if (rs == AP_HANDLER_CRASH) {
 			if (h->terminate)
 				h->terminate(state);
