@@ -41,26 +41,6 @@ extern char **environ;
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
 #define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
 
-/* Line-sized groups: the child writes one, the proxy the other. */
-struct iso_ctl {
-	uint64_t magic;
-	uint32_t size, req_off, rsp_off, ring_size;
-	uint32_t spec_off, spec_len, cfg_off, cfg_len; /* the handler spec (NUL-terminated) and its config */
-	int32_t max_memory_mb;
-	uint32_t worker;
-	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
-	uint8_t pad0[64 - 52];
-	/* the child's */
-	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
-	int32_t init_rc;
-	_Atomic uint64_t running_seq;     /* the message being handled, 0: none */
-	_Atomic int64_t running_since_ms; /* CLOCK_MONOTONIC */
-	uint8_t pad1[64 - 24];
-	/* the proxy's doorbell: whoever has news for the proxy (the child, the
-	 * loop) bumps it and wakes it when `waiting` is up */
-	_Atomic uint32_t proxy_bell, proxy_waiting;
-};
-
 enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
 
 /* Every record: this header, then up to ring payload - header bytes of the

@@ -27,6 +27,34 @@
 #ifndef AP_ISOLATE_H
 #define AP_ISOLATE_H
 
+#include <stdatomic.h>
+#include <stdint.h>
+
+/* The head of a slot's channel (4 KiB), then the handler spec and config,
+ * then the request ring (proxy -> child) and the result ring. Here rather
+ * than in isolate.c for the tests' hostile worker (c_src/test/
+ * plugin_hostile.c), which scribbles on it as a broken plugin would. */
+/* Line-sized groups: the child writes one, the proxy the other. */
+struct iso_ctl {
+	uint64_t magic;
+	uint32_t size, req_off, rsp_off, ring_size;
+	uint32_t spec_off, spec_len, cfg_off, cfg_len; /* the handler spec (NUL-terminated) and its config */
+	int32_t max_memory_mb;
+	uint32_t worker;
+	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
+	uint8_t pad0[64 - 52];
+	/* the child's */
+	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
+	int32_t init_rc;
+	_Atomic uint64_t running_seq;     /* the message being handled, 0: none */
+	_Atomic int64_t running_since_ms; /* CLOCK_MONOTONIC */
+	uint8_t pad1[64 - 24];
+	/* the proxy's doorbell: whoever has news for the proxy (the child, the
+	 * loop) bumps it and wakes it when `waiting` is up */
+	_Atomic uint32_t proxy_bell, proxy_waiting;
+};
+
+
 struct ap_worker;
 
 /* Loop thread, once per slot before its first start: the slot's channel.
