@@ -28,6 +28,7 @@
 #define PROC_BUCKETS 256
 #define READER_QUEUE 0
 #define READER_STDIN 1
+#define READER_EXTRA 2 /* ap_node_add_reader: one, for the owner of the node */
 #define TICK_ANSWER_GAP_MS 100   /* answer a tick unless we sent something this recently */
 #define PARENT_RETRY_MS 500
 #define PARENT_ATTEMPTS 20
@@ -85,6 +86,8 @@ struct ap_node {
 	ap_dead_letter_fn dead_letter;
 	ap_idle_fn idle;
 	void *idle_arg;
+	ap_loop_fn extra_fn;
+	void *extra_arg;
 	volatile int stop;
 };
 
@@ -762,6 +765,9 @@ static void io_on_readable(void *arg, int id)
 	ap_node *n = arg;
 	if (id == READER_QUEUE) {
 		drain_queue(n);
+	} else if (id == READER_EXTRA) {
+		if (n->extra_fn)
+			n->extra_fn(n, n->extra_arg);
 	} else if (id == READER_STDIN) {
 		char buf[4096];
 		ssize_t r = read(STDIN_FILENO, buf, sizeof buf);
@@ -1026,6 +1032,18 @@ void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
 {
 	n->idle = fn;
 	n->idle_arg = arg;
+}
+
+int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg)
+{
+	if (n->extra_fn)
+		return -EBUSY;
+	int r = ap_loop_add_reader(n->loop, fd, READER_EXTRA);
+	if (r == 0) {
+		n->extra_fn = fn;
+		n->extra_arg = arg;
+	}
+	return r;
 }
 
 int ap_node_futex_supported(const ap_node *n) { return ap_loop_futex_supported(n->loop); }

@@ -148,6 +148,11 @@ void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
 typedef int (*ap_idle_fn)(ap_node *n, void *arg);
 void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg);
 
+/* Loop thread: fn(n, arg) runs on the loop each time fd is readable (it
+ * reads fd). One such reader per node (the pool node's child-exit
+ * signalfd). 0, -EBUSY (taken) or -errno. */
+int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg);
+
 /* Loop thread: futex waits inside the event loop (ap_io.h). */
 int ap_node_futex_supported(const ap_node *n);
 int ap_node_futex_wait(ap_node *n, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "ap_ring.h"
+#include "isolate.h"
 #include "pool_int.h"
 
 int ap_mbox_init(ap_mbox *m)
@@ -143,6 +144,10 @@ ap_job *ap_worker_next_job(ap_worker *w)
 
 void ap_worker_wake(ap_worker *w, int always)
 {
+	if (w->iso) {
+		ap_iso_wake(w, always);
+		return;
+	}
 	if (always) {
 		atomic_store(&w->sleeping, 0);
 		futex_wake_private(&w->sleeping);

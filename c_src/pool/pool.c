@@ -11,12 +11,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/random.h>
+#include <sys/signalfd.h>
+#include <signal.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "ap_log.h"
 #include "handlers.h"
+#include "isolate.h"
 #include "pool_int.h"
 
 static ap_pool *pools; /* the pool node runs one ap_node */
@@ -29,8 +32,6 @@ void ap_pool_opts_default(ap_pool_opts *o)
 
 /* ---- worker threads -------------------------------------------------------- */
 
-static void worker_exited(ap_node *n, void *arg);
-static void worker_ready(ap_node *n, void *arg);
 
 static void *worker_main(void *arg)
 {
@@ -47,11 +48,11 @@ static void *worker_main(void *arg)
 	if (rc) {
 		w->init_rc = rc;
 		w->exit_reason = EXIT_INIT_FAILED;
-		ap_node_call_on_loop(p->n, worker_exited, w);
+		ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
 		return NULL;
 	}
 	if (w->gen == 0)
-		ap_node_call_on_loop(p->n, worker_ready, w);
+		ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	ap_job *j;
@@ -79,7 +80,7 @@ static void *worker_main(void *arg)
 		 * mailbox_limit 1. */
 		ap_mbox_done(&w->mb);
 		if (st == AP_HANDLER_CRASH) {
-			atomic_fetch_add(&w->crashes, 1);
+			ap_worker_count_crash(w, AP_CRASH_HANDLER);
 			if (j->is_ask)
 				ap_pool_send_error(w, j, "worker_crashed");
 			w->exit_reason = EXIT_CRASH;
@@ -93,7 +94,7 @@ static void *worker_main(void *arg)
 	}
 	if (p->h->terminate)
 		p->h->terminate(state);
-	ap_node_call_on_loop(p->n, worker_exited, w);
+	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
 	return NULL;
 }
 
@@ -102,7 +103,7 @@ static int worker_start(ap_worker *w)
 	atomic_store(&w->stop, 0);
 	atomic_store(&w->alive, 1);
 	w->started_ms = ap_node_now_ms(w->pool->n);
-	if (pthread_create(&w->th, NULL, worker_main, w)) {
+	if (pthread_create(&w->th, NULL, w->iso ? ap_iso_proxy_main : worker_main, w)) {
 		atomic_store(&w->alive, 0);
 		return -1;
 	}
@@ -138,6 +139,7 @@ static void pool_free(ap_pool *p)
 			ap_mbox_destroy(&w->mb);
 		}
 		ap_job_free_list(w->job_cache);
+		ap_iso_slot_free(w);
 		free(w->reply.data);
 		ap_buf_free(&w->out);
 	}
@@ -146,6 +148,7 @@ static void pool_free(ap_pool *p)
 	free(p->w);
 	free(p->wake_list);
 	free(p->config);
+	free(p->spec);
 	ap_buf_free(&p->scratch);
 	free(p);
 }
@@ -182,7 +185,7 @@ static void first_init_reported(ap_pool *p)
 	}
 }
 
-static void worker_ready(ap_node *n, void *arg)
+void ap_pool_worker_ready(ap_node *n, void *arg)
 {
 	(void)n;
 	ap_worker *w = arg;
@@ -266,7 +269,7 @@ static int backoff_ms(ap_pool *p, ap_worker *w)
 	return d < 1 ? 1 : (int)d;
 }
 
-static void worker_exited(ap_node *n, void *arg)
+void ap_pool_worker_exited(ap_node *n, void *arg)
 {
 	ap_worker *w = arg;
 	ap_pool *p = w->pool;
@@ -307,11 +310,14 @@ static int online_cpus(void)
 	return c > 0 ? (int)(c > MAX_WORKERS ? MAX_WORKERS : c) : 4;
 }
 
-int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const actor_pool_handler *h, void *dl,
-		  const uint8_t *config, size_t config_len, const ap_pool_opts *o, ap_pending_reply *reply)
+int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const char *spec,
+		  const actor_pool_handler *h, void *dl, const uint8_t *config, size_t config_len, const ap_pool_opts *o,
+		  ap_pending_reply *reply)
 {
 	if (ap_proc_whereis(n, name))
 		return -EEXIST;
+	if (o->isolation == AP_ISO_PROCESS && !spec)
+		return -EINVAL;
 	ap_pool *p = calloc(1, sizeof *p);
 	if (!p)
 		return -ENOMEM;
@@ -328,13 +334,18 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 		if (p->config)
 			memcpy(p->config, config, config_len);
 	}
-	if (!p->w || !p->wake_list || (config_len && !p->config))
+	p->config_len = config_len;
+	if (p->o.isolation == AP_ISO_PROCESS)
+		p->spec = strdup(spec);
+	if (!p->w || !p->wake_list || (config_len && !p->config) || (p->o.isolation == AP_ISO_PROCESS && !p->spec))
 		goto nomem;
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
 		w->pool = p;
 		w->id = i;
 		if (ap_mbox_init(&w->mb))
+			goto nomem;
+		if (p->o.isolation == AP_ISO_PROCESS && ap_iso_slot_init(w))
 			goto nomem;
 	}
 	p->proc = ap_proc_spawn(n, name, ap_pool_process, p);
@@ -343,7 +354,6 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	p->pid = p->proc->pid;
 	p->h = h;
 	p->dl = dl;
-	p->config_len = config_len;
 	/* Each pool its own stream: seeded from the time and the pool's
 	 * address, pools started within a second where a stopped one's
 	 * memory was reused routed alike, message for message. */
@@ -367,12 +377,15 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	return 0;
 nomem:
 	if (p->w)
-		for (int i = 0; i < p->o.workers; i++)
+		for (int i = 0; i < p->o.workers; i++) {
 			if (p->w[i].mb.head)
 				ap_mbox_destroy(&p->w[i].mb);
+			ap_iso_slot_free(&p->w[i]);
+		}
 	free(p->w);
 	free(p->wake_list);
 	free(p->config);
+	free(p->spec);
 	free(p);
 	return -ENOMEM;
 }
@@ -425,6 +438,41 @@ int ap_pool_encode_list(ei_x_buff *x)
 		ei_x_encode_pid(x, &p->pid);
 	}
 	return ei_x_encode_empty_list(x);
+}
+
+/* ---- worker processes' exits --------------------------------------------- */
+
+static int sigchld_fd = -1;
+
+static void on_sigchld(ap_node *n, void *arg)
+{
+	(void)n;
+	(void)arg;
+	struct signalfd_siginfo si;
+	/* Coalesced: one read may stand for many exits, so every slot with
+	 * a process is asked (waitid on its pidfd, WNOHANG). */
+	while (read(sigchld_fd, &si, sizeof si) == (ssize_t)sizeof si)
+		;
+	for (ap_pool *p = pools; p; p = p->next)
+		for (int i = 0; i < p->o.workers; i++)
+			if (p->w[i].iso)
+				ap_iso_reap(&p->w[i]);
+}
+
+int ap_pool_watch_children(ap_node *n)
+{
+	sigset_t m;
+	sigemptyset(&m);
+	sigaddset(&m, SIGCHLD);
+	sigchld_fd = signalfd(-1, &m, SFD_NONBLOCK | SFD_CLOEXEC);
+	if (sigchld_fd < 0)
+		return -errno;
+	int r = ap_node_add_reader(n, sigchld_fd, on_sigchld, NULL);
+	if (r) {
+		close(sigchld_fd);
+		sigchld_fd = -1;
+	}
+	return r;
 }
 
 void ap_pool_wake_all_pushed(void)

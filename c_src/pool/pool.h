@@ -12,6 +12,9 @@
 #include "ap_node.h"
 
 typedef enum { AP_ROUTE_ROUND_ROBIN, AP_ROUTE_SMALLEST_MAILBOX, AP_ROUTE_RANDOM } ap_routing;
+/* Where a worker runs its handler: a thread of the pool node, or a child
+ * process of it (isolate.h) that a crash takes down alone. */
+typedef enum { AP_ISO_THREAD, AP_ISO_PROCESS } ap_isolation;
 
 typedef struct ap_pool_opts {
 	int workers;             /* 1..1024; 0 = the host's online CPUs (4 if unknown) */
@@ -20,6 +23,9 @@ typedef struct ap_pool_opts {
 	int backoff_min_ms, backoff_max_ms;
 	double jitter;           /* 0..1: a restart delay is scaled by U(1 - jitter, 1) */
 	int stable_ms;           /* a replacement alive this long resets the backoff */
+	ap_isolation isolation;
+	int handler_timeout_ms;  /* 0: none; else a message running longer is answered {error, handler_timeout} */
+	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process; 0: none */
 } ap_pool_opts;
 
 typedef struct ap_pool ap_pool;
@@ -32,13 +38,20 @@ typedef struct ap_pending_reply {
 } ap_pending_reply;
 
 void ap_pool_opts_default(ap_pool_opts *o);
-/* Start a pool. h/dl/config are owned by the pool from here on (dl may be
+/* Start a pool. `spec` names the handler for worker processes (process
+ * isolation): a built-in's name or a plugin's path, copied; each worker
+ * process loads it itself. h/dl/config are owned by the pool from here on (dl may be
  * NULL for built-ins). On success the answer {ok, Pid} or {error, ...}
  * goes to `reply` (may be NULL) when the workers are up; returns 0. On an
  * immediate failure returns -EEXIST (name taken) or -ENOMEM and frees
  * nothing of h/dl/config. */
-int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const actor_pool_handler *h, void *dl,
-		  const uint8_t *config, size_t config_len, const ap_pool_opts *o, ap_pending_reply *reply);
+int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const char *spec,
+		  const actor_pool_handler *h, void *dl, const uint8_t *config, size_t config_len, const ap_pool_opts *o,
+		  ap_pending_reply *reply);
+/* Loop thread, once, before the first pool starts: watch for worker
+ * processes that exit. SIGCHLD must be blocked in every thread already
+ * (main does it). 0 or -errno. */
+int ap_pool_watch_children(ap_node *n);
 /* Stop: the name is free at once; queued asks get {error, stopped}. */
 void ap_pool_stop(ap_node *n, ap_pool *p);
 ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid);

@@ -80,6 +80,14 @@ static inline uint64_t ap_mbox_depth(ap_mbox *m)
 
 enum exit_reason { EXIT_STOP, EXIT_CRASH, EXIT_INIT_FAILED };
 
+/* Why a worker was lost (stats: crash_causes): a worker process killed by
+ * a signal or exiting, a handler over handler_timeout_ms (a process-mode
+ * worker killed, or a thread-mode one marked hung), a handler that
+ * returned AP_HANDLER_CRASH. */
+enum ap_crash_cause { AP_CRASH_SIGNAL, AP_CRASH_EXIT, AP_CRASH_TIMEOUT, AP_CRASH_HANDLER, AP_CRASH_CAUSES };
+
+struct ap_iso;
+
 typedef struct ap_worker {
 	ap_pool *pool;
 	int id;
@@ -93,6 +101,17 @@ typedef struct ap_worker {
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
 	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
 	_Atomic uint64_t processed, errors, crashes;
+	_Atomic uint64_t crash_by[AP_CRASH_CAUSES];
+	/* Process mode (isolate.h): the slot's channel to its worker process,
+	 * made once on the loop before the first start and kept until
+	 * pool_free, so the loop may always ring it; NULL in thread mode. */
+	struct ap_iso *iso;
+	_Atomic int os_pid;        /* the worker process; 0 when there is none */
+	/* Thread mode, handler_timeout_ms: when the message being handled
+	 * started (0: none), and whether the watchdog gave up on it. */
+	_Atomic int64_t busy_since_ms;
+	_Atomic uint64_t busy_seq;
+	_Atomic int hung;
 	enum exit_reason exit_reason;
 	int init_rc;
 	/* loop thread only */
@@ -112,6 +131,7 @@ struct ap_pool {
 	erlang_pid pid;
 	char name[MAXATOMLEN_UTF8];
 	char handler_desc[64];
+	char *spec;                /* process mode: the built-in's name or the plugin's path */
 	const actor_pool_handler *h;
 	void *dl;
 	uint8_t *config;
@@ -148,6 +168,18 @@ static inline uint64_t ap_xorshift(uint64_t *s)
 	x ^= x << 17;
 	return *s = x;
 }
+
+static inline void ap_worker_count_crash(ap_worker *w, enum ap_crash_cause c)
+{
+	atomic_fetch_add(&w->crashes, 1);
+	atomic_fetch_add(&w->crash_by[c], 1);
+}
+
+/* pool.c: a worker (thread, or a process-mode proxy) ran its first init
+ * (ready), or is gone and joinable (exited): on the loop, through
+ * ap_node_call_on_loop. */
+void ap_pool_worker_ready(ap_node *n, void *arg);
+void ap_pool_worker_exited(ap_node *n, void *arg);
 
 /* mailbox.c, the doorbell: a worker sleeps when its mailbox is empty. */
 ap_job *ap_worker_next_job(ap_worker *w);

@@ -16,6 +16,8 @@
  * same-host ring segment (ring_ingress.c), unless --no-fast-path.
  */
 #include <ei.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,10 +26,12 @@
 #include "ap_main.h"
 #include "ap_term.h"
 #include "handlers.h"
+#include "isolate.h"
 #include "pool.h"
 #include "ring_ingress.h"
 
 #define HANDLER_DESC 64
+#define SPEC_MAX 4096 /* a plugin's path, < 4096 bytes, or a built-in's name */
 
 /* ---- decoding the manager's requests ------------------------------------- */
 
@@ -112,9 +116,28 @@ static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, str
 	return 0;
 }
 
+/* 1..max, or infinity (0: no limit). */
+static int get_limit(const char *b, int *i, long long max, int *out)
+{
+	char a[16];
+	long long l;
+	int i0 = *i;
+	if (get_atom(b, i, a, sizeof a) == 0) {
+		if (strcmp(a, "infinity"))
+			return -1;
+		*out = 0;
+		return 0;
+	}
+	*i = i0;
+	if (get_long(b, i, &l) || l < 1 || l > max)
+		return -1;
+	*out = (int)l;
+	return 0;
+}
+
 static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
-	int n, v0 = *i;
+	int n, v0 = *i, mem_vs = 0;
 	if (ei_decode_map_header(b, i, &n))
 		return bad(ba, "options", b, len, v0);
 	for (int k = 0; k < n; k++) {
@@ -152,19 +175,38 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 		} else if (!strcmp(key, "backoff")) {
 			if (parse_backoff(b, len, i, o, ba))
 				return -1;
+		} else if (!strcmp(key, "isolation")) {
+			if (get_atom(b, i, a, sizeof a))
+				return bad(ba, "isolation", b, len, vs);
+			if (!strcmp(a, "thread"))
+				o->isolation = AP_ISO_THREAD;
+			else if (!strcmp(a, "process"))
+				o->isolation = AP_ISO_PROCESS;
+			else
+				return bad(ba, "isolation", b, len, vs);
+		} else if (!strcmp(key, "handler_timeout_ms")) {
+			if (get_limit(b, i, 86400000, &o->handler_timeout_ms))
+				return bad(ba, "handler_timeout_ms", b, len, vs);
+		} else if (!strcmp(key, "max_memory_mb")) {
+			mem_vs = vs;
+			if (get_limit(b, i, 1048576, &o->max_memory_mb))
+				return bad(ba, "max_memory_mb", b, len, vs);
 		} else {
 			/* Options the Erlang side keeps for itself (node, ...). */
 			if (ap_term_skip(b, len, i))
 				return bad(ba, "options", b, len, v0);
 		}
 	}
+	/* A thread cannot be given a memory limit of its own. */
+	if (o->max_memory_mb && o->isolation != AP_ISO_PROCESS)
+		return bad(ba, "max_memory_mb", b, len, mem_vs);
 	return 0;
 }
 
 /* Handler: echo | json_validate | {plugin, Path} | {plugin, Path, Config}.
  * Returns 0, or an error term appended to err. */
 static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_handler **h, void **dl, const char **config,
-			   int *config_len, char *desc, ei_x_buff *err)
+			   int *config_len, char *desc, char *spec, ei_x_buff *err)
 {
 	int v0 = *i, arity, type, size;
 	char a[32];
@@ -175,6 +217,7 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 		*h = ap_builtin_handler(a);
 		if (*h) {
 			snprintf(desc, HANDLER_DESC, "%s", a);
+			snprintf(spec, SPEC_MAX, "%s", a);
 			return 0;
 		}
 	} else if (ei_decode_tuple_header(b, i, &arity) == 0 && (arity == 2 || arity == 3) &&
@@ -197,6 +240,7 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 		if (r == 0) {
 			const char *base = strrchr(path, '/');
 			snprintf(desc, HANDLER_DESC, "plugin:%.55s", base ? base + 1 : path);
+			snprintf(spec, SPEC_MAX, "%s", path);
 			return 0;
 		}
 		ei_x_encode_tuple_header(err, r == -2 ? 3 : 3);
@@ -290,7 +334,8 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 		return;
 	}
 	i = hstart;
-	if (resolve_handler(b, (size_t)m->len, &i, &h, &dl, &config, &config_len, desc, &err))
+	char spec[SPEC_MAX];
+	if (resolve_handler(b, (size_t)m->len, &i, &h, &dl, &config, &config_len, desc, spec, &err))
 		goto fail;
 
 	ap_pending_reply *pr = calloc(1, sizeof *pr);
@@ -315,7 +360,7 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 			memcpy(cfg + 1, config, (size_t)config_len);
 		}
 	}
-	int r = ap_pool_start(n, name, desc, h, dl, cfg, cfg ? (size_t)config_len + 1 : 0, &o, pr);
+	int r = ap_pool_start(n, name, desc, spec, h, dl, cfg, cfg ? (size_t)config_len + 1 : 0, &o, pr);
 	free(cfg);
 	if (r) {
 		ap_buf_free(&pr->head);
@@ -581,7 +626,7 @@ static int start_spec(ap_node *n, const char *spec)
 			return -1;
 		}
 	}
-	if (ap_pool_start(n, name, desc, h, dl, NULL, 0, &o, NULL)) {
+	if (ap_pool_start(n, name, desc, handler, h, dl, NULL, 0, &o, NULL)) {
 		if (dl)
 			ap_plugin_unload(dl);
 		ap_log(AP_LOG_ERROR, "--pool '%s': cannot start (name taken?)", spec);
@@ -602,6 +647,8 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	ap_node_on_parent_up(n, parent_up, NULL);
 	ap_node_set_dead_letter(n, ap_pool_dead_letter);
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
+	if (ap_pool_watch_children(n))
+		return 1;
 	int fast_path = 1;
 	for (int k = 0; k < argc; k++)
 		if (!strcmp(argv[k], "--no-fast-path"))
@@ -624,5 +671,14 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+	if (argc >= 2 && !strcmp(argv[1], "--isolated-worker"))
+		return ap_iso_child_main(argc, argv);
+	/* Worker processes' exits are read from a signalfd on the loop, so no
+	 * thread may take SIGCHLD: block it before the first thread exists
+	 * (every later one inherits the mask). */
+	sigset_t chld;
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	pthread_sigmask(SIG_BLOCK, &chld, NULL);
 	return ap_cnode_main(argc, argv, "actor_pool_node", pool_node_init);
 }

@@ -14,6 +14,16 @@ static void kv_u64(ei_x_buff *x, const char *k, uint64_t v)
 	ei_x_encode_ulonglong(x, v);
 }
 
+/* A limit: the number, or infinity when off (0). */
+static void kv_limit(ei_x_buff *x, const char *k, int v)
+{
+	ei_x_encode_atom(x, k);
+	if (v > 0)
+		ei_x_encode_ulong(x, (unsigned long)v);
+	else
+		ei_x_encode_atom(x, "infinity");
+}
+
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 {
 	uint64_t processed = 0, errors = 0, crashes = 0, restarts = 0;
@@ -23,7 +33,11 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		crashes += atomic_load(&p->w[i].crashes);
 		restarts += p->w[i].restarts;
 	}
-	ei_x_encode_map_header(x, 15);
+	uint64_t by[AP_CRASH_CAUSES] = { 0 };
+	for (int i = 0; i < p->o.workers; i++)
+		for (int c = 0; c < AP_CRASH_CAUSES; c++)
+			by[c] += atomic_load(&p->w[i].crash_by[c]);
+	ei_x_encode_map_header(x, 19);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -41,6 +55,16 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_double(x, p->throughput);
 	kv_u64(x, "uptime_ms", (uint64_t)(ap_node_now_ms(p->n) - p->started_ms));
 	kv_u64(x, "mailbox_limit", p->o.mailbox_limit);
+	ei_x_encode_atom(x, "isolation");
+	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
+	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
+	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
+	ei_x_encode_atom(x, "crash_causes");
+	ei_x_encode_map_header(x, AP_CRASH_CAUSES);
+	kv_u64(x, "signal", by[AP_CRASH_SIGNAL]);
+	kv_u64(x, "exit", by[AP_CRASH_EXIT]);
+	kv_u64(x, "timeout", by[AP_CRASH_TIMEOUT]);
+	kv_u64(x, "handler", by[AP_CRASH_HANDLER]);
 	/* Messages received (tells and asks) per ingress: stats requests and
 	 * control calls are not counted. */
 	ei_x_encode_atom(x, "by_path");
@@ -51,7 +75,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_list_header(x, p->o.workers);
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
-		ei_x_encode_map_header(x, 7);
+		ei_x_encode_map_header(x, 9);
 		kv_u64(x, "id", (uint64_t)i);
 		ei_x_encode_atom(x, "alive");
 		ei_x_encode_atom(x, ap_worker_alive(w) ? "true" : "false");
@@ -60,6 +84,14 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		kv_u64(x, "restarts", w->restarts);
 		kv_u64(x, "crashes", atomic_load(&w->crashes));
 		kv_u64(x, "next_restart_ms", (uint64_t)w->next_restart_ms);
+		ei_x_encode_atom(x, "os_pid");
+		int pid = atomic_load(&w->os_pid);
+		if (pid > 0)
+			ei_x_encode_ulong(x, (unsigned long)pid);
+		else
+			ei_x_encode_atom(x, "undefined");
+		ei_x_encode_atom(x, "state");
+		ei_x_encode_atom(x, !ap_worker_alive(w) ? "restarting" : atomic_load(&w->hung) ? "hung" : "running");
 	}
 	ei_x_encode_empty_list(x);
 }

@@ -217,11 +217,17 @@ void ap_pool_stop(ap_node *n, ap_pool *p)
 
 /* What the manager hands a new pool: what it checked, and a reply head
  * for the caller. Nothing starts; the pending reply is freed here. */
-int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const actor_pool_handler *h, void *dl,
-		  const uint8_t *config, size_t config_len, const ap_pool_opts *o, ap_pending_reply *reply)
+int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const char *spec,
+		  const actor_pool_handler *h, void *dl, const uint8_t *config, size_t config_len, const ap_pool_opts *o,
+		  ap_pending_reply *reply)
 {
 	t_check(n == t_node && h == &t_handler && dl == NULL);
 	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, HANDLER_DESC) != NULL);
+	t_check(spec && memchr(spec, 0, SPEC_MAX) != NULL);
+	t_check(o->isolation == AP_ISO_THREAD || o->isolation == AP_ISO_PROCESS);
+	t_check(o->handler_timeout_ms >= 0 && o->handler_timeout_ms <= 86400000);
+	t_check(o->max_memory_mb >= 0 && o->max_memory_mb <= 1048576);
+	t_check(o->max_memory_mb == 0 || o->isolation == AP_ISO_PROCESS);
 	t_check(o->workers >= 0 && o->workers <= MAX_WORKERS);
 	t_check(o->mailbox_limit >= 1 && o->jitter >= 0 && o->jitter <= 1);
 	t_check(o->backoff_min_ms >= 0 && o->backoff_max_ms >= o->backoff_min_ms);
@@ -256,6 +262,18 @@ int ap_pool_encode_list(ei_x_buff *x)
 void ap_pool_tick(ap_node *n, void *arg)
 {
 	(void)n, (void)arg;
+}
+
+int ap_pool_watch_children(ap_node *n)
+{
+	(void)n;
+	return 0;
+}
+
+int ap_iso_child_main(int argc, char **argv)
+{
+	(void)argc, (void)argv;
+	abort(); /* the fuzzer never starts with --isolated-worker */
 }
 
 const actor_pool_handler *ap_builtin_handler(const char *name)

@@ -1,0 +1,47 @@
+/* isolate: workers in child processes (pool option isolation => process).
+ *
+ * Each worker slot of a process-mode pool keeps its thread in the pool node
+ * (the proxy) and its mailbox, exactly as in thread mode: routing, overload,
+ * moving a dead worker's queue and the answers are the same code. What
+ * changes is who runs the handler: the proxy forwards each job to a child
+ * process (this same executable, started with --isolated-worker) through a
+ * pair of rings (c_src/ring/ap_ring.h) in a sealed memfd that belongs to
+ * the slot, and turns the child's results into the usual answers.
+ *
+ *   proxy thread (pool node)                child process
+ *   mailbox -> req ring  ----------------->  handler (init, handle, terminate)
+ *   answers <- rsp ring  <-----------------
+ *
+ * Jobs stay in the mailbox until their result arrives (the proxy walks a
+ * cursor past the ones it sent), so when the child dies the job it was
+ * running is answered {error, {worker_crashed, Cause}} and every job behind
+ * it is still queued: the loop moves them as it does a crashed thread's.
+ *
+ * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
+ * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
+ * each slot's child through its pidfd (waitid P_PIDFD), which also makes
+ * every signal we send (timeouts, stop) safe from pid reuse. The child
+ * dies with its proxy thread (PR_SET_PDEATHSIG), so no worker outlives the
+ * pool or the node.
+ */
+#ifndef AP_ISOLATE_H
+#define AP_ISOLATE_H
+
+struct ap_worker;
+
+/* Loop thread, once per slot before its first start: the slot's channel.
+ * 0 or -errno. */
+int ap_iso_slot_init(struct ap_worker *w);
+/* Loop thread: unmap the slot's channel (its proxy is joined). */
+void ap_iso_slot_free(struct ap_worker *w);
+/* The proxy thread's function (pthread_create). */
+void *ap_iso_proxy_main(void *arg);
+/* Loop thread: reap the slot's child if it has exited, and tell its proxy. */
+void ap_iso_reap(struct ap_worker *w);
+/* Any thread: wake the slot's proxy (jobs were pushed, stop). */
+void ap_iso_wake(struct ap_worker *w, int always);
+/* main() of the child, before anything else runs: argv[1] is
+ * "--isolated-worker". Never returns. */
+int ap_iso_child_main(int argc, char **argv);
+
+#endif
