@@ -430,7 +430,10 @@ static int drain_results(ap_worker *w, int *progress)
 			if (ap_pool_reply_reserve(&w->reply, h.total))
 				goto bad;
 		}
-		memcpy(w->reply.data + h.off, (const uint8_t *)p + sizeof h, chunk);
+		/* An empty result (a tell's) may come before any reply buffer
+		 * exists: no copy from or to a NULL buffer. */
+		if (chunk)
+			memcpy(w->reply.data + h.off, (const uint8_t *)p + sizeof h, chunk);
 		s->got += chunk;
 		w->reply.len = s->got;
 		if (++n == 64) {
