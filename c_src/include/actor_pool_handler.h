@@ -1,11 +1,16 @@
 /* actor_pool_handler.h: the C ABI between actor_pool's pool node and the
  * handlers its workers run (built-ins and .so plugins).
  *
- * A handler is a set of callbacks run on worker threads. Each worker calls
- * init once (its own state), then handle once per message, then terminate.
+ * A handler is a set of callbacks run by workers. Each worker calls init
+ * once (its own state), then handle once per message, then terminate.
  * Handlers are stateless across workers: a pool may run any message on any
- * worker. They must be thread-safe with respect to each other (no unguarded
- * globals), must not block for long, and must not call exit() or abort().
+ * worker. A pool's `isolation` says where a worker runs: a thread of the
+ * pool node (thread: handlers must be thread-safe with respect to each
+ * other, no unguarded globals, and must not crash, exit() or abort(), which
+ * would take the pool node down), or a child process of its own (process,
+ * the default for plugins: a crash, exit() or abort() costs that worker
+ * only; init, handle and terminate all run in that process). Either way a
+ * handler should not block for long (see handler_timeout_ms).
  *
  * A plugin is a shared object exporting
  *

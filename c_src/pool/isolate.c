@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,7 @@ extern char **environ;
 #define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
+#define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
 
 /* Line-sized groups: the child writes one, the proxy the other. */
 struct iso_ctl {
@@ -72,6 +74,9 @@ struct iso_rec {
 typedef struct ap_iso {
 	struct ap_ring_map map;
 	struct iso_ctl *ctl;
+	/* The layout, kept here: a child may scribble on the shared header,
+	 * and the pool node must never take an offset from it. */
+	struct iso_ctl layout;
 	/* the loop writes these, the proxy reads them */
 	_Atomic int pidfd;      /* -1 when no child */
 	_Atomic int dead;       /* the child was reaped; status below is set */
@@ -127,21 +132,19 @@ int ap_iso_slot_init(ap_worker *w)
 		close(s->map.fd);
 		s->map.fd = fd;
 	}
-	struct iso_ctl *c = s->ctl = s->map.mem;
-	c->magic = ISO_MAGIC;
-	c->size = (uint32_t)size;
-	c->req_off = (uint32_t)req_off;
-	c->rsp_off = (uint32_t)rsp_off;
-	c->ring_size = (uint32_t)ring;
-	c->spec_off = (uint32_t)spec_off;
-	c->spec_len = (uint32_t)spec_len;
-	c->cfg_off = (uint32_t)cfg_off;
-	c->cfg_len = (uint32_t)p->config_len;
-	c->max_memory_mb = p->o.max_memory_mb;
-	c->worker = (uint32_t)w->id;
-	memcpy((char *)s->map.mem + spec_off, p->spec, spec_len);
-	if (p->config_len)
-		memcpy((char *)s->map.mem + cfg_off, p->config, p->config_len);
+	s->ctl = s->map.mem;
+	struct iso_ctl *l = &s->layout;
+	l->magic = ISO_MAGIC;
+	l->size = (uint32_t)size;
+	l->req_off = (uint32_t)req_off;
+	l->rsp_off = (uint32_t)rsp_off;
+	l->ring_size = (uint32_t)ring;
+	l->spec_off = (uint32_t)spec_off;
+	l->spec_len = (uint32_t)spec_len;
+	l->cfg_off = (uint32_t)cfg_off;
+	l->cfg_len = (uint32_t)p->config_len;
+	l->max_memory_mb = p->o.max_memory_mb;
+	l->worker = (uint32_t)w->id;
 	atomic_init(&s->pidfd, -1);
 	w->iso = s;
 	return 0;
@@ -274,18 +277,21 @@ static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 static int iso_spawn(ap_worker *w)
 {
 	ap_iso *s = w->iso;
-	struct iso_ctl *c = s->ctl;
+	ap_pool *p = w->pool;
+	struct iso_ctl *c = s->ctl, *l = &s->layout;
 	uint8_t *mem = s->map.mem;
-	/* The previous child is reaped: nobody else is attached. */
-	if (ap_ring_format(mem + c->req_off, c->ring_size, ISO_RING_CAP) ||
-	    ap_ring_format(mem + c->rsp_off, c->ring_size, ISO_RING_CAP) ||
-	    ap_ring_attach_producer(&s->req, mem + c->req_off, c->ring_size) ||
-	    ap_ring_attach_consumer(&s->rsp, mem + c->rsp_off, c->ring_size))
+	/* The previous child is reaped: nobody else is attached. Everything
+	 * it could have scribbled on is written again, from our own copies. */
+	memset(c, 0, ISO_CTL_SIZE);
+	memcpy(c, l, offsetof(struct iso_ctl, init_state));
+	memcpy(mem + l->spec_off, p->spec, l->spec_len);
+	if (l->cfg_len)
+		memcpy(mem + l->cfg_off, p->config, l->cfg_len);
+	if (ap_ring_format(mem + l->req_off, l->ring_size, ISO_RING_CAP) ||
+	    ap_ring_format(mem + l->rsp_off, l->ring_size, ISO_RING_CAP) ||
+	    ap_ring_attach_producer(&s->req, mem + l->req_off, l->ring_size) ||
+	    ap_ring_attach_consumer(&s->rsp, mem + l->rsp_off, l->ring_size))
 		return -EPROTO;
-	atomic_store(&c->init_state, 0);
-	c->init_rc = 0;
-	atomic_store(&c->running_seq, 0);
-	atomic_store(&c->proxy_waiting, 0);
 	s->cursor = w->mb.head;
 	s->sent_off = 0;
 	s->next_seq = s->front_seq = 1;
@@ -587,12 +593,23 @@ static void on_stop(ap_worker *w)
 {
 	ap_iso *s = w->iso;
 	int progress;
+	/* A process, unlike a thread, can be made to let go: what it still
+	 * runs after the grace is killed and answered stopped. */
+	int64_t grace = mono_ms() + ISO_STOP_GRACE_MS;
 	while (s->front_seq < s->next_seq && !atomic_load(&s->dead)) {
 		progress = 0;
 		if (drain_results(w, &progress))
 			break;
-		if (!progress)
-			proxy_sleep(w, 100, ready_run);
+		if (progress)
+			continue;
+		int64_t left = grace - mono_ms();
+		if (left <= 0) {
+			ap_log(AP_LOG_WARNING, "pool %s: worker %d's process still busy %d ms after stop; killing it",
+			       w->pool->name, w->id, ISO_STOP_GRACE_MS);
+			wait_reaped(w, 1);
+			break;
+		}
+		proxy_sleep(w, left < 100 ? (int)left : 100, ready_run);
 	}
 	ap_job *j;
 	while ((j = ap_mbox_pop(&w->mb))) {

@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +32,21 @@ void ap_pool_opts_default(ap_pool_opts *o)
 }
 
 /* ---- worker threads -------------------------------------------------------- */
+
+/* The low bits of ap_worker.run. */
+#define RUN_IDLE 0u
+#define RUN_BUSY 1u    /* the worker runs a message */
+#define RUN_CLAIMED 2u /* the watchdog took it over: it answers, then moves the queue */
+#define RUN_MOVED 3u   /* done: the worker may touch its mailbox again */
+
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void rejoin(ap_node *n, void *arg);
 
 
 static void *worker_main(void *arg)
@@ -73,7 +89,30 @@ static void *worker_main(void *arg)
 		};
 		w->reply.len = 0;
 		ap_pool_set_atom_reply(&w->reply, "ok");
+		uint64_t running = 0;
+		if (p->o.handler_timeout_ms) {
+			running = ((atomic_load(&w->run) >> 2) + 1) << 2 | RUN_BUSY;
+			atomic_store(&w->busy_since_ms, mono_ms());
+			atomic_store(&w->cur_job, j);
+			atomic_store(&w->run, running);
+		}
 		actor_pool_status st = p->h->handle(state, &req, &w->reply);
+		if (running && !atomic_compare_exchange_strong(&w->run, &running, running & ~(uint64_t)3)) {
+			/* The watchdog answered it and moved our queue: wait
+			 * until it is done with the mailbox, drop the answer,
+			 * and rejoin. */
+			while ((atomic_load(&w->run) & 3) != RUN_MOVED)
+				sched_yield();
+			ap_mbox_done(&w->mb);
+			atomic_store(&w->run, running & ~(uint64_t)3);
+			ap_node_call_on_loop(p->n, rejoin, w);
+			if (st == AP_HANDLER_CRASH) {
+				ap_worker_count_crash(w, AP_CRASH_HANDLER);
+				w->exit_reason = EXIT_CRASH;
+				break;
+			}
+			continue;
+		}
 		/* The message leaves the mailbox's depth before its answer is
 		 * sent (the job stays valid until the next pop): a caller that
 		 * has the answer and asks again must find room again, even with
@@ -209,13 +248,51 @@ static void restart(ap_node *n, void *arg)
 		ap_log(AP_LOG_ERROR, "pool %s: cannot start a thread for worker %d", p->name, w->id);
 }
 
-/* Move the jobs of a dead worker to live ones; none is dropped silently. */
-static void redistribute(ap_pool *p, ap_worker *dead)
+/* A copy of j in the mailbox of a live worker other than `from`; 0, or -1
+ * (no memory: j is lost, and its segment reference dropped). */
+static int move_job(ap_pool *p, ap_worker *from, const ap_job *j)
+{
+	ap_worker *w = ap_pool_route(p);
+	if (!w || w == from) {
+		/* Everyone is full: over the limit rather than lost. */
+		w = NULL;
+		for (int i = 0; i < p->o.workers; i++)
+			if (&p->w[i] != from && ap_worker_alive(&p->w[i])) {
+				w = &p->w[i];
+				break;
+			}
+	}
+	size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
+	ap_job *c = w ? ap_job_alloc(&w->mb, &w->job_cache, need) : NULL;
+	if (!c) {
+		if (j->seg)
+			ap_dp_seg_put(j->seg); /* lost with its job: the segment must still go */
+		return -1;
+	}
+	c->is_ask = j->is_ask;
+	c->is_binary = j->is_binary;
+	c->seg = j->seg; /* the reference moves with the job */
+	c->ask_id = j->ask_id;
+	c->head_len = j->head_len;
+	c->msg_len = j->msg_len;
+	c->node_len = j->node_len;
+	memcpy(c->data, j->data, need);
+	ap_pool_push(w, c);
+	return 0;
+}
+
+static int others_alive(ap_pool *p, ap_worker *w)
 {
 	int others = 0;
 	for (int i = 0; i < p->o.workers; i++)
-		others += &p->w[i] != dead && ap_worker_alive(&p->w[i]);
-	if (!others)
+		others += &p->w[i] != w && ap_worker_alive(&p->w[i]);
+	return others;
+}
+
+/* Move the jobs of a dead worker to live ones; none is dropped silently. */
+static void redistribute(ap_pool *p, ap_worker *dead)
+{
+	if (!others_alive(p, dead))
 		return; /* they wait for the replacement */
 	ap_job *j;
 	uint64_t moved = 0;
@@ -224,37 +301,108 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		 * popped job stays the dummy, so copy it before re-queueing. */
 		j = ap_mbox_pop(&dead->mb);
 		ap_mbox_done(&dead->mb);
-		ap_worker *w = ap_pool_route(p);
-		if (!w) {
-			/* Everyone is full: over the limit rather than lost. */
-			for (int i = 0; i < p->o.workers; i++)
-				if (&p->w[i] != dead && ap_worker_alive(&p->w[i])) {
-					w = &p->w[i];
-					break;
-				}
-		}
-		size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
-		ap_job *c = ap_job_alloc(&w->mb, &w->job_cache, need);
-		if (!c) {
-			if (j->seg)
-				ap_dp_seg_put(j->seg); /* lost with its job: the segment must still go */
+		if (move_job(p, dead, j))
 			break;
-		}
-		c->is_ask = j->is_ask;
-		c->is_binary = j->is_binary;
-		c->seg = j->seg; /* the reference moves with the job */
-		c->ask_id = j->ask_id;
-		c->head_len = j->head_len;
-		c->msg_len = j->msg_len;
-		c->node_len = j->node_len;
-		memcpy(c->data, j->data, need);
-		ap_pool_push(w, c);
 		moved++;
 	}
 	ap_pool_wake_pushed(p);
 	if (moved)
 		ap_log(AP_LOG_INFO, "pool %s: moved %llu queued messages off crashed worker %d", p->name,
 		       (unsigned long long)moved, dead->id);
+}
+
+/* ---- the watchdog: thread mode's handler_timeout_ms ------------------------
+ * A thread cannot be killed safely, so a handler over the deadline keeps
+ * its thread: the loop answers its message {error, handler_timeout},
+ * marks the worker hung (routing skips it), moves the jobs queued behind
+ * it to the others and, when the handler returns at last, drops its
+ * answer and takes the worker back. The worker's mailbox is touched by the
+ * loop only between its claim (RUN_BUSY -> RUN_CLAIMED, a CAS the worker's
+ * own end of the message races with) and RUN_MOVED, while the worker is
+ * inside the handler or waiting for RUN_MOVED. */
+
+static void answer_timeout(ap_pool *p, const ap_job *j)
+{
+	if (!j->is_ask)
+		return;
+	if (j->seg) {
+		ap_dp_reply_error_loop(j->seg, j->ask_id, "handler_timeout");
+		ap_dp_seg_put(j->seg);
+		return;
+	}
+	ap_buf *b = &p->scratch;
+	b->len = 0;
+	if (ap_buf_append(b, j->data, j->head_len) == 0)
+		ap_pool_loop_error_reply(p, 0, (const char *)j->data + j->head_len + j->msg_len, "handler_timeout");
+}
+
+/* The worker is inside its handler (claimed): its mailbox's head is the
+ * job it runs; everything after it moves. Counted out of enq (the loop's
+ * counter): deq is the worker's, which it may be writing. */
+static void steal_queue(ap_pool *p, ap_worker *w)
+{
+	ap_mbox *m = &w->mb;
+	if (!others_alive(p, w))
+		return; /* they wait for it */
+	ap_job *j = atomic_load_explicit(&m->head->next, memory_order_acquire);
+	atomic_store_explicit(&m->head->next, NULL, memory_order_relaxed);
+	m->tail = m->head;
+	uint64_t moved = 0;
+	while (j) {
+		ap_job *next = atomic_load_explicit(&j->next, memory_order_relaxed);
+		move_job(p, w, j);
+		free(j);
+		moved++;
+		j = next;
+	}
+	atomic_store_explicit(&m->enq, atomic_load_explicit(&m->enq, memory_order_relaxed) - moved,
+			      memory_order_relaxed);
+	ap_pool_wake_pushed(p);
+	if (moved)
+		ap_log(AP_LOG_INFO, "pool %s: moved %llu queued messages off hung worker %d", p->name,
+		       (unsigned long long)moved, w->id);
+}
+
+static void watchdog(ap_node *n, void *arg)
+{
+	ap_pool *p = arg;
+	p->timers--;
+	if (p->stopping) {
+		maybe_free(p);
+		return;
+	}
+	int64_t now = mono_ms();
+	for (int i = 0; i < p->o.workers; i++) {
+		ap_worker *w = &p->w[i];
+		uint64_t r = atomic_load(&w->run);
+		if ((r & 3) != RUN_BUSY || now - atomic_load(&w->busy_since_ms) < p->o.handler_timeout_ms)
+			continue;
+		/* busy_since_ms may already be the next message's (later,
+		 * so never a false claim); the CAS fails if `run` moved on. */
+		if (!atomic_compare_exchange_strong(&w->run, &r, (r & ~(uint64_t)3) | RUN_CLAIMED))
+			continue;
+		ap_worker_count_crash(w, AP_CRASH_TIMEOUT);
+		atomic_store(&w->hung, 1);
+		atomic_store(&w->alive, 0);
+		answer_timeout(p, atomic_load(&w->cur_job));
+		steal_queue(p, w);
+		atomic_store(&w->run, (r & ~(uint64_t)3) | RUN_MOVED);
+		ap_log(AP_LOG_WARNING, "pool %s: worker %d's handler ran over %d ms; the worker is skipped until it returns",
+		       p->name, w->id, p->o.handler_timeout_ms);
+	}
+	int period = p->o.handler_timeout_ms / 4;
+	if (ap_node_timer(n, period < 10 ? 10 : period > 100 ? 100 : period, watchdog, p) == 0)
+		p->timers++;
+}
+
+static void rejoin(ap_node *n, void *arg)
+{
+	(void)n;
+	ap_worker *w = arg;
+	atomic_store(&w->hung, 0);
+	if (!w->pool->stopping)
+		atomic_store(&w->alive, 1);
+	ap_log(AP_LOG_INFO, "pool %s: worker %d's handler returned; the worker serves again", w->pool->name, w->id);
 }
 
 static int backoff_ms(ap_pool *p, ap_worker *w)
@@ -374,6 +522,8 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 			p->init_failed = -EAGAIN;
 			first_init_reported(p);
 		}
+	if (p->o.isolation == AP_ISO_THREAD && p->o.handler_timeout_ms && ap_node_timer(n, 10, watchdog, p) == 0)
+		p->timers++;
 	return 0;
 nomem:
 	if (p->w)

@@ -107,10 +107,13 @@ typedef struct ap_worker {
 	 * pool_free, so the loop may always ring it; NULL in thread mode. */
 	struct ap_iso *iso;
 	_Atomic int os_pid;        /* the worker process; 0 when there is none */
-	/* Thread mode, handler_timeout_ms: when the message being handled
-	 * started (0: none), and whether the watchdog gave up on it. */
+	/* Thread mode, handler_timeout_ms (pool.c, "the watchdog"): `run` is
+	 * (message count << 2) | RUN_*, so the loop's claim on a message
+	 * cannot hit the next one; busy_since_ms and cur_job belong to the
+	 * message `run` names. `hung` (loop only writes it) is for stats. */
+	_Atomic uint64_t run;
 	_Atomic int64_t busy_since_ms;
-	_Atomic uint64_t busy_seq;
+	ap_job *_Atomic cur_job;
 	_Atomic int hung;
 	enum exit_reason exit_reason;
 	int init_rc;

@@ -91,7 +91,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		else
 			ei_x_encode_atom(x, "undefined");
 		ei_x_encode_atom(x, "state");
-		ei_x_encode_atom(x, !ap_worker_alive(w) ? "restarting" : atomic_load(&w->hung) ? "hung" : "running");
+		ei_x_encode_atom(x, atomic_load(&w->hung) ? "hung" : !ap_worker_alive(w) ? "restarting" : "running");
 	}
 	ei_x_encode_empty_list(x);
 }
