@@ -57,6 +57,10 @@ struct iso_ctl {
 	/* the proxy's doorbell: whoever has news for the proxy (the child, the
 	 * loop) bumps it and wakes it when `waiting` is up */
 	_Atomic uint32_t proxy_bell, proxy_waiting;
+	/* the proxy's, at stop: what the child has not started yet it hands
+	 * back unrun (a RESULT with c = 1), to be answered stopped as the
+	 * queue of a thread is */
+	_Atomic uint32_t stopping;
 };
 
 enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
@@ -67,7 +71,7 @@ enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
 struct iso_rec {
 	uint64_t seq;
 	uint32_t total, off;
-	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind */
+	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind, 1 if not run */
 	uint32_t pad;
 };
 
@@ -392,6 +396,13 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
 	ap_mbox_done(&w->mb);
+	if (h->c) {
+		if (j->is_ask)
+			ap_pool_send_error(w, j, "stopped");
+		else if (j->seg)
+			ap_dp_seg_put(j->seg);
+		return 0;
+	}
 	if (h->a == AP_HANDLER_CRASH) {
 		ap_worker_count_crash(w, AP_CRASH_HANDLER);
 		s->handler_crash = 1;
@@ -429,7 +440,7 @@ static int drain_results(ap_worker *w, int *progress)
 		size_t chunk = len - sizeof h;
 		if (h.kind != REC_RESULT || h.seq != s->front_seq || s->front_seq >= s->next_seq ||
 		    h.total > ISO_MAX_MSG || h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH ||
-		    h.b > AP_REPLY_ATOM)
+		    h.b > AP_REPLY_ATOM || h.c > 1 || (h.c && h.total))
 			goto bad;
 		if (h.off == 0) {
 			w->reply.len = 0;
@@ -596,6 +607,7 @@ static void on_stop(ap_worker *w)
 	/* A process, unlike a thread, can be made to let go: what it still
 	 * runs after the grace is killed and answered stopped. */
 	int64_t grace = mono_ms() + ISO_STOP_GRACE_MS;
+	atomic_store(&s->ctl->stopping, 1);
 	while (s->front_seq < s->next_seq && !atomic_load(&s->dead)) {
 		progress = 0;
 		if (drain_results(w, &progress))
@@ -733,7 +745,8 @@ static struct iso_ctl *cc;
 static void child_die(int code) { _exit(code); }
 
 /* Writes one result (the reply in chunks), waiting for room. */
-static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply)
+static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
+			 int not_run)
 {
 	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
 	size_t total = send_reply ? reply->len : 0, off = 0;
@@ -750,7 +763,8 @@ static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const ac
 				child_die(72);
 		}
 		struct iso_rec h = { .seq = seq, .total = (uint32_t)total, .off = (uint32_t)off, .kind = REC_RESULT,
-				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0) };
+				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0),
+				     .c = (uint8_t)not_run };
 		memcpy(rec, &h, sizeof h);
 		if (chunk)
 			memcpy((uint8_t *)rec + sizeof h, reply->data + off, chunk);
@@ -862,16 +876,20 @@ int ap_iso_child_main(int argc, char **argv)
 				continue;
 			data = big;
 		}
-		atomic_store(&cc->running_since_ms, mono_ms());
-		atomic_store(&cc->running_seq, m.seq);
-		actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
-					  .worker = cc->worker };
-		reply.len = 0;
-		ap_pool_set_atom_reply(&reply, "ok");
-		actor_pool_status rs = h->handle(state, &rq, &reply);
-		if (rs > AP_HANDLER_CRASH)
-			rs = AP_HANDLER_ERROR;
-		child_result(&rsp, m.seq, rs, &reply, m.a && rs != AP_HANDLER_CRASH);
+		actor_pool_status rs = AP_HANDLER_OK;
+		int not_run = atomic_load(&cc->stopping) != 0;
+		if (!not_run) {
+			atomic_store(&cc->running_since_ms, mono_ms());
+			atomic_store(&cc->running_seq, m.seq);
+			actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
+						  .worker = cc->worker };
+			reply.len = 0;
+			ap_pool_set_atom_reply(&reply, "ok");
+			rs = h->handle(state, &rq, &reply);
+			if (rs > AP_HANDLER_CRASH)
+				rs = AP_HANDLER_ERROR;
+		}
+		child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
 		ap_ring_publish(&rsp);
 		atomic_store(&cc->running_seq, 0);
 		ap_ring_release(&req);
