@@ -41,6 +41,7 @@
          bounded_allocation_in_thread_mode_just_works/1,
          every_ask_answered_once_and_tells_add_up/1,
          stop_pool_leaves_no_worker_process/1,
+         stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          killed_pool_node_leaves_no_worker_process/1,
          application_stop_leaves_no_worker_process/1]).
 
@@ -72,6 +73,7 @@ actor_pool_isolation_test_() ->
                  bounded_allocation_in_thread_mode_just_works,
                  every_ask_answered_once_and_tells_add_up,
                  stop_pool_leaves_no_worker_process,
+                 stop_pool_answers_queued_asks_stopped_in_both_modes,
                  %% These kill the pool node.
                  segv_in_thread_mode_takes_the_pool_node_down,
                  abort_in_thread_mode_takes_the_pool_node_down,
@@ -465,8 +467,10 @@ overrun_thread_is_hung_skipped_and_rejoins(_Ctx) ->
         ?assertEqual(10, length(Ids)),
         ?assertEqual(lists:sort([HungId, OtherId]), lists:usort(Ids)),
         ?assertEqual([], flush_mailbox()),
+        %% Counted as a timeout, though the worker was never replaced.
         S = actor_pool:stats(P),
-        ?assertMatch(#{crashes := 0}, S),
+        ?assertMatch(#{crashes := 1, restarts := 0}, S),
+        ?assertEqual(causes(#{timeout => 1}), maps:get(crash_causes, S)),
         ?assertEqual(NodePid, node_os_pid())
     end).
 
@@ -577,6 +581,23 @@ stop_pool_leaves_no_worker_process(_Ctx) ->
     [?assertNot(lists:member(Pid, Before)) || Pid <- Pids],
     wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, Pids) end, ?WAIT_MS),
     wait_until(fun() -> descendants(NodePid) -- Before =:= [] end, ?WAIT_MS).
+
+%% stop_pool/1's contract in both modes: the message a worker is running
+%% finishes, the asks queued behind it are answered {error, stopped} at
+%% once. A worker process was handed its queue ahead (through its ring) and
+%% ran all of it before answering the stop.
+stop_pool_answers_queued_asks_stopped_in_both_modes(_Ctx) ->
+    [begin
+         {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(),
+                                         #{workers => 1, isolation => Iso}),
+         _ = stats_when(P, fun all_running/1),
+         Reqs = [gen_server:send_request(P, {sleep, 500}) || _ <- lists:seq(1, 4)],
+         _ = stats_when(P, fun(S) -> [4] =:= [M || #{mailbox := M} <- workers(S)] end),
+         ok = actor_pool:stop_pool(P),
+         [First | Queued] = [gen_server:wait_response(R, ?ASK_MS) || R <- Reqs],
+         ?assert(lists:member(First, [{reply, {ok, ok}}, {reply, {error, stopped}}])),
+         ?assertEqual({Iso, [{reply, {error, stopped}} || _ <- Queued]}, {Iso, Queued})
+     end || Iso <- [thread, process]].
 
 %% kill -9 of the pool node: its worker processes die with it
 %% (PR_SET_PDEATHSIG), and the pool comes back with new ones.
