@@ -578,19 +578,22 @@ stop_pool_leaves_no_worker_process(_Ctx) ->
     Before = descendants(NodePid),
     {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 3}),
     Pids = try
-               os_pids(stats_when(P, fun all_running/1))
+               Ps = os_pids(stats_when(P, fun all_running/1)),
+               ?assertEqual(lists:sort(Ps), worker_processes(NodePid) -- Before),
+               Ps
            after
                ok = actor_pool:stop_pool(P)
            end,
     ?assertEqual(3, length(Pids)),
     [?assertNot(lists:member(Pid, Before)) || Pid <- Pids],
     wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, Pids) end, ?WAIT_MS),
-    wait_until(fun() -> descendants(NodePid) -- Before =:= [] end, ?WAIT_MS).
+    wait_until(fun() -> descendants(NodePid) -- Before =:= [] end, ?WAIT_MS),
+    ?assertEqual([], worker_processes(NodePid) -- Before).
 
 %% stop_pool/1's contract in both modes: the message a worker is running
 %% finishes, the asks queued behind it are answered {error, stopped} at
-%% once. A worker process was handed its queue ahead (through its ring) and
-%% ran all of it before answering the stop.
+%% once (a worker process, handed its queue ahead through its ring, used
+%% to run all of it first).
 stop_pool_answers_queued_asks_stopped_in_both_modes(_Ctx) ->
     [begin
          {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(),
@@ -612,8 +615,12 @@ killed_pool_node_leaves_no_worker_process(_Ctx) ->
     {ok, P} = actor_pool:start_pool(Name, crash_plugin(), #{workers => 2}),
     try
         Pids = os_pids(stats_when(P, fun all_running/1)),
+        ?assertEqual(lists:sort(Pids), worker_processes(NodePid)),
         kill_9(NodePid),
-        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids]) end, ?WAIT_MS),
+        %% Reparented, they would be found by their command line.
+        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids])
+                                andalso worker_processes(NodePid) =:= []
+                   end, ?WAIT_MS),
         wait_until(fun() ->
                            case actor_cnode:info(actor_pool_node_owner) of
                                #{status := up, os_pid := New} -> New =/= NodePid;
@@ -634,9 +641,12 @@ application_stop_leaves_no_worker_process(_Ctx) ->
     NodePid = node_os_pid(),
     {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2}),
     Pids = os_pids(stats_when(P, fun all_running/1)),
+    ?assertEqual(lists:sort(Pids), worker_processes(NodePid)),
     ok = application:stop(actor_pool),
     try
-        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids]) end, ?WAIT_MS)
+        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids])
+                                andalso worker_processes(NodePid) =:= []
+                   end, ?WAIT_MS)
     after
         %% For the fixture's cleanup.
         {ok, _} = application:ensure_all_started(actor_pool)
@@ -743,6 +753,23 @@ children(OsPid) ->
                        {ok, B} -> [binary_to_integer(X) || X <- binary:split(B, <<" ">>, [global, trim_all])];
                        {error, _} -> []
                    end || T <- Tids])).
+
+%% The live worker processes of pool node OsPid wherever they are in the
+%% process tree (an orphan is reparented): found by the command line the
+%% pool node gives them, which names it (`--isolated-worker <its pid>').
+%% The cases first check that this finds exactly the workers stats/1 lists.
+worker_processes(OsPid) ->
+    Want = [<<"--isolated-worker">>, integer_to_binary(OsPid)],
+    {ok, Entries} = file:list_dir("/proc"),
+    lists:sort([Pid || E <- Entries,
+                       Pid <- [catch list_to_integer(E)], is_integer(Pid),
+                       case file:read_file("/proc/" ++ E ++ "/cmdline") of
+                           {ok, Cmd} ->
+                               [_Argv0 | Args] = binary:split(Cmd, <<0>>, [global]),
+                               lists:prefix(Want, Args);
+                           {error, _} -> false
+                       end,
+                       os_pid_alive(Pid)]).
 
 flush_mailbox() ->
     receive M -> [M | flush_mailbox()] after 0 -> [] end.
