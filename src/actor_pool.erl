@@ -44,7 +44,7 @@
 -export([node_stats/1]).
 
 -export_type([pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
-              stats/0, worker_stats/0]).
+              isolation/0, stats/0, worker_stats/0]).
 
 -type name() :: atom().
 -type pool() :: pid() | name() | {name(), node()} | actor_receptionist:key().
@@ -63,6 +63,12 @@
 
 -type routing() :: round_robin | smallest_mailbox | random.
 
+-type isolation() :: thread | process.
+%% Where a pool's workers run their handler: `thread' (threads of the pool
+%% node: a handler that segfaults, aborts or exits takes the pool node down)
+%% or `process' (one child OS process of the pool node per worker: such a
+%% crash costs that worker and the message it was running).
+
 -type backoff() :: #{min_ms => pos_integer(),
                      max_ms => pos_integer(),
                      jitter => float()}.
@@ -75,6 +81,9 @@
                   mailbox_limit => 1..1048576,
                   backoff => backoff(),
                   stable_ms => 0..86400000,
+                  isolation => isolation(),
+                  handler_timeout_ms => 1..86400000 | infinity,
+                  max_memory_mb => 1..1048576 | infinity,
                   node => node(),
                   fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
@@ -86,7 +95,9 @@
                           processed := non_neg_integer(),
                           restarts := non_neg_integer(),
                           crashes := non_neg_integer(),
-                          next_restart_ms := non_neg_integer()}.
+                          next_restart_ms := non_neg_integer(),
+                          os_pid => non_neg_integer() | undefined,
+                          state => running | hung | restarting}.
 
 -type stats() :: #{name := name(),
                    size := pos_integer(),
@@ -96,6 +107,13 @@
                    processed := non_neg_integer(),
                    errors := non_neg_integer(),
                    crashes := non_neg_integer(),
+                   crash_causes => #{signal := non_neg_integer(),
+                                     exit := non_neg_integer(),
+                                     timeout := non_neg_integer(),
+                                     handler := non_neg_integer()},
+                   isolation => isolation(),
+                   handler_timeout_ms => pos_integer() | infinity,
+                   max_memory_mb => pos_integer() | infinity,
                    restarts := non_neg_integer(),
                    overloaded := non_neg_integer(),
                    dropped_tells := non_neg_integer(),
@@ -115,6 +133,8 @@
 -define(MAX_MAILBOX, 1048576).
 -define(MAX_BACKOFF_MS, 3600000).
 -define(MAX_STABLE_MS, 86400000).
+-define(MAX_HANDLER_TIMEOUT_MS, 86400000).
+-define(MAX_MEMORY_MB, 1048576).
 %% The pool node reads plugin paths into a 4 KiB buffer.
 -define(MAX_PATH, 4095).
 %% Container nesting of a message: a C node accepts 1024 levels
@@ -142,6 +162,21 @@
 %%     0.0..1.0.</li>
 %% <li>`stable_ms' (0..86400000, default 10000): a replacement worker that
 %%     lived this long resets its backoff.</li>
+%% <li>`isolation': `process' (the default for `{plugin, ...}' handlers)
+%%     runs each worker's handler in a child OS process of the pool node: a
+%%     handler that segfaults, aborts, exits or is killed costs that worker
+%%     (the ask it was running gets `{error, {worker_crashed, Cause}}', the
+%%     messages queued behind it move to the other workers, the slot is
+%%     replaced under `backoff'). `thread' (the default for `echo' and
+%%     `json_validate') runs it in a thread of the pool node: cheaper, but
+%%     such a crash takes the pool node and every pool on it down.</li>
+%% <li>`handler_timeout_ms' (1..86400000 or `infinity', the default): a
+%%     message that runs longer is answered `{error, handler_timeout}'; in
+%%     process mode the worker is killed and replaced, in thread mode it is
+%%     marked `hung' (routing skips it) until the handler returns.</li>
+%% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the address
+%%     space limit of each worker process (`process' isolation only; given
+%%     for a `thread' pool it is `{error, {badarg, {max_memory_mb, V}}}').</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
 %% <li>`fast_path' (boolean, default `true'): `false' makes the calls from
 %%     this BEAM to this pool (tell, ask, stats) use distribution even when
@@ -412,7 +447,12 @@ ask(Pool, Msg) ->
 %% `{ok, Reply}': a binary when the handler replied bytes, else the term it
 %% encoded. `{error, Reason}': the handler refused the message (`Reason' is
 %% its); `overloaded' (the mailboxes tried were full); `worker_crashed' (the
-%% handler crashed on this message); `stopped' (the pool stopped first);
+%% handler returned a crash status for this message); `{worker_crashed,
+%% Cause}' (a process-isolated worker died while running this message:
+%% `Cause' is the signal as a lower-case atom such as `sigsegv' or
+%% `sigkill', or its number when it has no name here, or `{exit, Code}');
+%% `handler_timeout' (the handler ran longer than the pool's
+%% `handler_timeout_ms'); `stopped' (the pool stopped first);
 %% `noproc' (no such pool); `{nodedown, PoolNode}' (the connection to the
 %% pool node was lost: the message may or may not have been handled);
 %% `timeout' (a reply that comes later is dropped, never left in the
@@ -446,11 +486,15 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
 ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
 
-%% @doc The pool's metrics: size and routing, counters (`processed',
-%% `errors', `crashes', `restarts', `overloaded', `dropped_tells'),
-%% `throughput' (messages per second over the last full second), `uptime_ms',
-%% and per worker `id', `alive', `mailbox' (depth gauge), `processed',
-%% `restarts', `crashes', `next_restart_ms'. See docs/stateless-workers.md.
+%% @doc The pool's metrics: size and routing, `isolation',
+%% `handler_timeout_ms', `max_memory_mb', counters (`processed', `errors',
+%% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
+%% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput'
+%% (messages per second over the last full second), `uptime_ms', and per
+%% worker `id', `alive', `state' (`running', `hung', `restarting'),
+%% `os_pid' (a process-isolated worker's; `undefined' otherwise), `mailbox'
+%% (depth gauge), `processed', `restarts', `crashes', `next_restart_ms'. See
+%% docs/stateless-workers.md.
 -spec stats(pool()) -> stats() | {error, noproc | timeout}.
 stats(Pool) ->
     case dest(Pool) of
@@ -895,21 +939,43 @@ validate(_Name, _Handler, Opts) when not is_map(Opts) ->
 validate(_Name, Handler, Opts) ->
     case options(maps:to_list(Opts), defaults()) of
         {ok, Full0} ->
-            {PoolNode, Full} = case maps:take(node, Full0) of
-                                   {N, Rest} -> {N, Rest};
-                                   error -> {pool_node(), Full0}
-                               end,
+            {PoolNode, Full1} = case maps:take(node, Full0) of
+                                    {N, Rest} -> {N, Rest};
+                                    error -> {pool_node(), Full0}
+                                end,
             case PoolNode of
                 undefined ->
                     {error, noproc};
                 _ ->
                     case handler(Handler, PoolNode) of
-                        {ok, Handler1} -> {ok, PoolNode, Handler1, Full};
-                        error -> {error, {badarg, {handler, Handler}}}
+                        {ok, Handler1} ->
+                            case isolation(Handler1, Full1) of
+                                {ok, Full} -> {ok, PoolNode, Handler1, Full};
+                                {error, _} = Error -> Error
+                            end;
+                        error ->
+                            {error, {badarg, {handler, Handler}}}
                     end
             end;
         {error, _} = Error ->
             Error
+    end.
+
+%% The isolation mode filled in (process for a plugin, thread for a
+%% built-in: those cannot crash, and a thread costs less); a memory limit
+%% needs a process to set it on.
+isolation(Handler, Opts) ->
+    Default = case Handler of
+                  {plugin, _} -> process;
+                  {plugin, _, _} -> process;
+                  _ -> thread
+              end,
+    Full = maps:merge(#{isolation => Default}, Opts),
+    case Full of
+        #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
+            {error, {badarg, {max_memory_mb, Mb}}};
+        _ ->
+            {ok, Full}
     end.
 
 defaults() ->
@@ -917,7 +983,9 @@ defaults() ->
       routing => round_robin,
       mailbox_limit => 10000,
       backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
-      stable_ms => 10000}.
+      stable_ms => 10000,
+      handler_timeout_ms => infinity,
+      max_memory_mb => infinity}.
 
 options([], Acc) ->
     {ok, Acc};
@@ -934,6 +1002,16 @@ option(routing, R) when R =:= round_robin; R =:= smallest_mailbox; R =:= random 
 option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?MAX_MAILBOX ->
     {ok, N};
 option(stable_ms, N) when is_integer(N), N >= 0, N =< ?MAX_STABLE_MS ->
+    {ok, N};
+option(isolation, I) when I =:= thread; I =:= process ->
+    {ok, I};
+option(handler_timeout_ms, infinity) ->
+    {ok, infinity};
+option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?MAX_HANDLER_TIMEOUT_MS ->
+    {ok, N};
+option(max_memory_mb, infinity) ->
+    {ok, infinity};
+option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?MAX_MEMORY_MB ->
     {ok, N};
 option(backoff, #{} = B) ->
     Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),

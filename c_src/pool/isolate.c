@@ -49,7 +49,7 @@ enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
 struct iso_rec {
 	uint64_t seq;
 	uint32_t total, off;
-	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind */
+	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind, 1 if not run */
 	uint32_t pad;
 };
 
@@ -223,7 +223,9 @@ static void iso_kill(ap_iso *s)
 
 /* The environment of a worker process. Under ASan, a crash must stay the
  * crash (not ASan's report and exit 1), and ASan's shadow memory rules out
- * RLIMIT_DATA, so its own RSS limit stands in for max_memory_mb. */
+ * RLIMIT_DATA, so its own RSS limit stands in for max_memory_mb: the soft
+ * one, past which malloc returns NULL as it does under RLIMIT_DATA (the hard
+ * one exits 1 instead, a different crash from the same handler). */
 static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 {
 #ifdef ISO_ASAN
@@ -243,7 +245,7 @@ static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 	}
 	int mb = w->pool->o.max_memory_mb;
 	snprintf(asan, asan_len, "ASAN_OPTIONS=%s%shandle_segv=0:handle_abort=0:handle_sigbus=0:handle_sigfpe=0:"
-		 "handle_sigill=0:detect_leaks=0:allocator_may_return_null=1:hard_rss_limit_mb=%d",
+		 "handle_sigill=0:detect_leaks=0:allocator_may_return_null=1:soft_rss_limit_mb=%d",
 		 old, *old ? ":" : "", mb);
 	env[k++] = asan;
 	env[k] = NULL;
@@ -379,6 +381,13 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
 	ap_mbox_done(&w->mb);
+	if (h->c) {
+		if (j->is_ask)
+			ap_pool_send_error(w, j, "stopped");
+		else if (j->seg)
+			ap_dp_seg_put(j->seg);
+		return 0;
+	}
 	if (h->a == AP_HANDLER_CRASH) {
 		ap_worker_count_crash(w, AP_CRASH_HANDLER);
 		s->handler_crash = 1;
@@ -416,7 +425,7 @@ static int drain_results(ap_worker *w, int *progress)
 		size_t chunk = len - sizeof h;
 		if (h.kind != REC_RESULT || h.seq != s->front_seq || s->front_seq >= s->next_seq ||
 		    h.total > ISO_MAX_MSG || h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH ||
-		    h.b > AP_REPLY_ATOM)
+		    h.b > AP_REPLY_ATOM || h.c > 1 || (h.c && h.total))
 			goto bad;
 		if (h.off == 0)
 			w->reply.len = 0;
@@ -594,6 +603,7 @@ static void on_stop(ap_worker *w)
 	/* A process, unlike a thread, can be made to let go: what it still
 	 * runs after the grace is killed and answered stopped. */
 	int64_t grace = mono_ms() + ISO_STOP_GRACE_MS;
+	atomic_store(&s->ctl->stopping, 1);
 	while (s->front_seq < s->next_seq) {
 		progress = 0;
 		if (drain_results(w, &progress))
@@ -748,7 +758,8 @@ static struct iso_ctl *cc;
 static void child_die(int code) { _exit(code); }
 
 /* Writes one result (the reply in chunks), waiting for room. */
-static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply)
+static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
+			 int not_run)
 {
 	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
 	size_t total = send_reply ? reply->len : 0, off = 0;
@@ -765,7 +776,8 @@ static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const ac
 				child_die(72);
 		}
 		struct iso_rec h = { .seq = seq, .total = (uint32_t)total, .off = (uint32_t)off, .kind = REC_RESULT,
-				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0) };
+				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0),
+				     .c = (uint8_t)not_run };
 		memcpy(rec, &h, sizeof h);
 		if (chunk)
 			memcpy((uint8_t *)rec + sizeof h, reply->data + off, chunk);
@@ -890,14 +902,18 @@ int ap_iso_child_main(int argc, char **argv)
 				continue;
 			data = big;
 		}
-		actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
-					  .worker = cc->worker };
-		reply.len = 0;
-		ap_pool_set_atom_reply(&reply, "ok");
-		actor_pool_status rs = h->handle(state, &rq, &reply);
-		if (rs > AP_HANDLER_CRASH)
-			rs = AP_HANDLER_ERROR;
-		child_result(&rsp, m.seq, rs, &reply, m.a && rs != AP_HANDLER_CRASH);
+		actor_pool_status rs = AP_HANDLER_OK;
+		int not_run = atomic_load(&cc->stopping) != 0;
+		if (!not_run) {
+			actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
+						  .worker = cc->worker };
+			reply.len = 0;
+			ap_pool_set_atom_reply(&reply, "ok");
+			rs = h->handle(state, &rq, &reply);
+			if (rs > AP_HANDLER_CRASH)
+				rs = AP_HANDLER_ERROR;
+		}
+		child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
 		ap_ring_publish(&rsp);
 		atomic_store(&cc->running_seq, 0);
 		ap_ring_release(&req);

@@ -52,6 +52,10 @@ struct iso_ctl {
 	/* the proxy's doorbell: whoever has news for the proxy (the child, the
 	 * loop) bumps it and wakes it when `waiting` is up */
 	_Atomic uint32_t proxy_bell, proxy_waiting;
+	/* the proxy's, at stop: what the child has not started yet it hands
+	 * back unrun (a RESULT with c = 1), to be answered stopped as the
+	 * queue of a thread is */
+	_Atomic uint32_t stopping;
 };
 
 
