@@ -552,6 +552,10 @@ static void wait_reaped(ap_worker *w, int kill_it)
 	}
 }
 
+/* The oldest job is the child's: sent whole, or a part of it (a child
+ * can die taking a large one in). */
+static int front_out(const ap_iso *s) { return s->front_seq < s->next_seq || s->sent_off > 0; }
+
 /* The child is gone: answer the message it died on, count why. */
 static void on_death(ap_worker *w)
 {
@@ -562,7 +566,7 @@ static void on_death(ap_worker *w)
 	uint64_t running = atomic_load(&c->running_seq);
 	/* Killed for a timeout, and that message is still unanswered (it may
 	 * have finished between our look and the kill). */
-	int timeout = s->timed_out_seq && s->timed_out_seq == s->front_seq && s->front_seq < s->next_seq;
+	int timeout = s->timed_out_seq && s->timed_out_seq == s->front_seq && front_out(s);
 	if (s->handler_crash && !s->killed)
 		return; /* counted with its result */
 	enum ap_crash_cause cause = timeout ? AP_CRASH_TIMEOUT
@@ -570,7 +574,7 @@ static void on_death(ap_worker *w)
 	ap_worker_count_crash(w, cause);
 	/* running_seq is the child's word, so only a hint: a timeout is
 	 * ours, and answers the message we timed. */
-	if (timeout || (running && running == s->front_seq && s->front_seq < s->next_seq)) {
+	if (timeout || (running && running == s->front_seq && front_out(s))) {
 		ap_job *j = ap_mbox_pop(&w->mb);
 		if (j) {
 			ap_mbox_done(&w->mb);
@@ -721,7 +725,7 @@ void *ap_iso_proxy_main(void *arg)
 		 * are its word, and a broken child could hide behind them. The
 		 * front job has been the child's since front_since (a little
 		 * later, when we take results late: never early). */
-		if (tmo && s->front_seq < s->next_seq && !s->killed) {
+		if (tmo && front_out(s) && !s->killed) {
 			int64_t left = s->front_since + tmo - mono_ms();
 			if (left <= 0) {
 				s->timed_out_seq = s->front_seq;

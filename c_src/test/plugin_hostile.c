@@ -1,0 +1,106 @@
+/* plugin_hostile: a worker-process plugin that attacks its own channel, as
+ * a broken plugin in an isolation => process pool could (isolate.h). The
+ * pool node must lose that worker only, and never believe the channel.
+ *
+ *   <<"break_req">>   writes a head past the request ring's tail (the ring
+ *                     turns broken for the pool node's proxy), then sleeps
+ *                     1 s, replying scribbled
+ *   <<"spin_hide">>   spins for ever, clearing running_seq all the while
+ *                     (hiding from a handler_timeout_ms that trusted it)
+ *   <<"print">>       writes a line to stdout, replies printed
+ *   <<"fds">>         {Stdout, Stderr}: where fds 1 and 2 point
+ *                     (readlink of /proc/self/fd/N), as binaries
+ *   anything else     a binary: its size; a term: itself
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <ei.h>
+
+#include "actor_pool_handler.h"
+#include "ap_ring.h"
+#include "isolate.h"
+
+/* The channel: the memfd mapping named after the pool's worker channel. */
+static uint8_t *channel(void)
+{
+	FILE *f = fopen("/proc/self/maps", "r");
+	char line[512];
+	uint8_t *m = NULL;
+	while (f && fgets(line, sizeof line, f))
+		if (strstr(line, "memfd:actor_pool_worker")) {
+			m = (uint8_t *)(uintptr_t)strtoull(line, NULL, 16);
+			break;
+		}
+	if (f)
+		fclose(f);
+	return m;
+}
+
+static int reply_term(actor_pool_reply *r, const char *t, int len)
+{
+	return actor_pool_reply_set(r, AP_REPLY_TERM, t, (size_t)len) ? -1 : 0;
+}
+
+static int is(const actor_pool_request *rq, const char *s)
+{
+	return rq->is_binary && rq->len == strlen(s) && !memcmp(rq->data, s, rq->len);
+}
+
+static actor_pool_status hostile_handle(void *state, const actor_pool_request *rq, actor_pool_reply *r)
+{
+	(void)state;
+	if (is(rq, "break_req")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		struct iso_ctl *c = (struct iso_ctl *)m;
+		struct ap_ring_hdr *h = (struct ap_ring_hdr *)(m + c->req_off);
+		__atomic_store_n(&h->head, 1ULL << 40, __ATOMIC_RELEASE);
+		struct timespec ts = { 1, 0 };
+		nanosleep(&ts, NULL);
+		return actor_pool_reply_set(r, AP_REPLY_ATOM, "scribbled", 9) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	if (is(rq, "spin_hide")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		struct iso_ctl *c = (struct iso_ctl *)m;
+		for (;;)
+			atomic_store(&c->running_seq, 0);
+	}
+	if (is(rq, "print")) {
+		printf("a line from a worker process's printf\n");
+		fflush(stdout);
+		return actor_pool_reply_set(r, AP_REPLY_ATOM, "printed", 7) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	char t[2 * 4096 + 64];
+	int i = 0;
+	ei_encode_version(t, &i);
+	if (is(rq, "fds")) {
+		char a[4096], b[4096];
+		ssize_t na = readlink("/proc/self/fd/1", a, sizeof a);
+		ssize_t nb = readlink("/proc/self/fd/2", b, sizeof b);
+		ei_encode_tuple_header(t, &i, 2);
+		ei_encode_binary(t, &i, a, na > 0 ? na : 0);
+		ei_encode_binary(t, &i, b, nb > 0 ? nb : 0);
+		return reply_term(r, t, i) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	if (rq->is_binary) {
+		ei_encode_ulong(t, &i, (unsigned long)rq->len);
+		return reply_term(r, t, i) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	return actor_pool_reply_set(r, AP_REPLY_TERM, rq->data, rq->len) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+}
+
+static const actor_pool_handler hostile = {
+	.abi_version = ACTOR_POOL_HANDLER_ABI,
+	.name = "hostile",
+	.handle = hostile_handle,
+};
+
+__attribute__((visibility("default"))) const actor_pool_handler *actor_pool_handler_get(void) { return &hostile; }

@@ -1,0 +1,107 @@
+%% A worker process that turns on its own channel (isolation => process):
+%% the pool node's proxy must not believe anything the child writes, and a
+%% message the child dies taking in must cost one worker, once. The plugin
+%% priv/test/plugin_hostile.so does what a broken plugin could (see its
+%% header); the pool node is the real one the application starts.
+%%
+%% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
+-module(actor_pool_isolation_abuse_tests).
+
+-import(ap_test_util, [wait_until/2, with_pool/4]).
+
+-include_lib("eunit/include/eunit.hrl").
+
+-export([a_message_a_worker_dies_taking_in_costs_one_crash/0,
+         a_broken_request_ring_costs_that_worker/0,
+         a_child_hiding_its_running_message_is_still_timed_out/0,
+         worker_stdout_is_not_the_pool_nodes/0]).
+
+-define(ASK_MS, 20000).
+
+hostile() ->
+    {plugin, filename:join([ap_test_util:priv_dir(), "test", "plugin_hostile.so"])}.
+
+actor_pool_isolation_abuse_test_() ->
+    {setup, fun ap_test_util:start_app/0, fun ap_test_util:stop_app/1,
+     [{atom_to_list(F), {timeout, 120, fun ?MODULE:F/0}}
+      || F <- [a_message_a_worker_dies_taking_in_costs_one_crash,
+               a_broken_request_ring_costs_that_worker,
+               a_child_hiding_its_running_message_is_still_timed_out,
+               worker_stdout_is_not_the_pool_nodes]]}.
+
+causes(P) -> maps:get(crash_causes, actor_pool:stats(P)).
+
+crashes(P) -> maps:get(crashes, actor_pool:stats(P)).
+
+all_alive(P) ->
+    lists:all(fun(#{alive := A, os_pid := O}) -> A andalso is_integer(O) end,
+              maps:get(workers, actor_pool:stats(P))).
+
+%% 40 MiB under a 16 MiB limit (ASan: its RSS limit, and a larger message
+%% for its larger base): the child dies taking the message in, before any
+%% handler runs. It used to be moved to the next worker, which died the same
+%% way, for ever, and the ask was never answered.
+a_message_a_worker_dies_taking_in_costs_one_crash() ->
+    {Mb, Size} = case os:getenv("ACTOR_POOL_NODE_EXE") of
+                     false -> {16, 40 bsl 20};
+                     _ -> {128, 400 bsl 20}
+                 end,
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 2, max_memory_mb => Mb},
+              fun(P) ->
+                      ok = (wait_until(fun() -> all_alive(P) end, ?ASK_MS)),
+                      ?assertMatch({error, {worker_crashed, _}},
+                                   actor_pool:ask(P, binary:copy(<<1>>, Size), ?ASK_MS)),
+                      %% Both slots serve again, and nothing else died.
+                      ok = (wait_until(fun() -> all_alive(P) end, ?ASK_MS)),
+                      [?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)) || _ <- [1, 2, 3, 4]],
+                      ?assertEqual(1, crashes(P))
+              end).
+
+%% The child breaks the request ring while a large message waits for room
+%% in it. The slot used to stay `running' with no crash, and every ask
+%% routed to it timed out.
+a_broken_request_ring_costs_that_worker() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1},
+              fun(P) ->
+                      Self = self(),
+                      spawn_link(fun() -> Self ! {scribbled, actor_pool:ask(P, <<"break_req">>, ?ASK_MS)} end),
+                      ok = (wait_until(fun() ->
+                                                 [#{mailbox := M}] = maps:get(workers, actor_pool:stats(P)),
+                                                 M =:= 1
+                                         end, ?ASK_MS)),
+                      Big = actor_pool:ask(P, binary:copy(<<1>>, 300000), ?ASK_MS),
+                      receive {scribbled, S} -> ?assertMatch({error, {worker_crashed, sigkill}}, S) end,
+                      %% Queued behind the broken ring: moved (one slot: to
+                      %% its replacement) and answered.
+                      ?assertEqual({ok, 300000}, Big),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
+                      ?assertMatch(#{signal := 1}, causes(P))
+              end).
+
+%% The child spins clearing running_seq: the deadline is the pool node's.
+a_child_hiding_its_running_message_is_still_timed_out() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1, handler_timeout_ms => 300},
+              fun(P) ->
+                      ?assertEqual({error, handler_timeout}, actor_pool:ask(P, <<"spin_hide">>, ?ASK_MS)),
+                      ?assertMatch(#{timeout := 1}, causes(P)),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS))
+              end).
+
+%% A port-owned pool node's stdout is its {packet, 4} stream to the BEAM: a
+%% worker process's printf must not land in it.
+worker_stdout_is_not_the_pool_nodes() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1},
+              fun(P) ->
+                      {ok, {Out, Err}} = actor_pool:ask(P, <<"fds">>, ?ASK_MS),
+                      ?assertEqual(Err, Out),
+                      ?assertEqual({ok, printed}, actor_pool:ask(P, <<"print">>, ?ASK_MS)),
+                      %% The node still talks to its owner: a crash is
+                      %% reported, the slot comes back.
+                      [#{os_pid := Old}] = maps:get(workers, actor_pool:stats(P)),
+                      os:cmd("kill -9 " ++ integer_to_list(Old)),
+                      ok = (wait_until(fun() ->
+                                                 [#{os_pid := O}] = maps:get(workers, actor_pool:stats(P)),
+                                                 is_integer(O) andalso O =/= Old
+                                         end, ?ASK_MS)),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS))
+              end).
