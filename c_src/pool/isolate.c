@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdatomic.h>
@@ -36,6 +37,7 @@ extern char **environ;
 #define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
 #define ISO_FD 3                   /* where the child finds the channel */
 #define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
+#define ISO_SPIN_INFLIGHT 2000     /* rounds a proxy with work at its child waits before it sleeps */
 #define ISO_RING_BATCH 32          /* results a busy child writes between rings of the proxy's bell */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
@@ -161,15 +163,36 @@ static void bell_ring(struct iso_ctl *c, int always)
 
 void ap_iso_wake(ap_worker *w, int always) { bell_ring(w->iso->ctl, always); }
 
+/* The oldest job is the child's: sent whole, or a part of it (a child
+ * can die taking a large one in). */
+static int front_out(const ap_iso *s) { return s->front_seq < s->next_seq || s->sent_off > 0; }
+
+/* The proxy is the mailbox's only consumer: its oldest job stays put. */
+static int front_is_ask(ap_worker *w)
+{
+	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
+	return j && j->is_ask;
+}
+
 /* The proxy sleeps until the bell rings or timeout_ms, unless ready()
  * already holds after it raised its flag (the Dekker pair of bell_ring). */
 static void proxy_sleep(ap_worker *w, int timeout_ms, int (*ready)(ap_worker *))
 {
 	struct iso_ctl *c = w->iso->ctl;
-	for (int k = 0; k < ISO_SPIN; k++) {
+	/* With an ask at the child its answer is microseconds away and a
+	 * caller waits for it: a sleep and a wake-up would cost more. A tell's
+	 * result only frees its slot, and spinning for it would take a core
+	 * from the children (2 cores): sleep soon. */
+	int spin = front_out(w->iso) && front_is_ask(w) ? ISO_SPIN_INFLIGHT : ISO_SPIN;
+	for (int k = 1; k <= spin; k++) {
 		if (ready(w))
 			return;
-		ap_ring_cpu_relax();
+		/* On a core shared with the child (2 cores, more threads),
+		 * spinning would hold off the result it waits for. */
+		if (k % ISO_SPIN == 0 && k < spin)
+			sched_yield();
+		else
+			ap_ring_cpu_relax();
 	}
 	uint32_t v = atomic_load(&c->proxy_bell);
 	atomic_store(&c->proxy_waiting, 1);
@@ -552,10 +575,6 @@ static void wait_reaped(ap_worker *w, int kill_it)
 	}
 }
 
-/* The oldest job is the child's: sent whole, or a part of it (a child
- * can die taking a large one in). */
-static int front_out(const ap_iso *s) { return s->front_seq < s->next_seq || s->sent_off > 0; }
-
 /* The child is gone: answer the message it died on, count why. */
 static void on_death(ap_worker *w)
 {
@@ -856,7 +875,7 @@ int ap_iso_child_main(int argc, char **argv)
 
 	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
 	uint8_t *big = NULL;
-	unsigned unrung = 0;
+	unsigned unrung = 0, unrung_ask = 0;
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	for (;;) {
@@ -864,6 +883,17 @@ int ap_iso_child_main(int argc, char **argv)
 		size_t len;
 		int r = ap_ring_read(&req, &p, &len);
 		if (r == -EAGAIN) {
+			/* Results not rung yet (tells' only: an ask's rings at
+			 * once) wait for the spin: more work may come, and one
+			 * wake-up then covers them all. Never for our sleep. */
+			if (unrung) {
+				for (int k = 0; k < ISO_SPIN && ap_ring_readable(&req) != 1; k++)
+					ap_ring_cpu_relax();
+				if (ap_ring_readable(&req) == 1)
+					continue;
+				bell_ring(cc, 0);
+				unrung = 0;
+			}
 			if (ap_ring_wait(&req, ISO_SPIN, -1) && ap_ring_readable(&req) != 1)
 				_exit(72);
 			continue;
@@ -927,10 +957,13 @@ int ap_iso_child_main(int argc, char **argv)
 		}
 		/* The proxy hears of results in batches under load (a wake-up
 		 * per message would cost more than an echo), and at once when
-		 * we have caught up: a lone ask's answer waits for nothing. */
-		if (++unrung >= ISO_RING_BATCH || ap_ring_readable(&req) != 1) {
+		 * we have caught up on an ask: its caller waits for nothing.
+		 * Tells' results ring before we sleep (above). */
+		unrung_ask |= m.a;
+		if (++unrung >= ISO_RING_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
 			bell_ring(cc, 0);
 			unrung = 0;
+			unrung_ask = 0;
 		}
 		if (rs == AP_HANDLER_CRASH) {
 			if (h->terminate)
