@@ -1,8 +1,15 @@
 /* isolate: workers in child processes. The design is in isolate.h; this
- * file holds the channel (one sealed memfd per worker slot), the proxy
- * thread (pool node side), the child's main, and the reaping.
+ * file holds the pool node's side: the channel (one sealed memfd per worker
+ * slot), the proxy thread, spawning and reaping. The child's side is
+ * isolate_child.c; what both sides share, isolate_int.h.
+ *
+ * Over 700 lines on purpose: the proxy's loop, its sending and taking of
+ * results, a death and a stop all move the same cursor and sequence
+ * numbers over the slot's mailbox; split, their invariants would be read
+ * in three files.
  */
 #include "isolate.h"
+#include "isolate_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,30 +38,6 @@
 
 extern char **environ;
 
-#define ISO_MAGIC 0x314f5349504100ULL /* "\0APISO1" */
-#define ISO_CTL_SIZE 4096u
-#define ISO_RING_CAP (128u << 10)  /* per direction; larger messages go in chunks */
-#define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
-#define ISO_FD 3                   /* where the child finds the channel */
-#define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
-#define ISO_SPIN_INFLIGHT 2000     /* rounds a proxy with work at its child waits before it sleeps */
-#define ISO_RING_BATCH 32          /* results a busy child writes between rings of the proxy's bell */
-#define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
-#define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
-#define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
-
-enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
-
-/* Every record: this header, then up to ring payload - header bytes of the
- * message (or reply) from offset `off`. A message over one record goes in
- * several, in order; `total` is its whole length. */
-struct iso_rec {
-	uint64_t seq;
-	uint32_t total, off;
-	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind, 1 if not run */
-	uint32_t pad;
-};
-
 typedef struct ap_iso {
 	struct ap_ring_map map;
 	struct iso_ctl *ctl;
@@ -77,13 +60,6 @@ typedef struct ap_iso {
 	int killed;         /* we sent SIGKILL */
 	int handler_crash;  /* the child reported AP_HANDLER_CRASH and exits on its own */
 } ap_iso;
-
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -151,17 +127,7 @@ void ap_iso_slot_free(ap_worker *w)
 
 /* ---- doorbells ------------------------------------------------------------- */
 
-static void bell_ring(struct iso_ctl *c, int always)
-{
-	atomic_thread_fence(memory_order_seq_cst);
-	if (always || (atomic_load(&c->proxy_waiting) && atomic_exchange(&c->proxy_waiting, 0))) {
-		atomic_store(&c->proxy_waiting, 0);
-		atomic_fetch_add(&c->proxy_bell, 1);
-		ap_ring_futex_wake((uint32_t *)&c->proxy_bell, 1);
-	}
-}
-
-void ap_iso_wake(ap_worker *w, int always) { bell_ring(w->iso->ctl, always); }
+void ap_iso_wake(ap_worker *w, int always) { ap_iso_bell(w->iso->ctl, always); }
 
 /* The oldest job is the child's: sent whole, or a part of it (a child
  * can die taking a large one in). */
@@ -217,7 +183,7 @@ void ap_iso_reap(ap_worker *w)
 	s->how = si.si_code;
 	s->code = si.si_status;
 	atomic_store(&s->dead, 1);
-	bell_ring(s->ctl, 1);
+	ap_iso_bell(s->ctl, 1);
 }
 
 static void reap_cb(ap_node *n, void *arg)
@@ -236,13 +202,6 @@ static void iso_kill(ap_iso *s)
 
 /* ---- starting a child (proxy thread) --------------------------------------- */
 
-#if defined(__SANITIZE_ADDRESS__)
-#define ISO_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define ISO_ASAN 1
-#endif
-#endif
 
 /* The environment of a worker process. Under ASan, a crash must stay the
  * crash (not ASan's report and exit 1), and ASan's shadow memory rules out
@@ -399,7 +358,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	ap_iso *s = w->iso;
 	ap_job *j = ap_mbox_pop(&w->mb);
 	s->front_seq++;
-	s->front_since = mono_ms(); /* the child is on the next one now, if any */
+	s->front_since = ap_iso_mono_ms(); /* the child is on the next one now, if any */
 	s->got = 0;
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
@@ -495,7 +454,7 @@ static int send_jobs(ap_worker *w)
 		size_t total = j->msg_len;
 		const uint8_t *msg = j->data + j->head_len;
 		if (s->front_seq == s->next_seq && s->sent_off == 0)
-			s->front_since = mono_ms(); /* an idle child starts on it now */
+			s->front_since = ap_iso_mono_ms(); /* an idle child starts on it now */
 		do {
 			size_t chunk = total - s->sent_off < room ? total - s->sent_off : room;
 			void *rec;
@@ -559,13 +518,13 @@ static void wait_reaped(ap_worker *w, int kill_it)
 	/* Until it is reaped, however long: its pidfd and channel stay ours
 	 * (a child stuck in the kernel, say dumping core to slow storage,
 	 * still holds the mapping the next child would get). */
-	int64_t next_log = mono_ms() + ISO_REAP_MS;
+	int64_t next_log = ap_iso_mono_ms() + ISO_REAP_MS;
 	while (!atomic_load(&s->dead)) {
 		proxy_sleep(w, 100, ready_dead);
 		if (atomic_load(&s->dead))
 			break;
 		ap_node_call_on_loop(w->pool->n, reap_cb, w);
-		if (mono_ms() >= next_log) {
+		if (ap_iso_mono_ms() >= next_log) {
 			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process (os pid %d) is not gone yet", w->pool->name,
 			       w->id, atomic_load(&w->os_pid));
 			next_log += ISO_REAP_MS;
@@ -625,7 +584,7 @@ static void on_stop(ap_worker *w)
 	int progress;
 	/* A process, unlike a thread, can be made to let go: what it still
 	 * runs after the grace is killed and answered stopped. */
-	int64_t grace = mono_ms() + ISO_STOP_GRACE_MS;
+	int64_t grace = ap_iso_mono_ms() + ISO_STOP_GRACE_MS;
 	atomic_store(&s->ctl->stopping, 1);
 	while (s->front_seq < s->next_seq) {
 		progress = 0;
@@ -637,7 +596,7 @@ static void on_stop(ap_worker *w)
 			on_death(w); /* what it ran when it died is answered as such */
 			break;
 		}
-		int64_t left = grace - mono_ms();
+		int64_t left = grace - ap_iso_mono_ms();
 		if (left <= 0) {
 			ap_log(AP_LOG_WARNING, "pool %s: worker %d's process still busy %d ms after stop; killing it",
 			       w->pool->name, w->id, ISO_STOP_GRACE_MS);
@@ -660,8 +619,8 @@ static void on_stop(ap_worker *w)
 		memcpy(rec, &h, sizeof h);
 		ap_ring_commit(&s->req);
 	}
-	int64_t end = mono_ms() + 1000;
-	while (!atomic_load(&s->dead) && mono_ms() < end)
+	int64_t end = ap_iso_mono_ms() + 1000;
+	while (!atomic_load(&s->dead) && ap_iso_mono_ms() < end)
 		proxy_sleep(w, 100, ready_dead);
 }
 
@@ -745,7 +704,7 @@ void *ap_iso_proxy_main(void *arg)
 		 * front job has been the child's since front_since (a little
 		 * later, when we take results late: never early). */
 		if (tmo && front_out(s) && !s->killed) {
-			int64_t left = s->front_since + tmo - mono_ms();
+			int64_t left = s->front_since + tmo - ap_iso_mono_ms();
 			if (left <= 0) {
 				s->timed_out_seq = s->front_seq;
 				iso_kill(s);
@@ -772,203 +731,4 @@ done:
 	atomic_store(&w->os_pid, 0);
 	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
 	return NULL;
-}
-
-/* ---- the child ------------------------------------------------------------- */
-
-static struct iso_ctl *cc;
-
-static void child_die(int code) { _exit(code); }
-
-/* Writes one result (the reply in chunks), waiting for room. */
-static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
-			 int not_run)
-{
-	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
-	size_t total = send_reply ? reply->len : 0, off = 0;
-	if (total > ISO_MAX_MSG)
-		child_die(75);
-	do {
-		size_t chunk = total - off < room ? total - off : room;
-		void *rec;
-		while (ap_ring_reserve(rsp, sizeof(struct iso_rec) + chunk, &rec) == -EAGAIN) {
-			ap_ring_publish(rsp);
-			bell_ring(cc, 0);
-			if (ap_ring_wait_space(rsp, sizeof(struct iso_rec) + chunk, ISO_SPIN, -1) &&
-			    ap_ring_has_room(rsp, sizeof(struct iso_rec) + chunk) != 1)
-				child_die(72);
-		}
-		struct iso_rec h = { .seq = seq, .total = (uint32_t)total, .off = (uint32_t)off, .kind = REC_RESULT,
-				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0),
-				     .c = (uint8_t)not_run };
-		memcpy(rec, &h, sizeof h);
-		if (chunk)
-			memcpy((uint8_t *)rec + sizeof h, reply->data + off, chunk);
-		off += chunk;
-	} while (off < total);
-}
-
-int ap_iso_child_main(int argc, char **argv)
-{
-	/* Die with the proxy thread that started us; if it is gone already,
-	 * the parent changed before the flag was set: leave now. */
-	prctl(PR_SET_PDEATHSIG, SIGKILL);
-	if (argc < 3 || getppid() != (pid_t)atoi(argv[2]))
-		_exit(70);
-	/* Nothing of the pool node's but the channel (its sockets, epmd's). */
-	if (syscall(SYS_close_range, ISO_FD + 1, ~0U, 0)) {
-		/* Before Linux 5.9. */
-		long max = sysconf(_SC_OPEN_MAX);
-		for (int fd = ISO_FD + 1; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
-			close(fd);
-	}
-	struct stat st;
-	if (fstat(ISO_FD, &st) || st.st_size < (off_t)ISO_CTL_SIZE)
-		_exit(71);
-	size_t size = (size_t)st.st_size;
-	uint8_t *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, ISO_FD, 0);
-	if (mem == MAP_FAILED)
-		_exit(71);
-	close(ISO_FD);
-	cc = (struct iso_ctl *)mem;
-	if (cc->magic != ISO_MAGIC || cc->size != size || cc->spec_off + (size_t)cc->spec_len > size ||
-	    cc->cfg_off + (size_t)cc->cfg_len > size || cc->req_off + (size_t)cc->ring_size > size ||
-	    cc->rsp_off + (size_t)cc->ring_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1])
-		_exit(71);
-	struct ap_ring req, rsp;
-	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->ring_size) ||
-	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->ring_size))
-		_exit(71);
-	char tname[16];
-	snprintf(tname, sizeof tname, "ap_worker/%u", cc->worker);
-	prctl(PR_SET_NAME, tname);
-#ifndef ISO_ASAN
-	if (cc->max_memory_mb > 0) {
-		struct rlimit rl = { .rlim_cur = (rlim_t)cc->max_memory_mb << 20, .rlim_max = (rlim_t)cc->max_memory_mb << 20 };
-		setrlimit(RLIMIT_DATA, &rl);
-	}
-#endif
-
-	const char *spec = (const char *)mem + cc->spec_off;
-	const actor_pool_handler *h = ap_builtin_handler(spec);
-	void *dl = NULL;
-	if (!h) {
-		char why[256];
-		if (ap_plugin_load(spec, &h, &dl, NULL, why, sizeof why)) {
-			ap_log(AP_LOG_ERROR, "worker process: cannot load %s: %s", spec, why);
-			cc->init_rc = -1;
-			atomic_store(&cc->init_state, 2);
-			bell_ring(cc, 1);
-			_exit(0);
-		}
-	}
-	void *state = NULL;
-	int rc = h->init ? h->init(&state, cc->cfg_len ? mem + cc->cfg_off : NULL, cc->cfg_len) : 0;
-	if (rc) {
-		cc->init_rc = rc;
-		atomic_store(&cc->init_state, 2);
-		bell_ring(cc, 1);
-		_exit(0);
-	}
-	atomic_store(&cc->init_state, 1);
-	bell_ring(cc, 1);
-
-	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
-	uint8_t *big = NULL;
-	unsigned unrung = 0, unrung_ask = 0;
-	size_t big_got = 0;
-	uint64_t big_seq = 0;
-	for (;;) {
-		const void *p;
-		size_t len;
-		int r = ap_ring_read(&req, &p, &len);
-		if (r == -EAGAIN) {
-			/* Results not rung yet (tells' only: an ask's rings at
-			 * once) wait for the spin: more work may come, and one
-			 * wake-up then covers them all. Never for our sleep. */
-			if (unrung) {
-				for (int k = 0; k < ISO_SPIN && ap_ring_readable(&req) != 1; k++)
-					ap_ring_cpu_relax();
-				if (ap_ring_readable(&req) == 1)
-					continue;
-				bell_ring(cc, 0);
-				unrung = 0;
-			}
-			if (ap_ring_wait(&req, ISO_SPIN, -1) && ap_ring_readable(&req) != 1)
-				_exit(72);
-			continue;
-		}
-		struct iso_rec m;
-		if (r || len < sizeof m)
-			_exit(73);
-		memcpy(&m, p, sizeof m);
-		if (m.kind == REC_STOP) {
-			if (h->terminate)
-				h->terminate(state);
-			_exit(0);
-		}
-		size_t chunk = len - sizeof m;
-		if (m.kind != REC_MSG || chunk > m.total - (size_t)m.off ||
-		    (m.off && (m.seq != big_seq || m.off != big_got)))
-			_exit(73);
-		const uint8_t *data = (const uint8_t *)p + sizeof m;
-		if (m.off == 0) {
-			/* Ours from its first byte: dying while taking it in
-			 * (no memory for it) is dying on it. */
-			if (cc->layout_timeout)
-				atomic_store(&cc->running_since_ms, mono_ms());
-			atomic_store(&cc->running_seq, m.seq);
-		}
-		if (m.off == 0 && chunk < m.total) {
-			free(big);
-			big = malloc(m.total);
-			if (!big)
-				_exit(74);
-			big_seq = m.seq;
-			big_got = 0;
-		}
-		if (chunk < m.total) {
-			memcpy(big + m.off, data, chunk);
-			big_got += chunk;
-			ap_ring_release(&req);
-			bell_ring(cc, 0); /* room for the proxy's next chunk */
-			if (big_got < m.total)
-				continue;
-			data = big;
-		}
-		actor_pool_status rs = AP_HANDLER_OK;
-		int not_run = atomic_load(&cc->stopping) != 0;
-		if (!not_run) {
-			actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
-						  .worker = cc->worker };
-			reply.len = 0;
-			ap_pool_set_atom_reply(&reply, "ok");
-			rs = h->handle(state, &rq, &reply);
-			if (rs > AP_HANDLER_CRASH)
-				rs = AP_HANDLER_ERROR;
-		}
-		child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
-		ap_ring_publish(&rsp);
-		atomic_store(&cc->running_seq, 0);
-		ap_ring_release(&req);
-		if (data == big) {
-			free(big);
-			big = NULL;
-		}
-		/* The proxy hears of results in batches under load (a wake-up
-		 * per message would cost more than an echo), and at once when
-		 * we have caught up on an ask: its caller waits for nothing.
-		 * Tells' results ring before we sleep (above). */
-		unrung_ask |= m.a;
-		if (++unrung >= ISO_RING_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
-			bell_ring(cc, 0);
-			unrung = 0;
-			unrung_ask = 0;
-		}
-		if (rs == AP_HANDLER_CRASH) {
-			if (h->terminate)
-				h->terminate(state);
-			_exit(0);
-		}
-	}
 }

@@ -1,0 +1,221 @@
+/* isolate_child: the worker process's side of its channel (isolate.h has
+ * the design): main() of a child started with --isolated-worker. It maps
+ * the channel it inherited on fd 3, loads the handler, and runs each
+ * message the proxy hands it, writing the results back. It trusts nothing
+ * but its own checks of the channel: a bad record ends the child.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "ap_log.h"
+#include "ap_ring.h"
+#include "handlers.h"
+#include "isolate_int.h"
+#include "pool_int.h"
+
+static struct iso_ctl *cc;
+
+static void child_die(int code) { _exit(code); }
+
+/* Writes one result (the reply in chunks), waiting for room. */
+static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
+			 int not_run)
+{
+	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
+	size_t total = send_reply ? reply->len : 0, off = 0;
+	if (total > ISO_MAX_MSG)
+		child_die(75);
+	do {
+		size_t chunk = total - off < room ? total - off : room;
+		void *rec;
+		while (ap_ring_reserve(rsp, sizeof(struct iso_rec) + chunk, &rec) == -EAGAIN) {
+			ap_ring_publish(rsp);
+			ap_iso_bell(cc, 0);
+			if (ap_ring_wait_space(rsp, sizeof(struct iso_rec) + chunk, ISO_SPIN, -1) &&
+			    ap_ring_has_room(rsp, sizeof(struct iso_rec) + chunk) != 1)
+				child_die(72);
+		}
+		struct iso_rec h = { .seq = seq, .total = (uint32_t)total, .off = (uint32_t)off, .kind = REC_RESULT,
+				     .a = (uint8_t)status, .b = (uint8_t)(send_reply ? reply->kind : 0),
+				     .c = (uint8_t)not_run };
+		memcpy(rec, &h, sizeof h);
+		if (chunk)
+			memcpy((uint8_t *)rec + sizeof h, reply->data + off, chunk);
+		off += chunk;
+	} while (off < total);
+}
+
+int ap_iso_child_main(int argc, char **argv)
+{
+	/* Die with the proxy thread that started us; if it is gone already,
+	 * the parent changed before the flag was set: leave now. */
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	if (argc < 3 || getppid() != (pid_t)atoi(argv[2]))
+		_exit(70);
+	/* Nothing of the pool node's but the channel (its sockets, epmd's). */
+	if (syscall(SYS_close_range, ISO_FD + 1, ~0U, 0)) {
+		/* Before Linux 5.9. */
+		long max = sysconf(_SC_OPEN_MAX);
+		for (int fd = ISO_FD + 1; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+			close(fd);
+	}
+	struct stat st;
+	if (fstat(ISO_FD, &st) || st.st_size < (off_t)ISO_CTL_SIZE)
+		_exit(71);
+	size_t size = (size_t)st.st_size;
+	uint8_t *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, ISO_FD, 0);
+	if (mem == MAP_FAILED)
+		_exit(71);
+	close(ISO_FD);
+	cc = (struct iso_ctl *)mem;
+	if (cc->magic != ISO_MAGIC || cc->size != size || cc->spec_off + (size_t)cc->spec_len > size ||
+	    cc->cfg_off + (size_t)cc->cfg_len > size || cc->req_off + (size_t)cc->ring_size > size ||
+	    cc->rsp_off + (size_t)cc->ring_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1])
+		_exit(71);
+	struct ap_ring req, rsp;
+	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->ring_size) ||
+	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->ring_size))
+		_exit(71);
+	char tname[16];
+	snprintf(tname, sizeof tname, "ap_worker/%u", cc->worker);
+	prctl(PR_SET_NAME, tname);
+#ifndef ISO_ASAN
+	if (cc->max_memory_mb > 0) {
+		struct rlimit rl = { .rlim_cur = (rlim_t)cc->max_memory_mb << 20, .rlim_max = (rlim_t)cc->max_memory_mb << 20 };
+		setrlimit(RLIMIT_DATA, &rl);
+	}
+#endif
+
+	const char *spec = (const char *)mem + cc->spec_off;
+	const actor_pool_handler *h = ap_builtin_handler(spec);
+	void *dl = NULL;
+	if (!h) {
+		char why[256];
+		if (ap_plugin_load(spec, &h, &dl, NULL, why, sizeof why)) {
+			ap_log(AP_LOG_ERROR, "worker process: cannot load %s: %s", spec, why);
+			cc->init_rc = -1;
+			atomic_store(&cc->init_state, 2);
+			ap_iso_bell(cc, 1);
+			_exit(0);
+		}
+	}
+	void *state = NULL;
+	int rc = h->init ? h->init(&state, cc->cfg_len ? mem + cc->cfg_off : NULL, cc->cfg_len) : 0;
+	if (rc) {
+		cc->init_rc = rc;
+		atomic_store(&cc->init_state, 2);
+		ap_iso_bell(cc, 1);
+		_exit(0);
+	}
+	atomic_store(&cc->init_state, 1);
+	ap_iso_bell(cc, 1);
+
+	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
+	uint8_t *big = NULL;
+	unsigned unrung = 0, unrung_ask = 0;
+	size_t big_got = 0;
+	uint64_t big_seq = 0;
+	for (;;) {
+		const void *p;
+		size_t len;
+		int r = ap_ring_read(&req, &p, &len);
+		if (r == -EAGAIN) {
+			/* Results not rung yet (tells' only: an ask's rings at
+			 * once) wait for the spin: more work may come, and one
+			 * wake-up then covers them all. Never for our sleep. */
+			if (unrung) {
+				for (int k = 0; k < ISO_SPIN && ap_ring_readable(&req) != 1; k++)
+					ap_ring_cpu_relax();
+				if (ap_ring_readable(&req) == 1)
+					continue;
+				ap_iso_bell(cc, 0);
+				unrung = 0;
+			}
+			if (ap_ring_wait(&req, ISO_SPIN, -1) && ap_ring_readable(&req) != 1)
+				_exit(72);
+			continue;
+		}
+		struct iso_rec m;
+		if (r || len < sizeof m)
+			_exit(73);
+		memcpy(&m, p, sizeof m);
+		if (m.kind == REC_STOP) {
+			if (h->terminate)
+				h->terminate(state);
+			_exit(0);
+		}
+		size_t chunk = len - sizeof m;
+		if (m.kind != REC_MSG || chunk > m.total - (size_t)m.off ||
+		    (m.off && (m.seq != big_seq || m.off != big_got)))
+			_exit(73);
+		const uint8_t *data = (const uint8_t *)p + sizeof m;
+		if (m.off == 0) {
+			/* Ours from its first byte: dying while taking it in
+			 * (no memory for it) is dying on it. */
+			if (cc->layout_timeout)
+				atomic_store(&cc->running_since_ms, ap_iso_mono_ms());
+			atomic_store(&cc->running_seq, m.seq);
+		}
+		if (m.off == 0 && chunk < m.total) {
+			free(big);
+			big = malloc(m.total);
+			if (!big)
+				_exit(74);
+			big_seq = m.seq;
+			big_got = 0;
+		}
+		if (chunk < m.total) {
+			memcpy(big + m.off, data, chunk);
+			big_got += chunk;
+			ap_ring_release(&req);
+			ap_iso_bell(cc, 0); /* room for the proxy's next chunk */
+			if (big_got < m.total)
+				continue;
+			data = big;
+		}
+		actor_pool_status rs = AP_HANDLER_OK;
+		int not_run = atomic_load(&cc->stopping) != 0;
+		if (!not_run) {
+			actor_pool_request rq = { .data = data, .len = m.total, .is_binary = m.b, .is_ask = m.a,
+						  .worker = cc->worker };
+			reply.len = 0;
+			ap_pool_set_atom_reply(&reply, "ok");
+			rs = h->handle(state, &rq, &reply);
+			if (rs > AP_HANDLER_CRASH)
+				rs = AP_HANDLER_ERROR;
+		}
+		child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
+		ap_ring_publish(&rsp);
+		atomic_store(&cc->running_seq, 0);
+		ap_ring_release(&req);
+		if (data == big) {
+			free(big);
+			big = NULL;
+		}
+		/* The proxy hears of results in batches under load (a wake-up
+		 * per message would cost more than an echo), and at once when
+		 * we have caught up on an ask: its caller waits for nothing.
+		 * Tells' results ring before we sleep (above). */
+		unrung_ask |= m.a;
+		if (++unrung >= ISO_RING_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
+			ap_iso_bell(cc, 0);
+			unrung = 0;
+			unrung_ask = 0;
+		}
+		if (rs == AP_HANDLER_CRASH) {
+			if (h->terminate)
+				h->terminate(state);
+			_exit(0);
+		}
+	}
+}

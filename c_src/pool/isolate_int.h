@@ -1,0 +1,68 @@
+/* isolate_int: what the two ends of a worker's channel share, the pool
+ * node's proxy (isolate.c) and the child process (isolate_child.c): the
+ * channel's constants, its record header, the proxy's doorbell. The head of
+ * the channel itself (struct iso_ctl) is in isolate.h.
+ */
+#ifndef AP_ISOLATE_INT_H
+#define AP_ISOLATE_INT_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "ap_ring.h"
+#include "isolate.h"
+
+#define ISO_MAGIC 0x314f5349504100ULL /* "\0APISO1" */
+#define ISO_CTL_SIZE 4096u
+#define ISO_RING_CAP (128u << 10)  /* per direction; larger messages go in chunks */
+#define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
+#define ISO_FD 3                   /* where the child finds the channel */
+#define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
+#define ISO_SPIN_INFLIGHT 2000     /* rounds a proxy with work at its child waits before it sleeps */
+#define ISO_RING_BATCH 32          /* results a busy child writes between rings of the proxy's bell */
+#define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
+#define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
+#define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
+
+enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
+
+/* Every record: this header, then up to ring payload - header bytes of the
+ * message (or reply) from offset `off`. A message over one record goes in
+ * several, in order; `total` is its whole length. */
+struct iso_rec {
+	uint64_t seq;
+	uint32_t total, off;
+	uint8_t kind, a, b, c; /* MSG: is_ask, is_binary; RESULT: status, reply kind, 1 if not run */
+	uint32_t pad;
+};
+
+#if defined(__SANITIZE_ADDRESS__)
+#define ISO_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ISO_ASAN 1
+#endif
+#endif
+
+static inline int64_t ap_iso_mono_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Rung by whoever has news for the proxy (the child, the loop): always, or
+ * only when the proxy is about to sleep or sleeping (its Dekker pair is
+ * proxy_sleep in isolate.c). */
+static inline void ap_iso_bell(struct iso_ctl *c, int always)
+{
+	atomic_thread_fence(memory_order_seq_cst);
+	if (always || (atomic_load(&c->proxy_waiting) && atomic_exchange(&c->proxy_waiting, 0))) {
+		atomic_store(&c->proxy_waiting, 0);
+		atomic_fetch_add(&c->proxy_bell, 1);
+		ap_ring_futex_wake((uint32_t *)&c->proxy_bell, 1);
+	}
+}
+
+#endif
