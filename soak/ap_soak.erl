@@ -17,6 +17,9 @@
 %% subscriber's last listing agrees, memory did not grow, and nothing (OS
 %% process, /dev/shm segment, epmd name) is left. It prints a table and
 %% halts with 1 on any failure.
+%%
+%% Over 700 lines on purpose: the load, the chaos and the checks share one
+%% ledger and one epoch clock, and a reader follows one run top to bottom.
 -module(ap_soak).
 
 -export([main/1]).

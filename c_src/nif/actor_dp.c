@@ -35,6 +35,11 @@
  *   destructor never runs on it; the destructor stops and joins the thread
  *   (it has already exited, or exits within one wait) and then unmaps.
  */
+/* Over 700 lines on purpose: the ask table, the reply thread, submit, await,
+ * cancel and close all keep the exactly-one-answer rule above under one lock
+ * (`mu`) and one resource lifetime; the parts that need no erl_nif are
+ * already apart (dp_core.c). Split further, that argument would be spread
+ * over files that each look safe alone. */
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdatomic.h>

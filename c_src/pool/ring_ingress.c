@@ -23,6 +23,10 @@
  * registry, no more reads, replies dropped; the memory goes with the last
  * reference, so an armed io_uring wait is cancelled and reaped first.
  */
+/* Over 700 lines on purpose: the segment's reference count is taken and
+ * dropped by the attach thread, the loop, io_uring waits and epoll waiter
+ * threads; every path that holds one is in this file, so the count can be
+ * audited in one read. The records' format and checks are ap_seg.c's. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
