@@ -63,6 +63,7 @@
 -export([start_link/3]).
 -export([unpublish_all/0]).
 -export([max_frame/1]).
+-export([queued/1]).
 
 %% proc_lib and sys internals.
 -export([init/4]).
@@ -233,6 +234,19 @@ item_size({call, _, _, _}) -> 0.
 
 msg_size(Msg) when is_binary(Msg) -> byte_size(Msg) + 6;
 msg_size(Msg) -> erlang:external_size(Msg).
+
+%% @doc Items handed to each batcher of `Node''s group and not yet taken
+%% out, batcher 1 first (`[]' when the node has no group): a gauge for the
+%% metrics. Read from the group's atomics, racing the senders: a snapshot.
+-spec queued(node()) -> [non_neg_integer()].
+queued(Node) ->
+    case persistent_term:get(?GROUP_KEY(Node), undefined) of
+        {A, _Idle, Pids} ->
+            [max(0, atomics:get(A, ?GIVEN(I)) - atomics:get(A, ?TAKEN(I)))
+             || I <- lists:seq(1, tuple_size(Pids))];
+        undefined ->
+            []
+    end.
 
 %% @private
 %% @doc The `max_frame' of pool node `Node' as far as this node knows it:

@@ -117,10 +117,18 @@ init([]) ->
                 shutdown => infinity,
                 type => supervisor,
                 modules => [actor_receptionist_sup]},
+    %% The metrics endpoint (inets httpd, stand alone): only with
+    %% metrics_port set; its start_link answers ignore otherwise.
+    Metrics = #{id => actor_pool_metrics,
+                start => {actor_pool_metrics, start_link, []},
+                restart => permanent,
+                shutdown => infinity,
+                type => supervisor,
+                modules => [actor_pool_metrics]},
     Enabled = fun(Key) -> application:get_env(actor_pool, Key, true) =/= false end,
     Children = [CnodeSup]
         ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
-        ++ [Dp, BatchSup],
+        ++ [Dp, BatchSup, Metrics],
     {ok, {Flags, Children}}.

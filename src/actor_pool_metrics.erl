@@ -1,0 +1,351 @@
+%% @doc Metrics in the Prometheus text format (version 0.0.4).
+%%
+%% {@link render/0} returns what the pools, the batchers, the receptionist
+%% and the C nodes of this BEAM do, as iodata, for any HTTP endpoint you
+%% already run:
+%% ```
+%% Body = actor_pool_metrics:render(),
+%% Headers = [{"content-type", actor_pool_metrics:content_type()}]
+%% '''
+%% With the application setting `metrics_port' (an integer; off by default)
+%% the application also serves `GET /metrics' itself, on OTP's own inets
+%% httpd, bound to `metrics_ip' (default `{127,0,0,1}': the numbers are not
+%% for the world unless you say so). Every metric and its labels are listed
+%% in docs/operations.md ("Metrics").
+%%
+%% Each scrape reads the same sources as `actor_pool:stats/1',
+%% `actor_receptionist:stats/0' and `actor_cnode:info/1' (one call per
+%% pool and C node, bounded by a short timeout each); a source that does not
+%% answer leaves its samples out of that scrape rather than failing it.
+-module(actor_pool_metrics).
+
+-export([render/0]).
+-export([content_type/0]).
+-export([start_link/0]).
+-export([port/0]).
+
+%% inets httpd callback.
+-export([do/1]).
+
+-include_lib("inets/include/httpd.hrl").
+
+-define(CALL_TIMEOUT, 2000).
+-define(PROFILE, actor_pool_metrics).
+
+-type family() :: {Name :: string(), counter | gauge, Help :: string(),
+                   [{[{string(), term()}], number()}]}.
+
+%% ===================================================================
+%% API
+%% ===================================================================
+
+%% @doc The metrics, in the Prometheus text format 0.0.4.
+-spec render() -> iodata().
+render() ->
+    [family(F) || {_, _, _, [_ | _]} = F <- families()].
+
+%% @doc The content type to serve {@link render/0} under.
+-spec content_type() -> string().
+content_type() ->
+    "text/plain; version=0.0.4; charset=utf-8".
+
+%% @doc Starts the HTTP endpoint on `metrics_port' and `metrics_ip'
+%% (application env); `ignore' when `metrics_port' is not set. Called by
+%% the application's supervisor.
+-spec start_link() -> {ok, pid()} | ignore | {error, term()}.
+start_link() ->
+    case application:get_env(actor_pool, metrics_port, undefined) of
+        Port when is_integer(Port), Port >= 0, Port =< 65535 ->
+            Ip = application:get_env(actor_pool, metrics_ip, {127, 0, 0, 1}),
+            case inet:parse_address(ip_string(Ip)) of
+                {ok, Addr} ->
+                    %% httpd wants a server root and a document root to
+                    %% exist; it writes and serves nothing there (no
+                    %% logs configured, do/1 answers every request).
+                    Dir = case code:priv_dir(actor_pool) of
+                              D when is_list(D) -> D;
+                              _ -> "/"
+                          end,
+                    inets:start(httpd, [{port, Port}, {bind_address, Addr},
+                                        {server_name, "actor_pool_metrics"},
+                                        {server_root, Dir}, {document_root, Dir},
+                                        {profile, ?PROFILE},
+                                        {modules, [?MODULE]}], stand_alone);
+                {error, _} ->
+                    {error, {badarg, {metrics_ip, Ip}}}
+            end;
+        undefined ->
+            ignore;
+        Other ->
+            {error, {badarg, {metrics_port, Other}}}
+    end.
+
+%% @doc The port the endpoint listens on (the one the OS chose, when
+%% `metrics_port' is 0).
+-spec port() -> {ok, inet:port_number()} | {error, not_started}.
+port() ->
+    Sup = whereis(actor_pool_sup),
+    Running = [P || is_pid(Sup),
+                    {actor_pool_metrics, P, _, _} <- safe_children(Sup),
+                    is_pid(P)],
+    case {Running, application:get_env(actor_pool, metrics_port, undefined)} of
+        {[_], 0} ->
+            %% httpd names its processes after the port it bound:
+            %% httpd_instance_sup__<address>__<port><profile>.
+            Suffix = atom_to_list(?PROFILE),
+            Ports = [list_to_integer(P)
+                     || Name <- registered(),
+                        {match, [P]} <- [re:run(atom_to_list(Name),
+                                                "^httpd_instance_sup__.*__([0-9]+)" ++ Suffix ++ "$",
+                                                [{capture, all_but_first, list}])]],
+            case Ports of
+                [Port] -> {ok, Port};
+                _ -> {error, not_started}
+            end;
+        {[_], Port} when is_integer(Port) ->
+            {ok, Port};
+        _ ->
+            {error, not_started}
+    end.
+
+%% @private inets httpd callback: `GET /metrics', nothing else.
+-spec do(#mod{}) -> {proceed, list()}.
+do(#mod{method = "GET", request_uri = Uri}) when Uri =:= "/metrics";
+                                                  Uri =:= "/metrics/" ->
+    Body = iolist_to_binary(render()),
+    {proceed, [{response, {response, [{code, 200}, {content_type, content_type()},
+                                      {content_length, integer_to_list(byte_size(Body))}],
+                           Body}}]};
+do(#mod{method = "GET"}) ->
+    not_found();
+do(#mod{}) ->
+    {proceed, [{response, {response, [{code, 405}, {content_type, "text/plain"},
+                                      {content_length, "19"}, {allow, "GET"}],
+                           <<"method not allowed\n">>}}]}.
+
+not_found() ->
+    {proceed, [{response, {response, [{code, 404}, {content_type, "text/plain"},
+                                      {content_length, "35"}],
+                           <<"not found: metrics are at /metrics\n">>}}]}.
+
+ip_string(Ip) when is_tuple(Ip) -> inet:ntoa(Ip);
+ip_string(Ip) when is_list(Ip) -> Ip;
+ip_string(Ip) when is_binary(Ip) -> binary_to_list(Ip);
+ip_string(_) -> "".
+
+%% ===================================================================
+%% The families
+%% ===================================================================
+
+-spec families() -> [family()].
+families() ->
+    pool_families(pool_stats()) ++ batcher_families() ++ receptionist_families()
+        ++ cnode_families().
+
+%% [{PoolName, PoolNode, Stats}] of every pool this node lists.
+pool_stats() ->
+    Pools = try actor_pool:which_pools() catch _:_ -> [] end,
+    [{Name, node(Pid), S} || {Name, Pid} <- Pools,
+                             S <- [safe(fun() -> actor_pool:stats(Pid) end)],
+                             is_map(S)].
+
+pool_families(Pools) ->
+    L = fun(Name, Node) -> [{"pool", Name}, {"node", Node}] end,
+    C = fun(Key) -> [{L(N, Nd), maps:get(Key, S, 0)} || {N, Nd, S} <- Pools] end,
+    [{"actor_pool_processed_total", counter,
+      "Messages the pool's workers handled (refusals included, crashes not).",
+      C(processed)},
+     {"actor_pool_errors_total", counter,
+      "Messages the pool's handler refused ({error, Reason} answers).", C(errors)},
+     {"actor_pool_crashes_total", counter,
+      "Workers lost, by cause: signal, exit, timeout (handler_timeout_ms), handler "
+      "(the handler reported a crash).",
+      [{L(N, Nd) ++ [{"cause", Cause}], V}
+       || {N, Nd, S} <- Pools,
+          {Cause, V} <- lists:sort(maps:to_list(maps:get(crash_causes, S, #{})))]},
+     {"actor_pool_restarts_total", counter, "Workers replaced after a crash.", C(restarts)},
+     {"actor_pool_overloaded_total", counter,
+      "Asks answered {error, overloaded}: every mailbox was full.", C(overloaded)},
+     {"actor_pool_dropped_tells_total", counter,
+      "Tells dropped because every mailbox was full.", C(dropped_tells)},
+     {"actor_pool_messages_total", counter,
+      "Messages the pool received, by transport: ring (same-host shared memory) or "
+      "dist (distribution).",
+      [{L(N, Nd) ++ [{"transport", T}], V}
+       || {N, Nd, S} <- Pools, {T, V} <- lists:sort(maps:to_list(maps:get(by_path, S, #{})))]},
+     {"actor_pool_workers", gauge, "Workers the pool was started with.", C(size)},
+     {"actor_pool_worker_mailbox_depth", gauge, "Messages waiting in a worker's mailbox.",
+      [{L(N, Nd) ++ [{"worker", maps:get(id, W)}], maps:get(mailbox, W, 0)}
+       || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},
+     {"actor_pool_worker_processed_total", counter, "Messages a worker handled.",
+      [{L(N, Nd) ++ [{"worker", maps:get(id, W)}], maps:get(processed, W, 0)}
+       || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},
+     {"actor_pool_worker_up", gauge,
+      "1 when the worker is running, 0 when it is hung or waiting to be replaced.",
+      [{L(N, Nd) ++ [{"worker", maps:get(id, W)}],
+        case maps:get(state, W, running) of running -> 1; _ -> 0 end}
+       || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]}].
+
+batcher_families() ->
+    Groups = try actor_pool_batch_sup:batchers() catch _:_ -> [] end,
+    [{"actor_pool_batcher_queued", gauge,
+      "Items handed to a batcher and not yet sent to its pool node.",
+      [{[{"node", Node}, {"batcher", I}], Q}
+       || {Node, _} <- Groups, {I, Q} <- numbered(actor_pool_batcher:queued(Node))]}].
+
+numbered(L) -> lists:zip(lists:seq(1, length(L)), L).
+
+receptionist_families() ->
+    Stats = safe(fun() -> actor_receptionist:stats() end),
+    Status = safe(fun() -> actor_receptionist:status() end),
+    case {Stats, Status} of
+        {#{status := up} = S, #{} = St} ->
+            Local = maps:get(local_registrations, S, 0),
+            [{"actor_receptionist_keys", gauge, "Service keys with registrations or subscribers.",
+              [{[], maps:get(keys, S, 0)}]},
+             {"actor_receptionist_refs", gauge,
+              "Registrations held, by origin: local (this node's) or members (learnt from "
+              "the other members).",
+              [{[{"origin", "local"}], Local},
+               {[{"origin", "members"}], max(0, maps:get(refs, S, 0) - Local)}]},
+             {"actor_receptionist_subscribers", gauge, "Live subscriptions.",
+              [{[], maps:get(subscriptions, S, 0)}]},
+             {"actor_receptionist_members", gauge, "Other receptionists this one replicates with.",
+              [{[], length(maps:get(members, St, []))}]},
+             {"actor_receptionist_view_complete", gauge,
+              "1 when this receptionist holds the registrations of every member it knows.",
+              [{[], case maps:get(complete, St, false) of true -> 1; _ -> 0 end}]},
+             {"actor_receptionist_origin_drops_total", counter,
+              "Other members' registrations dropped as a whole (the member left).",
+              [{[], maps:get(origin_drops, S, 0)}]}]
+                ++ gossip_families(maps:get(gossip, St, #{}));
+        _ ->
+            []
+    end.
+
+gossip_families(G) ->
+    [{"actor_receptionist_gossip_messages_total", counter,
+      "Gossip messages (deltas, digests, states) this receptionist sent or received.",
+      [{[{"direction", D}], V} || {D, K} <- [{"sent", sent}, {"received", received}],
+                                  V <- [maps:get(K, G, undefined)], is_integer(V)]},
+     {"actor_receptionist_gossip_bytes_total", counter,
+      "Bytes (external term size) of the gossip messages sent or received.",
+      [{[{"direction", D}], V} || {D, K} <- [{"sent", sent_bytes}, {"received", received_bytes}],
+                                  V <- [maps:get(K, G, undefined)], is_integer(V)]},
+     {"actor_receptionist_full_syncs_total", counter,
+      "Whole states asked of other members (a gap in their deltas, or a new incarnation).",
+      [{[], V} || V <- [maps:get(full_syncs, G, undefined)], is_integer(V)]},
+     {"actor_receptionist_member_drops_total", counter,
+      "Members that left (nodedown, or their receptionist stopped).",
+      [{[], V} || V <- [maps:get(member_drops, G, undefined)], is_integer(V)]}].
+
+%% [{Role, Pid}] of the C-node owners of this BEAM.
+cnodes() ->
+    Named = [{Role, P} || {Role, Name} <- [{"pool", actor_pool_node_owner},
+                                           {"receptionist", actor_receptionist_owner}],
+                          P <- [whereis(Name)], is_pid(P)],
+    Other = [{"other", P} || {_, P, worker, _} <- safe_children(actor_cnode_sup), is_pid(P)],
+    Named ++ Other.
+
+cnode_families() ->
+    Infos = [{Role, I} || {Role, P} <- cnodes(),
+                          I <- [safe(fun() -> actor_cnode:info(P) end)], is_map(I)],
+    L = fun(Role, I) -> [{"cnode", maps:get(node, I, "")}, {"role", Role}] end,
+    Os = [{Role, I, OsPid} || {Role, I} <- Infos,
+                              OsPid <- [maps:get(os_pid, I, undefined)], is_integer(OsPid)],
+    [{"actor_pool_cnode_up", gauge,
+      "1 when the C node is up, 0 while it is starting or restarting; io is its I/O "
+      "backend.",
+      [{L(R, I) ++ [{"io", maps:get(io, I, unknown)}],
+        case maps:get(status, I, down) of up -> 1; _ -> 0 end} || {R, I} <- Infos]},
+     {"actor_pool_cnode_restarts_total", counter, "Times the C node was restarted.",
+      [{L(R, I), maps:get(restarts, I, 0)} || {R, I} <- Infos]},
+     {"actor_pool_cnode_resident_memory_bytes", gauge, "The C node's resident memory.",
+      [{L(R, I), V} || {R, I, OsPid} <- Os, V <- [rss_bytes(OsPid)], is_integer(V)]},
+     {"actor_pool_cnode_uptime_seconds", gauge, "Seconds since the C node's OS process started.",
+      [{L(R, I), V} || {R, I, OsPid} <- Os, V <- [uptime_s(OsPid)], is_number(V)]}].
+
+%% ===================================================================
+%% /proc
+%% ===================================================================
+
+rss_bytes(OsPid) ->
+    case file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status") of
+        {ok, B} ->
+            case re:run(B, "VmRSS:\\s+(\\d+) kB", [{capture, all_but_first, list}]) of
+                {match, [Kb]} -> list_to_integer(Kb) * 1024;
+                nomatch -> undefined
+            end;
+        {error, _} ->
+            undefined
+    end.
+
+%% Field 22 of /proc/PID/stat (start time, clock ticks after boot) against
+%% /proc/uptime. The comm field may hold spaces: split after its ')'.
+uptime_s(OsPid) ->
+    try
+        {ok, Stat} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
+        {ok, Up} = file:read_file("/proc/uptime"),
+        [_, After] = string:split(Stat, ")", trailing),
+        Start = list_to_integer(binary_to_list(lists:nth(20, string:lexemes(After, " ")))),
+        [UpS | _] = string:lexemes(Up, " "),
+        Hz = clock_ticks(),
+        %% Ticks are 1/Hz s: two decimals say all there is.
+        max(0.0, round((binary_to_float(UpS) - Start / Hz) * 100) / 100)
+    catch
+        _:_ -> undefined
+    end.
+
+%% USER_HZ: 100 on every Linux port that matters; getconf says for sure.
+clock_ticks() ->
+    case persistent_term:get({?MODULE, clk_tck}, undefined) of
+        undefined ->
+            Hz = case string:to_integer(os:cmd("getconf CLK_TCK")) of
+                     {N, _} when is_integer(N), N > 0 -> N;
+                     _ -> 100
+                 end,
+            persistent_term:put({?MODULE, clk_tck}, Hz),
+            Hz;
+        Hz ->
+            Hz
+    end.
+
+%% ===================================================================
+%% The text format
+%% ===================================================================
+
+family({Name, Type, Help, Samples}) ->
+    ["# HELP ", Name, $\s, escape_help(Help), $\n,
+     "# TYPE ", Name, $\s, atom_to_list(Type), $\n,
+     [[Name, labels(Ls), $\s, value(V), $\n] || {Ls, V} <- Samples]].
+
+labels([]) -> [];
+labels(Ls) ->
+    [${, lists:join($,, [[K, "=\"", label_value(V), $"] || {K, V} <- Ls]), $}].
+
+%% UTF-8, with the format's escapes.
+label_value(V) ->
+    unicode:characters_to_binary(escape_label(to_chars(V))).
+
+value(V) when is_integer(V) -> integer_to_list(V);
+value(V) when is_float(V) -> float_to_list(V, [short]).
+
+to_chars(V) when is_atom(V) -> atom_to_list(V);
+to_chars(V) when is_integer(V) -> integer_to_list(V);
+to_chars(V) when is_binary(V); is_list(V) ->
+    case unicode:characters_to_list(V) of
+        L when is_list(L) -> L;
+        _ -> lists:flatten(io_lib:format("~0p", [V]))
+    end;
+to_chars(V) -> lists:flatten(io_lib:format("~0tp", [V])).
+
+%% The format's escapes: in HELP \\ and \n; in label values also \".
+escape_help(S) -> lists:flatmap(fun($\\) -> "\\\\"; ($\n) -> "\\n"; (C) -> [C] end, S).
+escape_label(S) ->
+    lists:flatmap(fun($\\) -> "\\\\"; ($\n) -> "\\n"; ($") -> "\\\""; (C) -> [C] end, S).
+
+safe(F) ->
+    try F() catch _:_ -> undefined end.
+
+safe_children(Sup) ->
+    try supervisor:which_children(Sup) catch _:_ -> [] end.
