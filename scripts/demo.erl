@@ -303,7 +303,7 @@ wait_processed_until(Pool, N, Deadline) ->
 
 summary(Stats) ->
     maps:with([size, routing, processed, errors, crashes, restarts, overloaded,
-               dropped_tells, throughput], Stats).
+               dropped_tells, throughput_10s], Stats).
 
 explain(Doc, {error, {Offset, Reason}}) ->
     From = max(0, Offset - 24),

@@ -509,7 +509,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 		p->rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)(uintptr_t)p;
 	if (!p->rng)
 		p->rng = 1;
-	p->started_ms = p->tp_last_ms = ap_node_now_ms(n);
+	p->started_ms = ap_node_now_ms(n);
 	p->start_reply = reply;
 	p->starting = p->o.workers;
 	/* Append: which_pools lists in start order. */

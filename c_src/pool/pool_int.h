@@ -128,6 +128,9 @@ typedef struct ap_worker {
 	ap_buf out;
 } ap_worker;
 
+/* throughput_10s's window, seconds (its name says it). */
+#define AP_TP_WINDOW_S 10
+
 struct ap_pool {
 	ap_node *n;
 	ap_proc *proc;             /* NULL once stopped */
@@ -152,9 +155,13 @@ struct ap_pool {
 	int init_failed;           /* the first failing init code, 0 if none */
 	ap_pending_reply *start_reply;
 	int64_t started_ms;
-	uint64_t tp_last;          /* processed at the last tick */
-	int64_t tp_last_ms;
-	double throughput;
+	/* processed, sampled once a second (ap_pool_tick): the last
+	 * AP_TP_WINDOW_S seconds' samples, a ring, for throughput_10s */
+	struct {
+		uint64_t processed;
+		int64_t ms;
+	} tp[AP_TP_WINDOW_S + 1];
+	unsigned tp_head, tp_n;
 	ap_buf scratch;            /* reply heads built by the loop */
 	int *wake_list;            /* workers with jobs pushed but not yet woken */
 	int nwake;
@@ -258,7 +265,7 @@ void ap_dp_reply_error_loop(struct ap_dp_seg *s, uint64_t ask_id, const char *re
 /* dist_ingress.c: the pool process's function (ap_proc_spawn). */
 void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);
 
-/* stats.c: the map that '$ap_stats' answers; throughput, once a second. */
+/* stats.c: the map that '$ap_stats' answers; the throughput sample, once a second. */
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x);
 void ap_pool_stats_tick(ap_pool *p, int64_t now);
 

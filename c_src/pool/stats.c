@@ -1,4 +1,5 @@
-/* stats: a pool's counters, the stats map, and throughput. */
+/* stats: a pool's counters, the stats map, and its throughput over a
+ * sliding window. */
 #include <string.h>
 
 #include "pool_int.h"
@@ -23,6 +24,8 @@ static void kv_limit(ei_x_buff *x, const char *k, int v)
 	else
 		ei_x_encode_atom(x, "infinity");
 }
+
+static double throughput(ap_pool *p, uint64_t processed, int64_t now);
 
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 {
@@ -51,8 +54,8 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	kv_u64(x, "restarts", restarts);
 	kv_u64(x, "overloaded", p->overloaded);
 	kv_u64(x, "dropped_tells", p->dropped_tells);
-	ei_x_encode_atom(x, "throughput");
-	ei_x_encode_double(x, p->throughput);
+	ei_x_encode_atom(x, "throughput_10s");
+	ei_x_encode_double(x, throughput(p, processed, ap_node_now_ms(p->n)));
 	kv_u64(x, "uptime_ms", (uint64_t)(ap_node_now_ms(p->n) - p->started_ms));
 	kv_u64(x, "mailbox_limit", p->o.mailbox_limit);
 	ei_x_encode_atom(x, "isolation");
@@ -96,14 +99,50 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_empty_list(x);
 }
 
-/* Once a second (ap_pool_tick): messages handled per second since the last. */
-void ap_pool_stats_tick(ap_pool *p, int64_t now)
+static uint64_t processed_now(ap_pool *p)
 {
 	uint64_t processed = 0;
 	for (int i = 0; i < p->o.workers; i++)
 		processed += atomic_load_explicit(&p->w[i].processed, memory_order_relaxed);
-	if (now > p->tp_last_ms)
-		p->throughput = (double)(processed - p->tp_last) * 1000.0 / (double)(now - p->tp_last_ms);
-	p->tp_last = processed;
-	p->tp_last_ms = now;
+	return processed;
+}
+
+/* Once a second (ap_pool_tick): a sample of processed. */
+void ap_pool_stats_tick(ap_pool *p, int64_t now)
+{
+	const unsigned n = AP_TP_WINDOW_S + 1;
+	p->tp[p->tp_head].processed = processed_now(p);
+	p->tp[p->tp_head].ms = now;
+	p->tp_head = (p->tp_head + 1) % n;
+	if (p->tp_n < n)
+		p->tp_n++;
+}
+
+/* Messages handled per second over the last AP_TP_WINDOW_S seconds, up to
+ * now (not to the last tick: right after a burst it shows the burst). A
+ * pool younger than the window is measured from its start. */
+static double throughput(ap_pool *p, uint64_t processed, int64_t now)
+{
+	const unsigned n = AP_TP_WINDOW_S + 1;
+	const int64_t window = (int64_t)AP_TP_WINDOW_S * 1000;
+	uint64_t from = 0;
+	int64_t from_ms = p->started_ms;
+	if (now - p->started_ms > window && p->tp_n) {
+		/* The oldest sample inside the window; if the ticks stalled and
+		 * none is, the newest. */
+		unsigned newest = (p->tp_head + n - 1) % n;
+		from = p->tp[newest].processed;
+		from_ms = p->tp[newest].ms;
+		for (unsigned k = p->tp_n; k > 0; k--) {
+			unsigned i = (p->tp_head + n - k) % n; /* oldest first */
+			if (now - p->tp[i].ms <= window) {
+				from = p->tp[i].processed;
+				from_ms = p->tp[i].ms;
+				break;
+			}
+		}
+	}
+	if (now <= from_ms || processed < from)
+		return 0.0;
+	return (double)(processed - from) * 1000.0 / (double)(now - from_ms);
 }
