@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz soak clean
+        fuzz soak clean docs
 
 all: compile
 
@@ -22,7 +22,7 @@ epmd:
 # Everything: C unit tests and a short fuzz run (under ASan+UBSan), EUnit
 # against real C nodes with each I/O backend, actor_pool as a rebar3
 # dependency of another project and as a mix dependency (examples/elixir_app,
-# ExUnit), and dialyzer.
+# ExUnit), dialyzer, and the API reference (edoc, no warnings).
 test: deps
 	$(MAKE) -C c_src test
 	$(REBAR) compile
@@ -30,6 +30,7 @@ test: deps
 	$(MAKE) dep-test
 	$(MAKE) elixir-test
 	$(MAKE) dialyzer
+	$(MAKE) docs
 
 eunit: epmd
 	$(MAKE) -C c_src build/dp_client
@@ -85,6 +86,13 @@ elixir-test: epmd
 
 dialyzer:
 	$(REBAR) dialyzer
+
+# API reference (edoc) into doc/; any edoc warning fails it.
+docs: compile
+	@out=$$($(REBAR) edoc 2>&1); rc=$$?; echo "$$out"; \
+	  if [ $$rc -ne 0 ] || echo "$$out" | grep -qi "warning"; then \
+	    echo "make docs: edoc failed or warned (above)"; exit 1; fi; \
+	  echo "make docs: API reference in doc/index.html"
 
 # Starts the application (and its pool C node), validates JSON documents on a
 # pool, echoes through another, prints results and stats, stops it all.
