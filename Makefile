@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz soak clean docs
+        fuzz soak clean docs bench-report
 
 all: compile
 
@@ -101,6 +101,11 @@ demo: deps compile
 
 bench: deps compile
 	$(MAKE) -C . bench-run
+
+# Charts of the last make bench (_build/bench/results.csv) into docs/bench/,
+# one SVG per benchmark and I/O backend (gnuplot).
+bench-report:
+	bench/report docs/bench
 
 bench-run:
 	@if [ -x bench/run ]; then bench/run; \
