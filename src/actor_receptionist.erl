@@ -34,6 +34,7 @@
 -module(actor_receptionist).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% register/2 is this module's, not the BIF.
 -compile({no_auto_import, [register/2]}).
@@ -63,7 +64,6 @@
 
 -type listing() :: {listing, key(), [pid()]}.
 
--define(MAX_ID, 1024).
 -define(CALL_TIMEOUT, 5000).
 
 %% ===================================================================
@@ -182,7 +182,7 @@ unsubscribe(Key, Subscriber) ->
 %% Falls back to asking the receptionist when no snapshot is mapped (or it
 %% is stale); `[]' when neither answers. Raises `badarg' for a bad key.
 -spec lookup(key() | id()) -> [pid()].
-lookup({service_key, Id}) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID ->
+lookup({service_key, Id}) when ?IS_ID(Id) ->
     fast_lookup(Id);
 lookup(Key) ->
     case id(Key) of
@@ -217,7 +217,7 @@ stats() ->
 %% @doc The binary id of a key or id; `error' if it is not one.
 -spec id(term()) -> {ok, binary()} | error.
 id({service_key, Id}) -> id(Id);
-id(Id) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID -> {ok, Id};
+id(Id) when ?IS_ID(Id) -> {ok, Id};
 id(Id) when is_atom(Id), Id =/= undefined -> id(atom_to_binary(Id, utf8));
 id(Id) when is_list(Id) ->
     try unicode:characters_to_binary(Id) of

@@ -30,6 +30,7 @@
 -behaviour(gen_server).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% API.
 -export([start_link/1]).
@@ -220,13 +221,11 @@ handle_cast1({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} 
     {noreply, State1#state{follower = true}};
 %% (On a member) a follower's registration: ours while its connection lasts.
 handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
-  when (Op =:= register orelse Op =:= deregister), is_binary(Id), byte_size(Id) >= 1,
-       byte_size(Id) =< 1024, is_pid(Ref), is_atom(Follower) ->
+  when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
     {noreply, followed(Op, Follower, Id, Ref, State)};
 handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
     Old = sets:from_list(pairs_of(?RCPT_FOLLOWED, Follower), [{version, 2}]),
-    New = sets:from_list([E || {Id, Ref} = E <- Regs, is_binary(Id), byte_size(Id) >= 1,
-                               byte_size(Id) =< 1024, is_pid(Ref)], [{version, 2}]),
+    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
                        sets:subtract(Old, New)),
     {noreply, sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
@@ -238,13 +237,12 @@ handle_cast1({Op, Id, Ref, ReplyTo}, State)
   when (Op =:= register orelse Op =:= deregister), is_pid(ReplyTo), node(ReplyTo) =/= node() ->
     {noreply, State1} = handle_cast({Op, Id, Ref, undefined}, State),
     Ack = case Op of register -> registered; deregister -> deregistered end,
-    _ = is_binary(Id) andalso byte_size(Id) >= 1 andalso byte_size(Id) =< 1024 andalso is_pid(Ref)
+    _ = ?IS_ID(Id) andalso is_pid(Ref)
         andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
     {noreply, State1};
 %% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
 handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
-  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
-       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
         true ->
             {noreply, out(Msg, State)};
@@ -255,8 +253,7 @@ handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
             {noreply, out(Msg, gossip(reg, Id, Ref, State))}
     end;
 handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
-  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
-       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
     case journaled(Id, Ref) of
         true ->
             journal_del(Id, Ref),
