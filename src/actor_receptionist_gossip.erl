@@ -531,7 +531,7 @@ split(L, N) -> lists:split(N, L).
 
 %% The journal is written in the same process, so this is version Ver.
 send_state(Pid, #g{inc = Inc, ver = Ver} = G) ->
-    out(Pid, {ap_rcpt_state, self(), Inc, Ver, actor_receptionist_server:journal()}, G).
+    out(Pid, {ap_rcpt_state, self(), Inc, Ver, actor_receptionist_journal:regs()}, G).
 
 %% Our own version, and the origins we reach directly, except the receiver.
 digest(#g{hidden = true} = G) ->

@@ -35,7 +35,6 @@
 %% API.
 -export([start_link/1]).
 -export([shm_name/1]).
--export([journal/0]).
 
 %% gen_server callbacks.
 -export([init/1]).
@@ -124,11 +123,9 @@ init(undefined, _Owner, _PerKey, _Total, _Interval) ->
     {stop, no_receptionist_node};
 init(Node, Owner, PerKey, Total, Interval) ->
     %% Ours, rebuilt at each start: shared refs (see "Other members'
-    %% registrations") and our refs of processes on other nodes, by node.
+    %% registrations") and the journal's index of refs by node.
     ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
-    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, ordered_set, protected]),
-    true = ets:insert(?RCPT_BYNODE, [{{node(Ref), {Id, Ref}}} || {Id, Ref} <- journal(),
-                                                                 node(Ref) =/= node()]),
+    ok = actor_receptionist_journal:index(),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
     G = actor_receptionist_gossip:new(Interval),
@@ -138,7 +135,7 @@ init(Node, Owner, PerKey, Total, Interval) ->
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
-                        pairs(?RCPT_SUBS)),
+                        actor_receptionist_journal:subs()),
     %% The owner notifies us of each new incarnation; the current one may
     %% have come up before we were registered. If it has served requests
     %% already, this server is a restarted one: the C node may hold changes
@@ -162,7 +159,7 @@ init(Node, Owner, PerKey, Total, Interval) ->
 -spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
 handle_call(stats, _From, State) ->
     Own = #{status => case State#state.up of true -> up; false -> down end,
-            local_registrations => ets:info(?RCPT_REGS, size),
+            local_registrations => actor_receptionist_journal:regs_count(),
             local_subscriptions => State#state.total,
             incarnations => State#state.incarnations,
             queued => State#state.out_len},
@@ -224,7 +221,7 @@ handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
   when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
     {noreply, followed(Op, Follower, Id, Ref, State)};
 handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
-    Old = sets:from_list(pairs_of(?RCPT_FOLLOWED, Follower), [{version, 2}]),
+    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
     New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
                        sets:subtract(Old, New)),
@@ -243,20 +240,20 @@ handle_cast1({Op, Id, Ref, ReplyTo}, State)
 %% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
 handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
   when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case journaled(Id, Ref) of
+    case actor_receptionist_journal:registered(Id, Ref) of
         true ->
             {noreply, out(Msg, State)};
         false ->
-            journal_add(Id, Ref),
+            ok = actor_receptionist_journal:add(Id, Ref),
             %% Held by another member too: see "Shared refs" below.
             _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
             {noreply, out(Msg, gossip(reg, Id, Ref, State))}
     end;
 handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
   when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case journaled(Id, Ref) of
+    case actor_receptionist_journal:registered(Id, Ref) of
         true ->
-            journal_del(Id, Ref),
+            ok = actor_receptionist_journal:del(Id, Ref),
             State1 = gossip(dereg, Id, Ref, State),
             case let_go(Id, Ref, State1) of
                 remove ->
@@ -280,14 +277,14 @@ handle_cast1({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
 handle_cast1({find, _Id, _ReplyTo} = Msg, State) ->
     {noreply, out(Msg, State)};
 handle_cast1({subscribe, Id, Pid} = Msg, State) ->
-    case subscribed(Pid, Id) of
+    case actor_receptionist_journal:subscribed(Pid, Id) of
         true ->
             %% One subscription; the C node sends a fresh listing.
             {noreply, out(Msg, State)};
         false ->
             case limit(Id, State) of
                 ok ->
-                    true = ets:insert(?RCPT_SUBS, {{Pid, Id}}),
+                    ok = actor_receptionist_journal:add_sub(Pid, Id),
                     {noreply, out(Msg, count_sub(Pid, Id, State))};
                 {Reason, Limit} ->
                     %% Through the C node, so that it reaches the subscriber
@@ -299,9 +296,9 @@ handle_cast1({subscribe, Id, Pid} = Msg, State) ->
 handle_cast1({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
     %% Also a subscription still held for a complete view.
     State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
-    case subscribed(Pid, Id) of
+    case actor_receptionist_journal:subscribed(Pid, Id) of
         true ->
-            true = ets:delete(?RCPT_SUBS, {Pid, Id}),
+            ok = actor_receptionist_journal:del_sub(Pid, Id),
             {noreply, out(Msg, uncount_sub(Pid, Id, State))};
         false ->
             {noreply, State}
@@ -324,8 +321,8 @@ handle_info({nodedown, _Node}, State) ->
 handle_info({'DOWN', Mref, process, Pid, _} = Msg, #state{monitors = Mons} = State0) ->
     case maps:find(Pid, Mons) of
         {ok, Mref} ->
-            Ids = pairs_of(?RCPT_SUBS, Pid),
-            true = ets:match_delete(?RCPT_SUBS, {{Pid, '_'}}),
+            Ids = actor_receptionist_journal:subs_of(Pid),
+            ok = actor_receptionist_journal:del_subs_of(Pid),
             State1 = lists:foldl(fun(Id, S) -> uncount(Id, S) end, State0, Ids),
             State = State1#state{monitors = maps:remove(Pid, Mons)},
             {noreply, out({unsubscribe_all, Pid}, State)};
@@ -384,14 +381,15 @@ effect({drop_refs_on, Node}, State) ->
     %% That node is gone: our registrations of its processes end, and those
     %% a follower made through us.
     State1 = lists:foldl(fun({Id, Ref}, S) -> followed(deregister, Node, Id, Ref, S) end,
-                         State, pairs_of(?RCPT_FOLLOWED, Node)),
+                         State, actor_receptionist_journal:followed(Node)),
     lists:foldl(fun({Id, Ref}, S) ->
                         {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
                         S1
-                end, State1, pairs_of(?RCPT_BYNODE, Node));
+                end, State1, actor_receptionist_journal:refs_on(Node));
 effect({synced_with, Member}, State) ->
     %% A member we follow (re)synced: it gets all of our registrations.
-    ok = gen_server:cast({?RCPT_SERVER, Member}, {forwarded_sync, node(), journal()}),
+    ok = gen_server:cast({?RCPT_SERVER, Member},
+                         {forwarded_sync, node(), actor_receptionist_journal:regs()}),
     State;
 effect({subscribe, Id, Pid}, State) ->
     {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
@@ -440,7 +438,7 @@ remote_reg(Origin, Id, Ref, #state{remote = R} = State) ->
         true ->
             State1;
         false ->
-            Shared = journaled(Id, Ref) orelse remote_holders(Id, Ref, State1) =/= [],
+            Shared = actor_receptionist_journal:registered(Id, Ref) orelse remote_holders(Id, Ref, State1) =/= [],
             true = ets:insert(Tab, {{Id, Ref}}),
             case Shared of
                 true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), State1;
@@ -534,7 +532,7 @@ origin_rows(Origin, #state{remote = R}) ->
 
 %% Who holds {Id, Ref}: `local' (our journal) and the other members.
 holders(Id, Ref, State) ->
-    [local || journaled(Id, Ref)] ++ remote_holders(Id, Ref, State).
+    [local || actor_receptionist_journal:registered(Id, Ref)] ++ remote_holders(Id, Ref, State).
 
 remote_holders(Id, Ref, #state{remote = R}) ->
     [O || {O, Tab} <- maps:to_list(R), ets:member(Tab, {Id, Ref})].
@@ -542,65 +540,20 @@ remote_holders(Id, Ref, #state{remote = R}) ->
 c_origin(local) -> undefined;
 c_origin(Origin) -> Origin.
 
-journaled(Id, Ref) ->
-    ets:member(?RCPT_REGS, {Id, Ref}).
-
 %% A follower's registration, held in our journal and indexed by follower.
 followed(register, Follower, Id, Ref, State) ->
-    true = ets:insert(?RCPT_FOLLOWED, {{Follower, {Id, Ref}}}),
+    ok = actor_receptionist_journal:add_followed(Follower, Id, Ref),
     {noreply, State1} = handle_cast({register, Id, Ref, undefined}, State),
     State1;
 followed(deregister, Follower, Id, Ref, State) ->
-    true = ets:delete(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    ok = actor_receptionist_journal:del_followed(Follower, Id, Ref),
     {noreply, State1} = handle_cast({deregister, Id, Ref, undefined}, State),
     State1.
-
-journal_add(Id, Ref) ->
-    %% The number keeps the registration order for a replay: listings
-    %% list refs in that order.
-    true = ets:insert(?RCPT_REGS, {{Id, Ref}, erlang:unique_integer([monotonic])}),
-    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {{node(Ref), {Id, Ref}}}),
-    ok.
-
-journal_del(Id, Ref) ->
-    true = ets:delete(?RCPT_REGS, {Id, Ref}),
-    _ = node(Ref) =/= node() andalso ets:delete(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
-    ok.
-
-%% @private
-%% @doc This node's registrations, `[{Id, Ref}]', in registration order.
--spec journal() -> [{binary(), pid()}].
-journal() ->
-    [P || {P, _} <- lists:keysort(2, ets:tab2list(?RCPT_REGS))].
-
-%% The journal, the subscriptions and the by-node and by-follower indexes
-%% hold one `{A, B}' key per pair: insert, delete and membership are
-%% O(1) (a set) or O(log n) (an ordered_set), however many pairs share A.
-%% (A bag keyed on A made each of them O(pairs under A): 50K refs under one
-%% key took 16 s to register.) In an ordered_set the pairs of one A are
-%% found by a key prefix, without a scan.
-pairs(Tab) ->
-    [P || {P} <- ets:tab2list(Tab)].
-
-pairs_of(Tab, A) when is_atom(A) ->
-    case atom_to_list(A) of
-        %% In a match pattern '_' and '$N' would be wildcards: compare
-        %% instead (a scan; no node is named so).
-        [C | _] when C =:= $_; C =:= $$ ->
-            ets:select(Tab, [{{{'$1', '$2'}}, [{'=:=', '$1', {const, A}}], ['$2']}]);
-        _ ->
-            ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}])
-    end;
-pairs_of(Tab, A) ->
-    ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}]).
 
 %% A change of the journal, for the other members: it goes with the next
 %% flush, which is on its way even while the C node is down.
 gossip(Op, Id, Ref, #state{gossip = G} = State) ->
     schedule_flush(State#state{gossip = actor_receptionist_gossip:local(Op, Id, Ref, G)}).
-
-subscribed(Pid, Id) ->
-    ets:member(?RCPT_SUBS, {Pid, Id}).
 
 limit(Id, #state{counts = Counts, per_key = PerKey, total = Total, total_limit = TotalLimit}) ->
     case maps:get(Id, Counts, 0) >= PerKey of
@@ -619,10 +572,10 @@ count_sub(Pid, Id, #state{counts = Counts, total = Total, monitors = Mons} = Sta
 
 uncount_sub(Pid, Id, State0) ->
     State = uncount(Id, State0),
-    case ets:select(?RCPT_SUBS, [{{{Pid, '_'}}, [], [true]}], 1) of
-        {[true], _} ->
+    case actor_receptionist_journal:has_subs(Pid) of
+        true ->
             State;
-        '$end_of_table' ->
+        false ->
             {Mref, Mons} = maps:take(Pid, State#state.monitors),
             true = erlang:demonitor(Mref, [flush]),
             State#state{monitors = Mons}
@@ -752,10 +705,11 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
     case call_rcpt(pid, State0) of
         Pid when is_pid(Pid) ->
             monitor_on(Node),
-            Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- journal()],
+            Regs = [{register, Id, Ref, undefined}
+                    || {Id, Ref} <- actor_receptionist_journal:regs()],
             Remote = [{rregister, O, Id, Ref} || O <- maps:keys(State0#state.remote),
                                                  {Id, Ref} <- origin_rows(O, State0)],
-            Subs = [{subscribe, Id, P} || {P, Id} <- pairs(?RCPT_SUBS)],
+            Subs = [{subscribe, Id, P} || {P, Id} <- actor_receptionist_journal:subs()],
             State = State0#state{incarnations = N + 1, pid = Pid},
             send_all(Regs ++ Remote ++ Subs, State),
             case call_rcpt(sync, State) of
