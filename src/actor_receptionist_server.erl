@@ -4,10 +4,12 @@
 %% linked to one, and loses its state when it dies. So this server
 %% <ul>
 %% <li>keeps the journal of this node's registrations and subscriptions
-%%     (ETS tables owned by {@link actor_receptionist_sup}, so they survive
-%%     a crash of this server) and replays it into every new incarnation of
-%%     the C node, before the NIF is pointed at the new snapshot: lookups go
-%%     on answering from the old snapshot meanwhile;</li>
+%%     ({@link actor_receptionist_journal}: ETS tables owned by {@link
+%%     actor_receptionist_sup}, so they survive a crash of this server) and
+%%     replays it, with what it holds of the other members ({@link
+%%     actor_receptionist_remote}), into every new incarnation of the C
+%%     node, before the NIF is pointed at the new snapshot: lookups go on
+%%     answering from the old snapshot meanwhile;</li>
 %% <li>monitors subscribers and tells the C node when one dies;</li>
 %% <li>enforces the subscriber limits (every local subscription passes
 %%     here, so the counts are exact) and sends the rejections;</li>
@@ -25,7 +27,9 @@
 %% restart it, since what was in flight is unknown; and a server that
 %% restarts while its C node is up does the same, since the C node may hold
 %% changes the journal no longer has.
-%% The protocol to the C node is in docs/receptionist.md ("Internals").
+%% The cluster's rules are {@link actor_receptionist_gossip}, run in this
+%% process. The protocol to the C node is in docs/receptionist.md
+%% ("Internals").
 -module(actor_receptionist_server).
 -behaviour(gen_server).
 
@@ -82,10 +86,8 @@
     incarnations = 0 :: non_neg_integer(),
     %% the cluster half (membership, versions, deltas)
     gossip :: actor_receptionist_gossip:state(),
-    %% what we hold of each other member: a set table {{Id, Ref}} per origin
-    remote = #{} :: #{node() => ets:tid()},
-    %% tables of members that left, deleted at the next gossip round
-    reap = [] :: [ets:tid()],
+    %% what we hold of each other member
+    remote :: actor_receptionist_remote:state(),
     %% a hidden node: its registrations are also made on the members it
     %% follows
     follower = false :: boolean(),
@@ -122,15 +124,15 @@ init(#{owner := Owner, max_subscribers_per_key := PerKey,
 init(undefined, _Owner, _PerKey, _Total, _Interval) ->
     {stop, no_receptionist_node};
 init(Node, Owner, PerKey, Total, Interval) ->
-    %% Ours, rebuilt at each start: shared refs (see "Other members'
-    %% registrations") and the journal's index of refs by node.
-    ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
+    %% Ours, rebuilt at each start: what we hold of the other members
+    %% (nothing yet) and the journal's index of refs by node.
+    Remote = actor_receptionist_remote:new(),
     ok = actor_receptionist_journal:index(),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
     G = actor_receptionist_gossip:new(Interval),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
-                    gossip = G, follower = actor_receptionist_gossip:hidden(G),
+                    gossip = G, remote = Remote, follower = actor_receptionist_gossip:hidden(G),
                     batch_bytes = batch_bytes(Owner)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
@@ -245,8 +247,7 @@ handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
             {noreply, out(Msg, State)};
         false ->
             ok = actor_receptionist_journal:add(Id, Ref),
-            %% Held by another member too: see "Shared refs" below.
-            _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
+            ok = actor_receptionist_remote:local_added(Id, Ref, State#state.remote),
             {noreply, out(Msg, gossip(reg, Id, Ref, State))}
     end;
 handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
@@ -255,7 +256,7 @@ handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
         true ->
             ok = actor_receptionist_journal:del(Id, Ref),
             State1 = gossip(dereg, Id, Ref, State),
-            case let_go(Id, Ref, State1) of
+            case actor_receptionist_remote:let_go(Id, Ref, State1#state.remote) of
                 remove ->
                     {noreply, out(Msg, State1)};
                 {keep, Retag} ->
@@ -348,10 +349,12 @@ handle_info(Msg, State) ->
 %% A message of the cluster half: its effects are applied at once and sent
 %% to the C node without waiting for a flush round (a delta is a batch
 %% already).
-cluster(Msg, #state{gossip = G} = State00) ->
+cluster(Msg, #state{gossip = G, remote = R} = State00) ->
     State0 = case Msg of
-                 {actor_receptionist_gossip, tick} -> reap(State00);
-                 _ -> State00
+                 {actor_receptionist_gossip, tick} ->
+                     State00#state{remote = actor_receptionist_remote:reap(R)};
+                 _ ->
+                     State00
              end,
     case actor_receptionist_gossip:handle(Msg, G) of
         {ok, G1, Effects} ->
@@ -362,19 +365,22 @@ cluster(Msg, #state{gossip = G} = State00) ->
             {noreply, State0}
     end.
 
-effect({remote, Origin, Ops}, State) ->
-    lists:foldl(fun({reg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_reg(Origin, Id, Ref, S);
-                   ({dereg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_dereg(Origin, Id, Ref, S);
-                   (_, S) -> S
-                end, State, Ops);
-effect({replace_origin, Origin, Regs}, State) ->
-    replace_origin(Origin, Regs, State);
-effect({drop_origin, Origin}, State) ->
-    drop_origin(Origin, State);
-effect({origin_state, To, Origin, Inc, Ver}, State) ->
+effect({remote, Origin, Ops}, #state{remote = R} = State) ->
+    remote(actor_receptionist_remote:ops(Origin, Ops, R), State);
+effect({replace_origin, Origin, Regs}, #state{remote = R} = State) ->
+    remote(actor_receptionist_remote:replace(Origin, Regs, R), State);
+effect({drop_origin, Origin}, #state{remote = R} = State) ->
+    case actor_receptionist_remote:drop(Origin, R) of
+        {_, []} ->
+            State;
+        Dropped ->
+            %% At once: the C node drops the member in one step.
+            flush(remote(Dropped, State))
+    end;
+effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R} = State) ->
     %% A member relays Origin through us: the rows, exactly version Ver
     %% (applied in this process as they came).
-    Regs = origin_rows(Origin, State),
+    Regs = actor_receptionist_remote:rows(Origin, R),
     _ = erlang:send(To, {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
     State;
 effect({drop_refs_on, Node}, State) ->
@@ -408,137 +414,10 @@ terminate(_Reason, _State) ->
 %% Internals
 %% ===================================================================
 
-%% ---- Other members' registrations -----------------------------------
-%%
-%% `remote' holds, per other member (origin), a set table of the {Id, Ref}
-%% it has registered, as far as we know; this process is its only writer
-%% and a replay reads it. The C node tags each ref with one origin, so that
-%% a member that leaves is dropped in one step (`drop_origin'); its table
-%% is then handed to a short-lived process that deletes it, so a large
-%% member costs this server nothing when it leaves. The tables die with
-%% this process: a new server is a new incarnation, and the members send
-%% their registrations again.
-%%
-%% Shared refs: the same ref under the same key may be held by several
-%% origins (this node and others). The C node holds it once, tagged with
-%% one of them; ?RCPT_SHARED lists such {Id, Ref} pairs. When the origin
-%% it is tagged with lets go while another still holds it, it is re-tagged
-%% (`retag', no listing) instead of removed; before a member is dropped,
-%% its shared refs are re-tagged to a remaining holder. A pair not in
-%% ?RCPT_SHARED has exactly one holder.
-
-remote_reg(Origin, Id, Ref, #state{remote = R} = State) ->
-    {Tab, State1} = case maps:find(Origin, R) of
-                        {ok, T} -> {T, State};
-                        error ->
-                            T = ets:new(actor_receptionist_remote, [set, protected]),
-                            {T, State#state{remote = R#{Origin => T}}}
-                    end,
-    case ets:member(Tab, {Id, Ref}) of
-        true ->
-            State1;
-        false ->
-            Shared = actor_receptionist_journal:registered(Id, Ref) orelse remote_holders(Id, Ref, State1) =/= [],
-            true = ets:insert(Tab, {{Id, Ref}}),
-            case Shared of
-                true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), State1;
-                false -> out({rregister, Origin, Id, Ref}, State1)
-            end
-    end.
-
-remote_dereg(Origin, Id, Ref, #state{remote = R} = State) ->
-    case maps:find(Origin, R) of
-        {ok, Tab} ->
-            case ets:member(Tab, {Id, Ref}) of
-                true ->
-                    true = ets:delete(Tab, {Id, Ref}),
-                    case let_go(Id, Ref, State) of
-                        remove -> out({rderegister, Origin, Id, Ref}, State);
-                        {keep, Retag} -> out(Retag, State)
-                    end;
-                false ->
-                    State
-            end;
-        error ->
-            State
-    end.
-
-%% A holder of {Id, Ref} let go of it (it is out of the tables already):
-%% remove it from the C node, or keep it for a remaining holder.
-let_go(Id, Ref, State) ->
-    case ets:member(?RCPT_SHARED, {Id, Ref}) of
-        false ->
-            remove;
-        true ->
-            case holders(Id, Ref, State) of
-                [] ->
-                    true = ets:delete(?RCPT_SHARED, {Id, Ref}),
-                    remove;
-                [H | More] ->
-                    _ = More =:= [] andalso ets:delete(?RCPT_SHARED, {Id, Ref}),
-                    {keep, {retag, Id, Ref, c_origin(H)}}
-            end
-    end.
-
-replace_origin(Origin, Regs0, State) ->
-    Regs = [E || {Id, Ref} = E <- Regs0, is_binary(Id), is_pid(Ref)],
-    Old = sets:from_list(origin_rows(Origin, State), [{version, 2}]),
-    New = sets:from_list(Regs, [{version, 2}]),
-    State1 = sets:fold(fun({Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S) end, State,
-                       sets:subtract(Old, New)),
-    lists:foldl(fun({Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S) end, State1,
-                [E || E <- Regs, not sets:is_element(E, Old)]).
-
-%% A member left: its shared refs move to a remaining holder, then the C
-%% node drops the rest of its refs at once (O(its refs), in C).
-drop_origin(Origin, #state{remote = R} = State0) ->
-    case maps:take(Origin, R) of
-        error ->
-            State0;
-        {Tab, R1} ->
-            State1 = State0#state{remote = R1},
-            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?RCPT_SHARED),
-                               ets:member(Tab, {Id, Ref}),
-                               {keep, Retag} <- [let_go(Id, Ref, State1)]],
-            State2 = flush(lists:foldl(fun out/2, State1, Retags ++ [{drop_origin, Origin}])),
-            %% Deleting a large table costs CPU the C node needs right now
-            %% for the drop itself: it waits for the next gossip round.
-            State2#state{reap = [Tab | State2#state.reap]}
-    end.
-
-%% Tables of members that left go to a short-lived process that deletes
-%% them, so this server does not spend the time.
-reap(#state{reap = []} = State) ->
-    State;
-reap(#state{reap = Tabs} = State) ->
-    Reaper = spawn(fun() -> reaper(length(Tabs)) end),
-    [true = ets:give_away(T, Reaper, reap) || T <- Tabs],
-    State#state{reap = []}.
-
-reaper(0) ->
-    ok;
-reaper(N) ->
-    receive
-        {'ETS-TRANSFER', T, _, reap} -> ets:delete(T), reaper(N - 1)
-    after 60000 ->
-        ok
-    end.
-
-origin_rows(Origin, #state{remote = R}) ->
-    case maps:find(Origin, R) of
-        {ok, Tab} -> [E || {E} <- ets:tab2list(Tab)];
-        error -> []
-    end.
-
-%% Who holds {Id, Ref}: `local' (our journal) and the other members.
-holders(Id, Ref, State) ->
-    [local || actor_receptionist_journal:registered(Id, Ref)] ++ remote_holders(Id, Ref, State).
-
-remote_holders(Id, Ref, #state{remote = R}) ->
-    [O || {O, Tab} <- maps:to_list(R), ets:member(Tab, {Id, Ref})].
-
-c_origin(local) -> undefined;
-c_origin(Origin) -> Origin.
+%% A change of what we hold of the other members, and its messages for the
+%% C node.
+remote({R, Msgs}, State) ->
+    lists:foldl(fun out/2, State#state{remote = R}, Msgs).
 
 %% A follower's registration, held in our journal and indexed by follower.
 followed(register, Follower, Id, Ref, State) ->
@@ -707,8 +586,7 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
             monitor_on(Node),
             Regs = [{register, Id, Ref, undefined}
                     || {Id, Ref} <- actor_receptionist_journal:regs()],
-            Remote = [{rregister, O, Id, Ref} || O <- maps:keys(State0#state.remote),
-                                                 {Id, Ref} <- origin_rows(O, State0)],
+            Remote = actor_receptionist_remote:replay(State0#state.remote),
             Subs = [{subscribe, Id, P} || {P, Id} <- actor_receptionist_journal:subs()],
             State = State0#state{incarnations = N + 1, pid = Pid},
             send_all(Regs ++ Remote ++ Subs, State),
