@@ -194,8 +194,7 @@ handle_call(Request, _From, State) ->
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
 handle_cast(Msg, State) ->
-    {noreply, State1} = handle_cast1(Msg, State),
-    {noreply, flush_if_idle(State1)}.
+    {noreply, flush_if_idle(apply_op(Msg, State))}.
 
 %% A lone request (nothing else waiting but our own flush message) goes out
 %% now rather than one loop later: the batching is for bursts.
@@ -207,106 +206,120 @@ flush_if_idle(#state{flushing = true} = State) ->
 flush_if_idle(State) ->
     State.
 
+%% One request: a caller's, a member's or a follower's (casts), or one this
+%% server makes itself (a follower's registration, a subscription held for
+%% a complete view, the registrations of a node that left). Every request
+%% goes through here once; the change itself, the same on a member and a
+%% follower, is record_op/2's.
+%%
 %% On a hidden node (a follower) a registration is recorded here as usual
 %% (journal, C node: this node's own lookups see it at once) and also made
 %% on every member it follows, so the cluster has it; each member holds it
 %% for as long as this node's connection to it lasts, and gets the whole
 %% journal again whenever it (re)syncs with this node.
-handle_cast1({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
+apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
-    {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
+    State1 = record_op(Msg, State),
     _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
          || M <- actor_receptionist_gossip:follows(G)],
-    {noreply, State1#state{follower = true}};
+    State1;
+apply_op({Op, _Id, _Ref, _ReplyTo} = Msg, State) when Op =:= register; Op =:= deregister ->
+    record_op(Msg, State);
 %% (On a member) a follower's registration: ours while its connection lasts.
-handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
+apply_op({forwarded, Op, Id, Ref, Follower}, State)
   when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
-    {noreply, followed(Op, Follower, Id, Ref, State)};
-handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
+    followed(Op, Follower, Id, Ref, State);
+apply_op({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
     Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
     New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
                        sets:subtract(Old, New)),
-    {noreply, sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
-                        sets:subtract(New, Old))};
-%% A ReplyTo on another node (a standalone pool node registering its pools)
-%% cannot be reached by the C node, which talks to this node only: it gets
-%% its acknowledgement from here, once the journal has the change.
-handle_cast1({Op, Id, Ref, ReplyTo}, State)
-  when (Op =:= register orelse Op =:= deregister), is_pid(ReplyTo), node(ReplyTo) =/= node() ->
-    {noreply, State1} = handle_cast({Op, Id, Ref, undefined}, State),
-    Ack = case Op of register -> registered; deregister -> deregistered end,
-    _ = ?IS_ID(Id) andalso is_pid(Ref)
-        andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
-    {noreply, State1};
-%% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
-handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
-  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case actor_receptionist_journal:registered(Id, Ref) of
-        true ->
-            {noreply, out(Msg, State)};
-        false ->
-            ok = actor_receptionist_journal:add(Id, Ref),
-            ok = actor_receptionist_remote:local_added(Id, Ref, State#state.remote),
-            {noreply, out(Msg, gossip(reg, Id, Ref, State))}
-    end;
-handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
-  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case actor_receptionist_journal:registered(Id, Ref) of
-        true ->
-            ok = actor_receptionist_journal:del(Id, Ref),
-            State1 = gossip(dereg, Id, Ref, State),
-            case actor_receptionist_remote:let_go(Id, Ref, State1#state.remote) of
-                remove ->
-                    {noreply, out(Msg, State1)};
-                {keep, Retag} ->
-                    Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
-                    {noreply, lists:foldl(fun out/2, State1, [Retag | Ack])}
-            end;
-        false ->
-            %% Not ours: nothing to remove (a member may hold the same ref
-            %% under the same key, and keeps it). The reply still goes
-            %% through the C node, in order with its listings.
-            Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
-            {noreply, lists:foldl(fun out/2, State, Ack)}
-    end;
-handle_cast1({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
+    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
+              sets:subtract(New, Old));
+apply_op({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
     case actor_receptionist_gossip:hold(Id, Pid, G) of
-        {true, G1} -> handle_cast({subscribe, Id, Pid}, State#state{gossip = G1});
-        {false, G1} -> {noreply, State#state{gossip = G1}}
+        {true, G1} -> apply_op({subscribe, Id, Pid}, State#state{gossip = G1});
+        {false, G1} -> State#state{gossip = G1}
     end;
-handle_cast1({find, _Id, _ReplyTo} = Msg, State) ->
-    {noreply, out(Msg, State)};
-handle_cast1({subscribe, Id, Pid} = Msg, State) ->
+apply_op({find, _Id, _ReplyTo} = Msg, State) ->
+    out(Msg, State);
+apply_op({subscribe, Id, Pid} = Msg, State) ->
     case actor_receptionist_journal:subscribed(Pid, Id) of
         true ->
             %% One subscription; the C node sends a fresh listing.
-            {noreply, out(Msg, State)};
+            out(Msg, State);
         false ->
             case limit(Id, State) of
                 ok ->
                     ok = actor_receptionist_journal:add_sub(Pid, Id),
-                    {noreply, out(Msg, count_sub(Pid, Id, State))};
+                    out(Msg, count_sub(Pid, Id, State));
                 {Reason, Limit} ->
                     %% Through the C node, so that it reaches the subscriber
                     %% in order with the listings of its earlier requests.
                     Rejected = {receptionist_subscribe_rejected, {service_key, Id}, Reason, Limit},
-                    {noreply, out({send, Pid, Rejected}, State)}
+                    out({send, Pid, Rejected}, State)
             end
     end;
-handle_cast1({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
+apply_op({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
     %% Also a subscription still held for a complete view.
     State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
     case actor_receptionist_journal:subscribed(Pid, Id) of
         true ->
             ok = actor_receptionist_journal:del_sub(Pid, Id),
-            {noreply, out(Msg, uncount_sub(Pid, Id, State))};
+            out(Msg, uncount_sub(Pid, Id, State));
         false ->
-            {noreply, State}
+            State
     end;
-handle_cast1(Msg, State) ->
+apply_op(Msg, State) ->
+    unexpected(Msg, State).
+
+%% A registration or deregistration of this node: the journal, the other
+%% members (gossip) and the C node.
+%%
+%% A ReplyTo on another node (a standalone pool node registering its pools)
+%% cannot be reached by the C node, which talks to this node only: it gets
+%% its acknowledgement from here, once the journal has the change.
+record_op({Op, Id, Ref, ReplyTo}, State) when is_pid(ReplyTo), node(ReplyTo) =/= node() ->
+    %% A lone change goes to the C node before its acknowledgement leaves.
+    State1 = flush_if_idle(record_op({Op, Id, Ref, undefined}, State)),
+    Ack = case Op of register -> registered; deregister -> deregistered end,
+    _ = ?IS_ID(Id) andalso is_pid(Ref)
+        andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
+    State1;
+%% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
+record_op({register, Id, Ref, ReplyTo} = Msg, State)
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+    case actor_receptionist_journal:registered(Id, Ref) of
+        true ->
+            out(Msg, State);
+        false ->
+            ok = actor_receptionist_journal:add(Id, Ref),
+            ok = actor_receptionist_remote:local_added(Id, Ref, State#state.remote),
+            out(Msg, gossip(reg, Id, Ref, State))
+    end;
+record_op({deregister, Id, Ref, ReplyTo} = Msg, State)
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+    Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
+    case actor_receptionist_journal:registered(Id, Ref) of
+        true ->
+            ok = actor_receptionist_journal:del(Id, Ref),
+            State1 = gossip(dereg, Id, Ref, State),
+            case actor_receptionist_remote:let_go(Id, Ref, State1#state.remote) of
+                remove -> out(Msg, State1);
+                {keep, Retag} -> lists:foldl(fun out/2, State1, [Retag | Ack])
+            end;
+        false ->
+            %% Not ours: nothing to remove (a member may hold the same ref
+            %% under the same key, and keeps it). The reply still goes
+            %% through the C node, in order with its listings.
+            lists:foldl(fun out/2, State, Ack)
+    end;
+record_op(Msg, State) ->
+    unexpected(Msg, State).
+
+unexpected(Msg, State) ->
     logger:warning("actor_receptionist_server: unexpected cast ~0p", [Msg]),
-    {noreply, State}.
+    State.
 
 -spec handle_info(term(), #state{}) -> {noreply, #state{}}.
 handle_info(flush, State) ->
@@ -388,18 +401,15 @@ effect({drop_refs_on, Node}, State) ->
     %% a follower made through us.
     State1 = lists:foldl(fun({Id, Ref}, S) -> followed(deregister, Node, Id, Ref, S) end,
                          State, actor_receptionist_journal:followed(Node)),
-    lists:foldl(fun({Id, Ref}, S) ->
-                        {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
-                        S1
-                end, State1, actor_receptionist_journal:refs_on(Node));
+    lists:foldl(fun({Id, Ref}, S) -> apply_op({deregister, Id, Ref, undefined}, S) end,
+                State1, actor_receptionist_journal:refs_on(Node));
 effect({synced_with, Member}, State) ->
     %% A member we follow (re)synced: it gets all of our registrations.
     ok = gen_server:cast({?RCPT_SERVER, Member},
                          {forwarded_sync, node(), actor_receptionist_journal:regs()}),
     State;
 effect({subscribe, Id, Pid}, State) ->
-    {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
-    State1.
+    apply_op({subscribe, Id, Pid}, State).
 
 -spec terminate(term(), #state{}) -> ok.
 terminate(Reason, _State) when Reason =:= normal; Reason =:= shutdown ->
@@ -422,12 +432,10 @@ remote({R, Msgs}, State) ->
 %% A follower's registration, held in our journal and indexed by follower.
 followed(register, Follower, Id, Ref, State) ->
     ok = actor_receptionist_journal:add_followed(Follower, Id, Ref),
-    {noreply, State1} = handle_cast({register, Id, Ref, undefined}, State),
-    State1;
+    apply_op({register, Id, Ref, undefined}, State);
 followed(deregister, Follower, Id, Ref, State) ->
     ok = actor_receptionist_journal:del_followed(Follower, Id, Ref),
-    {noreply, State1} = handle_cast({deregister, Id, Ref, undefined}, State),
-    State1.
+    apply_op({deregister, Id, Ref, undefined}, State).
 
 %% A change of the journal, for the other members: it goes with the next
 %% flush, which is on its way even while the C node is down.
