@@ -130,7 +130,7 @@ init(Node, Owner, PerKey, Total, Interval) ->
     ok = actor_receptionist_journal:index(),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
-    G = actor_receptionist_gossip:new(Interval),
+    G = actor_receptionist_gossip:new(Interval, own_cnodes(Node)),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
                     gossip = G, remote = Remote, follower = actor_receptionist_gossip:hidden(G),
                     batch_bytes = batch_bytes(Owner)},
@@ -362,14 +362,15 @@ handle_info(Msg, State) ->
 %% A message of the cluster half: its effects are applied at once and sent
 %% to the C node without waiting for a flush round (a delta is a batch
 %% already).
-cluster(Msg, #state{gossip = G, remote = R} = State00) ->
+cluster(Msg, #state{rcpt = Node, gossip = G, remote = R} = State00) ->
     State0 = case Msg of
                  {actor_receptionist_gossip, tick} ->
                      State00#state{remote = actor_receptionist_remote:reap(R)};
                  _ ->
                      State00
              end,
-    case actor_receptionist_gossip:handle(Msg, G) of
+    Env = #{journal => fun actor_receptionist_journal:regs/0, cnodes => own_cnodes(Node)},
+    case actor_receptionist_gossip:handle(Msg, Env, G) of
         {ok, G1, Effects} ->
             State = lists:foldl(fun effect/2, State0#state{gossip = G1}, Effects),
             {noreply, flush(State)};
@@ -377,6 +378,12 @@ cluster(Msg, #state{gossip = G, remote = R} = State00) ->
             logger:warning("actor_receptionist_server: unexpected message ~0p", [Msg]),
             {noreply, State0}
     end.
+
+%% This BEAM's own C nodes (its receptionist's and its pool node): they
+%% connect to it hidden and run no receptionist server, so they are never
+%% probed.
+own_cnodes(Rcpt) ->
+    [N || N <- [Rcpt, actor_pool:pool_node()], N =/= undefined].
 
 effect({remote, Origin, Ops}, #state{remote = R} = State) ->
     remote(actor_receptionist_remote:ops(Origin, Ops, R), State);
