@@ -29,7 +29,11 @@
 %% prefix, without a scan.
 -module(actor_receptionist_journal).
 
--include("actor_pool_int.hrl").
+%% The tables' names: this module alone uses them.
+-define(REGS, actor_receptionist_regs).
+-define(SUBS, actor_receptionist_subs).
+-define(FOLLOWED, actor_receptionist_followed).
+-define(BYNODE, actor_receptionist_bynode).
 
 %% Tables.
 -export([new/0]).
@@ -65,17 +69,17 @@
 -spec new() -> ok.
 new() ->
     Tab = [public, named_table, {write_concurrency, false}],
-    ?RCPT_REGS = ets:new(?RCPT_REGS, [set | Tab]),
-    ?RCPT_SUBS = ets:new(?RCPT_SUBS, [ordered_set | Tab]),
-    ?RCPT_FOLLOWED = ets:new(?RCPT_FOLLOWED, [ordered_set | Tab]),
+    ?REGS = ets:new(?REGS, [set | Tab]),
+    ?SUBS = ets:new(?SUBS, [ordered_set | Tab]),
+    ?FOLLOWED = ets:new(?FOLLOWED, [ordered_set | Tab]),
     ok.
 
 %% @doc Creates the by-node index, owned by the caller, from the
 %% registrations.
 -spec index() -> ok.
 index() ->
-    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, ordered_set, protected]),
-    true = ets:insert(?RCPT_BYNODE, [{{node(Ref), {Id, Ref}}} || {Id, Ref} <- regs(),
+    ?BYNODE = ets:new(?BYNODE, [named_table, ordered_set, protected]),
+    true = ets:insert(?BYNODE, [{{node(Ref), {Id, Ref}}} || {Id, Ref} <- regs(),
                                                                  node(Ref) =/= node()]),
     ok.
 
@@ -85,33 +89,33 @@ index() ->
 
 -spec registered(binary(), pid()) -> boolean().
 registered(Id, Ref) ->
-    ets:member(?RCPT_REGS, {Id, Ref}).
+    ets:member(?REGS, {Id, Ref}).
 
 -spec add(binary(), pid()) -> ok.
 add(Id, Ref) ->
-    true = ets:insert(?RCPT_REGS, {{Id, Ref}, erlang:unique_integer([monotonic])}),
-    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {{node(Ref), {Id, Ref}}}),
+    true = ets:insert(?REGS, {{Id, Ref}, erlang:unique_integer([monotonic])}),
+    _ = node(Ref) =/= node() andalso ets:insert(?BYNODE, {{node(Ref), {Id, Ref}}}),
     ok.
 
 -spec del(binary(), pid()) -> ok.
 del(Id, Ref) ->
-    true = ets:delete(?RCPT_REGS, {Id, Ref}),
-    _ = node(Ref) =/= node() andalso ets:delete(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
+    true = ets:delete(?REGS, {Id, Ref}),
+    _ = node(Ref) =/= node() andalso ets:delete(?BYNODE, {node(Ref), {Id, Ref}}),
     ok.
 
 %% @doc This node's registrations, `[{Id, Ref}]', in registration order.
 -spec regs() -> [{binary(), pid()}].
 regs() ->
-    [P || {P, _} <- lists:keysort(2, ets:tab2list(?RCPT_REGS))].
+    [P || {P, _} <- lists:keysort(2, ets:tab2list(?REGS))].
 
 -spec regs_count() -> non_neg_integer().
 regs_count() ->
-    ets:info(?RCPT_REGS, size).
+    ets:info(?REGS, size).
 
 %% @doc The registrations whose ref lives on Node.
 -spec refs_on(node()) -> [{binary(), pid()}].
 refs_on(Node) ->
-    pairs_of(?RCPT_BYNODE, Node).
+    pairs_of(?BYNODE, Node).
 
 %% ===================================================================
 %% Subscriptions
@@ -119,38 +123,38 @@ refs_on(Node) ->
 
 -spec subscribed(pid(), binary()) -> boolean().
 subscribed(Pid, Id) ->
-    ets:member(?RCPT_SUBS, {Pid, Id}).
+    ets:member(?SUBS, {Pid, Id}).
 
 -spec add_sub(pid(), binary()) -> ok.
 add_sub(Pid, Id) ->
-    true = ets:insert(?RCPT_SUBS, {{Pid, Id}}),
+    true = ets:insert(?SUBS, {{Pid, Id}}),
     ok.
 
 -spec del_sub(pid(), binary()) -> ok.
 del_sub(Pid, Id) ->
-    true = ets:delete(?RCPT_SUBS, {Pid, Id}),
+    true = ets:delete(?SUBS, {Pid, Id}),
     ok.
 
 %% @doc Every subscription, `[{Pid, Id}]'.
 -spec subs() -> [{pid(), binary()}].
 subs() ->
-    pairs(?RCPT_SUBS).
+    pairs(?SUBS).
 
 %% @doc The ids Pid subscribes to.
 -spec subs_of(pid()) -> [binary()].
 subs_of(Pid) ->
-    pairs_of(?RCPT_SUBS, Pid).
+    pairs_of(?SUBS, Pid).
 
 %% @doc Removes every subscription of Pid.
 -spec del_subs_of(pid()) -> ok.
 del_subs_of(Pid) ->
-    true = ets:match_delete(?RCPT_SUBS, {{Pid, '_'}}),
+    true = ets:match_delete(?SUBS, {{Pid, '_'}}),
     ok.
 
 %% @doc Pid subscribes to some key (one step of the table, not a listing).
 -spec has_subs(pid()) -> boolean().
 has_subs(Pid) ->
-    case ets:select(?RCPT_SUBS, [{{{Pid, '_'}}, [], [true]}], 1) of
+    case ets:select(?SUBS, [{{{Pid, '_'}}, [], [true]}], 1) of
         {[true], _} -> true;
         '$end_of_table' -> false
     end.
@@ -161,18 +165,18 @@ has_subs(Pid) ->
 
 -spec add_followed(node(), binary(), pid()) -> ok.
 add_followed(Follower, Id, Ref) ->
-    true = ets:insert(?RCPT_FOLLOWED, {{Follower, {Id, Ref}}}),
+    true = ets:insert(?FOLLOWED, {{Follower, {Id, Ref}}}),
     ok.
 
 -spec del_followed(node(), binary(), pid()) -> ok.
 del_followed(Follower, Id, Ref) ->
-    true = ets:delete(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
+    true = ets:delete(?FOLLOWED, {Follower, {Id, Ref}}),
     ok.
 
 %% @doc The registrations Follower made through this node.
 -spec followed(node()) -> [{binary(), pid()}].
 followed(Follower) ->
-    pairs_of(?RCPT_FOLLOWED, Follower).
+    pairs_of(?FOLLOWED, Follower).
 
 %% ===================================================================
 %% Internals

@@ -26,7 +26,8 @@
 %% in the shared table has exactly one holder.
 -module(actor_receptionist_remote).
 
--include("actor_pool_int.hrl").
+%% The shared table's name: this module alone uses it.
+-define(SHARED, actor_receptionist_shared).
 
 -export([new/0]).
 -export([ops/3]).
@@ -62,7 +63,7 @@
 %% the caller.
 -spec new() -> state().
 new() ->
-    ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
+    ?SHARED = ets:new(?SHARED, [named_table, set, protected]),
     #remote{}.
 
 %% @doc A delta of Origin: `{reg | dereg, Id, Ref}' in order.
@@ -97,7 +98,7 @@ drop(Origin, #remote{tabs = Tabs, reap = Reap} = R0) ->
             {R0, []};
         {Tab, Tabs1} ->
             R1 = R0#remote{tabs = Tabs1},
-            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?RCPT_SHARED),
+            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?SHARED),
                                ets:member(Tab, {Id, Ref}),
                                {keep, Retag} <- [let_go(Id, Ref, R1)]],
             %% Deleting a large table costs CPU the C node needs right now
@@ -122,7 +123,7 @@ replay(#remote{tabs = Tabs} = R) ->
 %% @doc The journal took {Id, Ref}: if a member holds it too, it is shared.
 -spec local_added(binary(), pid(), state()) -> ok.
 local_added(Id, Ref, R) ->
-    _ = remote_holders(Id, Ref, R) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
+    _ = remote_holders(Id, Ref, R) =/= [] andalso ets:insert(?SHARED, {{Id, Ref}}),
     ok.
 
 %% @doc A holder of {Id, Ref} let go of it (it is out of its table, or out
@@ -130,16 +131,16 @@ local_added(Id, Ref, R) ->
 %% remaining holder.
 -spec let_go(binary(), pid(), state()) -> remove | {keep, cmsg()}.
 let_go(Id, Ref, R) ->
-    case ets:member(?RCPT_SHARED, {Id, Ref}) of
+    case ets:member(?SHARED, {Id, Ref}) of
         false ->
             remove;
         true ->
             case holders(Id, Ref, R) of
                 [] ->
-                    true = ets:delete(?RCPT_SHARED, {Id, Ref}),
+                    true = ets:delete(?SHARED, {Id, Ref}),
                     remove;
                 [H | More] ->
-                    _ = More =:= [] andalso ets:delete(?RCPT_SHARED, {Id, Ref}),
+                    _ = More =:= [] andalso ets:delete(?SHARED, {Id, Ref}),
                     {keep, {retag, Id, Ref, c_origin(H)}}
             end
     end.
@@ -183,7 +184,7 @@ reg(Origin, Id, Ref, {#remote{tabs = Tabs} = R0, Acc}) ->
                 orelse remote_holders(Id, Ref, R) =/= [],
             true = ets:insert(Tab, {{Id, Ref}}),
             case Shared of
-                true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), {R, Acc};
+                true -> true = ets:insert(?SHARED, {{Id, Ref}}), {R, Acc};
                 false -> {R, [{rregister, Origin, Id, Ref} | Acc]}
             end
     end.
