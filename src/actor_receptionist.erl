@@ -34,6 +34,7 @@
 -module(actor_receptionist).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% register/2 is this module's, not the BIF.
 -compile({no_auto_import, [register/2]}).
@@ -63,7 +64,6 @@
 
 -type listing() :: {listing, key(), [pid()]}.
 
--define(MAX_ID, 1024).
 -define(CALL_TIMEOUT, 5000).
 
 %% ===================================================================
@@ -112,11 +112,7 @@ deregister(_Key, _Ref, ReplyTo) ->
 %% @doc `ReplyTo' gets one `{listing, Key, Refs}': the current view.
 -spec find(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
 find(Key, ReplyTo) ->
-    case {id(Key), is_pid(ReplyTo)} of
-        {{ok, Id}, true} -> cast({find, Id, ReplyTo});
-        {error, _} -> {error, {badarg, {key, Key}}};
-        {_, false} -> {error, {badarg, {reply_to, ReplyTo}}}
-    end.
+    cast_checked(Key, reply_to, ReplyTo, fun(Id) -> {find, Id, ReplyTo} end).
 
 %% @doc `Subscriber' gets `{listing, Key, Refs}' now and whenever the refs
 %% for `Key' change, until {@link unsubscribe/2} or its death; or, over a
@@ -125,11 +121,7 @@ find(Key, ReplyTo) ->
 %% listing).
 -spec subscribe(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
 subscribe(Key, Subscriber) ->
-    case {id(Key), is_pid(Subscriber)} of
-        {{ok, Id}, true} -> cast({subscribe, Id, Subscriber});
-        {error, _} -> {error, {badarg, {key, Key}}};
-        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
-    end.
+    cast_checked(Key, subscriber, Subscriber, fun(Id) -> {subscribe, Id, Subscriber} end).
 
 %% @doc As {@link subscribe/2}; with `#{complete => true}' the subscription
 %% (and so its first listing) waits until this node's view of the cluster is
@@ -139,11 +131,8 @@ subscribe(Key, Subscriber) ->
 -spec subscribe(key() | id(), pid(), #{complete => boolean()}) ->
           ok | {error, {badarg, term()} | noproc}.
 subscribe(Key, Subscriber, #{complete := true} = Opts) when map_size(Opts) =:= 1 ->
-    case {id(Key), is_pid(Subscriber)} of
-        {{ok, Id}, true} -> cast({subscribe_when_complete, Id, Subscriber});
-        {error, _} -> {error, {badarg, {key, Key}}};
-        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
-    end;
+    cast_checked(Key, subscriber, Subscriber,
+                 fun(Id) -> {subscribe_when_complete, Id, Subscriber} end);
 subscribe(Key, Subscriber, Opts) when Opts =:= #{}; Opts =:= #{complete => false} ->
     subscribe(Key, Subscriber);
 subscribe(_Key, _Subscriber, Opts) ->
@@ -171,18 +160,14 @@ status() ->
 %% sent.
 -spec unsubscribe(key() | id(), pid()) -> ok | {error, {badarg, term()} | noproc}.
 unsubscribe(Key, Subscriber) ->
-    case {id(Key), is_pid(Subscriber)} of
-        {{ok, Id}, true} -> cast({unsubscribe, Id, Subscriber});
-        {error, _} -> {error, {badarg, {key, Key}}};
-        {_, false} -> {error, {badarg, {subscriber, Subscriber}}}
-    end.
+    cast_checked(Key, subscriber, Subscriber, fun(Id) -> {unsubscribe, Id, Subscriber} end).
 
 %% @doc The refs registered under `Key', read from the receptionist's
 %% shared-memory snapshot by a NIF: no message, no copy of the registry.
 %% Falls back to asking the receptionist when no snapshot is mapped (or it
 %% is stale); `[]' when neither answers. Raises `badarg' for a bad key.
 -spec lookup(key() | id()) -> [pid()].
-lookup({service_key, Id}) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID ->
+lookup({service_key, Id}) when ?IS_ID(Id) ->
     fast_lookup(Id);
 lookup(Key) ->
     case id(Key) of
@@ -217,7 +202,7 @@ stats() ->
 %% @doc The binary id of a key or id; `error' if it is not one.
 -spec id(term()) -> {ok, binary()} | error.
 id({service_key, Id}) -> id(Id);
-id(Id) when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< ?MAX_ID -> {ok, Id};
+id(Id) when ?IS_ID(Id) -> {ok, Id};
 id(Id) when is_atom(Id), Id =/= undefined -> id(atom_to_binary(Id, utf8));
 id(Id) when is_list(Id) ->
     try unicode:characters_to_binary(Id) of
@@ -229,10 +214,16 @@ id(Id) when is_list(Id) ->
 id(_) -> error.
 
 reg(Op, Key, Ref, ReplyTo) ->
-    case {id(Key), is_pid(Ref)} of
-        {{ok, Id}, true} -> cast({Op, Id, Ref, ReplyTo});
+    cast_checked(Key, ref, Ref, fun(Id) -> {Op, Id, Ref, ReplyTo} end).
+
+%% Every request names a key and a pid: a bad key is reported first, then a
+%% bad pid under its argument's name (`What'); a good pair is cast as the
+%% message Msg(Id) builds.
+cast_checked(Key, What, Pid, Msg) ->
+    case {id(Key), is_pid(Pid)} of
+        {{ok, Id}, true} -> cast(Msg(Id));
         {error, _} -> {error, {badarg, {key, Key}}};
-        {_, false} -> {error, {badarg, {ref, Ref}}}
+        {_, false} -> {error, {badarg, {What, Pid}}}
     end.
 
 cast(Msg) ->

@@ -5,7 +5,9 @@
 %% change, its version and the delta that carries it are one step (no hop,
 %% no window where the journal and the version disagree), and a change
 %% learnt from a member goes to the C node without a hop either. Members
-%% talk to each other's `actor_receptionist_server'.
+%% talk to each other's `actor_receptionist_server'. The core calls no
+%% other module of this application: the caller passes in what it needs
+%% (env(): the journal, this node's own C nodes) and applies the effects.
 %%
 %% <h3>Membership</h3>
 %% The members are the visible nodes whose BEAM runs a receptionist. On
@@ -51,10 +53,10 @@
 
 -include("actor_pool_int.hrl").
 
--export([new/1]).
+-export([new/2]).
 -export([local/4]).
 -export([flush/1]).
--export([handle/2]).
+-export([handle/3]).
 -export([hold/3]).
 -export([cancel/3]).
 -export([status/1]).
@@ -62,7 +64,7 @@
 -export([follows/1]).
 -export([hidden/1]).
 
--export_type([state/0, effect/0, status/0]).
+-export_type([state/0, effect/0, status/0, env/0]).
 
 -type status() :: #{complete := boolean(),
                     members := [node()],
@@ -81,6 +83,13 @@
                 | {subscribe, binary(), pid()}
                 | {synced_with, node()}.
 %% What the server must do with its tables and its C node, in order.
+
+-type env() :: #{journal := fun(() -> [{binary(), pid()}]),
+                 cnodes := [node()]}.
+%% What the caller knows: its journal, read only when a member asks for our
+%% state (it costs O(registrations)) and in the same step as our version;
+%% and the C nodes of this BEAM, which connect to it hidden and are never
+%% probed.
 
 %% Ops per delta message.
 -define(MAX_DELTA, 4096).
@@ -133,13 +142,14 @@
 
 %% @private
 %% @doc A new incarnation: subscribes the calling process to node events,
-%% says hello to every visible node, starts the digest timer.
--spec new(pos_integer()) -> state().
-new(Interval) ->
+%% says hello to every visible node (a hidden node: to every connected one
+%% but CNodes, its own C nodes), starts the digest timer.
+-spec new(pos_integer(), [node()]) -> state().
+new(Interval, CNodes) ->
     ok = net_kernel:monitor_nodes(true, [{node_type, all}]),
     Hidden = init:get_argument(hidden) =/= error,
     G0 = #g{inc = incarnation(), interval = Interval, hidden = Hidden},
-    G = lists:foldl(fun probe/2, G0, candidates(G0)),
+    G = lists:foldl(fun probe/2, G0, candidates(CNodes, G0)),
     _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
     G.
 
@@ -169,9 +179,9 @@ flush(#g{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers, follower
 %% @private
 %% @doc A message for the cluster half: `{ok, State, Effects}' (effects in
 %% order), or `ignore' for a message that is not one.
--spec handle(term(), state()) -> {ok, state(), [effect()]} | ignore.
-handle(Msg, G0) ->
-    case handle1(Msg, G0) of
+-spec handle(term(), env(), state()) -> {ok, state(), [effect()]} | ignore.
+handle(Msg, Env, G0) ->
+    case handle1(Msg, Env, G0) of
         ignore ->
             ignore;
         #g{} = G1 ->
@@ -230,7 +240,7 @@ bytes(#g{bytes = B}) ->
 %% Messages
 %% ===================================================================
 
-handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr0} = G0) ->
+handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = Pr0} = G0) ->
     _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round. A probe unanswered for three
@@ -245,27 +255,29 @@ handle1({?MODULE, tick}, #g{interval = Interval, peers = Peers, probing = Pr0} =
                              Expired)),
     G = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
     digest(flush(G));
-handle1({nodeup, Node, Info}, #g{hidden = Hidden} = G) when is_list(Info) ->
+handle1({nodeup, Node, Info}, #{cnodes := CNodes}, #g{hidden = Hidden} = G) when is_list(Info) ->
     case proplists:get_value(node_type, Info) of
         visible -> probe(Node, G);
-        hidden when Hidden -> case lists:member(Node, own_cnodes()) of
+        hidden when Hidden -> case lists:member(Node, CNodes) of
                                   true -> G;
                                   false -> probe(Node, G)
                               end;
         _ -> G
     end;
-handle1({nodedown, Node, Info}, #g{followers = Fs, nonmembers = NMs} = G0) when is_list(Info) ->
+handle1({nodedown, Node, Info}, _Env, #g{followers = Fs, nonmembers = NMs} = G0)
+  when is_list(Info) ->
     %% Our own registrations of processes on that node end, hidden or not.
     G = effect({drop_refs_on, Node}, forget_probe(Node, G0#g{followers = maps:remove(Node, Fs),
                                                            nonmembers = maps:remove(Node, NMs)})),
     member_left(Node, G);
-handle1({'DOWN', Mref, process, {?RCPT_SERVER, Node}, _}, #g{probing = Pr} = G) ->
+handle1({'DOWN', Mref, process, {?RCPT_SERVER, Node}, _}, _Env, #g{probing = Pr} = G) ->
     %% That node runs no receptionist (or just stopped it).
     case maps:find(Node, Pr) of
         {ok, {Mref, _}} -> nonmember(Node, G#g{probing = maps:remove(Node, Pr)});
         _ -> G
     end;
-handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers, followers = Fs} = G) when is_pid(Pid) ->
+handle1({'DOWN', Mref, process, Pid, _}, _Env, #g{peers = Peers, followers = Fs} = G)
+  when is_pid(Pid) ->
     Node = node(Pid),
     case {maps:find(Node, Peers), maps:find(Node, Fs)} of
         {{ok, #peer{mref = Mref}}, _} ->
@@ -278,10 +290,11 @@ handle1({'DOWN', Mref, process, Pid, _}, #g{peers = Peers, followers = Fs} = G) 
         {_, {ok, #peer{mref = Mref}}} -> G#g{followers = maps:remove(Node, Fs)};
         _ -> ignore
     end;
-handle1({ap_rcpt_follow, _Pid, _Inc}, #g{hidden = true} = G) ->
+handle1({ap_rcpt_follow, _Pid, _Inc}, _Env, #g{hidden = true} = G) ->
     %% Only members are followed: two hidden nodes never follow each other.
     G;
-handle1({ap_rcpt_follow, Pid, _Inc}, #g{followers = Fs} = G0) when is_pid(Pid) ->
+handle1({ap_rcpt_follow, Pid, _Inc}, #{journal := Journal}, #g{followers = Fs} = G0)
+  when is_pid(Pid) ->
     %% A hidden node follows us: our state now, then our deltas and digests.
     Node = node(Pid),
     G1 = case maps:find(Node, Fs) of
@@ -291,14 +304,14 @@ handle1({ap_rcpt_follow, Pid, _Inc}, #g{followers = Fs} = G0) when is_pid(Pid) -
                  _ = [erlang:demonitor(M, [flush]) || {ok, #peer{mref = M}} <- [Old]],
                  G0#g{followers = Fs#{Node => #peer{pid = Pid, mref = erlang:monitor(process, Pid)}}}
          end,
-    send_state(Pid, flush(G1));
-handle1({ap_rcpt_hello, Pid, _Inc}, G0) when is_pid(Pid) ->
+    send_state(Pid, Journal, flush(G1));
+handle1({ap_rcpt_hello, Pid, _Inc}, #{journal := Journal}, G0) when is_pid(Pid) ->
     G1 = peer(Pid, forget_probe(node(Pid), G0)),
     %% Flushed first: the state is then exactly version Ver and every
     %% delta sent later starts there.
-    G = send_state(Pid, flush(G1)),
+    G = send_state(Pid, Journal, flush(G1)),
     ask_if_unsynced(node(Pid), G);
-handle1({ap_rcpt_state, Pid, Inc, Ver, Regs}, G0) when is_pid(Pid), is_list(Regs) ->
+handle1({ap_rcpt_state, Pid, Inc, Ver, Regs}, _Env, G0) when is_pid(Pid), is_list(Regs) ->
     Node = node(Pid),
     %% A member answers a follower's probe with its state, not a hello.
     G1 = peer(Pid, forget_probe(Node, G0)),
@@ -312,7 +325,7 @@ handle1({ap_rcpt_state, Pid, Inc, Ver, Regs}, G0) when is_pid(Pid), is_list(Regs
         true -> effect({synced_with, Node}, G3);
         false -> G3
     end;
-handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, G) when is_pid(Pid), is_list(Ops) ->
+handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, _Env, G) when is_pid(Pid), is_list(Ops) ->
     Node = node(Pid),
     case {maps:find(Node, G#g.peers), maps:find(Node, G#g.origins)} of
         {{ok, #peer{pid = Pid}}, {ok, {Inc, From, direct}}} ->
@@ -326,7 +339,7 @@ handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, G) when is_pid(Pid), is_list(O
             %% Not (yet) a member here: a hello gets its state.
             ask(Node, peer(Pid, G))
     end;
-handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, G0) when is_pid(Pid), is_list(Direct) ->
+handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, _Env, G0) when is_pid(Pid), is_list(Direct) ->
     Node = node(Pid),
     case maps:find(Node, G0#g.peers) of
         {ok, #peer{pid = Pid} = P} ->
@@ -340,13 +353,14 @@ handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, G0) when is_pid(Pid), is_list(D
         _ ->
             ask(Node, peer(Pid, G0))
     end;
-handle1({ap_rcpt_want_origin, Pid, Origin}, G) when is_pid(Pid) ->
+handle1({ap_rcpt_want_origin, Pid, Origin}, _Env, G) when is_pid(Pid) ->
     %% Only origins we reach ourselves are relayed (one hop).
     case maps:find(Origin, G#g.origins) of
         {ok, {Inc, Ver, direct}} -> effect({origin_state, Pid, Origin, Inc, Ver}, G);
         _ -> G
     end;
-handle1({ap_rcpt_origin_state, Pid, Origin, Inc, Ver, Regs}, G) when is_pid(Pid), is_list(Regs) ->
+handle1({ap_rcpt_origin_state, Pid, Origin, Inc, Ver, Regs}, _Env, G)
+  when is_pid(Pid), is_list(Regs) ->
     Via = node(Pid),
     Mine = Origin =:= node() orelse maps:is_key(Origin, G#g.peers),
     Wanted = case maps:find(Origin, G#g.origins) of
@@ -357,7 +371,7 @@ handle1({ap_rcpt_origin_state, Pid, Origin, Inc, Ver, Regs}, G) when is_pid(Pid)
         true -> replace_origin(Origin, Inc, Ver, Via, Regs, G);
         false -> G
     end;
-handle1(_, _G) ->
+handle1(_, _Env, _G) ->
     ignore.
 
 %% ===================================================================
@@ -402,13 +416,10 @@ hello(#g{inc = Inc}) ->
 
 %% The nodes to probe at start: visible ones; a hidden node has only hidden
 %% connections, its own C nodes aside.
-candidates(#g{hidden = false}) ->
+candidates(_CNodes, #g{hidden = false}) ->
     nodes(visible);
-candidates(#g{hidden = true}) ->
-    nodes(connected) -- own_cnodes().
-
-own_cnodes() ->
-    [N || N <- [actor_receptionist:receptionist_node(), actor_pool:pool_node()], N =/= undefined].
+candidates(CNodes, #g{hidden = true}) ->
+    nodes(connected) -- CNodes.
 
 forget_probe(Node, #g{probing = Pr} = G) ->
     case maps:take(Node, Pr) of
@@ -530,8 +541,8 @@ split(L, N) when length(L) =< N -> {L, []};
 split(L, N) -> lists:split(N, L).
 
 %% The journal is written in the same process, so this is version Ver.
-send_state(Pid, #g{inc = Inc, ver = Ver} = G) ->
-    out(Pid, {ap_rcpt_state, self(), Inc, Ver, actor_receptionist_server:journal()}, G).
+send_state(Pid, Journal, #g{inc = Inc, ver = Ver} = G) ->
+    out(Pid, {ap_rcpt_state, self(), Inc, Ver, Journal()}, G).
 
 %% Our own version, and the origins we reach directly, except the receiver.
 digest(#g{hidden = true} = G) ->

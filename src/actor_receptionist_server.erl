@@ -4,10 +4,12 @@
 %% linked to one, and loses its state when it dies. So this server
 %% <ul>
 %% <li>keeps the journal of this node's registrations and subscriptions
-%%     (ETS tables owned by {@link actor_receptionist_sup}, so they survive
-%%     a crash of this server) and replays it into every new incarnation of
-%%     the C node, before the NIF is pointed at the new snapshot: lookups go
-%%     on answering from the old snapshot meanwhile;</li>
+%%     ({@link actor_receptionist_journal}: ETS tables owned by {@link
+%%     actor_receptionist_sup}, so they survive a crash of this server) and
+%%     replays it, with what it holds of the other members ({@link
+%%     actor_receptionist_remote}), into every new incarnation of the C
+%%     node, before the NIF is pointed at the new snapshot: lookups go on
+%%     answering from the old snapshot meanwhile;</li>
 %% <li>monitors subscribers and tells the C node when one dies;</li>
 %% <li>enforces the subscriber limits (every local subscription passes
 %%     here, so the counts are exact) and sends the rejections;</li>
@@ -25,16 +27,18 @@
 %% restart it, since what was in flight is unknown; and a server that
 %% restarts while its C node is up does the same, since the C node may hold
 %% changes the journal no longer has.
-%% The protocol to the C node is in docs/receptionist.md ("Internals").
+%% The cluster's rules are {@link actor_receptionist_gossip}, run in this
+%% process. The protocol to the C node is in docs/receptionist.md
+%% ("Internals").
 -module(actor_receptionist_server).
 -behaviour(gen_server).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% API.
 -export([start_link/1]).
 -export([shm_name/1]).
--export([journal/0]).
 
 %% gen_server callbacks.
 -export([init/1]).
@@ -82,10 +86,8 @@
     incarnations = 0 :: non_neg_integer(),
     %% the cluster half (membership, versions, deltas)
     gossip :: actor_receptionist_gossip:state(),
-    %% what we hold of each other member: a set table {{Id, Ref}} per origin
-    remote = #{} :: #{node() => ets:tid()},
-    %% tables of members that left, deleted at the next gossip round
-    reap = [] :: [ets:tid()],
+    %% what we hold of each other member
+    remote :: actor_receptionist_remote:state(),
     %% a hidden node: its registrations are also made on the members it
     %% follows
     follower = false :: boolean(),
@@ -122,22 +124,20 @@ init(#{owner := Owner, max_subscribers_per_key := PerKey,
 init(undefined, _Owner, _PerKey, _Total, _Interval) ->
     {stop, no_receptionist_node};
 init(Node, Owner, PerKey, Total, Interval) ->
-    %% Ours, rebuilt at each start: shared refs (see "Other members'
-    %% registrations") and our refs of processes on other nodes, by node.
-    ?RCPT_SHARED = ets:new(?RCPT_SHARED, [named_table, set, protected]),
-    ?RCPT_BYNODE = ets:new(?RCPT_BYNODE, [named_table, ordered_set, protected]),
-    true = ets:insert(?RCPT_BYNODE, [{{node(Ref), {Id, Ref}}} || {Id, Ref} <- journal(),
-                                                                 node(Ref) =/= node()]),
+    %% Ours, rebuilt at each start: what we hold of the other members
+    %% (nothing yet) and the journal's index of refs by node.
+    Remote = actor_receptionist_remote:new(),
+    ok = actor_receptionist_journal:index(),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
-    G = actor_receptionist_gossip:new(Interval),
+    G = actor_receptionist_gossip:new(Interval, own_cnodes(Node)),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
-                    gossip = G, follower = actor_receptionist_gossip:hidden(G),
+                    gossip = G, remote = Remote, follower = actor_receptionist_gossip:hidden(G),
                     batch_bytes = batch_bytes(Owner)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
     State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
-                        pairs(?RCPT_SUBS)),
+                        actor_receptionist_journal:subs()),
     %% The owner notifies us of each new incarnation; the current one may
     %% have come up before we were registered. If it has served requests
     %% already, this server is a restarted one: the C node may hold changes
@@ -161,7 +161,7 @@ init(Node, Owner, PerKey, Total, Interval) ->
 -spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
 handle_call(stats, _From, State) ->
     Own = #{status => case State#state.up of true -> up; false -> down end,
-            local_registrations => ets:info(?RCPT_REGS, size),
+            local_registrations => actor_receptionist_journal:regs_count(),
             local_subscriptions => State#state.total,
             incarnations => State#state.incarnations,
             queued => State#state.out_len},
@@ -194,8 +194,7 @@ handle_call(Request, _From, State) ->
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
 handle_cast(Msg, State) ->
-    {noreply, State1} = handle_cast1(Msg, State),
-    {noreply, flush_if_idle(State1)}.
+    {noreply, flush_if_idle(apply_op(Msg, State))}.
 
 %% A lone request (nothing else waiting but our own flush message) goes out
 %% now rather than one loop later: the batching is for bursts.
@@ -207,111 +206,120 @@ flush_if_idle(#state{flushing = true} = State) ->
 flush_if_idle(State) ->
     State.
 
+%% One request: a caller's, a member's or a follower's (casts), or one this
+%% server makes itself (a follower's registration, a subscription held for
+%% a complete view, the registrations of a node that left). Every request
+%% goes through here once; the change itself, the same on a member and a
+%% follower, is record_op/2's.
+%%
 %% On a hidden node (a follower) a registration is recorded here as usual
 %% (journal, C node: this node's own lookups see it at once) and also made
 %% on every member it follows, so the cluster has it; each member holds it
 %% for as long as this node's connection to it lasts, and gets the whole
 %% journal again whenever it (re)syncs with this node.
-handle_cast1({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
+apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
-    {noreply, State1} = handle_cast(Msg, State#state{follower = false}),
+    State1 = record_op(Msg, State),
     _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
          || M <- actor_receptionist_gossip:follows(G)],
-    {noreply, State1#state{follower = true}};
+    State1;
+apply_op({Op, _Id, _Ref, _ReplyTo} = Msg, State) when Op =:= register; Op =:= deregister ->
+    record_op(Msg, State);
 %% (On a member) a follower's registration: ours while its connection lasts.
-handle_cast1({forwarded, Op, Id, Ref, Follower}, State)
-  when (Op =:= register orelse Op =:= deregister), is_binary(Id), byte_size(Id) >= 1,
-       byte_size(Id) =< 1024, is_pid(Ref), is_atom(Follower) ->
-    {noreply, followed(Op, Follower, Id, Ref, State)};
-handle_cast1({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
-    Old = sets:from_list(pairs_of(?RCPT_FOLLOWED, Follower), [{version, 2}]),
-    New = sets:from_list([E || {Id, Ref} = E <- Regs, is_binary(Id), byte_size(Id) >= 1,
-                               byte_size(Id) =< 1024, is_pid(Ref)], [{version, 2}]),
+apply_op({forwarded, Op, Id, Ref, Follower}, State)
+  when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
+    followed(Op, Follower, Id, Ref, State);
+apply_op({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
+    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
+    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
     State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
                        sets:subtract(Old, New)),
-    {noreply, sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
-                        sets:subtract(New, Old))};
+    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
+              sets:subtract(New, Old));
+apply_op({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
+    case actor_receptionist_gossip:hold(Id, Pid, G) of
+        {true, G1} -> apply_op({subscribe, Id, Pid}, State#state{gossip = G1});
+        {false, G1} -> State#state{gossip = G1}
+    end;
+apply_op({find, _Id, _ReplyTo} = Msg, State) ->
+    out(Msg, State);
+apply_op({subscribe, Id, Pid} = Msg, State) ->
+    case actor_receptionist_journal:subscribed(Pid, Id) of
+        true ->
+            %% One subscription; the C node sends a fresh listing.
+            out(Msg, State);
+        false ->
+            case limit(Id, State) of
+                ok ->
+                    ok = actor_receptionist_journal:add_sub(Pid, Id),
+                    out(Msg, count_sub(Pid, Id, State));
+                {Reason, Limit} ->
+                    %% Through the C node, so that it reaches the subscriber
+                    %% in order with the listings of its earlier requests.
+                    Rejected = {receptionist_subscribe_rejected, {service_key, Id}, Reason, Limit},
+                    out({send, Pid, Rejected}, State)
+            end
+    end;
+apply_op({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
+    %% Also a subscription still held for a complete view.
+    State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
+    case actor_receptionist_journal:subscribed(Pid, Id) of
+        true ->
+            ok = actor_receptionist_journal:del_sub(Pid, Id),
+            out(Msg, uncount_sub(Pid, Id, State));
+        false ->
+            State
+    end;
+apply_op(Msg, State) ->
+    unexpected(Msg, State).
+
+%% A registration or deregistration of this node: the journal, the other
+%% members (gossip) and the C node.
+%%
 %% A ReplyTo on another node (a standalone pool node registering its pools)
 %% cannot be reached by the C node, which talks to this node only: it gets
 %% its acknowledgement from here, once the journal has the change.
-handle_cast1({Op, Id, Ref, ReplyTo}, State)
-  when (Op =:= register orelse Op =:= deregister), is_pid(ReplyTo), node(ReplyTo) =/= node() ->
-    {noreply, State1} = handle_cast({Op, Id, Ref, undefined}, State),
+record_op({Op, Id, Ref, ReplyTo}, State) when is_pid(ReplyTo), node(ReplyTo) =/= node() ->
+    %% A lone change goes to the C node before its acknowledgement leaves.
+    State1 = flush_if_idle(record_op({Op, Id, Ref, undefined}, State)),
     Ack = case Op of register -> registered; deregister -> deregistered end,
-    _ = is_binary(Id) andalso byte_size(Id) >= 1 andalso byte_size(Id) =< 1024 andalso is_pid(Ref)
+    _ = ?IS_ID(Id) andalso is_pid(Ref)
         andalso erlang:send(ReplyTo, {Ack, {service_key, Id}, Ref}, [noconnect, nosuspend]),
-    {noreply, State1};
+    State1;
 %% Also sent by standalone pool nodes (--pool ...:key=Id): checked here too.
-handle_cast1({register, Id, Ref, ReplyTo} = Msg, State)
-  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
-       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case journaled(Id, Ref) of
+record_op({register, Id, Ref, ReplyTo} = Msg, State)
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+    case actor_receptionist_journal:registered(Id, Ref) of
         true ->
-            {noreply, out(Msg, State)};
+            out(Msg, State);
         false ->
-            journal_add(Id, Ref),
-            %% Held by another member too: see "Shared refs" below.
-            _ = remote_holders(Id, Ref, State) =/= [] andalso ets:insert(?RCPT_SHARED, {{Id, Ref}}),
-            {noreply, out(Msg, gossip(reg, Id, Ref, State))}
+            ok = actor_receptionist_journal:add(Id, Ref),
+            ok = actor_receptionist_remote:local_added(Id, Ref, State#state.remote),
+            out(Msg, gossip(reg, Id, Ref, State))
     end;
-handle_cast1({deregister, Id, Ref, ReplyTo} = Msg, State)
-  when is_binary(Id), byte_size(Id) >= 1, byte_size(Id) =< 1024, is_pid(Ref),
-       (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
-    case journaled(Id, Ref) of
+record_op({deregister, Id, Ref, ReplyTo} = Msg, State)
+  when ?IS_ID(Id), is_pid(Ref), (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+    Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
+    case actor_receptionist_journal:registered(Id, Ref) of
         true ->
-            journal_del(Id, Ref),
+            ok = actor_receptionist_journal:del(Id, Ref),
             State1 = gossip(dereg, Id, Ref, State),
-            case let_go(Id, Ref, State1) of
-                remove ->
-                    {noreply, out(Msg, State1)};
-                {keep, Retag} ->
-                    Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
-                    {noreply, lists:foldl(fun out/2, State1, [Retag | Ack])}
+            case actor_receptionist_remote:let_go(Id, Ref, State1#state.remote) of
+                remove -> out(Msg, State1);
+                {keep, Retag} -> lists:foldl(fun out/2, State1, [Retag | Ack])
             end;
         false ->
             %% Not ours: nothing to remove (a member may hold the same ref
             %% under the same key, and keeps it). The reply still goes
             %% through the C node, in order with its listings.
-            Ack = [{send, ReplyTo, {deregistered, {service_key, Id}, Ref}} || is_pid(ReplyTo)],
-            {noreply, lists:foldl(fun out/2, State, Ack)}
+            lists:foldl(fun out/2, State, Ack)
     end;
-handle_cast1({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
-    case actor_receptionist_gossip:hold(Id, Pid, G) of
-        {true, G1} -> handle_cast({subscribe, Id, Pid}, State#state{gossip = G1});
-        {false, G1} -> {noreply, State#state{gossip = G1}}
-    end;
-handle_cast1({find, _Id, _ReplyTo} = Msg, State) ->
-    {noreply, out(Msg, State)};
-handle_cast1({subscribe, Id, Pid} = Msg, State) ->
-    case subscribed(Pid, Id) of
-        true ->
-            %% One subscription; the C node sends a fresh listing.
-            {noreply, out(Msg, State)};
-        false ->
-            case limit(Id, State) of
-                ok ->
-                    true = ets:insert(?RCPT_SUBS, {{Pid, Id}}),
-                    {noreply, out(Msg, count_sub(Pid, Id, State))};
-                {Reason, Limit} ->
-                    %% Through the C node, so that it reaches the subscriber
-                    %% in order with the listings of its earlier requests.
-                    Rejected = {receptionist_subscribe_rejected, {service_key, Id}, Reason, Limit},
-                    {noreply, out({send, Pid, Rejected}, State)}
-            end
-    end;
-handle_cast1({unsubscribe, Id, Pid} = Msg, #state{gossip = G} = State0) ->
-    %% Also a subscription still held for a complete view.
-    State = State0#state{gossip = actor_receptionist_gossip:cancel(Id, Pid, G)},
-    case subscribed(Pid, Id) of
-        true ->
-            true = ets:delete(?RCPT_SUBS, {Pid, Id}),
-            {noreply, out(Msg, uncount_sub(Pid, Id, State))};
-        false ->
-            {noreply, State}
-    end;
-handle_cast1(Msg, State) ->
+record_op(Msg, State) ->
+    unexpected(Msg, State).
+
+unexpected(Msg, State) ->
     logger:warning("actor_receptionist_server: unexpected cast ~0p", [Msg]),
-    {noreply, State}.
+    State.
 
 -spec handle_info(term(), #state{}) -> {noreply, #state{}}.
 handle_info(flush, State) ->
@@ -327,8 +335,8 @@ handle_info({nodedown, _Node}, State) ->
 handle_info({'DOWN', Mref, process, Pid, _} = Msg, #state{monitors = Mons} = State0) ->
     case maps:find(Pid, Mons) of
         {ok, Mref} ->
-            Ids = pairs_of(?RCPT_SUBS, Pid),
-            true = ets:match_delete(?RCPT_SUBS, {{Pid, '_'}}),
+            Ids = actor_receptionist_journal:subs_of(Pid),
+            ok = actor_receptionist_journal:del_subs_of(Pid),
             State1 = lists:foldl(fun(Id, S) -> uncount(Id, S) end, State0, Ids),
             State = State1#state{monitors = maps:remove(Pid, Mons)},
             {noreply, out({unsubscribe_all, Pid}, State)};
@@ -354,12 +362,15 @@ handle_info(Msg, State) ->
 %% A message of the cluster half: its effects are applied at once and sent
 %% to the C node without waiting for a flush round (a delta is a batch
 %% already).
-cluster(Msg, #state{gossip = G} = State00) ->
+cluster(Msg, #state{rcpt = Node, gossip = G, remote = R} = State00) ->
     State0 = case Msg of
-                 {actor_receptionist_gossip, tick} -> reap(State00);
-                 _ -> State00
+                 {actor_receptionist_gossip, tick} ->
+                     State00#state{remote = actor_receptionist_remote:reap(R)};
+                 _ ->
+                     State00
              end,
-    case actor_receptionist_gossip:handle(Msg, G) of
+    Env = #{journal => fun actor_receptionist_journal:regs/0, cnodes => own_cnodes(Node)},
+    case actor_receptionist_gossip:handle(Msg, Env, G) of
         {ok, G1, Effects} ->
             State = lists:foldl(fun effect/2, State0#state{gossip = G1}, Effects),
             {noreply, flush(State)};
@@ -368,37 +379,44 @@ cluster(Msg, #state{gossip = G} = State00) ->
             {noreply, State0}
     end.
 
-effect({remote, Origin, Ops}, State) ->
-    lists:foldl(fun({reg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_reg(Origin, Id, Ref, S);
-                   ({dereg, Id, Ref}, S) when is_binary(Id), is_pid(Ref) -> remote_dereg(Origin, Id, Ref, S);
-                   (_, S) -> S
-                end, State, Ops);
-effect({replace_origin, Origin, Regs}, State) ->
-    replace_origin(Origin, Regs, State);
-effect({drop_origin, Origin}, State) ->
-    drop_origin(Origin, State);
-effect({origin_state, To, Origin, Inc, Ver}, State) ->
+%% This BEAM's own C nodes (its receptionist's and its pool node): they
+%% connect to it hidden and run no receptionist server, so they are never
+%% probed.
+own_cnodes(Rcpt) ->
+    [N || N <- [Rcpt, actor_pool:pool_node()], N =/= undefined].
+
+effect({remote, Origin, Ops}, #state{remote = R} = State) ->
+    remote(actor_receptionist_remote:ops(Origin, Ops, R), State);
+effect({replace_origin, Origin, Regs}, #state{remote = R} = State) ->
+    remote(actor_receptionist_remote:replace(Origin, Regs, R), State);
+effect({drop_origin, Origin}, #state{remote = R} = State) ->
+    case actor_receptionist_remote:drop(Origin, R) of
+        {_, []} ->
+            State;
+        Dropped ->
+            %% At once: the C node drops the member in one step.
+            flush(remote(Dropped, State))
+    end;
+effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R} = State) ->
     %% A member relays Origin through us: the rows, exactly version Ver
     %% (applied in this process as they came).
-    Regs = origin_rows(Origin, State),
+    Regs = actor_receptionist_remote:rows(Origin, R),
     _ = erlang:send(To, {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
     State;
 effect({drop_refs_on, Node}, State) ->
     %% That node is gone: our registrations of its processes end, and those
     %% a follower made through us.
     State1 = lists:foldl(fun({Id, Ref}, S) -> followed(deregister, Node, Id, Ref, S) end,
-                         State, pairs_of(?RCPT_FOLLOWED, Node)),
-    lists:foldl(fun({Id, Ref}, S) ->
-                        {noreply, S1} = handle_cast({deregister, Id, Ref, undefined}, S),
-                        S1
-                end, State1, pairs_of(?RCPT_BYNODE, Node));
+                         State, actor_receptionist_journal:followed(Node)),
+    lists:foldl(fun({Id, Ref}, S) -> apply_op({deregister, Id, Ref, undefined}, S) end,
+                State1, actor_receptionist_journal:refs_on(Node));
 effect({synced_with, Member}, State) ->
     %% A member we follow (re)synced: it gets all of our registrations.
-    ok = gen_server:cast({?RCPT_SERVER, Member}, {forwarded_sync, node(), journal()}),
+    ok = gen_server:cast({?RCPT_SERVER, Member},
+                         {forwarded_sync, node(), actor_receptionist_journal:regs()}),
     State;
 effect({subscribe, Id, Pid}, State) ->
-    {noreply, State1} = handle_cast({subscribe, Id, Pid}, State),
-    State1.
+    apply_op({subscribe, Id, Pid}, State).
 
 -spec terminate(term(), #state{}) -> ok.
 terminate(Reason, _State) when Reason =:= normal; Reason =:= shutdown ->
@@ -413,197 +431,23 @@ terminate(_Reason, _State) ->
 %% Internals
 %% ===================================================================
 
-%% ---- Other members' registrations -----------------------------------
-%%
-%% `remote' holds, per other member (origin), a set table of the {Id, Ref}
-%% it has registered, as far as we know; this process is its only writer
-%% and a replay reads it. The C node tags each ref with one origin, so that
-%% a member that leaves is dropped in one step (`drop_origin'); its table
-%% is then handed to a short-lived process that deletes it, so a large
-%% member costs this server nothing when it leaves. The tables die with
-%% this process: a new server is a new incarnation, and the members send
-%% their registrations again.
-%%
-%% Shared refs: the same ref under the same key may be held by several
-%% origins (this node and others). The C node holds it once, tagged with
-%% one of them; ?RCPT_SHARED lists such {Id, Ref} pairs. When the origin
-%% it is tagged with lets go while another still holds it, it is re-tagged
-%% (`retag', no listing) instead of removed; before a member is dropped,
-%% its shared refs are re-tagged to a remaining holder. A pair not in
-%% ?RCPT_SHARED has exactly one holder.
-
-remote_reg(Origin, Id, Ref, #state{remote = R} = State) ->
-    {Tab, State1} = case maps:find(Origin, R) of
-                        {ok, T} -> {T, State};
-                        error ->
-                            T = ets:new(actor_receptionist_remote, [set, protected]),
-                            {T, State#state{remote = R#{Origin => T}}}
-                    end,
-    case ets:member(Tab, {Id, Ref}) of
-        true ->
-            State1;
-        false ->
-            Shared = journaled(Id, Ref) orelse remote_holders(Id, Ref, State1) =/= [],
-            true = ets:insert(Tab, {{Id, Ref}}),
-            case Shared of
-                true -> true = ets:insert(?RCPT_SHARED, {{Id, Ref}}), State1;
-                false -> out({rregister, Origin, Id, Ref}, State1)
-            end
-    end.
-
-remote_dereg(Origin, Id, Ref, #state{remote = R} = State) ->
-    case maps:find(Origin, R) of
-        {ok, Tab} ->
-            case ets:member(Tab, {Id, Ref}) of
-                true ->
-                    true = ets:delete(Tab, {Id, Ref}),
-                    case let_go(Id, Ref, State) of
-                        remove -> out({rderegister, Origin, Id, Ref}, State);
-                        {keep, Retag} -> out(Retag, State)
-                    end;
-                false ->
-                    State
-            end;
-        error ->
-            State
-    end.
-
-%% A holder of {Id, Ref} let go of it (it is out of the tables already):
-%% remove it from the C node, or keep it for a remaining holder.
-let_go(Id, Ref, State) ->
-    case ets:member(?RCPT_SHARED, {Id, Ref}) of
-        false ->
-            remove;
-        true ->
-            case holders(Id, Ref, State) of
-                [] ->
-                    true = ets:delete(?RCPT_SHARED, {Id, Ref}),
-                    remove;
-                [H | More] ->
-                    _ = More =:= [] andalso ets:delete(?RCPT_SHARED, {Id, Ref}),
-                    {keep, {retag, Id, Ref, c_origin(H)}}
-            end
-    end.
-
-replace_origin(Origin, Regs0, State) ->
-    Regs = [E || {Id, Ref} = E <- Regs0, is_binary(Id), is_pid(Ref)],
-    Old = sets:from_list(origin_rows(Origin, State), [{version, 2}]),
-    New = sets:from_list(Regs, [{version, 2}]),
-    State1 = sets:fold(fun({Id, Ref}, S) -> remote_dereg(Origin, Id, Ref, S) end, State,
-                       sets:subtract(Old, New)),
-    lists:foldl(fun({Id, Ref}, S) -> remote_reg(Origin, Id, Ref, S) end, State1,
-                [E || E <- Regs, not sets:is_element(E, Old)]).
-
-%% A member left: its shared refs move to a remaining holder, then the C
-%% node drops the rest of its refs at once (O(its refs), in C).
-drop_origin(Origin, #state{remote = R} = State0) ->
-    case maps:take(Origin, R) of
-        error ->
-            State0;
-        {Tab, R1} ->
-            State1 = State0#state{remote = R1},
-            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?RCPT_SHARED),
-                               ets:member(Tab, {Id, Ref}),
-                               {keep, Retag} <- [let_go(Id, Ref, State1)]],
-            State2 = flush(lists:foldl(fun out/2, State1, Retags ++ [{drop_origin, Origin}])),
-            %% Deleting a large table costs CPU the C node needs right now
-            %% for the drop itself: it waits for the next gossip round.
-            State2#state{reap = [Tab | State2#state.reap]}
-    end.
-
-%% Tables of members that left go to a short-lived process that deletes
-%% them, so this server does not spend the time.
-reap(#state{reap = []} = State) ->
-    State;
-reap(#state{reap = Tabs} = State) ->
-    Reaper = spawn(fun() -> reaper(length(Tabs)) end),
-    [true = ets:give_away(T, Reaper, reap) || T <- Tabs],
-    State#state{reap = []}.
-
-reaper(0) ->
-    ok;
-reaper(N) ->
-    receive
-        {'ETS-TRANSFER', T, _, reap} -> ets:delete(T), reaper(N - 1)
-    after 60000 ->
-        ok
-    end.
-
-origin_rows(Origin, #state{remote = R}) ->
-    case maps:find(Origin, R) of
-        {ok, Tab} -> [E || {E} <- ets:tab2list(Tab)];
-        error -> []
-    end.
-
-%% Who holds {Id, Ref}: `local' (our journal) and the other members.
-holders(Id, Ref, State) ->
-    [local || journaled(Id, Ref)] ++ remote_holders(Id, Ref, State).
-
-remote_holders(Id, Ref, #state{remote = R}) ->
-    [O || {O, Tab} <- maps:to_list(R), ets:member(Tab, {Id, Ref})].
-
-c_origin(local) -> undefined;
-c_origin(Origin) -> Origin.
-
-journaled(Id, Ref) ->
-    ets:member(?RCPT_REGS, {Id, Ref}).
+%% A change of what we hold of the other members, and its messages for the
+%% C node.
+remote({R, Msgs}, State) ->
+    lists:foldl(fun out/2, State#state{remote = R}, Msgs).
 
 %% A follower's registration, held in our journal and indexed by follower.
 followed(register, Follower, Id, Ref, State) ->
-    true = ets:insert(?RCPT_FOLLOWED, {{Follower, {Id, Ref}}}),
-    {noreply, State1} = handle_cast({register, Id, Ref, undefined}, State),
-    State1;
+    ok = actor_receptionist_journal:add_followed(Follower, Id, Ref),
+    apply_op({register, Id, Ref, undefined}, State);
 followed(deregister, Follower, Id, Ref, State) ->
-    true = ets:delete(?RCPT_FOLLOWED, {Follower, {Id, Ref}}),
-    {noreply, State1} = handle_cast({deregister, Id, Ref, undefined}, State),
-    State1.
-
-journal_add(Id, Ref) ->
-    %% The number keeps the registration order for a replay: listings
-    %% list refs in that order.
-    true = ets:insert(?RCPT_REGS, {{Id, Ref}, erlang:unique_integer([monotonic])}),
-    _ = node(Ref) =/= node() andalso ets:insert(?RCPT_BYNODE, {{node(Ref), {Id, Ref}}}),
-    ok.
-
-journal_del(Id, Ref) ->
-    true = ets:delete(?RCPT_REGS, {Id, Ref}),
-    _ = node(Ref) =/= node() andalso ets:delete(?RCPT_BYNODE, {node(Ref), {Id, Ref}}),
-    ok.
-
-%% @private
-%% @doc This node's registrations, `[{Id, Ref}]', in registration order.
--spec journal() -> [{binary(), pid()}].
-journal() ->
-    [P || {P, _} <- lists:keysort(2, ets:tab2list(?RCPT_REGS))].
-
-%% The journal, the subscriptions and the by-node and by-follower indexes
-%% hold one `{A, B}' key per pair: insert, delete and membership are
-%% O(1) (a set) or O(log n) (an ordered_set), however many pairs share A.
-%% (A bag keyed on A made each of them O(pairs under A): 50K refs under one
-%% key took 16 s to register.) In an ordered_set the pairs of one A are
-%% found by a key prefix, without a scan.
-pairs(Tab) ->
-    [P || {P} <- ets:tab2list(Tab)].
-
-pairs_of(Tab, A) when is_atom(A) ->
-    case atom_to_list(A) of
-        %% In a match pattern '_' and '$N' would be wildcards: compare
-        %% instead (a scan; no node is named so).
-        [C | _] when C =:= $_; C =:= $$ ->
-            ets:select(Tab, [{{{'$1', '$2'}}, [{'=:=', '$1', {const, A}}], ['$2']}]);
-        _ ->
-            ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}])
-    end;
-pairs_of(Tab, A) ->
-    ets:select(Tab, [{{{A, '$1'}}, [], ['$1']}]).
+    ok = actor_receptionist_journal:del_followed(Follower, Id, Ref),
+    apply_op({deregister, Id, Ref, undefined}, State).
 
 %% A change of the journal, for the other members: it goes with the next
 %% flush, which is on its way even while the C node is down.
 gossip(Op, Id, Ref, #state{gossip = G} = State) ->
     schedule_flush(State#state{gossip = actor_receptionist_gossip:local(Op, Id, Ref, G)}).
-
-subscribed(Pid, Id) ->
-    ets:member(?RCPT_SUBS, {Pid, Id}).
 
 limit(Id, #state{counts = Counts, per_key = PerKey, total = Total, total_limit = TotalLimit}) ->
     case maps:get(Id, Counts, 0) >= PerKey of
@@ -622,10 +466,10 @@ count_sub(Pid, Id, #state{counts = Counts, total = Total, monitors = Mons} = Sta
 
 uncount_sub(Pid, Id, State0) ->
     State = uncount(Id, State0),
-    case ets:select(?RCPT_SUBS, [{{{Pid, '_'}}, [], [true]}], 1) of
-        {[true], _} ->
+    case actor_receptionist_journal:has_subs(Pid) of
+        true ->
             State;
-        '$end_of_table' ->
+        false ->
             {Mref, Mons} = maps:take(Pid, State#state.monitors),
             true = erlang:demonitor(Mref, [flush]),
             State#state{monitors = Mons}
@@ -755,10 +599,10 @@ replay(#state{rcpt = Node, incarnations = N, owner = Owner} = State0) ->
     case call_rcpt(pid, State0) of
         Pid when is_pid(Pid) ->
             monitor_on(Node),
-            Regs = [{register, Id, Ref, undefined} || {Id, Ref} <- journal()],
-            Remote = [{rregister, O, Id, Ref} || O <- maps:keys(State0#state.remote),
-                                                 {Id, Ref} <- origin_rows(O, State0)],
-            Subs = [{subscribe, Id, P} || {P, Id} <- pairs(?RCPT_SUBS)],
+            Regs = [{register, Id, Ref, undefined}
+                    || {Id, Ref} <- actor_receptionist_journal:regs()],
+            Remote = actor_receptionist_remote:replay(State0#state.remote),
+            Subs = [{subscribe, Id, P} || {P, Id} <- actor_receptionist_journal:subs()],
             State = State0#state{incarnations = N + 1, pid = Pid},
             send_all(Regs ++ Remote ++ Subs, State),
             case call_rcpt(sync, State) of

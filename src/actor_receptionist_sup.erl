@@ -4,9 +4,10 @@
 %%     `actor_receptionist_owner') of `priv/actor_receptionist_node';</li>
 %% <li>{@link actor_receptionist_server}, its BEAM-side front.</li>
 %% </ol>
-%% The supervisor itself owns the journal tables of the server (created in
-%% init/1), so that the registrations and subscriptions of this node survive
-%% a crash of the server as well as of the C node.
+%% The supervisor itself owns the journal's tables ({@link
+%% actor_receptionist_journal}, created in init/1), so that the registrations
+%% and subscriptions of this node survive a crash of the server as well as of
+%% the C node.
 %%
 %% Application environment (all optional): `receptionist' (false: start no
 %% receptionist), `receptionist_node_opts' (a map of {@link actor_cnode:opts()}),
@@ -95,11 +96,7 @@ start_node(#{shm_mb := Mb}) ->
 
 -spec init(map()) -> {ok, {supervisor:sup_flags(), [supervisor:child_spec()]}}.
 init(Opts) ->
-    %% One {{A, B}} key per pair (see actor_receptionist_server:pairs/1).
-    Tab = [public, named_table, {write_concurrency, false}],
-    ?RCPT_REGS = ets:new(?RCPT_REGS, [set | Tab]),
-    ?RCPT_SUBS = ets:new(?RCPT_SUBS, [ordered_set | Tab]),
-    ?RCPT_FOLLOWED = ets:new(?RCPT_FOLLOWED, [ordered_set | Tab]),
+    ok = actor_receptionist_journal:new(),
     Flags = #{strategy => rest_for_one, intensity => 5, period => 10},
     Node = #{id => actor_receptionist_node,
              start => {?MODULE, start_node, [Opts]},
