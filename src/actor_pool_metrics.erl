@@ -233,7 +233,8 @@ gossip_families(G) ->
       [{[{"direction", D}], V} || {D, K} <- [{"sent", sent_bytes}, {"received", received_bytes}],
                                   V <- [maps:get(K, G, undefined)], is_integer(V)]},
      {"actor_receptionist_full_syncs_total", counter,
-      "Whole states asked of other members (a gap in their deltas, or a new incarnation).",
+      "Whole states taken in: a member's (a gap in its deltas, a new incarnation) or an "
+      "origin's through a relay.",
       [{[], V} || V <- [maps:get(full_syncs, G, undefined)], is_integer(V)]},
      {"actor_receptionist_member_drops_total", counter,
       "Members that left (nodedown, or their receptionist stopped).",

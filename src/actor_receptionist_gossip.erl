@@ -61,6 +61,7 @@
 -export([cancel/3]).
 -export([status/1]).
 -export([bytes/1]).
+-export([sent/2]).
 -export([follows/1]).
 -export([hidden/1]).
 
@@ -71,7 +72,9 @@
                     syncing := [node()],
                     origins := #{node() => {non_neg_integer(), non_neg_integer()}},
                     incarnation := non_neg_integer(),
-                    version := non_neg_integer()}.
+                    version := non_neg_integer(),
+                    gossip := #{sent | sent_bytes | received | received_bytes | full_syncs
+                                | member_drops => non_neg_integer()}}.
 
 -type op() :: {reg | dereg, binary(), pid()}.
 
@@ -131,7 +134,15 @@
     %% what the caller of handle/2 must do, newest first
     effects = [] :: [effect()],
     %% gossip bytes handed to distribution (external size)
-    bytes = 0 :: non_neg_integer()
+    bytes = 0 :: non_neg_integer(),
+    %% counters for status/1's `gossip' (the metrics): messages handed to
+    %% distribution, messages and bytes taken in, whole states taken in,
+    %% members that left
+    msgs_sent = 0 :: non_neg_integer(),
+    received = 0 :: non_neg_integer(),
+    received_bytes = 0 :: non_neg_integer(),
+    full_syncs = 0 :: non_neg_integer(),
+    member_drops = 0 :: non_neg_integer()
 }).
 
 -opaque state() :: #g{}.
@@ -180,7 +191,8 @@ flush(#g{pending = P, sent = Sent, ver = Ver, inc = Inc, peers = Peers, follower
 %% @doc A message for the cluster half: `{ok, State, Effects}' (effects in
 %% order), or `ignore' for a message that is not one.
 -spec handle(term(), env(), state()) -> {ok, state(), [effect()]} | ignore.
-handle(Msg, Env, G0) ->
+handle(Msg, Env, G00) ->
+    G0 = count_in(Msg, G00),
     case handle1(Msg, Env, G0) of
         ignore ->
             ignore;
@@ -208,7 +220,10 @@ cancel(Id, Pid, #g{waiting = W} = G) ->
 %% @private
 -spec status(state()) -> status().
 status(#g{peers = Peers, probing = Pr, origins = Os, inc = Inc, ver = Ver} = G) ->
-    #{complete => complete(G),
+    #{gossip => #{sent => G#g.msgs_sent, sent_bytes => G#g.bytes, received => G#g.received,
+                  received_bytes => G#g.received_bytes, full_syncs => G#g.full_syncs,
+                  member_drops => G#g.member_drops},
+      complete => complete(G),
       members => lists:sort(maps:keys(Peers)),
       syncing => lists:usort(maps:keys(Pr) ++
                                  [N || {N, #peer{synced = false}} <- maps:to_list(Peers)]),
@@ -464,7 +479,7 @@ member_left(Node, #g{peers = Peers} = G0) ->
     G1 = case maps:take(Node, Peers) of
              {#peer{mref = Mref}, Peers1} ->
                  erlang:demonitor(Mref, [flush]),
-                 G0#g{peers = Peers1};
+                 G0#g{peers = Peers1, member_drops = G0#g.member_drops + 1};
              error ->
                  G0
          end,
@@ -557,11 +572,33 @@ digest(#g{peers = Peers, followers = Fs, inc = Inc, ver = Ver, origins = Os} = G
 
 %% Never block on a busy or reconnecting distribution channel: what is lost
 %% is repaired by the next digest.
-out(Dest, Msg, #g{bytes = B} = G) ->
+out(Dest, Msg, G) ->
     case erlang:send(Dest, Msg, [noconnect, nosuspend]) of
-        ok -> G#g{bytes = B + erlang:external_size(Msg)};
+        ok -> sent(Msg, G);
         _ -> G
     end.
+
+%% @private
+%% @doc Count Msg as gossip sent (the server sends origin states itself).
+-spec sent(term(), state()) -> state().
+sent(Msg, #g{bytes = B, msgs_sent = N} = G) ->
+    G#g{bytes = B + erlang:external_size(Msg), msgs_sent = N + 1}.
+
+%% Gossip taken in: the other receptionists' messages (ap_rcpt_*); whole
+%% states (a member's, or an origin's through a relay) also as full syncs.
+count_in(Msg, #g{received = N, received_bytes = B, full_syncs = F} = G)
+  when is_tuple(Msg), tuple_size(Msg) >= 2 ->
+    case element(1, Msg) of
+        Tag when Tag =:= ap_rcpt_state; Tag =:= ap_rcpt_origin_state ->
+            G#g{received = N + 1, received_bytes = B + erlang:external_size(Msg), full_syncs = F + 1};
+        Tag when Tag =:= ap_rcpt_hello; Tag =:= ap_rcpt_follow; Tag =:= ap_rcpt_delta;
+                 Tag =:= ap_rcpt_digest; Tag =:= ap_rcpt_want_origin ->
+            G#g{received = N + 1, received_bytes = B + erlang:external_size(Msg)};
+        _ ->
+            G
+    end;
+count_in(_Msg, G) ->
+    G.
 
 %% Unique per start and increasing across restarts of one node, even if
 %% the clock steps back a little: a version tiebreak is never needed.

@@ -397,12 +397,15 @@ effect({drop_origin, Origin}, #state{remote = R} = State) ->
             %% At once: the C node drops the member in one step.
             flush(remote(Dropped, State))
     end;
-effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R} = State) ->
+effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R, gossip = G} = State) ->
     %% A member relays Origin through us: the rows, exactly version Ver
     %% (applied in this process as they came).
     Regs = actor_receptionist_remote:rows(Origin, R),
-    _ = erlang:send(To, {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs}, [noconnect, nosuspend]),
-    State;
+    Msg = {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs},
+    case erlang:send(To, Msg, [noconnect, nosuspend]) of
+        ok -> State#state{gossip = actor_receptionist_gossip:sent(Msg, G)};
+        _ -> State
+    end;
 effect({drop_refs_on, Node}, State) ->
     %% That node is gone: our registrations of its processes end, and those
     %% a follower made through us.

@@ -95,7 +95,13 @@ three_nodes_register_find_subscribe_deregister() ->
         [?assertEqual(no_repeats, repeats(listings(M, S, K))) || {M, S} <- Subs],
         [?assertMatch(#{complete := true}, call(M, actor_receptionist, status, [])) || M <- Ms],
         #{members := Members} = call(A, actor_receptionist, status, []),
-        ?assertEqual(lists:sort([node_of(B), node_of(C)]), Members)
+        ?assertEqual(lists:sort([node_of(B), node_of(C)]), Members),
+        %% The gossip counters (the metrics') saw the traffic: each member
+        %% sent and took in messages and bytes, and took in whole states.
+        [?assertMatch(#{gossip := #{sent := GS, sent_bytes := GSB, received := GR,
+                                    received_bytes := GRB, full_syncs := GF, member_drops := 0}}
+                        when GS > 0 andalso GSB > GS andalso GR > 0 andalso GRB > GR andalso GF >= 2,
+                      call(M, actor_receptionist, status, [])) || M <- Ms]
     end).
 
 a_stopped_node_takes_its_registrations() ->
@@ -122,9 +128,15 @@ removal(Stop) ->
             ok = call(B, actor_receptionist, register, [K, RB1]),
             ok = call(B, actor_receptionist, register, [K, RB2]),
             converge([A, B, C], K, [RA, RB1, RB2]),
+            #{gossip := #{member_drops := Drops0}} = call(A, actor_receptionist, status, []),
             Stop(B),
             %% Gone everywhere; subscribers got the smaller listing.
             converge(Ms, K, [RA]),
+            %% and counted as a member that left.
+            wait_until(fun() ->
+                               #{gossip := #{member_drops := D}} = call(A, actor_receptionist, status, []),
+                               D =:= Drops0 + 1
+                       end, ?WAIT_MS),
             wait_listing(A, SA, K, [RA]),
             wait_listing(C, SC, K, [RA])
         after
