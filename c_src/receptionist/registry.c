@@ -19,7 +19,7 @@
  */
 #include "registry.h"
 
-#include "ap_shm.h"
+#include "ap_siphash.h"
 
 #include <errno.h>
 #include <stdio.h>

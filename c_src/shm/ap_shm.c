@@ -50,6 +50,7 @@
  * no fd and reserve nothing.
  */
 #include "ap_shm.h"
+#include "ap_siphash.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -112,65 +113,6 @@ static inline uint64_t pow2_at_least(uint64_t n)
 	while (c < n)
 		c <<= 1;
 	return c;
-}
-
-/* SipHash-1-3 (Aumasson and Bernstein's SipHash with c = 1, d = 3, as in
- * CPython and Rust's std): a keyed PRF, so without the seed nobody can
- * pick keys that collide (see "Hashing" in ap_shm.h). Keys are short: the
- * cost is one round per 8 bytes plus four, ~20 ns for 16 bytes. */
-#define SIP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
-#define SIP_ROUND                                   \
-	do {                                        \
-		v0 += v1;                           \
-		v1 = SIP_ROTL(v1, 13);              \
-		v1 ^= v0;                           \
-		v0 = SIP_ROTL(v0, 32);              \
-		v2 += v3;                           \
-		v3 = SIP_ROTL(v3, 16);              \
-		v3 ^= v2;                           \
-		v0 += v3;                           \
-		v3 = SIP_ROTL(v3, 21);              \
-		v3 ^= v0;                           \
-		v2 += v1;                           \
-		v1 = SIP_ROTL(v1, 17);              \
-		v1 ^= v2;                           \
-		v2 = SIP_ROTL(v2, 32);              \
-	} while (0)
-
-static inline uint64_t ld_le64(const uint8_t *p)
-{
-	uint64_t v;
-	memcpy(&v, p, 8);
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-	v = __builtin_bswap64(v);
-#endif
-	return v;
-}
-
-uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t klen)
-{
-	const uint8_t *p = in;
-	uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
-	uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
-	uint64_t b = (uint64_t)klen << 56;
-	size_t i = 0, tail = klen & 7;
-
-	for (; i + 8 <= klen; i += 8) {
-		uint64_t m = ld_le64(p + i);
-		v3 ^= m;
-		SIP_ROUND;
-		v0 ^= m;
-	}
-	for (size_t j = 0; j < tail; j++)
-		b |= (uint64_t)p[i + j] << (8 * j);
-	v3 ^= b;
-	SIP_ROUND;
-	v0 ^= b;
-	v2 ^= 0xff;
-	SIP_ROUND;
-	SIP_ROUND;
-	SIP_ROUND;
-	return v0 ^ v1 ^ v2 ^ v3;
 }
 
 uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen)
