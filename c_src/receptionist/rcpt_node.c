@@ -23,6 +23,21 @@
  *               700K refs on a short node name): the ref is not added.
  *             {deregister, Key, Ref, ReplyTo | undefined}
  *               ReplyTo ! {deregistered, {service_key, Key}, Ref}, always.
+ *             {rregister, Origin, Key, Ref}
+ *               a registration made on the receptionist of node Origin (an
+ *               atom), learnt by gossip; no reply (the origin acknowledged
+ *               it). Refused (logged) like a register past the limit;
+ *               malformed once MAX_ORIGINS origins are known.
+ *             {rderegister, Origin, Key, Ref}
+ *               Ref leaves Key whatever its origin; no reply.
+ *             {retag, Key, Ref, Origin | undefined}
+ *               Ref under Key is held for Origin from now on (undefined:
+ *               for this node's own BEAM), because the origin it was held
+ *               for let go of it while another still holds it. No listing:
+ *               what it shows is unchanged.
+ *             {drop_origin, Origin}
+ *               Origin left the cluster: every ref learnt from it goes,
+ *               each changed key reported once.
  *             {find, Key, ReplyTo}       ReplyTo ! {listing, {service_key, Key}, Refs}
  *             {subscribe, Key, Pid}      Pid ! the listing now, and on every change
  *             {unsubscribe, Key, Pid}
@@ -619,6 +634,96 @@ static void do_batch(const char *b, size_t len, int i, int depth)
 		registry_defer(st.reg, 0);
 }
 
+/* Messages that change refs only: their changes are reported once per key
+ * at the end of the message (see registry_defer). Any other message sends,
+ * or depends on what was sent (an unsubscribe), so the changes before it
+ * are reported first. */
+#define DEFERS 1
+
+static void do_drop_origin(const char *b, size_t len, int i, int depth)
+{
+	char origin[MAXATOMLEN_UTF8];
+	(void)len, (void)depth;
+	if (get_atom(b, &i, origin, sizeof origin)) {
+		malformed("drop_origin");
+		return;
+	}
+	uint32_t id = origin_id(origin, 0);
+	st.origin_drops++;
+	if (id) {
+		/* It reports each key once already, and may rebuild the
+		 * snapshot instead of writing per key. */
+		int deferring = registry_deferring(st.reg);
+		registry_defer(st.reg, 0);
+		drop_origin(id);
+		registry_defer(st.reg, deferring);
+	}
+}
+
+static void do_unsubscribe_all(const char *b, size_t len, int i, int depth)
+{
+	erlang_pid pid;
+	(void)len, (void)depth;
+	if (get_pid(b, &i, &pid)) {
+		malformed("unsubscribe_all");
+		return;
+	}
+	st.unsubscribes++;
+	registry_unsubscribe_all(st.reg, &pid);
+}
+
+/* {send, Pid, Term}: the BEAM's own messages to a subscriber (a rejection)
+ * go out in order with our listings to it. */
+static void do_send(const char *b, size_t len, int i, int depth)
+{
+	erlang_pid to;
+	(void)depth;
+	if (get_pid(b, &i, &to)) {
+		malformed("send");
+		return;
+	}
+	/* Term's end by the walk: ei_skip_term would trust a fun's Size and
+	 * carry on into whatever follows. */
+	int t0 = i;
+	if (ap_term_skip(b, len, &i)) {
+		malformed("send");
+		return;
+	}
+	ap_send(st.n, st.self, &to, b + t0, i - t0);
+}
+
+static void do_reg(const char *b, size_t len, int i, int depth) { (void)depth, do_register(b, len, i, 1); }
+static void do_dereg(const char *b, size_t len, int i, int depth) { (void)depth, do_register(b, len, i, 0); }
+static void do_rreg(const char *b, size_t len, int i, int depth) { (void)depth, do_remote(b, len, i, 1); }
+static void do_rdereg(const char *b, size_t len, int i, int depth) { (void)depth, do_remote(b, len, i, 0); }
+static void do_retag1(const char *b, size_t len, int i, int depth) { (void)depth, do_retag(b, len, i); }
+static void do_find1(const char *b, size_t len, int i, int depth) { (void)depth, do_find(b, len, i); }
+static void do_sub(const char *b, size_t len, int i, int depth) { (void)depth, do_subscribe(b, len, i, 1); }
+static void do_unsub(const char *b, size_t len, int i, int depth) { (void)depth, do_subscribe(b, len, i, 0); }
+
+/* Every message of the protocol (the comment at the top says what each
+ * does): its tag, its tuple's arity, whether it only changes refs, and
+ * what runs it on the rest of the tuple (i past the tag). Tags are unique. */
+static const struct command {
+	const char *op;
+	int arity;
+	int flags;
+	void (*fn)(const char *b, size_t len, int i, int depth);
+} commands[] = {
+	{ "register", 4, DEFERS, do_reg },
+	{ "deregister", 4, DEFERS, do_dereg },
+	{ "rregister", 4, DEFERS, do_rreg },
+	{ "rderegister", 4, DEFERS, do_rdereg },
+	{ "retag", 4, DEFERS, do_retag1 },
+	{ "batch", 2, DEFERS, do_batch },
+	{ "drop_origin", 2, 0, do_drop_origin },
+	{ "find", 3, 0, do_find1 },
+	{ "subscribe", 3, 0, do_sub },
+	{ "unsubscribe", 3, 0, do_unsub },
+	{ "unsubscribe_all", 2, 0, do_unsubscribe_all },
+	{ "send", 3, 0, do_send },
+};
+
 static void handle(const char *b, size_t len, int i, int depth)
 {
 	int arity;
@@ -627,75 +732,18 @@ static void handle(const char *b, size_t len, int i, int depth)
 		malformed("message");
 		return;
 	}
-	/* Changes of refs are reported once per key at the end of the message
-	 * (see registry_defer); anything else that sends, or that depends on
-	 * what was sent (an unsubscribe), has them reported first. */
-	if (strcmp(op, "register") && strcmp(op, "deregister") && strcmp(op, "rregister") &&
-	    strcmp(op, "rderegister") && strcmp(op, "retag") && strcmp(op, "batch"))
+	const struct command *c = NULL;
+	for (size_t k = 0; k < sizeof commands / sizeof commands[0] && !c; k++)
+		if (!strcmp(op, commands[k].op))
+			c = &commands[k];
+	/* A known tag decides, whatever the arity. */
+	if (!c || !(c->flags & DEFERS))
 		registry_flush(st.reg);
-	if (arity == 4 && !strcmp(op, "register"))
-		do_register(b, len, i, 1);
-	else if (arity == 4 && !strcmp(op, "deregister"))
-		do_register(b, len, i, 0);
-	else if (arity == 4 && !strcmp(op, "rregister"))
-		do_remote(b, len, i, 1);
-	else if (arity == 4 && !strcmp(op, "rderegister"))
-		do_remote(b, len, i, 0);
-	else if (arity == 4 && !strcmp(op, "retag"))
-		do_retag(b, len, i);
-	else if (arity == 2 && !strcmp(op, "drop_origin")) {
-		/* {drop_origin, Node}: that member left; its registrations go,
-		 * each changed key reported once. */
-		char origin[MAXATOMLEN_UTF8];
-		if (get_atom(b, &i, origin, sizeof origin)) {
-			malformed("drop_origin");
-			return;
-		}
-		uint32_t id = origin_id(origin, 0);
-		st.origin_drops++;
-		if (id) {
-			/* It reports each key once already, and may rebuild the
-			 * snapshot instead of writing per key. */
-			int deferring = registry_deferring(st.reg);
-			registry_defer(st.reg, 0);
-			drop_origin(id);
-			registry_defer(st.reg, deferring);
-		}
-	} else if (arity == 3 && !strcmp(op, "find"))
-		do_find(b, len, i);
-	else if (arity == 3 && !strcmp(op, "subscribe"))
-		do_subscribe(b, len, i, 1);
-	else if (arity == 3 && !strcmp(op, "unsubscribe"))
-		do_subscribe(b, len, i, 0);
-	else if (arity == 2 && !strcmp(op, "unsubscribe_all")) {
-		erlang_pid pid;
-		if (get_pid(b, &i, &pid)) {
-			malformed("unsubscribe_all");
-			return;
-		}
-		st.unsubscribes++;
-		registry_unsubscribe_all(st.reg, &pid);
-	} else if (arity == 2 && !strcmp(op, "batch")) {
-		do_batch(b, len, i, depth);
-	} else if (arity == 3 && !strcmp(op, "send")) {
-		/* {send, Pid, Term}: the BEAM's own messages to a subscriber (a
-		 * rejection) go out in order with our listings to it. */
-		erlang_pid to;
-		if (get_pid(b, &i, &to)) {
-			malformed("send");
-			return;
-		}
-		/* Term's end by the walk: ei_skip_term would trust a fun's
-		 * Size and carry on into whatever follows. */
-		int t0 = i;
-		if (ap_term_skip(b, len, &i)) {
-			malformed("send");
-			return;
-		}
-		ap_send(st.n, st.self, &to, b + t0, i - t0);
-	} else {
+	if (!c || arity != c->arity) {
 		malformed("message");
+		return;
 	}
+	c->fn(b, len, i, depth);
 }
 
 /* ---- calls ---------------------------------------------------------------------------- */
