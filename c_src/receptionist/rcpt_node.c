@@ -54,27 +54,7 @@
  * registration whose `registered` has been sent. Everything goes out from
  * the loop thread through ap_send, so what one pid gets arrives in order.
  *
- * The snapshot: when a put finds the segment full (-ENOSPC) the writer marks
- * it STALE (readers ask this node instead); from then on puts stop and a
- * rebuild from the registry is tried once a second until it fits. Any other
- * put failure (none is expected: the registry refuses keys and listings over
- * the snapshot's limits) also forces STALE, never a silently old value.
- *
- * Orphans: at start, before creating its own, the node sweeps the shm
- * directory for actor_pool.* segments whose writer is gone (nobody holds
- * the segment's lock: a writer holds flock(LOCK_SH) on it for its life,
- * see ap_shm.h) and unlinks them; every other one is kept. One line per
- * segment removed, one summary line for what was kept or passed over.
- * If the node's own name is still held (the previous incarnation of this
- * node has not exited yet: its owner died and the new one started this
- * node at once), the create is retried for up to SHM_TAKEOVER_MS: the
- * BEAM reaches this node only once it is published to epmd, after this
- * init, so it never attaches to the old incarnation's segment. The sweep
- * is here rather than in the
- * BEAM-side owner: the header's format and its hostile-input checks are
- * this C code's (one decoder, tested and fuzzed with it), and a node
- * started by hand or by another supervisor sweeps too. (The owner still
- * unlinks the segment of its own child when that dies: it knows the name.)
+ * The snapshot, its health and the sweep of orphaned segments: rcpt_snap.h.
  *
  * Exit: stdin EOF (port mode), SIGTERM, or SIGINT (not under a port: there
  * Ctrl-C at the owner's shell must not take the registry away) stop the
@@ -95,17 +75,15 @@
 #include "ap_log.h"
 #include "ap_main.h"
 #include "ap_shm.h"
+#include "rcpt_log.h"
+#include "rcpt_snap.h"
 #include "ap_term.h"
 #include "ap_time.h"
 #include "registry.h"
 
 #define PROC_NAME "actor_receptionist"
 #define DEFAULT_SHM_MB 256
-#define HEARTBEAT_MS 500  /* the header promises at least one a second */
-#define REBUILD_MS 1000
 #define MAX_BATCH_DEPTH 4 /* a batch inside a batch: fine; deeper: malformed */
-#define LOG_WINDOW_MS 10000
-#define LOG_PER_WINDOW 20
 /* Distinct origin nodes a receptionist keeps ids for. */
 #define MAX_ORIGINS 65536u
 
@@ -115,33 +93,15 @@ struct rcpt {
 	ap_node *n;
 	ap_proc *self;
 	registry *reg;
-	ap_shm_writer *w;
-	char shm_name[256];
-	size_t shm_bytes;
-	int shm_full;      /* puts stopped: a rebuild is due */
-	int rebuild_armed; /* its timer is pending */
 	ei_x_buff x;       /* replies, reused */
-	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, shm_errors,
-		rebuilds, remote_ops, origin_drops;
+	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, remote_ops,
+		origin_drops;
 	/* Origins learnt by gossip: node names, interned to registry origin
 	 * ids (index + 1; REGISTRY_ORIGIN_LOCAL is 0). A cluster has few
 	 * members, so a linear search is enough; the slot of a dropped origin
 	 * is kept (its id stays that node's). */
 	char (*origins)[MAXATOMLEN_UTF8];
 	uint32_t norigins, cap_origins;
-	/* A bulk drop: the snapshot is rebuilt once at the end instead of
-	 * written per key, and the listings wait for it in `held`. */
-	int bulk;
-	struct held_listing {
-		erlang_pid to;
-		uint8_t *msg;
-		size_t len;
-	} *held;
-	size_t nheld, capheld;
-	/* rate-limited logging */
-	int64_t log_window;
-	unsigned log_count;
-	uint64_t log_dropped;
 	int torn_down;
 	int port_mode;
 	size_t max_listing;
@@ -149,219 +109,13 @@ struct rcpt {
 
 static struct rcpt st;
 
-/* ---- logging, rate-limited ------------------------------------------------- */
-
-static int log_ok(void)
-{
-	int64_t now = st.n ? ap_node_now_ms(st.n) : 0;
-	if (now - st.log_window >= LOG_WINDOW_MS) {
-		if (st.log_dropped)
-			ap_log(AP_LOG_WARNING, "receptionist: %llu more log lines suppressed",
-			       (unsigned long long)st.log_dropped);
-		st.log_window = now;
-		st.log_count = 0;
-		st.log_dropped = 0;
-	}
-	if (st.log_count >= LOG_PER_WINDOW) {
-		st.log_dropped++;
-		return 0;
-	}
-	st.log_count++;
-	return 1;
-}
-
-#define RLOG(lvl, ...)                                                                             \
-	do {                                                                                       \
-		if (log_ok())                                                                      \
-			ap_log(lvl, __VA_ARGS__);                                                  \
-	} while (0)
+/* ---- logging --------------------------------------------------------------- */
 
 static void malformed(const char *what)
 {
 	st.malformed++;
 	RLOG(AP_LOG_WARNING, "receptionist: malformed %s ignored (%llu so far)", what,
 	     (unsigned long long)st.malformed);
-}
-
-/* ---- the snapshot ----------------------------------------------------------- */
-
-static int iter_next(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
-{
-	size_t *cursor = arg;
-	const uint8_t *k, *v;
-	int rc = registry_next(st.reg, cursor, &k, klen, &v, vlen);
-	*key = k;
-	*val = v;
-	return rc;
-}
-
-static int iter_fail(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
-{
-	(void)arg, (void)key, (void)klen, (void)val, (void)vlen;
-	return -ECANCELED;
-}
-
-static void rebuild_tick(ap_node *n, void *arg);
-
-static void arm_rebuild(void)
-{
-	if (st.rebuild_armed)
-		return;
-	if (ap_node_timer(st.n, REBUILD_MS, rebuild_tick, NULL) == 0)
-		st.rebuild_armed = 1;
-}
-
-/* Readers must stop trusting the snapshot: a failed rebuild leaves it
- * STALE (gen unchanged), which is all this does. */
-static void force_stale(void)
-{
-	ap_shm_rebuild(st.w, iter_fail, NULL);
-	st.shm_full = 1;
-	arm_rebuild();
-}
-
-static void rebuild_tick(ap_node *n, void *arg)
-{
-	(void)n, (void)arg;
-	st.rebuild_armed = 0;
-	if (!st.w || !st.shm_full)
-		return;
-	size_t cursor = 0;
-	st.rebuilds++;
-	int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
-	if (rc == 0) {
-		uint64_t keys, used;
-		ap_shm_writer_stats(st.w, &keys, &used, NULL);
-		st.shm_full = 0;
-		ap_log(AP_LOG_NOTICE, "receptionist: snapshot %s rebuilt, live again (%llu keys, %llu bytes)",
-		       st.shm_name, (unsigned long long)keys, (unsigned long long)used);
-		return;
-	}
-	RLOG(AP_LOG_DEBUG, "receptionist: snapshot rebuild failed (%s), retrying", strerror(-rc));
-	arm_rebuild();
-}
-
-/* CLOCK_MONOTONIC ms, as the header says (the loop's cached clock is 0
- * before it runs). */
-static uint64_t mono_ms(void)
-{
-	return (uint64_t)ap_mono_ms();
-}
-
-static void heartbeat_tick(ap_node *n, void *arg)
-{
-	(void)arg;
-	if (!st.w)
-		return;
-	ap_shm_heartbeat(st.w, mono_ms());
-	ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
-}
-
-/* The registry's hook: a key's refs changed; runs before any listing or
- * reply about the change goes out. */
-static void on_change(void *arg, const uint8_t *key, size_t klen, const uint8_t *val, size_t vlen, size_t nrefs)
-{
-	(void)arg;
-	if (!st.w || st.shm_full || st.bulk)
-		return; /* no snapshot, or one a rebuild will rewrite whole */
-	if (!val) {
-		st.shm_errors++;
-		RLOG(AP_LOG_ERROR, "receptionist: no memory to encode a listing; snapshot marked stale");
-		force_stale();
-		return;
-	}
-	int rc = ap_shm_put(st.w, key, klen, val, nrefs ? vlen : 0);
-	if (rc == 0)
-		return;
-	st.shm_errors++;
-	if (rc == -ENOSPC) {
-		/* Logged once per episode: the writer marked the segment STALE. */
-		uint64_t keys, used;
-		ap_shm_writer_stats(st.w, &keys, &used, NULL);
-		ap_log(AP_LOG_WARNING,
-		       "receptionist: snapshot %s is full (%zu bytes, %llu keys): lookups go to the receptionist "
-		       "until a rebuild fits (tried every %d ms)",
-		       st.shm_name, st.shm_bytes, (unsigned long long)keys, REBUILD_MS);
-		st.shm_full = 1;
-		arm_rebuild();
-		return;
-	}
-	/* -E2BIG cannot happen (the registry caps keys and listings at the
-	 * snapshot's limits); if it did, the key's old value would stay
-	 * readable, which is wrong: readers must ask us until a rebuild. */
-	RLOG(AP_LOG_ERROR, "receptionist: snapshot put failed (%s); snapshot marked stale", strerror(-rc));
-	force_stale();
-}
-
-static void on_listing(void *arg, const erlang_pid *to, const uint8_t *key, size_t klen, const uint8_t *msg,
-		       size_t mlen)
-{
-	(void)arg, (void)key, (void)klen;
-	if (st.bulk) {
-		/* After the rebuild, like every listing after its snapshot write.
-		 * Without memory for it, it goes now: early beats never. */
-		if (st.nheld == st.capheld) {
-			size_t cap = st.capheld ? st.capheld * 2 : 64;
-			void *h = realloc(st.held, cap * sizeof *st.held);
-			if (h) {
-				st.held = h;
-				st.capheld = cap;
-			}
-		}
-		uint8_t *copy = st.nheld < st.capheld ? malloc(mlen) : NULL;
-		if (copy) {
-			memcpy(copy, msg, mlen);
-			st.held[st.nheld++] = (struct held_listing){ *to, copy, mlen };
-			return;
-		}
-	}
-	ap_send(st.n, st.self, to, (const char *)msg, (int)mlen);
-}
-
-/* Drops at least this many refs, and at least a quarter of what stays, go
- * the bulk way: one rebuild, O(what stays), beats a snapshot write (a
- * probe, cache misses) per removed key. */
-#define BULK_DROP_MIN 4096u
-
-static void drop_origin(uint32_t id)
-{
-	size_t n = registry_origin_refs(st.reg, id);
-	registry_stats rs;
-	registry_get_stats(st.reg, &rs);
-	int bulk = st.w && !st.shm_full && n >= BULK_DROP_MIN && n >= (rs.refs - n) / 4;
-	st.bulk = bulk;
-	registry_drop_origin(st.reg, id);
-	st.bulk = 0;
-	if (bulk) {
-		size_t cursor = 0;
-		st.rebuilds++;
-		int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
-		if (rc) {
-			/* Left STALE by the failed rebuild: lookups ask us until the
-			 * periodic rebuild fits. */
-			st.shm_errors++;
-			RLOG(AP_LOG_WARNING, "receptionist: snapshot rebuild after a drop failed (%s)", strerror(-rc));
-			st.shm_full = 1;
-			arm_rebuild();
-		}
-	}
-	for (size_t k = 0; k < st.nheld; k++) {
-		ap_send(st.n, st.self, &st.held[k].to, (const char *)st.held[k].msg, (int)st.held[k].len);
-		free(st.held[k].msg);
-	}
-	st.nheld = 0;
-}
-
-static const char *shm_state_name(void)
-{
-	if (!st.w)
-		return "none";
-	switch (ap_shm_state(st.w)) {
-	case AP_SHM_STATE_LIVE: return "live";
-	case AP_SHM_STATE_STALE: return "stale";
-	case AP_SHM_STATE_CLOSED: return "closed";
-	default: return "none";
-	}
 }
 
 /* ---- decoding ------------------------------------------------------------------ */
@@ -655,7 +409,7 @@ static void do_drop_origin(const char *b, size_t len, int i, int depth)
 		 * snapshot instead of writing per key. */
 		int deferring = registry_deferring(st.reg);
 		registry_defer(st.reg, 0);
-		drop_origin(id);
+		rcpt_snap_drop_origin(id);
 		registry_defer(st.reg, deferring);
 	}
 }
@@ -767,10 +521,9 @@ static void x_counter(const char *name, uint64_t v)
 static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 {
 	registry_stats rs;
-	uint64_t skeys = 0, used = 0, compactions = 0;
+	struct rcpt_snap_stats ss;
 	registry_get_stats(st.reg, &rs);
-	if (st.w)
-		ap_shm_writer_stats(st.w, &skeys, &used, &compactions);
+	rcpt_snap_get_stats(&ss);
 	x_reset();
 	ei_x_encode_map_header(&st.x, 28);
 	x_counter("keys", rs.keys);
@@ -793,15 +546,15 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	x_counter("nodes", rs.nodes);
 	x_counter("memory", registry_mem_bytes(st.reg));
 	ei_x_encode_atom(&st.x, "shm_state");
-	ei_x_encode_atom(&st.x, shm_state_name());
-	x_counter("shm_keys", skeys);
-	x_counter("shm_used", used);
-	x_counter("shm_compactions", compactions);
-	x_counter("shm_errors", st.shm_errors);
-	x_counter("shm_rebuilds", st.rebuilds);
-	x_counter("shm_size", st.w ? st.shm_bytes : 0);
+	ei_x_encode_atom(&st.x, rcpt_snap_state());
+	x_counter("shm_keys", ss.keys);
+	x_counter("shm_used", ss.used);
+	x_counter("shm_compactions", ss.compactions);
+	x_counter("shm_errors", ss.errors);
+	x_counter("shm_rebuilds", ss.rebuilds);
+	x_counter("shm_size", ss.size);
 	ei_x_encode_atom(&st.x, "shm_name");
-	ei_x_encode_binary(&st.x, st.shm_name, st.w ? (long)strlen(st.shm_name) : 0);
+	ei_x_encode_binary(&st.x, ss.name, (long)strlen(ss.name));
 	ei_x_encode_atom(&st.x, "io");
 	ei_x_encode_atom(&st.x, ap_node_backend(n));
 	ap_reply(n, self, m, st.x.buff, st.x.index);
@@ -915,8 +668,7 @@ static void *sig_main(void *arg)
 	while (sigwait(&stop_sigs, &sig) == 0) {
 		if (got++ == 0 && ap_node_call_on_loop(n, stop_on_loop, NULL) == 0)
 			continue;
-		if (st.w)
-			ap_shm_writer_unlink(st.w); /* only if the name is still ours */
+		rcpt_snap_unlink();
 		_exit(128 + sig);
 	}
 	return NULL;
@@ -956,95 +708,39 @@ static void teardown(void)
 		pthread_join(sig_thread, NULL);
 		sig_thread_started = 0;
 	}
-	if (st.w) {
-		ap_shm_writer_close(st.w, 1);
-		st.w = NULL;
-	}
+	rcpt_snap_close();
 	registry_free(st.reg);
 	free(st.origins);
-	free(st.held);
 	st.reg = NULL;
 	ei_x_free(&st.x);
 }
 
-/* ---- orphaned snapshots -------------------------------------------------------------------- */
+struct args {
+	char shm_name[RCPT_SNAP_NAME_MAX]; /* "": the default */
+	long long mb, max_listing;
+};
 
-#define SHM_DIR "/dev/shm"
-#define SHM_PREFIX "actor_pool."
-#define SHM_TAKEOVER_MS 3000    /* how long a start waits for the previous writer of its name */
-#define SHM_TAKEOVER_POLL_MS 10
-#define AP_STR_(x) #x
-#define AP_STR(x) AP_STR_(x)
-
-static void on_swept(void *arg, const struct ap_shm_swept *s)
-{
-	const struct ap_shm_verdict *v = &s->v;
-	(void)arg;
-	switch (v->fate) {
-	case AP_SHM_FATE_LIVE:
-		ap_log(AP_LOG_DEBUG, "receptionist: kept " SHM_DIR "/%s: its writer (pid %llu as stamped) holds it",
-		       s->name, (unsigned long long)v->pid);
-		break;
-	case AP_SHM_FATE_GONE:
-		if (s->removed)
-			ap_log(AP_LOG_NOTICE,
-			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu as "
-			       "stamped) is gone%s%s",
-			       s->name, (unsigned long long)v->pid, v->why ? ": " : "", v->why ? v->why : "");
-		else if (s->err != ENOENT) /* ENOENT: another sweeper was first */
-			ap_log(AP_LOG_WARNING, "receptionist: cannot remove orphaned snapshot " SHM_DIR "/%s: %s",
-			       s->name, s->err == ESTALE ? "replaced while judged" : strerror(s->err));
-		break;
-	case AP_SHM_FATE_UNKNOWN:
-		break; /* layouts 3, 4: counted in the summary */
-	case AP_SHM_FATE_UNREADABLE:
-		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s%s%s", s->name, v->why,
-		       s->err ? ": " : "", s->err ? strerror(s->err) : "");
-		break;
-	}
-}
-
-static void sweep_orphans(void)
-{
-	struct ap_shm_sweep_sum sum;
-	int rc = ap_shm_sweep(SHM_DIR, SHM_PREFIX, NULL, on_swept, NULL, &sum);
-	if (rc < 0) {
-		ap_log(AP_LOG_WARNING, "receptionist: cannot look for orphaned snapshots in " SHM_DIR ": %s",
-		       strerror(-rc));
-		return;
-	}
-	/* One line for everything left alone, never one per entry: the
-	 * directory may be anyone's. */
-	if (sum.v3_kept || sum.foreign || sum.capped)
-		ap_log(AP_LOG_NOTICE,
-		       "receptionist: snapshot sweep of " SHM_DIR "/" SHM_PREFIX "*: removed %u; left alone %u of "
-		       "layout 3 or 4 whose writer pid a process here has (remove by hand once those nodes are "
-		       "gone), %u live, %u not ours (another user's or not regular files)%s",
-		       sum.removed, sum.v3_kept, sum.live, sum.foreign,
-		       sum.capped ? "; stopped at " AP_STR(AP_SHM_SWEEP_MAX) " of ours" : "");
-}
-
-static int parse_args(int argc, char **argv, long long *mb, long long *max_listing)
+static int parse_args(int argc, char **argv, struct args *a)
 {
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--shm") && k + 1 < argc) {
 			const char *v = argv[++k];
-			if (strlen(v) >= sizeof st.shm_name) {
+			if (strlen(v) >= sizeof a->shm_name) {
 				ap_log(AP_LOG_ERROR, "--shm name too long");
 				return -1;
 			}
-			snprintf(st.shm_name, sizeof st.shm_name, "%s", v);
+			snprintf(a->shm_name, sizeof a->shm_name, "%s", v);
 		} else if (!strcmp(argv[k], "--shm-mb") && k + 1 < argc) {
 			char *end;
-			*mb = strtoll(argv[++k], &end, 10);
-			if (*end || *mb < 0 || *mb > 65536) {
+			a->mb = strtoll(argv[++k], &end, 10);
+			if (*end || a->mb < 0 || a->mb > 65536) {
 				ap_log(AP_LOG_ERROR, "bad --shm-mb '%s': want 0..65536 (MiB)", argv[k]);
 				return -1;
 			}
 		} else if (!strcmp(argv[k], "--max-listing-bytes") && k + 1 < argc) {
 			char *end;
-			*max_listing = strtoll(argv[++k], &end, 10);
-			if (*end || *max_listing < 2 || *max_listing > (long long)AP_SHM_MAX_VAL) {
+			a->max_listing = strtoll(argv[++k], &end, 10);
+			if (*end || a->max_listing < 2 || a->max_listing > (long long)AP_SHM_MAX_VAL) {
 				ap_log(AP_LOG_ERROR, "bad --max-listing-bytes '%s': want 2..%u", argv[k], AP_SHM_MAX_VAL);
 				return -1;
 			}
@@ -1056,62 +752,27 @@ static int parse_args(int argc, char **argv, long long *mb, long long *max_listi
 	return 0;
 }
 
-/* The previous incarnation of this node may still be exiting (the BEAM
- * restarted it at once): wait for its lock to go, bounded. The polling is
- * on a lock with a deadline; nothing else announces it. */
-static int create_snapshot(uint64_t incarnation)
-{
-	int64_t deadline = ap_mono_ms() + SHM_TAKEOVER_MS;
-	for (;;) {
-		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(st.n), incarnation);
-		if (rc != -EEXIST || ap_mono_ms() >= deadline)
-			return rc;
-		nanosleep(&(struct timespec){ .tv_nsec = SHM_TAKEOVER_POLL_MS * 1000000L }, NULL);
-	}
-}
-
 static int rcpt_init(ap_node *n, int argc, char **argv)
 {
-	long long mb = DEFAULT_SHM_MB, max_listing = AP_SHM_MAX_VAL;
+	struct args a = { .mb = DEFAULT_SHM_MB, .max_listing = AP_SHM_MAX_VAL };
 	st.n = n;
-	if (parse_args(argc, argv, &mb, &max_listing))
+	rcpt_log_init(n);
+	if (parse_args(argc, argv, &a))
 		return 1;
-	if (!st.shm_name[0])
-		snprintf(st.shm_name, sizeof st.shm_name, "/actor_pool.%s", ap_node_name(n));
-	static const registry_ops ops = { .on_change = on_change, .on_listing = on_listing };
-	st.max_listing = (size_t)max_listing;
-	if (ei_x_new(&st.x) || !(st.reg = registry_new(&ops, NULL, (size_t)max_listing)))
+	if (!a.shm_name[0])
+		snprintf(a.shm_name, sizeof a.shm_name, "/actor_pool.%s", ap_node_name(n));
+	st.max_listing = (size_t)a.max_listing;
+	if (ei_x_new(&st.x) || !(st.reg = registry_new(&rcpt_snap_ops, NULL, (size_t)a.max_listing)))
 		return 1;
 	st.self = ap_proc_spawn(n, PROC_NAME, rcpt_fn, &st);
 	if (!st.self)
 		return 1;
+	rcpt_snap_init(n, st.self, st.reg);
 	if (start_signal_thread(n, st.port_mode))
 		ap_log(AP_LOG_WARNING, "receptionist: cannot handle SIGTERM/SIGINT: %s", strerror(errno));
-	sweep_orphans();
-	if (mb > 0) {
-		st.shm_bytes = (size_t)mb << 20;
-		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
-		int rc = create_snapshot(incarnation);
-		if (rc == -EEXIST) {
-			/* Held after SHM_TAKEOVER_MS: never taken from a writer. */
-			ap_log(AP_LOG_ERROR,
-			       "receptionist: snapshot %s is still held by its writer after %d ms (a node of this "
-			       "name runs, or an old one has not exited); running without (lookups ask the "
-			       "receptionist)",
-			       st.shm_name, SHM_TAKEOVER_MS);
-			st.w = NULL;
-		} else if (rc) {
-			/* Lookups still work, through the receptionist. */
-			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s%s; running without",
-			       st.shm_name, st.shm_bytes, strerror(-rc),
-			       rc == -EPERM ? " (another user's object, or no regular file, has the name)" : "");
-			st.w = NULL;
-		} else {
-			ap_shm_heartbeat(st.w, mono_ms());
-			ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
-			ap_log(AP_LOG_INFO, "receptionist: snapshot %s, %lld MiB", st.shm_name, mb);
-		}
-	}
+	rcpt_snap_sweep();
+	uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
+	rcpt_snap_open(a.shm_name, (size_t)a.mb << 20, incarnation);
 	return 0;
 }
 
