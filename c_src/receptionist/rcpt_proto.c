@@ -78,6 +78,7 @@ struct rcpt {
 	char (*origins)[MAXATOMLEN_UTF8];
 	uint32_t norigins, cap_origins;
 	size_t max_listing;
+	int depth; /* batches around the message being handled */
 };
 
 static struct rcpt st;
@@ -179,7 +180,7 @@ static void send_error(const erlang_pid *to, const char *key, size_t klen, const
 
 /* ---- messages --------------------------------------------------------------------- */
 
-static void handle(const char *b, size_t len, int i, int depth);
+static void handle(const char *b, size_t len, int i);
 
 static void do_register(const char *b, size_t len, int i, int reg)
 {
@@ -281,12 +282,13 @@ static void do_remote(const char *b, size_t len, int i, int reg)
 /* {retag, Key, Ref, OriginNode | undefined}: Ref under Key is now held for
  * that origin (undefined: this node's own), because the origin it was held
  * for let go of it while another still holds it. No listing: no change. */
-static void do_retag(const char *b, size_t len, int i)
+static void do_retag(const char *b, size_t len, int i, int unused)
 {
 	char origin[MAXATOMLEN_UTF8];
 	const char *key;
 	size_t klen;
 	erlang_pid ref;
+	(void)unused;
 	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
 		malformed("retag");
 		return;
@@ -302,13 +304,14 @@ static void do_retag(const char *b, size_t len, int i)
 		RLOG(AP_LOG_ERROR, "receptionist: retag failed: %s", strerror(-rc));
 }
 
-static void do_find(const char *b, size_t len, int i)
+static void do_find(const char *b, size_t len, int i, int unused)
 {
 	const char *key;
 	size_t klen;
 	erlang_pid to;
 	const uint8_t *msg;
 	size_t mlen;
+	(void)unused;
 	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &to)) {
 		malformed("find");
 		return;
@@ -338,26 +341,29 @@ static void do_subscribe(const char *b, size_t len, int i, int sub)
 	}
 }
 
-static void do_batch(const char *b, size_t len, int i, int depth)
+static void do_batch(const char *b, size_t len, int i, int unused)
 {
 	int n, type, size;
-	if (depth >= MAX_BATCH_DEPTH || ei_get_type(b, &i, &type, &size) ||
+	(void)unused;
+	if (st.depth >= MAX_BATCH_DEPTH || ei_get_type(b, &i, &type, &size) ||
 	    (type != ERL_LIST_EXT && type != ERL_NIL_EXT) || ei_decode_list_header(b, &i, &n)) {
 		malformed("batch");
 		return;
 	}
 	/* A batch is a burst: a key changed several times in it is written
 	 * once (registry_defer). A lone change gains nothing from it. */
-	if (depth == 0)
+	if (st.depth == 0)
 		registry_defer(st.reg, 1);
+	st.depth++;
 	for (int k = 0; k < n; k++) {
 		int end = ap_term_end(b, len, i);
 		if (end < 0)
 			break;
-		handle(b, len, i, depth + 1);
+		handle(b, len, i);
 		i = end;
 	}
-	if (depth == 0)
+	st.depth--;
+	if (st.depth == 0)
 		registry_defer(st.reg, 0);
 }
 
@@ -367,10 +373,10 @@ static void do_batch(const char *b, size_t len, int i, int depth)
  * are reported first. */
 #define DEFERS 1
 
-static void do_drop_origin(const char *b, size_t len, int i, int depth)
+static void do_drop_origin(const char *b, size_t len, int i, int unused)
 {
 	char origin[MAXATOMLEN_UTF8];
-	(void)len, (void)depth;
+	(void)len, (void)unused;
 	if (get_atom(b, &i, origin, sizeof origin)) {
 		malformed("drop_origin");
 		return;
@@ -387,10 +393,10 @@ static void do_drop_origin(const char *b, size_t len, int i, int depth)
 	}
 }
 
-static void do_unsubscribe_all(const char *b, size_t len, int i, int depth)
+static void do_unsubscribe_all(const char *b, size_t len, int i, int unused)
 {
 	erlang_pid pid;
-	(void)len, (void)depth;
+	(void)len, (void)unused;
 	if (get_pid(b, &i, &pid)) {
 		malformed("unsubscribe_all");
 		return;
@@ -401,10 +407,10 @@ static void do_unsubscribe_all(const char *b, size_t len, int i, int depth)
 
 /* {send, Pid, Term}: the BEAM's own messages to a subscriber (a rejection)
  * go out in order with our listings to it. */
-static void do_send(const char *b, size_t len, int i, int depth)
+static void do_send(const char *b, size_t len, int i, int unused)
 {
 	erlang_pid to;
-	(void)depth;
+	(void)unused;
 	if (get_pid(b, &i, &to)) {
 		malformed("send");
 		return;
@@ -419,39 +425,32 @@ static void do_send(const char *b, size_t len, int i, int depth)
 	ap_send(st.n, st.self, &to, b + t0, i - t0);
 }
 
-static void do_reg(const char *b, size_t len, int i, int depth) { (void)depth, do_register(b, len, i, 1); }
-static void do_dereg(const char *b, size_t len, int i, int depth) { (void)depth, do_register(b, len, i, 0); }
-static void do_rreg(const char *b, size_t len, int i, int depth) { (void)depth, do_remote(b, len, i, 1); }
-static void do_rdereg(const char *b, size_t len, int i, int depth) { (void)depth, do_remote(b, len, i, 0); }
-static void do_retag1(const char *b, size_t len, int i, int depth) { (void)depth, do_retag(b, len, i); }
-static void do_find1(const char *b, size_t len, int i, int depth) { (void)depth, do_find(b, len, i); }
-static void do_sub(const char *b, size_t len, int i, int depth) { (void)depth, do_subscribe(b, len, i, 1); }
-static void do_unsub(const char *b, size_t len, int i, int depth) { (void)depth, do_subscribe(b, len, i, 0); }
-
 /* Every message of the protocol (the comment at the top says what each
  * does): its tag, its tuple's arity, whether it only changes refs, and
- * what runs it on the rest of the tuple (i past the tag). Tags are unique. */
+ * what runs it on the rest of the tuple (i past the tag), with arg. Tags
+ * are unique. */
 static const struct command {
 	const char *op;
 	int arity;
 	int flags;
-	void (*fn)(const char *b, size_t len, int i, int depth);
+	void (*fn)(const char *b, size_t len, int i, int arg);
+	int arg;
 } commands[] = {
-	{ "register", 4, DEFERS, do_reg },
-	{ "deregister", 4, DEFERS, do_dereg },
-	{ "rregister", 4, DEFERS, do_rreg },
-	{ "rderegister", 4, DEFERS, do_rdereg },
-	{ "retag", 4, DEFERS, do_retag1 },
-	{ "batch", 2, DEFERS, do_batch },
-	{ "drop_origin", 2, 0, do_drop_origin },
-	{ "find", 3, 0, do_find1 },
-	{ "subscribe", 3, 0, do_sub },
-	{ "unsubscribe", 3, 0, do_unsub },
-	{ "unsubscribe_all", 2, 0, do_unsubscribe_all },
-	{ "send", 3, 0, do_send },
+	{ "register", 4, DEFERS, do_register, 1 },
+	{ "deregister", 4, DEFERS, do_register, 0 },
+	{ "rregister", 4, DEFERS, do_remote, 1 },
+	{ "rderegister", 4, DEFERS, do_remote, 0 },
+	{ "retag", 4, DEFERS, do_retag, 0 },
+	{ "batch", 2, DEFERS, do_batch, 0 },
+	{ "drop_origin", 2, 0, do_drop_origin, 0 },
+	{ "find", 3, 0, do_find, 0 },
+	{ "subscribe", 3, 0, do_subscribe, 1 },
+	{ "unsubscribe", 3, 0, do_subscribe, 0 },
+	{ "unsubscribe_all", 2, 0, do_unsubscribe_all, 0 },
+	{ "send", 3, 0, do_send, 0 },
 };
 
-static void handle(const char *b, size_t len, int i, int depth)
+static void handle(const char *b, size_t len, int i)
 {
 	int arity;
 	char op[24];
@@ -463,14 +462,14 @@ static void handle(const char *b, size_t len, int i, int depth)
 	for (size_t k = 0; k < sizeof commands / sizeof commands[0] && !c; k++)
 		if (!strcmp(op, commands[k].op))
 			c = &commands[k];
-	/* A known tag decides, whatever the arity. */
+	/* The tag alone decides the flush, whatever the arity. */
 	if (!c || !(c->flags & DEFERS))
 		registry_flush(st.reg);
 	if (!c || arity != c->arity) {
 		malformed("message");
 		return;
 	}
-	c->fn(b, len, i, depth);
+	c->fn(b, len, i, c->arg);
 }
 
 /* ---- calls ---------------------------------------------------------------------------- */
@@ -612,7 +611,7 @@ static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		break;
 	case AP_MSG_INFO:
 	case AP_MSG_CAST:
-		handle(m->buf, (size_t)m->len, m->index, 0);
+		handle(m->buf, (size_t)m->len, m->index);
 		break;
 	case AP_MSG_EXIT:
 		break;
