@@ -13,837 +13,34 @@
  *           a key may reach; registers past it get {error, too_many_refs}.
  *           Default and maximum AP_SHM_MAX_VAL (16 MiB); smaller for tests.
  *
- * Protocol (one BEAM-side gen_server talks to it; Key is a binary of
- * 1..1024 bytes, refs and subscribers are pids):
- *   info/cast {register, Key, Ref, ReplyTo | undefined}
- *               ReplyTo ! {registered, {service_key, Key}, Ref}, also when
- *               it was there already; {register_failed, {service_key, Key},
- *               Ref, too_many_refs} when the key's
- *               listing would exceed --max-listing-bytes (16 MiB: about
- *               700K refs on a short node name): the ref is not added.
- *             {deregister, Key, Ref, ReplyTo | undefined}
- *               ReplyTo ! {deregistered, {service_key, Key}, Ref}, always.
- *             {find, Key, ReplyTo}       ReplyTo ! {listing, {service_key, Key}, Refs}
- *             {subscribe, Key, Pid}      Pid ! the listing now, and on every change
- *             {unsubscribe, Key, Pid}
- *             {unsubscribe_all, Pid}
- *             {send, Pid, Term}          Pid ! Term, in order with the rest
- *             {batch, [Msg]}             each in order
- *   call      {lookup, Key} -> Refs; sync -> ok; pid -> this process's pid;
- *             stats -> #{...};
- *             {dump, Max} -> [{Key, Refs}] (at most Max keys);
- *             anything else -> {error, badarg}.
- *
- * Ordering: a change reaches the snapshot (ap_shm_put) before any listing
- * or reply about it is sent, so a lookup from the snapshot reflects every
- * registration whose `registered` has been sent. Everything goes out from
- * the loop thread through ap_send, so what one pid gets arrives in order.
- *
- * The snapshot: when a put finds the segment full (-ENOSPC) the writer marks
- * it STALE (readers ask this node instead); from then on puts stop and a
- * rebuild from the registry is tried once a second until it fits. Any other
- * put failure (none is expected: the registry refuses keys and listings over
- * the snapshot's limits) also forces STALE, never a silently old value.
- *
- * Orphans: at start, before creating its own, the node sweeps the shm
- * directory for actor_pool.* segments whose writer is gone (nobody holds
- * the segment's lock: a writer holds flock(LOCK_SH) on it for its life,
- * see ap_shm.h) and unlinks them; every other one is kept. One line per
- * segment removed, one summary line for what was kept or passed over.
- * If the node's own name is still held (the previous incarnation of this
- * node has not exited yet: its owner died and the new one started this
- * node at once), the create is retried for up to SHM_TAKEOVER_MS: the
- * BEAM reaches this node only once it is published to epmd, after this
- * init, so it never attaches to the old incarnation's segment. The sweep
- * is here rather than in the
- * BEAM-side owner: the header's format and its hostile-input checks are
- * this C code's (one decoder, tested and fuzzed with it), and a node
- * started by hand or by another supervisor sweeps too. (The owner still
- * unlinks the segment of its own child when that dies: it knows the name.)
+ * The protocol (what actor_receptionist does with each message):
+ * rcpt_proto.c. The snapshot, its health and the sweep of orphaned
+ * segments: rcpt_snap.h.
  *
  * Exit: stdin EOF (port mode), SIGTERM, or SIGINT (not under a port: there
  * Ctrl-C at the owner's shell must not take the registry away) stop the
  * loop; the snapshot is then marked CLOSED and its name unlinked. A second
  * signal while stopping unlinks the name and exits at once.
  */
-#include <ei.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "ap_log.h"
 #include "ap_main.h"
 #include "ap_shm.h"
-#include "ap_term.h"
-#include "ap_time.h"
-#include "registry.h"
+#include "rcpt_log.h"
+#include "rcpt_proto.h"
+#include "rcpt_snap.h"
 
-#define PROC_NAME "actor_receptionist"
 #define DEFAULT_SHM_MB 256
-#define HEARTBEAT_MS 500  /* the header promises at least one a second */
-#define REBUILD_MS 1000
-#define MAX_BATCH_DEPTH 4 /* a batch inside a batch: fine; deeper: malformed */
-#define LOG_WINDOW_MS 10000
-#define LOG_PER_WINDOW 20
-/* Distinct origin nodes a receptionist keeps ids for. */
-#define MAX_ORIGINS 65536u
 
-_Static_assert(REGISTRY_MAX_KEY == AP_SHM_MAX_KEY, "key limits differ");
-
-struct rcpt {
-	ap_node *n;
-	ap_proc *self;
-	registry *reg;
-	ap_shm_writer *w;
-	char shm_name[256];
-	size_t shm_bytes;
-	int shm_full;      /* puts stopped: a rebuild is due */
-	int rebuild_armed; /* its timer is pending */
-	ei_x_buff x;       /* replies, reused */
-	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, shm_errors,
-		rebuilds, remote_ops, origin_drops;
-	/* Origins learnt by gossip: node names, interned to registry origin
-	 * ids (index + 1; REGISTRY_ORIGIN_LOCAL is 0). A cluster has few
-	 * members, so a linear search is enough; the slot of a dropped origin
-	 * is kept (its id stays that node's). */
-	char (*origins)[MAXATOMLEN_UTF8];
-	uint32_t norigins, cap_origins;
-	/* A bulk drop: the snapshot is rebuilt once at the end instead of
-	 * written per key, and the listings wait for it in `held`. */
-	int bulk;
-	struct held_listing {
-		erlang_pid to;
-		uint8_t *msg;
-		size_t len;
-	} *held;
-	size_t nheld, capheld;
-	/* rate-limited logging */
-	int64_t log_window;
-	unsigned log_count;
-	uint64_t log_dropped;
-	int torn_down;
-	int port_mode;
-	size_t max_listing;
-};
-
-static struct rcpt st;
-
-/* ---- logging, rate-limited ------------------------------------------------- */
-
-static int log_ok(void)
-{
-	int64_t now = st.n ? ap_node_now_ms(st.n) : 0;
-	if (now - st.log_window >= LOG_WINDOW_MS) {
-		if (st.log_dropped)
-			ap_log(AP_LOG_WARNING, "receptionist: %llu more log lines suppressed",
-			       (unsigned long long)st.log_dropped);
-		st.log_window = now;
-		st.log_count = 0;
-		st.log_dropped = 0;
-	}
-	if (st.log_count >= LOG_PER_WINDOW) {
-		st.log_dropped++;
-		return 0;
-	}
-	st.log_count++;
-	return 1;
-}
-
-#define RLOG(lvl, ...)                                                                             \
-	do {                                                                                       \
-		if (log_ok())                                                                      \
-			ap_log(lvl, __VA_ARGS__);                                                  \
-	} while (0)
-
-static void malformed(const char *what)
-{
-	st.malformed++;
-	RLOG(AP_LOG_WARNING, "receptionist: malformed %s ignored (%llu so far)", what,
-	     (unsigned long long)st.malformed);
-}
-
-/* ---- the snapshot ----------------------------------------------------------- */
-
-static int iter_next(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
-{
-	size_t *cursor = arg;
-	const uint8_t *k, *v;
-	int rc = registry_next(st.reg, cursor, &k, klen, &v, vlen);
-	*key = k;
-	*val = v;
-	return rc;
-}
-
-static int iter_fail(void *arg, const void **key, size_t *klen, const void **val, size_t *vlen)
-{
-	(void)arg, (void)key, (void)klen, (void)val, (void)vlen;
-	return -ECANCELED;
-}
-
-static void rebuild_tick(ap_node *n, void *arg);
-
-static void arm_rebuild(void)
-{
-	if (st.rebuild_armed)
-		return;
-	if (ap_node_timer(st.n, REBUILD_MS, rebuild_tick, NULL) == 0)
-		st.rebuild_armed = 1;
-}
-
-/* Readers must stop trusting the snapshot: a failed rebuild leaves it
- * STALE (gen unchanged), which is all this does. */
-static void force_stale(void)
-{
-	ap_shm_rebuild(st.w, iter_fail, NULL);
-	st.shm_full = 1;
-	arm_rebuild();
-}
-
-static void rebuild_tick(ap_node *n, void *arg)
-{
-	(void)n, (void)arg;
-	st.rebuild_armed = 0;
-	if (!st.w || !st.shm_full)
-		return;
-	size_t cursor = 0;
-	st.rebuilds++;
-	int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
-	if (rc == 0) {
-		uint64_t keys, used;
-		ap_shm_writer_stats(st.w, &keys, &used, NULL);
-		st.shm_full = 0;
-		ap_log(AP_LOG_NOTICE, "receptionist: snapshot %s rebuilt, live again (%llu keys, %llu bytes)",
-		       st.shm_name, (unsigned long long)keys, (unsigned long long)used);
-		return;
-	}
-	RLOG(AP_LOG_DEBUG, "receptionist: snapshot rebuild failed (%s), retrying", strerror(-rc));
-	arm_rebuild();
-}
-
-/* CLOCK_MONOTONIC ms, as the header says (the loop's cached clock is 0
- * before it runs). */
-static uint64_t mono_ms(void)
-{
-	return (uint64_t)ap_mono_ms();
-}
-
-static void heartbeat_tick(ap_node *n, void *arg)
-{
-	(void)arg;
-	if (!st.w)
-		return;
-	ap_shm_heartbeat(st.w, mono_ms());
-	ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
-}
-
-/* The registry's hook: a key's refs changed; runs before any listing or
- * reply about the change goes out. */
-static void on_change(void *arg, const uint8_t *key, size_t klen, const uint8_t *val, size_t vlen, size_t nrefs)
-{
-	(void)arg;
-	if (!st.w || st.shm_full || st.bulk)
-		return; /* no snapshot, or one a rebuild will rewrite whole */
-	if (!val) {
-		st.shm_errors++;
-		RLOG(AP_LOG_ERROR, "receptionist: no memory to encode a listing; snapshot marked stale");
-		force_stale();
-		return;
-	}
-	int rc = ap_shm_put(st.w, key, klen, val, nrefs ? vlen : 0);
-	if (rc == 0)
-		return;
-	st.shm_errors++;
-	if (rc == -ENOSPC) {
-		/* Logged once per episode: the writer marked the segment STALE. */
-		uint64_t keys, used;
-		ap_shm_writer_stats(st.w, &keys, &used, NULL);
-		ap_log(AP_LOG_WARNING,
-		       "receptionist: snapshot %s is full (%zu bytes, %llu keys): lookups go to the receptionist "
-		       "until a rebuild fits (tried every %d ms)",
-		       st.shm_name, st.shm_bytes, (unsigned long long)keys, REBUILD_MS);
-		st.shm_full = 1;
-		arm_rebuild();
-		return;
-	}
-	/* -E2BIG cannot happen (the registry caps keys and listings at the
-	 * snapshot's limits); if it did, the key's old value would stay
-	 * readable, which is wrong: readers must ask us until a rebuild. */
-	RLOG(AP_LOG_ERROR, "receptionist: snapshot put failed (%s); snapshot marked stale", strerror(-rc));
-	force_stale();
-}
-
-static void on_listing(void *arg, const erlang_pid *to, const uint8_t *key, size_t klen, const uint8_t *msg,
-		       size_t mlen)
-{
-	(void)arg, (void)key, (void)klen;
-	if (st.bulk) {
-		/* After the rebuild, like every listing after its snapshot write.
-		 * Without memory for it, it goes now: early beats never. */
-		if (st.nheld == st.capheld) {
-			size_t cap = st.capheld ? st.capheld * 2 : 64;
-			void *h = realloc(st.held, cap * sizeof *st.held);
-			if (h) {
-				st.held = h;
-				st.capheld = cap;
-			}
-		}
-		uint8_t *copy = st.nheld < st.capheld ? malloc(mlen) : NULL;
-		if (copy) {
-			memcpy(copy, msg, mlen);
-			st.held[st.nheld++] = (struct held_listing){ *to, copy, mlen };
-			return;
-		}
-	}
-	ap_send(st.n, st.self, to, (const char *)msg, (int)mlen);
-}
-
-/* Drops at least this many refs, and at least a quarter of what stays, go
- * the bulk way: one rebuild, O(what stays), beats a snapshot write (a
- * probe, cache misses) per removed key. */
-#define BULK_DROP_MIN 4096u
-
-static void drop_origin(uint32_t id)
-{
-	size_t n = registry_origin_refs(st.reg, id);
-	registry_stats rs;
-	registry_get_stats(st.reg, &rs);
-	int bulk = st.w && !st.shm_full && n >= BULK_DROP_MIN && n >= (rs.refs - n) / 4;
-	st.bulk = bulk;
-	registry_drop_origin(st.reg, id);
-	st.bulk = 0;
-	if (bulk) {
-		size_t cursor = 0;
-		st.rebuilds++;
-		int rc = ap_shm_rebuild(st.w, iter_next, &cursor);
-		if (rc) {
-			/* Left STALE by the failed rebuild: lookups ask us until the
-			 * periodic rebuild fits. */
-			st.shm_errors++;
-			RLOG(AP_LOG_WARNING, "receptionist: snapshot rebuild after a drop failed (%s)", strerror(-rc));
-			st.shm_full = 1;
-			arm_rebuild();
-		}
-	}
-	for (size_t k = 0; k < st.nheld; k++) {
-		ap_send(st.n, st.self, &st.held[k].to, (const char *)st.held[k].msg, (int)st.held[k].len);
-		free(st.held[k].msg);
-	}
-	st.nheld = 0;
-}
-
-static const char *shm_state_name(void)
-{
-	if (!st.w)
-		return "none";
-	switch (ap_shm_state(st.w)) {
-	case AP_SHM_STATE_LIVE: return "live";
-	case AP_SHM_STATE_STALE: return "stale";
-	case AP_SHM_STATE_CLOSED: return "closed";
-	default: return "none";
-	}
-}
-
-/* ---- decoding ------------------------------------------------------------------ */
-
-static int get_atom(const char *b, int *i, char *out, size_t cap)
-{
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_ATOM_EXT || (size_t)size >= cap)
-		return -1;
-	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
-}
-
-/* A binary key of 1..1024 bytes, by reference into b[0..len). */
-static int get_key(const char *b, size_t len, int *i, const char **key, size_t *klen)
-{
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_BINARY_EXT || (unsigned char)b[*i] != 109 || size < 1 ||
-	    (unsigned)size > REGISTRY_MAX_KEY)
-		return -1;
-	*key = b + *i + 5;
-	*klen = (size_t)size;
-	return ap_term_skip(b, len, i);
-}
-
-static int get_pid(const char *b, int *i, erlang_pid *p)
-{
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_PID_EXT)
-		return -1;
-	return ei_decode_pid(b, i, p) ? -1 : 0;
-}
-
-/* A pid, or `undefined` (*has 0). */
-static int get_reply_to(const char *b, int *i, erlang_pid *p, int *has)
-{
-	char a[16];
-	int j = *i;
-	if (get_atom(b, &j, a, sizeof a) == 0) {
-		*has = 0;
-		*i = j;
-		return strcmp(a, "undefined") ? -1 : 0;
-	}
-	*has = 1;
-	return get_pid(b, i, p);
-}
-
-/* ---- sending ---------------------------------------------------------------------- */
-
-static void send_x(const erlang_pid *to)
-{
-	ap_send(st.n, st.self, to, st.x.buff, st.x.index);
-}
-
-static void x_reset(void)
-{
-	st.x.index = 0;
-	ei_x_encode_version(&st.x);
-}
-
-/* {Tag, {service_key, Key}, Ref} */
-static void send_ack(const erlang_pid *to, const char *tag, const char *key, size_t klen, const erlang_pid *ref)
-{
-	x_reset();
-	ei_x_encode_tuple_header(&st.x, 3);
-	ei_x_encode_atom(&st.x, tag);
-	ei_x_encode_tuple_header(&st.x, 2);
-	ei_x_encode_atom(&st.x, "service_key");
-	ei_x_encode_binary(&st.x, key, (long)klen);
-	ei_x_encode_pid(&st.x, ref);
-	send_x(to);
-}
-
-/* {register_failed, {service_key, Key}, Ref, Reason}: names what failed, so a
- * ReplyTo with several registrations in flight can tell which. */
-static void send_error(const erlang_pid *to, const char *key, size_t klen, const erlang_pid *ref,
-		       const char *reason)
-{
-	x_reset();
-	ei_x_encode_tuple_header(&st.x, 4);
-	ei_x_encode_atom(&st.x, "register_failed");
-	ei_x_encode_tuple_header(&st.x, 2);
-	ei_x_encode_atom(&st.x, "service_key");
-	ei_x_encode_binary(&st.x, key, (long)klen);
-	ei_x_encode_pid(&st.x, ref);
-	ei_x_encode_atom(&st.x, reason);
-	send_x(to);
-}
-
-/* ---- messages --------------------------------------------------------------------- */
-
-static void handle(const char *b, size_t len, int i, int depth);
-
-static void do_register(const char *b, size_t len, int i, int reg)
-{
-	const char *key;
-	size_t klen;
-	erlang_pid ref, to;
-	int has_to;
-	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_reply_to(b, &i, &to, &has_to)) {
-		malformed(reg ? "register" : "deregister");
-		return;
-	}
-	if (!reg) {
-		st.deregisters++;
-		registry_deregister(st.reg, key, klen, &ref);
-		if (has_to) {
-			registry_flush(st.reg); /* the ack follows the snapshot write */
-			send_ack(&to, "deregistered", key, klen, &ref);
-		}
-		return;
-	}
-	st.registers++;
-	int rc = registry_register(st.reg, key, klen, &ref, REGISTRY_ORIGIN_LOCAL);
-	if (has_to)
-		registry_flush(st.reg);
-	if (rc >= 0) {
-		if (has_to)
-			send_ack(&to, "registered", key, klen, &ref);
-		return;
-	}
-	st.refused++;
-	if (rc == -E2BIG) {
-		RLOG(AP_LOG_WARNING,
-		     "receptionist: register refused: the listing of key '%.*s' (%zu refs) would exceed %zu bytes",
-		     (int)(klen > 64 ? 64 : klen), key, registry_count(st.reg, key, klen), st.max_listing);
-		if (has_to)
-			send_error(&to, key, klen, &ref, "too_many_refs");
-	} else {
-		RLOG(AP_LOG_ERROR, "receptionist: register failed: %s", strerror(-rc));
-		if (has_to)
-			send_error(&to, key, klen, &ref, rc == -ENOMEM ? "enomem" : "badarg");
-	}
-}
-
-/* The registry origin id of node `name`, interned on first use; 0 when the
- * table cannot grow (the message is then refused as malformed). */
-static uint32_t origin_id(const char *name, int add)
-{
-	for (uint32_t k = 0; k < st.norigins; k++)
-		if (!strcmp(st.origins[k], name))
-			return k + 1;
-	if (!add)
-		return 0;
-	if (st.norigins == st.cap_origins) {
-		uint32_t cap = st.cap_origins ? st.cap_origins * 2 : 16;
-		if (cap > MAX_ORIGINS)
-			return 0;
-		void *o = realloc(st.origins, (size_t)cap * sizeof *st.origins);
-		if (!o)
-			return 0;
-		st.origins = o;
-		st.cap_origins = cap;
-	}
-	snprintf(st.origins[st.norigins], sizeof st.origins[0], "%s", name);
-	return ++st.norigins;
-}
-
-/* {rregister | rderegister, OriginNode, Key, Ref}: a change made on another
- * receptionist, learnt by gossip. No reply: the origin acknowledged it. */
-static void do_remote(const char *b, size_t len, int i, int reg)
-{
-	char origin[MAXATOMLEN_UTF8];
-	const char *key;
-	size_t klen;
-	erlang_pid ref;
-	uint32_t id;
-	if (get_atom(b, &i, origin, sizeof origin) || get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref)) {
-		malformed(reg ? "rregister" : "rderegister");
-		return;
-	}
-	/* A deregistration needs no id: it removes the ref whatever its origin. */
-	id = origin_id(origin, reg);
-	if (reg && !id) {
-		malformed("rregister: too many origins");
-		return;
-	}
-	st.remote_ops++;
-	if (!reg) {
-		registry_deregister(st.reg, key, klen, &ref);
-		return;
-	}
-	int rc = registry_register(st.reg, key, klen, &ref, id);
-	if (rc < 0) {
-		st.refused++;
-		RLOG(AP_LOG_WARNING, "receptionist: a registration from %s under '%.*s' refused: %s", origin,
-		     (int)(klen > 64 ? 64 : klen), key, rc == -E2BIG ? "listing too large" : strerror(-rc));
-	}
-}
-
-/* {retag, Key, Ref, OriginNode | undefined}: Ref under Key is now held for
- * that origin (undefined: this node's own), because the origin it was held
- * for let go of it while another still holds it. No listing: no change. */
-static void do_retag(const char *b, size_t len, int i)
-{
-	char origin[MAXATOMLEN_UTF8];
-	const char *key;
-	size_t klen;
-	erlang_pid ref;
-	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
-		malformed("retag");
-		return;
-	}
-	uint32_t id = strcmp(origin, "undefined") ? origin_id(origin, 1) : REGISTRY_ORIGIN_LOCAL;
-	if (strcmp(origin, "undefined") && !id) {
-		malformed("retag: too many origins");
-		return;
-	}
-	st.remote_ops++;
-	int rc = registry_set_origin(st.reg, key, klen, &ref, id);
-	if (rc < 0)
-		RLOG(AP_LOG_ERROR, "receptionist: retag failed: %s", strerror(-rc));
-}
-
-static void do_find(const char *b, size_t len, int i)
-{
-	const char *key;
-	size_t klen;
-	erlang_pid to;
-	const uint8_t *msg;
-	size_t mlen;
-	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &to)) {
-		malformed("find");
-		return;
-	}
-	st.finds++;
-	if (registry_listing(st.reg, key, klen, &msg, &mlen) == 0)
-		ap_send(st.n, st.self, &to, (const char *)msg, (int)mlen);
-}
-
-static void do_subscribe(const char *b, size_t len, int i, int sub)
-{
-	const char *key;
-	size_t klen;
-	erlang_pid pid;
-	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &pid)) {
-		malformed(sub ? "subscribe" : "unsubscribe");
-		return;
-	}
-	if (sub) {
-		st.subscribes++;
-		int rc = registry_subscribe(st.reg, key, klen, &pid);
-		if (rc < 0)
-			RLOG(AP_LOG_ERROR, "receptionist: subscribe failed: %s", strerror(-rc));
-	} else {
-		st.unsubscribes++;
-		registry_unsubscribe(st.reg, key, klen, &pid);
-	}
-}
-
-static void do_batch(const char *b, size_t len, int i, int depth)
-{
-	int n, type, size;
-	if (depth >= MAX_BATCH_DEPTH || ei_get_type(b, &i, &type, &size) ||
-	    (type != ERL_LIST_EXT && type != ERL_NIL_EXT) || ei_decode_list_header(b, &i, &n)) {
-		malformed("batch");
-		return;
-	}
-	/* A batch is a burst: a key changed several times in it is written
-	 * once (registry_defer). A lone change gains nothing from it. */
-	if (depth == 0)
-		registry_defer(st.reg, 1);
-	for (int k = 0; k < n; k++) {
-		int end = ap_term_end(b, len, i);
-		if (end < 0)
-			break;
-		handle(b, len, i, depth + 1);
-		i = end;
-	}
-	if (depth == 0)
-		registry_defer(st.reg, 0);
-}
-
-static void handle(const char *b, size_t len, int i, int depth)
-{
-	int arity;
-	char op[24];
-	if (ei_decode_tuple_header(b, &i, &arity) || arity < 2 || get_atom(b, &i, op, sizeof op)) {
-		malformed("message");
-		return;
-	}
-	/* Changes of refs are reported once per key at the end of the message
-	 * (see registry_defer); anything else that sends, or that depends on
-	 * what was sent (an unsubscribe), has them reported first. */
-	if (strcmp(op, "register") && strcmp(op, "deregister") && strcmp(op, "rregister") &&
-	    strcmp(op, "rderegister") && strcmp(op, "retag") && strcmp(op, "batch"))
-		registry_flush(st.reg);
-	if (arity == 4 && !strcmp(op, "register"))
-		do_register(b, len, i, 1);
-	else if (arity == 4 && !strcmp(op, "deregister"))
-		do_register(b, len, i, 0);
-	else if (arity == 4 && !strcmp(op, "rregister"))
-		do_remote(b, len, i, 1);
-	else if (arity == 4 && !strcmp(op, "rderegister"))
-		do_remote(b, len, i, 0);
-	else if (arity == 4 && !strcmp(op, "retag"))
-		do_retag(b, len, i);
-	else if (arity == 2 && !strcmp(op, "drop_origin")) {
-		/* {drop_origin, Node}: that member left; its registrations go,
-		 * each changed key reported once. */
-		char origin[MAXATOMLEN_UTF8];
-		if (get_atom(b, &i, origin, sizeof origin)) {
-			malformed("drop_origin");
-			return;
-		}
-		uint32_t id = origin_id(origin, 0);
-		st.origin_drops++;
-		if (id) {
-			/* It reports each key once already, and may rebuild the
-			 * snapshot instead of writing per key. */
-			int deferring = registry_deferring(st.reg);
-			registry_defer(st.reg, 0);
-			drop_origin(id);
-			registry_defer(st.reg, deferring);
-		}
-	} else if (arity == 3 && !strcmp(op, "find"))
-		do_find(b, len, i);
-	else if (arity == 3 && !strcmp(op, "subscribe"))
-		do_subscribe(b, len, i, 1);
-	else if (arity == 3 && !strcmp(op, "unsubscribe"))
-		do_subscribe(b, len, i, 0);
-	else if (arity == 2 && !strcmp(op, "unsubscribe_all")) {
-		erlang_pid pid;
-		if (get_pid(b, &i, &pid)) {
-			malformed("unsubscribe_all");
-			return;
-		}
-		st.unsubscribes++;
-		registry_unsubscribe_all(st.reg, &pid);
-	} else if (arity == 2 && !strcmp(op, "batch")) {
-		do_batch(b, len, i, depth);
-	} else if (arity == 3 && !strcmp(op, "send")) {
-		/* {send, Pid, Term}: the BEAM's own messages to a subscriber (a
-		 * rejection) go out in order with our listings to it. */
-		erlang_pid to;
-		if (get_pid(b, &i, &to)) {
-			malformed("send");
-			return;
-		}
-		/* Term's end by the walk: ei_skip_term would trust a fun's
-		 * Size and carry on into whatever follows. */
-		int t0 = i;
-		if (ap_term_skip(b, len, &i)) {
-			malformed("send");
-			return;
-		}
-		ap_send(st.n, st.self, &to, b + t0, i - t0);
-	} else {
-		malformed("message");
-	}
-}
-
-/* ---- calls ---------------------------------------------------------------------------- */
-
-static void reply_badarg(ap_node *n, ap_proc *self, const ap_msg *m, const char *what)
-{
-	malformed(what);
-	x_reset();
-	ei_x_encode_tuple_header(&st.x, 2);
-	ei_x_encode_atom(&st.x, "error");
-	ei_x_encode_atom(&st.x, "badarg");
-	ap_reply(n, self, m, st.x.buff, st.x.index);
-}
-
-static void x_counter(const char *name, uint64_t v)
-{
-	ei_x_encode_atom(&st.x, name);
-	ei_x_encode_ulonglong(&st.x, v);
-}
-
-static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
-{
-	registry_stats rs;
-	uint64_t skeys = 0, used = 0, compactions = 0;
-	registry_get_stats(st.reg, &rs);
-	if (st.w)
-		ap_shm_writer_stats(st.w, &skeys, &used, &compactions);
-	x_reset();
-	ei_x_encode_map_header(&st.x, 28);
-	x_counter("keys", rs.keys);
-	x_counter("refs", rs.refs);
-	x_counter("subscriptions", rs.subscriptions);
-	x_counter("subscribers", rs.subscribers);
-	x_counter("listings_sent", rs.listings_sent);
-	x_counter("registers", st.registers);
-	x_counter("deregisters", st.deregisters);
-	x_counter("finds", st.finds);
-	x_counter("subscribes", st.subscribes);
-	x_counter("unsubscribes", st.unsubscribes);
-	x_counter("malformed", st.malformed);
-	x_counter("refused", st.refused);
-	x_counter("remote_ops", st.remote_ops);
-	x_counter("origin_drops", st.origin_drops);
-	x_counter("origins", st.norigins);
-	x_counter("oversized", ap_node_get_stats(n)->oversized);
-	x_counter("entries", rs.entries);
-	x_counter("nodes", rs.nodes);
-	x_counter("memory", registry_mem_bytes(st.reg));
-	ei_x_encode_atom(&st.x, "shm_state");
-	ei_x_encode_atom(&st.x, shm_state_name());
-	x_counter("shm_keys", skeys);
-	x_counter("shm_used", used);
-	x_counter("shm_compactions", compactions);
-	x_counter("shm_errors", st.shm_errors);
-	x_counter("shm_rebuilds", st.rebuilds);
-	x_counter("shm_size", st.w ? st.shm_bytes : 0);
-	ei_x_encode_atom(&st.x, "shm_name");
-	ei_x_encode_binary(&st.x, st.shm_name, st.w ? (long)strlen(st.shm_name) : 0);
-	ei_x_encode_atom(&st.x, "io");
-	ei_x_encode_atom(&st.x, ap_node_backend(n));
-	ap_reply(n, self, m, st.x.buff, st.x.index);
-}
-
-static void reply_dump(ap_node *n, ap_proc *self, const ap_msg *m, long long max)
-{
-	registry_stats rs;
-	registry_get_stats(st.reg, &rs);
-	uint64_t count = (uint64_t)max < rs.keys ? (uint64_t)max : rs.keys;
-	size_t cursor = 0;
-	x_reset();
-	if (count)
-		ei_x_encode_list_header(&st.x, (long)count);
-	for (uint64_t k = 0; k < count; k++) {
-		const uint8_t *key, *val;
-		size_t klen, vlen;
-		if (registry_next(st.reg, &cursor, &key, &klen, &val, &vlen) != 1)
-			break; /* cannot happen: count keys exist */
-		ei_x_encode_tuple_header(&st.x, 2);
-		ei_x_encode_binary(&st.x, key, (long)klen);
-		ei_x_append_buf(&st.x, (const char *)val + 1, (int)vlen - 1);
-	}
-	ei_x_encode_empty_list(&st.x);
-	ap_reply(n, self, m, st.x.buff, st.x.index);
-}
-
-static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
-{
-	const char *b = m->buf;
-	size_t len = (size_t)m->len;
-	int i = m->index, arity;
-	char op[16];
-	if (get_atom(b, &i, op, sizeof op) == 0) {
-		if (!strcmp(op, "sync")) {
-			ap_reply_atom(n, self, m, "ok");
-		} else if (!strcmp(op, "pid")) {
-			/* The BEAM addresses this incarnation by pid: a message meant
-			 * for an earlier one is then dropped, not applied here. */
-			x_reset();
-			ei_x_encode_pid(&st.x, &self->pid);
-			ap_reply(n, self, m, st.x.buff, st.x.index);
-		} else if (!strcmp(op, "stats")) {
-			reply_stats(n, self, m);
-		} else {
-			reply_badarg(n, self, m, "call");
-		}
-		return;
-	}
-	i = m->index;
-	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || get_atom(b, &i, op, sizeof op)) {
-		reply_badarg(n, self, m, "call");
-		return;
-	}
-	if (!strcmp(op, "lookup")) {
-		const char *key;
-		size_t klen;
-		const uint8_t *val;
-		size_t vlen;
-		if (get_key(b, len, &i, &key, &klen) || registry_value(st.reg, key, klen, &val, &vlen)) {
-			reply_badarg(n, self, m, "lookup");
-			return;
-		}
-		ap_reply(n, self, m, (const char *)val, (int)vlen);
-	} else if (!strcmp(op, "dump")) {
-		long long max;
-		if (ei_decode_longlong(b, &i, &max) || max < 0) {
-			reply_badarg(n, self, m, "dump");
-			return;
-		}
-		reply_dump(n, self, m, max);
-	} else {
-		reply_badarg(n, self, m, "call");
-	}
-}
-
-static void rcpt_fn(ap_node *n, ap_proc *self, const ap_msg *m)
-{
-	switch (m->kind) {
-	case AP_MSG_CALL:
-		handle_call(n, self, m);
-		break;
-	case AP_MSG_INFO:
-	case AP_MSG_CAST:
-		handle(m->buf, (size_t)m->len, m->index, 0);
-		break;
-	case AP_MSG_EXIT:
-		break;
-	}
-}
+static int torn_down;
+static int under_port; /* started by an owner through a port (--port) */
 
 /* ---- signals: SIGTERM (and SIGINT by hand) stop the loop, so the exit path runs -------- */
 
@@ -867,8 +64,7 @@ static void *sig_main(void *arg)
 	while (sigwait(&stop_sigs, &sig) == 0) {
 		if (got++ == 0 && ap_node_call_on_loop(n, stop_on_loop, NULL) == 0)
 			continue;
-		if (st.w)
-			ap_shm_writer_unlink(st.w); /* only if the name is still ours */
+		rcpt_snap_unlink();
 		_exit(128 + sig);
 	}
 	return NULL;
@@ -900,103 +96,44 @@ static int start_signal_thread(ap_node *n, int port_mode)
 
 static void teardown(void)
 {
-	if (st.torn_down)
+	if (torn_down)
 		return;
-	st.torn_down = 1;
+	torn_down = 1;
 	if (sig_thread_started) {
 		pthread_cancel(sig_thread);
 		pthread_join(sig_thread, NULL);
 		sig_thread_started = 0;
 	}
-	if (st.w) {
-		ap_shm_writer_close(st.w, 1);
-		st.w = NULL;
-	}
-	registry_free(st.reg);
-	free(st.origins);
-	free(st.held);
-	st.reg = NULL;
-	ei_x_free(&st.x);
+	rcpt_snap_close();
+	rcpt_proto_free();
 }
 
-/* ---- orphaned snapshots -------------------------------------------------------------------- */
+struct args {
+	char shm_name[RCPT_SNAP_NAME_MAX]; /* "": the default */
+	long long mb, max_listing;
+};
 
-#define SHM_DIR "/dev/shm"
-#define SHM_PREFIX "actor_pool."
-#define SHM_TAKEOVER_MS 3000    /* how long a start waits for the previous writer of its name */
-#define SHM_TAKEOVER_POLL_MS 10
-#define AP_STR_(x) #x
-#define AP_STR(x) AP_STR_(x)
-
-static void on_swept(void *arg, const struct ap_shm_swept *s)
-{
-	const struct ap_shm_verdict *v = &s->v;
-	(void)arg;
-	switch (v->fate) {
-	case AP_SHM_FATE_LIVE:
-		ap_log(AP_LOG_DEBUG, "receptionist: kept " SHM_DIR "/%s: its writer (pid %llu as stamped) holds it",
-		       s->name, (unsigned long long)v->pid);
-		break;
-	case AP_SHM_FATE_GONE:
-		if (s->removed)
-			ap_log(AP_LOG_NOTICE,
-			       "receptionist: removed orphaned snapshot " SHM_DIR "/%s: its writer (pid %llu as "
-			       "stamped) is gone%s%s",
-			       s->name, (unsigned long long)v->pid, v->why ? ": " : "", v->why ? v->why : "");
-		else if (s->err != ENOENT) /* ENOENT: another sweeper was first */
-			ap_log(AP_LOG_WARNING, "receptionist: cannot remove orphaned snapshot " SHM_DIR "/%s: %s",
-			       s->name, s->err == ESTALE ? "replaced while judged" : strerror(s->err));
-		break;
-	case AP_SHM_FATE_UNKNOWN:
-		break; /* layouts 3, 4: counted in the summary */
-	case AP_SHM_FATE_UNREADABLE:
-		ap_log(AP_LOG_WARNING, "receptionist: left " SHM_DIR "/%s alone: %s%s%s", s->name, v->why,
-		       s->err ? ": " : "", s->err ? strerror(s->err) : "");
-		break;
-	}
-}
-
-static void sweep_orphans(void)
-{
-	struct ap_shm_sweep_sum sum;
-	int rc = ap_shm_sweep(SHM_DIR, SHM_PREFIX, NULL, on_swept, NULL, &sum);
-	if (rc < 0) {
-		ap_log(AP_LOG_WARNING, "receptionist: cannot look for orphaned snapshots in " SHM_DIR ": %s",
-		       strerror(-rc));
-		return;
-	}
-	/* One line for everything left alone, never one per entry: the
-	 * directory may be anyone's. */
-	if (sum.v3_kept || sum.foreign || sum.capped)
-		ap_log(AP_LOG_NOTICE,
-		       "receptionist: snapshot sweep of " SHM_DIR "/" SHM_PREFIX "*: removed %u; left alone %u of "
-		       "layout 3 or 4 whose writer pid a process here has (remove by hand once those nodes are "
-		       "gone), %u live, %u not ours (another user's or not regular files)%s",
-		       sum.removed, sum.v3_kept, sum.live, sum.foreign,
-		       sum.capped ? "; stopped at " AP_STR(AP_SHM_SWEEP_MAX) " of ours" : "");
-}
-
-static int parse_args(int argc, char **argv, long long *mb, long long *max_listing)
+static int parse_args(int argc, char **argv, struct args *a)
 {
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--shm") && k + 1 < argc) {
 			const char *v = argv[++k];
-			if (strlen(v) >= sizeof st.shm_name) {
+			if (strlen(v) >= sizeof a->shm_name) {
 				ap_log(AP_LOG_ERROR, "--shm name too long");
 				return -1;
 			}
-			snprintf(st.shm_name, sizeof st.shm_name, "%s", v);
+			snprintf(a->shm_name, sizeof a->shm_name, "%s", v);
 		} else if (!strcmp(argv[k], "--shm-mb") && k + 1 < argc) {
 			char *end;
-			*mb = strtoll(argv[++k], &end, 10);
-			if (*end || *mb < 0 || *mb > 65536) {
+			a->mb = strtoll(argv[++k], &end, 10);
+			if (*end || a->mb < 0 || a->mb > 65536) {
 				ap_log(AP_LOG_ERROR, "bad --shm-mb '%s': want 0..65536 (MiB)", argv[k]);
 				return -1;
 			}
 		} else if (!strcmp(argv[k], "--max-listing-bytes") && k + 1 < argc) {
 			char *end;
-			*max_listing = strtoll(argv[++k], &end, 10);
-			if (*end || *max_listing < 2 || *max_listing > (long long)AP_SHM_MAX_VAL) {
+			a->max_listing = strtoll(argv[++k], &end, 10);
+			if (*end || a->max_listing < 2 || a->max_listing > (long long)AP_SHM_MAX_VAL) {
 				ap_log(AP_LOG_ERROR, "bad --max-listing-bytes '%s': want 2..%u", argv[k], AP_SHM_MAX_VAL);
 				return -1;
 			}
@@ -1008,62 +145,22 @@ static int parse_args(int argc, char **argv, long long *mb, long long *max_listi
 	return 0;
 }
 
-/* The previous incarnation of this node may still be exiting (the BEAM
- * restarted it at once): wait for its lock to go, bounded. The polling is
- * on a lock with a deadline; nothing else announces it. */
-static int create_snapshot(uint64_t incarnation)
-{
-	int64_t deadline = ap_mono_ms() + SHM_TAKEOVER_MS;
-	for (;;) {
-		int rc = ap_shm_writer_create(&st.w, st.shm_name, st.shm_bytes, ap_node_name(st.n), incarnation);
-		if (rc != -EEXIST || ap_mono_ms() >= deadline)
-			return rc;
-		nanosleep(&(struct timespec){ .tv_nsec = SHM_TAKEOVER_POLL_MS * 1000000L }, NULL);
-	}
-}
-
 static int rcpt_init(ap_node *n, int argc, char **argv)
 {
-	long long mb = DEFAULT_SHM_MB, max_listing = AP_SHM_MAX_VAL;
-	st.n = n;
-	if (parse_args(argc, argv, &mb, &max_listing))
+	struct args a = { .mb = DEFAULT_SHM_MB, .max_listing = AP_SHM_MAX_VAL };
+	rcpt_log_init(n);
+	if (parse_args(argc, argv, &a))
 		return 1;
-	if (!st.shm_name[0])
-		snprintf(st.shm_name, sizeof st.shm_name, "/actor_pool.%s", ap_node_name(n));
-	static const registry_ops ops = { .on_change = on_change, .on_listing = on_listing };
-	st.max_listing = (size_t)max_listing;
-	if (ei_x_new(&st.x) || !(st.reg = registry_new(&ops, NULL, (size_t)max_listing)))
+	if (!a.shm_name[0])
+		snprintf(a.shm_name, sizeof a.shm_name, "/actor_pool.%s", ap_node_name(n));
+	ap_proc *self = rcpt_proto_start(n, (size_t)a.max_listing);
+	if (!self)
 		return 1;
-	st.self = ap_proc_spawn(n, PROC_NAME, rcpt_fn, &st);
-	if (!st.self)
-		return 1;
-	if (start_signal_thread(n, st.port_mode))
+	if (start_signal_thread(n, under_port))
 		ap_log(AP_LOG_WARNING, "receptionist: cannot handle SIGTERM/SIGINT: %s", strerror(errno));
-	sweep_orphans();
-	if (mb > 0) {
-		st.shm_bytes = (size_t)mb << 20;
-		uint64_t incarnation = st.self->pid.creation ? st.self->pid.creation : (uint64_t)getpid();
-		int rc = create_snapshot(incarnation);
-		if (rc == -EEXIST) {
-			/* Held after SHM_TAKEOVER_MS: never taken from a writer. */
-			ap_log(AP_LOG_ERROR,
-			       "receptionist: snapshot %s is still held by its writer after %d ms (a node of this "
-			       "name runs, or an old one has not exited); running without (lookups ask the "
-			       "receptionist)",
-			       st.shm_name, SHM_TAKEOVER_MS);
-			st.w = NULL;
-		} else if (rc) {
-			/* Lookups still work, through the receptionist. */
-			ap_log(AP_LOG_ERROR, "receptionist: cannot create snapshot %s (%zu bytes): %s%s; running without",
-			       st.shm_name, st.shm_bytes, strerror(-rc),
-			       rc == -EPERM ? " (another user's object, or no regular file, has the name)" : "");
-			st.w = NULL;
-		} else {
-			ap_shm_heartbeat(st.w, mono_ms());
-			ap_node_timer(n, HEARTBEAT_MS, heartbeat_tick, NULL);
-			ap_log(AP_LOG_INFO, "receptionist: snapshot %s, %lld MiB", st.shm_name, mb);
-		}
-	}
+	rcpt_snap_sweep();
+	uint64_t incarnation = self->pid.creation ? self->pid.creation : (uint64_t)getpid();
+	rcpt_snap_open(a.shm_name, (size_t)a.mb << 20, incarnation);
 	return 0;
 }
 
@@ -1071,7 +168,7 @@ int main(int argc, char **argv)
 {
 	/* Also on exit() from elsewhere: the segment name must not outlive us. */
 	atexit(teardown);
-	st.port_mode = argc == 2 && !strcmp(argv[1], "--port");
+	under_port = argc == 2 && !strcmp(argv[1], "--port");
 	int rc = ap_cnode_main(argc, argv, "actor_receptionist_node", rcpt_init);
 	teardown();
 	return rc;

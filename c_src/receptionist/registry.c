@@ -1,7 +1,14 @@
 /* registry: the receptionist's registry core (see registry.h).
  *
- * Structures (all open addressing with linear probing and backward-shift
- * deletion, so there are no tombstones and tables shrink back):
+ * Whole although over 700 lines: one structure whose parts (keys and their
+ * refs, interned nodes and groups, subscriptions, deferred reports) keep
+ * invariants across each other that every operation maintains and
+ * registry_check verifies together; split, each part would need the
+ * others' structs. Its generic containers are in ptab.c.
+ *
+ * Structures (the tables are ptab.h's: open addressing with linear probing
+ * and backward-shift deletion, so there are no tombstones and tables
+ * shrink back; ids come from its idvec):
  *
  *   keys      rkey* by key bytes (SipHash-1-3 with a random key: key bytes
  *             come from users, so collisions must not be choosable).
@@ -19,7 +26,8 @@
  */
 #include "registry.h"
 
-#include "ap_shm.h"
+#include "ap_siphash.h"
+#include "ptab.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -30,7 +38,6 @@
 #include <unistd.h>
 
 #define RSET_MIN 8    /* keys with more ref slots than this get a set */
-#define TAB_MIN 16u   /* smallest hash table */
 #define PID_SUFFIX 12 /* NEW_PID_EXT after the node atom: num, serial, creation */
 /* The listing message's head: 131, {listing, {service_key, <<Key>>}, ... */
 #define HEAD_LEN(klen) (32 + (klen))
@@ -107,25 +114,6 @@ struct rsubn {
 	struct rsubn *kprev, *knext; /* in k->subs */
 	struct rsubn *sprev, *snext; /* in s->keys */
 };
-
-/* A table of pointers with their hashes beside them: a probe compares
- * hashes without touching the entries (cache misses at 100K+ keys). */
-struct pslot {
-	uint64_t h;
-	void *e; /* NULL: empty */
-};
-
-typedef struct ptab {
-	struct pslot *s;
-	size_t cap, n;
-} ptab;
-
-/* Ids for nodes and groups: slot i holds the object with id i, or NULL. */
-typedef struct idvec {
-	void **v;
-	uint32_t *freeids;
-	uint32_t n, cap, nfree;
-} idvec;
 
 struct registry {
 	registry_ops ops;
@@ -206,106 +194,6 @@ static inline void put32be(uint8_t *p, uint32_t v)
 	p[3] = (uint8_t)v;
 }
 
-/* ---- generic pointer tables ----------------------------------------------- */
-
-static int ptab_resize(registry *r, ptab *t, size_t cap)
-{
-	struct pslot *s = rcalloc(r, cap, sizeof *s);
-	if (!s)
-		return -1;
-	size_t m = cap - 1;
-	for (size_t i = 0; i < t->cap; i++) {
-		if (!t->s[i].e)
-			continue;
-		size_t j = t->s[i].h & m;
-		while (s[j].e)
-			j = (j + 1) & m;
-		s[j] = t->s[i];
-	}
-	rfree(r, t->s, t->cap * sizeof *s);
-	t->s = s;
-	t->cap = cap;
-	return 0;
-}
-
-/* Room for one more entry at a load of at most 3/4. */
-static int ptab_reserve(registry *r, ptab *t)
-{
-	if ((t->n + 1) * 4 <= t->cap * 3)
-		return 0;
-	return ptab_resize(r, t, t->cap ? t->cap * 2 : TAB_MIN);
-}
-
-static void ptab_put(ptab *t, uint64_t h, void *e)
-{
-	size_t m = t->cap - 1, j = h & m;
-	while (t->s[j].e)
-		j = (j + 1) & m;
-	t->s[j].h = h;
-	t->s[j].e = e;
-	t->n++;
-}
-
-static void ptab_del(registry *r, ptab *t, uint64_t h, const void *e)
-{
-	size_t m = t->cap - 1, i = h & m;
-	while (t->s[i].e != e)
-		i = (i + 1) & m;
-	/* Backward shift: pull later entries of the run into the hole when
-	 * their home slot is not between the hole and where they are. */
-	for (size_t j = i;;) {
-		j = (j + 1) & m;
-		if (!t->s[j].e)
-			break;
-		size_t home = t->s[j].h & m;
-		if (((j - home) & m) >= ((j - i) & m)) {
-			t->s[i] = t->s[j];
-			i = j;
-		}
-	}
-	t->s[i].e = NULL;
-	t->s[i].h = 0;
-	t->n--;
-	if (t->cap > TAB_MIN && t->n * 8 < t->cap)
-		ptab_resize(r, t, t->cap / 2); /* on failure it just stays larger */
-}
-
-/* ---- ids -------------------------------------------------------------------- */
-
-static int idvec_alloc(registry *r, idvec *iv, uint32_t *id)
-{
-	if (iv->nfree) {
-		*id = iv->freeids[--iv->nfree];
-		return 0;
-	}
-	if (iv->n == iv->cap) {
-		uint32_t cap = iv->cap ? iv->cap * 2 : 8;
-		void **v = rcalloc(r, cap, sizeof *v);
-		uint32_t *f = rmalloc(r, cap * sizeof *f);
-		if (!v || !f) {
-			rfree(r, v, cap * sizeof *v);
-			rfree(r, f, cap * sizeof *f);
-			return -1;
-		}
-		if (iv->n)
-			memcpy(v, iv->v, iv->n * sizeof *v);
-		rfree(r, iv->v, iv->cap * sizeof *v);
-		rfree(r, iv->freeids, iv->cap * sizeof *f);
-		iv->v = v;
-		iv->freeids = f;
-		iv->cap = cap;
-	}
-	*id = iv->n++;
-	return 0;
-}
-
-/* Never allocates: freeids has room for every id. */
-static void idvec_release(idvec *iv, uint32_t id)
-{
-	iv->v[id] = NULL;
-	iv->freeids[iv->nfree++] = id;
-}
-
 /* ---- nodes ------------------------------------------------------------------ */
 
 /* The id of node `name`, interned if create. -ENOENT (not create),
@@ -343,12 +231,12 @@ static int node_get(registry *r, const char *name, int create)
 	if (ei_encode_pid(enc, &idx, p) || enc[0] != 88 /* NEW_PID_EXT */)
 		return -EINVAL;
 	uint32_t plen = (uint32_t)idx - PID_SUFFIX, id;
-	if (ptab_reserve(r, &r->node_tab))
+	if (ptab_reserve(&r->mem, &r->node_tab))
 		return -ENOMEM;
 	struct rnode *nd = rmalloc(r, sizeof *nd + plen + nlen + 1);
 	if (!nd)
 		return -ENOMEM;
-	if (idvec_alloc(r, &r->nodes, &id)) {
+	if (idvec_alloc(&r->mem, &r->nodes, &id)) {
 		rfree(r, nd, sizeof *nd + plen + nlen + 1);
 		return -ENOMEM;
 	}
@@ -371,7 +259,7 @@ static void node_gc(registry *r, uint32_t id)
 	struct rnode *nd = id < r->nodes.n ? NODE(r, id) : NULL;
 	if (!nd || nd->refs)
 		return;
-	ptab_del(r, &r->node_tab, nd->hash, nd);
+	ptab_del(&r->mem, &r->node_tab, nd->hash, nd);
 	idvec_release(&r->nodes, id);
 	rfree(r, nd, sizeof *nd + nd->plen + nd->nlen + 1);
 }
@@ -405,13 +293,13 @@ static struct rgroup *group_get(registry *r, uint32_t origin, uint32_t node, int
 			}
 		}
 	}
-	if (!create || ptab_reserve(r, &r->group_tab))
+	if (!create || ptab_reserve(&r->mem, &r->group_tab))
 		return NULL;
 	uint32_t id;
 	g = rcalloc(r, 1, sizeof *g);
 	if (!g)
 		return NULL;
-	if (idvec_alloc(r, &r->groups, &id)) {
+	if (idvec_alloc(&r->mem, &r->groups, &id)) {
 		rfree(r, g, sizeof *g);
 		return NULL;
 	}
@@ -432,7 +320,7 @@ static void group_gc(registry *r, struct rgroup *g)
 	if (g->nrefs || g->draining)
 		return;
 	uint32_t node = g->node;
-	ptab_del(r, &r->group_tab, g->hash, g);
+	ptab_del(&r->mem, &r->group_tab, g->hash, g);
 	idvec_release(&r->groups, g->id);
 	rfree(r, g->ks, g->kcap * sizeof *g->ks);
 	rfree(r, g, sizeof *g);
@@ -677,7 +565,7 @@ static struct rkey *key_find(const registry *r, const void *key, size_t klen, ui
 
 static struct rkey *key_new(registry *r, const void *key, size_t klen, uint64_t h)
 {
-	if (ptab_reserve(r, &r->keys))
+	if (ptab_reserve(&r->mem, &r->keys))
 		return NULL;
 	struct rkey *k = rmalloc(r, sizeof *k + klen);
 	if (!k)
@@ -695,7 +583,7 @@ static void key_gc(registry *r, struct rkey *k)
 {
 	if (k->nrefs || k->subs || k->dirty)
 		return;
-	ptab_del(r, &r->keys, key_hash(r, k->key, k->klen), k);
+	ptab_del(&r->mem, &r->keys, key_hash(r, k->key, k->klen), k);
 	if (k->cap > 1)
 		rfree(r, k->r.many, refs_bytes(k->cap));
 	rfree(r, k, sizeof *k + k->klen);
@@ -944,15 +832,13 @@ void registry_free(registry *r)
 	}
 	for (uint32_t i = 0; i < r->nodes.n; i++)
 		free(r->nodes.v[i]);
-	free(r->nodes.v);
-	free(r->nodes.freeids);
-	free(r->groups.v);
-	free(r->groups.freeids);
-	free(r->keys.s);
-	free(r->subs.s);
-	free(r->subns.s);
-	free(r->node_tab.s);
-	free(r->group_tab.s);
+	idvec_free(&r->mem, &r->nodes);
+	idvec_free(&r->mem, &r->groups);
+	ptab_free(&r->mem, &r->keys);
+	ptab_free(&r->mem, &r->subs);
+	ptab_free(&r->mem, &r->subns);
+	ptab_free(&r->mem, &r->node_tab);
+	ptab_free(&r->mem, &r->group_tab);
 	for (size_t i = 0; i < r->ndirty; i++)
 		free(r->dirty[i].was);
 	free(r->dirty);
@@ -1181,7 +1067,7 @@ static struct rsub *sub_get(registry *r, uint32_t nid, const erlang_pid *p, int 
 				return s;
 		}
 	}
-	if (!create || ptab_reserve(r, &r->subs))
+	if (!create || ptab_reserve(&r->mem, &r->subs))
 		return NULL;
 	struct rsub *s = rcalloc(r, 1, sizeof *s);
 	if (!s)
@@ -1201,7 +1087,7 @@ static void sub_gc(registry *r, struct rsub *s)
 	if (s->keys)
 		return;
 	uint32_t nid = s->node;
-	ptab_del(r, &r->subs, s->hash, s);
+	ptab_del(&r->mem, &r->subs, s->hash, s);
 	rfree(r, s, sizeof *s);
 	node_unref(r, nid);
 }
@@ -1240,7 +1126,7 @@ static void subn_free(registry *r, struct rsubn *sn)
 		sn->s->keys = sn->snext;
 	if (sn->snext)
 		sn->snext->sprev = sn->sprev;
-	ptab_del(r, &r->subns, sn->hash, sn);
+	ptab_del(&r->mem, &r->subns, sn->hash, sn);
 	rfree(r, sn, sizeof *sn);
 	r->nsubscriptions--;
 }
@@ -1270,7 +1156,7 @@ int registry_subscribe(registry *r, const void *key, size_t klen, const erlang_p
 	struct rsubn *sn = subn_find(r, k, s);
 	int rc = 0;
 	if (!sn) {
-		if (ptab_reserve(r, &r->subns) || !(sn = rmalloc(r, sizeof *sn))) {
+		if (ptab_reserve(&r->mem, &r->subns) || !(sn = rmalloc(r, sizeof *sn))) {
 			key_gc(r, k);
 			sub_gc(r, s);
 			return -ENOMEM;
@@ -1408,25 +1294,6 @@ size_t registry_mem_bytes(const registry *r) { return r->mem + sizeof *r; }
 			goto done;                                                                 \
 		}                                                                                  \
 	} while (0)
-
-static int ptab_has(const ptab *t, uint64_t h, const void *e)
-{
-	if (!t->cap)
-		return 0;
-	size_t m = t->cap - 1;
-	for (size_t j = h & m; t->s[j].e; j = (j + 1) & m)
-		if (t->s[j].e == e)
-			return t->s[j].h == h;
-	return 0;
-}
-
-static size_t ptab_count(const ptab *t)
-{
-	size_t n = 0;
-	for (size_t i = 0; i < t->cap; i++)
-		n += t->s[i].e != NULL;
-	return n;
-}
 
 int registry_check(const registry *r, char *why, size_t cap)
 {

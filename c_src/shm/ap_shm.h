@@ -190,9 +190,6 @@ struct ap_shm_entry {
  * AP_SHM_SEED_K1. Part of the format: the writer and every reader must use
  * this very function with the segment's hash_seed. */
 uint64_t ap_shm_hash(uint64_t seed, const void *key, size_t klen);
-/* SipHash-1-3 with the 128-bit key (k0, k1), little-endian words: the keyed
- * hash behind ap_shm_hash, shared with the receptionist's own tables. */
-uint64_t ap_siphash13(uint64_t k0, uint64_t k1, const void *in, size_t len);
 
 /* ---- writer (one thread) ------------------------------------------------ */
 
