@@ -54,7 +54,7 @@
 /* Over 700 lines on purpose: the mapping's replacement, its retirement and
  * the two per-scheduler caches above share one rule (never read a retired
  * mapping, never answer from a stale cache entry); kept in one file so that
- * rule is checked in one place. The segment's format is ap_shm.c's. */
+ * rule is checked in one place. The segment's format is ap_shm.h's. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
