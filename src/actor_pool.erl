@@ -129,18 +129,6 @@
 %% Starting a pool runs every worker's handler init; stopping one waits for
 %% the handlers that are running.
 -define(MANAGER_TIMEOUT, 30000).
--define(MAX_WORKERS, 1024).
--define(MAX_MAILBOX, 1048576).
--define(MAX_BACKOFF_MS, 3600000).
--define(MAX_STABLE_MS, 86400000).
--define(MAX_HANDLER_TIMEOUT_MS, 86400000).
--define(MAX_MEMORY_MB, 1048576).
-%% The pool node reads plugin paths into a 4 KiB buffer.
--define(MAX_PATH, 4095).
-%% Container nesting of a message: a C node accepts 1024 levels
-%% (AP_TERM_MAX_DEPTH in c_src/cnode/ap_term.h), and a batch wraps a message
-%% in three more ({'$ap_batch', [{ask, ...}]}).
--define(MAX_DEPTH, 1000).
 
 %% ===================================================================
 %% API
@@ -209,7 +197,7 @@ start_pool(Name, Handler, Opts) ->
 %% actor_pool_keeper (which calls this with `nokeep' when it starts one again).
 -spec start_pool(name(), handler(), opts(), keep | nokeep) -> {ok, pid()} | {error, term()}.
 start_pool(Name, Handler, Opts, Keep) ->
-    case validate(Name, Handler, Opts) of
+    case actor_pool_opts:validate(Name, Handler, Opts, pool_node()) of
         {ok, PoolNode, Handler1, Full0} ->
             {Key, Full1} = case maps:take(service_key, Full0) of
                                {Id, Rest} -> {Id, Rest};
@@ -402,7 +390,7 @@ stop_pool(Pool) ->
 %% oversized/0} and logged (a warning, at most one a second).
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
-    case sendable(Msg) of
+    case actor_pool_opts:sendable(Msg) of
         false ->
             erlang:error(badarg, [Pool, Msg]);
         Est ->
@@ -463,7 +451,7 @@ ask(Pool, Msg) ->
 -spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
 ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
-    case sendable(Msg) of
+    case actor_pool_opts:sendable(Msg) of
         false ->
             erlang:error(badarg, [Pool, Msg, Timeout]);
         Est ->
@@ -578,8 +566,8 @@ by_key(Key) ->
         [] -> no_pool;
         [Pid] -> {ok, Pid, node(Pid)};
         Pids ->
-            Host = host(node()),
-            Pick = case [P || P <- Pids, host(node(P)) =:= Host] of
+            Host = actor_pool_opts:host(node()),
+            Pick = case [P || P <- Pids, actor_pool_opts:host(node(P)) =:= Host] of
                        [] -> Pids;
                        Local -> Local
                    end,
@@ -764,7 +752,7 @@ ring_drained(Seg, Ticket, Deadline, N) ->
             ok
     end.
 
-%% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
+%% One record into the lane. Body: {term, Msg, Est} (Est: actor_pool_opts:sendable/1's
 %% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)).
 %% ok (tell) | {ok, AskId} | {ok, AskId, await} (a lone ask: worth an
 %% actor_dp:await/2) | full | {encoded, Bin} (the NIF did not encode Msg,
@@ -927,224 +915,3 @@ ring_answer({'$actor_dp_ext', Bin}) ->
     end;
 ring_answer(Reply) ->
     Reply.
-
-%% ===================================================================
-%% Validation
-%% ===================================================================
-
-validate(Name, _Handler, _Opts) when not is_atom(Name) ->
-    {error, {badarg, {name, Name}}};
-validate(_Name, _Handler, Opts) when not is_map(Opts) ->
-    {error, {badarg, {opts, Opts}}};
-validate(_Name, Handler, Opts) ->
-    case options(maps:to_list(Opts), defaults()) of
-        {ok, Full0} ->
-            {PoolNode, Full1} = case maps:take(node, Full0) of
-                                    {N, Rest} -> {N, Rest};
-                                    error -> {pool_node(), Full0}
-                                end,
-            case PoolNode of
-                undefined ->
-                    {error, noproc};
-                _ ->
-                    case handler(Handler, PoolNode) of
-                        {ok, Handler1} ->
-                            case isolation(Handler1, Full1) of
-                                {ok, Full} -> {ok, PoolNode, Handler1, Full};
-                                {error, _} = Error -> Error
-                            end;
-                        error ->
-                            {error, {badarg, {handler, Handler}}}
-                    end
-            end;
-        {error, _} = Error ->
-            Error
-    end.
-
-%% The isolation mode filled in (process for a plugin, thread for a
-%% built-in: those cannot crash, and a thread costs less); a memory limit
-%% needs a process to set it on.
-isolation(Handler, Opts) ->
-    Default = case Handler of
-                  {plugin, _} -> process;
-                  {plugin, _, _} -> process;
-                  _ -> thread
-              end,
-    Full = maps:merge(#{isolation => Default}, Opts),
-    case Full of
-        #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
-            {error, {badarg, {max_memory_mb, Mb}}};
-        _ ->
-            {ok, Full}
-    end.
-
-defaults() ->
-    #{workers => 0,
-      routing => round_robin,
-      mailbox_limit => 10000,
-      backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
-      stable_ms => 10000,
-      handler_timeout_ms => infinity,
-      max_memory_mb => infinity}.
-
-options([], Acc) ->
-    {ok, Acc};
-options([{Key, Value} | Rest], Acc) ->
-    case option(Key, Value) of
-        {ok, Valid} -> options(Rest, Acc#{Key => Valid});
-        error -> {error, {badarg, {Key, Value}}}
-    end.
-
-option(workers, N) when is_integer(N), N >= 1, N =< ?MAX_WORKERS ->
-    {ok, N};
-option(routing, R) when R =:= round_robin; R =:= smallest_mailbox; R =:= random ->
-    {ok, R};
-option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?MAX_MAILBOX ->
-    {ok, N};
-option(stable_ms, N) when is_integer(N), N >= 0, N =< ?MAX_STABLE_MS ->
-    {ok, N};
-option(isolation, I) when I =:= thread; I =:= process ->
-    {ok, I};
-option(handler_timeout_ms, infinity) ->
-    {ok, infinity};
-option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?MAX_HANDLER_TIMEOUT_MS ->
-    {ok, N};
-option(max_memory_mb, infinity) ->
-    {ok, infinity};
-option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?MAX_MEMORY_MB ->
-    {ok, N};
-option(backoff, #{} = B) ->
-    Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),
-    case Merged of
-        #{min_ms := Min, max_ms := Max, jitter := J}
-          when map_size(Merged) =:= 3,
-               is_integer(Min), Min >= 1,
-               is_integer(Max), Max >= Min, Max =< ?MAX_BACKOFF_MS,
-               is_number(J), J >= 0, J =< 1 ->
-            {ok, Merged#{jitter := float(J)}};
-        _ ->
-            error
-    end;
-option(service_key, Key) ->
-    case actor_receptionist:id(Key) of
-        {ok, Id} -> {ok, Id};
-        error -> error
-    end;
-option(fast_path, B) when is_boolean(B) ->
-    {ok, B};
-option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
-    case lists:member($@, atom_to_list(Node)) of
-        true -> {ok, Node};
-        false -> error
-    end;
-option(_Key, _Value) ->
-    error.
-
-handler(echo, _PoolNode) ->
-    {ok, echo};
-handler(json_validate, _PoolNode) ->
-    {ok, json_validate};
-handler({plugin, Path}, PoolNode) ->
-    case plugin_path(Path, PoolNode) of
-        {ok, Abs} -> {ok, {plugin, Abs}};
-        error -> error
-    end;
-handler({plugin, Path, Config}, PoolNode) ->
-    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) =/= false of
-        true ->
-            {ok, Abs} = plugin_path(Path, PoolNode),
-            {ok, {plugin, Abs, Config}};
-        false ->
-            error
-    end;
-handler(_, _PoolNode) ->
-    error.
-
-%% An absolute binary path. The file must exist when the pool node runs on
-%% this host (a pool node elsewhere checks on its own host and answers
-%% {plugin_load_failed, Path, Why}).
-plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
-    try unicode:characters_to_binary(Path) of
-        Bin when is_binary(Bin), byte_size(Bin) > 0 ->
-            Abs = filename:absname(Bin),
-            case byte_size(Abs) =< ?MAX_PATH
-                andalso binary:match(Abs, <<0>>) =:= nomatch
-                andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
-                true -> {ok, Abs};
-                false -> error
-            end;
-        _ ->
-            error
-    catch
-        error:_ -> error
-    end;
-plugin_path(_, _PoolNode) ->
-    error.
-
-same_host(PoolNode) ->
-    host(PoolNode) =:= host(node()).
-
-host(Node) ->
-    case string:split(atom_to_list(Node), "@") of
-        [_, Host] -> Host;
-        _ -> ""
-    end.
-
-%% An upper bound of T's external size, or false when T holds a closure or
-%% nests deeper than a C node accepts. A C node takes well-formed funs, but
-%% no handler can run a closure, so one is refused here with a clear error;
-%% containers nested deeper than the C node accepts (see ?MAX_DEPTH) would
-%% close the whole connection, failing every ask in flight to that node.
-%% The bound comes with the walk that these checks make anyway; a binary,
-%% the usual message, costs one test and its byte_size.
-sendable(T) -> sendable(T, 0, 0).
-
-%% D: containers open above T; A: the bytes counted so far.
-sendable(T, _D, A) when is_binary(T) -> A + byte_size(T) + 6;
-sendable(T, _D, A) when is_integer(T), T >= -16#80000000, T =< 16#7FFFFFFF -> A + 5;
-sendable(T, _D, A) when is_float(T) -> A + 9;
-%% An atom: at most 255 characters of up to 4 bytes, and a 3-byte header
-%% (a bound, not its size: no lookup of its text).
-sendable(T, _D, A) when is_atom(T) -> A + 1023;
-sendable(T, _D, A) when is_integer(T) -> A + erlang:external_size(T);
-sendable([], _D, A) -> A + 1;
-sendable([_ | _] = L, D, A) when D < ?MAX_DEPTH -> sendable_list(L, D + 1, A + 5);
-sendable(T, D, A) when is_tuple(T), D < ?MAX_DEPTH ->
-    sendable_tuple(T, tuple_size(T), D + 1, A + 5);
-sendable(T, D, A) when is_map(T), D < ?MAX_DEPTH ->
-    sendable_map(maps:next(maps:iterator(T)), D + 1, A + 5);
-sendable(F, D, A) when is_function(F), D < ?MAX_DEPTH ->
-    case erlang:fun_info(F, type) of
-        {type, external} -> A + erlang:external_size(F);
-        _ -> false
-    end;
-sendable(T, _D, A) when is_pid(T); is_port(T); is_reference(T) -> A + erlang:external_size(T);
-sendable(T, _D, A) when is_bitstring(T) -> A + byte_size(T) + 7;
-sendable(_T, _D, _A) -> false.
-
-sendable_list([H | T], D, A) ->
-    case sendable(H, D, A) of
-        false -> false;
-        A1 -> sendable_list(T, D, A1)
-    end;
-sendable_list([], _D, A) -> A + 1;
-sendable_list(Tail, D, A) -> sendable(Tail, D, A).
-
-sendable_tuple(_T, 0, _D, A) -> A;
-sendable_tuple(T, I, D, A) ->
-    case sendable(element(I, T), D, A) of
-        false -> false;
-        A1 -> sendable_tuple(T, I - 1, D, A1)
-    end.
-
-sendable_map(none, _D, A) -> A;
-sendable_map({K, V, Next}, D, A) ->
-    case sendable(K, D, A) of
-        false ->
-            false;
-        A1 ->
-            case sendable(V, D, A1) of
-                false -> false;
-                A2 -> sendable_map(maps:next(Next), D, A2)
-            end
-    end.
