@@ -126,9 +126,6 @@
 -define(DEFAULT_TIMEOUT, 5000).
 %% Learning another pool node's max_frame holds up one large message.
 -define(LEARN_TIMEOUT, 1000).
-%% Starting a pool runs every worker's handler init; stopping one waits for
-%% the handlers that are running.
--define(MANAGER_TIMEOUT, 30000).
 
 %% ===================================================================
 %% API
@@ -235,64 +232,15 @@ start_pool(Name, Handler, Opts, Keep) ->
             Error
     end.
 
-%% Registered before start_pool returns: a lookup right after sees it. A
-%% failed registration is undone (it may be journaled already) before the
-%% pool is stopped again.
+%% A failed registration is undone by actor_pool_keys; the pool is stopped
+%% again before the error is returned.
 register_pool(Id, Pid, Name) ->
-    case rcpt_sync(register, Id, Pid) of
+    case actor_pool_keys:register(Id, Pid, Name) of
         ok ->
-            _ = (catch ets:insert(?POOL_KEYS, {Pid, Name, node(Pid), Id})),
             {ok, Pid};
         {error, Why} ->
-            _ = rcpt_sync(deregister, Id, Pid),
             _ = stop_pool(Pid),
             {error, {register_failed, Why}}
-    end.
-
-%% Deregister what start_pool registered for this pool (by pid, or by name
-%% and pool node), and wait until it is recorded.
-deregister_pool(Pid, Name, PoolNode) ->
-    Rows = try
-               lists:usort(ets:match_object(?POOL_KEYS, {Pid, '_', '_', '_'}) ++
-                               ets:match_object(?POOL_KEYS, {'_', Name, PoolNode, '_'}))
-           catch
-               error:badarg -> []
-           end,
-    _ = [begin
-             _ = rcpt_sync(deregister, Id, P),
-             ets:delete_object(?POOL_KEYS, Row)
-         end || {P, _, _, Id} = Row <- Rows],
-    ok.
-
-%% A register or deregister, waited for through a short-lived process that
-%% takes the reply: a late or repeated one (a replay may send it twice)
-%% dies with it instead of landing in the caller's mailbox. The result
-%% travels as the relay's exit reason (its 'DOWN' is flushed on a timeout).
--dialyzer({nowarn_function, rcpt_sync/3}).
-rcpt_sync(Op, Id, Pid) ->
-    Key = {service_key, Id},
-    {Relay, Mref} =
-        spawn_monitor(
-          fun() ->
-                  Result = case actor_receptionist:Op(Key, Pid, self()) of
-                               ok ->
-                                   receive
-                                       {registered, Key, Pid} -> ok;
-                                       {deregistered, Key, Pid} -> ok;
-                                       {register_failed, Key, Pid, Why} -> {error, Why}
-                                   end;
-                               {error, Why} ->
-                                   {error, Why}
-                           end,
-                  exit({rcpt_sync, Result})
-          end),
-    receive
-        {'DOWN', Mref, process, Relay, {rcpt_sync, Result}} -> Result;
-        {'DOWN', Mref, process, Relay, Other} -> {error, Other}
-    after ?MANAGER_TIMEOUT ->
-        exit(Relay, kill),
-        erlang:demonitor(Mref, [flush]),
-        {error, timeout}
     end.
 
 %% A stopped pool of this node's pool node is not started again after a
@@ -307,10 +255,7 @@ forget_kept(Target, PoolNode) ->
 %% counted here), since this node first started the application.
 -spec no_pool_tells() -> non_neg_integer().
 no_pool_tells() ->
-    case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> 0;
-        C -> counters:get(C, 1)
-    end.
+    actor_pool_keys:no_pool_tells().
 
 %% @doc Messages refused for being larger than a frame of their pool node
 %% since this node first started the application: `tells' dropped (each
@@ -357,8 +302,8 @@ stop_pool(Pool) ->
             {error, noproc};
         _ ->
             ok = case Target of
-                     P when is_pid(P) -> deregister_pool(P, undefined, PoolNode);
-                     N -> deregister_pool(undefined, N, PoolNode)
+                     P when is_pid(P) -> actor_pool_keys:deregister(P, undefined, PoolNode);
+                     N -> actor_pool_keys:deregister(undefined, N, PoolNode)
                  end,
             ok = forget_kept(Target, PoolNode),
             ok = actor_pool_dp:unset_slow(case is_pid(Target) of
@@ -401,7 +346,7 @@ tell(Pool, Msg) ->
                         none -> dist_tell(Node, Dest, Msg, Est)
                     end;
                 undefined -> ok;
-                no_pool -> count_no_pool();
+                no_pool -> actor_pool_keys:count_no_pool();
                 badarg -> erlang:error(badarg, [Pool, Msg])
             end
     end.
@@ -545,35 +490,18 @@ dest(Name) when is_atom(Name) ->
         Node -> {ok, {Name, Node}, Node}
     end;
 dest({service_key, Id} = Key) when is_binary(Id) ->
-    by_key(Key);
+    actor_pool_keys:pick(Key);
 dest({service_key, Id}) ->
     %% A key is a key, whatever its id (no pool can be reached as
     %% {service_key, Node}).
     case actor_receptionist:id(Id) of
-        {ok, Bin} -> by_key({service_key, Bin});
+        {ok, Bin} -> actor_pool_keys:pick({service_key, Bin});
         error -> badarg
     end;
 dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->
     {ok, Dest, Node};
 dest(_) ->
     badarg.
-
-%% One of the pools registered under Key (a NIF read of the receptionist's
-%% snapshot, no message): those on this host first, one of them at random
-%% (rand's per-process state: no shared counter to contend on).
-by_key(Key) ->
-    case actor_receptionist:lookup(Key) of
-        [] -> no_pool;
-        [Pid] -> {ok, Pid, node(Pid)};
-        Pids ->
-            Host = actor_pool_opts:host(node()),
-            Pick = case [P || P <- Pids, actor_pool_opts:host(node(P)) =:= Host] of
-                       [] -> Pids;
-                       Local -> Local
-                   end,
-            Pid = lists:nth(rand:uniform(length(Pick)), Pick),
-            {ok, Pid, node(Pid)}
-    end.
 
 %% ok, or {too_large, Size, Max} when Msg (of external size at most Est, or
 %% {exact, Size} when the ring path has encoded it) does not fit in one frame
@@ -650,12 +578,6 @@ count_oversized(Slot) ->
     case persistent_term:get(?OVERSIZED, undefined) of
         {C, _} -> counters:add(C, Slot, 1);
         undefined -> ok
-    end.
-
-count_no_pool() ->
-    case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> ok;
-        C -> counters:add(C, 1, 1)
     end.
 
 %% A call to a pool or to a manager, kept in order with this process's tells

@@ -11,6 +11,10 @@
 
 %% Registered name of the manager process on every pool C node.
 -define(MANAGER, actor_pool_node).
+%% A call to a manager that starts or stops a pool, and a pool's service key
+%% registration: starting a pool runs every worker's handler init; stopping
+%% one waits for the handlers that are running.
+-define(MANAGER_TIMEOUT, 30000).
 
 %% ETS (public bag, owned by actor_pool_sup): the service keys that
 %% start_pool registered pools under, {PoolPid, Name, PoolNode, Id}.
