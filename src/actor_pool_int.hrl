@@ -15,6 +15,8 @@
 %% registration: starting a pool runs every worker's handler init; stopping
 %% one waits for the handlers that are running.
 -define(MANAGER_TIMEOUT, 30000).
+%% Any other call to a pool or a manager, unless the caller gives one.
+-define(DEFAULT_TIMEOUT, 5000).
 
 %% ETS (public bag, owned by actor_pool_sup): the service keys that
 %% start_pool registered pools under, {PoolPid, Name, PoolNode, Id}.
