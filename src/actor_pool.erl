@@ -23,14 +23,20 @@
 %% is busy. Everything one process sends to one pool node through this
 %% module (tells, asks, stats, stop) arrives in the order it was sent,
 %% across both transports.
+
+%% The pool side, module by module (this one is the API and resolves pool
+%% references; none of the others calls it):
+%%   actor_pool_opts       the checks of start arguments and of messages
+%%   actor_pool_manager    pool_node/0, starting and stopping pools
+%%   actor_pool_keys       service-key registration of pools, pick by key
+%%   actor_pool_transport  distribution or ring, ordering, frame sizes
+%%   actor_pool_keeper     pools started again after a pool node restart
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
 
 %% API.
 -export([start_pool/3]).
-%% For actor_pool_keeper.
--export([start_pool/4]).
 -export([stop_pool/1]).
 -export([tell/2]).
 -export([ask/2]).
@@ -183,61 +189,15 @@
 %% reachable.
 -spec start_pool(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
 start_pool(Name, Handler, Opts) ->
-    start_pool(Name, Handler, Opts, keep).
-
-%% @private
-%% @doc start_pool/3; `keep' records a pool of this node's pool node with
-%% actor_pool_keeper (which calls this with `nokeep' when it starts one again).
--spec start_pool(name(), handler(), opts(), keep | nokeep) -> {ok, pid()} | {error, term()}.
-start_pool(Name, Handler, Opts, Keep) ->
-    case actor_pool_opts:validate(Name, Handler, Opts, pool_node()) of
-        {ok, PoolNode, Handler1, Full0} ->
-            {Key, Full1} = case maps:take(service_key, Full0) of
-                               {Id, Rest} -> {Id, Rest};
-                               error -> {none, Full0}
-                           end,
-            %% BEAM-side only: the pool node never sees it.
-            {Fast, Full} = case maps:take(fast_path, Full1) of
-                               {F, Rest1} -> {F, Rest1};
-                               error -> {true, Full1}
-                           end,
-            Manager = {?MANAGER, PoolNode},
-            Result = case actor_pool_transport:call(PoolNode, Manager,
-                                                    {start_pool, Name, Handler1, Full},
-                                                    ?MANAGER_TIMEOUT) of
-                         {ok, Pid} when is_pid(Pid), Key =:= none -> {ok, Pid};
-                         {ok, Pid} when is_pid(Pid) -> register_pool(Key, Pid, Name);
-                         {error, _} = Error -> Error;
-                         Other -> {error, {unexpected_reply, Other}}
-                     end,
-            case Result of
-                {ok, P} when Fast =:= false -> ok = actor_pool_dp:set_slow(P, Name, PoolNode);
-                {ok, _} -> ok = actor_pool_dp:unset_slow({Name, PoolNode});
-                _ -> ok
-            end,
+    case actor_pool_manager:start_pool(Name, Handler, Opts) of
+        {ok, Pid} = Result ->
             %% On this node's own pool node: kept across its restarts, with
             %% the options as given (the defaults are filled in again).
-            case Result of
-                {ok, NewPid} when Keep =:= keep ->
-                    PoolNode =:= pool_node() andalso
-                        actor_pool_keeper:record(Name, Handler, Opts, NewPid);
-                _ ->
-                    false
-            end,
+            _ = node(Pid) =:= pool_node() andalso
+                actor_pool_keeper:record(Name, Handler, Opts, Pid),
             Result;
         {error, _} = Error ->
             Error
-    end.
-
-%% A failed registration is undone by actor_pool_keys; the pool is stopped
-%% again before the error is returned.
-register_pool(Id, Pid, Name) ->
-    case actor_pool_keys:register(Id, Pid, Name) of
-        ok ->
-            {ok, Pid};
-        {error, Why} ->
-            _ = stop_pool(Pid),
-            {error, {register_failed, Why}}
     end.
 
 %% A stopped pool of this node's pool node is not started again after a
@@ -291,21 +251,8 @@ stop_pool(Pool) ->
         undefined ->
             {error, noproc};
         _ ->
-            ok = case Target of
-                     P when is_pid(P) -> actor_pool_keys:deregister(P, undefined, PoolNode);
-                     N -> actor_pool_keys:deregister(undefined, N, PoolNode)
-                 end,
             ok = forget_kept(Target, PoolNode),
-            ok = actor_pool_dp:unset_slow(case is_pid(Target) of
-                                              true -> Target;
-                                              false -> {Target, PoolNode}
-                                          end),
-            case actor_pool_transport:call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
-                                           ?MANAGER_TIMEOUT) of
-                ok -> ok;
-                {error, timeout} -> {error, timeout};
-                {error, _} -> {error, noproc}
-            end
+            actor_pool_manager:stop_pool(PoolNode, Target)
     end.
 
 %% @doc Sends `Msg' to one worker of the pool (fire and forget; the pool's
@@ -430,10 +377,7 @@ which_pools(PoolNode) when is_atom(PoolNode) ->
 %% application is not running or runs with `{pool_node, false}'.
 -spec pool_node() -> node() | undefined.
 pool_node() ->
-    case persistent_term:get(?POOL_NODE_KEY, undefined) of
-        {Self, PoolNode} when Self =:= node() -> PoolNode;
-        _ -> undefined
-    end.
+    actor_pool_manager:pool_node().
 
 %% ===================================================================
 %% Pool references
