@@ -82,14 +82,14 @@
 %% a random factor in `[1 - jitter, 1]'; `n' counts its crashes since it was
 %% last stable.
 
--type opts() :: #{workers => 1..1024,
+-type opts() :: #{workers => 1..?AP_POOL_MAX_WORKERS,
                   routing => routing(),
-                  mailbox_limit => 1..1048576,
+                  mailbox_limit => 1..?AP_POOL_MAX_MAILBOX,
                   backoff => backoff(),
-                  stable_ms => 0..86400000,
+                  stable_ms => 0..?AP_POOL_MAX_STABLE_MS,
                   isolation => isolation(),
-                  handler_timeout_ms => 1..86400000 | infinity,
-                  max_memory_mb => 1..1048576 | infinity,
+                  handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
+                  max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
                   node => node(),
                   fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.

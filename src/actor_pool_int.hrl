@@ -80,3 +80,14 @@
 -define(OVERSIZED, {actor_pool, oversized}).
 -define(OVERSIZED_TELLS, 1).
 -define(OVERSIZED_ASKS, 2).
+
+%% The upper limits of a pool's options: a copy of c_src/pool/pool_limits.h,
+%% their source of truth (the pool node checks them too; see that file for
+%% why a copy). test/actor_pool_limits_tests.erl fails when the two differ.
+-define(AP_POOL_MAX_WORKERS, 1024).
+-define(AP_POOL_MAX_MAILBOX, 1048576).
+-define(AP_POOL_MAX_BACKOFF_MS, 3600000).
+-define(AP_POOL_MAX_STABLE_MS, 86400000).
+-define(AP_POOL_MAX_HANDLER_TIMEOUT_MS, 86400000).
+-define(AP_POOL_MAX_MEMORY_MB, 1048576).
+-define(AP_POOL_MAX_PATH, 4095).

@@ -6,7 +6,8 @@
 %% Everything is checked here, before the pool node is asked, so that a bad
 %% argument gets one clear `{error, {badarg, {Key, Value}}}' whatever pool
 %% node it was meant for. The pool node checks the same options again (any
-%% peer can reach it).
+%% peer can reach it); the numeric limits are the pool node's
+%% (c_src/pool/pool_limits.h, seen here through actor_pool_int.hrl).
 %% Pure apart from the plugin file's existence check and
 %% actor_receptionist:id/1: it calls no other module of the pool side.
 -module(actor_pool_opts).
@@ -17,14 +18,6 @@
 -export([sendable/1]).
 -export([host/1]).
 
--define(MAX_WORKERS, 1024).
--define(MAX_MAILBOX, 1048576).
--define(MAX_BACKOFF_MS, 3600000).
--define(MAX_STABLE_MS, 86400000).
--define(MAX_HANDLER_TIMEOUT_MS, 86400000).
--define(MAX_MEMORY_MB, 1048576).
-%% The pool node reads plugin paths into a 4 KiB buffer.
--define(MAX_PATH, 4095).
 %% Container nesting of a message: a C node accepts 1024 levels
 %% (AP_TERM_MAX_DEPTH in c_src/cnode/ap_term.h), and a batch wraps a message
 %% in three more ({'$ap_batch', [{ask, ...}]}).
@@ -101,23 +94,23 @@ options([{Key, Value} | Rest], Acc) ->
         error -> {error, {badarg, {Key, Value}}}
     end.
 
-option(workers, N) when is_integer(N), N >= 1, N =< ?MAX_WORKERS ->
+option(workers, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_WORKERS ->
     {ok, N};
 option(routing, R) when R =:= round_robin; R =:= smallest_mailbox; R =:= random ->
     {ok, R};
-option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?MAX_MAILBOX ->
+option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_MAILBOX ->
     {ok, N};
-option(stable_ms, N) when is_integer(N), N >= 0, N =< ?MAX_STABLE_MS ->
+option(stable_ms, N) when is_integer(N), N >= 0, N =< ?AP_POOL_MAX_STABLE_MS ->
     {ok, N};
 option(isolation, I) when I =:= thread; I =:= process ->
     {ok, I};
 option(handler_timeout_ms, infinity) ->
     {ok, infinity};
-option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?MAX_HANDLER_TIMEOUT_MS ->
+option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_HANDLER_TIMEOUT_MS ->
     {ok, N};
 option(max_memory_mb, infinity) ->
     {ok, infinity};
-option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?MAX_MEMORY_MB ->
+option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_MEMORY_MB ->
     {ok, N};
 option(backoff, #{} = B) ->
     Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),
@@ -125,7 +118,7 @@ option(backoff, #{} = B) ->
         #{min_ms := Min, max_ms := Max, jitter := J}
           when map_size(Merged) =:= 3,
                is_integer(Min), Min >= 1,
-               is_integer(Max), Max >= Min, Max =< ?MAX_BACKOFF_MS,
+               is_integer(Max), Max >= Min, Max =< ?AP_POOL_MAX_BACKOFF_MS,
                is_number(J), J >= 0, J =< 1 ->
             {ok, Merged#{jitter := float(J)}};
         _ ->
@@ -173,7 +166,7 @@ plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
     try unicode:characters_to_binary(Path) of
         Bin when is_binary(Bin), byte_size(Bin) > 0 ->
             Abs = filename:absname(Bin),
-            case byte_size(Abs) =< ?MAX_PATH
+            case byte_size(Abs) =< ?AP_POOL_MAX_PATH
                 andalso binary:match(Abs, <<0>>) =:= nomatch
                 andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
                 true -> {ok, Abs};
