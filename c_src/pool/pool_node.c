@@ -63,6 +63,20 @@ static int get_number(const char *b, int *i, double *v)
 	return -1;
 }
 
+/* A routing's name, as the manager's options and --pool both give it. */
+static int parse_routing(const char *name, ap_routing *out)
+{
+	if (!strcmp(name, "round_robin"))
+		*out = AP_ROUTE_ROUND_ROBIN;
+	else if (!strcmp(name, "smallest_mailbox"))
+		*out = AP_ROUTE_SMALLEST_MAILBOX;
+	else if (!strcmp(name, "random"))
+		*out = AP_ROUTE_RANDOM;
+	else
+		return -1;
+	return 0;
+}
+
 /* A bad option: {error, {badarg, {Key, Value}}}, Value copied as sent. */
 struct badarg {
 	const char *key;
@@ -155,15 +169,7 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 				return bad(ba, "workers", b, len, vs);
 			o->workers = (int)l;
 		} else if (!strcmp(key, "routing")) {
-			if (get_atom(b, i, a, sizeof a))
-				return bad(ba, "routing", b, len, vs);
-			if (!strcmp(a, "round_robin"))
-				o->routing = AP_ROUTE_ROUND_ROBIN;
-			else if (!strcmp(a, "smallest_mailbox"))
-				o->routing = AP_ROUTE_SMALLEST_MAILBOX;
-			else if (!strcmp(a, "random"))
-				o->routing = AP_ROUTE_RANDOM;
-			else
+			if (get_atom(b, i, a, sizeof a) || parse_routing(a, &o->routing))
 				return bad(ba, "routing", b, len, vs);
 		} else if (!strcmp(key, "mailbox_limit")) {
 			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_MAILBOX)
@@ -602,17 +608,9 @@ static int start_spec(ap_node *n, const char *spec)
 		}
 		o.workers = (int)w;
 	}
-	if (routing) {
-		if (!strcmp(routing, "round_robin"))
-			o.routing = AP_ROUTE_ROUND_ROBIN;
-		else if (!strcmp(routing, "smallest_mailbox"))
-			o.routing = AP_ROUTE_SMALLEST_MAILBOX;
-		else if (!strcmp(routing, "random"))
-			o.routing = AP_ROUTE_RANDOM;
-		else {
-			ap_log(AP_LOG_ERROR, "bad routing in --pool '%s'", spec);
-			return -1;
-		}
+	if (routing && parse_routing(routing, &o.routing)) {
+		ap_log(AP_LOG_ERROR, "bad routing in --pool '%s'", spec);
+		return -1;
 	}
 	const actor_pool_handler *h = ap_builtin_handler(handler);
 	void *dl = NULL;
