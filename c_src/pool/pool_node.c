@@ -250,7 +250,8 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 			snprintf(spec, SPEC_MAX, "%s", path);
 			return 0;
 		}
-		ei_x_encode_tuple_header(err, r == -2 ? 3 : 3);
+		/* {abi_mismatch, Got, Want} or {plugin_load_failed, Path, Why} */
+		ei_x_encode_tuple_header(err, 3);
 		if (r == -2) {
 			ei_x_encode_atom(err, "abi_mismatch");
 			ei_x_encode_ulong(err, got);
