@@ -1,5 +1,9 @@
-%% Names shared by actor_pool, actor_pool_sup, actor_pool_batch_sup and
-%% actor_pool_batcher. Internal: not part of the public API.
+%% The pool side's internal header: names and limits shared by actor_pool
+%% and the modules it is built from (actor_pool_opts, _manager, _keys,
+%% _transport, _keeper), its supervisors and batchers, and actor_pool_app.
+%% The receptionist's modules include it too, for the receptionist's
+%% registered names and tables below (their subsystem's own definitions are
+%% in actor_receptionist_int.hrl). Internal: not part of the public API.
 
 %% persistent_term key: {node(), LocalPoolNode} of the pool C node that the
 %% application started on this node (written by actor_pool_sup when the
@@ -28,8 +32,12 @@
 %% persistent_term key of the counter of tells to a key with no pool.
 -define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
 
-%% ETS table (public, read_concurrency) of batcher groups, one row per pool
-%% node: {Node, Atomics, {Batcher1, ..., BatcherN}, IdleUs}.
+%% ETS table (public, read_concurrency, owned by actor_pool_batch_sup) of
+%% batcher groups, one staging row per pool node while its batchers start:
+%% {Node, Atomics, Idle, Batcher1, ..., BatcherN}, Idle being batch_idle_us
+%% in native time units (or infinity), each batcher writing its own slot.
+%% Senders read the group that the last batcher publishes in persistent_term
+%% (actor_pool_batcher), not this table.
 -define(BATCH_TAB, actor_pool_batchers).
 
 %% persistent_term key: {node(), ReceptionistNode} of the receptionist C node
