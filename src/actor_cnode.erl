@@ -28,6 +28,10 @@
 %% No process is ever linked to the C node: a link to a C node kills the BEAM
 %% side when the C node dies. The owner only monitors the connection
 %% (`erlang:monitor_node/2') to log disconnects.
+
+%% The owner process alone: options are checked and resolved in
+%% actor_cnode_opts; the OS process is waited for, killed and cleaned up
+%% after in actor_cnode_os.
 -module(actor_cnode).
 -behaviour(gen_server).
 
@@ -116,9 +120,6 @@
 
 %% How long terminate/2 waits for the C node to exit after closing the port.
 -define(STOP_WAIT_MS, 2000).
-%% Poll interval while waiting for an OS process to exit: the port is closed,
-%% so there is no message to wait for.
--define(POLL_MS, 20).
 -define(LOG_LEVELS, [emergency, alert, critical, error, warning, notice, info,
                      debug]).
 %% Log lines from the C node that reach `logger', per level and window: the
@@ -129,10 +130,6 @@
 -define(LOG_PER_WINDOW, 50).
 %% Where POSIX shared-memory names live (Linux), for log lines.
 -define(SHM_DIR, "/dev/shm").
-%% The smallest max_frame accepted: below it, ordinary control messages and
-%% the library's own batches (which are capped to fit, see
-%% actor_pool_batcher) would be dropped as oversized.
--define(MIN_MAX_FRAME, 65536).
 
 -record(state, {
     %% validated options, all keys present (see defaults/0)
@@ -181,7 +178,7 @@
 %% first if this node is not distributed.
 -spec start_link(opts()) -> {ok, pid()} | {error, term()}.
 start_link(Opts) ->
-    case validate(Opts) of
+    case actor_cnode_opts:validate(Opts) of
         {ok, Valid} -> proc_lib:start_link(?MODULE, init_it, [Valid]);
         {error, _} = Error -> Error
     end.
@@ -192,7 +189,7 @@ start_link(Opts) ->
 %% by the supervisor if it crashes, and is gone for good after {@link stop/1}.
 -spec start(opts()) -> {ok, pid()} | {error, term()}.
 start(Opts) ->
-    case validate(Opts) of
+    case actor_cnode_opts:validate(Opts) of
         {ok, _} -> actor_cnode_sup:start_child(Opts);
         {error, _} = Error -> Error
     end.
@@ -360,149 +357,8 @@ terminate(_Reason, State) ->
     ok.
 
 %% ===================================================================
-%% Options
+%% Options (checked and resolved by actor_cnode_opts)
 %% ===================================================================
-
-defaults() ->
-    Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
-    #{name => undefined,
-      io => Env(io_backend, auto),
-      max_frame => Env(max_frame, 67108864),
-      idle_timeout_ms => Env(idle_timeout_ms, 60000),
-      handshake_timeout_ms => Env(handshake_timeout_ms, 5000),
-      max_handshakes => Env(max_handshakes, 256),
-      max_handshakes_per_source => Env(max_handshakes_per_source, 64),
-      args => [],
-      backoff => Env(cnode_backoff, #{min_ms => 100, max_ms => 5000}),
-      stable_ms => Env(cnode_stable_ms, 10000),
-      start_timeout_ms => Env(cnode_start_timeout_ms, 10000),
-      register => undefined,
-      notify => undefined,
-      shm => false}.
-
-%% The C node listens where this node's distribution does, unless told.
-%% C nodes speak IPv4 only: an IPv6 distribution interface cannot be
-%% followed, so it falls back as if unset (logged once for each value).
-default_listen_ip() ->
-    case application:get_env(kernel, inet_dist_use_interface) of
-        {ok, {_, _, _, _} = Ip} ->
-            Ip;
-        {ok, Other} ->
-            Ip = application:get_env(actor_pool, cnode_listen_ip, any),
-            Key = {?MODULE, listen_ip_fallback},
-            case persistent_term:get(Key, undefined) of
-                Other ->
-                    ok;
-                _ ->
-                    persistent_term:put(Key, Other),
-                    logger:warning("actor_cnode: kernel inet_dist_use_interface ~0p is not an "
-                                  "IPv4 address, which C nodes need; they listen on ~0p (set "
-                                  "listen_ip to choose)", [Other, Ip],
-                                  #{listen_ip_fallback => Other})
-            end,
-            Ip;
-        undefined ->
-            application:get_env(actor_pool, cnode_listen_ip, any)
-    end.
-
-%% Every key is checked, the defaults from the application environment too;
-%% unknown keys are errors. Returns the options with every key present.
-validate(Opts) when is_map(Opts) ->
-    case maps:is_key(exe, Opts) of
-        false ->
-            {error, {badarg, {exe, missing}}};
-        true ->
-            %% The caller's keys first, so that their errors are reported.
-            Defaults = case maps:is_key(listen_ip, Opts) of
-                           true -> maps:without(maps:keys(Opts), defaults());
-                           false -> (maps:without(maps:keys(Opts), defaults()))#{
-                                      listen_ip => default_listen_ip()}
-                       end,
-            validate_keys(maps:to_list(Opts) ++ maps:to_list(Defaults), #{})
-    end;
-validate(Opts) ->
-    {error, {badarg, {options, Opts}}}.
-
-validate_keys([], Valid) ->
-    {ok, Valid};
-validate_keys([{Key, Value} | Rest], Valid) ->
-    case check(Key, Value) of
-        {ok, Value1} -> validate_keys(Rest, Valid#{Key => Value1});
-        error -> {error, {badarg, {Key, Value}}}
-    end.
-
-check(exe, Exe) when is_binary(Exe) ->
-    check(exe, unicode:characters_to_list(Exe));
-check(exe, [_ | _] = Exe) ->
-    case io_lib:char_list(Exe) andalso not lists:member(0, Exe) of
-        true -> {ok, Exe};
-        false -> error
-    end;
-check(Key, undefined) when Key =:= name; Key =:= register; Key =:= notify ->
-    {ok, undefined};
-check(notify, Pid) when is_pid(Pid) ->
-    {ok, Pid};
-check(notify, Name) when is_atom(Name) ->
-    {ok, Name};
-check(name, Name) when is_atom(Name) ->
-    check(name, atom_to_list(Name));
-check(name, Name) when is_binary(Name) ->
-    check(name, binary_to_list(Name));
-check(name, [_ | _] = Name) ->
-    case length(Name) =< 200 andalso lists:all(fun alive_char/1, Name) of
-        true -> {ok, Name};
-        false -> error
-    end;
-check(io, Io) when Io =:= auto; Io =:= uring; Io =:= epoll ->
-    {ok, Io};
-check(max_frame, N) when is_integer(N), N >= ?MIN_MAX_FRAME, N =< 16#FFFFFFFF ->
-    {ok, N};
-check(Key, N) when (Key =:= idle_timeout_ms orelse Key =:= start_timeout_ms),
-                   is_integer(N), N > 0 ->
-    {ok, N};
-check(stable_ms, N) when is_integer(N), N >= 0 ->
-    {ok, N};
-check(handshake_timeout_ms, N) when is_integer(N), N > 0, N =< 3600000 ->
-    {ok, N};
-check(Key, N) when (Key =:= max_handshakes orelse Key =:= max_handshakes_per_source),
-                   is_integer(N), N > 0, N =< 65536 ->
-    {ok, N};
-check(listen_ip, any) ->
-    {ok, any};
-check(listen_ip, {A, B, C, D} = Ip)
-  when is_integer(A), A >= 0, A =< 255, is_integer(B), B >= 0, B =< 255,
-       is_integer(C), C >= 0, C =< 255, is_integer(D), D >= 0, D =< 255 ->
-    {ok, Ip};
-check(args, Args) when is_list(Args) ->
-    try [unicode:characters_to_binary(A) || A <- Args] of
-        Bins ->
-            case lists:all(fun is_binary/1, Bins) andalso length(Bins) =:= length(Args) of
-                true -> {ok, Bins};
-                false -> error
-            end
-    catch
-        _:_ -> error
-    end;
-check(backoff, #{} = Backoff) ->
-    Merged = maps:merge(#{min_ms => 100, max_ms => 5000}, Backoff),
-    case Merged of
-        #{min_ms := Min, max_ms := Max} when map_size(Merged) =:= 2,
-                                             is_integer(Min), Min > 0,
-                                             is_integer(Max), Max >= Min ->
-            {ok, Merged};
-        _ ->
-            error
-    end;
-check(register, Name) when is_atom(Name) ->
-    {ok, Name};
-check(shm, Shm) when is_boolean(Shm) ->
-    {ok, Shm};
-check(_Key, _Value) ->
-    error.
-
-alive_char(C) ->
-    (C >= $a andalso C =< $z) orelse (C >= $A andalso C =< $Z)
-        orelse (C >= $0 andalso C =< $9) orelse C =:= $_ orelse C =:= $-.
 
 opt(Key, #state{opts = Opts}) ->
     maps:get(Key, Opts).
@@ -515,80 +371,19 @@ opt(Key, #state{opts = Opts}) ->
 prepare(Opts) ->
     case actor_dist:ensure_distributed() of
         ok ->
-            Exe = executable(maps:get(exe, Opts)),
+            Exe = actor_cnode_opts:executable(maps:get(exe, Opts)),
             case filelib:is_regular(Exe) of
                 true ->
                     {ok, #state{opts = Opts,
                                 exe = Exe,
-                                node = node_name(Opts),
-                                io_request = io_request(maps:get(io, Opts))}};
+                                node = actor_cnode_opts:node_name(Opts),
+                                io_request = actor_cnode_opts:io_request(maps:get(io, Opts))}};
                 false ->
                     {error, {no_executable, Exe}}
             end;
         {error, Reason} ->
             {error, {not_distributed, Reason}}
     end.
-
-executable(Exe) ->
-    case filename:pathtype(Exe) of
-        absolute -> Exe;
-        _ -> filename:join(priv_dir(), Exe)
-    end.
-
-%% code:priv_dir/1 works when the application is in a lib dir; an escript or
-%% a bare -pa of the ebin dir falls back to ../priv beside the beam.
-priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) ->
-            case filelib:is_dir(Dir) of
-                true -> Dir;
-                false -> beam_priv_dir()
-            end;
-        {error, _} ->
-            beam_priv_dir()
-    end.
-
-beam_priv_dir() ->
-    case code:which(?MODULE) of
-        Beam when is_list(Beam) ->
-            filename:join(filename:dirname(filename:dirname(Beam)), "priv");
-        _ ->
-            "priv"
-    end.
-
-%% <alive>_<exe suffix>@<host>; the suffix drops "actor_" and "_node", so
-%% actor_echo_node under app@h is app_echo@h.
-node_name(Opts) ->
-    [Alive, Host] = string:split(atom_to_list(erlang:node()), "@"),
-    Name = case maps:get(name, Opts) of
-               undefined -> Alive ++ "_" ++ exe_suffix(maps:get(exe, Opts));
-               Given -> Given
-           end,
-    list_to_atom(Name ++ "@" ++ Host).
-
-exe_suffix(Exe) ->
-    Base = filename:basename(Exe),
-    NoPrefix = case string:prefix(Base, "actor_") of
-                   nomatch -> Base;
-                   Rest -> Rest
-               end,
-    Suffix = case lists:suffix("_node", NoPrefix) of
-                 true -> lists:sublist(NoPrefix, length(NoPrefix) - 5);
-                 false -> NoPrefix
-             end,
-    case [C || C <- Suffix, alive_char(C)] of
-        [] -> "cnode";
-        Clean -> Clean
-    end.
-
-%% An explicit uring or epoll wins; auto defers to ACTOR_POOL_IO if set.
-io_request(auto) ->
-    case os:getenv("ACTOR_POOL_IO") of
-        Io when Io =:= "uring"; Io =:= "epoll"; Io =:= "auto" -> Io;
-        _ -> "auto"
-    end;
-io_request(Io) ->
-    atom_to_list(Io).
 
 %% Fresh for every incarnation, so pids of an old one never match a new one.
 %% ei adds 0xE10000 to creations below 4; keep them out of that range.
@@ -845,12 +640,12 @@ shutdown(State0) ->
         #state{port = Port, os_pid = OsPid, node = Node} ->
             _ = (catch port_close(Port)),
             Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
-            case wait_os_exit(OsPid, Deadline) of
+            case actor_cnode_os:wait_exit(OsPid, Deadline) of
                 true -> ok;
                 false ->
                     logger:warning("actor_cnode ~ts: still running ~b ms after "
                                    "its port closed; kill -9", [Node, ?STOP_WAIT_MS]),
-                    kill_os_pid(OsPid)
+                    actor_cnode_os:kill(OsPid)
             end,
             remove_shm(State),
             State#state{port = undefined, os_pid = undefined, status = down}
@@ -858,7 +653,7 @@ shutdown(State0) ->
 
 %% Kill the OS process at once (start timeout).
 kill(#state{port = Port, os_pid = OsPid} = State) ->
-    kill_os_pid(OsPid),
+    actor_cnode_os:kill(OsPid),
     _ = (catch port_close(Port)),
     remove_shm(State),
     State#state{port = undefined}.
@@ -879,7 +674,7 @@ remove_shm(#state{os_pid = undefined}) ->
 remove_shm(#state{node = Node, os_pid = OsPid}) ->
     Name = shm_name(Node),
     Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
-    try remove_segment(unicode:characters_to_binary(Name), Deadline) of
+    try actor_cnode_os:remove_segment(unicode:characters_to_binary(Name), Deadline) of
         ok ->
             logger:notice("actor_cnode ~ts: removed the segment ~ts~ts of the C node "
                           "that died (os pid ~b)", [Node, ?SHM_DIR, Name, OsPid]);
@@ -893,63 +688,6 @@ remove_shm(#state{node = Node, os_pid = OsPid}) ->
             logger:warning("actor_cnode ~ts: cannot remove the segment ~ts~ts (~0p); "
                            "the next receptionist to start sweeps it",
                            [Node, ?SHM_DIR, Name, Reason])
-    end.
-
-%% The lock of a process killed a moment ago goes when its last thread
-%% has exited, which can be after its main thread shows as a zombie: a
-%% lock still held is asked again until Deadline. (No incarnation of ours
-%% can hold it: the next one starts after this.)
-remove_segment(Name, Deadline) ->
-    case actor_nif:remove_segment(Name) of
-        {error, live} = Live ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> Live;
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    remove_segment(Name, Deadline)
-            end;
-        Other ->
-            Other
-    end.
-
-kill_os_pid(undefined) ->
-    ok;
-kill_os_pid(OsPid) ->
-    _ = os:cmd("kill -9 " ++ integer_to_list(OsPid) ++ " 2>/dev/null"),
-    ok.
-
-wait_os_exit(undefined, _Deadline) ->
-    true;
-wait_os_exit(OsPid, Deadline) ->
-    case os_pid_alive(OsPid) of
-        false -> true;
-        true ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> false;
-                false -> receive after ?POLL_MS -> wait_os_exit(OsPid, Deadline) end
-            end
-    end.
-
-%% erl_child_setup reaps our children, so a dead one leaves /proc at once;
-%% without /proc (macOS) ask kill -0.
-os_pid_alive(OsPid) ->
-    Pid = integer_to_list(OsPid),
-    case filelib:is_dir("/proc/self") of
-        true ->
-            case file:read_file("/proc/" ++ Pid ++ "/stat") of
-                {ok, Stat} -> not zombie(Stat);
-                {error, _} -> false
-            end;
-        false ->
-            os:cmd("kill -0 " ++ Pid ++ " 2>/dev/null && echo alive") =:= "alive\n"
-    end.
-
-%% /proc/PID/stat: "pid (comm) S ..."; comm may hold spaces and parentheses.
-zombie(Stat) ->
-    case string:split(Stat, ")", trailing) of
-        [_, <<" Z", _/binary>>] -> true;
-        [_, <<" X", _/binary>>] -> true;
-        _ -> false
     end.
 
 info_map(#state{} = State) ->

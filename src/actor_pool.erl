@@ -23,14 +23,20 @@
 %% is busy. Everything one process sends to one pool node through this
 %% module (tells, asks, stats, stop) arrives in the order it was sent,
 %% across both transports.
+
+%% The pool side, module by module (this one is the API and resolves pool
+%% references; none of the others calls it):
+%%   actor_pool_opts       the checks of start arguments and of messages
+%%   actor_pool_manager    pool_node/0, starting and stopping pools
+%%   actor_pool_keys       service-key registration of pools, pick by key
+%%   actor_pool_transport  distribution or ring, ordering, frame sizes
+%%   actor_pool_keeper     pools started again after a pool node restart
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
 
 %% API.
 -export([start_pool/3]).
-%% For actor_pool_keeper.
--export([start_pool/4]).
 -export([stop_pool/1]).
 -export([tell/2]).
 -export([ask/2]).
@@ -76,14 +82,14 @@
 %% a random factor in `[1 - jitter, 1]'; `n' counts its crashes since it was
 %% last stable.
 
--type opts() :: #{workers => 1..1024,
+-type opts() :: #{workers => 1..?AP_POOL_MAX_WORKERS,
                   routing => routing(),
-                  mailbox_limit => 1..1048576,
+                  mailbox_limit => 1..?AP_POOL_MAX_MAILBOX,
                   backoff => backoff(),
-                  stable_ms => 0..86400000,
+                  stable_ms => 0..?AP_POOL_MAX_STABLE_MS,
                   isolation => isolation(),
-                  handler_timeout_ms => 1..86400000 | infinity,
-                  max_memory_mb => 1..1048576 | infinity,
+                  handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
+                  max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
                   node => node(),
                   fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
@@ -122,25 +128,6 @@
                    workers := [worker_stats()],
                    by_path => #{dist := non_neg_integer(), ring := non_neg_integer()}}.
 %% Documented field by field in docs/stateless-workers.md ("Metrics").
-
--define(DEFAULT_TIMEOUT, 5000).
-%% Learning another pool node's max_frame holds up one large message.
--define(LEARN_TIMEOUT, 1000).
-%% Starting a pool runs every worker's handler init; stopping one waits for
-%% the handlers that are running.
--define(MANAGER_TIMEOUT, 30000).
--define(MAX_WORKERS, 1024).
--define(MAX_MAILBOX, 1048576).
--define(MAX_BACKOFF_MS, 3600000).
--define(MAX_STABLE_MS, 86400000).
--define(MAX_HANDLER_TIMEOUT_MS, 86400000).
--define(MAX_MEMORY_MB, 1048576).
-%% The pool node reads plugin paths into a 4 KiB buffer.
--define(MAX_PATH, 4095).
-%% Container nesting of a message: a C node accepts 1024 levels
-%% (AP_TERM_MAX_DEPTH in c_src/cnode/ap_term.h), and a batch wraps a message
-%% in three more ({'$ap_batch', [{ask, ...}]}).
--define(MAX_DEPTH, 1000).
 
 %% ===================================================================
 %% API
@@ -202,109 +189,15 @@
 %% reachable.
 -spec start_pool(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
 start_pool(Name, Handler, Opts) ->
-    start_pool(Name, Handler, Opts, keep).
-
-%% @private
-%% @doc start_pool/3; `keep' records a pool of this node's pool node with
-%% actor_pool_keeper (which calls this with `nokeep' when it starts one again).
--spec start_pool(name(), handler(), opts(), keep | nokeep) -> {ok, pid()} | {error, term()}.
-start_pool(Name, Handler, Opts, Keep) ->
-    case validate(Name, Handler, Opts) of
-        {ok, PoolNode, Handler1, Full0} ->
-            {Key, Full1} = case maps:take(service_key, Full0) of
-                               {Id, Rest} -> {Id, Rest};
-                               error -> {none, Full0}
-                           end,
-            %% BEAM-side only: the pool node never sees it.
-            {Fast, Full} = case maps:take(fast_path, Full1) of
-                               {F, Rest1} -> {F, Rest1};
-                               error -> {true, Full1}
-                           end,
-            Manager = {?MANAGER, PoolNode},
-            Result = case call(PoolNode, Manager, {start_pool, Name, Handler1, Full},
-                               ?MANAGER_TIMEOUT) of
-                         {ok, Pid} when is_pid(Pid), Key =:= none -> {ok, Pid};
-                         {ok, Pid} when is_pid(Pid) -> register_pool(Key, Pid, Name);
-                         {error, _} = Error -> Error;
-                         Other -> {error, {unexpected_reply, Other}}
-                     end,
-            case Result of
-                {ok, P} when Fast =:= false -> ok = actor_pool_dp:set_slow(P, Name, PoolNode);
-                {ok, _} -> ok = actor_pool_dp:unset_slow({Name, PoolNode});
-                _ -> ok
-            end,
+    case actor_pool_manager:start_pool(Name, Handler, Opts) of
+        {ok, Pid} = Result ->
             %% On this node's own pool node: kept across its restarts, with
             %% the options as given (the defaults are filled in again).
-            case Result of
-                {ok, NewPid} when Keep =:= keep ->
-                    PoolNode =:= pool_node() andalso
-                        actor_pool_keeper:record(Name, Handler, Opts, NewPid);
-                _ ->
-                    false
-            end,
+            _ = node(Pid) =:= pool_node() andalso
+                actor_pool_keeper:record(Name, Handler, Opts, Pid),
             Result;
         {error, _} = Error ->
             Error
-    end.
-
-%% Registered before start_pool returns: a lookup right after sees it. A
-%% failed registration is undone (it may be journaled already) before the
-%% pool is stopped again.
-register_pool(Id, Pid, Name) ->
-    case rcpt_sync(register, Id, Pid) of
-        ok ->
-            _ = (catch ets:insert(?POOL_KEYS, {Pid, Name, node(Pid), Id})),
-            {ok, Pid};
-        {error, Why} ->
-            _ = rcpt_sync(deregister, Id, Pid),
-            _ = stop_pool(Pid),
-            {error, {register_failed, Why}}
-    end.
-
-%% Deregister what start_pool registered for this pool (by pid, or by name
-%% and pool node), and wait until it is recorded.
-deregister_pool(Pid, Name, PoolNode) ->
-    Rows = try
-               lists:usort(ets:match_object(?POOL_KEYS, {Pid, '_', '_', '_'}) ++
-                               ets:match_object(?POOL_KEYS, {'_', Name, PoolNode, '_'}))
-           catch
-               error:badarg -> []
-           end,
-    _ = [begin
-             _ = rcpt_sync(deregister, Id, P),
-             ets:delete_object(?POOL_KEYS, Row)
-         end || {P, _, _, Id} = Row <- Rows],
-    ok.
-
-%% A register or deregister, waited for through a short-lived process that
-%% takes the reply: a late or repeated one (a replay may send it twice)
-%% dies with it instead of landing in the caller's mailbox. The result
-%% travels as the relay's exit reason (its 'DOWN' is flushed on a timeout).
--dialyzer({nowarn_function, rcpt_sync/3}).
-rcpt_sync(Op, Id, Pid) ->
-    Key = {service_key, Id},
-    {Relay, Mref} =
-        spawn_monitor(
-          fun() ->
-                  Result = case actor_receptionist:Op(Key, Pid, self()) of
-                               ok ->
-                                   receive
-                                       {registered, Key, Pid} -> ok;
-                                       {deregistered, Key, Pid} -> ok;
-                                       {register_failed, Key, Pid, Why} -> {error, Why}
-                                   end;
-                               {error, Why} ->
-                                   {error, Why}
-                           end,
-                  exit({rcpt_sync, Result})
-          end),
-    receive
-        {'DOWN', Mref, process, Relay, {rcpt_sync, Result}} -> Result;
-        {'DOWN', Mref, process, Relay, Other} -> {error, Other}
-    after ?MANAGER_TIMEOUT ->
-        exit(Relay, kill),
-        erlang:demonitor(Mref, [flush]),
-        {error, timeout}
     end.
 
 %% A stopped pool of this node's pool node is not started again after a
@@ -319,10 +212,7 @@ forget_kept(Target, PoolNode) ->
 %% counted here), since this node first started the application.
 -spec no_pool_tells() -> non_neg_integer().
 no_pool_tells() ->
-    case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> 0;
-        C -> counters:get(C, 1)
-    end.
+    actor_pool_keys:no_pool_tells().
 
 %% @doc Messages refused for being larger than a frame of their pool node
 %% since this node first started the application: `tells' dropped (each
@@ -344,14 +234,7 @@ oversized() ->
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.
 node_stats(PoolNode) when is_atom(PoolNode) ->
-    node_stats(PoolNode, ?DEFAULT_TIMEOUT).
-
-node_stats(PoolNode, Timeout) ->
-    case call(PoolNode, {?MANAGER, PoolNode}, node_stats, Timeout) of
-        #{} = Stats -> Stats;
-        {error, _} = Error -> Error;
-        Other -> {error, {unexpected_reply, Other}}
-    end.
+    actor_pool_transport:node_stats(PoolNode, ?DEFAULT_TIMEOUT).
 
 %% @doc Stops a pool: every worker stops, the name is free again, and asks
 %% still queued in it get `{error, stopped}'. `{error, noproc}' if there is no
@@ -368,21 +251,8 @@ stop_pool(Pool) ->
         undefined ->
             {error, noproc};
         _ ->
-            ok = case Target of
-                     P when is_pid(P) -> deregister_pool(P, undefined, PoolNode);
-                     N -> deregister_pool(undefined, N, PoolNode)
-                 end,
             ok = forget_kept(Target, PoolNode),
-            ok = actor_pool_dp:unset_slow(case is_pid(Target) of
-                                              true -> Target;
-                                              false -> {Target, PoolNode}
-                                          end),
-            case call(PoolNode, {?MANAGER, PoolNode}, {stop_pool, Target},
-                      ?MANAGER_TIMEOUT) of
-                ok -> ok;
-                {error, timeout} -> {error, timeout};
-                {error, _} -> {error, noproc}
-            end
+            actor_pool_manager:stop_pool(PoolNode, Target)
     end.
 
 %% @doc Sends `Msg' to one worker of the pool (fire and forget; the pool's
@@ -402,39 +272,17 @@ stop_pool(Pool) ->
 %% oversized/0} and logged (a warning, at most one a second).
 -spec tell(pool(), term()) -> ok.
 tell(Pool, Msg) ->
-    case sendable(Msg) of
+    case actor_pool_opts:sendable(Msg) of
         false ->
             erlang:error(badarg, [Pool, Msg]);
         Est ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
-                    case actor_pool_dp:lane(Node, Dest) of
-                        {lane, Seg} -> ring_tell(Seg, Node, Dest, Msg, Est);
-                        none -> dist_tell(Node, Dest, Msg, Est)
-                    end;
+                    actor_pool_transport:tell(Node, Dest, Msg, Est);
                 undefined -> ok;
-                no_pool -> count_no_pool();
+                no_pool -> actor_pool_keys:count_no_pool();
                 badarg -> erlang:error(badarg, [Pool, Msg])
             end
-    end.
-
-%% A tell by distribution, unless the message does not fit in a frame of
-%% the pool node: then it is dropped, counted and logged, and nothing is
-%% sent.
-dist_tell(Node, Dest, Msg, Est) ->
-    case fits(Node, Msg, Est) of
-        ok -> dist_send(Node, Dest, {tell, Msg});
-        {too_large, Size, Max} -> oversized_tell(Node, Dest, Size, Max)
-    end.
-
-%% An ask by distribution, likewise: {error, {too_large, Size, Max}}.
-dist_ask(Node, Dest, Msg, Est, Timeout) ->
-    case fits(Node, Msg, Est) of
-        ok ->
-            request(Node, Dest, fun(Tag) -> {ask, self(), Tag, Msg} end, Timeout);
-        {too_large, _Size, _Max} = Why ->
-            count_oversized(?OVERSIZED_ASKS),
-            {error, Why}
     end.
 
 %% @equiv ask(Pool, Msg, 5000)
@@ -463,18 +311,13 @@ ask(Pool, Msg) ->
 -spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
 ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                              Timeout =:= infinity ->
-    case sendable(Msg) of
+    case actor_pool_opts:sendable(Msg) of
         false ->
             erlang:error(badarg, [Pool, Msg, Timeout]);
         Est ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
-                    case actor_pool_dp:lane(Node, Dest) of
-                        {lane, Seg} ->
-                            ring_request(Seg, Node, Dest, ask, {Msg, Est}, Timeout);
-                        none ->
-                            dist_ask(Node, Dest, Msg, Est, Timeout)
-                    end;
+                    actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout);
                 undefined ->
                     {error, noproc};
                 no_pool ->
@@ -499,13 +342,7 @@ ask(Pool, Msg, Timeout) ->
 stats(Pool) ->
     case dest(Pool) of
         {ok, Dest, Node} ->
-            Reply = case actor_pool_dp:lane(Node, Dest) of
-                        {lane, Seg} ->
-                            ring_request(Seg, Node, Dest, stats, {undefined, 0}, ?DEFAULT_TIMEOUT);
-                        none ->
-                            call(Node, Dest, '$ap_stats', ?DEFAULT_TIMEOUT)
-                    end,
-            case Reply of
+            case actor_pool_transport:stats(Node, Dest, ?DEFAULT_TIMEOUT) of
                 #{} = Stats -> Stats;
                 {ok, #{} = Stats} -> Stats;
                 {error, timeout} -> {error, timeout};
@@ -530,7 +367,7 @@ which_pools() ->
 %% `[]' when it cannot be reached.
 -spec which_pools(node()) -> [{name(), pid()}].
 which_pools(PoolNode) when is_atom(PoolNode) ->
-    case call(PoolNode, {?MANAGER, PoolNode}, which_pools, ?DEFAULT_TIMEOUT) of
+    case actor_pool_transport:call(PoolNode, {?MANAGER, PoolNode}, which_pools, ?DEFAULT_TIMEOUT) of
         Pools when is_list(Pools) -> Pools;
         _ -> []
     end.
@@ -540,15 +377,15 @@ which_pools(PoolNode) when is_atom(PoolNode) ->
 %% application is not running or runs with `{pool_node, false}'.
 -spec pool_node() -> node() | undefined.
 pool_node() ->
-    case persistent_term:get(?POOL_NODE_KEY, undefined) of
-        {Self, PoolNode} when Self =:= node() -> PoolNode;
-        _ -> undefined
-    end.
+    actor_pool_manager:pool_node().
 
 %% ===================================================================
-%% Messages
+%% Pool references
 %% ===================================================================
 
+%% Where a pool reference points: {ok, Dest, PoolNode}, or undefined (a
+%% name, and no pool node here), no_pool (a key no pool is registered
+%% under) or badarg.
 dest(Pid) when is_pid(Pid) ->
     {ok, Pid, node(Pid)};
 dest(Name) when is_atom(Name) ->
@@ -557,594 +394,15 @@ dest(Name) when is_atom(Name) ->
         Node -> {ok, {Name, Node}, Node}
     end;
 dest({service_key, Id} = Key) when is_binary(Id) ->
-    by_key(Key);
+    actor_pool_keys:pick(Key);
 dest({service_key, Id}) ->
     %% A key is a key, whatever its id (no pool can be reached as
     %% {service_key, Node}).
     case actor_receptionist:id(Id) of
-        {ok, Bin} -> by_key({service_key, Bin});
+        {ok, Bin} -> actor_pool_keys:pick({service_key, Bin});
         error -> badarg
     end;
 dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->
     {ok, Dest, Node};
 dest(_) ->
     badarg.
-
-%% One of the pools registered under Key (a NIF read of the receptionist's
-%% snapshot, no message): those on this host first, one of them at random
-%% (rand's per-process state: no shared counter to contend on).
-by_key(Key) ->
-    case actor_receptionist:lookup(Key) of
-        [] -> no_pool;
-        [Pid] -> {ok, Pid, node(Pid)};
-        Pids ->
-            Host = host(node()),
-            Pick = case [P || P <- Pids, host(node(P)) =:= Host] of
-                       [] -> Pids;
-                       Local -> Local
-                   end,
-            Pid = lists:nth(rand:uniform(length(Pick)), Pick),
-            {ok, Pid, node(Pid)}
-    end.
-
-%% ok, or {too_large, Size, Max} when Msg (of external size at most Est, or
-%% {exact, Size} when the ring path has encoded it) does not fit in one frame
-%% of the pool node: Max is its max_frame less the frame's envelope. Nothing
-%% is looked up while the size is under the floor of every max_frame; above
-%% it, the pool node's max_frame (learned once from another pool node) and
-%% then the exact size are taken.
-fits(_Node, _Msg, {exact, Size}) when Size =< ?MIN_MAX_FRAME - ?FRAME_ENVELOPE ->
-    ok;
-fits(Node, _Msg, {exact, Size}) ->
-    within(Size, max_frame(Node) - ?FRAME_ENVELOPE);
-fits(_Node, _Msg, Est) when Est =< ?MIN_MAX_FRAME - ?FRAME_ENVELOPE ->
-    ok;
-fits(Node, Msg, Est) ->
-    Max = max_frame(Node) - ?FRAME_ENVELOPE,
-    case Est =< Max of
-        true ->
-            ok;
-        false ->
-            Size = case is_binary(Msg) of
-                       true -> Est;
-                       false -> erlang:external_size(Msg)
-                   end,
-            within(Size, Max)
-    end.
-
-within(Size, Max) when Size =< Max -> ok;
-within(Size, Max) -> {too_large, Size, Max}.
-
-%% The pool node's max_frame: this node's own pool node's is known; another
-%% pool node is asked once (node_stats; kept until the application stops),
-%% and one that cannot tell (an older pool node) is taken to have the
-%% default. Not remembered when the pool node did not answer within a
-%% second: the next large message asks again.
-max_frame(Node) ->
-    case actor_pool_batcher:max_frame(Node) of
-        undefined ->
-            case node_stats(Node, ?LEARN_TIMEOUT) of
-                #{max_frame := M} when is_integer(M), M > 0 ->
-                    persistent_term:put(?MAX_FRAME_KEY(Node), M),
-                    M;
-                {error, unknown_request} ->
-                    persistent_term:put(?MAX_FRAME_KEY(Node), ?DEFAULT_MAX_FRAME),
-                    ?DEFAULT_MAX_FRAME;
-                _ ->
-                    ?DEFAULT_MAX_FRAME
-            end;
-        M ->
-            M
-    end.
-
-oversized_tell(Node, Dest, Size, Max) ->
-    count_oversized(?OVERSIZED_TELLS),
-    case persistent_term:get(?OVERSIZED, undefined) of
-        {_, A} ->
-            %% At most one line a second from this node; the ones passed
-            %% over are counted in the next line.
-            Now = erlang:monotonic_time(second),
-            case atomics:exchange(A, 1, Now) of
-                Now ->
-                    atomics:add(A, 2, 1);
-                _ ->
-                    More = atomics:exchange(A, 2, 0),
-                    logger:warning("actor_pool: tell to ~p on pool node ~p dropped: ~b bytes, "
-                                   "at most ~b fit in a frame of it (~b more dropped since the "
-                                   "last line)", [Dest, Node, Size, Max, More],
-                                   #{actor_pool => oversized_tell})
-            end;
-        undefined ->
-            ok
-    end.
-
-count_oversized(Slot) ->
-    case persistent_term:get(?OVERSIZED, undefined) of
-        {C, _} -> counters:add(C, Slot, 1);
-        undefined -> ok
-    end.
-
-count_no_pool() ->
-    case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> ok;
-        C -> counters:add(C, 1, 1)
-    end.
-
-%% A call to a pool or to a manager, kept in order with this process's tells
-%% and asks; never batched. The reply as sent, or {error, noproc |
-%% {nodedown, Node} | timeout}.
-call(Node, Dest, Request, Timeout) ->
-    request(Node, Dest, fun(Tag) -> {call, self(), Tag, Request} end, Timeout).
-
-%% As gen_server:call does it: a monitor that is also an alias, so that a
-%% reply after the timeout is dropped by the runtime. A monitor on a C-node
-%% process fires only when the connection goes (noconnection), or at once
-%% (noproc) for a pid of an earlier incarnation of the node; a name or pid
-%% the node does not know is answered {error, noproc} by the node itself.
--dialyzer({no_improper_lists, request/4}).
-request(Node, Dest, MakeItem, Timeout) ->
-    Mref = erlang:monitor(process, Dest, [{alias, demonitor}]),
-    Tag = [alias | Mref],
-    ok = dist_send(Node, Dest, MakeItem(Tag)),
-    receive
-        {Tag, Reply} ->
-            erlang:demonitor(Mref, [flush]),
-            Reply;
-        {'DOWN', Mref, _, _, noproc} ->
-            {error, noproc};
-        {'DOWN', Mref, _, _, noconnection} ->
-            {error, {nodedown, Node}};
-        {'DOWN', Mref, _, _, Reason} ->
-            {error, {down, Reason}}
-    after Timeout ->
-        erlang:demonitor(Mref, [flush]),
-        %% A reply that raced the timeout is taken, not left behind.
-        receive
-            {Tag, Reply} -> Reply
-        after 0 ->
-            {error, timeout}
-        end
-    end.
-
-%% ===================================================================
-%% Transports: distribution and the same-host rings
-%% ===================================================================
-
-%% Process dictionary, per pool node: how this process last sent to it,
-%% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
-%% undefined). See docs/same-host-transport.md, "Ordering".
--define(DP_KEY(Node), {'$actor_pool_dp', Node}).
-%% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
-%% between tries, so the scheduler is never held) for this long (an ask, at
-%% most its timeout), then the tell is dropped, the ask answered
-%% {error, overloaded}.
-%% This is the data plane's backpressure on fast senders: the pool node's
-%% reader empties a ring in well under that time unless it is stuck.
--define(FULL_RETRY_US, 1000000).
--define(FULL_YIELDS, 20).
-%% Switching from a ring to distribution: wait at most this long until the
-%% pool node has read what this process put in the ring.
--define(DRAIN_WAIT_US, 1000000).
-%% A reply the NIF committed to sending just as the ask timed out.
--define(LATE_REPLY_MS, 1000).
-
-%% Everything sent by distribution passes here. A process whose last message
-%% to Node went into a ring first waits until the pool node has read it, so
-%% that this one cannot overtake it.
-dist_send(Node, Dest, Item) ->
-    Key = ?DP_KEY(Node),
-    case get(Key) of
-        dist -> ok;
-        undefined -> put(Key, dist);
-        {Seg, Ticket} -> ring_drained(Seg, Ticket), put(Key, dist)
-    end,
-    actor_pool_batcher:send(Node, Dest, Item).
-
-ring_drained(_Seg, undefined) ->
-    ok;
-ring_drained(Seg, Ticket) ->
-    ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0).
-
-ring_drained(Seg, Ticket, Deadline, N) ->
-    case catch actor_dp:consumed(Seg, Ticket) of
-        false ->
-            case erlang:monotonic_time(microsecond) < Deadline of
-                true when N < 100 ->
-                    erlang:yield(),
-                    ring_drained(Seg, Ticket, Deadline, N + 1);
-                true ->
-                    %% The pool node is slow to read: stop spinning the
-                    %% scheduler.
-                    receive after 1 -> ok end,
-                    ring_drained(Seg, Ticket, Deadline, N);
-                false ->
-                    ok
-            end;
-        _TrueOrClosed ->
-            ok
-    end.
-
-%% One record into the lane. Body: {term, Msg, Est} (Est: sendable/1's
-%% bound of its size), or {encoded, Bin} (Bin is term_to_binary(Msg)).
-%% ok (tell) | {ok, AskId} | {ok, AskId, await} (a lone ask: worth an
-%% actor_dp:await/2) | full | {encoded, Bin} (the NIF did not encode Msg,
-%% too large to encode within one NIF call: here it is, encoded by
-%% term_to_binary/1, which yields; submit that) | dist | {dist, Size} (use
-%% distribution instead: too large for a ring, or the lane is closed; Size
-%% is the message's external size once known).
-ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
-    Key = ?DP_KEY(Node),
-    Prev = case get(Key) of
-               {Seg, T} ->
-                   T;
-               dist ->
-                   %% Everything this process sent by distribution is
-                   %% dispatched once a call behind it is answered.
-                   _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
-                   put(Key, {Seg, undefined}),
-                   undefined;
-               _OtherSegOrNone ->
-                   undefined
-           end,
-    RDest = case Dest of
-                {Name, _} -> Name;
-                Pid -> Pid
-            end,
-    try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
-        {ok, T1} -> put(Key, {Seg, T1}), ok;
-        {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
-        {ok, T1, AskId, await} -> put(Key, {Seg, T1}), {ok, AskId, await};
-        full -> full;
-        encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
-        too_large -> actor_pool_dp:count(too_large), to_dist(Body);
-        closed -> actor_pool_dp:lane_closed(Node, Seg), to_dist(Body)
-    catch
-        %% The NIF reads pool names as Latin-1 only (the NIF interface of
-        %% OTP 25): a pool named outside it is reached by distribution,
-        %% after what went by ring before (the caller's "dist" path).
-        error:badarg -> to_dist(Body)
-    end.
-
-dp_submit(Seg, Kind, Dest, {term, Msg, Est}, Ref, Prev) ->
-    actor_dp:submit(Seg, Kind, Dest, Msg, Ref, Prev, Est);
-dp_submit(Seg, Kind, Dest, {encoded, Bin}, Ref, Prev) ->
-    actor_dp:submit_encoded(Seg, Kind, Dest, Bin, Ref, Prev).
-
-%% The message's external size is known once it is encoded: distribution's
-%% check of it need not size it again (erlang:external_size/1 does not
-%% yield).
-to_dist({term, _, _}) -> dist;
-to_dist({encoded, Bin}) -> {dist, byte_size(Bin)}.
-
-ring_tell(Seg, Node, Dest, Msg, Est) ->
-    case ring_submit_wait(Seg, Node, tell, Dest, {term, Msg, Est}, undefined, ?FULL_RETRY_US) of
-        ok ->
-            ok;
-        dist ->
-            %% Too large for a ring record (or the lane closed): it goes by
-            %% distribution if it fits in a frame.
-            dist_tell(Node, Dest, Msg, Est);
-        {dist, Size} ->
-            dist_tell(Node, Dest, Msg, {exact, Size});
-        full ->
-            %% Not to distribution: it would overtake what is in the ring.
-            %% Counted (actor_pool_dp:info/0), as a full mailbox counts its
-            %% dropped tells.
-            actor_pool_dp:count(tell_dropped)
-    end.
-
-%% ring_submit/6, retried while the ring is full for at most WaitUs:
-%% yielding first, then sleeping 1 ms between tries; and at once with the
-%% message encoded when the NIF asked for it so (retries reuse the bytes).
-ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs) ->
-    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, undefined, 0).
-
-ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries) ->
-    case ring_submit(Seg, Node, Kind, Dest, Body, Ref) of
-        {encoded, _} = Encoded ->
-            ring_submit_wait(Seg, Node, Kind, Dest, Encoded, Ref, WaitUs, Deadline, Tries);
-        full when WaitUs > 0 ->
-            Now = erlang:monotonic_time(microsecond),
-            case Deadline of
-                undefined ->
-                    erlang:yield(),
-                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Now + WaitUs, 1);
-                _ when Now < Deadline, Tries < ?FULL_YIELDS ->
-                    erlang:yield(),
-                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries + 1);
-                _ when Now < Deadline ->
-                    receive after 1 -> ok end,
-                    ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries + 1);
-                _ ->
-                    full
-            end;
-        Other ->
-            Other
-    end.
-
-%% An ask or a stats request over the lane. The reply is taken by
-%% actor_dp:await/2 or comes from the NIF's reply thread as {Ref, Answer};
-%% a closed lane answers every waiting ask {error, {nodedown, Node}} at once.
-ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
-    Ref = make_ref(),
-    %% A full ring is waited for as a tell waits, within the timeout.
-    WaitUs = case Timeout of
-                 infinity -> ?FULL_RETRY_US;
-                 _ -> min(?FULL_RETRY_US, Timeout * 1000)
-             end,
-    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Ref, WaitUs) of
-        {ok, AskId, await} when Timeout =/= 0 ->
-            %% A lone asker takes its reply in the NIF (no wake-up of the
-            %% reply thread, then of this scheduler); else, or late, it
-            %% comes as a message.
-            case actor_dp:await(Seg, AskId) of
-                {reply, Reply} -> Reply;
-                none -> ring_receive(Seg, AskId, Ref, Timeout)
-            end;
-        {ok, AskId, await} ->
-            ring_receive(Seg, AskId, Ref, Timeout);
-        {ok, AskId} ->
-            ring_receive(Seg, AskId, Ref, Timeout);
-        full when Kind =:= ask ->
-            actor_pool_dp:count(ask_full),
-            {error, overloaded};
-        {dist, Size} when Kind =:= ask ->
-            dist_ask(Node, Dest, Msg, {exact, Size}, Timeout);
-        _DistOrFullStats when Kind =:= ask ->
-            dist_ask(Node, Dest, Msg, Est, Timeout);
-        _DistOrFullStats ->
-            call(Node, Dest, '$ap_stats', Timeout)
-    end.
-
-%% The answer as a message; on timeout the ask is cancelled in the NIF
-%% (after which no reply is sent) and a reply that raced it is taken.
-ring_receive(Seg, AskId, Ref, Timeout) ->
-    receive
-        {Ref, Reply} -> ring_answer(Reply)
-    after Timeout ->
-        case actor_dp:cancel(Seg, AskId) of
-            true ->
-                {error, timeout};
-            false ->
-                receive
-                    {Ref, Reply} -> ring_answer(Reply)
-                after ?LATE_REPLY_MS ->
-                    {error, timeout}
-                end
-        end
-    end.
-
-%% An answer that may hold a map of more than 32 keys comes as its external
-%% bytes: the NIF's reply thread cannot decode those on OTP before 27.3
-%% (erlang/otp#8208), this process can.
-ring_answer({'$actor_dp_ext', Bin}) ->
-    %% One whole term, as the NIF's own decode requires (binary_to_term/1
-    %% ignores bytes after the term).
-    try binary_to_term(Bin, [used]) of
-        {T, Used} when Used =:= byte_size(Bin) -> T;
-        _ -> {error, bad_reply}
-    catch error:badarg -> {error, bad_reply}
-    end;
-ring_answer(Reply) ->
-    Reply.
-
-%% ===================================================================
-%% Validation
-%% ===================================================================
-
-validate(Name, _Handler, _Opts) when not is_atom(Name) ->
-    {error, {badarg, {name, Name}}};
-validate(_Name, _Handler, Opts) when not is_map(Opts) ->
-    {error, {badarg, {opts, Opts}}};
-validate(_Name, Handler, Opts) ->
-    case options(maps:to_list(Opts), defaults()) of
-        {ok, Full0} ->
-            {PoolNode, Full1} = case maps:take(node, Full0) of
-                                    {N, Rest} -> {N, Rest};
-                                    error -> {pool_node(), Full0}
-                                end,
-            case PoolNode of
-                undefined ->
-                    {error, noproc};
-                _ ->
-                    case handler(Handler, PoolNode) of
-                        {ok, Handler1} ->
-                            case isolation(Handler1, Full1) of
-                                {ok, Full} -> {ok, PoolNode, Handler1, Full};
-                                {error, _} = Error -> Error
-                            end;
-                        error ->
-                            {error, {badarg, {handler, Handler}}}
-                    end
-            end;
-        {error, _} = Error ->
-            Error
-    end.
-
-%% The isolation mode filled in (process for a plugin, thread for a
-%% built-in: those cannot crash, and a thread costs less); a memory limit
-%% needs a process to set it on.
-isolation(Handler, Opts) ->
-    Default = case Handler of
-                  {plugin, _} -> process;
-                  {plugin, _, _} -> process;
-                  _ -> thread
-              end,
-    Full = maps:merge(#{isolation => Default}, Opts),
-    case Full of
-        #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
-            {error, {badarg, {max_memory_mb, Mb}}};
-        _ ->
-            {ok, Full}
-    end.
-
-defaults() ->
-    #{workers => 0,
-      routing => round_robin,
-      mailbox_limit => 10000,
-      backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
-      stable_ms => 10000,
-      handler_timeout_ms => infinity,
-      max_memory_mb => infinity}.
-
-options([], Acc) ->
-    {ok, Acc};
-options([{Key, Value} | Rest], Acc) ->
-    case option(Key, Value) of
-        {ok, Valid} -> options(Rest, Acc#{Key => Valid});
-        error -> {error, {badarg, {Key, Value}}}
-    end.
-
-option(workers, N) when is_integer(N), N >= 1, N =< ?MAX_WORKERS ->
-    {ok, N};
-option(routing, R) when R =:= round_robin; R =:= smallest_mailbox; R =:= random ->
-    {ok, R};
-option(mailbox_limit, N) when is_integer(N), N >= 1, N =< ?MAX_MAILBOX ->
-    {ok, N};
-option(stable_ms, N) when is_integer(N), N >= 0, N =< ?MAX_STABLE_MS ->
-    {ok, N};
-option(isolation, I) when I =:= thread; I =:= process ->
-    {ok, I};
-option(handler_timeout_ms, infinity) ->
-    {ok, infinity};
-option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?MAX_HANDLER_TIMEOUT_MS ->
-    {ok, N};
-option(max_memory_mb, infinity) ->
-    {ok, infinity};
-option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?MAX_MEMORY_MB ->
-    {ok, N};
-option(backoff, #{} = B) ->
-    Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),
-    case Merged of
-        #{min_ms := Min, max_ms := Max, jitter := J}
-          when map_size(Merged) =:= 3,
-               is_integer(Min), Min >= 1,
-               is_integer(Max), Max >= Min, Max =< ?MAX_BACKOFF_MS,
-               is_number(J), J >= 0, J =< 1 ->
-            {ok, Merged#{jitter := float(J)}};
-        _ ->
-            error
-    end;
-option(service_key, Key) ->
-    case actor_receptionist:id(Key) of
-        {ok, Id} -> {ok, Id};
-        error -> error
-    end;
-option(fast_path, B) when is_boolean(B) ->
-    {ok, B};
-option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
-    case lists:member($@, atom_to_list(Node)) of
-        true -> {ok, Node};
-        false -> error
-    end;
-option(_Key, _Value) ->
-    error.
-
-handler(echo, _PoolNode) ->
-    {ok, echo};
-handler(json_validate, _PoolNode) ->
-    {ok, json_validate};
-handler({plugin, Path}, PoolNode) ->
-    case plugin_path(Path, PoolNode) of
-        {ok, Abs} -> {ok, {plugin, Abs}};
-        error -> error
-    end;
-handler({plugin, Path, Config}, PoolNode) ->
-    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) =/= false of
-        true ->
-            {ok, Abs} = plugin_path(Path, PoolNode),
-            {ok, {plugin, Abs, Config}};
-        false ->
-            error
-    end;
-handler(_, _PoolNode) ->
-    error.
-
-%% An absolute binary path. The file must exist when the pool node runs on
-%% this host (a pool node elsewhere checks on its own host and answers
-%% {plugin_load_failed, Path, Why}).
-plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
-    try unicode:characters_to_binary(Path) of
-        Bin when is_binary(Bin), byte_size(Bin) > 0 ->
-            Abs = filename:absname(Bin),
-            case byte_size(Abs) =< ?MAX_PATH
-                andalso binary:match(Abs, <<0>>) =:= nomatch
-                andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
-                true -> {ok, Abs};
-                false -> error
-            end;
-        _ ->
-            error
-    catch
-        error:_ -> error
-    end;
-plugin_path(_, _PoolNode) ->
-    error.
-
-same_host(PoolNode) ->
-    host(PoolNode) =:= host(node()).
-
-host(Node) ->
-    case string:split(atom_to_list(Node), "@") of
-        [_, Host] -> Host;
-        _ -> ""
-    end.
-
-%% An upper bound of T's external size, or false when T holds a closure or
-%% nests deeper than a C node accepts. A C node takes well-formed funs, but
-%% no handler can run a closure, so one is refused here with a clear error;
-%% containers nested deeper than the C node accepts (see ?MAX_DEPTH) would
-%% close the whole connection, failing every ask in flight to that node.
-%% The bound comes with the walk that these checks make anyway; a binary,
-%% the usual message, costs one test and its byte_size.
-sendable(T) -> sendable(T, 0, 0).
-
-%% D: containers open above T; A: the bytes counted so far.
-sendable(T, _D, A) when is_binary(T) -> A + byte_size(T) + 6;
-sendable(T, _D, A) when is_integer(T), T >= -16#80000000, T =< 16#7FFFFFFF -> A + 5;
-sendable(T, _D, A) when is_float(T) -> A + 9;
-%% An atom: at most 255 characters of up to 4 bytes, and a 3-byte header
-%% (a bound, not its size: no lookup of its text).
-sendable(T, _D, A) when is_atom(T) -> A + 1023;
-sendable(T, _D, A) when is_integer(T) -> A + erlang:external_size(T);
-sendable([], _D, A) -> A + 1;
-sendable([_ | _] = L, D, A) when D < ?MAX_DEPTH -> sendable_list(L, D + 1, A + 5);
-sendable(T, D, A) when is_tuple(T), D < ?MAX_DEPTH ->
-    sendable_tuple(T, tuple_size(T), D + 1, A + 5);
-sendable(T, D, A) when is_map(T), D < ?MAX_DEPTH ->
-    sendable_map(maps:next(maps:iterator(T)), D + 1, A + 5);
-sendable(F, D, A) when is_function(F), D < ?MAX_DEPTH ->
-    case erlang:fun_info(F, type) of
-        {type, external} -> A + erlang:external_size(F);
-        _ -> false
-    end;
-sendable(T, _D, A) when is_pid(T); is_port(T); is_reference(T) -> A + erlang:external_size(T);
-sendable(T, _D, A) when is_bitstring(T) -> A + byte_size(T) + 7;
-sendable(_T, _D, _A) -> false.
-
-sendable_list([H | T], D, A) ->
-    case sendable(H, D, A) of
-        false -> false;
-        A1 -> sendable_list(T, D, A1)
-    end;
-sendable_list([], _D, A) -> A + 1;
-sendable_list(Tail, D, A) -> sendable(Tail, D, A).
-
-sendable_tuple(_T, 0, _D, A) -> A;
-sendable_tuple(T, I, D, A) ->
-    case sendable(element(I, T), D, A) of
-        false -> false;
-        A1 -> sendable_tuple(T, I - 1, D, A1)
-    end.
-
-sendable_map(none, _D, A) -> A;
-sendable_map({K, V, Next}, D, A) ->
-    case sendable(K, D, A) of
-        false ->
-            false;
-        A1 ->
-            case sendable(V, D, A1) of
-                false -> false;
-                A2 -> sendable_map(maps:next(Next), D, A2)
-            end
-    end.

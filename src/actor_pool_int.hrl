@@ -1,5 +1,9 @@
-%% Names shared by actor_pool, actor_pool_sup, actor_pool_batch_sup and
-%% actor_pool_batcher. Internal: not part of the public API.
+%% The pool side's internal header: names and limits shared by actor_pool
+%% and the modules it is built from (actor_pool_opts, _manager, _keys,
+%% _transport, _keeper), its supervisors and batchers, and actor_pool_app.
+%% The receptionist's modules include it too, for the receptionist's
+%% registered names and tables below (their subsystem's own definitions are
+%% in actor_receptionist_int.hrl). Internal: not part of the public API.
 
 %% persistent_term key: {node(), LocalPoolNode} of the pool C node that the
 %% application started on this node (written by actor_pool_sup when the
@@ -11,6 +15,12 @@
 
 %% Registered name of the manager process on every pool C node.
 -define(MANAGER, actor_pool_node).
+%% A call to a manager that starts or stops a pool, and a pool's service key
+%% registration: starting a pool runs every worker's handler init; stopping
+%% one waits for the handlers that are running.
+-define(MANAGER_TIMEOUT, 30000).
+%% Any other call to a pool or a manager, unless the caller gives one.
+-define(DEFAULT_TIMEOUT, 5000).
 
 %% ETS (public bag, owned by actor_pool_sup): the service keys that
 %% start_pool registered pools under, {PoolPid, Name, PoolNode, Id}.
@@ -22,8 +32,12 @@
 %% persistent_term key of the counter of tells to a key with no pool.
 -define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
 
-%% ETS table (public, read_concurrency) of batcher groups, one row per pool
-%% node: {Node, Atomics, {Batcher1, ..., BatcherN}, IdleUs}.
+%% ETS table (public, read_concurrency, owned by actor_pool_batch_sup) of
+%% batcher groups, one staging row per pool node while its batchers start:
+%% {Node, Atomics, Idle, Batcher1, ..., BatcherN}, Idle being batch_idle_us
+%% in native time units (or infinity), each batcher writing its own slot.
+%% Senders read the group that the last batcher publishes in persistent_term
+%% (actor_pool_batcher), not this table.
 -define(BATCH_TAB, actor_pool_batchers).
 
 %% persistent_term key: {node(), ReceptionistNode} of the receptionist C node
@@ -74,3 +88,14 @@
 -define(OVERSIZED, {actor_pool, oversized}).
 -define(OVERSIZED_TELLS, 1).
 -define(OVERSIZED_ASKS, 2).
+
+%% The upper limits of a pool's options: a copy of c_src/pool/pool_limits.h,
+%% their source of truth (the pool node checks them too; see that file for
+%% why a copy). test/actor_pool_limits_tests.erl fails when the two differ.
+-define(AP_POOL_MAX_WORKERS, 1024).
+-define(AP_POOL_MAX_MAILBOX, 1048576).
+-define(AP_POOL_MAX_BACKOFF_MS, 3600000).
+-define(AP_POOL_MAX_STABLE_MS, 86400000).
+-define(AP_POOL_MAX_HANDLER_TIMEOUT_MS, 86400000).
+-define(AP_POOL_MAX_MEMORY_MB, 1048576).
+-define(AP_POOL_MAX_PATH, 4095).

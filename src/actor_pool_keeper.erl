@@ -12,7 +12,8 @@
 %% again). The pools get new pids: a pid of the old incarnation answers
 %% `{error, noproc}', while the name, `{Name, PoolNode}' and the service key
 %% reach the new pool. The table belongs to actor_pool_sup, so it outlives a
-%% crash of this process.
+%% crash of this process. It starts and stops pools through
+%% actor_pool_manager, never through actor_pool (which calls this module).
 -module(actor_pool_keeper).
 -behaviour(gen_server).
 
@@ -79,14 +80,14 @@ handle_info(_Msg, State) ->
     {noreply, State}.
 
 restart(Node, {Name, Handler, Opts, _OldPid}) ->
-    case actor_pool:start_pool(Name, Handler, Opts, nokeep) of
+    case actor_pool_manager:start_pool(Name, Handler, Opts) of
         {ok, Pid} ->
             %% Stopped meanwhile (stop_pool forgot it): stop it again.
             case ets:update_element(?POOLS_KEPT, Name, {4, Pid}) of
                 true ->
                     logger:notice("actor_pool: pool ~p started again on ~ts (~p)", [Name, Node, Pid]);
                 false ->
-                    _ = actor_pool:stop_pool(Pid),
+                    _ = actor_pool_manager:stop_pool(node(Pid), Pid),
                     ok
             end;
         {error, already_started} ->

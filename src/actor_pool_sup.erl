@@ -4,6 +4,10 @@
 %% <ol>
 %% <li>{@link actor_cnode_sup}, the home of C-node owners started at run
 %%     time;</li>
+%% <li>{@link actor_pool_keeper}, which starts the pools of this node's pool
+%%     C node again when the owner reports a new incarnation of it (before
+%%     the owner, so that it is there for the first report), unless the
+%%     application environment says `{pool_node, false}';</li>
 %% <li>`actor_pool_node', the {@link actor_cnode} owner (registered
 %%     `actor_pool_node_owner') of this node's pool C node,
 %%     `priv/actor_pool_node', unless the application environment says
@@ -16,8 +20,11 @@
 %%     of this host;</li>
 %% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
 %% </ol>
-%% The owner restarts its C node when it dies; the pools it hosted are gone
-%% with it (see docs/stateless-workers.md, "Known limitations").
+%% The owner restarts its C node when it dies; the pools that were started on
+%% it through {@link actor_pool:start_pool/3} are started again by the keeper,
+%% with new pids (and registered again under their service keys). The tables
+%% of service keys and of kept pools belong to this supervisor, so that they
+%% outlive a crash of the processes that use them.
 -module(actor_pool_sup).
 -behaviour(supervisor).
 

@@ -389,7 +389,7 @@ switch_to_distribution_waits_until_the_ring_is_read(_Ctx) ->
                                     end),
                      wait_until(fun() ->
                                     process_info(S, current_function) =:=
-                                        {current_function, {actor_pool, ring_drained, 4}}
+                                        {current_function, {actor_pool_transport, ring_drained, 4}}
                                 end, 900),
                      S
                  after

@@ -25,8 +25,9 @@
 #include <stdint.h>
 
 #include "pool.h"
+#include "pool_limits.h"
 
-#define MAX_WORKERS 1024
+#define MAX_WORKERS AP_POOL_MAX_WORKERS
 #define ROUTE_TRIES 3 /* full mailboxes the router tries past before answering overloaded */
 
 /* ---- mailbox: SPSC intrusive queue (Vyukov) ----------------------------- */

@@ -28,10 +28,11 @@
 #include "handlers.h"
 #include "isolate.h"
 #include "pool.h"
+#include "pool_limits.h"
 #include "ring_ingress.h"
 
 #define HANDLER_DESC 64
-#define SPEC_MAX 4096 /* a plugin's path, < 4096 bytes, or a built-in's name */
+#define SPEC_MAX (AP_POOL_MAX_PATH + 1) /* a plugin's path with its NUL, or a built-in's name */
 
 /* ---- decoding the manager's requests ------------------------------------- */
 
@@ -60,6 +61,20 @@ static int get_number(const char *b, int *i, double *v)
 		return 0;
 	}
 	return -1;
+}
+
+/* A routing's name, as the manager's options and --pool both give it. */
+static int parse_routing(const char *name, ap_routing *out)
+{
+	if (!strcmp(name, "round_robin"))
+		*out = AP_ROUTE_ROUND_ROBIN;
+	else if (!strcmp(name, "smallest_mailbox"))
+		*out = AP_ROUTE_SMALLEST_MAILBOX;
+	else if (!strcmp(name, "random"))
+		*out = AP_ROUTE_RANDOM;
+	else
+		return -1;
+	return 0;
 }
 
 /* A bad option: {error, {badarg, {Key, Value}}}, Value copied as sent. */
@@ -94,11 +109,11 @@ static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, str
 		if (get_atom(b, i, key, sizeof key))
 			return bad(ba, "backoff", b, len, v0);
 		if (!strcmp(key, "min_ms")) {
-			if (get_long(b, i, &l) || l < 1 || l > 3600000)
+			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_BACKOFF_MS)
 				return bad(ba, "backoff", b, len, v0);
 			o->backoff_min_ms = (int)l;
 		} else if (!strcmp(key, "max_ms")) {
-			if (get_long(b, i, &l) || l < 1 || l > 3600000)
+			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_BACKOFF_MS)
 				return bad(ba, "backoff", b, len, v0);
 			o->backoff_max_ms = (int)l;
 		} else if (!strcmp(key, "jitter")) {
@@ -150,26 +165,18 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 		}
 		int vs = *i;
 		if (!strcmp(key, "workers")) {
-			if (get_long(b, i, &l) || l < 0 || l > 1024)
+			if (get_long(b, i, &l) || l < 0 || l > AP_POOL_MAX_WORKERS)
 				return bad(ba, "workers", b, len, vs);
 			o->workers = (int)l;
 		} else if (!strcmp(key, "routing")) {
-			if (get_atom(b, i, a, sizeof a))
-				return bad(ba, "routing", b, len, vs);
-			if (!strcmp(a, "round_robin"))
-				o->routing = AP_ROUTE_ROUND_ROBIN;
-			else if (!strcmp(a, "smallest_mailbox"))
-				o->routing = AP_ROUTE_SMALLEST_MAILBOX;
-			else if (!strcmp(a, "random"))
-				o->routing = AP_ROUTE_RANDOM;
-			else
+			if (get_atom(b, i, a, sizeof a) || parse_routing(a, &o->routing))
 				return bad(ba, "routing", b, len, vs);
 		} else if (!strcmp(key, "mailbox_limit")) {
-			if (get_long(b, i, &l) || l < 1 || l > 1048576)
+			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_MAILBOX)
 				return bad(ba, "mailbox_limit", b, len, vs);
 			o->mailbox_limit = (uint32_t)l;
 		} else if (!strcmp(key, "stable_ms")) {
-			if (get_long(b, i, &l) || l < 0 || l > 86400000)
+			if (get_long(b, i, &l) || l < 0 || l > AP_POOL_MAX_STABLE_MS)
 				return bad(ba, "stable_ms", b, len, vs);
 			o->stable_ms = (int)l;
 		} else if (!strcmp(key, "backoff")) {
@@ -185,11 +192,11 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 			else
 				return bad(ba, "isolation", b, len, vs);
 		} else if (!strcmp(key, "handler_timeout_ms")) {
-			if (get_limit(b, i, 86400000, &o->handler_timeout_ms))
+			if (get_limit(b, i, AP_POOL_MAX_HANDLER_TIMEOUT_MS, &o->handler_timeout_ms))
 				return bad(ba, "handler_timeout_ms", b, len, vs);
 		} else if (!strcmp(key, "max_memory_mb")) {
 			mem_vs = vs;
-			if (get_limit(b, i, 1048576, &o->max_memory_mb))
+			if (get_limit(b, i, AP_POOL_MAX_MEMORY_MB, &o->max_memory_mb))
 				return bad(ba, "max_memory_mb", b, len, vs);
 		} else {
 			/* Options the Erlang side keeps for itself (node, ...). */
@@ -222,8 +229,8 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 		}
 	} else if (ei_decode_tuple_header(b, i, &arity) == 0 && (arity == 2 || arity == 3) &&
 		   get_atom(b, i, a, sizeof a) == 0 && !strcmp(a, "plugin") && ei_get_type(b, i, &type, &size) == 0 &&
-		   type == ERL_BINARY_EXT && size > 0 && size < 4096) {
-		char path[4096], why[256];
+		   type == ERL_BINARY_EXT && size > 0 && size <= AP_POOL_MAX_PATH) {
+		char path[AP_POOL_MAX_PATH + 1], why[256];
 		long len;
 		ei_decode_binary(b, i, path, &len);
 		path[len] = 0;
@@ -243,7 +250,8 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 			snprintf(spec, SPEC_MAX, "%s", path);
 			return 0;
 		}
-		ei_x_encode_tuple_header(err, r == -2 ? 3 : 3);
+		/* {abi_mismatch, Got, Want} or {plugin_load_failed, Path, Why} */
+		ei_x_encode_tuple_header(err, 3);
 		if (r == -2) {
 			ei_x_encode_atom(err, "abi_mismatch");
 			ei_x_encode_ulong(err, got);
@@ -595,23 +603,15 @@ static int start_spec(ap_node *n, const char *spec)
 	if (workers) {
 		char *end;
 		long w = strtol(workers, &end, 10);
-		if (*end || w < 0 || w > 1024) {
+		if (*end || w < 0 || w > AP_POOL_MAX_WORKERS) {
 			ap_log(AP_LOG_ERROR, "bad worker count in --pool '%s'", spec);
 			return -1;
 		}
 		o.workers = (int)w;
 	}
-	if (routing) {
-		if (!strcmp(routing, "round_robin"))
-			o.routing = AP_ROUTE_ROUND_ROBIN;
-		else if (!strcmp(routing, "smallest_mailbox"))
-			o.routing = AP_ROUTE_SMALLEST_MAILBOX;
-		else if (!strcmp(routing, "random"))
-			o.routing = AP_ROUTE_RANDOM;
-		else {
-			ap_log(AP_LOG_ERROR, "bad routing in --pool '%s'", spec);
-			return -1;
-		}
+	if (routing && parse_routing(routing, &o.routing)) {
+		ap_log(AP_LOG_ERROR, "bad routing in --pool '%s'", spec);
+		return -1;
 	}
 	const actor_pool_handler *h = ap_builtin_handler(handler);
 	void *dl = NULL;
