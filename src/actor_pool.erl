@@ -123,7 +123,7 @@
                    restarts := non_neg_integer(),
                    overloaded := non_neg_integer(),
                    dropped_tells := non_neg_integer(),
-                   throughput := number(),
+                   throughput_10s := float(),
                    uptime_ms := non_neg_integer(),
                    workers := [worker_stats()],
                    by_path => #{dist := non_neg_integer(), ring := non_neg_integer()}}.
@@ -332,8 +332,8 @@ ask(Pool, Msg, Timeout) ->
 %% @doc The pool's metrics: size and routing, `isolation',
 %% `handler_timeout_ms', `max_memory_mb', counters (`processed', `errors',
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
-%% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput'
-%% (messages per second over the last full second), `uptime_ms', and per
+%% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
+%% (messages per second over the last 10 s, up to the call), `uptime_ms', and per
 %% worker `id', `alive', `state' (`running', `hung', `restarting'),
 %% `os_pid' (a process-isolated worker's; `undefined' otherwise), `mailbox'
 %% (depth gauge), `processed', `restarts', `crashes', `next_restart_ms'. See

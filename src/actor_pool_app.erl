@@ -10,6 +10,7 @@
 -behaviour(application).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% application callbacks.
 -export([start/2]).

@@ -1,9 +1,11 @@
 %% The pool side's internal header: names and limits shared by actor_pool
 %% and the modules it is built from (actor_pool_opts, _manager, _keys,
 %% _transport, _keeper), its supervisors and batchers, and actor_pool_app.
-%% The receptionist's modules include it too, for the receptionist's
-%% registered names and tables below (their subsystem's own definitions are
-%% in actor_receptionist_int.hrl). Internal: not part of the public API.
+%% The receptionist's modules include it too, for the frame sizes and the
+%% names of the pool side they use; their own definitions (key limits,
+%% registered names) are in actor_receptionist_int.hrl, and each ETS table's
+%% name is defined in the one module that owns it. Internal: not part of the
+%% public API.
 
 %% persistent_term key: {node(), LocalPoolNode} of the pool C node that the
 %% application started on this node (written by actor_pool_sup when the
@@ -39,31 +41,6 @@
 %% Senders read the group that the last batcher publishes in persistent_term
 %% (actor_pool_batcher), not this table.
 -define(BATCH_TAB, actor_pool_batchers).
-
-%% persistent_term key: {node(), ReceptionistNode} of the receptionist C node
-%% that the application started on this node.
--define(RCPT_NODE_KEY, {actor_pool, receptionist_node}).
-
-%% Registered names: the actor_cnode owner of the receptionist C node, the
-%% BEAM-side receptionist server, and the registry process on the C node.
--define(RCPT_OWNER, actor_receptionist_owner).
--define(RCPT_SERVER, actor_receptionist_server).
--define(RCPT_PROC, actor_receptionist).
-
-%% ETS tables of the receptionist server, owned by actor_receptionist_sup so
-%% that they outlive a crash of the server: the local registrations
-%% ({{Id, Ref}, Seq}, a set; Seq keeps the registration order) and the
-%% local subscriptions ({{Pid, Id}}, an ordered_set).
--define(RCPT_REGS, actor_receptionist_regs).
--define(RCPT_SUBS, actor_receptionist_subs).
-%% (On a member) the registrations followers made through it,
-%% {{FollowerNode, {Id, Ref}}}, an ordered_set owned by the supervisor too.
--define(RCPT_FOLLOWED, actor_receptionist_followed).
-%% Owned by the server: {{Id, Ref}} held by more than one origin, and
-%% {{Node, {Id, Ref}}} for the journal's refs on other nodes (see
-%% actor_receptionist_server).
--define(RCPT_SHARED, actor_receptionist_shared).
--define(RCPT_BYNODE, actor_receptionist_bynode).
 
 %% Frame sizes. A C node refuses no max_frame at or above MIN_MAX_FRAME
 %% (actor_cnode refuses a smaller one); DEFAULT_MAX_FRAME is the C node's

@@ -52,6 +52,7 @@
 -module(actor_receptionist_gossip).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 -export([new/2]).
 -export([local/4]).

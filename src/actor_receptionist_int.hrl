@@ -12,4 +12,14 @@
 %% Guard test: Id is a valid key id.
 -define(IS_ID(Id), (is_binary(Id) andalso byte_size(Id) >= 1 andalso byte_size(Id) =< ?MAX_ID)).
 
+%% persistent_term key: {node(), ReceptionistNode} of the receptionist C node
+%% that the application started on this node.
+-define(RCPT_NODE_KEY, {actor_pool, receptionist_node}).
+
+%% Registered names: the actor_cnode owner of the receptionist C node, the
+%% BEAM-side receptionist server, and the registry process on the C node.
+-define(RCPT_OWNER, actor_receptionist_owner).
+-define(RCPT_SERVER, actor_receptionist_server).
+-define(RCPT_PROC, actor_receptionist).
+
 -endif.

@@ -17,6 +17,7 @@
 -behaviour(supervisor).
 
 -include("actor_pool_int.hrl").
+-include("actor_receptionist_int.hrl").
 
 %% API.
 -export([start_link/0]).
