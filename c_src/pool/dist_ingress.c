@@ -76,7 +76,7 @@ static int is_batch(const char *b, int i, int *list)
 	char a[16];
 	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || ei_get_type(b, &i, &type, &size) ||
 	    type != ERL_ATOM_EXT || size >= (int)sizeof a ||
-	    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) || strcmp(a, "$ap_batch"))
+	    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) || strcmp(a, AP_BATCH))
 		return 0;
 	*list = i;
 	return 1;
@@ -96,7 +96,7 @@ void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
 	int e, list;
 	switch (m->kind) {
 	case AP_MSG_CALL:
-		if (is_atom(m->buf, m->index, "$ap_stats")) {
+		if (is_atom(m->buf, m->index, AP_STATS)) {
 			ei_x_buff x;
 			if (ei_x_new(&x))
 				return;
@@ -147,7 +147,7 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
 			int t0 = i, t1 = term_end(b, e, i);
 			out.len = 0;
-			if (t1 > 0 && ap_pool_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
+			if (t1 > 0 && ap_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
 				ap_node_post(n, caller.node, out.data, out.len);
 		}
 		i = e;
