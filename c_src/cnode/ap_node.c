@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "ap_ctrl.h"
+#include "ap_dec.h"
 #include "ap_frame.h"
 #include "ap_io.h"
 #include "ap_log.h"
@@ -335,8 +336,7 @@ void ap_node_classify(ap_msg *m)
 		return;
 	if (ei_decode_tuple_header(b, &i, &arity) || (arity != 2 && arity != 3))
 		return;
-	if (ap_term_end(b, len, i) < 0 || ei_get_type(b, &i, &type, &size) || type != ERL_ATOM_EXT ||
-	    size >= (int)sizeof atom || ei_decode_atom_as(b, &i, atom, sizeof atom, ERLANG_UTF8, NULL, NULL))
+	if (ap_term_end(b, len, i) < 0 || ap_get_atom(b, &i, atom, sizeof atom))
 		return;
 	if (arity == 3 && strcmp(atom, AP_GEN_CALL) == 0) {
 		int a2;

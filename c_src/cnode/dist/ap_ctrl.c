@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <string.h>
 
+#include "ap_dec.h"
 #include "ap_term.h"
 
 /* Upper bound of one encoded pid / atom / small header, so ei encoders can
@@ -17,14 +18,6 @@ static int dec_pid(const char *buf, int *idx, erlang_pid *p)
 	if (ei_get_type(buf, idx, &type, &size) || type != ERL_PID_EXT)
 		return -1;
 	return ei_decode_pid(buf, idx, p) ? -1 : 0;
-}
-
-static int dec_atom(const char *buf, int *idx, char *out)
-{
-	int type, size;
-	if (ei_get_type(buf, idx, &type, &size) || type != ERL_ATOM_EXT)
-		return -1;
-	return ei_decode_atom_as(buf, idx, out, MAXATOMLEN_UTF8, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
 }
 
 /* Skip an element of the validated control tuple (buf[0..len), len its end)
@@ -78,7 +71,7 @@ static int decode(const uint8_t *frame, size_t len, ap_ctrl *c, int whole)
 	case AP_OP_REG_SEND: /* {6, From, Unused, ToName} */
 	case 16:             /* {16, From, Unused, ToName, Token} */
 		if (arity != (op == 6 ? 4 : 5) || dec_pid(buf, &idx, &c->from) ||
-		    dec_skip(buf, (size_t)end, &idx) || dec_atom(buf, &idx, c->toname))
+		    dec_skip(buf, (size_t)end, &idx) || ap_get_atom(buf, &idx, c->toname, sizeof c->toname))
 			return -EBADMSG;
 		if (op == 16 && dec_skip(buf, (size_t)end, &idx)) /* the trace token */
 			return -EBADMSG;
