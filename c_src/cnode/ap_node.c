@@ -4,6 +4,11 @@
  * and the handshakes (ap_setup's thread). A connection exists in the table
  * only after its handshake; ei has forgotten its fd by then, so this file is
  * its only reader and writer.
+ *
+ * Over 700 lines, kept whole: the process table, the connection table and
+ * dispatch share the loop's private state (ap_node_int.h) and every path
+ * from a frame to a process crosses all three; the codec and the event
+ * loop it calls live apart (dist/, io/).
  */
 #include "ap_node.h"
 #include "ap_node_int.h"
