@@ -12,18 +12,7 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more)
 {
 	if (more > SIZE_MAX - r->len)
 		return -1;
-	size_t need = r->len + more;
-	if (need <= r->cap)
-		return 0;
-	size_t cap = r->cap ? r->cap : 256;
-	while (cap < need)
-		cap *= 2;
-	uint8_t *d = realloc(r->data, cap);
-	if (!d)
-		return -1;
-	r->data = d;
-	r->cap = cap;
-	return 0;
+	return ap_grow(&r->data, &r->cap, r->len + more, 256, SIZE_MAX);
 }
 
 /* Append {Status, Value} (no 131) to b from the handler's reply. Returns 0,
