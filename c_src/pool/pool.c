@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_rand.h"
 #include "ap_time.h"
 #include "handlers.h"
 #include "isolate.h"
@@ -499,8 +500,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	/* Each pool its own stream: seeded from the time and the pool's
 	 * address, pools started within a second where a stopped one's
 	 * memory was reused routed alike, message for message. */
-	if (getrandom(&p->rng, sizeof p->rng, GRND_NONBLOCK) != (ssize_t)sizeof p->rng)
-		p->rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)(uintptr_t)p;
+	p->rng = ap_rand_seed(p);
 	if (!p->rng)
 		p->rng = 1;
 	p->started_ms = p->tp_last_ms = ap_node_now_ms(n);
