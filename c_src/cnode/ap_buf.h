@@ -13,6 +13,27 @@ typedef struct ap_buf {
 	size_t cap;
 } ap_buf;
 
+/* Grow the malloc'd block *data of *cap bytes to hold `need`: the capacity
+ * doubles from `first` (when *cap is 0), but stops at `limit` when need
+ * fits in it. Every growable buffer of the C nodes grows by this. Returns
+ * 0, or -1 when out of memory (the block is unchanged then). */
+static inline int ap_grow(uint8_t **data, size_t *cap, size_t need, size_t first, size_t limit)
+{
+	if (need <= *cap)
+		return 0;
+	size_t c = *cap ? *cap : first;
+	while (c < need)
+		c = c > SIZE_MAX / 2 ? need : c * 2;
+	if (c > limit && need <= limit)
+		c = limit;
+	uint8_t *p = realloc(*data, c);
+	if (!p)
+		return -1;
+	*data = p;
+	*cap = c;
+	return 0;
+}
+
 /* Make room for `more` bytes past len, doubling the capacity, but not past
  * `limit` when len + more fits in it: a buffer that collects one item of
  * known size grows with the bytes that arrived and ends at the item's size.
@@ -21,20 +42,7 @@ static inline int ap_buf_reserve_upto(ap_buf *b, size_t more, size_t limit)
 {
 	if (more > SIZE_MAX - b->len)
 		return -1;
-	size_t need = b->len + more;
-	if (need <= b->cap)
-		return 0;
-	size_t cap = b->cap ? b->cap : 256;
-	while (cap < need)
-		cap = cap > SIZE_MAX / 2 ? need : cap * 2;
-	if (cap > limit && need <= limit)
-		cap = limit;
-	uint8_t *p = realloc(b->data, cap);
-	if (!p)
-		return -1;
-	b->data = p;
-	b->cap = cap;
-	return 0;
+	return ap_grow(&b->data, &b->cap, b->len + more, 256, limit);
 }
 
 static inline int ap_buf_reserve(ap_buf *b, size_t more)

@@ -4,6 +4,11 @@
  * and the handshakes (ap_setup's thread). A connection exists in the table
  * only after its handshake; ei has forgotten its fd by then, so this file is
  * its only reader and writer.
+ *
+ * Over 700 lines, kept whole: the process table, the connection table and
+ * dispatch share the loop's private state (ap_node_int.h) and every path
+ * from a frame to a process crosses all three; the codec and the event
+ * loop it calls live apart (dist/, io/).
  */
 #include "ap_node.h"
 #include "ap_node_int.h"
@@ -17,6 +22,7 @@
 #include <unistd.h>
 
 #include "ap_ctrl.h"
+#include "ap_dec.h"
 #include "ap_frame.h"
 #include "ap_io.h"
 #include "ap_log.h"
@@ -265,50 +271,6 @@ int ap_send_named(ap_node *n, const ap_proc *from, const char *node, const char 
 	return 0;
 }
 
-size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
-			    int tag_len)
-{
-	/* A tag [alias | Ref] (OTP 24+) names an alias: reply to it, so a reply
-	 * that comes after the caller gave up is dropped by the BEAM. */
-	int idx = 0, arity, type, size;
-	const char *alias = NULL;
-	int alias_len = 0;
-	if (ei_decode_list_header(tag, &idx, &arity) == 0 && arity == 1) {
-		char atom[MAXATOMLEN_UTF8];
-		if (ei_get_type(tag, &idx, &type, &size) == 0 && type == ERL_ATOM_EXT &&
-		    ei_decode_atom_as(tag, &idx, atom, sizeof atom, ERLANG_UTF8, NULL, NULL) == 0 &&
-		    strcmp(atom, "alias") == 0 && ei_get_type(tag, &idx, &type, &size) == 0 &&
-		    type == ERL_NEW_REFERENCE_EXT) {
-			alias = tag + idx;
-			alias_len = tag_len - idx;
-		}
-	}
-	size_t st = ap_frame_begin(b);
-	if (st == (size_t)-1)
-		return st;
-	if (alias ? ap_enc_alias_send(b, self, alias, alias_len) : ap_enc_send(b, caller))
-		return (size_t)-1;
-	static const char hdr[] = { (char)131, 104, 2 }; /* {Tag, Reply} */
-	if (ap_buf_append(b, hdr, sizeof hdr) || ap_buf_append(b, tag, (size_t)tag_len))
-		return (size_t)-1;
-	return st;
-}
-
-int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
-		    const char *term, int len)
-{
-	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
-	if (st == (size_t)-1)
-		return -1;
-	if (len > 0 && (unsigned char)term[0] == 131) {
-		term++;
-		len--;
-	}
-	if (ap_buf_append(b, term, (size_t)len))
-		return -1;
-	return ap_frame_end(b, st);
-}
-
 int ap_reply(ap_node *n, const ap_proc *self, const ap_msg *call, const char *term, int len)
 {
 	ap_conn *c = call->conn && !call->conn->io->closing ? call->conn : conn_for(n, call->from.node);
@@ -379,10 +341,9 @@ void ap_node_classify(ap_msg *m)
 		return;
 	if (ei_decode_tuple_header(b, &i, &arity) || (arity != 2 && arity != 3))
 		return;
-	if (ap_term_end(b, len, i) < 0 || ei_get_type(b, &i, &type, &size) || type != ERL_ATOM_EXT ||
-	    size >= (int)sizeof atom || ei_decode_atom_as(b, &i, atom, sizeof atom, ERLANG_UTF8, NULL, NULL))
+	if (ap_term_end(b, len, i) < 0 || ap_get_atom(b, &i, atom, sizeof atom))
 		return;
-	if (arity == 3 && strcmp(atom, "$gen_call") == 0) {
+	if (arity == 3 && strcmp(atom, AP_GEN_CALL) == 0) {
 		int a2;
 		erlang_pid from;
 		/* {Pid, Tag} whole, then its parts. */
@@ -399,7 +360,7 @@ void ap_node_classify(ap_msg *m)
 		m->tag = b + t0;
 		m->tag_len = i - t0;
 		m->index = i;
-	} else if (arity == 2 && strcmp(atom, "$gen_cast") == 0) {
+	} else if (arity == 2 && strcmp(atom, AP_GEN_CAST) == 0) {
 		m->kind = AP_MSG_CAST;
 		m->index = i;
 	}
@@ -432,9 +393,7 @@ static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, cons
 	if (m.kind == AP_MSG_CALL) {
 		/* A caller's monitor never fires on a C-node process: answer, or
 		 * it would wait out its whole timeout. */
-		static const char noproc[] = { (char)131, 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r',
-					       119, 6, 'n', 'o', 'p', 'r', 'o', 'c' };
-		if (ap_encode_reply(&c->io->out, &n->kernel->pid, &m.from, m.tag, m.tag_len, noproc, sizeof noproc) == 0)
+		if (ap_enc_error_reply(&c->io->out, &n->kernel->pid, &m.from, m.tag, m.tag_len, "noproc") == 0)
 			conn_flush(n, c);
 	}
 }
@@ -454,11 +413,9 @@ static void on_exit_signal(ap_node *n, ap_conn *c, const ap_ctrl *ctl)
 
 static void send_exit_noproc(ap_node *n, ap_conn *c, const erlang_pid *from, const erlang_pid *to)
 {
-	static const char noproc[] = { 119, 6, 'n', 'o', 'p', 'r', 'o', 'c' };
 	size_t st = ap_frame_begin(&c->io->out);
-	if (ap_enc_exit(&c->io->out, from, to, noproc, sizeof noproc) == 0 && ap_frame_end(&c->io->out, st) == 0)
+	if (ap_enc_exit_atom(&c->io->out, from, to, "noproc") == 0 && ap_frame_end(&c->io->out, st) == 0)
 		conn_flush(n, c);
-	(void)n;
 }
 
 static void bad_frame(ap_node *n, ap_conn *c, const char *why)
@@ -515,10 +472,8 @@ static int on_oversize(void *arg, const uint8_t *head, size_t hl, uint32_t flen)
 		if (sender)
 			snprintf(from, sizeof from, " <%u.%u>", sender->num, sender->serial);
 		if (m.kind == AP_MSG_CALL) {
-			static const char too_large[] = { (char)131, 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r',
-							  119, 9, 't', 'o', 'o', '_', 'l', 'a', 'r', 'g', 'e' };
-			if (ap_encode_reply(&c->io->out, &n->kernel->pid, &m.from, m.tag, m.tag_len, too_large,
-					    sizeof too_large) == 0) {
+			if (ap_enc_error_reply(&c->io->out, &n->kernel->pid, &m.from, m.tag, m.tag_len, "too_large") ==
+			    0) {
 				conn_flush(n, c);
 				answered = 1;
 			}

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "ap_buf.h"
+#include "ap_ctrl.h" /* the reply encoders (ap_encode_reply), for code replying from other threads */
 #include "ap_io.h"
 
 typedef struct ap_node ap_node;
@@ -107,18 +108,6 @@ int ap_link(ap_node *n, ap_proc *p, const erlang_pid *remote);
 /* Any thread: queue a whole frame for `node`; the loop sends it in order
  * with everything else for that node. Returns 0 or -1 (no memory). */
 int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len);
-
-/* Encode {Tag, Reply} for a call into a frame appended to b; the frame
- * goes by ALIAS_SEND when the tag carries an alias, else SEND to the
- * caller. Shared by ap_reply and code replying from other threads. */
-int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
-		    int tag_len, const char *term, int len);
-/* The same in two steps, for replies made later or elsewhere: the head
- * (frame start, control message, `{Tag, ` of the reply) is appended to b
- * and its start offset returned ((size_t)-1 on failure); append the reply
- * term without its 131 byte, then ap_frame_end(b, start). */
-size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
-			    int tag_len);
 
 /* Any thread: run fn(n, arg) on the loop thread, in order with frames
  * posted by the same thread. Returns 0 or -1 (no memory). */

@@ -3,6 +3,7 @@
  * dispatched requests; and the answers for a batch to a pool that is gone. */
 #include <string.h>
 
+#include "ap_dec.h"
 #include "ap_term.h"
 #include "pool_int.h"
 
@@ -48,9 +49,7 @@ static int batch(ap_pool *p, const char *b, int len, int i)
 			i = e;
 			continue;
 		}
-		if (ei_decode_tuple_header(b, &i, &arity) || ei_get_type(b, &i, &type, &size) ||
-		    type != ERL_ATOM_EXT || size >= (int)sizeof tag ||
-		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL)) {
+		if (ei_decode_tuple_header(b, &i, &arity) || ap_get_atom(b, &i, tag, sizeof tag)) {
 			i = e;
 			continue;
 		}
@@ -72,22 +71,13 @@ static int batch(ap_pool *p, const char *b, int len, int i)
 
 static int is_batch(const char *b, int i, int *list)
 {
-	int arity, type, size;
+	int arity;
 	char a[16];
-	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || ei_get_type(b, &i, &type, &size) ||
-	    type != ERL_ATOM_EXT || size >= (int)sizeof a ||
-	    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) || strcmp(a, "$ap_batch"))
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || ap_get_atom(b, &i, a, sizeof a) ||
+	    strcmp(a, AP_BATCH))
 		return 0;
 	*list = i;
 	return 1;
-}
-
-static int is_atom(const char *b, int i, const char *want)
-{
-	int type, size;
-	char a[32];
-	return ei_get_type(b, &i, &type, &size) == 0 && type == ERL_ATOM_EXT && size < (int)sizeof a &&
-	       ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(a, want);
 }
 
 void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
@@ -96,7 +86,7 @@ void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
 	int e, list;
 	switch (m->kind) {
 	case AP_MSG_CALL:
-		if (is_atom(m->buf, m->index, "$ap_stats")) {
+		if (ap_is_atom(m->buf, m->index, AP_STATS)) {
 			ei_x_buff x;
 			if (ei_x_new(&x))
 				return;
@@ -141,13 +131,12 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 		erlang_pid caller;
 		if (e < 0)
 			break;
-		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 4 && ei_get_type(b, &i, &type, &size) == 0 &&
-		    type == ERL_ATOM_EXT && size < (int)sizeof tag &&
-		    ei_decode_atom_as(b, &i, tag, sizeof tag, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(tag, "ask") &&
+		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 4 && ap_get_atom(b, &i, tag, sizeof tag) == 0 &&
+		    !strcmp(tag, "ask") &&
 		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
 			int t0 = i, t1 = term_end(b, e, i);
 			out.len = 0;
-			if (t1 > 0 && ap_pool_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
+			if (t1 > 0 && ap_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
 				ap_node_post(n, caller.node, out.data, out.len);
 		}
 		i = e;

@@ -19,6 +19,8 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_rand.h"
+#include "ap_time.h"
 #include "handlers.h"
 #include "isolate.h"
 #include "pool_int.h"
@@ -38,13 +40,6 @@ void ap_pool_opts_default(ap_pool_opts *o)
 #define RUN_BUSY 1u    /* the worker runs a message */
 #define RUN_CLAIMED 2u /* the watchdog took it over: it answers, then moves the queue */
 #define RUN_MOVED 3u   /* done: the worker may touch its mailbox again */
-
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void rejoin(ap_node *n, void *arg);
 
@@ -92,7 +87,7 @@ static void *worker_main(void *arg)
 		uint64_t running = 0;
 		if (p->o.handler_timeout_ms) {
 			running = ((atomic_load(&w->run) >> 2) + 1) << 2 | RUN_BUSY;
-			atomic_store(&w->busy_since_ms, mono_ms());
+			atomic_store(&w->busy_since_ms, ap_mono_ms());
 			atomic_store(&w->cur_job, j);
 			atomic_store(&w->run, running);
 		}
@@ -371,7 +366,7 @@ static void watchdog(ap_node *n, void *arg)
 		maybe_free(p);
 		return;
 	}
-	int64_t now = mono_ms();
+	int64_t now = ap_mono_ms();
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
 		uint64_t r = atomic_load(&w->run);
@@ -505,8 +500,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	/* Each pool its own stream: seeded from the time and the pool's
 	 * address, pools started within a second where a stopped one's
 	 * memory was reused routed alike, message for message. */
-	if (getrandom(&p->rng, sizeof p->rng, GRND_NONBLOCK) != (ssize_t)sizeof p->rng)
-		p->rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)(uintptr_t)p;
+	p->rng = ap_rand_seed(p);
 	if (!p->rng)
 		p->rng = 1;
 	p->started_ms = ap_node_now_ms(n);

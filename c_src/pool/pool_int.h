@@ -237,14 +237,8 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
-/* Any thread: {error, Reason} (no 131 byte) appended to b. 0 or -1. */
-int ap_pool_enc_error(ap_buf *b, const char *reason);
 /* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
-/* Append a whole frame answering the ask (caller, tag) with {error, Reason}
- * from self. 0 or -1 (no memory, or a tag ap_encode_reply_head refuses). */
-int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
-			    const char *reason);
 /* Loop thread: answer the start request once every worker ran its init. */
 void ap_pool_answer_start(ap_pool *p, int ok);
 

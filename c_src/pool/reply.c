@@ -12,18 +12,7 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more)
 {
 	if (more > SIZE_MAX - r->len)
 		return -1;
-	size_t need = r->len + more;
-	if (need <= r->cap)
-		return 0;
-	size_t cap = r->cap ? r->cap : 256;
-	while (cap < need)
-		cap *= 2;
-	uint8_t *d = realloc(r->data, cap);
-	if (!d)
-		return -1;
-	r->data = d;
-	r->cap = cap;
-	return 0;
+	return ap_grow(&r->data, &r->cap, r->len + more, 256, SIZE_MAX);
 }
 
 /* Append {Status, Value} (no 131) to b from the handler's reply. Returns 0,
@@ -110,35 +99,14 @@ void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
 	ap_pool_send_result(w, j, "error", &w->reply);
 }
 
-/* {error, Reason} (no 131) appended to b: what a pool answers an ask that
- * no handler saw. */
-int ap_pool_enc_error(ap_buf *b, const char *reason)
-{
-	char tmp[2 * MAXATOMLEN_UTF8 + 16];
-	int i = 0;
-	ei_encode_tuple_header(tmp, &i, 2);
-	ei_encode_atom(tmp, &i, "error");
-	ei_encode_atom(tmp, &i, reason);
-	return ap_buf_append(b, tmp, (size_t)i);
-}
-
 /* Loop thread: answer an ask whose reply head is in p->scratch (from
  * head_start) with {error, Reason}, without a worker. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason)
 {
 	ap_buf *b = &p->scratch;
-	if (ap_pool_enc_error(b, reason) || ap_frame_end(b, head_start))
+	if (ap_enc_error(b, reason) || ap_frame_end(b, head_start))
 		return;
 	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
-}
-
-int ap_pool_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
-			    const char *reason)
-{
-	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
-	if (st == (size_t)-1 || ap_pool_enc_error(b, reason))
-		return -1;
-	return ap_frame_end(b, st);
 }
 
 /* Loop thread: the answer to the start request, once every worker ran its

@@ -142,17 +142,6 @@ void ap_dp_seg_put(struct ap_dp_seg *sg)
 
 /* ---- replies ----------------------------------------------------------------- */
 
-/* {error, Reason} (no 131 byte) in tmp; Reason is one of our own short
- * atoms. The length. */
-static size_t enc_error(char tmp[64], const char *reason)
-{
-	int i = 0;
-	ei_encode_tuple_header(tmp, &i, 2);
-	ei_encode_atom(tmp, &i, "error");
-	ei_encode_atom_len(tmp, &i, reason, strnlen(reason, 40));
-	return (size_t)i;
-}
-
 static void rep_broken(ap_node *n, void *arg)
 {
 	(void)n;
@@ -229,9 +218,9 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 	 * it), so the loop takes it too; the loop itself never waits for room. */
 	struct dp_rep *rr = &sg->rep[ring % n_rep];
 	pthread_mutex_lock(&rr->mu);
-	char big[64];
+	char big[AP_ERROR_TERM_MAX];
 	if (len > ap_ring_max_payload(sg->s.rep_cap) - sizeof(struct ap_dp_rep)) {
-		len = enc_error(big, "reply_too_large");
+		len = ap_enc_error_term(big, "reply_too_large");
 		term = big;
 	}
 	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0);
@@ -272,8 +261,8 @@ void ap_dp_reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 
 void ap_dp_reply_error_loop(struct ap_dp_seg *sg, uint64_t ask_id, const char *reason)
 {
-	char tmp[64];
-	size_t len = enc_error(tmp, reason);
+	char tmp[AP_ERROR_TERM_MAX];
+	size_t len = ap_enc_error_term(tmp, reason);
 	reply(sg, (unsigned)(ask_id % sg->s.n_rep), ask_id, tmp, len, 1);
 }
 

@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ap_rand.h"
+
 _Static_assert(sizeof(struct ap_ring_hdr) == AP_RING_HDR_SIZE, "ring header is 4 cache lines");
 _Static_assert(offsetof(struct ap_ring_hdr, tail) == AP_RING_LINE, "tail starts line 1");
 _Static_assert(offsetof(struct ap_ring_hdr, head) == 2 * AP_RING_LINE, "head starts line 2");
@@ -55,17 +57,7 @@ static uint64_t need_at(const struct ap_ring *r, uint64_t pos, uint64_t sz)
  * it can write any record it likes anyway. */
 static uint32_t new_nonce(const void *mem)
 {
-	uint32_t n;
-	struct timespec ts;
-
-	if (getrandom(&n, sizeof n, GRND_NONBLOCK) == (ssize_t)sizeof n)
-		return n;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	uint64_t x = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-	x ^= (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)mem;
-	x = (x ^ x >> 30) * 0xbf58476d1ce4e5b9ULL;
-	x = (x ^ x >> 27) * 0x94d049bb133111ebULL;
-	return (uint32_t)(x ^ x >> 31);
+	return (uint32_t)ap_rand_seed(mem);
 }
 
 int ap_ring_format(void *mem, size_t mem_size, size_t cap)

@@ -324,7 +324,7 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	char err[64];
 	int el = t_error_term(err, "overloaded");
 	ap_buf b = { 0 };
-	if (ap_pool_enc_error_reply(&b, &t_pool_proc->pid, rq->caller, rq->tag, rq->tag_len, "overloaded") == 0)
+	if (ap_enc_error_reply(&b, &t_pool_proc->pid, rq->caller, rq->tag, rq->tag_len, "overloaded") == 0)
 		t_frame(b.data, b.len, &t_pool_proc->pid, rq->caller->node, rq->tag, rq->tag_len, err, el);
 	ap_buf_free(&b);
 }

@@ -793,6 +793,49 @@ static void test_encoders_write_what_a_beam_writes(void **state)
 	ap_buf_free(&b);
 }
 
+/* What a call nothing could answer gets, and the EXIT a link to a missing
+ * process gets: the bytes term_to_binary writes, which the node once
+ * spelled out by hand. */
+static void test_error_replies_write_what_a_beam_writes(void **state)
+{
+	(void)state;
+	static const char noproc[] = { 104, 2, 119, 5, 'e', 'r', 'r', 'o', 'r', 119, 6, 'n', 'o', 'p', 'r', 'o', 'c' };
+	char out[AP_ERROR_TERM_MAX];
+	assert_int_equal(ap_enc_error_term(out, "noproc"), sizeof noproc);
+	assert_memory_equal(out, noproc, sizeof noproc);
+	/* A reason is cut at AP_ERROR_REASON_MAX bytes: the term always fits. */
+	char longest[AP_ERROR_REASON_MAX + 8];
+	memset(longest, 'x', sizeof longest - 1);
+	longest[sizeof longest - 1] = 0;
+	size_t n = ap_enc_error_term(out, longest);
+	assert_true(n <= AP_ERROR_TERM_MAX);
+	assert_int_equal(n, 9 + 2 + AP_ERROR_REASON_MAX);
+
+	/* The whole reply: the head ap_encode_reply_head makes, then the term. */
+	erlang_pid self = t_echo_pid(), caller = t_shell_pid();
+	static const char tag[] = { 119, 1, 't' };
+	ap_buf a = { 0 }, b = { 0 };
+	assert_int_equal(ap_enc_error_reply(&a, &self, &caller, tag, sizeof tag, "noproc"), 0);
+	size_t st = ap_encode_reply_head(&b, &self, &caller, tag, sizeof tag);
+	assert_int_equal(st, 0);
+	assert_int_equal(ap_buf_append(&b, noproc, sizeof noproc), 0);
+	assert_int_equal(ap_frame_end(&b, st), 0);
+	assert_int_equal(a.len, b.len);
+	assert_memory_equal(a.data, b.data, a.len);
+
+	/* EXIT with the atom noproc, as with the reason's bytes. */
+	a.len = b.len = 0;
+	size_t sa = ap_frame_begin(&a), sb = ap_frame_begin(&b);
+	assert_int_equal(ap_enc_exit_atom(&a, &self, &caller, "noproc"), 0);
+	assert_int_equal(ap_enc_exit(&b, &self, &caller, noproc + 9, 8), 0);
+	assert_int_equal(ap_frame_end(&a, sa), 0);
+	assert_int_equal(ap_frame_end(&b, sb), 0);
+	assert_int_equal(a.len, b.len);
+	assert_memory_equal(a.data, b.data, a.len);
+	ap_buf_free(&a);
+	ap_buf_free(&b);
+}
+
 /* Pids on a node with a 255-character name of 4-byte characters: the
  * largest a pid gets. */
 static erlang_pid t_long_pid(unsigned num)
@@ -988,6 +1031,7 @@ int main(void)
 		cmocka_unit_test(test_pid_where_an_atom_belongs_is_ebadmsg),
 		cmocka_unit_test(test_other_known_ops_decode),
 		cmocka_unit_test(test_encoders_write_what_a_beam_writes),
+		cmocka_unit_test(test_error_replies_write_what_a_beam_writes),
 		cmocka_unit_test(test_encoded_frames_decode_to_the_same_fields),
 		cmocka_unit_test(test_encoded_frames_with_longest_node_names_decode),
 		cmocka_unit_test(test_frame_end_refuses_failed_begin),

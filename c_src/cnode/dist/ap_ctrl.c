@@ -1,9 +1,11 @@
-/* ap_ctrl: control-message codec for the distribution protocol. */
+/* ap_ctrl: control-message codec for the distribution protocol, and the
+ * frames a C node writes. */
 #include "ap_ctrl.h"
 
 #include <errno.h>
 #include <string.h>
 
+#include "ap_dec.h"
 #include "ap_term.h"
 
 /* Upper bound of one encoded pid / atom / small header, so ei encoders can
@@ -16,14 +18,6 @@ static int dec_pid(const char *buf, int *idx, erlang_pid *p)
 	if (ei_get_type(buf, idx, &type, &size) || type != ERL_PID_EXT)
 		return -1;
 	return ei_decode_pid(buf, idx, p) ? -1 : 0;
-}
-
-static int dec_atom(const char *buf, int *idx, char *out)
-{
-	int type, size;
-	if (ei_get_type(buf, idx, &type, &size) || type != ERL_ATOM_EXT)
-		return -1;
-	return ei_decode_atom_as(buf, idx, out, MAXATOMLEN_UTF8, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
 }
 
 /* Skip an element of the validated control tuple (buf[0..len), len its end)
@@ -77,7 +71,7 @@ static int decode(const uint8_t *frame, size_t len, ap_ctrl *c, int whole)
 	case AP_OP_REG_SEND: /* {6, From, Unused, ToName} */
 	case 16:             /* {16, From, Unused, ToName, Token} */
 		if (arity != (op == 6 ? 4 : 5) || dec_pid(buf, &idx, &c->from) ||
-		    dec_skip(buf, (size_t)end, &idx) || dec_atom(buf, &idx, c->toname))
+		    dec_skip(buf, (size_t)end, &idx) || ap_get_atom(buf, &idx, c->toname, sizeof c->toname))
 			return -EBADMSG;
 		if (op == 16 && dec_skip(buf, (size_t)end, &idx)) /* the trace token */
 			return -EBADMSG;
@@ -247,8 +241,86 @@ int ap_enc_msg_raw(ap_buf *b, const char *term, int len)
 	return ap_buf_append(b, term, (size_t)len);
 }
 
+int ap_enc_exit_atom(ap_buf *b, const erlang_pid *from, const erlang_pid *to, const char *reason)
+{
+	if (enc_ctrl_head(b, 4, AP_OP_EXIT) || enc_pid(b, from) || enc_pid(b, to))
+		return -1;
+	return enc_atom(b, reason);
+}
+
 int ap_enc_tick(ap_buf *b)
 {
 	static const uint8_t zero[4];
 	return ap_buf_append(b, zero, 4);
+}
+
+/* ---- replies to calls -------------------------------------------------- */
+
+size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+			    int tag_len)
+{
+	/* A tag [alias | Ref] (OTP 24+) names an alias: reply to it, so a reply
+	 * that comes after the caller gave up is dropped by the BEAM. */
+	int idx = 0, arity, type, size;
+	const char *alias = NULL;
+	int alias_len = 0;
+	if (ei_decode_list_header(tag, &idx, &arity) == 0 && arity == 1) {
+		char atom[MAXATOMLEN_UTF8];
+		if (ei_get_type(tag, &idx, &type, &size) == 0 && type == ERL_ATOM_EXT &&
+		    ei_decode_atom_as(tag, &idx, atom, sizeof atom, ERLANG_UTF8, NULL, NULL) == 0 &&
+		    strcmp(atom, "alias") == 0 && ei_get_type(tag, &idx, &type, &size) == 0 &&
+		    type == ERL_NEW_REFERENCE_EXT) {
+			alias = tag + idx;
+			alias_len = tag_len - idx;
+		}
+	}
+	size_t st = ap_frame_begin(b);
+	if (st == (size_t)-1)
+		return st;
+	if (alias ? ap_enc_alias_send(b, self, alias, alias_len) : ap_enc_send(b, caller))
+		return (size_t)-1;
+	static const char hdr[] = { (char)131, 104, 2 }; /* {Tag, Reply} */
+	if (ap_buf_append(b, hdr, sizeof hdr) || ap_buf_append(b, tag, (size_t)tag_len))
+		return (size_t)-1;
+	return st;
+}
+
+int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+		    const char *term, int len)
+{
+	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
+	if (st == (size_t)-1)
+		return -1;
+	if (len > 0 && (unsigned char)term[0] == 131) {
+		term++;
+		len--;
+	}
+	if (ap_buf_append(b, term, (size_t)len))
+		return -1;
+	return ap_frame_end(b, st);
+}
+
+size_t ap_enc_error_term(char out[AP_ERROR_TERM_MAX], const char *reason)
+{
+	int i = 0;
+	ei_encode_tuple_header(out, &i, 2);
+	ei_encode_atom(out, &i, "error");
+	ei_encode_atom_len(out, &i, reason, (int)strnlen(reason, AP_ERROR_REASON_MAX));
+	return (size_t)i;
+}
+
+int ap_enc_error(ap_buf *b, const char *reason)
+{
+	char tmp[AP_ERROR_TERM_MAX];
+	size_t n = ap_enc_error_term(tmp, reason);
+	return ap_buf_append(b, tmp, n);
+}
+
+int ap_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+		       const char *reason)
+{
+	size_t st = ap_encode_reply_head(b, self, caller, tag, tag_len);
+	if (st == (size_t)-1 || ap_enc_error(b, reason))
+		return -1;
+	return ap_frame_end(b, st);
 }

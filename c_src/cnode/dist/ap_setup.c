@@ -1,5 +1,11 @@
 /* ap_setup: ei handshakes on our own sockets: a gate thread, a few
- * handshake threads, a connect thread. */
+ * handshake threads, a connect thread.
+ *
+ * Over 700 lines, kept whole: the gate, the handshake threads and the
+ * connect thread share one lock, one table of pending handshakes and the
+ * fairness rules over it (ap_setup.h); split, the bounds that keep a peer
+ * from holding the machinery would be spread over files that each see
+ * only part of them. */
 #include "ap_setup.h"
 
 #include <arpa/inet.h>

@@ -1,5 +1,7 @@
 /* ap_ctrl: the control messages of distribution frames: decoding what a
- * BEAM sends to an ei node, encoding what a C node sends back. */
+ * BEAM sends to an ei node, encoding what a C node sends back; and every
+ * frame a C node writes (replies to calls included), so the bytes of the
+ * wire are made in one place. */
 #ifndef AP_CTRL_H
 #define AP_CTRL_H
 
@@ -64,7 +66,47 @@ int ap_enc_exit(ap_buf *b, const erlang_pid *from, const erlang_pid *to, const c
 int ap_enc_unlink_id_ack(ap_buf *b, unsigned long long id, const erlang_pid *from, const erlang_pid *to);
 /* Append an already encoded term (with or without its 131) as a message. */
 int ap_enc_msg_raw(ap_buf *b, const char *term, int len);
+/* EXIT {3, From, To, Reason} with an atom for Reason (noproc: the answer
+ * to a link to a process that is not there). */
+int ap_enc_exit_atom(ap_buf *b, const erlang_pid *from, const erlang_pid *to, const char *reason);
 /* Append a tick (a zero-length frame). */
 int ap_enc_tick(ap_buf *b);
+
+/* ---- the messages inside: gen_server's protocol and this library's ----- */
+
+/* The atoms that tag a message: gen_server's call and cast (OTP's
+ * gen.erl), a batch of tells and asks (actor_pool_batcher.erl) and the
+ * call that asks a pool for its stats (actor_pool.erl). */
+#define AP_GEN_CALL "$gen_call" /* {'$gen_call', {Pid, Tag}, Req} */
+#define AP_GEN_CAST "$gen_cast" /* {'$gen_cast', Req} */
+#define AP_BATCH "$ap_batch"    /* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} */
+#define AP_STATS "$ap_stats"    /* a call's Req */
+
+/* Encode {Tag, Reply} for a call into a frame appended to b; the frame
+ * goes by ALIAS_SEND when the tag carries an alias, else SEND to the
+ * caller. `term` may start with its 131 byte. Returns 0 or -1. */
+int ap_encode_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+		    int tag_len, const char *term, int len);
+/* The same in two steps, for replies made later or elsewhere: the head
+ * (frame start, control message, `{Tag, ` of the reply) is appended to b
+ * and its start offset returned ((size_t)-1 on failure); append the reply
+ * term without its 131 byte, then ap_frame_end(b, start). */
+size_t ap_encode_reply_head(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag,
+			    int tag_len);
+
+/* {error, Reason}, without a version byte: what a call is answered when no
+ * process or handler could answer it. Reason is one of the runtime's own
+ * atoms; past AP_ERROR_REASON_MAX bytes it is cut. */
+#define AP_ERROR_REASON_MAX 40
+#define AP_ERROR_TERM_MAX 64 /* bytes of any such term */
+/* Into out; returns its length. */
+size_t ap_enc_error_term(char out[AP_ERROR_TERM_MAX], const char *reason);
+/* Appended to b. 0 or -1. */
+int ap_enc_error(ap_buf *b, const char *reason);
+/* A whole frame answering the call (caller, tag) with {error, Reason} from
+ * self, appended to b. 0 or -1 (no memory, or a tag ap_encode_reply_head
+ * refuses). */
+int ap_enc_error_reply(ap_buf *b, const erlang_pid *self, const erlang_pid *caller, const char *tag, int tag_len,
+		       const char *reason);
 
 #endif

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/resource.h>
 
+#include "ap_dec.h"
 #include "ap_main.h"
 #include "ap_term.h"
 
@@ -24,15 +25,6 @@ struct echo_state {
 };
 
 static struct echo_state st;
-
-static int is_atom(const ap_msg *m, const char *want)
-{
-	char a[MAXATOMLEN_UTF8];
-	int i = m->index, type, size;
-	if (ei_get_type(m->buf, &i, &type, &size) || type != ERL_ATOM_EXT)
-		return 0;
-	return ei_decode_atom_as(m->buf, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) == 0 && strcmp(a, want) == 0;
-}
 
 /* The term at m->index, as bytes: its end by the walk, so an echo never
  * carries bytes past the validated message. */
@@ -115,7 +107,7 @@ static void temp_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	}
 	if (m->kind != AP_MSG_INFO)
 		return;
-	if (is_atom(m, "stop")) {
+	if (ap_is_atom(m->buf, m->index, "stop")) {
 		ap_proc_exit(n, self, "normal");
 		return;
 	}
@@ -132,13 +124,13 @@ static void echo_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	const char *b = m->buf;
 	switch (m->kind) {
 	case AP_MSG_CALL: {
-		if (is_atom(m, "ping")) {
+		if (ap_is_atom(m->buf, m->index, "ping")) {
 			ap_reply_atom(n, self, m, "pong");
-		} else if (is_atom(m, "pid")) {
+		} else if (ap_is_atom(m->buf, m->index, "pid")) {
 			reply_pid(n, self, m, &self->pid, 0);
-		} else if (is_atom(m, "stats")) {
+		} else if (ap_is_atom(m->buf, m->index, "stats")) {
 			reply_stats(n, self, m);
-		} else if (is_atom(m, "spawn")) {
+		} else if (ap_is_atom(m->buf, m->index, "spawn")) {
 			ap_proc *t = ap_proc_spawn(n, NULL, temp_fn, NULL);
 			if (t)
 				reply_pid(n, self, m, &t->pid, 1);
@@ -157,10 +149,9 @@ static void echo_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		int i = m->index, arity, type, size;
 		char a[16];
 		erlang_pid to;
-		if (ei_decode_tuple_header(b, &i, &arity) || arity != 3 || ei_get_type(b, &i, &type, &size) ||
-		    type != ERL_ATOM_EXT || size >= (int)sizeof a ||
-		    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) || strcmp(a, "reply_to") ||
-		    ei_get_type(b, &i, &type, &size) || type != ERL_PID_EXT || ei_decode_pid(b, &i, &to))
+		if (ei_decode_tuple_header(b, &i, &arity) || arity != 3 || ap_get_atom(b, &i, a, sizeof a) ||
+		    strcmp(a, "reply_to") || ei_get_type(b, &i, &type, &size) || type != ERL_PID_EXT ||
+		    ei_decode_pid(b, &i, &to))
 			break;
 		int t0 = i;
 		if (ap_term_skip(b, (size_t)m->len, &i) == 0)
@@ -178,9 +169,8 @@ static void echo_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 			break;
 		}
 		char a[16];
-		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 2 && ei_get_type(b, &i, &type, &size) == 0 &&
-		    type == ERL_ATOM_EXT && size < (int)sizeof a &&
-		    ei_decode_atom_as(b, &i, a, sizeof a, ERLANG_UTF8, NULL, NULL) == 0 && !strcmp(a, "batch")) {
+		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 2 && ap_get_atom(b, &i, a, sizeof a) == 0 &&
+		    !strcmp(a, "batch")) {
 			int len = 0;
 			if (ei_get_type(b, &i, &type, &size) == 0 && (type == ERL_LIST_EXT || type == ERL_STRING_EXT ||
 								   type == ERL_NIL_EXT))
