@@ -19,7 +19,7 @@
 -export([host/1]).
 
 %% Container nesting of a message: a C node accepts 1024 levels
-%% (AP_TERM_MAX_DEPTH in c_src/cnode/ap_term.h), and a batch wraps a message
+%% (AP_TERM_MAX_DEPTH in c_src/cnode/dist/ap_term.h), and a batch wraps a message
 %% in three more ({'$ap_batch', [{ask, ...}]}).
 -define(MAX_DEPTH, 1000).
 

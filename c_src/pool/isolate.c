@@ -358,7 +358,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	ap_iso *s = w->iso;
 	ap_job *j = ap_mbox_pop(&w->mb);
 	s->front_seq++;
-	s->front_since = ap_iso_mono_ms(); /* the child is on the next one now, if any */
+	s->front_since = ap_mono_ms(); /* the child is on the next one now, if any */
 	s->got = 0;
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
@@ -454,7 +454,7 @@ static int send_jobs(ap_worker *w)
 		size_t total = j->msg_len;
 		const uint8_t *msg = j->data + j->head_len;
 		if (s->front_seq == s->next_seq && s->sent_off == 0)
-			s->front_since = ap_iso_mono_ms(); /* an idle child starts on it now */
+			s->front_since = ap_mono_ms(); /* an idle child starts on it now */
 		do {
 			size_t chunk = total - s->sent_off < room ? total - s->sent_off : room;
 			void *rec;
@@ -518,13 +518,13 @@ static void wait_reaped(ap_worker *w, int kill_it)
 	/* Until it is reaped, however long: its pidfd and channel stay ours
 	 * (a child stuck in the kernel, say dumping core to slow storage,
 	 * still holds the mapping the next child would get). */
-	int64_t next_log = ap_iso_mono_ms() + ISO_REAP_MS;
+	int64_t next_log = ap_mono_ms() + ISO_REAP_MS;
 	while (!atomic_load(&s->dead)) {
 		proxy_sleep(w, 100, ready_dead);
 		if (atomic_load(&s->dead))
 			break;
 		ap_node_call_on_loop(w->pool->n, reap_cb, w);
-		if (ap_iso_mono_ms() >= next_log) {
+		if (ap_mono_ms() >= next_log) {
 			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process (os pid %d) is not gone yet", w->pool->name,
 			       w->id, atomic_load(&w->os_pid));
 			next_log += ISO_REAP_MS;
@@ -584,7 +584,7 @@ static void on_stop(ap_worker *w)
 	int progress;
 	/* A process, unlike a thread, can be made to let go: what it still
 	 * runs after the grace is killed and answered stopped. */
-	int64_t grace = ap_iso_mono_ms() + ISO_STOP_GRACE_MS;
+	int64_t grace = ap_mono_ms() + ISO_STOP_GRACE_MS;
 	atomic_store(&s->ctl->stopping, 1);
 	while (s->front_seq < s->next_seq) {
 		progress = 0;
@@ -596,7 +596,7 @@ static void on_stop(ap_worker *w)
 			on_death(w); /* what it ran when it died is answered as such */
 			break;
 		}
-		int64_t left = grace - ap_iso_mono_ms();
+		int64_t left = grace - ap_mono_ms();
 		if (left <= 0) {
 			ap_log(AP_LOG_WARNING, "pool %s: worker %d's process still busy %d ms after stop; killing it",
 			       w->pool->name, w->id, ISO_STOP_GRACE_MS);
@@ -619,8 +619,8 @@ static void on_stop(ap_worker *w)
 		memcpy(rec, &h, sizeof h);
 		ap_ring_commit(&s->req);
 	}
-	int64_t end = ap_iso_mono_ms() + 1000;
-	while (!atomic_load(&s->dead) && ap_iso_mono_ms() < end)
+	int64_t end = ap_mono_ms() + 1000;
+	while (!atomic_load(&s->dead) && ap_mono_ms() < end)
 		proxy_sleep(w, 100, ready_dead);
 }
 
@@ -704,7 +704,7 @@ void *ap_iso_proxy_main(void *arg)
 		 * front job has been the child's since front_since (a little
 		 * later, when we take results late: never early). */
 		if (tmo && front_out(s) && !s->killed) {
-			int64_t left = s->front_since + tmo - ap_iso_mono_ms();
+			int64_t left = s->front_since + tmo - ap_mono_ms();
 			if (left <= 0) {
 				s->timed_out_seq = s->front_seq;
 				iso_kill(s);

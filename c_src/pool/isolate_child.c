@@ -163,7 +163,7 @@ int ap_iso_child_main(int argc, char **argv)
 			/* Ours from its first byte: dying while taking it in
 			 * (no memory for it) is dying on it. */
 			if (cc->layout_timeout)
-				atomic_store(&cc->running_since_ms, ap_iso_mono_ms());
+				atomic_store(&cc->running_since_ms, ap_mono_ms());
 			atomic_store(&cc->running_seq, m.seq);
 		}
 		if (m.off == 0 && chunk < m.total) {

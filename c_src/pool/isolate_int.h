@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "ap_ring.h"
+#include "ap_time.h"
 #include "isolate.h"
 
 #define ISO_MAGIC 0x314f5349504100ULL /* "\0APISO1" */
@@ -44,13 +45,6 @@ struct iso_rec {
 #define ISO_ASAN 1
 #endif
 #endif
-
-static inline int64_t ap_iso_mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* Rung by whoever has news for the proxy (the child, the loop): always, or
  * only when the proxy is about to sleep or sleeping (its Dekker pair is

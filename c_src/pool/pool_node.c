@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ap_ctrl.h"
+#include "ap_dec.h"
 #include "ap_log.h"
 #include "ap_main.h"
 #include "ap_term.h"
@@ -35,14 +37,6 @@
 #define SPEC_MAX (AP_POOL_MAX_PATH + 1) /* a plugin's path with its NUL, or a built-in's name */
 
 /* ---- decoding the manager's requests ------------------------------------- */
-
-static int get_atom(const char *b, int *i, char *out, size_t cap)
-{
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_ATOM_EXT || (size_t)size >= cap)
-		return -1;
-	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
-}
 
 static int get_long(const char *b, int *i, long long *v)
 {
@@ -106,7 +100,7 @@ static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, str
 		char key[16];
 		long long l;
 		double d;
-		if (get_atom(b, i, key, sizeof key))
+		if (ap_get_atom(b, i, key, sizeof key))
 			return bad(ba, "backoff", b, len, v0);
 		if (!strcmp(key, "min_ms")) {
 			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_BACKOFF_MS)
@@ -137,7 +131,7 @@ static int get_limit(const char *b, int *i, long long max, int *out)
 	char a[16];
 	long long l;
 	int i0 = *i;
-	if (get_atom(b, i, a, sizeof a) == 0) {
+	if (ap_get_atom(b, i, a, sizeof a) == 0) {
 		if (strcmp(a, "infinity"))
 			return -1;
 		*out = 0;
@@ -158,7 +152,7 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 	for (int k = 0; k < n; k++) {
 		char key[32], a[32];
 		long long l;
-		if (get_atom(b, i, key, sizeof key)) {
+		if (ap_get_atom(b, i, key, sizeof key)) {
 			if (ap_term_skip(b, len, i) || ap_term_skip(b, len, i))
 				return bad(ba, "options", b, len, v0);
 			continue;
@@ -169,7 +163,7 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 				return bad(ba, "workers", b, len, vs);
 			o->workers = (int)l;
 		} else if (!strcmp(key, "routing")) {
-			if (get_atom(b, i, a, sizeof a) || parse_routing(a, &o->routing))
+			if (ap_get_atom(b, i, a, sizeof a) || parse_routing(a, &o->routing))
 				return bad(ba, "routing", b, len, vs);
 		} else if (!strcmp(key, "mailbox_limit")) {
 			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_MAILBOX)
@@ -183,7 +177,7 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 			if (parse_backoff(b, len, i, o, ba))
 				return -1;
 		} else if (!strcmp(key, "isolation")) {
-			if (get_atom(b, i, a, sizeof a))
+			if (ap_get_atom(b, i, a, sizeof a))
 				return bad(ba, "isolation", b, len, vs);
 			if (!strcmp(a, "thread"))
 				o->isolation = AP_ISO_THREAD;
@@ -220,7 +214,7 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 	*dl = NULL;
 	*config = NULL;
 	*config_len = 0;
-	if (get_atom(b, i, a, sizeof a) == 0) {
+	if (ap_get_atom(b, i, a, sizeof a) == 0) {
 		*h = ap_builtin_handler(a);
 		if (*h) {
 			snprintf(desc, HANDLER_DESC, "%s", a);
@@ -228,7 +222,7 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 			return 0;
 		}
 	} else if (ei_decode_tuple_header(b, i, &arity) == 0 && (arity == 2 || arity == 3) &&
-		   get_atom(b, i, a, sizeof a) == 0 && !strcmp(a, "plugin") && ei_get_type(b, i, &type, &size) == 0 &&
+		   ap_get_atom(b, i, a, sizeof a) == 0 && !strcmp(a, "plugin") && ei_get_type(b, i, &type, &size) == 0 &&
 		   type == ERL_BINARY_EXT && size > 0 && size <= AP_POOL_MAX_PATH) {
 		char path[AP_POOL_MAX_PATH + 1], why[256];
 		long len;
@@ -311,7 +305,7 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 	ei_x_new(&err);
 
 	ap_pool_opts_default(&o);
-	if (get_atom(b, &i, name, sizeof name)) {
+	if (ap_get_atom(b, &i, name, sizeof name)) {
 		ei_x_encode_tuple_header(&err, 2);
 		ei_x_encode_atom(&err, "badarg");
 		ei_x_encode_tuple_header(&err, 2);
@@ -390,7 +384,7 @@ static void stop_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b,
 	erlang_pid pid;
 	int type, size;
 	ap_pool *p = NULL;
-	if (get_atom(b, &i, name, sizeof name) == 0)
+	if (ap_get_atom(b, &i, name, sizeof name) == 0)
 		p = ap_pool_find(n, name, NULL);
 	else if (ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &pid) == 0)
 		p = ap_pool_find(n, NULL, &pid);
@@ -444,7 +438,7 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 	}
 	if (m->kind != AP_MSG_CALL)
 		return;
-	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "dp_info")) {
+	if (ap_get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "dp_info")) {
 		ei_x_buff x;
 		ei_x_new(&x);
 		ap_dp_encode_info(&x);
@@ -453,12 +447,12 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		return;
 	}
 	i = m->index;
-	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "node_stats")) {
+	if (ap_get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "node_stats")) {
 		reply_node_stats(n, self, m);
 		return;
 	}
 	i = m->index;
-	if (get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "which_pools")) {
+	if (ap_get_atom(b, &i, op, sizeof op) == 0 && !strcmp(op, "which_pools")) {
 		ei_x_buff x;
 		ei_x_new(&x);
 		ap_pool_encode_list(&x);
@@ -467,7 +461,7 @@ static void manager_fn(ap_node *n, ap_proc *self, const ap_msg *m)
 		return;
 	}
 	i = m->index;
-	if (ei_decode_tuple_header(b, &i, &arity) == 0 && get_atom(b, &i, op, sizeof op) == 0) {
+	if (ei_decode_tuple_header(b, &i, &arity) == 0 && ap_get_atom(b, &i, op, sizeof op) == 0) {
 		if (arity == 4 && !strcmp(op, "start_pool")) {
 			start_pool(n, self, m, b, i);
 			return;
@@ -534,7 +528,7 @@ static void register_keyed(ap_node *n, void *arg)
 		if (ei_x_new_with_version(&x))
 			return;
 		ei_x_encode_tuple_header(&x, 2);
-		ei_x_encode_atom(&x, "$gen_cast");
+		ei_x_encode_atom(&x, AP_GEN_CAST);
 		ei_x_encode_tuple_header(&x, 4);
 		ei_x_encode_atom(&x, "register");
 		ei_x_encode_binary(&x, keyed[k].key, (long)strlen(keyed[k].key));
@@ -555,9 +549,9 @@ static void registered(const char *b, int i)
 	long len;
 	char key[MAX_KEY + 1];
 	erlang_pid pid;
-	if (ei_decode_tuple_header(b, &i, &arity) || arity != 3 || get_atom(b, &i, a, sizeof a) ||
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 3 || ap_get_atom(b, &i, a, sizeof a) ||
 	    strcmp(a, "registered") || ei_decode_tuple_header(b, &i, &arity) || arity != 2 ||
-	    get_atom(b, &i, a, sizeof a) || strcmp(a, "service_key"))
+	    ap_get_atom(b, &i, a, sizeof a) || strcmp(a, "service_key"))
 		return;
 	int type, size;
 	if (ei_get_type(b, &i, &type, &size) || type != ERL_BINARY_EXT || size < 1 || size > MAX_KEY ||

@@ -44,6 +44,7 @@
  * Everything goes out from the loop thread through ap_send, so what one
  * pid gets arrives in order.
  */
+#include "ap_dec.h"
 #include "rcpt_proto.h"
 
 #include <errno.h>
@@ -94,14 +95,6 @@ static void malformed(const char *what)
 
 /* ---- decoding ------------------------------------------------------------------ */
 
-static int get_atom(const char *b, int *i, char *out, size_t cap)
-{
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_ATOM_EXT || (size_t)size >= cap)
-		return -1;
-	return ei_decode_atom_as(b, i, out, (int)cap, ERLANG_UTF8, NULL, NULL) ? -1 : 0;
-}
-
 /* A binary key of 1..1024 bytes, by reference into b[0..len). */
 static int get_key(const char *b, size_t len, int *i, const char **key, size_t *klen)
 {
@@ -127,7 +120,7 @@ static int get_reply_to(const char *b, int *i, erlang_pid *p, int *has)
 {
 	char a[16];
 	int j = *i;
-	if (get_atom(b, &j, a, sizeof a) == 0) {
+	if (ap_get_atom(b, &j, a, sizeof a) == 0) {
 		*has = 0;
 		*i = j;
 		return strcmp(a, "undefined") ? -1 : 0;
@@ -256,7 +249,7 @@ static void do_remote(const char *b, size_t len, int i, int reg)
 	size_t klen;
 	erlang_pid ref;
 	uint32_t id;
-	if (get_atom(b, &i, origin, sizeof origin) || get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref)) {
+	if (ap_get_atom(b, &i, origin, sizeof origin) || get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref)) {
 		malformed(reg ? "rregister" : "rderegister");
 		return;
 	}
@@ -289,7 +282,7 @@ static void do_retag(const char *b, size_t len, int i, int unused)
 	size_t klen;
 	erlang_pid ref;
 	(void)unused;
-	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || get_atom(b, &i, origin, sizeof origin)) {
+	if (get_key(b, len, &i, &key, &klen) || get_pid(b, &i, &ref) || ap_get_atom(b, &i, origin, sizeof origin)) {
 		malformed("retag");
 		return;
 	}
@@ -377,7 +370,7 @@ static void do_drop_origin(const char *b, size_t len, int i, int unused)
 {
 	char origin[MAXATOMLEN_UTF8];
 	(void)len, (void)unused;
-	if (get_atom(b, &i, origin, sizeof origin)) {
+	if (ap_get_atom(b, &i, origin, sizeof origin)) {
 		malformed("drop_origin");
 		return;
 	}
@@ -454,7 +447,7 @@ static void handle(const char *b, size_t len, int i)
 {
 	int arity;
 	char op[24];
-	if (ei_decode_tuple_header(b, &i, &arity) || arity < 2 || get_atom(b, &i, op, sizeof op)) {
+	if (ei_decode_tuple_header(b, &i, &arity) || arity < 2 || ap_get_atom(b, &i, op, sizeof op)) {
 		malformed("message");
 		return;
 	}
@@ -560,7 +553,7 @@ static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
 	size_t len = (size_t)m->len;
 	int i = m->index, arity;
 	char op[16];
-	if (get_atom(b, &i, op, sizeof op) == 0) {
+	if (ap_get_atom(b, &i, op, sizeof op) == 0) {
 		if (!strcmp(op, "sync")) {
 			ap_reply_atom(n, self, m, "ok");
 		} else if (!strcmp(op, "pid")) {
@@ -577,7 +570,7 @@ static void handle_call(ap_node *n, ap_proc *self, const ap_msg *m)
 		return;
 	}
 	i = m->index;
-	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || get_atom(b, &i, op, sizeof op)) {
+	if (ei_decode_tuple_header(b, &i, &arity) || arity != 2 || ap_get_atom(b, &i, op, sizeof op)) {
 		reply_badarg(n, self, m, "call");
 		return;
 	}

@@ -24,6 +24,8 @@
  *   subs      subscribers (rsub) by pid; subns the (key, subscriber) pairs
  *             (rsubn), each in two lists: its key's and its subscriber's.
  */
+#include "ap_buf.h"
+#include "ap_rand.h"
 #include "registry.h"
 
 #include "ap_siphash.h"
@@ -593,18 +595,10 @@ static void key_gc(registry *r, struct rkey *k)
 
 static int scratch_reserve(registry *r, size_t list)
 {
-	size_t need = LIST_AT + list;
-	if (need <= r->bufcap)
-		return 0;
-	size_t cap = r->bufcap ? r->bufcap : 4096;
-	while (cap < need)
-		cap *= 2;
-	uint8_t *b = realloc(r->buf, cap);
-	if (!b)
+	size_t before = r->bufcap;
+	if (ap_grow(&r->buf, &r->bufcap, LIST_AT + list, 4096, SIZE_MAX))
 		return -1;
-	r->mem += cap - r->bufcap;
-	r->buf = b;
-	r->bufcap = cap;
+	r->mem += r->bufcap - before;
 	return 0;
 }
 
@@ -791,17 +785,10 @@ registry *registry_new(const registry_ops *ops, void *arg, size_t max_value)
 	r->max_value = max_value ? max_value : REGISTRY_DEFAULT_MAX_VAL;
 	if (r->max_value > UINT32_MAX / 2)
 		r->max_value = UINT32_MAX / 2; /* vsize is 32 bits */
-	uint64_t seed[3];
-	if (getrandom(seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed) {
-		struct timespec ts;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		seed[0] = mix64((uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 32);
-		seed[1] = mix64((uint64_t)ts.tv_sec ^ (uintptr_t)r);
-		seed[2] = mix64(seed[0] ^ seed[1]);
-	}
-	r->k0 = seed[0];
-	r->k1 = seed[1];
-	r->seed = seed[2];
+	/* Three draws, each salted apart (their fallbacks differ then too). */
+	r->k0 = ap_rand_seed(r);
+	r->k1 = ap_rand_seed(&r->k1);
+	r->seed = ap_rand_seed(&r->seed);
 	r->last_node = r->last_group = UINT32_MAX;
 	if (scratch_reserve(r, 4096)) {
 		free(r);

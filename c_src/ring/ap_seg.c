@@ -1,4 +1,5 @@
 /* ap_seg: the data plane's segment (layout, doorbells: see ap_seg.h). */
+#include "ap_time.h"
 #include "ap_seg.h"
 
 #include <errno.h>
@@ -139,17 +140,10 @@ void ap_seg_sleep_end(struct ap_seg_hdr *h, enum ap_seg_bell b)
 	STORE(flag_of(h, b), 0, RELAXED);
 }
 
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 int ap_seg_wait(struct ap_seg_hdr *h, enum ap_seg_bell b, int (*ready)(void *), void *arg, unsigned spin,
 		int timeout_ms)
 {
-	int64_t deadline = timeout_ms >= 0 ? mono_ms() + timeout_ms : 0;
+	int64_t deadline = timeout_ms >= 0 ? ap_mono_ms() + timeout_ms : 0;
 
 	for (unsigned i = 0; i < spin; i++) {
 		if (ready(arg) > 0)
@@ -169,7 +163,7 @@ int ap_seg_wait(struct ap_seg_hdr *h, enum ap_seg_bell b, int (*ready)(void *), 
 		}
 		int left = -1;
 		if (timeout_ms >= 0) {
-			int64_t now = mono_ms();
+			int64_t now = ap_mono_ms();
 			if (now >= deadline) {
 				ap_seg_sleep_end(h, b);
 				return -ETIMEDOUT;

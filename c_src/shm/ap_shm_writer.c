@@ -54,6 +54,7 @@
  * lives), so the watermarks only grow. Writers over caller memory have
  * no fd and reserve nothing.
  */
+#include "ap_rand.h"
 #include "ap_shm.h"
 #include "ap_shm_int.h"
 
@@ -69,27 +70,6 @@
 #include <time.h>
 #include <unistd.h>
 
-/* A fresh segment's seed: getrandom(2) (never blocking: this runs at the
- * receptionist's start), else the time, the pid and an address (ASLR)
- * through splitmix64's finaliser. Unpredictable enough either way for a
- * hash-flooding defence; it need not be secret from the segment's readers. */
-static uint64_t w_new_seed(void)
-{
-	uint64_t seed = 0;
-	struct timespec ts = { 0 };
-
-	if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) == (ssize_t)sizeof seed)
-		return seed;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	seed = ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 32) ^
-	       (uint64_t)(uintptr_t)&seed;
-	seed ^= seed >> 30;
-	seed *= 0xbf58476d1ce4e5b9ull;
-	seed ^= seed >> 27;
-	seed *= 0x94d049bb133111ebull;
-	seed ^= seed >> 31;
-	return seed;
-}
 
 /* ---- writer ------------------------------------------------------------- */
 
@@ -499,7 +479,7 @@ static int w_start(ap_shm_writer **wp, uint8_t *base, size_t len, int fd, const 
 	w->half_size = ((len - AP_SHM_HDR_SIZE) / 2) & ~7ull;
 	w->state = AP_SHM_STATE_LIVE;
 	w->changes = 1; /* never AP_SHM_NO_CHANGES */
-	w->seed = w_new_seed();
+	w->seed = ap_rand_seed(w); /* a hash-flooding defence; need not be secret from the readers */
 	/* Half 0 first, before any header store: a create that cannot back
 	 * it fails with the header untouched. */
 	if (w_half_layout(w, 0, AP_SHM_MIN_CAP, &w->act) < 0) {

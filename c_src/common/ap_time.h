@@ -1,4 +1,5 @@
-/* ap_time: the monotonic clock every part of the runtime reads. */
+/* ap_time: the monotonic clock every part reads (the runtime, the rings,
+ * the worker processes). */
 #ifndef AP_TIME_H
 #define AP_TIME_H
 
