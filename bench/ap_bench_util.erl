@@ -1,10 +1,12 @@
 %% Helpers shared by the benchmarks (bench/run compiles them together): the
-%% environment knobs, medians, polling with a deadline, and the table of
-%% rows beside their anchors with ratios and targets.
+%% environment knobs, medians, waiting for peers to go, and the table of
+%% rows beside their anchors with ratios and targets. Polling, OS-process
+%% and epmd checks are support/ap_support.erl's (shared with the tests and
+%% the demo; bench/run compiles it too).
 -module(ap_bench_util).
 
 -export([main/5]).
--export([env_int/2, median/1, deadline/1, wait_until/3, gone/3, stop_peers/1]).
+-export([env_int/2, median/1, wait_until/3, gone/3, stop_peers/1]).
 
 -export([print/1, fmt/1, ratio/2]).
 
@@ -62,33 +64,23 @@ env_int(Name, Default) ->
 median(L) ->
     lists:nth((length(L) + 1) div 2, lists:sort(L)).
 
--spec deadline(non_neg_integer()) -> integer().
-deadline(Ms) ->
-    erlang:monotonic_time(millisecond) + Ms.
-
 %% Poll F every 5 ms until it is true; after Ms, fail the bench (the
 %% {bench_failed, Fmt, Args} throw every bench's main catches) naming What.
 -spec wait_until(fun(() -> boolean()), non_neg_integer(), term()) -> ok.
 wait_until(F, Ms, What) ->
-    wait_until_(F, deadline(Ms), Ms, What).
-
-wait_until_(F, Deadline, Ms, What) ->
-    case F() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) > Deadline of
-                true -> throw({bench_failed, "timeout after ~p ms waiting for ~p", [Ms, What]});
-                false -> receive after 5 -> wait_until_(F, Deadline, Ms, What) end
-            end
+    case ap_support:poll(F, fun(B) -> B end, Ms, 5) of
+        {ok, true} -> ok;
+        {timeout, false} -> throw({bench_failed, "timeout after ~p ms waiting for ~p", [Ms, What]})
     end.
 
 %% Waits (at most Ms each) until the node names have left epmd and the OS
-%% processes are gone: a bench leaves nothing of its peers behind.
+%% processes are gone (exited; a zombie not yet reaped counts as gone): a
+%% bench leaves nothing of its peers behind.
 -spec gone([string()], [non_neg_integer()], non_neg_integer()) -> ok.
 gone(Names, OsPids, Ms) ->
-    wait_until(fun() -> [N || N <- epmd_names(), lists:member(N, Names)] =:= [] end, Ms,
+    wait_until(fun() -> [N || N <- ap_support:epmd_names(), lists:member(N, Names)] =:= [] end, Ms,
                {names_left_epmd, Names}),
-    wait_until(fun() -> [P || P <- OsPids, os_pid_alive(P)] =:= [] end, Ms,
+    wait_until(fun() -> [P || P <- OsPids, ap_support:os_pid_alive(P)] =:= [] end, Ms,
                {os_processes_gone, OsPids}).
 
 %% Stops every peer this process recorded as `{peer, Peer} => #{names :=
@@ -103,15 +95,6 @@ stop_peers(Ms) ->
      end || {P, _} <- Peers],
     gone(lists:append([Ns || {_, #{names := Ns}} <- Peers]),
          lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]), Ms).
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, L} -> [N || {N, _Port} <- L];
-        _ -> []
-    end.
-
-os_pid_alive(OsPid) ->
-    filelib:is_dir("/proc/" ++ integer_to_list(OsPid)).
 
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}; Target is
 %% none, {le, Base, Factor, Text} (Value =< Base * Factor), {ge, Base,

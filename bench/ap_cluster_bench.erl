@@ -62,7 +62,7 @@
 %% says what); 2 for a missed target under BENCH_STRICT=1.
 -module(ap_cluster_bench).
 
--import(ap_bench_util, [env_int/2, median/1, deadline/1, wait_until/3, print/1, fmt/1, ratio/2]).
+-import(ap_bench_util, [env_int/2, median/1, wait_until/3, print/1, fmt/1, ratio/2]).
 
 -export([main/0]).
 
@@ -449,7 +449,7 @@ watch(Parent, Kind, {Loaded, Base}, Gone, Keys) ->
                            true = erlang:monitor_node(Gone, true),
                            receive {nodedown, Gone} -> Self ! {at, down, os:system_time(microsecond)} end
                    end),
-    case poll(fun() -> probe(Kind) end, fun(V) -> V >= Loaded end, 5, deadline(?LOAD_MS)) of
+    case poll(fun() -> probe(Kind) end, fun(V) -> V >= Loaded end, 5, ?LOAD_MS) of
         {ok, TL} ->
             [case [K || K <- Keys, actor_receptionist:lookup(K) =:= []] of
                  [] -> ok;
@@ -458,21 +458,21 @@ watch(Parent, Kind, {Loaded, Base}, Gone, Keys) ->
             _ = [spawn_link(fun() ->
                                     Left = fun() -> length([K || K <- Keys, actor_receptionist:lookup(K) =/= []]) end,
                                     NK = length(Keys),
-                                    {ok, T1} = poll(Left, fun(L) -> L < NK end, 1, deadline(?WAIT_MS)),
-                                    {ok, T2} = poll(Left, fun(L) -> L =:= 0 end, 1, deadline(?WAIT_MS)),
+                                    {ok, T1} = poll(Left, fun(L) -> L < NK end, 1, ?WAIT_MS),
+                                    {ok, T2} = poll(Left, fun(L) -> L =:= 0 end, 1, ?WAIT_MS),
                                     Self ! {at, lookup_first, T1},
                                     Self ! {at, lookup, T2}
                             end) || Keys =/= []],
             _ = [spawn_link(fun() ->
                                     {ok, T} = poll(fun cnode_refs/0, fun(V) -> V =< Base end, 1,
-                                                   deadline(?WAIT_MS)),
+                                                   ?WAIT_MS),
                                     Self ! {at, cnode, T}
                             end) || Kind =:= rcpt],
             #{os_pid := COsPid} = actor_cnode:info(actor_receptionist_owner),
             OsPids = [list_to_integer(os:getpid()), COsPid],
             Cpu0 = [cpu_ms(P) || P <- OsPids],
             Parent ! {watch, self(), loaded, TL},
-            case poll(fun() -> probe(Kind) end, fun(V) -> V =< Base end, 1, deadline(?WAIT_MS)) of
+            case poll(fun() -> probe(Kind) end, fun(V) -> V =< Base end, 1, ?WAIT_MS) of
                 {ok, TG} ->
                     [BeamCpu, CCpu] = [cpu_ms(P) - C0 || {P, C0} <- lists:zip(OsPids, Cpu0)],
                     Ats = [receive {at, What, T} -> {What, T}
@@ -505,18 +505,14 @@ cpu_ms(OsPid) ->
     Ticks = list_to_integer(lists:nth(12, Fields)) + list_to_integer(lists:nth(13, Fields)),
     Ticks * 10.
 
-%% Probe every Every ms until Done; {ok, os:system_time(microsecond) just
-%% after the probe that was done} or {timeout, LastValue}.
-poll(Probe, Done, Every, Deadline) ->
-    V = Probe(),
-    T = os:system_time(microsecond),
-    case Done(V) of
-        true -> {ok, T};
-        false ->
-            case erlang:monotonic_time(millisecond) > Deadline of
-                true -> {timeout, V};
-                false -> receive after Every -> poll(Probe, Done, Every, Deadline) end
-            end
+%% Probe every Every ms until Done, for at most Ms; {ok,
+%% os:system_time(microsecond) just after the probe that was done} or
+%% {timeout, LastValue}.
+poll(Probe, Done, Every, Ms) ->
+    Stamped = fun() -> V = Probe(), {V, os:system_time(microsecond)} end,
+    case ap_support:poll(Stamped, fun({V, _T}) -> Done(V) end, Ms, Every) of
+        {ok, {_V, T}} -> {ok, T};
+        {timeout, {V, _T}} -> {timeout, V}
     end.
 
 %% On node 2: K keys, one ref each, refs spread over P idle processes.

@@ -63,7 +63,7 @@
 %% BENCH_STRICT=1.
 -module(ap_key_bench).
 
--import(ap_bench_util, [env_int/2, deadline/1, wait_until/3]).
+-import(ap_bench_util, [env_int/2, wait_until/3]).
 
 -export([main/0]).
 

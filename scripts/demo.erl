@@ -33,10 +33,12 @@ main(Args) ->
     put(demo_docs, case Args of ["--short"] -> 400; _ -> ?DOCS end),
     put(demo_root, Root),
     put(demo_ebins, Ebins),
-    %% demo_node: what the peers run, and the demo's own chunking.
-    {ok, demo_node, Bin} = compile:file(filename:join([Root, "scripts", "demo_node.erl"]), [binary, report]),
-    {module, demo_node} = code:load_binary(demo_node, "demo_node.erl", Bin),
+    %% demo_node: what the peers run, and the demo's own chunking;
+    %% ap_support: polling with a deadline and epmd's names (shared with
+    %% the tests and the benchmarks, not part of the library).
+    Bin = load_source(filename:join([Root, "scripts", "demo_node.erl"])),
     put(demo_node_bin, Bin),
+    _ = load_source(filename:join([Root, "support", "ap_support.erl"])),
     try run() of
         ok ->
             io:format("~ndemo: all steps gave the expected result~n"),
@@ -47,6 +49,12 @@ main(Args) ->
             cleanup(),
             halt(1)
     end.
+
+%% Compiles File in memory and loads it; its object code.
+load_source(File) ->
+    {ok, Mod, Bin} = compile:file(File, [binary, report]),
+    {module, Mod} = code:load_binary(Mod, File, Bin),
+    Bin.
 
 run() ->
     {ok, _} = application:ensure_all_started(actor_pool),
@@ -232,7 +240,7 @@ stop_cluster() ->
     _ = [catch peer:stop(P) || {P, _} <- get_list(demo_peers)],
     erase(demo_peers),
     Root = "demo_",
-    wait(fun() -> [A || A <- epmd_names(), lists:prefix(Root, A),
+    wait(fun() -> [A || A <- ap_support:epmd_names(), lists:prefix(Root, A),
                         lists:suffix(os:getpid(), hd(string:split(A, "_receptionist")))] =:= []
          end, 20000, epmd_names),
     ok.
@@ -243,24 +251,12 @@ get_list(Key) ->
         L -> L
     end.
 
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [N || {N, _} <- Names];
-        _ -> []
-    end.
-
+%% Polls Fun every 20 ms until it is true; fails the demo naming What
+%% after Timeout ms.
 wait(Fun, Timeout, What) ->
-    Deadline = erlang:monotonic_time(millisecond) + Timeout,
-    wait_until(Fun, Deadline, What).
-
-wait_until(Fun, Deadline, What) ->
-    case Fun() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({timeout, What});
-                false -> receive after 20 -> wait_until(Fun, Deadline, What) end
-            end
+    case ap_support:poll(Fun, fun(B) -> B end, Timeout, 20) of
+        {ok, true} -> ok;
+        {timeout, false} -> error({timeout, What})
     end.
 
 %% ===================================================================
@@ -286,19 +282,12 @@ expected({valid, {ok, ok}}) -> true;
 expected({{broken, _}, {error, {Offset, _}}}) when is_integer(Offset) -> true;
 expected(_) -> false.
 
+%% Pool's stats once it has processed N messages (polled every 10 ms).
 wait_processed(Pool, N, Timeout) ->
-    Deadline = erlang:monotonic_time(millisecond) + Timeout,
-    wait_processed_until(Pool, N, Deadline).
-
-wait_processed_until(Pool, N, Deadline) ->
-    Stats = actor_pool:stats(Pool),
-    case Stats of
-        #{processed := P} when P >= N -> Stats;
-        _ ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({not_processed_in_time, N, Stats});
-                false -> receive after 10 -> wait_processed_until(Pool, N, Deadline) end
-            end
+    case ap_support:poll(fun() -> actor_pool:stats(Pool) end,
+                         fun(#{processed := P}) -> P >= N; (_) -> false end, Timeout, 10) of
+        {ok, Stats} -> Stats;
+        {timeout, Stats} -> error({not_processed_in_time, N, Stats})
     end.
 
 summary(Stats) ->

@@ -1345,10 +1345,10 @@ now_ms() -> erlang:monotonic_time(millisecond).
 
 kill(OsPid) -> _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)), ok.
 
-%% ap_test_util's, with a condition that may raise while a node restarts.
+%% ap_support's, with a condition that may raise while a node restarts.
 wait_until(Fun, TimeoutMs) ->
-    ap_test_util:wait_until(fun() -> (catch Fun()) =:= true end, TimeoutMs).
+    ap_support:wait_until(fun() -> (catch Fun()) =:= true end, TimeoutMs).
 
-os_pid_alive(OsPid) -> ap_test_util:os_pid_alive(OsPid).
+os_pid_alive(OsPid) -> ap_support:os_pid_alive(OsPid).
 
-epmd_names() -> ap_test_util:epmd_names().
+epmd_names() -> ap_support:epmd_names().

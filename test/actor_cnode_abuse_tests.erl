@@ -10,7 +10,8 @@
 %% is stopped by its OS pid, and its epmd name is gone before a case ends.
 -module(actor_cnode_abuse_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, echo_exe/0, abs_exe/1]).
+-import(ap_test_util, [priv_dir/0, alive/1, echo_exe/0, abs_exe/1]).
+-import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 

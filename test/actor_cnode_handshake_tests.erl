@@ -12,7 +12,8 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the I/O backend of the C nodes.
 -module(actor_cnode_handshake_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, alive/1]).
+-import(ap_test_util, [alive/1]).
+-import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 

@@ -18,7 +18,8 @@
 %% without a snapshot).
 -module(actor_cnode_oversize_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, alive/1]).
+-import(ap_test_util, [alive/1]).
+-import(ap_support, [wait_until/2, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 

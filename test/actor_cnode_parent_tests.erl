@@ -11,7 +11,8 @@
 %% node at once, well inside a retry interval.
 -module(actor_cnode_parent_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, alive/1, echo_exe/0, abs_exe/1]).
+-import(ap_test_util, [alive/1, echo_exe/0, abs_exe/1]).
+-import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 

@@ -11,7 +11,8 @@
 %% another echo executable (an absolute path) when set.
 -module(actor_cnode_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, echo_exe/0]).
+-import(ap_test_util, [priv_dir/0, alive/1, echo_exe/0]).
+-import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 

@@ -141,7 +141,7 @@ tells_before_close_are_not_dropped_test_() ->
                         [{ok, _} = actor_dp:submit(Seg, tell, dp_close, {t, K}, undefined, undefined)
                          || K <- lists:seq(1, 200)],
                         ok = actor_dp:close(Seg, done),
-                        _ = catch ap_test_util:wait_until(fun() -> Count(R0) =:= 200 end, 2000),
+                        _ = catch ap_support:wait_until(fun() -> Count(R0) =:= 200 end, 2000),
                         200 - Count(R0)
                     end || _ <- lists:seq(1, 30)],
             ?assertEqual([], [L || L <- Lost, L =/= 0])
@@ -172,7 +172,7 @@ child_upgrade() ->
 
 child_vm(Fun, Env) ->
     Erl = os:find_executable("erl"),
-    Paths = lists:append([["-pa", filename:dirname(code:which(M))] || M <- [actor_dp, ?MODULE, ap_test_util]]),
+    Paths = lists:append([["-pa", filename:dirname(code:which(M))] || M <- [actor_dp, ?MODULE, ap_test_util, ap_support]]),
     Port = open_port({spawn_executable, Erl},
                      [{args, ["+S", "2", "-noshell"] ++ Paths ++
                            ["-eval", atom_to_list(?MODULE) ++ ":" ++ Fun ++ "(), halt()."]},
@@ -231,7 +231,7 @@ tells_stats_and_consumed_bound(P) ->
     expect(P, <<"tell 1 ring ", R1B/binary, " fence none">>),
     %% the same ring as the ticket: no fence needed
     expect(P, <<"tell 2 ring ", R1B/binary, " fence none">>),
-    ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, T2) end, ?T),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, T2) end, ?T),
     Ref = make_ref(),
     {ok, _, _} = actor_dp:submit(Seg, stats, echo, undefined, Ref, T2),
     receive {Ref, Stats} -> ?assertEqual(#{tells => 2, asks => 0}, Stats)
@@ -262,7 +262,7 @@ cancel_before_the_reply_means_no_message(P) ->
     ?assertNot(actor_dp:cancel(Seg, Id)),
     cmd(P, "resume"),
     %% The reply comes and is dropped: counted late, never sent.
-    ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
     receive {Ref, _} = Late -> error({late_reply_delivered, Late}) after 0 -> ok end,
     ok = actor_dp:close(Seg, done).
 
@@ -273,7 +273,7 @@ cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
     {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
     receive {Ref, {ok, hi}} -> ok after ?T -> error(no_reply) end,
     ?assertNot(actor_dp:cancel(Seg, Id)),
-    ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
     receive {Ref, _} = Twice -> error({second_reply_delivered, Twice}) after 0 -> ok end,
     #{replies := 1} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
@@ -286,7 +286,7 @@ close_answers_every_pending_ask_at_once(P) ->
                 {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, N, Ref, undefined)),
                 Ref
             end || N <- lists:seq(1, 20)],
-    ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 20 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 20 end, ?T),
     ok = actor_dp:close(Seg, {nodedown, x@y}),
     [receive {Ref, R} -> ?assertEqual({error, {nodedown, x@y}}, R) after 0 -> error(not_at_once) end
      || Ref <- Refs],
@@ -305,7 +305,7 @@ peer_killed_answers_pending_asks_promptly(P) ->
                 {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, N, Ref, undefined)),
                 Ref
             end || N <- lists:seq(1, 64)],
-    ap_test_util:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 64 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 64 end, ?T),
     T0 = erlang:monotonic_time(millisecond),
     kill_peer(P),
     %% promptly: EOF is seen within the reply thread's wait (50 ms), far
@@ -333,13 +333,13 @@ bad_replies_are_errors_not_crashes(P) ->
     cmd(P, "mode bad_len"),
     Ref2 = make_ref(),
     {ok, _, Id2} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref2, undefined)),
-    ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 1 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 1 end, ?T),
     %% the record was skipped, the ask is still pending, the segment lives
     ?assert(actor_dp:cancel(Seg, Id2)),
     %% a compressed answer would have the decoder allocate what it claims
     cmd(P, "mode compressed"),
     {ok, _, Id4} = asked(actor_dp:submit(Seg, ask, echo, hi, make_ref(), undefined)),
-    ap_test_util:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 2 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(bad_records, actor_dp:info(Seg)) =:= 2 end, ?T),
     ?assert(actor_dp:cancel(Seg, Id4)),
     cmd(P, "mode echo"),
     Ref3 = make_ref(),
@@ -354,7 +354,7 @@ scribbled_reply_ring_closes_with_bad_segment(P) ->
     cmd(P, "mode silent"),
     Ref = make_ref(),
     {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi, Ref, undefined)),
-    ap_test_util:wait_until(fun() -> maps:get(asks, actor_dp:info(Seg)) =:= 1 end, ?T),
+    ap_support:wait_until(fun() -> maps:get(asks, actor_dp:info(Seg)) =:= 1 end, ?T),
     %% reply ring 0's tail (line 1 of its header): far past head + cap
     RepRing = 256 + 2 * (256 + ReqBytes),
     ok = actor_dp:scribble(Seg, RepRing + 64, <<(1 bsl 40):64/little>>),
@@ -400,7 +400,7 @@ full_ring_and_too_large(P) ->
     ?assert(Full >= 1),
     ?assertNot(actor_dp:consumed(Seg, Last)),
     cmd(P, "resume"),
-    ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
     {ok, _} = actor_dp:submit(Seg, tell, echo, <<"room again">>, undefined, Last),
     ok = actor_dp:close(Seg, done).
 
@@ -537,7 +537,7 @@ segments_are_freed_no_fd_leaks(P) ->
     %% the resources are gone once nothing refers to them: the destructor
     %% joined the thread and closed the socket
     erlang:garbage_collect(),
-    ap_test_util:wait_until(fun() -> erlang:garbage_collect(), fd_count() =< Fds0 end, ?T).
+    ap_support:wait_until(fun() -> erlang:garbage_collect(), fd_count() =< Fds0 end, ?T).
 
 bad_arguments_are_badarg(P) ->
     Seg = open(P, #{}),
@@ -775,9 +775,9 @@ pool_node_answers_asks_tells_and_stats(#{pool_node := N} = Ctx) ->
                                    {ok, T2} = actor_dp:submit(Seg, tell, dp_echo, {t, K}, undefined, T),
                                    T2
                            end, undefined, lists:seq(1, 100)),
-        ap_test_util:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+        ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
         %% every tell and ask by ring, counted by the pool on that path
-        ap_test_util:wait_until(
+        ap_support:wait_until(
           fun() ->
                   {ok, #{by_path := #{ring := R}}} = {ok, ask(Seg, dp_echo, '$stats')},
                   R =:= 105
@@ -801,7 +801,7 @@ pool_node_cancel_and_close_leave_no_reply_behind(Ctx) ->
         ?assert(actor_dp:cancel(Seg, IdC)),
         [receive {R, A} -> ?assertEqual(Want, A) after ?T -> error({no_reply, Want}) end
          || {R, Want} <- [{RA, {ok, ok}}, {RB, {ok, b}}, {RD, {ok, d}}]],
-        ap_test_util:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
+        ap_support:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
         receive {RC, _} = Late -> error({cancelled_ask_answered, Late}) after 0 -> ok end,
         %% close with an ask in the worker: answered at once, by close
         {RE, _} = submit_ask(Seg, dp_slow, {sleep, 300}),
@@ -865,13 +865,13 @@ pool_node_killed_answers_64_pending_asks_promptly(#{pool_node := N, os_pid := Os
     end,
     ok = actor_dp:close(Seg, done),
     %% the node comes back (a fresh segment is another open); leave it clean
-    ap_test_util:wait_until(fun() ->
+    ap_support:wait_until(fun() ->
                                     case actor_cnode:info(actor_pool_node_owner) of
                                         #{status := up, os_pid := New} -> New =/= OsPid;
                                         _ -> false
                                     end
                             end, 20000),
-    ap_test_util:wait_until(fun() -> lists:keymember(dp_killed, 1, actor_pool:which_pools()) end, ?T),
+    ap_support:wait_until(fun() -> lists:keymember(dp_killed, 1, actor_pool:which_pools()) end, ?T),
     ok = actor_pool:stop_pool(dp_killed).
 
 %% ===================================================================
@@ -923,12 +923,12 @@ peer_start() ->
 peer_stop(#{port := Port, os_pid := OsPid}) ->
     catch port_close(Port),
     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid) ++ " 2>/dev/null"),
-    ap_test_util:wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?T),
+    ap_support:wait_until(fun() -> not ap_support:os_pid_alive(OsPid) end, ?T),
     flush_all().
 
 kill_peer(#{os_pid := OsPid}) ->
     _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-    ap_test_util:wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?T).
+    ap_support:wait_until(fun() -> not ap_support:os_pid_alive(OsPid) end, ?T).
 
 open(#{socket := Sock, token := Token}, Opts) ->
     {ok, Seg} = actor_dp:open(Sock, Token, Opts),

@@ -7,7 +7,7 @@
 %% here is stopped, and its name leaves epmd.
 -module(actor_pool_cluster_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0]).
+-import(ap_support, [wait_until/2, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -112,16 +112,8 @@ with_peer(PoolNode, Fun) ->
     end.
 
 wait_stats(P, Pred) ->
-    Deadline = erlang:monotonic_time(millisecond) + ?WAIT_MS,
-    wait_stats(P, Pred, Deadline).
-
-wait_stats(P, Pred, Deadline) ->
-    S = actor_pool:stats(P),
-    case is_map(S) andalso Pred(S) of
-        true -> S;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({stats_condition_not_met, S});
-                false -> receive after ?POLL_MS -> wait_stats(P, Pred, Deadline) end
-            end
+    Stats = fun() -> actor_pool:stats(P) end,
+    case ap_support:poll(Stats, fun(S) -> is_map(S) andalso Pred(S) end, ?WAIT_MS, ?POLL_MS) of
+        {ok, S} -> S;
+        {timeout, S} -> error({stats_condition_not_met, S})
     end.

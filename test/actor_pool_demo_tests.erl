@@ -34,7 +34,7 @@ demo_transcript() ->
     ?assert(Has("== the pool node runs again[\\s\\S]*\\{pools,1,\\[demo_pool_")),
     ?assert(Has("the cluster stopped \\(peers, pool node\\) +ok")),
     %% Nothing of the demo's left in epmd.
-    ?assertEqual([], [N || N <- epmd_names(), lists:prefix("demo_", N)]).
+    ?assertEqual([], [N || N <- ap_support:epmd_names(), lists:prefix("demo_", N)]).
 
 collect(Port, Acc, Deadline) ->
     Left = max(0, Deadline - erlang:monotonic_time(millisecond)),
@@ -46,10 +46,4 @@ collect(Port, Acc, Deadline) ->
         {os_pid, OsPid} = erlang:port_info(Port, os_pid),
         _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
         error({demo_timeout, lists:reverse(Acc)})
-    end.
-
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [N || {N, _} <- Names];
-        {error, _} -> []
     end.

@@ -7,7 +7,8 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
 -module(actor_pool_isolation_abuse_tests).
 
--import(ap_test_util, [wait_until/2, with_pool/4]).
+-import(ap_test_util, [with_pool/4]).
+-import(ap_support, [wait_until/2]).
 
 -include_lib("eunit/include/eunit.hrl").
 

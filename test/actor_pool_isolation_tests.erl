@@ -19,7 +19,8 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
 -module(actor_pool_isolation_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, with_pool/4, crash_plugin/0]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0]).
+-import(ap_support, [wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -586,7 +587,7 @@ stop_pool_leaves_no_worker_process(_Ctx) ->
            end,
     ?assertEqual(3, length(Pids)),
     [?assertNot(lists:member(Pid, Before)) || Pid <- Pids],
-    wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, Pids) end, ?WAIT_MS),
+    wait_until(fun() -> not lists:any(fun ap_support:os_pid_alive/1, Pids) end, ?WAIT_MS),
     wait_until(fun() -> descendants(NodePid) -- Before =:= [] end, ?WAIT_MS),
     ?assertEqual([], worker_processes(NodePid) -- Before).
 
@@ -618,7 +619,7 @@ killed_pool_node_leaves_no_worker_process(_Ctx) ->
         ?assertEqual(lists:sort(Pids), worker_processes(NodePid)),
         kill_9(NodePid),
         %% Reparented, they would be found by their command line.
-        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids])
+        wait_until(fun() -> not lists:any(fun ap_support:os_pid_alive/1, [NodePid | Pids])
                                 andalso worker_processes(NodePid) =:= []
                    end, ?WAIT_MS),
         wait_until(fun() ->
@@ -644,7 +645,7 @@ application_stop_leaves_no_worker_process(_Ctx) ->
     ?assertEqual(lists:sort(Pids), worker_processes(NodePid)),
     ok = application:stop(actor_pool),
     try
-        wait_until(fun() -> not lists:any(fun ap_test_util:os_pid_alive/1, [NodePid | Pids])
+        wait_until(fun() -> not lists:any(fun ap_support:os_pid_alive/1, [NodePid | Pids])
                                 andalso worker_processes(NodePid) =:= []
                    end, ?WAIT_MS)
     after
@@ -717,24 +718,22 @@ all_running(S) ->
 
 %% The pool's stats once Pred holds for them (polled, with a deadline).
 stats_when(P, Pred) ->
-    wait_until(fun() ->
-                       case actor_pool:stats(P) of
-                           #{} = S ->
-                               Pred(S) andalso begin put({?MODULE, stats}, S), true end;
-                           _ ->
-                               false
-                       end
-               end, ?WAIT_MS),
-    erase({?MODULE, stats}).
+    case poll_stats(P, Pred) of
+        {ok, S} -> S;
+        {timeout, _} -> error({condition_not_met_within_ms, ?WAIT_MS})
+    end.
 
 %% Like stats_when/2, but the last stats (or the error) when Pred never
 %% holds: for the property, which reports rather than raises.
 stats_until(P, Pred) ->
-    try
-        stats_when(P, Pred)
-    catch
-        error:{condition_not_met_within_ms, _} -> actor_pool:stats(P)
+    case poll_stats(P, Pred) of
+        {ok, S} -> S;
+        {timeout, _} -> actor_pool:stats(P)
     end.
+
+poll_stats(P, Pred) ->
+    ap_support:poll(fun() -> actor_pool:stats(P) end,
+                    fun(#{} = S) -> Pred(S); (_) -> false end, ?WAIT_MS).
 
 %% The OS processes below OsPid: its children (of any of its threads), and
 %% theirs.

@@ -14,7 +14,8 @@
 %% wake-ups under test are io_uring futex waits or waiter threads.
 -module(actor_pool_ring_node_tests).
 
--import(ap_test_util, [with_pool/4, crash_plugin/0, wait_until/2, os_pid_alive/1, priv_dir/0, alive/1, epmd_names/0]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0, priv_dir/0, alive/1]).
+-import(ap_support, [wait_until/2, os_pid_alive/1, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -717,18 +718,8 @@ wait_stats(P, Pred) ->
     wait_stats(P, Pred, ?WAIT_MS).
 
 wait_stats(P, Pred, TimeoutMs) ->
-    Deadline = erlang:monotonic_time(millisecond) + TimeoutMs,
-    wait_stats_until(P, Pred, Deadline).
-
-wait_stats_until(P, Pred, Deadline) ->
-    S = gen_server:call(P, '$ap_stats', ?WAIT_MS),
-    case Pred(S) of
-        true -> S;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({stats_condition_not_met, S});
-                false ->
-                    receive after 5 -> ok end,
-                    wait_stats_until(P, Pred, Deadline)
-            end
+    Probe = fun() -> gen_server:call(P, '$ap_stats', ?WAIT_MS) end,
+    case ap_support:poll(Probe, Pred, TimeoutMs, 5) of
+        {ok, S} -> S;
+        {timeout, S} -> error({stats_condition_not_met, S})
     end.

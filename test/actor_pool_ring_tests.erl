@@ -15,7 +15,8 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
 -module(actor_pool_ring_tests).
 
--import(ap_test_util, [with_pool/4, crash_plugin/0, wait_until/2, os_pid_alive/1]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0]).
+-import(ap_support, [wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -550,21 +551,10 @@ move_wait(To, N) ->
     end.
 
 wait_stats(P, Pred) ->
-    Deadline = erlang:monotonic_time(millisecond) + ?WAIT_MS,
-    wait_stats_until(P, Pred, Deadline).
-
-wait_stats_until(P, Pred, Deadline) ->
-    S = actor_pool:stats(P),
-    ?assert(is_map(S)),
-    case Pred(S) of
-        true -> S;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({stats_condition_not_met, S});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    wait_stats_until(P, Pred, Deadline)
-            end
+    Probe = fun() -> S = actor_pool:stats(P), ?assert(is_map(S)), S end,
+    case ap_support:poll(Probe, Pred, ?WAIT_MS, ?POLL_MS) of
+        {ok, S} -> S;
+        {timeout, S} -> error({stats_condition_not_met, S})
     end.
 
 flush_mailbox() ->

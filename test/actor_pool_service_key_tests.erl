@@ -4,7 +4,7 @@
 %% pool node and receptionist).
 -module(actor_pool_service_key_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0]).
+-import(ap_support, [wait_until/2, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -167,9 +167,9 @@ a_standalone_pool_node_registers_its_keyed_pools(_) ->
           end,
     Stop = fun({Port, OsPid}) ->
                    %% Only while it runs: a pid number is reused once reaped.
-                   _ = ap_test_util:os_pid_alive(OsPid) andalso
+                   _ = ap_support:os_pid_alive(OsPid) andalso
                        os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-                   wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?WAIT_MS),
+                   wait_until(fun() -> not ap_support:os_pid_alive(OsPid) end, ?WAIT_MS),
                    catch port_close(Port),
                    wait_until(fun() -> not lists:member(Alive, epmd_names()) end, ?WAIT_MS)
            end,
@@ -279,8 +279,8 @@ three_peers_and_a_standalone_pool_node(_) ->
                   {Port, OsPid}
           end,
     Kill = fun({Port, OsPid}) ->
-                   _ = ap_test_util:os_pid_alive(OsPid) andalso os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-                   wait_until(fun() -> not ap_test_util:os_pid_alive(OsPid) end, ?WAIT_MS),
+                   _ = ap_support:os_pid_alive(OsPid) andalso os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+                   wait_until(fun() -> not ap_support:os_pid_alive(OsPid) end, ?WAIT_MS),
                    catch port_close(Port),
                    wait_until(fun() -> not lists:member(PoolAlive, epmd_names()) end, ?WAIT_MS)
            end,

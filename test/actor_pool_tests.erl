@@ -16,8 +16,8 @@
 %% this module once with each.
 -module(actor_pool_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0, os_pid_alive/1, priv_dir/0, alive/1, with_pool/4,
-                        crash_plugin/0]).
+-import(ap_test_util, [priv_dir/0, alive/1, with_pool/4, crash_plugin/0]).
+-import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -778,21 +778,10 @@ wait_stats(P, Pred) ->
     wait_stats(P, Pred, ?WAIT_MS).
 
 wait_stats(P, Pred, TimeoutMs) ->
-    Deadline = erlang:monotonic_time(millisecond) + TimeoutMs,
-    wait_stats_until(P, Pred, Deadline).
-
-wait_stats_until(P, Pred, Deadline) ->
-    S = actor_pool:stats(P),
-    ?assert(is_map(S)),
-    case Pred(S) of
-        true -> S;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({stats_condition_not_met, S});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    wait_stats_until(P, Pred, Deadline)
-            end
+    Probe = fun() -> S = actor_pool:stats(P), ?assert(is_map(S)), S end,
+    case ap_support:poll(Probe, Pred, TimeoutMs, ?POLL_MS) of
+        {ok, S} -> S;
+        {timeout, S} -> error({stats_condition_not_met, S})
     end.
 
 %% Runs Fun(I) in N linked processes at once; their results in order.

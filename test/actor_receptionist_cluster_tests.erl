@@ -13,7 +13,7 @@
 %% snapshot segment leaves /dev/shm.
 -module(actor_receptionist_cluster_tests).
 
--import(ap_test_util, [wait_until/2, epmd_names/0]).
+-import(ap_support, [wait_until/2, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
 %% PropEr by its functions: proper.hrl and eunit.hrl both define ?LET.
@@ -111,7 +111,7 @@ a_killed_node_takes_its_registrations() ->
     removal(fun(Peer) ->
                     OsPid = call(Peer, os, getpid, []),
                     _ = os:cmd("kill -9 " ++ OsPid),
-                    wait_until(fun() -> not ap_test_util:os_pid_alive(list_to_integer(OsPid)) end,
+                    wait_until(fun() -> not ap_support:os_pid_alive(list_to_integer(OsPid)) end,
                                ?WAIT_MS)
             end).
 

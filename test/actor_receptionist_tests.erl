@@ -13,7 +13,8 @@
 %% this module once with each.
 -module(actor_receptionist_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, spawn_collector/0, collected/1]).
+-import(ap_test_util, [spawn_collector/0, collected/1]).
+-import(ap_support, [wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 -include("../include/actor_receptionist.hrl").

@@ -24,8 +24,8 @@
 %% ACTOR_POOL_NODE_EXE / ACTOR_RECEPTIONIST_NODE_EXE run the ASan builds.
 -module(actor_security_term_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, ext_atom/1, ext_pid/1, fun_overrun/1,
-                        reg_send_frame/3]).
+-import(ap_test_util, [ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
+-import(ap_support, [wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 

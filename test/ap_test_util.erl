@@ -1,55 +1,19 @@
-%% @doc Helpers shared by the EUnit modules: polling with a deadline instead
-%% of sleeping, and checks that a test left no OS process, epmd name or
-%% shared-memory segment behind.
+%% @doc Helpers shared by the EUnit modules: pools, peers' collectors, C-node
+%% names and executables, hand-made external-format bytes, and the check
+%% that a test left no shared-memory segment behind. Polling, OS-process
+%% and epmd checks are in support/ap_support.erl (shared with the
+%% benchmarks and the demo).
 -module(ap_test_util).
 
 -export([with_pool/4, crash_plugin/0, abs_exe/1]).
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
--export([wait_until/2, epmd_names/0, os_pid_alive/1, temp_dir/1, start_app/0, stop_app/1,
+-export([temp_dir/1, start_app/0, stop_app/1,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
 
--define(POLL_MS, 10).
 %% How long an owner may take to notice its C node's exit and unlink the
 %% segment (the C node itself unlinks it on a clean stop).
 -define(SEGMENT_WAIT_MS, 20000).
-
-%% Poll Fun until it returns true; fail the test after TimeoutMs.
--spec wait_until(fun(() -> boolean()), non_neg_integer()) -> ok.
-wait_until(Fun, TimeoutMs) ->
-    wait_until(Fun, erlang:monotonic_time(millisecond) + TimeoutMs, TimeoutMs).
-
-wait_until(Fun, Deadline, TimeoutMs) ->
-    case Fun() of
-        true -> ok;
-        false ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({condition_not_met_within_ms, TimeoutMs});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    wait_until(Fun, Deadline, TimeoutMs)
-            end
-    end.
-
-%% Names registered with the local epmd.
--spec epmd_names() -> [string()].
-epmd_names() ->
-    case net_adm:names() of
-        {ok, Names} -> [Name || {Name, _Port} <- Names];
-        {error, _} -> []
-    end.
-
-%% An OS process that exists and is not a zombie.
--spec os_pid_alive(non_neg_integer()) -> boolean().
-os_pid_alive(OsPid) ->
-    case file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat") of
-        {ok, Stat} ->
-            case string:split(Stat, ")", trailing) of
-                [_, <<" Z", _/binary>>] -> false;
-                _ -> true
-            end;
-        {error, _} -> false
-    end.
 
 %% A fresh 0700 directory under $TMPDIR (or /tmp), named after Prefix.
 -spec temp_dir(string()) -> file:filename().
@@ -185,19 +149,9 @@ netns_name(Prefix, Name) ->
 %% node is still distributed.
 -spec no_segments_left() -> ok.
 no_segments_left() ->
-    Deadline = erlang:monotonic_time(millisecond) + ?SEGMENT_WAIT_MS,
-    no_segments_left(Deadline).
-
-no_segments_left(Deadline) ->
-    case own_segments() of
-        [] -> ok;
-        Left ->
-            case erlang:monotonic_time(millisecond) >= Deadline of
-                true -> error({segments_left_behind, Left});
-                false ->
-                    receive after ?POLL_MS -> ok end,
-                    no_segments_left(Deadline)
-            end
+    case ap_support:poll(fun own_segments/0, fun(Left) -> Left =:= [] end, ?SEGMENT_WAIT_MS) of
+        {ok, []} -> ok;
+        {timeout, Left} -> error({segments_left_behind, Left})
     end.
 
 %% Runs Fun(Pid) with a pool started for it, and stops the pool after.
