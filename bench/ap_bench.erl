@@ -57,7 +57,8 @@ run() ->
                   Cv = median([F(C) || _ <- lists:seq(1, ?RUNS)]),
                   Pv = median([F(P) || _ <- lists:seq(1, ?RUNS)]),
                   io:format("~-38s ~14s ~14s ~8s  ~s~n",
-                            [Name, fmt(Cv), fmt(Pv), fmt_ratio(Cv, Pv), Target])
+                            [Name, fmt(Cv), fmt(Pv), fmt_ratio(Cv, Pv), Target]),
+                  ap_bench_csv:row("runtime", Name, Cv, [{"BEAM peer node", Pv}], Target, none)
           end, Rows),
         io:format("~n"),
         ok

@@ -18,6 +18,8 @@
 -spec main(string(), string(), pos_integer(), fun(() -> non_neg_integer()),
            [{string(), fun(() -> ok)}]) -> no_return().
 main(Name, TimeoutVar, DefaultS, Run, Cleanup) ->
+    %% print/1 names the bench in the CSV rows (ap_bench_csv).
+    put(ap_bench_name, Name),
     Timeout = env_int(TimeoutVar, DefaultS),
     _ = spawn(fun() ->
                       timer:sleep(Timeout * 1000),
@@ -106,6 +108,8 @@ print(Rows) ->
               ["measure", "actor_pool", "anchor", "anchor val", "ratio", "target"]),
     lists:foldl(fun({Label, V, Anchors, Target}, Missed) ->
                         {Verdict, M} = verdict(V, Target),
+                        ap_bench_csv:row(get(ap_bench_name), Label, V, Anchors, target_text(Target),
+                                         case {Target, M} of {none, _} -> none; {_, 0} -> met; _ -> missed end),
                         case Anchors of
                             [] ->
                                 io:format("~-40s ~12s  ~-36s ~12s ~7s  ~s~n",
@@ -118,6 +122,9 @@ print(Rows) ->
                         end,
                         Missed + M
                 end, 0, Rows).
+
+target_text(none) -> "";
+target_text(T) -> element(tuple_size(T), T).
 
 verdict(_V, none) -> {"", 0};
 verdict(undefined, {_, _, Text}) -> met(false, Text);

@@ -433,6 +433,7 @@ print(Rows) ->
                                           [Label, fmt(V), AL, fmt(AV), ratio(V, AV),
                                            text(Verdict, Target)])
                         end,
+                        ap_bench_csv:row("keys", Label, V, Anchors, text(Verdict, Target), Verdict),
                         {Missed + M, Vs ++ [Verdict]}
                 end, {0, []}, Rows).
 

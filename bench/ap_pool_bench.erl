@@ -422,22 +422,18 @@ tells(Total, Send, Seen) ->
     Pl = ?PAYLOAD,
     T0 = erlang:monotonic_time(microsecond),
     par(?SENDERS, fun(_) -> send_n(Send, Pl, Per) end),
-    wait_seen(Seen, Base + Per * ?SENDERS, erlang:monotonic_time(millisecond) + ?WAIT_MS),
+    wait_seen(Seen, Base + Per * ?SENDERS),
     Us = erlang:monotonic_time(microsecond) - T0,
     {[{rate, Per * ?SENDERS / (Us / 1.0e6)}], Per * ?SENDERS}.
 
 send_n(_Send, _Pl, 0) -> ok;
 send_n(Send, Pl, N) -> Send(Pl), send_n(Send, Pl, N - 1).
 
-wait_seen(Seen, Expected, Deadline) ->
-    case Seen() of
-        N when N >= Expected -> ok;
-        N ->
-            erlang:monotonic_time(millisecond) < Deadline orelse
-                fail("tells lost or stuck: the receiver handled ~p fewer than sent "
-                     "after ~p s", [Expected - N, ?WAIT_MS div 1000]),
-            timer:sleep(2),
-            wait_seen(Seen, Expected, Deadline)
+wait_seen(Seen, Expected) ->
+    case ap_support:poll(Seen, fun(N) -> N >= Expected end, ?WAIT_MS, 2) of
+        {ok, _} -> ok;
+        {timeout, N} -> fail("tells lost or stuck: the receiver handled ~p fewer than sent "
+                             "after ~p s", [Expected - N, ?WAIT_MS div 1000])
     end.
 
 %% The pool's processed count; a dropped tell fails the bench at once.
@@ -636,6 +632,7 @@ print_rows(Rows) ->
                          case Verdict of met -> "met"; missed -> "MISSED"; none -> "" end]),
               [io:format("~-40s ~10s ~10s  ~-38s ~7s~n", ["", "", fmt(X), XN, ratio(Ap, X)])
                || {XN, X} <- More],
+              ap_bench_csv:row("pool", Name, Ap, [{A1Name, A1} | More], Target, Verdict),
               {true, {Name, Verdict}}
       end, Rows).
 

@@ -26,18 +26,8 @@
 %% so for "has it stopped?" it counts as gone.
 -spec os_pid_alive(non_neg_integer()) -> boolean().
 os_pid_alive(OsPid) ->
-    case file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat") of
-        {ok, Stat} -> not zombie(Stat);
-        {error, _} -> false
-    end.
-
-%% /proc/PID/stat: "pid (comm) S ..."; comm may hold spaces and parentheses,
-%% so the state is what follows the last ")".
-zombie(Stat) ->
-    case string:split(Stat, ")", trailing) of
-        [_, <<" Z", _/binary>>] -> true;
-        _ -> false
-    end.
+    %% The library's own check (its owners use it to see a C node gone).
+    actor_cnode_os:alive(OsPid).
 
 %% The node names registered with the local epmd; none when epmd does not
 %% answer (not running counts as holding no name).
