@@ -7,7 +7,8 @@
 %% data directory is removed.
 -module(actor_pool_metrics_tests).
 
--import(ap_test_util, [wait_until/2, os_pid_alive/1, temp_dir/1]).
+-import(ap_support, [wait_until/2, os_pid_alive/1]).
+-import(ap_test_util, [temp_dir/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
