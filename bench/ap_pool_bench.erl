@@ -53,6 +53,9 @@
 %% something failed (lost, dropped or wrong replies, a pool that does not
 %% start, a timeout; the message says what), 2 for a missed target under
 %% BENCH_STRICT=1.
+%%
+%% Over 700 lines on purpose: the cells, the anchors, the rows and their
+%% targets are one table a reader checks against the others in one file.
 -module(ap_pool_bench).
 
 -export([main/0, main/1]).
