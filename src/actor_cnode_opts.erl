@@ -189,9 +189,9 @@ beam_priv_dir() ->
             "priv"
     end.
 
-%% @doc The C node's name, <alive>_<exe suffix>@<host> unless given; the
-%% suffix drops "actor_" and "_node", so actor_echo_node under app@h is
-%% app_echo@h.
+%% @doc The C node's name, Alive_Suffix@Host unless given: Suffix is the
+%% executable's name without "actor_" and "_node", so actor_echo_node under
+%% app@h is app_echo@h.
 -spec node_name(map()) -> node().
 node_name(Opts) ->
     [Alive, Host] = string:split(atom_to_list(erlang:node()), "@"),
