@@ -87,15 +87,9 @@ actor_pool_isolation_test_() ->
 case_(Name, Ctx) ->
     {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
 
-setup() ->
-    WasAlive = ap_test_util:start_app(),
-    PoolNode = actor_pool:pool_node(),
-    ?assert(is_atom(PoolNode) andalso PoolNode =/= undefined),
-    #{pool_node => PoolNode, was_alive => WasAlive}.
+setup() -> ap_test_util:pool_setup().
 
-cleanup(#{was_alive := WasAlive}) ->
-    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
-    ap_test_util:stop_app(WasAlive).
+cleanup(Ctx) -> ap_test_util:pool_cleanup(Ctx).
 
 %% ===================================================================
 %% Options and stats
@@ -380,12 +374,7 @@ pool_node_dies(Name, Killer, #{pool_node := N}) ->
             {in_flight, R} -> ?assertEqual({error, {nodedown, N}}, R)
         after ?ASK_MS -> error({in_flight_not_answered, InFlight})
         end,
-        wait_until(fun() ->
-                           case actor_cnode:info(actor_pool_node_owner) of
-                               #{status := up, os_pid := New} -> New =/= NodePid;
-                               _ -> false
-                           end
-                   end, 20000),
+        wait_new_pool_node(NodePid),
         ?assertNot(os_pid_alive(NodePid)),
         case Killer of
             <<"segv">> ->
@@ -622,12 +611,7 @@ killed_pool_node_leaves_no_worker_process(_Ctx) ->
         wait_until(fun() -> not lists:any(fun ap_support:os_pid_alive/1, [NodePid | Pids])
                                 andalso worker_processes(NodePid) =:= []
                    end, ?WAIT_MS),
-        wait_until(fun() ->
-                           case actor_cnode:info(actor_pool_node_owner) of
-                               #{status := up, os_pid := New} -> New =/= NodePid;
-                               _ -> false
-                           end
-                   end, 20000),
+        wait_new_pool_node(NodePid),
         wait_until(fun() -> lists:keymember(Name, 1, actor_pool:which_pools()) end, ?WAIT_MS),
         S = stats_when(Name, fun all_running/1),
         ?assertEqual(2, length(os_pids(S))),
@@ -772,3 +756,12 @@ worker_processes(OsPid) ->
 
 flush_mailbox() ->
     receive M -> [M | flush_mailbox()] after 0 -> [] end.
+
+%% The pool node's owner reports a new incarnation (another OS pid) up.
+wait_new_pool_node(OldOsPid) ->
+    wait_until(fun() ->
+                       case actor_cnode:info(actor_pool_node_owner) of
+                           #{status := up, os_pid := New} -> New =/= OldOsPid;
+                           _ -> false
+                       end
+               end, 20000).

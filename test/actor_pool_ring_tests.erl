@@ -72,15 +72,9 @@ ring_test_() ->
 case_(Name, Ctx) ->
     {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
 
-setup() ->
-    WasAlive = ap_test_util:start_app(),
-    PoolNode = actor_pool:pool_node(),
-    ?assert(is_atom(PoolNode) andalso PoolNode =/= undefined),
-    #{pool_node => PoolNode, was_alive => WasAlive}.
+setup() -> ap_test_util:pool_setup().
 
-cleanup(#{was_alive := WasAlive}) ->
-    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
-    ap_test_util:stop_app(WasAlive).
+cleanup(Ctx) -> ap_test_util:pool_cleanup(Ctx).
 
 %% ===================================================================
 %% Cases

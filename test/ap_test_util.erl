@@ -7,6 +7,7 @@
 
 -export([with_pool/4, crash_plugin/0, abs_exe/1]).
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
+-export([pool_setup/0, pool_cleanup/1]).
 -export([temp_dir/1, start_app/0, stop_app/1,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
@@ -37,6 +38,20 @@ start_app() ->
     ok = actor_dist:ensure_distributed(),
     {ok, _} = application:ensure_all_started(actor_pool),
     WasAlive.
+
+%% The pool suites' fixture: the application started, its pool node
+%% known; the cleanup stops every pool left, then the application.
+-spec pool_setup() -> #{pool_node := node(), was_alive := boolean()}.
+pool_setup() ->
+    WasAlive = start_app(),
+    PoolNode = actor_pool:pool_node(),
+    true = is_atom(PoolNode) andalso PoolNode =/= undefined,
+    #{pool_node => PoolNode, was_alive => WasAlive}.
+
+-spec pool_cleanup(#{was_alive := boolean(), _ => _}) -> ok.
+pool_cleanup(#{was_alive := WasAlive}) ->
+    _ = [actor_pool:stop_pool(Pid) || {_, Pid} <- actor_pool:which_pools()],
+    stop_app(WasAlive).
 
 %% Stops the application, and distribution too when the test setup started
 %% it; fails if a C node of this test node left a segment behind.
