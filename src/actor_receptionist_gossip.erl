@@ -54,7 +54,7 @@
 -include("actor_pool_int.hrl").
 -include("actor_receptionist_int.hrl").
 
--export([new/2]).
+-export([new/2, new/3]).
 -export([local/4]).
 -export([flush/1]).
 -export([handle/3]).
@@ -66,7 +66,7 @@
 -export([follows/1]).
 -export([hidden/1]).
 
--export_type([state/0, effect/0, status/0, env/0]).
+-export_type([state/0, effect/0, status/0, env/0, io/0]).
 
 -type status() :: #{complete := boolean(),
                     members := [node()],
@@ -95,6 +95,25 @@
 %% and the C nodes of this BEAM, which connect to it hidden and are never
 %% probed.
 
+-type io() :: #{self => pid(),
+                node => node(),
+                hidden => boolean(),
+                send => fun((pid() | {atom(), node()}, term()) -> ok | term()),
+                monitor => fun((pid() | {atom(), node()}) -> reference()),
+                demonitor => fun((reference()) -> term()),
+                nodes => fun((visible | connected) -> [node()]),
+                timer => fun((pos_integer(), term()) -> term()),
+                incarnation => fun(() -> non_neg_integer()),
+                seed => integer(),
+                fanout => pos_integer() | all}.
+%% The outside world as the core sees it (new/3). `send' answers `ok' when
+%% the message went out; a monitor's `DOWN' and node events come back
+%% through handle/3 like any other message.
+
+%% Members a digest goes to each round, beside the ones we hold relayed
+%% origins through and our followers.
+-define(FANOUT, 1).
+
 %% Ops per delta message.
 -define(MAX_DELTA, 4096).
 
@@ -111,6 +130,14 @@
 
 -record(g, {
     inc :: non_neg_integer(),
+    %% the outside world (real_io/0, or the simulator's), and what of it is
+    %% used on every message
+    io :: io(),
+    self :: pid(),
+    node :: node(),
+    fanout :: pos_integer() | all,
+    %% picks the members a digest goes to
+    rand :: rand:state(),
     ver = 0 :: non_neg_integer(),
     %% version last sent to the members
     sent = 0 :: non_neg_integer(),
@@ -159,10 +186,25 @@
 -spec new(pos_integer(), [node()]) -> state().
 new(Interval, CNodes) ->
     ok = net_kernel:monitor_nodes(true, [{node_type, all}]),
-    Hidden = init:get_argument(hidden) =/= error,
-    G0 = #g{inc = incarnation(), interval = Interval, hidden = Hidden},
+    new(Interval, CNodes, #{}).
+
+%% @private
+%% @doc new/2 with the outside world replaced (see io()): the simulator
+%% (actor_receptionist_sim) runs a thousand members in one process this
+%% way. Missing keys take the real thing; `fanout' is the number of random
+%% members a digest goes to each round (`all': every member, the protocol
+%% before 0.9, kept for comparison).
+-spec new(pos_integer(), [node()], io()) -> state().
+new(Interval, CNodes, Io0) ->
+    Io = maps:merge(real_io(), Io0),
+    #{self := Self, node := Node, hidden := Hidden, incarnation := IncF, seed := Seed,
+      fanout := Fanout} = Io,
+    Inc = IncF(),
+    G0 = #g{inc = Inc, interval = Interval, hidden = Hidden, io = Io, self = Self,
+            node = Node, fanout = Fanout,
+            rand = rand:seed_s(exsss, {Seed, Inc band 16#ffffffff, Inc bsr 32})},
     G = lists:foldl(fun probe/2, G0, candidates(CNodes, G0)),
-    _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
+    ok = io_timer(Interval, G),
     G.
 
 %% @private
@@ -257,12 +299,12 @@ bytes(#g{bytes = B}) ->
 %% ===================================================================
 
 handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = Pr0} = G0) ->
-    _ = erlang:send_after(Interval, self(), {?MODULE, tick}),
+    ok = io_timer(Interval, G0),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round. A probe unanswered for three
     %% rounds (no DOWN either: a C node) is not waited for any more.
     Expired = [N || {N, {_, 0}} <- maps:to_list(Pr0)],
-    Pr = maps:filtermap(fun(_, {Mref, 0}) -> erlang:demonitor(Mref, [flush]), false;
+    Pr = maps:filtermap(fun(_, {Mref, 0}) -> io_demonitor(Mref, G0), false;
                            (_, {Mref, N}) -> {true, {Mref, N - 1}}
                         end, Pr0),
     G1 = reprobe(lists:foldl(fun nonmember/2,
@@ -299,7 +341,7 @@ handle1({'DOWN', Mref, process, Pid, _}, _Env, #g{peers = Peers, followers = Fs}
         {{ok, #peer{mref = Mref}}, _} ->
             %% Its receptionist ended; a new one is probed next round.
             G1 = member_left(Node, G),
-            case G1#g.hidden andalso lists:member(Node, nodes(connected)) of
+            case G1#g.hidden andalso lists:member(Node, io_nodes(connected, G1)) of
                 true -> G1#g{nonmembers = (G1#g.nonmembers)#{Node => 1}};
                 false -> G1
             end;
@@ -317,8 +359,8 @@ handle1({ap_rcpt_follow, Pid, _Inc}, #{journal := Journal}, #g{followers = Fs} =
              {ok, #peer{pid = Pid}} ->
                  G0;
              Old ->
-                 _ = [erlang:demonitor(M, [flush]) || {ok, #peer{mref = M}} <- [Old]],
-                 G0#g{followers = Fs#{Node => #peer{pid = Pid, mref = erlang:monitor(process, Pid)}}}
+                 _ = [io_demonitor(M, G0) || {ok, #peer{mref = M}} <- [Old]],
+                 G0#g{followers = Fs#{Node => #peer{pid = Pid, mref = io_monitor(Pid, G0)}}}
          end,
     send_state(Pid, Journal, flush(G1));
 handle1({ap_rcpt_hello, Pid, _Inc}, #{journal := Journal}, G0) when is_pid(Pid) ->
@@ -355,7 +397,8 @@ handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, _Env, G) when is_pid(Pid), is_
             %% Not (yet) a member here: a hello gets its state.
             ask(Node, peer(Pid, G))
     end;
-handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, _Env, G0) when is_pid(Pid), is_list(Direct) ->
+handle1({Tag, Pid, Inc, Ver, Direct}, _Env, G0)
+  when Tag =:= ap_rcpt_digest orelse Tag =:= ap_rcpt_digest_back, is_pid(Pid), is_list(Direct) ->
     Node = node(Pid),
     case maps:find(Node, G0#g.peers) of
         {ok, #peer{pid = Pid} = P} ->
@@ -365,7 +408,11 @@ handle1({ap_rcpt_digest, Pid, Inc, Ver, Direct}, _Env, G0) when is_pid(Pid), is_
                      {ok, {Inc, Ver, direct}} -> G1;
                      _ -> ask(Node, G1)
                  end,
-            relayed(Pid, Listed, G2);
+            G3 = relayed(Pid, Listed, G2),
+            case Tag of
+                ap_rcpt_digest -> answer(Pid, G3);
+                ap_rcpt_digest_back -> G3
+            end;
         _ ->
             ask(Node, peer(Pid, G0))
     end;
@@ -378,7 +425,7 @@ handle1({ap_rcpt_want_origin, Pid, Origin}, _Env, G) when is_pid(Pid) ->
 handle1({ap_rcpt_origin_state, Pid, Origin, Inc, Ver, Regs}, _Env, G)
   when is_pid(Pid), is_list(Regs) ->
     Via = node(Pid),
-    Mine = Origin =:= node() orelse maps:is_key(Origin, G#g.peers),
+    Mine = Origin =:= G#g.node orelse maps:is_key(Origin, G#g.peers),
     Wanted = case maps:find(Origin, G#g.origins) of
                  {ok, {I, V, _}} -> {I, V} =/= {Inc, Ver};
                  error -> true
@@ -399,7 +446,7 @@ probe(Node, #g{probing = Pr, peers = Peers} = G) ->
         true ->
             G;
         false ->
-            Mref = erlang:monitor(process, {?RCPT_SERVER, Node}),
+            Mref = io_monitor({?RCPT_SERVER, Node}, G),
             G1 = out({?RCPT_SERVER, Node}, hello(G), G),
             G1#g{probing = Pr#{Node => {Mref, 3}}}
     end.
@@ -416,7 +463,7 @@ reprobe(#g{hidden = false} = G) ->
 reprobe(#g{nonmembers = NMs} = G0) ->
     {Due, Wait} = lists:partition(fun({_, N}) -> N =< 0 end, maps:to_list(NMs)),
     G = G0#g{nonmembers = maps:from_list([{Node, N - 1} || {Node, N} <- Wait])},
-    Connected = nodes(connected),
+    Connected = io_nodes(connected, G),
     lists:foldl(fun({Node, _}, S) ->
                         case lists:member(Node, Connected) of
                             true -> probe(Node, S);
@@ -425,34 +472,34 @@ reprobe(#g{nonmembers = NMs} = G0) ->
                 end, G, Due).
 
 %% A follower asks to follow; a member says hello.
-hello(#g{inc = Inc, hidden = true}) ->
-    {ap_rcpt_follow, self(), Inc};
-hello(#g{inc = Inc}) ->
-    {ap_rcpt_hello, self(), Inc}.
+hello(#g{inc = Inc, hidden = true, self = Self}) ->
+    {ap_rcpt_follow, Self, Inc};
+hello(#g{inc = Inc, self = Self}) ->
+    {ap_rcpt_hello, Self, Inc}.
 
 %% The nodes to probe at start: visible ones; a hidden node has only hidden
 %% connections, its own C nodes aside.
-candidates(_CNodes, #g{hidden = false}) ->
-    nodes(visible);
-candidates(CNodes, #g{hidden = true}) ->
-    nodes(connected) -- CNodes.
+candidates(_CNodes, #g{hidden = false} = G) ->
+    io_nodes(visible, G);
+candidates(CNodes, #g{hidden = true} = G) ->
+    io_nodes(connected, G) -- CNodes.
 
 forget_probe(Node, #g{probing = Pr} = G) ->
     case maps:take(Node, Pr) of
-        {{Mref, _}, Pr1} -> erlang:demonitor(Mref, [flush]), G#g{probing = Pr1};
+        {{Mref, _}, Pr1} -> io_demonitor(Mref, G), G#g{probing = Pr1};
         error -> G
     end.
 
 %% Pid is the receptionist server of a member: record (and monitor) it.
 peer(Pid, #g{peers = Peers} = G) ->
     Node = node(Pid),
-    New = fun() -> #peer{pid = Pid, mref = erlang:monitor(process, Pid)} end,
+    New = fun() -> #peer{pid = Pid, mref = io_monitor(Pid, G)} end,
     case maps:find(Node, Peers) of
         {ok, #peer{pid = Pid}} ->
             G;
         {ok, #peer{mref = Old}} ->
             %% A new incarnation: the old one's refs go when its state comes.
-            erlang:demonitor(Old, [flush]),
+            io_demonitor(Old, G),
             G#g{peers = Peers#{Node := New()}};
         error ->
             G#g{peers = Peers#{Node => New()}}
@@ -479,7 +526,7 @@ ask(Node, #g{peers = Peers} = G) ->
 member_left(Node, #g{peers = Peers} = G0) ->
     G1 = case maps:take(Node, Peers) of
              {#peer{mref = Mref}, Peers1} ->
-                 erlang:demonitor(Mref, [flush]),
+                 io_demonitor(Mref, G0),
                  G0#g{peers = Peers1, member_drops = G0#g.member_drops + 1};
              error ->
                  G0
@@ -508,15 +555,19 @@ replace_origin(Origin, Inc, Ver, Via, Regs, #g{origins = Os} = G) ->
 relayed(Pid, Listed, #g{peers = Peers} = G0) ->
     Via = node(Pid),
     G1 = maps:fold(
-           fun(O, _, G) when O =:= node() -> G;
+           fun(O, _, G) when O =:= G#g.node -> G;
               (O, {I, V}, #g{origins = Os} = G) ->
                    case maps:find(O, Os) of
+                       %% A delta of a member that never reached us (its
+                       %% own digests go to a few members a round): its
+                       %% state fixes that.
+                       {ok, {HI, HV, direct}} when {HI, HV} < {I, V} -> ask(O, G);
                        _ when is_map_key(O, Peers) -> G;
                        {ok, {_, _, direct}} -> G;
                        {ok, {I, V, _}} -> G;
-                       {ok, {_, _, Via}} -> out(Pid, {ap_rcpt_want_origin, self(), O}, G);
+                       {ok, {_, _, Via}} -> out(Pid, {ap_rcpt_want_origin, G#g.self, O}, G);
                        {ok, {_, _, _Other}} -> G;
-                       error -> out(Pid, {ap_rcpt_want_origin, self(), O}, G)
+                       error -> out(Pid, {ap_rcpt_want_origin, G#g.self, O}, G)
                    end
            end, G0, Listed),
     Stale = [O || {O, {_, _, V}} <- maps:to_list(G1#g.origins), V =:= Via,
@@ -532,7 +583,7 @@ reroute(Origin, #g{peers = Peers} = G) ->
             Os = G#g.origins,
             {I, V, _} = maps:get(Origin, Os),
             G1 = G#g{origins = Os#{Origin := {I, V, node(Pid)}}},
-            out(Pid, {ap_rcpt_want_origin, self(), Origin}, G1);
+            out(Pid, {ap_rcpt_want_origin, G#g.self, Origin}, G1);
         [] ->
             drop_origin(Origin, G)
     end.
@@ -549,7 +600,7 @@ send_deltas([], _From, _Inc, _Peers, G) ->
 send_deltas(Ops, From, Inc, Peers, G) ->
     {Now, Rest} = split(Ops, ?MAX_DELTA),
     To = From + length(Now),
-    Msg = {ap_rcpt_delta, self(), Inc, From, To, Now},
+    Msg = {ap_rcpt_delta, G#g.self, Inc, From, To, Now},
     G1 = maps:fold(fun(_, #peer{pid = Pid}, S) -> out(Pid, Msg, S) end, G, Peers),
     send_deltas(Rest, To, Inc, Peers, G1).
 
@@ -558,23 +609,63 @@ split(L, N) -> lists:split(N, L).
 
 %% The journal is written in the same process, so this is version Ver.
 send_state(Pid, Journal, #g{inc = Inc, ver = Ver} = G) ->
-    out(Pid, {ap_rcpt_state, self(), Inc, Ver, Journal()}, G).
+    out(Pid, {ap_rcpt_state, G#g.self, Inc, Ver, Journal()}, G).
 
-%% Our own version, and the origins we reach directly, except the receiver.
+%% Our own version and the origins we reach directly (never the receiver
+%% itself, nor relayed ones: one hop), to `fanout' random members, to the
+%% members we hold relayed origins through (their answer says whether they
+%% still reach them) and to our followers. A member answers with its own
+%% digest, so one exchange repairs both sides: a change a member missed
+%% reaches it within about a round, and each member sends about 2 * fanout
+%% digests of O(N) entries a round, where sending one to every member made
+%% that O(N) digests (N^2 messages, N^3 entries a round in the cluster).
 digest(#g{hidden = true} = G) ->
     %% A follower is no member: it asks (follow) when it finds a gap.
     G;
-digest(#g{peers = Peers, followers = Fs, inc = Inc, ver = Ver, origins = Os} = G) ->
-    Direct = [{O, I, V} || {O, {I, V, direct}} <- maps:to_list(Os)],
-    maps:fold(fun(Node, #peer{pid = Pid}, S) ->
-                      out(Pid, {ap_rcpt_digest, self(), Inc, Ver,
-                                [D || {O, _, _} = D <- Direct, O =/= Node]}, S)
-              end, G, maps:merge(Fs, Peers)).
+digest(#g{peers = Peers, followers = Fs, origins = Os, fanout = all} = G) ->
+    send_digest(ap_rcpt_digest, maps:keys(maps:merge(Fs, Peers)), direct(Os), G);
+digest(#g{peers = Peers, followers = Fs, origins = Os, fanout = K, rand = R0} = G) ->
+    {Random, R} = pick(K, maps:keys(Peers), R0, []),
+    Relays = [V || {_, {_, _, V}} <- maps:to_list(Os), V =/= direct, is_map_key(V, Peers)],
+    To = lists:usort(Random ++ Relays ++ maps:keys(Fs)),
+    send_digest(ap_rcpt_digest, To, direct(Os), G#g{rand = R}).
+
+%% A member's digest gets ours back (a follower sends none; with fanout
+%% `all' every member gets ours anyway).
+answer(_Pid, #g{hidden = true} = G) ->
+    G;
+answer(_Pid, #g{fanout = all} = G) ->
+    G;
+answer(Pid, #g{origins = Os} = G) ->
+    send_digest(ap_rcpt_digest_back, [node(Pid)], direct(Os), G).
+
+direct(Os) ->
+    [{O, I, V} || {O, {I, V, direct}} <- maps:to_list(Os)].
+
+send_digest(Tag, Nodes, Direct, #g{peers = Peers, followers = Fs, inc = Inc, ver = Ver,
+                                   self = Self} = G) ->
+    lists:foldl(fun(Node, S) ->
+                        #peer{pid = Pid} = case maps:find(Node, Peers) of
+                                               {ok, P} -> P;
+                                               error -> maps:get(Node, Fs)
+                                           end,
+                        out(Pid, {Tag, Self, Inc, Ver, [D || {O, _, _} = D <- Direct, O =/= Node]}, S)
+                end, G, Nodes).
+
+%% K distinct members at random (all of them if there are no more).
+pick(0, _L, R, Acc) ->
+    {Acc, R};
+pick(_K, [], R, Acc) ->
+    {Acc, R};
+pick(K, L, R0, Acc) ->
+    {I, R} = rand:uniform_s(length(L), R0),
+    {Before, [X | After]} = lists:split(I - 1, L),
+    pick(K - 1, Before ++ After, R, [X | Acc]).
 
 %% Never block on a busy or reconnecting distribution channel: what is lost
 %% is repaired by the next digest.
-out(Dest, Msg, G) ->
-    case erlang:send(Dest, Msg, [noconnect, nosuspend]) of
+out(Dest, Msg, #g{io = #{send := Send}} = G) ->
+    case Send(Dest, Msg) of
         ok -> sent(Msg, G);
         _ -> G
     end.
@@ -593,7 +684,8 @@ count_in(Msg, #g{received = N, received_bytes = B, full_syncs = F} = G)
         Tag when Tag =:= ap_rcpt_state; Tag =:= ap_rcpt_origin_state ->
             G#g{received = N + 1, received_bytes = B + erlang:external_size(Msg), full_syncs = F + 1};
         Tag when Tag =:= ap_rcpt_hello; Tag =:= ap_rcpt_follow; Tag =:= ap_rcpt_delta;
-                 Tag =:= ap_rcpt_digest; Tag =:= ap_rcpt_want_origin ->
+                 Tag =:= ap_rcpt_digest; Tag =:= ap_rcpt_digest_back;
+                 Tag =:= ap_rcpt_want_origin ->
             G#g{received = N + 1, received_bytes = B + erlang:external_size(Msg)};
         _ ->
             G
@@ -605,6 +697,38 @@ count_in(_Msg, G) ->
 %% the clock steps back a little: a version tiebreak is never needed.
 incarnation() ->
     erlang:system_time(microsecond) bsl 16 + (erlang:unique_integer([positive]) band 16#ffff).
+
+%% ===================================================================
+%% The outside world
+%% ===================================================================
+
+%% What a receptionist server really does; the simulator passes its own.
+real_io() ->
+    #{self => self(),
+      node => node(),
+      hidden => init:get_argument(hidden) =/= error,
+      send => fun(Dest, Msg) -> erlang:send(Dest, Msg, [noconnect, nosuspend]) end,
+      monitor => fun(Target) -> erlang:monitor(process, Target) end,
+      demonitor => fun(Mref) -> erlang:demonitor(Mref, [flush]) end,
+      nodes => fun erlang:nodes/1,
+      timer => fun(Ms, Msg) -> erlang:send_after(Ms, self(), Msg) end,
+      incarnation => fun incarnation/0,
+      seed => erlang:phash2(node()),
+      fanout => ?FANOUT}.
+
+io_monitor(Target, #g{io = #{monitor := F}}) ->
+    F(Target).
+
+io_demonitor(Mref, #g{io = #{demonitor := F}}) ->
+    _ = F(Mref),
+    ok.
+
+io_nodes(Kind, #g{io = #{nodes := F}}) ->
+    F(Kind).
+
+io_timer(Ms, #g{io = #{timer := F}}) ->
+    _ = F(Ms, {?MODULE, tick}),
+    ok.
 
 %% ===================================================================
 %% Completeness
