@@ -311,7 +311,12 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
                              G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers),
                                   probing = Pr},
                              Expired)),
-    G = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
+    G2 = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
+    %% A member whose state never came is asked again here: its digests
+    %% reach us only now and then.
+    G = maps:fold(fun(Node, #peer{synced = false}, S) -> ask(Node, S);
+                     (_, _, S) -> S
+                  end, G2, G2#g.peers),
     digest(flush(G));
 handle1({nodeup, Node, Info}, #{cnodes := CNodes}, #g{hidden = Hidden} = G) when is_list(Info) ->
     case proplists:get_value(node_type, Info) of
