@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz soak clean docs bench-report bench-scale
+        fuzz soak clean docs bench-report bench-scale bench-scale-report
 
 all: compile
 
@@ -116,6 +116,11 @@ bench-report:
 # 2 vCPUs. Knobs: bench/ap_scale_bench.erl.
 bench-scale: deps compile
 	bench/run scale
+
+# Curves vs N of the last make bench-scale (_build/bench/scale.csv) into
+# docs/scaling/, one SVG per measure (gnuplot).
+bench-scale-report:
+	bench/scale_report docs/scaling
 
 bench-run:
 	@if [ -x bench/run ]; then bench/run; \
