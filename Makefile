@@ -112,8 +112,8 @@ bench-report:
 # free memory is skipped, and said so), beside pg on the same peers:
 # convergence p50/p99 of a registration, gossip bytes per change and per idle
 # member and second, CPU per change per node, removal of a member holding 10K
-# registrations. A table per N and _build/bench/scale.csv; about 10 minutes on
-# 2 vCPUs. Knobs: bench/ap_scale_bench.erl.
+# registrations. A table per N and _build/bench/scale.csv; about a minute on
+# 2 vCPUs at the defaults. Knobs: bench/ap_scale_bench.erl.
 bench-scale: deps compile
 	bench/run scale
 
