@@ -53,7 +53,7 @@ step(Name, What, F) ->
     end.
 
 %% An integer knob from the OS environment; Default when unset or empty.
--spec env_int(string(), integer()) -> integer().
+-spec env_int(string(), D) -> integer() | D.
 env_int(Name, Default) ->
     case os:getenv(Name) of
         false -> Default;
