@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz soak clean docs bench-report
+        fuzz soak clean docs bench-report bench-scale bench-scale-report
 
 all: compile
 
@@ -106,6 +106,21 @@ bench: deps compile
 # one SVG per benchmark and I/O backend (gnuplot).
 bench-report:
 	bench/report docs/bench
+
+# Not part of make bench: the receptionist on real BEAM peers of this host at
+# N = BENCH_SCALE_NODES (default "3 5 10 20"; a size that does not fit in the
+# free memory is skipped, and said so), beside pg on the same peers:
+# convergence p50/p99 of a registration, gossip bytes per change and per idle
+# member and second, CPU per change per node, removal of a member holding 10K
+# registrations. A table per N and _build/bench/scale.csv; about a minute on
+# 2 vCPUs at the defaults. Knobs: bench/ap_scale_bench.erl.
+bench-scale: deps compile
+	bench/run scale
+
+# Curves vs N of the last make bench-scale (_build/bench/scale.csv) into
+# docs/scaling/, one SVG per measure (gnuplot).
+bench-scale-report:
+	bench/scale_report docs/scaling
 
 bench-run:
 	@if [ -x bench/run ]; then bench/run; \

@@ -53,7 +53,7 @@ step(Name, What, F) ->
     end.
 
 %% An integer knob from the OS environment; Default when unset or empty.
--spec env_int(string(), integer()) -> integer().
+-spec env_int(string(), D) -> integer() | D.
 env_int(Name, Default) ->
     case os:getenv(Name) of
         false -> Default;
@@ -87,7 +87,8 @@ gone(Names, OsPids, Ms) ->
 
 %% Stops every peer this process recorded as `{peer, Peer} => #{names :=
 %% Names, os_pids := OsPids}' in its dictionary (the BEAM's and its C nodes'
-%% names and OS pids), then waits for them to go (gone/3).
+%% names and OS pids, and optionally `segments': the /dev/shm files of its
+%% C nodes), then waits for them to go (gone/3, and the segments removed).
 -spec stop_peers(non_neg_integer()) -> ok.
 stop_peers(Ms) ->
     Peers = [{P, Info} || {{peer, P}, Info} <- get()],
@@ -95,8 +96,11 @@ stop_peers(Ms) ->
          _ = (catch peer:stop(P)),
          erase({peer, P})
      end || {P, _} <- Peers],
-    gone(lists:append([Ns || {_, #{names := Ns}} <- Peers]),
-         lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]), Ms).
+    ok = gone(lists:append([Ns || {_, #{names := Ns}} <- Peers]),
+              lists:append([Ps || {_, #{os_pids := Ps}} <- Peers]), Ms),
+    Segments = lists:append([maps:get(segments, I, []) || {_, I} <- Peers]),
+    wait_until(fun() -> not lists:any(fun filelib:is_file/1, Segments) end, Ms,
+               {segments_left_dev_shm, Segments}).
 
 %% Rows: {Label, Value, [{AnchorLabel, AnchorValue}], Target}; Target is
 %% none, {le, Base, Factor, Text} (Value =< Base * Factor), {ge, Base,
