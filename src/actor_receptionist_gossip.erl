@@ -124,7 +124,8 @@
     synced = false :: boolean(),
     %% we asked it for its state this round and have no answer yet
     asked = false :: boolean(),
-    %% the origins it reached directly, as of its last digest
+    %% the origins it reached directly as of its last digest, those we do
+    %% not reach ourselves
     direct = #{} :: #{node() => {non_neg_integer(), non_neg_integer()}}
 }).
 
@@ -408,7 +409,11 @@ handle1({Tag, Pid, Inc, Ver, Direct}, _Env, G0)
     case maps:find(Node, G0#g.peers) of
         {ok, #peer{pid = Pid} = P} ->
             Listed = maps:from_list([{O, {I, V}} || {O, I, V} <- Direct, is_atom(O)]),
-            G1 = G0#g{peers = (G0#g.peers)#{Node := P#peer{direct = Listed}}},
+            %% Kept for reroute/2: only what we may need relayed (in a full
+            %% mesh, nothing), not N entries for each of N members.
+            Relayable = maps:filter(fun(O, _) -> O =/= G0#g.node andalso
+                                                     not is_map_key(O, G0#g.peers) end, Listed),
+            G1 = G0#g{peers = (G0#g.peers)#{Node := P#peer{direct = Relayable}}},
             G2 = case maps:find(Node, G1#g.origins) of
                      {ok, {Inc, Ver, direct}} -> G1;
                      _ -> ask(Node, G1)
