@@ -32,8 +32,10 @@ test: deps
 	$(MAKE) dialyzer
 	$(MAKE) docs
 
+# The suites' executables and plugins live in c_src/build/ (never priv/):
+# c_src/Makefile's test-bins and the ASan dp_client.
 eunit: epmd
-	$(MAKE) -C c_src build/dp_client
+	$(MAKE) -C c_src test-bins build/dp_client
 	ACTOR_POOL_IO=uring $(REBAR) eunit --sname ap_eunit_uring_$$$$
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
 	$(MAKE) eunit-asan
@@ -45,8 +47,8 @@ eunit: epmd
 ASAN_LOG_DIR = _build/asan-logs
 ASAN_EUNIT_MODULES = actor_pool_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests
 eunit-asan: epmd
-	$(MAKE) -C c_src build/actor_pool_node_asan build/actor_receptionist_node_asan build/actor_echo_node_asan \
-	  build/dp_client
+	$(MAKE) -C c_src test-bins build/actor_pool_node_asan build/actor_receptionist_node_asan \
+	  build/actor_echo_node_asan build/dp_client
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
 	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
@@ -65,7 +67,7 @@ eunit-asan: epmd
 # sanitizer report fails the run.
 ASAN_DP_LOG_DIR = _build/asan-dp-logs
 eunit-asan-dp: epmd
-	$(MAKE) -C c_src build/actor_dp_asan.so build/actor_pool_node_asan
+	$(MAKE) -C c_src test-bins build/actor_dp_asan.so build/actor_pool_node_asan
 	$(REBAR) compile
 	rm -rf $(ASAN_DP_LOG_DIR) && mkdir -p $(ASAN_DP_LOG_DIR)
 	@rc=0; ACTOR_DP_NIF=$(CURDIR)/c_src/build/actor_dp_asan.so \

@@ -10,7 +10,7 @@
 %% is stopped by its OS pid, and its epmd name is gone before a case ends.
 -module(actor_cnode_abuse_tests).
 
--import(ap_test_util, [priv_dir/0, alive/1, echo_exe/0, abs_exe/1]).
+-import(ap_test_util, [alive/1, echo_exe/0, abs_exe/1]).
 -import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
@@ -350,14 +350,14 @@ vm_size_kib(OsPid) ->
     {match, [KiB]} = re:run(Status, "VmSize:\\s+([0-9]+) kB", [{capture, all_but_first, binary}]),
     binary_to_integer(KiB).
 
-%% priv/actor_rawpeer in hold mode: handshakes with Node, writes the bytes,
+%% actor_rawpeer (a test executable) in hold mode: handshakes with Node, writes the bytes,
 %% prints "sent" and keeps the connection until its stdin closes.
 rawpeer_hold(Ctx, Node, Hex) ->
     rawpeer_hold(Ctx, Node, Hex, []).
 
 %% The same with options before the arguments (-n: never read, -r: repeat).
 rawpeer_hold(#{cookie_file := CookieFile}, Node, Hex, Opts) ->
-    Exe = filename:join(priv_dir(), "actor_rawpeer"),
+    Exe = ap_test_util:test_bin("actor_rawpeer"),
     Port = open_port({spawn_executable, Exe},
                      [{args, Opts ++ [atom_to_list(Node), CookieFile, Hex, "hold"]},
                       {line, 256}, binary, exit_status, use_stdio]),

@@ -1,5 +1,5 @@
 %% Behaviour of a real C node owned by actor_cnode: the echo node from
-%% priv/actor_echo_node, reached over distributed Erlang like any node.
+%% actor_echo_node (c_src/test/echo/), reached over distributed Erlang like any node.
 %%
 %% One shared echo node serves the cases that leave it running; the cases
 %% that kill or stop a node start their own, with a name of their own. Every
@@ -11,7 +11,7 @@
 %% another echo executable (an absolute path) when set.
 -module(actor_cnode_tests).
 
--import(ap_test_util, [priv_dir/0, alive/1, echo_exe/0]).
+-import(ap_test_util, [alive/1, echo_exe/0]).
 -import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
@@ -403,7 +403,7 @@ in_fresh_process(Fun) ->
         {'DOWN', Mref, process, Pid, Reason} -> error({helper_failed, Reason})
     end.
 
-%% Runs priv/actor_rawpeer, which handshakes with Node, writes the bytes and
+%% Runs actor_rawpeer (a test executable), which handshakes with Node, writes the bytes and
 %% reports whether Node closed the connection. Returns its last line.
 rawpeer(Node, Hex) ->
     Dir = ap_test_util:temp_dir("actor_cnode_tests"),
@@ -411,7 +411,7 @@ rawpeer(Node, Hex) ->
     ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
     ok = file:change_mode(CookieFile, 8#600),
     try
-        Exe = filename:join(priv_dir(), "actor_rawpeer"),
+        Exe = ap_test_util:test_bin("actor_rawpeer"),
         Port = open_port({spawn_executable, Exe},
                          [{args, [atom_to_list(Node), CookieFile, Hex]},
                           exit_status, binary, use_stdio]),

@@ -1,6 +1,6 @@
 %% The data plane NIF (actor_dp) against real peers.
 %%
-%% - The pool-node end of c_src/test/dp_peer.c (priv/test/actor_dp_peer):
+%% - The pool-node end of c_src/test/dp_peer.c (actor_dp_peer, a test executable):
 %%   the real ring library, driven over its stdin (pause, answer modes,
 %%   refuse), so the cases that need a misbehaving or stalled pool node can
 %%   have one: replies that are no term or lie about their length, a full
@@ -909,7 +909,7 @@ ask(Seg, Dest, Msg) ->
     receive {Ref, A} -> A after ?T -> error({no_reply, Msg}) end.
 
 peer_start() ->
-    Exe = filename:join([ap_test_util:priv_dir(), "test", "actor_dp_peer"]),
+    Exe = ap_test_util:test_bin("actor_dp_peer"),
     Port = open_port({spawn_executable, Exe}, [{line, 1024}, binary, exit_status, use_stdio]),
     {os_pid, OsPid} = erlang:port_info(Port, os_pid),
     receive

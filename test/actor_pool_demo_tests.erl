@@ -33,6 +33,10 @@ demo_transcript() ->
     ?assert(Has("actor_pool:ask\\(Key, Doc\\) +\\{error,no_pool\\}")),
     ?assert(Has("== the pool node runs again[\\s\\S]*\\{pools,1,\\[demo_pool_")),
     ?assert(Has("the cluster stopped \\(peers, pool node\\) +ok")),
+    ?assert(Has("actor_pool:stop_pool\\(demo_json\\) again +\\{error,noproc\\}")),
+    %% The demo sends nothing to a name the pool node no longer has (that
+    %% would log a warning there when it goes by distribution).
+    ?assertEqual(nomatch, re:run(Text, "unregistered name")),
     %% Nothing of the demo's left in epmd.
     ?assertEqual([], [N || N <- ap_support:epmd_names(), lists:prefix("demo_", N)]).
 

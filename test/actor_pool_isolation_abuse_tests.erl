@@ -1,7 +1,7 @@
 %% A worker process that turns on its own channel (isolation => process):
 %% the pool node's proxy must not believe anything the child writes, and a
-%% message the child dies taking in must cost one worker, once. The plugin
-%% priv/test/plugin_hostile.so does what a broken plugin could (see its
+%% message the child dies taking in must cost one worker, once. The test
+%% plugin plugin_hostile.so does what a broken plugin could (see its
 %% header); the pool node is the real one the application starts.
 %%
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
@@ -20,7 +20,7 @@
 -define(ASK_MS, 20000).
 
 hostile() ->
-    {plugin, filename:join([ap_test_util:priv_dir(), "test", "plugin_hostile.so"])}.
+    {plugin, ap_test_util:test_bin("plugin_hostile.so")}.
 
 actor_pool_isolation_abuse_test_() ->
     {setup, fun ap_test_util:start_app/0, fun ap_test_util:stop_app/1,

@@ -9,7 +9,7 @@
 %% the pool node, a call tagged with the fun was answered with bytes from
 %% past the request, and `{send, Pid, Term}' crashed the receptionist node.
 %%
-%% The frames go out through priv/actor_rawpeer, which completes a real
+%% The frames go out through actor_rawpeer, which completes a real
 %% handshake (under a node name given here, so that pids of it can be put in
 %% the frames and replies come back to it), writes the bytes, and reports
 %% what it read back. Each case checks that the node keeps its OS process,
@@ -188,7 +188,7 @@ peer_name(Case) ->
     [_, Host] = string:split(atom_to_list(node()), "@"),
     "rawsec" ++ integer_to_list(erlang:phash2({Case, os:getpid()}, 100000)) ++ "@" ++ Host.
 
-%% Runs priv/actor_rawpeer as node Self against Node with the frame; returns
+%% Runs actor_rawpeer (a test executable) as node Self against Node with the frame; returns
 %% {"closed" | "open", BytesReadBack, MarkerSeen}.
 rawpeer(Node, Self, Frame, Marker) ->
     Dir = ap_test_util:temp_dir("actor_security_term_tests"),
@@ -196,7 +196,7 @@ rawpeer(Node, Self, Frame, Marker) ->
     ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
     ok = file:change_mode(CookieFile, 8#600),
     try
-        Exe = filename:join(code:priv_dir(actor_pool), "actor_rawpeer"),
+        Exe = ap_test_util:test_bin("actor_rawpeer"),
         Port = open_port({spawn_executable, Exe},
                          [{args, ["-N", Self, "-m", hex(Marker), atom_to_list(Node), CookieFile,
                                   hex(Frame)]},

@@ -9,8 +9,8 @@
 #ifndef T_BUILD_DIR
 #error "T_BUILD_DIR: where the Makefile put the test plugins"
 #endif
-#ifndef T_PRIV_DIR
-#error "T_PRIV_DIR: the priv directory with test/plugin_crash.so"
+#ifndef T_TESTBIN_DIR
+#error "T_TESTBIN_DIR: where the Makefile put the plugins the Erlang tests load (plugin_crash.so)"
 #endif
 
 /* ---- json_validate ---------------------------------------------------------- */
@@ -544,8 +544,8 @@ static void test_plugin_wrong_abi_is_minus_2_with_the_version(void **state)
 	assert_int_equal(l.rc, -2);
 	assert_int_equal(l.got, 999);
 	assert_non_null(strstr(l.why, "999"));
-	/* The copy installed for the Erlang tests is the same plugin. */
-	l = t_load(T_PRIV_DIR "/test/plugin_badabi.so");
+	/* The copy built for the Erlang tests is the same plugin. */
+	l = t_load(T_TESTBIN_DIR "/plugin_badabi.so");
 	assert_int_equal(l.rc, -2);
 	assert_int_equal(l.got, 999);
 	/* got may be NULL. */
@@ -615,7 +615,7 @@ static void test_plugin_crash_does_what_its_requests_say(void **state)
 	ei_x_buff x;
 
 	(void)state;
-	l = t_load(T_PRIV_DIR "/test/plugin_crash.so");
+	l = t_load(T_TESTBIN_DIR "/plugin_crash.so");
 	assert_int_equal(l.rc, 0);
 	t_reply_init(&reply);
 

@@ -1,5 +1,5 @@
-/* actor_echo_node: the smallest service on the C-node runtime, for tests,
- * the demo and the runtime benchmark.
+/* actor_echo_node: the smallest service on the C-node runtime, for tests
+ * and the runtime benchmark (built into build/testbin/, never priv/).
  *
  * Registered as `echo`:
  *   call ping -> pong; call pid -> its pid; call spawn -> {ok, Pid} of a
