@@ -5,7 +5,7 @@ REBAR ?= rebar3
 EPMD  ?= epmd
 
 .PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
-        fuzz soak clean docs bench-report bench-scale bench-scale-report
+        fuzz soak clean docs bench-report bench-scale bench-scale-report bench-sim
 
 all: compile
 
@@ -118,6 +118,16 @@ bench-report:
 # 2 vCPUs at the defaults. Knobs: bench/ap_scale_bench.erl.
 bench-scale: deps compile
 	bench/run scale
+
+# The gossip simulator's large runs (support/ap_gossip_sim.erl): the
+# scenarios of ap_gossip_sim:scenarios/1 at 100, 300 and 1000 simulated
+# members (BENCH_SIM_NODES), printed and written to _build/bench/sim.csv for
+# make bench-scale-report. The 1000-member runs take minutes each.
+bench-sim: compile
+	mkdir -p _build/bench/sim-ebin
+	erlc -o _build/bench/sim-ebin support/ap_gossip_sim.erl
+	echo "date=$$(date -u '+%Y-%m-%d %H:%M UTC')" > _build/bench/sim.meta
+	erl -noshell -pa _build/default/lib/actor_pool/ebin -pa _build/bench/sim-ebin -eval 'ap_gossip_sim:main()'
 
 # Curves vs N of the last make bench-scale (_build/bench/scale.csv) into
 # docs/scaling/, one SVG per measure (gnuplot).

@@ -25,9 +25,18 @@
 %% finds a gap, or a new incarnation, asks the origin for its whole state
 %% (read from the journal in the same step as its version) and applies the
 %% difference to what it holds. Every `gossip_interval_ms' each node sends
-%% every member a digest: its own `{Inc, Ver}' and the origins it reaches
-%% directly. That repairs lost deltas and relays origins one hop: a node
-%% that cannot reach an origin asks a member that reaches it directly, and
+%% a digest, its own `{Inc, Ver}' and the origins it reaches directly with
+%% theirs, to one member picked at random (`fanout'), to the members it
+%% holds relayed origins through and to its followers; a member answers a
+%% digest with its own. A digest that shows a member (or the sender) at a
+%% newer version than the one held asks that member for its state, so a
+%% lost delta is repaired within about a round, and each member sends about
+%% two digests of O(N) entries a round (in 0.1.0 it sent one to every
+%% member: N^2 messages and N^3 entries a round across the cluster; see
+%% docs/scaling.md and the simulator, support/ap_gossip_sim.erl). A member
+%% whose state never came is asked again every round. Digests also relay
+%% origins one hop: a node that cannot reach an origin asks a member that
+%% reaches it directly, and
 %% drops it when no member it hears from lists it as direct any more
 %% (split horizon: an origin is never listed back to the node it came
 %% through, and a relayed origin is never relayed again, so two nodes cannot
@@ -54,7 +63,7 @@
 -include("actor_pool_int.hrl").
 -include("actor_receptionist_int.hrl").
 
--export([new/2, new/3]).
+-export([new/3, new_with_io/3]).
 -export([local/4]).
 -export([flush/1]).
 -export([handle/3]).
@@ -106,13 +115,9 @@
                 incarnation => fun(() -> non_neg_integer()),
                 seed => integer(),
                 fanout => pos_integer() | all}.
-%% The outside world as the core sees it (new/3). `send' answers `ok' when
+%% The outside world as the core sees it (new_with_io/3). `send' answers `ok' when
 %% the message went out; a monitor's `DOWN' and node events come back
 %% through handle/3 like any other message.
-
-%% Members a digest goes to each round, beside the ones we hold relayed
-%% origins through and our followers.
--define(FANOUT, 1).
 
 %% Ops per delta message.
 -define(MAX_DELTA, 4096).
@@ -124,6 +129,9 @@
     synced = false :: boolean(),
     %% we asked it for its state this round and have no answer yet
     asked = false :: boolean(),
+    %% a version of it seen elsewhere (a digest, a delta past a gap) that
+    %% we do not hold yet: asked for every round until we do
+    wanted = none :: none | {non_neg_integer(), non_neg_integer()},
     %% the origins it reached directly as of its last digest, those we do
     %% not reach ourselves
     direct = #{} :: #{node() => {non_neg_integer(), non_neg_integer()}}
@@ -184,19 +192,19 @@
 %% @doc A new incarnation: subscribes the calling process to node events,
 %% says hello to every visible node (a hidden node: to every connected one
 %% but CNodes, its own C nodes), starts the digest timer.
--spec new(pos_integer(), [node()]) -> state().
-new(Interval, CNodes) ->
+-spec new(pos_integer(), [node()], pos_integer()) -> state().
+new(Interval, CNodes, Fanout) ->
     ok = net_kernel:monitor_nodes(true, [{node_type, all}]),
-    new(Interval, CNodes, #{}).
+    new_with_io(Interval, CNodes, #{fanout => Fanout}).
 
 %% @private
-%% @doc new/2 with the outside world replaced (see io()): the simulator
+%% @doc new/3 with the outside world replaced (see io()): the simulator
 %% (actor_receptionist_sim) runs a thousand members in one process this
 %% way. Missing keys take the real thing; `fanout' is the number of random
 %% members a digest goes to each round (`all': every member, the protocol
-%% before 0.9, kept for comparison).
--spec new(pos_integer(), [node()], io()) -> state().
-new(Interval, CNodes, Io0) ->
+%% of 0.1.0, kept for comparison).
+-spec new_with_io(pos_integer(), [node()], io()) -> state().
+new_with_io(Interval, CNodes, Io0) ->
     Io = maps:merge(real_io(), Io0),
     #{self := Self, node := Node, hidden := Hidden, incarnation := IncF, seed := Seed,
       fanout := Fanout} = Io,
@@ -316,7 +324,14 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
     %% A member whose state never came is asked again here: its digests
     %% reach us only now and then.
     G = maps:fold(fun(Node, #peer{synced = false}, S) -> ask(Node, S);
-                     (_, _, S) -> S
+                     (_, #peer{wanted = none}, S) -> S;
+                     (Node, #peer{wanted = W} = P, #g{origins = Os, peers = Ps} = S) ->
+                          case maps:find(Node, Os) of
+                              {ok, {I, V, direct}} when {I, V} >= W ->
+                                  S#g{peers = Ps#{Node := P#peer{wanted = none}}};
+                              _ ->
+                                  ask(Node, S)
+                          end
                   end, G2, G2#g.peers),
     digest(flush(G));
 handle1({nodeup, Node, Info}, #{cnodes := CNodes}, #g{hidden = Hidden} = G) when is_list(Info) ->
@@ -398,7 +413,7 @@ handle1({ap_rcpt_delta, Pid, Inc, From, To, Ops}, _Env, G) when is_pid(Pid), is_
             G;
         {{ok, #peer{pid = Pid}}, _} ->
             %% A gap, or its state is still on the way.
-            ask(Node, G);
+            want(Node, {Inc, To}, G);
         _ ->
             %% Not (yet) a member here: a hello gets its state.
             ask(Node, peer(Pid, G))
@@ -416,7 +431,7 @@ handle1({Tag, Pid, Inc, Ver, Direct}, _Env, G0)
             G1 = G0#g{peers = (G0#g.peers)#{Node := P#peer{direct = Relayable}}},
             G2 = case maps:find(Node, G1#g.origins) of
                      {ok, {Inc, Ver, direct}} -> G1;
-                     _ -> ask(Node, G1)
+                     _ -> want(Node, {Inc, Ver}, G1)
                  end,
             G3 = relayed(Pid, Listed, G2),
             case Tag of
@@ -521,6 +536,16 @@ ask_if_unsynced(Node, G) ->
         _ -> ask(Node, G)
     end.
 
+%% A member's version Want is known to exist: ask for its state now, and
+%% every round until we hold it (or a newer one).
+want(Node, Want, #g{peers = Peers} = G) ->
+    case maps:find(Node, Peers) of
+        {ok, #peer{wanted = W} = P} when W =:= none; W < Want ->
+            ask(Node, G#g{peers = Peers#{Node := P#peer{wanted = Want}}});
+        _ ->
+            ask(Node, G)
+    end.
+
 %% Ask a member for its whole state (a hello), once a round.
 ask(Node, #g{peers = Peers} = G) ->
     case maps:find(Node, Peers) of
@@ -571,7 +596,7 @@ relayed(Pid, Listed, #g{peers = Peers} = G0) ->
                        %% A delta of a member that never reached us (its
                        %% own digests go to a few members a round): its
                        %% state fixes that.
-                       {ok, {HI, HV, direct}} when {HI, HV} < {I, V} -> ask(O, G);
+                       {ok, {HI, HV, direct}} when {HI, HV} < {I, V} -> want(O, {I, V}, G);
                        _ when is_map_key(O, Peers) -> G;
                        {ok, {_, _, direct}} -> G;
                        {ok, {I, V, _}} -> G;
@@ -724,7 +749,7 @@ real_io() ->
       timer => fun(Ms, Msg) -> erlang:send_after(Ms, self(), Msg) end,
       incarnation => fun incarnation/0,
       seed => erlang:phash2(node()),
-      fanout => ?FANOUT}.
+      fanout => 2}.
 
 io_monitor(Target, #g{io = #{monitor := F}}) ->
     F(Target).

@@ -52,7 +52,8 @@
 -type opts() :: #{owner := atom() | pid(),
                   max_subscribers_per_key := non_neg_integer(),
                   max_subscribers_total := non_neg_integer(),
-                  gossip_interval_ms := pos_integer()}.
+                  gossip_interval_ms := pos_integer(),
+                  gossip_fanout := pos_integer()}.
 
 %% Messages per {batch, Msgs} to the C node; a batch's bytes (external
 %% size) stay under the C node's max_frame less the envelope (a frame over
@@ -116,21 +117,22 @@ shm_name(Node) ->
 
 -spec init(opts()) -> {ok, #state{}} | {stop, no_receptionist_node}.
 init(#{owner := Owner, max_subscribers_per_key := PerKey,
-       max_subscribers_total := Total, gossip_interval_ms := Interval}) ->
+       max_subscribers_total := Total, gossip_interval_ms := Interval,
+       gossip_fanout := Fanout}) ->
     %% Recorded by actor_receptionist_sup when it started the owner.
     Node = actor_receptionist:receptionist_node(),
-    init(Node, Owner, PerKey, Total, Interval).
+    init(Node, Owner, PerKey, Total, {Interval, Fanout}).
 
-init(undefined, _Owner, _PerKey, _Total, _Interval) ->
+init(undefined, _Owner, _PerKey, _Total, _Gossip) ->
     {stop, no_receptionist_node};
-init(Node, Owner, PerKey, Total, Interval) ->
+init(Node, Owner, PerKey, Total, {Interval, Fanout}) ->
     %% Ours, rebuilt at each start: what we hold of the other members
     %% (nothing yet) and the journal's index of refs by node.
     Remote = actor_receptionist_remote:new(),
     ok = actor_receptionist_journal:index(),
     %% A new incarnation for the other members: they send us their
     %% registrations again, and take ours from our journal.
-    G = actor_receptionist_gossip:new(Interval, own_cnodes(Node)),
+    G = actor_receptionist_gossip:new(Interval, own_cnodes(Node), Fanout),
     State0 = #state{rcpt = Node, owner = Owner, per_key = PerKey, total_limit = Total,
                     gossip = G, remote = Remote, follower = actor_receptionist_gossip:hidden(G),
                     batch_bytes = batch_bytes(Owner)},

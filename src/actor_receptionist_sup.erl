@@ -51,7 +51,8 @@ options(Opts) ->
     Defaults = #{max_subscribers_per_key => Env(max_subscribers_per_key, 1000),
                  max_subscribers_total => Env(max_subscribers_total, 10000),
                  shm_mb => Env(receptionist_shm_mb, 256),
-                 gossip_interval_ms => Env(gossip_interval_ms, 1000)},
+                 gossip_interval_ms => Env(gossip_interval_ms, 1000),
+                 gossip_fanout => Env(gossip_fanout, 2)},
     check(maps:to_list(maps:merge(Defaults, Opts)), #{}).
 
 check([], Acc) ->
@@ -64,6 +65,8 @@ check([{shm_mb, V} | Rest], Acc) when is_integer(V), V >= 2, V =< 65536 ->
     check(Rest, Acc#{shm_mb => V});
 check([{gossip_interval_ms, V} | Rest], Acc) when is_integer(V), V >= 10, V =< 3600000 ->
     check(Rest, Acc#{gossip_interval_ms => V});
+check([{gossip_fanout, V} | Rest], Acc) when is_integer(V), V >= 1, V =< 16 ->
+    check(Rest, Acc#{gossip_fanout => V});
 check([{Key, V} | _], _Acc) ->
     {error, {badarg, {Key, V}}}.
 
@@ -108,7 +111,8 @@ init(Opts) ->
     ServerOpts = #{owner => ?RCPT_OWNER,
                    max_subscribers_per_key => maps:get(max_subscribers_per_key, Opts),
                    max_subscribers_total => maps:get(max_subscribers_total, Opts),
-                   gossip_interval_ms => maps:get(gossip_interval_ms, Opts)},
+                   gossip_interval_ms => maps:get(gossip_interval_ms, Opts),
+                   gossip_fanout => maps:get(gossip_fanout, Opts)},
     Server = #{id => actor_receptionist_server,
                start => {actor_receptionist_server, start_link, [ServerOpts]},
                restart => permanent,

@@ -4,7 +4,7 @@
 %% distributed Erlang.
 %%
 %% The core takes its outside world from the io() map of
-%% `actor_receptionist_gossip:new/3'; here that map sends into an outbox,
+%% `actor_receptionist_gossip:new_with_io/3'; here that map sends into an outbox,
 %% keeps monitors in a table and starts timers as events, all in this
 %% process's dictionary (the core calls them in the middle of a step). The
 %% simulator then runs a discrete-event loop in simulated microseconds:
@@ -115,7 +115,7 @@
 
 -define(SERVER, actor_receptionist_server).
 -define(DEFAULTS, #{n => 100, seed => 1, interval_ms => 1000, latency_us => {100, 1000},
-                    loss => 0.0, fanout => 1, warmup_rounds => 3, idle_rounds => 3,
+                    loss => 0.0, fanout => 2, warmup_rounds => 3, idle_rounds => 3,
                     changes => 100, change_rounds => 5, tail_rounds => 5, churn => 0,
                     partition => none}).
 
@@ -181,7 +181,7 @@ csv(Name, #{n := N, fanout := F}, R) ->
 
 %% @doc The scenarios report/1 runs, per N: no loss, 1% and 10% loss, a
 %% partition of a tenth of the members for 3 rounds, churn of 1% of the
-%% members; at 100 members also the protocol before 0.9 (every member
+%% members; at 100 members also the protocol of 0.1.0 (every member
 %% sends every member a digest each round) for comparison.
 -spec scenarios([pos_integer()]) -> [{string(), opts()}].
 scenarios(Ns) ->
@@ -191,7 +191,7 @@ scenarios(Ns) ->
         {"loss 10%", #{n => N, loss => 0.10}},
         {"partition 10% x 3 rounds", #{n => N, partition => {0.1, 3}, tail_rounds => 6}},
         {"churn 1%", #{n => N, churn => max(1, N div 100)}}]
-       ++ [{"loss 1%, fanout all (before 0.9)", #{n => N, loss => 0.01, fanout => all}}
+       ++ [{"loss 1%, fanout all (0.1.0)", #{n => N, loss => 0.01, fanout => all}}
            || N =< 100]
        || N <- Ns]).
 
@@ -305,7 +305,7 @@ start(I, #sim{members = Ms, opts = #{interval_ms := IMs, fanout := F, seed := Se
     M = M0#m{creation = C, pid = Pid, journal = #{}, views = #{}, arrived = #{}, g = down,
              started = S0#sim.now},
     S1 = S0#sim{members = Ms#{I := M}},
-    %% Asked in new/3 only (a member, not hidden): the members up on its side.
+    %% Asked in new_with_io/3 only (a member, not hidden): the members up on its side.
     Visible = [node_name(J) || J <- maps:keys(Ms), J =/= I, (maps:get(J, Ms))#m.g =/= down,
                                (maps:get(J, Ms))#m.g =/= undefined, same_side(I, J, S1)],
     Io = #{self => Pid, node => M#m.node, hidden => false,
@@ -317,9 +317,9 @@ start(I, #sim{members = Ms, opts = #{interval_ms := IMs, fanout := F, seed := Se
            incarnation => fun() -> (S0#sim.now + 1) bsl 16 + I end,
            seed => Seed * 1000003 + I,
            fanout => F},
-    G = actor_receptionist_gossip:new(IMs, [], Io),
+    G = actor_receptionist_gossip:new_with_io(IMs, [], Io),
     S2 = S1#sim{members = (S1#sim.members)#{I := M#m{g = G}}},
-    %% The others see it come up (it probes them itself in new/3).
+    %% The others see it come up (it probes them itself in new_with_io/3).
     Others = [J || J <- maps:keys(Ms), J =/= I, linked(I, J, S2)],
     drain(lists:foldl(fun(J, Acc) -> step(J, {nodeup, M#m.node, [{node_type, visible}]}, Acc) end,
                       S2, Others)).

@@ -595,6 +595,8 @@ bad_options_are_badarg() ->
                      call(A, actor_receptionist, subscribe, [k, S, nope])),
         ?assertEqual({error, {badarg, {gossip_interval_ms, 0}}},
                      call(A, actor_receptionist_sup, start_link, [#{gossip_interval_ms => 0}])),
+        ?assertEqual({error, {badarg, {gossip_fanout, 0}}},
+                     call(A, actor_receptionist_sup, start_link, [#{gossip_fanout => 0}])),
         ?assertMatch(#{complete := true, members := []}, call(A, actor_receptionist, status, []))
     end).
 
