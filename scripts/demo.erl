@@ -183,9 +183,12 @@ cluster(Docs) ->
     show("the cluster stopped (peers, pool node)", ok).
 
 start_peer(Name) ->
-    %% Quiet peers: their C nodes' start-up notices would interleave.
-    {ok, Peer, Node} = peer:start(#{name => Name, args => ["-kernel", "logger_level", "warning",
-                                                           "-pa" | get(demo_ebins)]}),
+    %% Quiet peers: their C nodes' start-up notices would interleave. A
+    %% peer stops by init:stop (its applications stop, global is told), not
+    %% by halt: see stop_peers/1.
+    {ok, Peer, Node} = peer:start(#{name => Name, shutdown => 20000,
+                                    args => ["-kernel", "logger_level", "warning",
+                                             "-pa" | get(demo_ebins)]}),
     ok = erpc:call(Node, application, load, [actor_pool]),
     ok = erpc:call(Node, application, set_env, [actor_pool, pool_node, false]),
     ok = erpc:call(Node, application, set_env, [actor_pool, receptionist_shm_mb, 32]),
@@ -240,13 +243,41 @@ await_listings(Nodes, N) ->
 
 stop_cluster() ->
     kill_pool_node(),
-    _ = [catch peer:stop(P) || {P, _} <- get_list(demo_peers)],
+    Unheld = stop_peers(get_list(demo_peers)),
     erase(demo_peers),
     Root = "demo_",
     wait(fun() -> [A || A <- ap_support:epmd_names(), lists:prefix(Root, A),
                         lists:suffix(os:getpid(), hd(string:split(A, "_receptionist")))] =:= []
          end, 20000, epmd_names),
-    ok.
+    case Unheld of
+        [] -> ok;
+        _ -> error({peers_not_stopped_together, Unheld})
+    end.
+
+%% Stops the peers together: none leaves before all are stopping. Stopped
+%% one by one, each leaving peer would make global (OTP 25+,
+%% prevent_overlapping_partitions) on the nodes that stay tell each other
+%% that they lost it; whichever hears so before its own connection to the
+%% peer is down drops that connection and logs a warning ("requested
+%% disconnect ... to prevent overlapping partitions"). A node whose
+%% init:stop has begun neither tells nor heeds that (init prepares global
+%% for the shutdown), so once every peer is stopping only this node tells,
+%% and no node still listening has lost anything. The peers stop by
+%% peer:stop (init:stop, then it waits for the node to go), and each one's
+%% shutdown waits at demo_node:shutdown_gate/1 until all are stopping.
+%% Returns the peers that did not say they were stopping (they stop all the
+%% same).
+stop_peers(Peers) ->
+    Self = self(),
+    Held = [N || {_, N} <- Peers, (catch erpc:call(N, demo_node, hold_shutdown, [Self])) =:= ok],
+    Stoppers = [spawn_monitor(fun() -> peer:stop(P) end) || {P, _} <- Peers],
+    Gates = [receive
+                 {demo_stopping, N, Gate} -> {N, Gate}
+             after 20000 -> {N, none}
+             end || N <- Held],
+    _ = [Gate ! demo_go || {_, Gate} <- Gates, is_pid(Gate)],
+    _ = [receive {'DOWN', Ref, process, Pid, _} -> ok end || {Pid, Ref} <- Stoppers],
+    [N || {_, N} <- Peers, not lists:member(N, Held)] ++ [N || {N, none} <- Gates].
 
 get_list(Key) ->
     case get(Key) of

@@ -3,7 +3,7 @@
 %% key from a peer. Not part of the library.
 -module(demo_node).
 
--export([watch/3, asks/3, tells/2, split/2]).
+-export([watch/3, asks/3, tells/2, split/2, hold_shutdown/1, shutdown_gate/1]).
 
 %% A process on this node subscribed to Key; every listing goes to Driver
 %% as {demo_listing, Label, NumberOfPools, PoolNodes}.
@@ -49,6 +49,27 @@ tells(Key, Docs) ->
 expected({valid, {ok, ok}}) -> true;
 expected({broken, {error, {Offset, _}}}) when is_integer(Offset) -> true;
 expected(_) -> false.
+
+%% From now on this node's init:stop waits, once begun, until Driver lets
+%% it go (or 10 s pass): Driver gets {demo_stopping, node(), Gate} and sends
+%% Gate `demo_go'. The wait is kernel's shutdown_func, which the application
+%% controller runs before it stops any application, so the node is still
+%% connected, and after init has told global that the node is leaving. The
+%% demo stops its peers so (see stop_peers/1 in demo.erl).
+-spec hold_shutdown(pid()) -> ok.
+hold_shutdown(Driver) ->
+    persistent_term:put({?MODULE, driver}, Driver),
+    application:set_env(kernel, shutdown_func, {?MODULE, shutdown_gate}).
+
+%% kernel's shutdown_func (see hold_shutdown/1); runs in the application
+%% controller.
+-spec shutdown_gate(term()) -> ok.
+shutdown_gate(_Reason) ->
+    persistent_term:get({?MODULE, driver}) ! {demo_stopping, node(), self()},
+    receive
+        demo_go -> ok
+    after 10000 -> ok
+    end.
 
 %% List in at most N chunks of (nearly) equal size, in order.
 -spec split([T], pos_integer()) -> [[T]].
