@@ -178,6 +178,12 @@ a_standalone_pool_node_registers_its_keyed_pools(_) ->
         wait_until(fun() -> [node(P) || P <- actor_receptionist:lookup(K)] =:= [N] end, ?WAIT_MS),
         ?assertEqual({ok, <<"a">>}, actor_pool:ask(K, <<"a">>)),
         ?assertNot(lists:member(N, nodes())),
+        %% A pool started from the command line is stamped with the time it
+        %% started (it was once 0: the uptime read as the host's, and the
+        %% rate over the last 10 s as messages since boot).
+        #{uptime_ms := Up, throughput_10s := Tp} = actor_pool:stats({skp, N}),
+        ?assert(Up < ?WAIT_MS * 2),
+        ?assert(Tp > 0.1),
         %% Its connection drops (and the receptionist drops its pool): it
         %% connects again and registers again.
         true = erlang:disconnect_node(N),

@@ -806,6 +806,9 @@ ap_node *ap_node_new(const ap_node_cfg *cfg)
 	if (!n)
 		return NULL;
 	n->cfg = *cfg;
+	/* The clock before the loop first reads it: what init starts (a
+	 * standalone node's pools) is stamped with the time, not with 0. */
+	n->now_ms = ap_mono_ms();
 	n->lfd = n->epmd_fd = -1;
 	if (!n->cfg.max_frame)
 		n->cfg.max_frame = AP_FRAME_DEFAULT_MAX;
