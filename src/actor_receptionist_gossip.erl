@@ -147,6 +147,8 @@
     fanout :: pos_integer() | all,
     %% picks the members a digest goes to
     rand :: rand:state(),
+    %% a {?MODULE, retry} is on its way
+    retry = false :: boolean(),
     ver = 0 :: non_neg_integer(),
     %% version last sent to the members
     sent = 0 :: non_neg_integer(),
@@ -213,7 +215,7 @@ new_with_io(Interval, CNodes, Io0) ->
             node = Node, fanout = Fanout,
             rand = rand:seed_s(exsss, {Seed, Inc band 16#ffffffff, Inc bsr 32})},
     G = lists:foldl(fun probe/2, G0, candidates(CNodes, G0)),
-    ok = io_timer(Interval, G),
+    ok = io_timer(Interval, {?MODULE, tick}, G),
     G.
 
 %% @private
@@ -308,7 +310,7 @@ bytes(#g{bytes = B}) ->
 %% ===================================================================
 
 handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = Pr0} = G0) ->
-    ok = io_timer(Interval, G0),
+    ok = io_timer(Interval, {?MODULE, tick}, G0),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round. A probe unanswered for three
     %% rounds (no DOWN either: a C node) is not waited for any more.
@@ -323,17 +325,27 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
     G2 = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
     %% A member whose state never came is asked again here: its digests
     %% reach us only now and then.
-    G = maps:fold(fun(Node, #peer{synced = false}, S) -> ask(Node, S);
-                     (_, #peer{wanted = none}, S) -> S;
-                     (Node, #peer{wanted = W} = P, #g{origins = Os, peers = Ps} = S) ->
-                          case maps:find(Node, Os) of
-                              {ok, {I, V, direct}} when {I, V} >= W ->
-                                  S#g{peers = Ps#{Node := P#peer{wanted = none}}};
-                              _ ->
-                                  ask(Node, S)
+    G = maps:fold(fun(Node, P, S) ->
+                          case missing(Node, P, S) of
+                              false -> S;
+                              true -> ask(Node, S);
+                              done -> S#g{peers = (S#g.peers)#{Node := P#peer{wanted = none}}}
                           end
                   end, G2, G2#g.peers),
     digest(flush(G));
+handle1({?MODULE, retry}, _Env, #g{peers = Peers} = G0) ->
+    %% A quarter round after asking: a hello or a state lost on the way is
+    %% asked for once more now, not a round later (a change that missed a
+    %% member then reaches it within about a round even at 1% loss). Once
+    %% a round at most: the flags reset at the tick.
+    maps:fold(fun(Node, #peer{asked = true, pid = Pid} = P, S) ->
+                      case missing(Node, P, S) of
+                          true -> out(Pid, hello(S), S);
+                          _ -> S
+                      end;
+                 (_, _, S) ->
+                      S
+              end, G0#g{retry = false}, Peers);
 handle1({nodeup, Node, Info}, #{cnodes := CNodes}, #g{hidden = Hidden} = G) when is_list(Info) ->
     case proplists:get_value(node_type, Info) of
         visible -> probe(Node, G);
@@ -536,6 +548,18 @@ ask_if_unsynced(Node, G) ->
         _ -> ask(Node, G)
     end.
 
+%% Whether we still lack a member's state, or a version of it seen
+%% elsewhere (`done': we hold that version now).
+missing(_Node, #peer{synced = false}, _G) ->
+    true;
+missing(_Node, #peer{wanted = none}, _G) ->
+    false;
+missing(Node, #peer{wanted = W}, #g{origins = Os}) ->
+    case maps:find(Node, Os) of
+        {ok, {I, V, direct}} when {I, V} >= W -> done;
+        _ -> true
+    end.
+
 %% A member's version Want is known to exist: ask for its state now, and
 %% every round until we hold it (or a newer one).
 want(Node, Want, #g{peers = Peers} = G) ->
@@ -552,11 +576,17 @@ ask(Node, #g{peers = Peers} = G) ->
         {ok, #peer{asked = true}} ->
             G;
         {ok, #peer{pid = Pid} = P} ->
-            G1 = out(Pid, hello(G), G),
+            G1 = retry_later(out(Pid, hello(G), G)),
             G1#g{peers = Peers#{Node := P#peer{asked = true}}};
         error ->
             G
     end.
+
+retry_later(#g{retry = true} = G) ->
+    G;
+retry_later(#g{interval = Interval} = G) ->
+    ok = io_timer(max(1, Interval div 4), {?MODULE, retry}, G),
+    G#g{retry = true}.
 
 member_left(Node, #g{peers = Peers} = G0) ->
     G1 = case maps:take(Node, Peers) of
@@ -761,8 +791,8 @@ io_demonitor(Mref, #g{io = #{demonitor := F}}) ->
 io_nodes(Kind, #g{io = #{nodes := F}}) ->
     F(Kind).
 
-io_timer(Ms, #g{io = #{timer := F}}) ->
-    _ = F(Ms, {?MODULE, tick}),
+io_timer(Ms, Msg, #g{io = #{timer := F}}) ->
+    _ = F(Ms, Msg),
     ok.
 
 %% ===================================================================
