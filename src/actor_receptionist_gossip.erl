@@ -26,21 +26,22 @@
 %% (read from the journal in the same step as its version) and applies the
 %% difference to what it holds. Every `gossip_interval_ms' each node sends
 %% a digest, its own `{Inc, Ver}' and the origins it reaches directly with
-%% theirs, to one member picked at random (`fanout'), to the members it
-%% holds relayed origins through and to its followers; a member answers a
-%% digest with its own. A digest that shows a member (or the sender) at a
-%% newer version than the one held asks that member for its state, so a
-%% lost delta is repaired within about a round, and each member sends about
-%% two digests of O(N) entries a round (in 0.1.0 it sent one to every
-%% member: N^2 messages and N^3 entries a round across the cluster; see
-%% docs/scaling.md and the simulator, support/ap_gossip_sim.erl). A member
-%% whose state never came is asked again every round. Digests also relay
-%% origins one hop: a node that cannot reach an origin asks a member that
-%% reaches it directly, and
-%% drops it when no member it hears from lists it as direct any more
-%% (split horizon: an origin is never listed back to the node it came
-%% through, and a relayed origin is never relayed again, so two nodes cannot
-%% keep a dead origin alive between them).
+%% theirs, to `fanout' members picked at random (2 by default), to the
+%% members it holds relayed origins through and to its followers; a member
+%% answers a digest with its own. A digest that shows a member (or the
+%% sender) at a newer version than the one held asks that member for its
+%% state, so a lost delta is repaired within about a round, and each member
+%% sends about 2 * fanout digests of O(N) entries a round (in 0.1.0 it sent
+%% one to every member: N^2 messages and N^3 entries a round across the
+%% cluster; see docs/scaling.md and the simulator,
+%% support/ap_gossip_sim.erl). A state asked for and not come is asked once
+%% more a quarter round later, and again every round until it comes.
+%% Digests also relay origins one hop: a node that cannot reach an origin
+%% asks a member that reaches it directly, and drops it when no member it
+%% hears from lists it as direct any more (split horizon: an origin is
+%% never listed back to the node it came through, and a relayed origin is
+%% never relayed again, so two nodes cannot keep a dead origin alive
+%% between them).
 %%
 %% <h3>Hidden nodes: followers</h3>
 %% A BEAM started with `-hidden' is no member. Its receptionist follows
