@@ -483,18 +483,12 @@ client_exe() ->
         Exe when is_list(Exe), Exe =/= "" -> Exe;
         _ ->
             %% rebar3 eunit runs in the project root; priv/ sits beside c_src/.
-            Root = filename:dirname(real_dir(priv_dir())),
+            Root = ap_test_util:root(),
             Exe = filename:join([Root, "c_src", "build", "dp_client"]),
             case filelib:is_regular(Exe) of
                 true -> Exe;
                 false -> filename:absname("c_src/build/dp_client")
             end
-    end.
-
-real_dir(Dir) ->
-    case file:read_link_all(Dir) of
-        {ok, Target} -> filename:absname(Target, filename:dirname(Dir));
-        {error, _} -> Dir
     end.
 
 open_client(Sock, Token, Extra) ->

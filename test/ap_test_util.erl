@@ -9,7 +9,7 @@
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
 -export([pool_setup/0, pool_cleanup/1]).
 -export([temp_dir/1, start_app/0, stop_app/1,
-         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, test_bin/1, alive/1, echo_exe/0,
+         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, root/0, test_bin/1, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
 
 %% How long an owner may take to notice its C node's exit and unlink the
@@ -115,7 +115,7 @@ priv_dir() ->
 -spec test_bin(string()) -> file:filename().
 test_bin(Name) ->
     Rel = filename:join(["c_src", "build", "testbin", Name]),
-    Beside = filename:join(filename:dirname(real_dir(priv_dir())), Rel),
+    Beside = filename:join(root(), Rel),
     Path = case filelib:is_regular(Beside) of
                true -> Beside;
                false -> filename:absname(Rel)
@@ -124,6 +124,12 @@ test_bin(Name) ->
         true -> Path;
         false -> error({no_test_bin, Path, "make -C c_src test-bins"})
     end.
+
+%% The checkout: priv/'s parent (rebar3 links _build/*/lib/actor_pool/priv
+%% to it).
+-spec root() -> file:filename().
+root() ->
+    filename:dirname(real_dir(priv_dir())).
 
 real_dir(Dir) ->
     case file:read_link_all(Dir) of
