@@ -76,6 +76,8 @@
 %% end holds it (changes whose origin went down are not counted).
 %% `complete': changes that reached all of those members. `heal_us': from
 %% the end of a partition until every change reached every member.
+%% `bytes_per_change': what the change phase sent beyond the idle rate,
+%% per change (0 where heavy loss or a partition lowers the rate itself).
 %% `rejoin_us': from the restart of a churned member until it held every
 %% change made before (its reach is counted there, not in `reach').
 
@@ -156,7 +158,7 @@ report(Ns) ->
          {Name, O, R}
      end || {Name, O} <- scenarios(Ns)].
 
-%% @doc report/1, and its rows as CSV in File (n, scenario, fanout,
+%% @doc report/1, and its rows as CSV in File (n, scenario (no comma), fanout,
 %% measure, value, unit), for the curves of `make bench-scale-report'.
 -spec report([pos_integer()], file:filename()) -> [{string(), opts(), result()}].
 report(Ns, File) ->
@@ -194,7 +196,7 @@ scenarios(Ns) ->
                          {"loss 10%", #{loss => 0.10, tail_rounds => 6}},
                          {"partition 10% x 3 rounds", #{partition => {0.1, 3}, tail_rounds => 6}},
                          {"churn 1%", #{churn => max(1, N div 100)}}]
-                        ++ [{"loss 1%, fanout all (0.1.0)", #{loss => 0.01, fanout => all}}
+                        ++ [{"loss 1% fanout all (0.1.0)", #{loss => 0.01, fanout => all}}
                             || N =< 100]]
        || N <- Ns]).
 
