@@ -29,7 +29,7 @@ run() ->
     {ok, _} = application:ensure_all_started(actor_pool),
     Tells = env_int("BENCH_TELLS", 400000),
     Asks = env_int("BENCH_ASKS", 20000),
-    {ok, Owner} = actor_cnode:start(#{exe => ap_bench_util:test_bin("actor_echo_node")}),
+    {ok, Owner} = actor_cnode:start(#{exe => ap_support:test_bin("actor_echo_node")}),
     CNode = actor_cnode:node(Owner),
     Io = maps:get(io, actor_cnode:info(Owner)),
     {ok, Peer, PeerNode} = start_peer(),

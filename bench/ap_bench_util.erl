@@ -6,7 +6,7 @@
 -module(ap_bench_util).
 
 -export([main/5]).
--export([env_int/2, median/1, wait_until/3, gone/3, stop_peers/1, test_bin/1]).
+-export([env_int/2, median/1, wait_until/3, gone/3, stop_peers/1]).
 
 -export([print/1, fmt/1, ratio/2]).
 
@@ -59,18 +59,6 @@ env_int(Name, Default) ->
         false -> Default;
         "" -> Default;
         V -> list_to_integer(V)
-    end.
-
-%% A test executable or plugin (the echo node, plugin_crash.so) by file
-%% name: c_src/Makefile's test-bins builds them into c_src/build/testbin,
-%% outside priv/ so that no release ships them; bench/run builds them and
-%% runs the benches in the project root.
--spec test_bin(string()) -> file:filename().
-test_bin(Name) ->
-    Path = filename:absname(filename:join(["c_src", "build", "testbin", Name])),
-    case filelib:is_regular(Path) of
-        true -> Path;
-        false -> error({no_test_bin, Path, "make -C c_src test-bins"})
     end.
 
 %% The middle element (the upper one of an even count).

@@ -475,7 +475,7 @@ ask_n(Ask, I, N) -> Ask(I), ask_n(Ask, I + 1, N - 1).
 %% for the replacement. From before the killing ask, so detecting the death
 %% counts too.
 restarts(N) ->
-    Plugin = ap_bench_util:test_bin("plugin_crash.so"),
+    Plugin = ap_support:test_bin("plugin_crash.so"),
     {ok, Pool} = actor_pool:start_pool(ap_bench_restart_pool, {plugin, Plugin},
                                        #{workers => 1, isolation => process, stable_ms => 0,
                                          backoff => #{min_ms => 1, max_ms => 1, jitter => 0}}),

@@ -653,7 +653,7 @@ send_msg(Self) ->
     <<131, 104, 3, (ap_test_util:ext_atom(send))/binary, (ap_test_util:ext_pid(Self))/binary, 104, 2,
       (ap_test_util:fun_overrun(256 * 1024 * 1024))/binary>>.
 
-rawpeer_exe() -> ap_test_util:test_bin("actor_rawpeer").
+rawpeer_exe() -> ap_support:test_bin("actor_rawpeer").
 
 rawpeer_once(#{cookie := Cookie} = S, Node, Frame) ->
     Port = open_port({spawn_executable, rawpeer_exe()},

@@ -115,7 +115,7 @@
                 timer => fun((pos_integer(), term()) -> term()),
                 incarnation => fun(() -> non_neg_integer()),
                 seed => integer(),
-                fanout => pos_integer() | all}.
+                fanout := pos_integer() | all}.
 %% The outside world as the core sees it (new_with_io/3). `send' answers `ok' when
 %% the message went out; a monitor's `DOWN' and node events come back
 %% through handle/3 like any other message.
@@ -202,15 +202,15 @@ new(Interval, CNodes, Fanout) ->
 
 %% @private
 %% @doc new/3 with the outside world replaced (see io()): the simulator
-%% (actor_receptionist_sim) runs a thousand members in one process this
-%% way. Missing keys take the real thing; `fanout' is the number of random
-%% members a digest goes to each round (`all': every member, the protocol
-%% of 0.1.0, kept for comparison).
+%% (support/ap_gossip_sim.erl) runs a thousand members in one process this
+%% way. Missing keys take the real thing but `fanout' (required): the
+%% number of random members a digest goes to each round (`all': every
+%% member, the protocol of 0.1.0, kept for comparison).
 -spec new_with_io(pos_integer(), [node()], io()) -> state().
 new_with_io(Interval, CNodes, Io0) ->
+    #{fanout := Fanout} = Io0,
     Io = maps:merge(real_io(), Io0),
-    #{self := Self, node := Node, hidden := Hidden, incarnation := IncF, seed := Seed,
-      fanout := Fanout} = Io,
+    #{self := Self, node := Node, hidden := Hidden, incarnation := IncF, seed := Seed} = Io,
     Inc = IncF(),
     G0 = #g{inc = Inc, interval = Interval, hidden = Hidden, io = Io, self = Self,
             node = Node, fanout = Fanout,
@@ -324,8 +324,9 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
                                   probing = Pr},
                              Expired)),
     G2 = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
-    %% A member whose state never came is asked again here: its digests
-    %% reach us only now and then.
+    %% A member whose state never came, or whose version seen elsewhere we
+    %% still lack, is asked again here: its own digests reach us only now
+    %% and then.
     G = maps:fold(fun(Node, P, S) ->
                           case missing(Node, P, S) of
                               false -> S;
@@ -779,8 +780,7 @@ real_io() ->
       nodes => fun erlang:nodes/1,
       timer => fun(Ms, Msg) -> erlang:send_after(Ms, self(), Msg) end,
       incarnation => fun incarnation/0,
-      seed => erlang:phash2(node()),
-      fanout => 2}.
+      seed => erlang:phash2(node())}.
 
 io_monitor(Target, #g{io = #{monitor := F}}) ->
     F(Target).

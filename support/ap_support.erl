@@ -12,6 +12,7 @@
 
 -export([os_pid_alive/1, epmd_names/0]).
 -export([poll/3, poll/4, wait_until/2]).
+-export([priv_dir/0, root/0, test_bin/1]).
 
 %% How often poll/3 and wait_until/2 probe.
 -define(INTERVAL_MS, 10).
@@ -36,6 +37,50 @@ epmd_names() ->
     case net_adm:names() of
         {ok, Names} -> [Name || {Name, _Port} <- Names];
         {error, _} -> []
+    end.
+
+%% ===================================================================
+%% Where things are built
+%% ===================================================================
+
+%% The application's priv directory, also when it is not in a lib directory
+%% (rebar3 eunit: priv/ beside ebin/).
+-spec priv_dir() -> file:filename().
+priv_dir() ->
+    case code:priv_dir(actor_pool) of
+        Dir when is_list(Dir) -> Dir;
+        {error, bad_name} ->
+            Ebin = filename:dirname(code:which(actor_cnode)),
+            filename:join(filename:dirname(Ebin), "priv")
+    end.
+
+%% The checkout: priv/'s parent (rebar3 links _build/*/lib/actor_pool/priv
+%% to it).
+-spec root() -> file:filename().
+root() ->
+    Priv = priv_dir(),
+    Real = case file:read_link_all(Priv) of
+               {ok, Target} -> filename:absname(Target, filename:dirname(Priv));
+               {error, _} -> Priv
+           end,
+    filename:absname(filename:dirname(Real)).
+
+%% A test executable or plugin (the echo node, actor_rawpeer,
+%% actor_dp_peer, plugin_*.so) by file name: c_src/Makefile's test-bins
+%% builds them into c_src/build/testbin, outside priv/ so that no release
+%% ships them; found beside priv/, else under the working directory (the
+%% suites, benches and soak run in the checkout).
+-spec test_bin(string()) -> file:filename().
+test_bin(Name) ->
+    Rel = filename:join(["c_src", "build", "testbin", Name]),
+    Beside = filename:join(root(), Rel),
+    Path = case filelib:is_regular(Beside) of
+               true -> Beside;
+               false -> filename:absname(Rel)
+           end,
+    case filelib:is_regular(Path) of
+        true -> Path;
+        false -> error({no_test_bin, Path, "make -C c_src test-bins"})
     end.
 
 %% ===================================================================

@@ -357,7 +357,7 @@ rawpeer_hold(Ctx, Node, Hex) ->
 
 %% The same with options before the arguments (-n: never read, -r: repeat).
 rawpeer_hold(#{cookie_file := CookieFile}, Node, Hex, Opts) ->
-    Exe = ap_test_util:test_bin("actor_rawpeer"),
+    Exe = ap_support:test_bin("actor_rawpeer"),
     Port = open_port({spawn_executable, Exe},
                      [{args, Opts ++ [atom_to_list(Node), CookieFile, Hex, "hold"]},
                       {line, 256}, binary, exit_status, use_stdio]),

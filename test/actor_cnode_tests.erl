@@ -411,7 +411,7 @@ rawpeer(Node, Hex) ->
     ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
     ok = file:change_mode(CookieFile, 8#600),
     try
-        Exe = ap_test_util:test_bin("actor_rawpeer"),
+        Exe = ap_support:test_bin("actor_rawpeer"),
         Port = open_port({spawn_executable, Exe},
                          [{args, [atom_to_list(Node), CookieFile, Hex]},
                           exit_status, binary, use_stdio]),

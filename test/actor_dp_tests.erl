@@ -909,7 +909,7 @@ ask(Seg, Dest, Msg) ->
     receive {Ref, A} -> A after ?T -> error({no_reply, Msg}) end.
 
 peer_start() ->
-    Exe = ap_test_util:test_bin("actor_dp_peer"),
+    Exe = ap_support:test_bin("actor_dp_peer"),
     Port = open_port({spawn_executable, Exe}, [{line, 1024}, binary, exit_status, use_stdio]),
     {os_pid, OsPid} = erlang:port_info(Port, os_pid),
     receive

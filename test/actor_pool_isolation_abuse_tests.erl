@@ -20,7 +20,7 @@
 -define(ASK_MS, 20000).
 
 hostile() ->
-    {plugin, ap_test_util:test_bin("plugin_hostile.so")}.
+    {plugin, ap_support:test_bin("plugin_hostile.so")}.
 
 actor_pool_isolation_abuse_test_() ->
     {setup, fun ap_test_util:start_app/0, fun ap_test_util:stop_app/1,

@@ -1,7 +1,7 @@
 %% Crash-isolated workers (pool option `isolation'), handler deadlines
 %% (`handler_timeout_ms') and worker memory limits (`max_memory_mb'),
 %% against the real pool C node that the application starts, with the test
-%% plugin plugin_crash.so (ap_test_util:test_bin/1) misbehaving on request (`segv', `abort',
+%% plugin plugin_crash.so (ap_support:test_bin/1) misbehaving on request (`segv', `abort',
 %% `{exit, Code}', `{spin, Ms}', `{alloc, Mb}'; `os_pid' answers the OS pid
 %% of the process that ran it; `{sleep, Ms}' fills a mailbox).
 %%

@@ -5,18 +5,13 @@
 -include_lib("eunit/include/eunit.hrl").
 
 erlang_copy_equals_c_header_test() ->
-    Root = root(),
+    Root = ap_support:root(),
     C = limits(filename:join([Root, "c_src", "pool", "pool_limits.h"]),
                "#define[ \t]+(AP_POOL_MAX_[A-Z_]+)[ \t]+([0-9]+)"),
     Erl = limits(filename:join([Root, "src", "actor_pool_int.hrl"]),
                  "-define\\((AP_POOL_MAX_[A-Z_]+),[ \t]*([0-9]+)\\)"),
     ?assertNotEqual([], C),
     ?assertEqual(C, Erl).
-
-%% The checkout: actor_pool_opts was compiled from its src/.
-root() ->
-    Src = proplists:get_value(source, actor_pool_opts:module_info(compile)),
-    filename:dirname(filename:dirname(Src)).
 
 limits(File, Re) ->
     {ok, Bin} = file:read_file(File),

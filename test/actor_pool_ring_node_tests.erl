@@ -483,7 +483,7 @@ client_exe() ->
         Exe when is_list(Exe), Exe =/= "" -> Exe;
         _ ->
             %% rebar3 eunit runs in the project root; priv/ sits beside c_src/.
-            Root = ap_test_util:root(),
+            Root = ap_support:root(),
             Exe = filename:join([Root, "c_src", "build", "dp_client"]),
             case filelib:is_regular(Exe) of
                 true -> Exe;

@@ -4,7 +4,7 @@
 %% its worker, `{sleep, Ms}' sleeps then replies ok, `{fail, Reason}' is
 %% refused with Reason, `whoami' answers the worker index, anything else is
 %% echoed) and plugin_badabi.so (a wrong ABI version), both from
-%% ap_test_util:test_bin/1.
+%% ap_support:test_bin/1.
 %%
 %% The first ten cases are the seed's test plan (docs/stateless-workers.md
 %% lists them); the rest cover overload, lost-message, batching, API and
@@ -436,7 +436,7 @@ json_validate_accepts_valid_and_locates_errors(_Ctx) ->
 
 plugin_with_wrong_abi_is_refused(_Ctx) ->
     Before = actor_pool:which_pools(),
-    Bad = ap_test_util:test_bin("plugin_badabi.so"),
+    Bad = ap_support:test_bin("plugin_badabi.so"),
     ?assertMatch({error, {abi_mismatch, Got, Want}} when Got =/= Want,
                  actor_pool:start_pool(?FUNCTION_NAME, {plugin, Bad}, #{})),
     ?assertEqual(Before, actor_pool:which_pools()).
@@ -764,7 +764,7 @@ pool_node_restart_brings_its_pools_back(#{pool_node := N}) ->
 
 
 crash_path() ->
-    ap_test_util:test_bin("plugin_crash.so").
+    ap_support:test_bin("plugin_crash.so").
 
 worker_field(Key, #{workers := Workers}) ->
     [maps:get(Key, W) || W <- lists:sort(fun(#{id := A}, #{id := B}) -> A =< B end, Workers)].

@@ -9,7 +9,7 @@
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
 -export([pool_setup/0, pool_cleanup/1]).
 -export([temp_dir/1, start_app/0, stop_app/1,
-         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, root/0, test_bin/1, alive/1, echo_exe/0,
+         rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
 
 %% How long an owner may take to notice its C node's exit and unlink the
@@ -95,47 +95,10 @@ collected(S) ->
     after 10000 -> error(collector_timeout)
     end.
 
-%% The application's priv directory, also when it is not in a lib directory
-%% (rebar3 eunit: priv/ beside ebin/).
+%% The application's priv directory (ap_support's, imported by many suites).
 -spec priv_dir() -> file:filename().
 priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) -> Dir;
-        {error, bad_name} ->
-            Ebin = filename:dirname(code:which(actor_cnode)),
-            filename:join(filename:dirname(Ebin), "priv")
-    end.
-
-%% A test executable or plugin (the echo node, actor_rawpeer,
-%% actor_dp_peer, plugin_*.so) by file name: c_src/Makefile's test-bins
-%% builds them into c_src/build/testbin, outside priv/ so that no release
-%% ships them. The project root is priv/'s parent (rebar3 links
-%% _build/*/lib/actor_pool/priv to it), else the working directory (rebar3
-%% eunit runs in the root).
--spec test_bin(string()) -> file:filename().
-test_bin(Name) ->
-    Rel = filename:join(["c_src", "build", "testbin", Name]),
-    Beside = filename:join(root(), Rel),
-    Path = case filelib:is_regular(Beside) of
-               true -> Beside;
-               false -> filename:absname(Rel)
-           end,
-    case filelib:is_regular(Path) of
-        true -> Path;
-        false -> error({no_test_bin, Path, "make -C c_src test-bins"})
-    end.
-
-%% The checkout: priv/'s parent (rebar3 links _build/*/lib/actor_pool/priv
-%% to it).
--spec root() -> file:filename().
-root() ->
-    filename:dirname(real_dir(priv_dir())).
-
-real_dir(Dir) ->
-    case file:read_link_all(Dir) of
-        {ok, Target} -> filename:absname(Target, filename:dirname(Dir));
-        {error, _} -> Dir
-    end.
+    ap_support:priv_dir().
 
 %% A C-node alive name unique to this test node and Tag.
 -spec alive(string()) -> string().
@@ -144,12 +107,12 @@ alive(Tag) ->
     Alive ++ "_" ++ Tag.
 
 %% The echo node's executable: $ACTOR_POOL_ECHO_EXE (a sanitizer build) or
-%% the test build (test_bin/1).
+%% the test build (ap_support:test_bin/1).
 -spec echo_exe() -> string().
 echo_exe() ->
     case os:getenv("ACTOR_POOL_ECHO_EXE") of
         Exe when is_list(Exe), Exe =/= "" -> Exe;
-        _ -> test_bin("actor_echo_node")
+        _ -> ap_support:test_bin("actor_echo_node")
     end.
 
 %% The /dev/shm file of C node Node's snapshot segment.
@@ -213,7 +176,7 @@ with_pool(Name, Handler, Opts, Fun) ->
 %% The test plugin that crashes on request (c_src/test/plugin_crash.c).
 -spec crash_plugin() -> {plugin, file:filename()}.
 crash_plugin() ->
-    {plugin, test_bin("plugin_crash.so")}.
+    {plugin, ap_support:test_bin("plugin_crash.so")}.
 
 %% An executable path: as given when absolute, else under priv/.
 -spec abs_exe(file:filename()) -> file:filename().
