@@ -465,8 +465,10 @@ static int seg_pending(struct ap_dp_seg *sg)
 
 static void fw_done(ap_io_futex *f, int res);
 
-/* Sleep protocol of ap_seg.h: raise the flag, look again, then wait. */
-static void arm(struct ap_dp_seg *sg)
+/* Sleep protocol of ap_seg.h: raise the flag, look again, then wait.
+ * 1 when it gave up with records still coming (not armed): the loop must
+ * not block then, or they wait for its next event, up to seconds. */
+static int arm(struct ap_dp_seg *sg)
 {
 	for (int tries = 0; tries < 4 && sg->slot >= 0 && !sg->fw_armed; tries++) {
 		uint32_t *word, expected;
@@ -474,7 +476,7 @@ static void arm(struct ap_dp_seg *sg)
 		if (seg_pending(sg)) {
 			ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
 			if (drain_seg(sg) < 0)
-				return;
+				return 0;
 			continue;
 		}
 		ap_dp_seg_get(sg); /* the armed wait's */
@@ -483,12 +485,14 @@ static void arm(struct ap_dp_seg *sg)
 			ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
 			ap_dp_seg_put(sg);
 			ap_log(AP_LOG_ERROR, "cannot wait on the bell of %s: %s", sg->peer, strerror(-r));
-			return;
+			return 0;
 		}
 		sg->fw_armed = 1;
 	}
-	/* Still busy after a few drains: the idle spin picks it up, and the
-	 * next drain that finds it empty arms (dp_idle). */
+	/* Still busy after a few drains: dp_idle runs again before the loop
+	 * blocks (its caller, or our 1), and the drain that finds it empty
+	 * arms. */
+	return sg->slot >= 0 && !sg->fw_armed;
 }
 
 static void fw_done(ap_io_futex *f, int res)
@@ -499,7 +503,7 @@ static void fw_done(ap_io_futex *f, int res)
 	if (sg->slot >= 0) {
 		ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
 		if (drain_seg(sg) >= 0)
-			arm(sg);
+			(void)arm(sg); /* dp_idle runs before the loop blocks */
 	}
 	ap_dp_seg_put(sg);
 }
@@ -584,7 +588,7 @@ static void seg_added(ap_node *n, void *arg)
 	sg->fw.done = fw_done;
 	sg->fw.arg = sg;
 	if (dp.uring) {
-		arm(sg);
+		(void)arm(sg); /* dp_idle runs before the loop blocks */
 		return;
 	}
 	pthread_t th;
@@ -667,11 +671,12 @@ static int dp_idle(ap_node *n, void *arg)
 			ap_ring_cpu_relax();
 	}
 	dp.spin /= 2;
+	int busy = 0;
 	if (dp.uring)
 		for (int i = 0; i < dp.top; i++)
 			if (dp.segs[i] && !dp.segs[i]->fw_armed)
-				arm(dp.segs[i]);
-	return 0;
+				busy |= arm(dp.segs[i]);
+	return busy;
 }
 
 /* ---- the attach thread ---------------------------------------------------------- */
