@@ -46,6 +46,8 @@
 %% in clock ticks), BENCH_POOL_RUNS [5], BENCH_POOL_TIMEOUT_S (the whole bench
 %% [300]), BENCH_STRICT=1 (exit 2 when any target is missed, the issue 13
 %% ones included, which the distribution path misses by design),
+%% BENCH_POOL_CELLS=ap_tell,iso_tell (measure only these cells, by their keys
+%% in bench/3; rows of the others print "-"; for iterating on one path),
 %% BENCH_POOL_ANCHORS_ONLY=1 (measure the anchors only, without the pool
 %% node).
 %%
@@ -96,6 +98,10 @@ run() ->
             vm_asks => env_int("BENCH_POOL_VM_ASKS", 200000),
             runs => env_int("BENCH_POOL_RUNS", 5),
             anchors_only => os:getenv("BENCH_POOL_ANCHORS_ONLY") =:= "1",
+            cells => case os:getenv("BENCH_POOL_CELLS", "") of
+                         "" -> all;
+                         Only -> string:lexemes(Only, ", ")
+                     end,
             workers => online_cpus()},
     [code:which(M) =:= non_existing andalso
          fail("~p is not installed (Debian ~s; run `make deps')", [M, Pkg])
@@ -248,9 +254,13 @@ bench(Cfg, Pools, Anchors) ->
                                        ok = poolboy:transaction(
                                               PB, fun(Wk) -> gen_server:call(Wk, {validate, D}) end, 60000)
                                end) end}],
-    Cells = case AO of
-                true -> AnchorCells;
-                false -> PoolCells ++ AnchorCells
+    Cells0 = case AO of
+                 true -> AnchorCells;
+                 false -> PoolCells ++ AnchorCells
+             end,
+    Cells = case maps:get(cells, Cfg) of
+                all -> Cells0;
+                Only -> [C || {K, _} = C <- Cells0, lists:member(atom_to_list(K), Only)]
             end,
     Counters0 = pool_counters(Pools),
     io:format("~nactor_pool pool benchmark: pool node (io ~s) vs the same work in the BEAM~n",
