@@ -57,6 +57,7 @@ ap_worker *ap_pool_route(ap_pool *p)
 void ap_pool_push(ap_worker *w, ap_job *j)
 {
 	ap_mbox_push(&w->mb, j);
+	w->wake_ask |= j->is_ask;
 	if (!w->wake_pending) {
 		w->wake_pending = 1;
 		w->pool->wake_list[w->pool->nwake++] = w->id;
@@ -68,7 +69,8 @@ void ap_pool_wake_pushed(ap_pool *p)
 	for (int k = 0; k < p->nwake; k++) {
 		ap_worker *w = &p->w[p->wake_list[k]];
 		w->wake_pending = 0;
-		ap_worker_wake(w, 0);
+		ap_worker_wake(w, 0, w->wake_ask);
+		w->wake_ask = 0;
 	}
 	p->nwake = 0;
 }

@@ -70,8 +70,9 @@ void ap_iso_slot_free(struct ap_worker *w);
 void *ap_iso_proxy_main(void *arg);
 /* Loop thread: reap the slot's child if it has exited, and tell its proxy. */
 void ap_iso_reap(struct ap_worker *w);
-/* Any thread: wake the slot's proxy (jobs were pushed, stop). */
-void ap_iso_wake(struct ap_worker *w, int always);
+/* Any thread: wake the slot's proxy (jobs were pushed, `ask` among them;
+ * stop). */
+void ap_iso_wake(struct ap_worker *w, int always, int ask);
 /* main() of the child, before anything else runs: argv[1] is
  * "--isolated-worker". Never returns. */
 int ap_iso_child_main(int argc, char **argv);

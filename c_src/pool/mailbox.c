@@ -142,10 +142,10 @@ ap_job *ap_worker_next_job(ap_worker *w)
 	}
 }
 
-void ap_worker_wake(ap_worker *w, int always)
+void ap_worker_wake(ap_worker *w, int always, int ask)
 {
 	if (w->iso) {
-		ap_iso_wake(w, always);
+		ap_iso_wake(w, always, ask);
 		return;
 	}
 	if (always) {

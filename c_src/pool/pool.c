@@ -546,7 +546,7 @@ void ap_pool_stop(ap_node *n, ap_pool *p)
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
 		atomic_store(&w->stop, 1);
-		ap_worker_wake(w, 1);
+		ap_worker_wake(w, 1, 0);
 	}
 	ap_log(AP_LOG_INFO, "pool %s stopping", p->name);
 	maybe_free(p);

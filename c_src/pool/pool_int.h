@@ -100,6 +100,7 @@ typedef struct ap_worker {
 	_Atomic int sleeping;      /* its doorbell (a private futex): 1 while it may sleep */
 	_Atomic int stop;
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
+	int wake_ask;              /* loop: an ask among them (a coalescing proxy wakes for it) */
 	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
 	_Atomic uint64_t processed, errors, crashes;
 	_Atomic uint64_t crash_by[AP_CRASH_CAUSES];
@@ -194,7 +195,7 @@ void ap_pool_worker_exited(ap_node *n, void *arg);
 
 /* mailbox.c, the doorbell: a worker sleeps when its mailbox is empty. */
 ap_job *ap_worker_next_job(ap_worker *w);
-void ap_worker_wake(ap_worker *w, int always);
+void ap_worker_wake(ap_worker *w, int always, int ask);
 
 /* ---- dispatch.c: the one way from an ingress to a worker -----------------
  * An ingress (distribution: dist_ingress.c; same-host rings next) decodes

@@ -256,7 +256,7 @@ static void test_a_sleeping_worker_is_woken_by_every_push(void **state)
 		ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, 16);
 		assert_non_null(j);
 		ap_mbox_push(&w->mb, j);
-		ap_worker_wake(w, 0);
+		ap_worker_wake(w, 0, 0);
 		/* Mostly let it go to sleep before the next push; sometimes
 		 * push into its spin or its way to sleep. */
 		if (t_rand32(&r) % 4) {
@@ -271,7 +271,7 @@ static void test_a_sleeping_worker_is_woken_by_every_push(void **state)
 		sched_yield();
 	assert_int_equal(atomic_load(&c.got), N);
 	atomic_store(&w->stop, 1);
-	ap_worker_wake(w, 1);
+	ap_worker_wake(w, 1, 0);
 	assert_int_equal(pthread_join(th, NULL), 0);
 	t_pool_free(t);
 }
