@@ -8,13 +8,14 @@
 %% `better' is `higher' for rates (a measure named per second) and `lower'
 %% for the rest (times, CPU, bytes); `ratio' is value / anchor_value as
 %% printed; `met' is `met', `missed' or empty when the row has no target.
-%% Without results.csv (a bench run alone, not through bench/run) nothing
-%% is written.
+%% The file is $BENCH_CSV (bench/run names partial.csv for a partial run),
+%% results.csv by default. Without it (a bench run alone, not through
+%% bench/run) nothing is written.
 -module(ap_bench_csv).
 
 -export([row/6]).
 
--define(CSV_FILE, "_build/bench/results.csv").
+-define(CSV_FILE, os:getenv("BENCH_CSV", "_build/bench/results.csv")).
 
 %% @doc Appends one line per anchor (one with empty anchor columns when
 %% there is none) for measure Label of bench Bench.
