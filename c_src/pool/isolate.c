@@ -74,13 +74,6 @@ enum { WANT_NONE, WANT_ANY, WANT_ASK };
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-static int64_t mono_us(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 /* ---- the channel ----------------------------------------------------------- */
 
 int ap_iso_slot_init(ap_worker *w)
@@ -503,7 +496,7 @@ static int send_commit(ap_iso *s, int ask, unsigned n)
 	if (ap_ring_publish(&s->req) < 0)
 		return -1;
 	if (!ask) {
-		int64_t now = mono_us();
+		int64_t now = ap_mono_us();
 		if (!s->unrung)
 			s->unrung_since_us = now;
 		s->unrung += n;
@@ -529,7 +522,7 @@ static int64_t held_left(ap_iso *s)
 {
 	if (!s->unrung)
 		return 0;
-	int64_t left = s->unrung_since_us + ISO_HOLD_US - mono_us();
+	int64_t left = s->unrung_since_us + ISO_HOLD_US - ap_mono_us();
 	if (left > 0)
 		return left;
 	ring_held(s);
