@@ -11,7 +11,7 @@
 %% Every case uses a pool named after itself and stops it, stops every
 %% client it starts (by OS pid), and checks that the pool node kept its OS
 %% pid. ACTOR_POOL_IO (uring | epoll) selects the I/O backend, so the
-%% wake-ups under test are io_uring futex waits or waiter threads.
+%% wake-ups under test are io_uring futex waits or the bell eventfd in epoll.
 -module(actor_pool_ring_node_tests).
 
 -import(ap_test_util, [with_pool/4, crash_plugin/0, priv_dir/0, alive/1]).
@@ -635,7 +635,7 @@ probe(E, Until, Max, To) ->
 
 %% A BEAM that writes its request ring's shared head (the node never reads
 %% it back) must not make the node think records are pending for ever:
-%% no busy loop between the waiter and the loop, and asks still wake it.
+%% no busy loop in the node, and asks still wake it.
 a_written_request_head_does_not_break_wake_ups(#{os_pid := OsPid} = Ctx) ->
     with_pool(ap_rn_head, echo, #{workers => 1}, fun(_P) ->
         with_client(Ctx, fun(C) ->

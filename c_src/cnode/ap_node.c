@@ -34,7 +34,8 @@
 #define PROC_BUCKETS 256
 #define READER_QUEUE 0
 #define READER_STDIN 1
-#define READER_EXTRA 2 /* ap_node_add_reader: one, for the owner of the node */
+#define READER_EXTRA 2 /* ap_node_add_reader: ids READER_EXTRA.., for the owner of the node */
+#define N_EXTRA 2      /* the pool node: its child-exit signalfd, its ring bell (epoll) */
 #define TICK_ANSWER_GAP_MS 100   /* answer a tick unless we sent something this recently */
 #define PARENT_RETRY_MS 500
 #define PARENT_ATTEMPTS 20
@@ -92,8 +93,8 @@ struct ap_node {
 	ap_dead_letter_fn dead_letter;
 	ap_idle_fn idle;
 	void *idle_arg;
-	ap_loop_fn extra_fn;
-	void *extra_arg;
+	ap_loop_fn extra_fn[N_EXTRA];
+	void *extra_arg[N_EXTRA];
 	volatile int stop;
 };
 
@@ -720,9 +721,9 @@ static void io_on_readable(void *arg, int id)
 	ap_node *n = arg;
 	if (id == READER_QUEUE) {
 		drain_queue(n);
-	} else if (id == READER_EXTRA) {
-		if (n->extra_fn)
-			n->extra_fn(n, n->extra_arg);
+	} else if (id >= READER_EXTRA && id < READER_EXTRA + N_EXTRA) {
+		if (n->extra_fn[id - READER_EXTRA])
+			n->extra_fn[id - READER_EXTRA](n, n->extra_arg[id - READER_EXTRA]);
 	} else if (id == READER_STDIN) {
 		char buf[4096];
 		ssize_t r = read(STDIN_FILENO, buf, sizeof buf);
@@ -994,12 +995,15 @@ void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
 
 int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg)
 {
-	if (n->extra_fn)
+	int i = 0;
+	while (i < N_EXTRA && n->extra_fn[i])
+		i++;
+	if (i == N_EXTRA)
 		return -EBUSY;
-	int r = ap_loop_add_reader(n->loop, fd, READER_EXTRA);
+	int r = ap_loop_add_reader(n->loop, fd, READER_EXTRA + i);
 	if (r == 0) {
-		n->extra_fn = fn;
-		n->extra_arg = arg;
+		n->extra_fn[i] = fn;
+		n->extra_arg[i] = arg;
 	}
 	return r;
 }

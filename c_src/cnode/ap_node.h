@@ -138,8 +138,8 @@ typedef int (*ap_idle_fn)(ap_node *n, void *arg);
 void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg);
 
 /* Loop thread: fn(n, arg) runs on the loop each time fd is readable (it
- * reads fd). One such reader per node (the pool node's child-exit
- * signalfd). 0, -EBUSY (taken) or -errno. */
+ * reads fd). Two such readers per node (the pool node's child-exit
+ * signalfd and, on epoll, its ring bell). 0, -EBUSY (all taken) or -errno. */
 int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg);
 
 /* Loop thread: futex waits inside the event loop (ap_io.h). */

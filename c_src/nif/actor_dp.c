@@ -104,6 +104,7 @@ struct dp {
 	ErlNifEnv *aenv; /* an asker's env for others' answers (under draining) */
 	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
 	int sock;
+	int bell_fd; /* an epoll pool node's bell eventfd (ap_seg.h, attach step 4), or -1 */
 
 	ErlNifMutex *mu; /* the asks, closed, keep, free list */
 	struct ask **tab;
@@ -352,6 +353,10 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 	if (m)
 		enif_free_env(m);
 	ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
+	if (s->bell_fd >= 0) {
+		uint64_t one = 1; /* an epoll pool node hears the closed bit at once */
+		(void)!write(s->bell_fd, &one, sizeof one);
+	}
 	if (s->sock >= 0)
 		shutdown(s->sock, SHUT_RDWR);
 }
@@ -576,6 +581,8 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
 	if (s->sock >= 0)
 		close(s->sock);
+	if (s->bell_fd >= 0)
+		close(s->bell_fd);
 	if (s->tab) {
 		for (uint32_t i = 0; i <= s->tab_mask; i++) {
 			struct ask *a, *next;
@@ -661,6 +668,7 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 		return error_tuple(env, a_enomem);
 	memset(s, 0, sizeof *s);
 	s->sock = -1;
+	s->bell_fd = -1;
 	s->map.fd = -1;
 	s->owner = owner;
 	s->mu = enif_mutex_create("actor_dp");
@@ -708,7 +716,7 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 			goto out;
 		}
 	rc = dp_attach(sock_name.data, sock_name.size, token.data, name.data, name.size, s->map.fd,
-		       dp_now_ms() + timeout, &sock);
+		       dp_now_ms() + timeout, &sock, &s->bell_fd);
 	if (rc) {
 		ret = rc > 0 ? error_tuple(env, enif_make_tuple2(env, a_refused, errno_term(env, rc)))
 			     : error_tuple(env, errno_term(env, -rc));
@@ -1043,7 +1051,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	}
 	if (rc == 0) {
 		*published = 1;
-		ap_seg_notify(s->seg.hdr, AP_SEG_BELL_REQ);
+		ap_seg_notify_fd(s->seg.hdr, AP_SEG_BELL_REQ, s->bell_fd);
 	} else if (rc == -EPROTO) {
 		/* The pool node moved our ring's head where it cannot be. */
 		dp_shut(s, env, a_bad_segment, 1);

@@ -3,6 +3,8 @@
 #include "dp_core.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <poll.h>
 #include <stddef.h>
 #include <string.h>
@@ -195,12 +197,35 @@ static int write_all(int fd, const void *p, size_t n, int64_t deadline)
 	return 0;
 }
 
-static int read_all(int fd, void *p, size_t n, int64_t deadline)
+/* 1 if fd is an eventfd, by /proc (fdinfo has an eventfd-count line):
+ * a hostile pool node could pass a pipe or a file instead. */
+int dp_is_eventfd(int fd)
 {
-	uint8_t *b = p;
+	char path[64], buf[512];
+	int pfd, found = 0;
+	ssize_t n;
+
+	snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
+	pfd = open(path, O_RDONLY | O_CLOEXEC);
+	if (pfd < 0)
+		return 0;
+	n = read(pfd, buf, sizeof buf - 1);
+	close(pfd);
+	if (n > 0) {
+		buf[n] = 0;
+		found = strstr(buf, "\neventfd-count:") != NULL || !strncmp(buf, "eventfd-count:", 14);
+	}
+	return found;
+}
+
+/* Reads the ack, and the fd that may ride on it (attach, step 4). */
+static int read_ack(int fd, struct ap_seg_ack *ack, int *bell_fd, int64_t deadline)
+{
+	uint8_t *b = (uint8_t *)ack;
+	size_t n = sizeof *ack;
 
 	while (n) {
-		ssize_t r = recv(fd, b, n, 0);
+		ssize_t r = ap_ring_recv_some(fd, b, n, bell_fd, 0);
 		if (r > 0) {
 			b += r;
 			n -= (size_t)r;
@@ -208,10 +233,8 @@ static int read_all(int fd, void *p, size_t n, int64_t deadline)
 		}
 		if (r == 0)
 			return -ECONNRESET;
-		if (errno == EINTR)
-			continue;
-		if (errno != EAGAIN)
-			return -errno;
+		if (r != -EAGAIN)
+			return (int)r;
 		int rc = wait_fd(fd, POLLIN, deadline);
 		if (rc)
 			return rc;
@@ -251,7 +274,7 @@ static int do_connect(int fd, const void *name, size_t name_len, int64_t deadlin
 }
 
 int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKEN_LEN], const void *node,
-	      size_t node_len, int memfd, int64_t deadline_ms, int *sock)
+	      size_t node_len, int memfd, int64_t deadline_ms, int *sock, int *bell_fd)
 {
 	struct ap_seg_hello hello = { .magic = AP_SEG_HELLO_MAGIC, .version = AP_SEG_VERSION };
 	struct ap_seg_ack ack;
@@ -260,6 +283,7 @@ int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKE
 	int fd, rc;
 
 	*sock = -1;
+	*bell_fd = -1;
 	if (name_len < 2 || name_len > sizeof(((struct sockaddr_un *)0)->sun_path) || ((const uint8_t *)name)[0] != 0 ||
 	    node_len < 1 || node_len > AP_SEG_MAX_NAME || memfd < 0)
 		return -EINVAL;
@@ -290,7 +314,7 @@ int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKE
 	}
 	if (rc)
 		goto err;
-	if ((rc = read_all(fd, &ack, sizeof ack, deadline_ms)))
+	if ((rc = read_ack(fd, &ack, bell_fd, deadline_ms)))
 		goto err;
 	if (ack.magic != AP_SEG_HELLO_MAGIC) {
 		rc = -EPROTO;
@@ -302,9 +326,19 @@ int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKE
 		rc = ack.status < 4096 ? (int)ack.status : -EPROTO;
 		goto err;
 	}
+	if (*bell_fd >= 0) {
+		int fl = fcntl(*bell_fd, F_GETFL);
+		if (!dp_is_eventfd(*bell_fd) || fl < 0 || fcntl(*bell_fd, F_SETFL, fl | O_NONBLOCK)) {
+			rc = -EPROTO;
+			goto err;
+		}
+	}
 	*sock = fd;
 	return 0;
 err:
+	if (*bell_fd >= 0)
+		close(*bell_fd);
+	*bell_fd = -1;
 	close(fd);
 	return rc;
 }

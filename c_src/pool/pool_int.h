@@ -245,7 +245,7 @@ void ap_pool_answer_start(ap_pool *p, int ok);
 
 /* ---- ring_ingress.c: the same-host data plane (c_src/ring/ap_seg.h) -------
  * Segment references: the registry (loop), the attach thread's socket,
- * a wait armed in the loop or a waiter thread, and every ring ask queued
+ * a wait armed in the loop (io_uring), and every ring ask queued
  * (its job). The last one unmaps. Replies: any thread; a detached
  * segment drops them. */
 void ap_dp_seg_get(struct ap_dp_seg *s);

@@ -11,21 +11,22 @@
  *  - The loop thread is the one consumer of every request ring: it drains
  *    them (records validated, fences followed, dispatched through
  *    ap_pool_dispatch), woken by an io_uring FUTEX_WAIT on the segment's
- *    request bell or, on epoll, by a waiter thread per segment; and before
+ *    request bell or, on epoll, by the node's bell eventfd, which every
+ *    BEAM got with its ack and writes instead of a futex wake (one
+ *    eventfd for all segments: a ring drains every segment); and before
  *    sleeping it spins briefly over its segments when they were busy.
  *  - Replies go into the segment's reply rings, from workers (a mutex per
  *    ring) and from the loop (errors; never waiting).
  *
  * A segment is reference counted (ap_dp_seg_get/put): the registry, the
- * attach thread's socket, an armed wait (uring) or waiter thread (epoll),
- * each wake-up posted to the loop, and each ring ask in a mailbox. Detached
+ * attach thread's socket, an armed wait (uring), each call posted to the
+ * loop, and each ring ask in a mailbox. Detached
  * (peer EOF, a broken ring, the peer's closed bit) means: out of the
  * registry, no more reads, replies dropped; the memory goes with the last
  * reference, so an armed io_uring wait is cancelled and reaped first.
  */
 /* Over 700 lines on purpose: the segment's reference count is taken and
- * dropped by the attach thread, the loop, io_uring waits and epoll waiter
- * threads; every path that holds one is in this file, so the count can be
+ * dropped by the attach thread, the loop and io_uring waits; every path that holds one is in this file, so the count can be
  * audited in one read. The records' format and checks are ap_seg.c's. */
 #include <errno.h>
 #include <poll.h>
@@ -83,12 +84,9 @@ struct ap_dp_seg {
 	/* loop thread */
 	int slot;            /* in the registry; -1 once detached */
 	ap_io_futex fw;      /* io_uring: the wait on req_bell */
-	int fw_armed;
+	int fw_armed;        /* the flag is up and (uring) fw is in flight */
 	int64_t last_bad_ms;
 	uint64_t bad, dropped_replies;
-	/* epoll: the waiter thread */
-	_Atomic int stop;
-	_Atomic uint32_t posted; /* a wake-up is queued for the loop; the waiter waits for it to clear */
 };
 
 static struct {
@@ -101,6 +99,7 @@ static struct {
 	size_t name_len;
 	uint8_t token[AP_SEG_TOKEN_LEN];
 	int lfd, efd;
+	int bell_fd; /* epoll: the eventfd the BEAMs ring (ap_seg.h, attach step 4) */
 	pthread_t th;
 	_Atomic int nsegs; /* attached or being handed over: the cap's count */
 	uint32_t next_id;
@@ -111,7 +110,7 @@ static struct {
 	int spin; /* the idle spin's rounds now (adaptive, 0..DP_SPIN) */
 	int64_t hot_until_ms;
 	ap_buf copy; /* a record copied out of shared memory */
-} dp = { .lfd = -1, .efd = -1 };
+} dp = { .lfd = -1, .efd = -1, .bell_fd = -1 };
 
 static void detach(struct ap_dp_seg *sg, const char *why);
 
@@ -465,7 +464,8 @@ static int seg_pending(struct ap_dp_seg *sg)
 
 static void fw_done(ap_io_futex *f, int res);
 
-/* Sleep protocol of ap_seg.h: raise the flag, look again, then wait.
+/* Sleep protocol of ap_seg.h: raise the flag, look again, then wait (on
+ * epoll, the loop's own wait on bell_fd is the wait).
  * 1 when it gave up with records still coming (not armed): the loop must
  * not block then, or they wait for its next event, up to seconds. */
 static int arm(struct ap_dp_seg *sg)
@@ -478,6 +478,10 @@ static int arm(struct ap_dp_seg *sg)
 			if (drain_seg(sg) < 0)
 				return 0;
 			continue;
+		}
+		if (dp.bell_fd >= 0) {
+			sg->fw_armed = 1; /* the flag is up: the BEAM writes bell_fd, on_bell reads it */
+			break;
 		}
 		ap_dp_seg_get(sg); /* the armed wait's */
 		int r = ap_node_futex_wait(dp.n, &sg->fw, word, expected, DP_WAIT_MS);
@@ -508,53 +512,27 @@ static void fw_done(ap_io_futex *f, int res)
 	ap_dp_seg_put(sg);
 }
 
-/* ---- wake-ups: epoll (a waiter thread per segment) ---------------------------- */
+/* ---- wake-ups: epoll (the bell eventfd, in the loop's own epoll set) ---------- */
 
-static int waiter_ready(void *arg)
-{
-	struct ap_dp_seg *sg = arg;
-	return atomic_load(&sg->stop) || seg_pending(sg);
-}
-
-static void posted_drain(ap_node *n, void *arg)
+/* Some BEAM rang: every raised flag comes down and every segment is
+ * drained (one eventfd for all; dp_idle raises the flags again before the
+ * loop blocks). */
+static void on_bell(ap_node *n, void *arg)
 {
 	(void)n;
-	struct ap_dp_seg *sg = arg;
-	drain_seg(sg);
-	atomic_store(&sg->posted, 0);
-	ap_ring_futex_wake((uint32_t *)&sg->posted, 1);
-	ap_dp_seg_put(sg);
-}
-
-static void *waiter_main(void *arg)
-{
-	struct ap_dp_seg *sg = arg;
-	char tname[16];
-	snprintf(tname, sizeof tname, "dp-wait/%u", sg->id);
-	pthread_setname_np(pthread_self(), tname);
-	while (!atomic_load(&sg->stop)) {
-		int r = ap_seg_wait(sg->s.hdr, AP_SEG_BELL_REQ, waiter_ready, sg, 0, DP_WAIT_MS);
-		if (atomic_load(&sg->stop))
-			break;
-		if (r == -ETIMEDOUT)
+	(void)arg;
+	uint64_t v;
+	(void)!read(dp.bell_fd, &v, sizeof v);
+	for (int i = 0; i < dp.top; i++) {
+		struct ap_dp_seg *sg = dp.segs[i];
+		if (!sg)
 			continue;
-		if (r < 0 && r != -EINTR) {
-			ap_log(AP_LOG_ERROR, "waiter of %s: %s", sg->peer, strerror(-r));
-			break;
+		if (sg->fw_armed) {
+			sg->fw_armed = 0;
+			ap_seg_sleep_end(sg->s.hdr, AP_SEG_BELL_REQ);
 		}
-		/* Ready, or the BEAM closed: the loop drains (and detaches). One
-		 * wake-up queued at a time; wait until the loop took it. */
-		atomic_store(&sg->posted, 1);
-		ap_dp_seg_get(sg);
-		if (ap_node_call_on_loop(dp.n, posted_drain, sg)) {
-			atomic_store(&sg->posted, 0);
-			ap_dp_seg_put(sg);
-		}
-		while (atomic_load(&sg->posted) && !atomic_load(&sg->stop))
-			ap_ring_futex_wait((uint32_t *)&sg->posted, 1, DP_WAIT_MS);
+		drain_seg(sg);
 	}
-	ap_dp_seg_put(sg);
-	return NULL;
 }
 
 /* ---- registry (loop thread) ------------------------------------------------------ */
@@ -584,22 +562,10 @@ static void seg_added(ap_node *n, void *arg)
 		dp.top = slot + 1;
 	ap_log(AP_LOG_INFO, "ring segment %u attached: %s (os pid %u), %u request rings of %llu bytes, %u reply rings of %llu bytes, wake-ups by %s",
 	       sg->id, sg->peer, sg->os_pid, sg->s.n_req, (unsigned long long)sg->s.req_cap, sg->s.n_rep,
-	       (unsigned long long)sg->s.rep_cap, dp.uring ? "io_uring futex wait" : "waiter thread");
+	       (unsigned long long)sg->s.rep_cap, dp.uring ? "io_uring futex wait" : "the bell eventfd");
 	sg->fw.done = fw_done;
 	sg->fw.arg = sg;
-	if (dp.uring) {
-		(void)arm(sg); /* dp_idle runs before the loop blocks */
-		return;
-	}
-	pthread_t th;
-	ap_dp_seg_get(sg); /* the waiter's */
-	if (pthread_create(&th, NULL, waiter_main, sg)) {
-		ap_dp_seg_put(sg);
-		detach(sg, "no thread for its waiter");
-		return;
-	}
-	pthread_detach(th);
-	drain_seg(sg); /* records published before the waiter slept */
+	(void)arm(sg); /* dp_idle runs before the loop blocks */
 }
 
 /* Loop thread: out of the registry, replies dropped, wait cancelled, the
@@ -617,11 +583,10 @@ static void detach(struct ap_dp_seg *sg, const char *why)
 		dp.top--;
 	atomic_store_explicit(&sg->dead, 1, memory_order_release);
 	ap_seg_close(sg->s.hdr, AP_SEG_CLOSED_NODE);
-	if (sg->fw_armed)
+	if (sg->fw_armed && dp.bell_fd < 0)
 		ap_node_futex_cancel(dp.n, &sg->fw); /* its completion drops the wait's reference */
-	atomic_store(&sg->stop, 1);
-	atomic_store(&sg->posted, 0);
-	ap_ring_futex_wake((uint32_t *)&sg->posted, 1);
+	else
+		sg->fw_armed = 0;
 	atomic_store(&sg->close_req, 1);
 	uint64_t one = 1;
 	(void)!write(dp.efd, &one, sizeof one);
@@ -672,10 +637,9 @@ static int dp_idle(ap_node *n, void *arg)
 	}
 	dp.spin /= 2;
 	int busy = 0;
-	if (dp.uring)
-		for (int i = 0; i < dp.top; i++)
-			if (dp.segs[i] && !dp.segs[i]->fw_armed)
-				busy |= arm(dp.segs[i]);
+	for (int i = 0; i < dp.top; i++)
+		if (dp.segs[i] && !dp.segs[i]->fw_armed)
+			busy |= arm(dp.segs[i]);
 	return busy;
 }
 
@@ -833,7 +797,8 @@ static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattache
 		refuse(a, st, "the segment is not valid");
 		return;
 	}
-	if (send_ack(a->fd, 0)) {
+	struct ap_seg_ack ok = { .magic = AP_SEG_HELLO_MAGIC, .status = 0 };
+	if (dp.bell_fd >= 0 ? ap_ring_send_with_fd(a->fd, &ok, sizeof ok, dp.bell_fd) : send_ack(a->fd, 0)) {
 		refuse(a, 0, "cannot answer");
 		seg_free(sg);
 		return;
@@ -981,6 +946,15 @@ int ap_dp_start(ap_node *n, int enabled)
 		goto off;
 	}
 	dp.uring = ap_node_futex_supported(n);
+	if (!dp.uring) {
+		int r;
+		dp.bell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+		if (dp.bell_fd < 0 || (r = ap_node_add_reader(n, dp.bell_fd, on_bell, NULL))) {
+			ap_log(AP_LOG_ERROR, "same-host rings: no bell for the epoll loop (%s); distribution only",
+			       strerror(dp.bell_fd < 0 ? errno : -r));
+			goto off;
+		}
+	}
 	if (pthread_create(&dp.th, NULL, attach_main, NULL)) {
 		ap_log(AP_LOG_ERROR, "same-host rings: no attach thread; distribution only");
 		goto off;
@@ -989,7 +963,7 @@ int ap_dp_start(ap_node *n, int enabled)
 	ap_node_set_idle(n, dp_idle, NULL);
 	dp.enabled = 1;
 	ap_log(AP_LOG_INFO, "same-host rings: listening on @%s, wake-ups by %s", body,
-	       dp.uring ? "io_uring futex waits" : "waiter threads");
+	       dp.uring ? "io_uring futex waits" : "an eventfd in the epoll set");
 	return 0;
 off:
 	if (dp.lfd >= 0)
@@ -997,6 +971,7 @@ off:
 	if (dp.efd >= 0)
 		close(dp.efd);
 	dp.lfd = dp.efd = -1;
+	/* bell_fd stays open once it is in the loop's set (nobody is given it) */
 	return 0;
 }
 

@@ -141,6 +141,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define AP_RING_MAGIC 0x31474e4952504100ULL /* "\0APRING1" */
 #define AP_RING_VERSION 2u /* 2: the nonce in line 0 and in every stamp */
@@ -373,6 +374,15 @@ int ap_ring_send_fd(int sock, int fd);
  * fd it carried is closed; -ECONNRESET at end of stream. 0 or -errno;
  * *fd is -1 on error. Map it with ap_ring_map_open_fd, which checks it. */
 int ap_ring_recv_fd(int sock, int *fd);
+
+/* Passes fd with len bytes of data (one sendmsg, MSG_DONTWAIT: for small
+ * answers into an empty socket). 0, or -errno (-EAGAIN: not all sent). */
+int ap_ring_send_with_fd(int sock, const void *buf, size_t len, int fd);
+
+/* One recvmsg of up to len bytes: the first fd that rides on them goes
+ * into *fd when it is -1 (close-on-exec), every other one is closed.
+ * Bytes read, 0 at end of stream, or -errno. */
+ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags);
 
 /* Unmaps and closes; does not unlink. */
 void ap_ring_map_close(struct ap_ring_map *m);

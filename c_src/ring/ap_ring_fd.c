@@ -87,3 +87,59 @@ int ap_ring_recv_fd(int sock, int *fd)
 	memcpy(fd, CMSG_DATA(c), sizeof *fd);
 	return 0;
 }
+
+int ap_ring_send_with_fd(int sock, const void *buf, size_t len, int fd)
+{
+	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} u;
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf };
+	struct cmsghdr *c;
+	ssize_t n;
+
+	if (sock < 0 || fd < 0)
+		return -EBADF;
+	memset(&u, 0, sizeof u);
+	c = CMSG_FIRSTHDR(&msg);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(c), &fd, sizeof fd);
+	do
+		n = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+	while (n < 0 && errno == EINTR);
+	return n == (ssize_t)len ? 0 : n < 0 ? -errno : -EAGAIN;
+}
+
+ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags)
+{
+	struct iovec iov = { .iov_base = buf, .iov_len = len };
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(4 * sizeof(int))];
+	} u;
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf };
+	ssize_t n;
+
+	do
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		return -errno;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
+			continue;
+		size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < k; i++) {
+			int got;
+			memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
+			if (*fd < 0)
+				*fd = got;
+			else
+				close(got);
+		}
+	}
+	return n;
+}

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define LOAD(p, mo) __atomic_load_n((p), __ATOMIC_##mo)
 #define STORE(p, v, mo) __atomic_store_n((p), (v), __ATOMIC_##mo)
@@ -112,7 +113,7 @@ static uint32_t *flag_of(struct ap_seg_hdr *h, enum ap_seg_bell b)
 	return b == AP_SEG_BELL_REQ ? &h->req_sleeping : &h->rep_sleeping;
 }
 
-int ap_seg_notify(struct ap_seg_hdr *h, enum ap_seg_bell b)
+int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int efd)
 {
 	uint32_t *flag = flag_of(h, b);
 
@@ -121,11 +122,18 @@ int ap_seg_notify(struct ap_seg_hdr *h, enum ap_seg_bell b)
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	if (LOAD(flag, RELAXED) && __atomic_exchange_n(flag, 0, __ATOMIC_RELAXED)) {
 		__atomic_fetch_add(bell_of(h, b), 1, __ATOMIC_RELEASE);
-		ap_ring_futex_wake(bell_of(h, b), 1);
+		if (efd >= 0) {
+			uint64_t one = 1;
+			(void)!write(efd, &one, sizeof one); /* EAGAIN: the counter is full, the loop is rung */
+		} else {
+			ap_ring_futex_wake(bell_of(h, b), 1);
+		}
 		return 1;
 	}
 	return 0;
 }
+
+int ap_seg_notify(struct ap_seg_hdr *h, enum ap_seg_bell b) { return ap_seg_notify_fd(h, b, -1); }
 
 void ap_seg_sleep_begin(struct ap_seg_hdr *h, enum ap_seg_bell b, uint32_t **word, uint32_t *expected)
 {

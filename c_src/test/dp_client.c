@@ -70,6 +70,8 @@ static void put_hex(const uint8_t *b, size_t n)
 		printf("%02x", b[i]);
 }
 
+static int bell_fd = -1; /* an epoll node's bell eventfd, if its ack carried one */
+
 static int read_full(int fd, void *p, size_t n, int ms)
 {
 	size_t got = 0;
@@ -77,7 +79,7 @@ static int read_full(int fd, void *p, size_t n, int ms)
 		struct pollfd pf = { .fd = fd, .events = POLLIN };
 		if (poll(&pf, 1, ms) <= 0)
 			return -1;
-		ssize_t k = read(fd, (uint8_t *)p + got, n - got);
+		ssize_t k = ap_ring_recv_some(fd, (uint8_t *)p + got, n - got, &bell_fd, 0);
 		if (k <= 0)
 			return -1;
 		got += (size_t)k;
@@ -205,7 +207,7 @@ static void pingpong(int n, int gap_us, const char *dest, const char *msg_hex)
 		if (record(0, AP_DP_ASK, 1000000 + (uint64_t)i, dest, msg_hex, AP_DP_NO_FENCE, 0, 1))
 			break;
 		ap_ring_publish(&req[0]);
-		ap_seg_notify(seg.hdr, AP_SEG_BELL_REQ);
+		ap_seg_notify_fd(seg.hdr, AP_SEG_BELL_REQ, bell_fd);
 		int got = 0;
 		while (!got) {
 			if (ap_seg_wait(seg.hdr, AP_SEG_BELL_REP, rep_ready, NULL, AP_RING_DEFAULT_SPIN, 1000) == -ETIMEDOUT)
@@ -346,7 +348,7 @@ int main(int argc, char **argv)
 			}
 			printf("ok\n");
 		} else if (!strcmp(cmd, "bell")) {
-			ap_seg_notify(seg.hdr, AP_SEG_BELL_REQ);
+			ap_seg_notify_fd(seg.hdr, AP_SEG_BELL_REQ, bell_fd);
 			printf("ok\n");
 		} else if (!strcmp(cmd, "wait") && nt == 2) {
 			wait_replies(atoi(t[0]), atoi(t[1]));

@@ -233,7 +233,7 @@ int main(void)
 		if (!pf[1].revents)
 			continue;
 		if (!attached) {
-			if (t_dp_accept(lfd, token, refuse ? EPERM : 0, &peer) == 0) {
+			if (t_dp_accept(lfd, token, refuse ? EPERM : 0, -1, &peer) == 0) {
 				attached = 1;
 				printf("attached %s\n", peer.name);
 			} else {

@@ -69,8 +69,10 @@ static inline int t_dp_read_full(int fd, void *p, size_t n)
 
 /* Accepts one attach: checks the hello against token, receives and maps
  * the memfd, parses the segment, attaches every ring, answers `status`
- * (0: attached). 0, or -1 (the connection is closed, nothing kept). */
-static inline int t_dp_accept(int lfd, const uint8_t token[AP_SEG_TOKEN_LEN], uint32_t status, struct t_dp_peer *p)
+ * (0: attached), with ack_fd on the ack when >= 0 (an epoll pool node's
+ * bell). 0, or -1 (the connection is closed, nothing kept). */
+static inline int t_dp_accept(int lfd, const uint8_t token[AP_SEG_TOKEN_LEN], uint32_t status, int ack_fd,
+			      struct t_dp_peer *p)
 {
 	struct ap_seg_hello h;
 	struct ap_seg_ack ack = { .magic = AP_SEG_HELLO_MAGIC, .status = status };
@@ -104,7 +106,8 @@ static inline int t_dp_accept(int lfd, const uint8_t token[AP_SEG_TOKEN_LEN], ui
 	for (uint32_t i = 0; i < p->seg.n_rep; i++)
 		if (ap_ring_attach_producer(&p->rep[i], ap_seg_rep(&p->seg, i), ap_seg_rep_size(&p->seg)))
 			goto err_map;
-	if (write(p->sock, &ack, sizeof ack) != (ssize_t)sizeof ack)
+	if (ack_fd >= 0 ? ap_ring_send_with_fd(p->sock, &ack, sizeof ack, ack_fd) != 0
+			: write(p->sock, &ack, sizeof ack) != (ssize_t)sizeof ack)
 		goto err_map;
 	return 0;
 err_map:

@@ -5,6 +5,8 @@
 #include "t_helpers.h"
 
 #include <pthread.h>
+#include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 
 #include "dp_core.h"
@@ -349,6 +351,7 @@ struct t_srv {
 	int lfd;
 	uint32_t status;  /* the ack's */
 	int mode;         /* 0 accept; 1 bad ack magic; 2 accept and stay silent */
+	int ack_fd;       /* mode 0: sent with the ack when >= 0 */
 	int rc;
 	struct t_dp_peer peer;
 };
@@ -358,7 +361,7 @@ static void *t_srv_thread(void *arg)
 	struct t_srv *s = arg;
 
 	if (s->mode == 0) {
-		s->rc = t_dp_accept(s->lfd, T_TOKEN, s->status, &s->peer);
+		s->rc = t_dp_accept(s->lfd, T_TOKEN, s->status, s->ack_fd, &s->peer);
 		return NULL;
 	}
 	s->peer.sock = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -380,16 +383,24 @@ static void t_memfd_seg(struct ap_ring_map *m, uint32_t n_req, uint32_t n_rep)
 	assert_int_equal(ap_seg_format(m->mem, m->size, n_req, 4096, n_rep, 4096), 0);
 }
 
-static int t_attach(struct t_srv *srv, struct ap_ring_map *m, const char *name, size_t nlen, int64_t ms, int *sock)
+static int t_attach_bell(struct t_srv *srv, struct ap_ring_map *m, const char *name, size_t nlen, int64_t ms,
+			 int *sock, int *bell)
 {
 	pthread_t th;
 	int rc;
 
 	assert_int_equal(pthread_create(&th, NULL, t_srv_thread, srv), 0);
-	rc = dp_attach(name, nlen, T_TOKEN, "beam@host", 9, m->fd, dp_now_ms() + ms, sock);
+	rc = dp_attach(name, nlen, T_TOKEN, "beam@host", 9, m->fd, dp_now_ms() + ms, sock, bell);
 	if (srv->mode == 2)
 		shutdown(srv->lfd, SHUT_RDWR); /* unblocks nothing; the thread returned after accept */
 	pthread_join(th, NULL);
+	return rc;
+}
+
+static int t_attach(struct t_srv *srv, struct ap_ring_map *m, const char *name, size_t nlen, int64_t ms, int *sock)
+{
+	int bell, rc = t_attach_bell(srv, m, name, nlen, ms, sock, &bell);
+	assert_int_equal(bell, -1); /* no ack here carries one */
 	return rc;
 }
 
@@ -397,7 +408,7 @@ static void test_attach_hands_the_segment_to_the_pool_node(void **state)
 {
 	char name[108];
 	size_t nlen;
-	struct t_srv srv = { .status = 0, .mode = 0 };
+	struct t_srv srv = { .status = 0, .mode = 0, .ack_fd = -1 };
 	struct ap_ring_map m;
 	struct ap_seg seg;
 	struct ap_ring rep;
@@ -439,25 +450,25 @@ static void test_attach_failures_are_reported(void **state)
 	char name[108];
 	size_t nlen;
 	struct ap_ring_map m;
-	int sock = 7;
+	int sock = 7, bell;
 	int64_t t0;
 
 	(void)state;
 	t_memfd_seg(&m, 1, 1);
 	/* the pool node refuses: its status, positive */
-	struct t_srv srv = { .status = EPERM, .mode = 0 };
+	struct t_srv srv = { .status = EPERM, .mode = 0, .ack_fd = -1 };
 	srv.lfd = t_dp_listen(name, &nlen);
 	assert_int_equal(t_attach(&srv, &m, name, nlen, 2000, &sock), EPERM);
 	assert_int_equal(sock, -1);
 	close(srv.lfd);
 	/* a bad ack */
-	struct t_srv srv1 = { .mode = 1 };
+	struct t_srv srv1 = { .mode = 1, .ack_fd = -1 };
 	srv1.lfd = t_dp_listen(name, &nlen);
 	assert_int_equal(t_attach(&srv1, &m, name, nlen, 2000, &sock), -EPROTO);
 	close(srv1.peer.sock);
 	close(srv1.lfd);
 	/* a listener that never answers: the deadline, not a hang */
-	struct t_srv srv2 = { .mode = 2 };
+	struct t_srv srv2 = { .mode = 2, .ack_fd = -1 };
 	srv2.lfd = t_dp_listen(name, &nlen);
 	t0 = t_now_ms();
 	assert_int_equal(t_attach(&srv2, &m, name, nlen, 300, &sock), -ETIMEDOUT);
@@ -465,10 +476,69 @@ static void test_attach_failures_are_reported(void **state)
 	close(srv2.peer.sock);
 	close(srv2.lfd);
 	/* nobody there */
-	assert_int_equal(dp_attach(name, nlen, T_TOKEN, "b", 1, m.fd, dp_now_ms() + 500, &sock), -ECONNREFUSED);
+	assert_int_equal(dp_attach(name, nlen, T_TOKEN, "b", 1, m.fd, dp_now_ms() + 500, &sock, &bell), -ECONNREFUSED);
 	/* bad arguments: not an abstract name, no node name */
-	assert_int_equal(dp_attach("/tmp/x", 6, T_TOKEN, "b", 1, m.fd, dp_now_ms() + 500, &sock), -EINVAL);
-	assert_int_equal(dp_attach(name, nlen, T_TOKEN, "b", 0, m.fd, dp_now_ms() + 500, &sock), -EINVAL);
+	assert_int_equal(dp_attach("/tmp/x", 6, T_TOKEN, "b", 1, m.fd, dp_now_ms() + 500, &sock, &bell), -EINVAL);
+	assert_int_equal(dp_attach(name, nlen, T_TOKEN, "b", 0, m.fd, dp_now_ms() + 500, &sock, &bell), -EINVAL);
+	ap_ring_map_close(&m);
+}
+
+static int t_open_fds(void)
+{
+	int n = 0;
+	for (int fd = 0; fd < 1024; fd++)
+		if (fcntl(fd, F_GETFD) >= 0)
+			n++;
+	return n;
+}
+
+/* An epoll pool node's ack carries its bell eventfd; the NIF rings it
+ * instead of the futex. A hostile node passing anything else is refused
+ * and nothing it passed stays open. */
+static void test_attach_takes_the_bell_eventfd_only(void **state)
+{
+	char name[108];
+	size_t nlen;
+	struct ap_ring_map m;
+	int sock, bell, efd, pfd[2], before;
+	uint32_t *word, expected;
+	uint64_t v = 0;
+
+	(void)state;
+	t_memfd_seg(&m, 1, 1);
+	efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	assert_true(efd >= 0);
+	struct t_srv srv = { .status = 0, .mode = 0, .ack_fd = efd };
+	srv.lfd = t_dp_listen(name, &nlen);
+	assert_int_equal(t_attach_bell(&srv, &m, name, nlen, 2000, &sock, &bell), 0);
+	assert_true(bell >= 0 && bell != efd);
+	assert_true(fcntl(bell, F_GETFL) & O_NONBLOCK);
+	/* no flag up: no ring; flag up: one write of 1 to the node's eventfd */
+	assert_int_equal(ap_seg_notify_fd(srv.peer.seg.hdr, AP_SEG_BELL_REQ, bell), 0);
+	assert_int_equal(read(efd, &v, sizeof v), -1);
+	ap_seg_sleep_begin(srv.peer.seg.hdr, AP_SEG_BELL_REQ, &word, &expected);
+	assert_int_equal(ap_seg_notify_fd(srv.peer.seg.hdr, AP_SEG_BELL_REQ, bell), 1);
+	assert_int_equal(read(efd, &v, sizeof v), (ssize_t)sizeof v);
+	assert_int_equal(v, 1);
+	assert_int_not_equal(*word, expected); /* the bell word moved too */
+	t_dp_peer_close(&srv.peer);
+	close(bell);
+	close(sock);
+	close(srv.lfd);
+	/* a pipe instead of an eventfd: refused, nothing kept */
+	assert_int_equal(pipe2(pfd, O_CLOEXEC), 0);
+	before = t_open_fds();
+	struct t_srv srv2 = { .status = 0, .mode = 0, .ack_fd = pfd[1] };
+	srv2.lfd = t_dp_listen(name, &nlen);
+	assert_int_equal(t_attach_bell(&srv2, &m, name, nlen, 2000, &sock, &bell), -EPROTO);
+	assert_int_equal(sock, -1);
+	assert_int_equal(bell, -1);
+	t_dp_peer_close(&srv2.peer);
+	close(srv2.lfd);
+	assert_int_equal(t_open_fds(), before);
+	close(pfd[0]);
+	close(pfd[1]);
+	close(efd);
 	ap_ring_map_close(&m);
 }
 
@@ -499,6 +569,7 @@ int main(void)
 		cmocka_unit_test(test_drain_reports_a_broken_ring),
 		cmocka_unit_test(test_attach_hands_the_segment_to_the_pool_node),
 		cmocka_unit_test(test_attach_failures_are_reported),
+		cmocka_unit_test(test_attach_takes_the_bell_eventfd_only),
 		cmocka_unit_test(test_peer_gone_sees_eof_not_data),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
