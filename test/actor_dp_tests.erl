@@ -35,6 +35,7 @@
          bad_arguments_are_badarg/1,
          many_answers_in_a_row_arrive_whole/1,
          await_takes_a_lone_asks_answer_once/1,
+         await_leaves_the_reply_thread_wakeable/1,
          await_is_none_unless_the_ask_is_alone/1,
          await_after_close_or_cancel_is_none/1,
          await_answers_bad_replies_as_errors/1,
@@ -73,6 +74,7 @@ actor_dp_peer_test_() ->
                   bad_arguments_are_badarg,
                   many_answers_in_a_row_arrive_whole,
                   await_takes_a_lone_asks_answer_once,
+                  await_leaves_the_reply_thread_wakeable,
                   await_is_none_unless_the_ask_is_alone,
                   await_after_close_or_cancel_is_none,
                   await_answers_bad_replies_as_errors,
@@ -591,6 +593,26 @@ await_takes_a_lone_asks_answer_once(P) ->
     #{awaited := Awaited, replies := 300, late := 0, pending := 0} = actor_dp:info(Seg),
     ?assertMatch({awaited, {ok, last}}, lone_asks_until_one_is_awaited(Seg, last, 10000)),
     receive {R, _} = Stray when is_reference(R) -> error({stray, Stray}) after 0 -> ok end,
+    ok = actor_dp:close(Seg, done).
+
+%% An asker in await/2 takes the sleeping reply thread's flag down (the
+%% reply it waits for then rings nobody) and must raise it again: an
+%% answer that comes after, to an ask nobody awaits, wakes the reply thread
+%% at once, not at the end of its 50 ms sleep (a lost flag makes that wait
+%% 0-50 ms, median 25).
+await_leaves_the_reply_thread_wakeable(P) ->
+    Seg = open(P, #{}),
+    Us = [begin
+              {awaited, {ok, K}} = lone_asks_until_one_is_awaited(Seg, K, 10000),
+              Ref = make_ref(),
+              T0 = erlang:monotonic_time(microsecond),
+              true = element(1, actor_dp:submit(Seg, ask, echo, K, Ref, undefined)) =:= ok,
+              receive {Ref, {ok, K}} -> ok after ?T -> error({no_reply, K}) end,
+              erlang:monotonic_time(microsecond) - T0
+          end || K <- lists:seq(1, 21)],
+    Median = lists:nth(11, lists:sort(Us)),
+    ?assert(Median < 10000, {median_us, Median, Us}),
+    #{late := 0, pending := 0} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
 
 %% One ask, its answer by Await(Id, Marked) or as the message: {awaited |

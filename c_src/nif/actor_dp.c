@@ -100,6 +100,7 @@ struct dp {
 	 * pool node's to scribble on: a wait must not trust it). */
 	atomic_int draining;
 	atomic_int awaiting; /* askers in await/2: the reply thread stands aside */
+	atomic_int flag_taken; /* an asker in await/2 took the reply thread's sleep flag down */
 	uint64_t *seen;
 	ErlNifEnv *aenv; /* an asker's env for others' answers (under draining) */
 	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
@@ -1313,6 +1314,12 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 		return a_none;
 	c = (struct await_ctx){ .s = s, .env = env, .mine = id, .got = 0 };
 	atomic_fetch_add(&s->awaiting, 1);
+	/* The reply thread, asleep, would be rung by the reply we wait for
+	 * only to stand aside again: a syscall in the worker and a wake-up
+	 * that may take this very CPU from us. Its flag stays down while we
+	 * wait and goes up again when the last asker leaves (below). */
+	if (ap_seg_flag_take(s->seg.hdr, AP_SEG_BELL_REP))
+		atomic_store(&s->flag_taken, 1);
 	t0 = enif_monotonic_time(ERL_NIF_NSEC);
 	now = t0;
 	for (unsigned k = 1;; k++) {
@@ -1351,6 +1358,8 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	 * before the tails we read, as its own check of awaiting is ordered
 	 * after raising its sleep flag. */
 	if (atomic_fetch_sub(&s->awaiting, 1) == 1) {
+		if (atomic_exchange(&s->flag_taken, 0))
+			ap_seg_flag_raise(s->seg.hdr, AP_SEG_BELL_REP);
 		atomic_thread_fence(memory_order_seq_cst);
 		if (rep_any_pending(s))
 			ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);

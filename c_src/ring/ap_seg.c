@@ -143,6 +143,18 @@ void ap_seg_sleep_begin(struct ap_seg_hdr *h, enum ap_seg_bell b, uint32_t **wor
 	*word = bell_of(h, b);
 }
 
+int ap_seg_flag_take(struct ap_seg_hdr *h, enum ap_seg_bell b)
+{
+	uint32_t *flag = flag_of(h, b);
+	return LOAD(flag, RELAXED) && __atomic_exchange_n(flag, 0, __ATOMIC_RELAXED);
+}
+
+void ap_seg_flag_raise(struct ap_seg_hdr *h, enum ap_seg_bell b)
+{
+	STORE(flag_of(h, b), 1, RELAXED);
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
 void ap_seg_sleep_end(struct ap_seg_hdr *h, enum ap_seg_bell b)
 {
 	STORE(flag_of(h, b), 0, RELAXED);

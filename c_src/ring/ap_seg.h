@@ -166,6 +166,14 @@ int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int efd);
  * else wait on *word while it holds *expected (a futex, or io_uring's
  * FUTEX_WAIT with a linked timeout), then ap_seg_sleep_end. */
 void ap_seg_sleep_begin(struct ap_seg_hdr *h, enum ap_seg_bell b, uint32_t **word, uint32_t *expected);
+
+/* For a third party that takes the sleeper's work for a while (the NIF's
+ * await/2 for the reply thread): take the flag down, so producers ring
+ * nobody meanwhile (1 if it was up), and raise it again after; the caller
+ * then looks at the rings once more and kicks if anything is left, as the
+ * sleeper may still be asleep. */
+int ap_seg_flag_take(struct ap_seg_hdr *h, enum ap_seg_bell b);
+void ap_seg_flag_raise(struct ap_seg_hdr *h, enum ap_seg_bell b);
 void ap_seg_sleep_end(struct ap_seg_hdr *h, enum ap_seg_bell b);
 
 /* The whole wait for a thread that may block: spins `spin` rounds calling
