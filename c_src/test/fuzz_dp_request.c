@@ -90,6 +90,12 @@ void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
 	(void)n, (void)fn, (void)arg;
 }
 
+int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg)
+{
+	(void)n, (void)fd, (void)fn, (void)arg;
+	return -ENOSYS;
+}
+
 ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid)
 {
 	(void)n;
