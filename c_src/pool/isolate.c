@@ -54,7 +54,14 @@ typedef struct ap_iso {
 	 * Ours, not in the channel, so a child cannot silence the loop. */
 	_Atomic int want_jobs;
 	int how, code;          /* waitid's si_code and si_status: the cause */
-	/* proxy thread only */
+	/* The send state below is the proxy's while it is awake: it holds
+	 * send_mu then, and lets go only asleep in its main loop, with
+	 * direct_ok up, when the loop may send an ask (and what is queued
+	 * before it) to the child itself (ap_iso_wake): one wake-up of the
+	 * proxy fewer per ask; the proxy still takes the results. */
+	pthread_mutex_t send_mu;
+	_Atomic int direct_ok;
+	/* proxy thread only (or the loop, under send_mu, see above) */
 	struct ap_ring req, rsp;
 	ap_job *cursor;     /* the last job sent whole; the mailbox's dummy when none */
 	size_t sent_off;    /* bytes of cursor->next already sent */
@@ -119,6 +126,7 @@ int ap_iso_slot_init(ap_worker *w)
 	l->layout_timeout = p->o.handler_timeout_ms > 0;
 	l->worker = (uint32_t)w->id;
 	atomic_init(&s->pidfd, -1);
+	pthread_mutex_init(&s->send_mu, NULL);
 	w->iso = s;
 	return 0;
 }
@@ -132,6 +140,7 @@ void ap_iso_slot_free(ap_worker *w)
 	if (fd >= 0)
 		close(fd);
 	ap_ring_map_close(&s->map);
+	pthread_mutex_destroy(&s->send_mu);
 	free(s);
 	w->iso = NULL;
 }
@@ -144,8 +153,29 @@ void ap_iso_slot_free(ap_worker *w)
  * has made room); one holding back tells (send_commit) wakes for an ask
  * only. The Dekker pair is proxy_sleep's want_jobs, then its look at the
  * mailbox. */
+static int send_jobs(ap_worker *w);
+static size_t next_need(ap_iso *s);
+
+/* The loop sends an ask to the child of a sleeping proxy itself (with
+ * every job queued before it): 1 if all went, so the proxy need not wake
+ * for it (the child rings it for the result). */
+static int send_direct(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	int done = 0;
+	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
+		return 0;
+	/* Again under the lock: the proxy lowers it only holding it. */
+	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop))
+		done = send_jobs(w) > 0 && next_need(s) == 0;
+	pthread_mutex_unlock(&s->send_mu);
+	return done;
+}
+
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
+	if (!always && ask && send_direct(w))
+		return;
 	atomic_thread_fence(memory_order_seq_cst);
 	int want = atomic_load(&w->iso->want_jobs);
 	if (always || want == WANT_ANY || (want == WANT_ASK && ask))
@@ -165,7 +195,6 @@ static int front_is_ask(ap_worker *w)
 
 static int ready_run(ap_worker *w);
 static int ready_held(ap_worker *w);
-static size_t next_need(ap_iso *s);
 
 static void futex_wait_us(_Atomic uint32_t *word, uint32_t expected, int64_t us)
 {
@@ -174,8 +203,9 @@ static void futex_wait_us(_Atomic uint32_t *word, uint32_t expected, int64_t us)
 }
 
 /* The proxy sleeps until the bell rings or timeout_us, unless ready()
- * already holds after it raised its flag (the Dekker pair of bell_ring). */
-static void proxy_sleep(ap_worker *w, int64_t timeout_us, int (*ready)(ap_worker *))
+ * already holds after it raised its flag (the Dekker pair of bell_ring).
+ * direct: the loop may send asks meanwhile (send_direct). */
+static void proxy_sleep_d(ap_worker *w, int64_t timeout_us, int (*ready)(ap_worker *), int direct)
 {
 	struct iso_ctl *c = w->iso->ctl;
 	/* With an ask at the child its answer is microseconds away and a
@@ -200,10 +230,22 @@ static void proxy_sleep(ap_worker *w, int64_t timeout_us, int (*ready)(ap_worker
 											: WANT_NONE);
 	atomic_store(&c->proxy_waiting, 1);
 	atomic_thread_fence(memory_order_seq_cst);
-	if (!ready(w))
+	if (!ready(w)) {
+		ap_iso *s = w->iso;
+		if (direct)
+			atomic_store(&s->direct_ok, 1);
+		pthread_mutex_unlock(&s->send_mu);
 		futex_wait_us(&c->proxy_bell, v, timeout_us);
+		pthread_mutex_lock(&s->send_mu);
+		atomic_store(&s->direct_ok, 0);
+	}
 	atomic_store(&c->proxy_waiting, 0);
 	atomic_store(&w->iso->want_jobs, 0);
+}
+
+static void proxy_sleep(ap_worker *w, int64_t timeout_us, int (*ready)(ap_worker *))
+{
+	proxy_sleep_d(w, timeout_us, ready, 0);
 }
 
 /* ---- reaping (loop thread) ------------------------------------------------- */
@@ -744,6 +786,7 @@ void *ap_iso_proxy_main(void *arg)
 	pthread_setname_np(pthread_self(), tname);
 	w->reply.reserve = ap_pool_reply_reserve;
 	w->exit_reason = EXIT_INIT_FAILED;
+	pthread_mutex_lock(&s->send_mu); /* ours while awake (proxy_sleep_d) */
 
 	int r = iso_spawn(w);
 	if (r) {
@@ -828,13 +871,16 @@ void *ap_iso_proxy_main(void *arg)
 			ring_held(s);
 			held = 0;
 		}
+		/* The loop may send asks while we sleep, unless a handler
+		 * deadline needs us awake to time the child. */
+		int direct = !tmo;
 		if (held) {
 			/* Nothing to send but tells held back: until their
 			 * time, unless an ask or a batch comes first. */
-			proxy_sleep(w, held < wait_us ? held : wait_us, ready_held);
+			proxy_sleep_d(w, held < wait_us ? held : wait_us, ready_held, direct);
 			continue;
 		}
-		proxy_sleep(w, wait_us, ready_run);
+		proxy_sleep_d(w, wait_us, ready_run, direct);
 	}
 done:
 	if (atomic_load(&s->pidfd) >= 0 && !atomic_load(&s->dead))
@@ -850,6 +896,7 @@ done:
 		w->reply.cap = w->reply.len = 0;
 	}
 	atomic_store(&w->os_pid, 0);
+	pthread_mutex_unlock(&s->send_mu);
 	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
 	return NULL;
 }
