@@ -9,10 +9,10 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-int ap_ring_send_fd(int sock, int fd)
+/* One sendmsg of len bytes with fd as SCM_RIGHTS: bytes sent or -errno. */
+static ssize_t send_fd_msg(int sock, const void *buf, size_t len, int fd, int flags)
 {
-	char byte = 'R';
-	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
 	union {
 		struct cmsghdr h;
 		char buf[CMSG_SPACE(sizeof(int))];
@@ -30,9 +30,16 @@ int ap_ring_send_fd(int sock, int fd)
 	c->cmsg_len = CMSG_LEN(sizeof(int));
 	memcpy(CMSG_DATA(c), &fd, sizeof fd);
 	do
-		n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+		n = sendmsg(sock, &msg, flags);
 	while (n < 0 && errno == EINTR);
-	return n == 1 ? 0 : n < 0 ? -errno : -EIO;
+	return n < 0 ? -errno : n;
+}
+
+int ap_ring_send_fd(int sock, int fd)
+{
+	char byte = 'R';
+	ssize_t n = send_fd_msg(sock, &byte, 1, fd, MSG_NOSIGNAL);
+	return n == 1 ? 0 : n < 0 ? (int)n : -EIO;
 }
 
 /* Closes every fd a message carried: what a hostile sender adds beyond
@@ -90,27 +97,8 @@ int ap_ring_recv_fd(int sock, int *fd)
 
 int ap_ring_send_with_fd(int sock, const void *buf, size_t len, int fd)
 {
-	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} u;
-	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf };
-	struct cmsghdr *c;
-	ssize_t n;
-
-	if (sock < 0 || fd < 0)
-		return -EBADF;
-	memset(&u, 0, sizeof u);
-	c = CMSG_FIRSTHDR(&msg);
-	c->cmsg_level = SOL_SOCKET;
-	c->cmsg_type = SCM_RIGHTS;
-	c->cmsg_len = CMSG_LEN(sizeof(int));
-	memcpy(CMSG_DATA(c), &fd, sizeof fd);
-	do
-		n = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-	while (n < 0 && errno == EINTR);
-	return n == (ssize_t)len ? 0 : n < 0 ? -errno : -EAGAIN;
+	ssize_t n = send_fd_msg(sock, buf, len, fd, MSG_NOSIGNAL | MSG_DONTWAIT);
+	return n == (ssize_t)len ? 0 : n < 0 ? (int)n : -EAGAIN;
 }
 
 ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags)
