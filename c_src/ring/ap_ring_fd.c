@@ -42,9 +42,10 @@ int ap_ring_send_fd(int sock, int fd)
 	return n == 1 ? 0 : n < 0 ? (int)n : -EIO;
 }
 
-/* Closes every fd a message carried: what a hostile sender adds beyond
- * the one we asked for must not leak into our process. */
-static void close_all(struct msghdr *msg)
+/* Every fd a message carried: the first into *keep when keep is given
+ * and *keep is -1, every other one closed (what a hostile sender adds
+ * beyond the one we asked for must not leak into our process). */
+static void take_fds(struct msghdr *msg, int *keep)
 {
 	for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
 		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
@@ -53,10 +54,15 @@ static void close_all(struct msghdr *msg)
 		for (size_t i = 0; i < n; i++) {
 			int fd;
 			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-			close(fd);
+			if (keep && *keep < 0)
+				*keep = fd;
+			else
+				close(fd);
 		}
 	}
 }
+
+static void close_all(struct msghdr *msg) { take_fds(msg, NULL); }
 
 int ap_ring_recv_fd(int sock, int *fd)
 {
@@ -116,18 +122,6 @@ ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags)
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return -errno;
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0))
-			continue;
-		size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-		for (size_t i = 0; i < k; i++) {
-			int got;
-			memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
-			if (*fd < 0)
-				*fd = got;
-			else
-				close(got);
-		}
-	}
+	take_fds(&msg, fd);
 	return n;
 }
