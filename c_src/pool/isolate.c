@@ -147,12 +147,6 @@ void ap_iso_slot_free(ap_worker *w)
 
 /* ---- doorbells ------------------------------------------------------------- */
 
-/* A push rings only a proxy that has nothing left to send: one waiting
- * for room in a full request ring would wake, find no room and sleep
- * again, a wake-up per push under a backlog (the child rings it when it
- * has made room); one holding back tells (send_commit) wakes for an ask
- * only. The Dekker pair is proxy_sleep's want_jobs, then its look at the
- * mailbox. */
 static int send_jobs(ap_worker *w);
 static size_t next_need(ap_iso *s);
 
@@ -172,6 +166,12 @@ static int send_direct(ap_worker *w)
 	return done;
 }
 
+/* A push rings only a proxy that has nothing left to send: one waiting
+ * for room in a full request ring would wake, find no room and sleep
+ * again, a wake-up per push under a backlog (the child rings it when it
+ * has made room); one holding back tells (send_commit) wakes for an ask
+ * only. The Dekker pair is proxy_sleep's want_jobs, then its look at the
+ * mailbox. */
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
 	if (!always && ask && send_direct(w))

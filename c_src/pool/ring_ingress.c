@@ -20,14 +20,15 @@
  *
  * A segment is reference counted (ap_dp_seg_get/put): the registry, the
  * attach thread's socket, an armed wait (uring), each call posted to the
- * loop, and each ring ask in a mailbox. Detached
- * (peer EOF, a broken ring, the peer's closed bit) means: out of the
- * registry, no more reads, replies dropped; the memory goes with the last
- * reference, so an armed io_uring wait is cancelled and reaped first.
+ * loop, and each ring ask in a mailbox. Detached (peer EOF, a broken
+ * ring, the peer's closed bit) means: out of the registry, no more reads,
+ * replies dropped; the memory goes with the last reference, so an armed
+ * io_uring wait is cancelled and reaped first.
  */
 /* Over 700 lines on purpose: the segment's reference count is taken and
- * dropped by the attach thread, the loop and io_uring waits; every path that holds one is in this file, so the count can be
- * audited in one read. The records' format and checks are ap_seg.c's. */
+ * dropped by the attach thread, the loop and io_uring waits; every path
+ * that holds one is in this file, so the count can be audited in one
+ * read. The records' format and checks are ap_seg.c's. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
