@@ -105,7 +105,7 @@ struct dp {
 	ErlNifEnv *aenv; /* an asker's env for others' answers (under draining) */
 	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
 	int sock;
-	int bell_fd; /* an epoll pool node's bell eventfd (ap_seg.h, attach step 4), or -1 */
+	int bell_fd; /* an epoll pool node's bell pipe (ap_seg.h, attach step 4), or -1 */
 
 	ErlNifMutex *mu; /* the asks, closed, keep, free list */
 	struct ask **tab;
@@ -354,10 +354,8 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 	if (m)
 		enif_free_env(m);
 	ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
-	if (s->bell_fd >= 0) {
-		uint64_t one = 1; /* an epoll pool node hears the closed bit at once */
-		(void)!write(s->bell_fd, &one, sizeof one);
-	}
+	if (s->bell_fd >= 0) /* an epoll pool node hears the closed bit at once */
+		ap_seg_ring_pipe(s->bell_fd);
 	if (s->sock >= 0)
 		shutdown(s->sock, SHUT_RDWR);
 }

@@ -3,8 +3,8 @@
 #include "dp_core.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <poll.h>
 #include <stddef.h>
 #include <string.h>
@@ -197,25 +197,19 @@ static int write_all(int fd, const void *p, size_t n, int64_t deadline)
 	return 0;
 }
 
-/* 1 if fd is an eventfd, by /proc (fdinfo has an eventfd-count line):
- * a hostile pool node could pass a pipe or a file instead. */
-int dp_is_eventfd(int fd)
+/* 1 if fd is a pipe whose write honours RWF_NOWAIT (the probe rings it
+ * once; EAGAIN, a full pipe, is a yes): the bell is written so, and then
+ * never blocks whatever its flags. A hostile pool node could pass a file,
+ * a socket or an eventfd instead (an eventfd's write blocks when its
+ * O_NONBLOCK, shared with the sender, is cleared and its count full). */
+int dp_is_bell_pipe(int fd)
 {
-	char path[64], buf[512];
-	int pfd, found = 0;
-	ssize_t n;
-
-	snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
-	pfd = open(path, O_RDONLY | O_CLOEXEC);
-	if (pfd < 0)
+	struct stat st;
+	char c = 'b';
+	struct iovec iov = { .iov_base = &c, .iov_len = 1 };
+	if (fstat(fd, &st) || !S_ISFIFO(st.st_mode))
 		return 0;
-	n = read(pfd, buf, sizeof buf - 1);
-	close(pfd);
-	if (n > 0) {
-		buf[n] = 0;
-		found = strstr(buf, "\neventfd-count:") != NULL || !strncmp(buf, "eventfd-count:", 14);
-	}
-	return found;
+	return pwritev2(fd, &iov, 1, -1, RWF_NOWAIT) == 1 || errno == EAGAIN;
 }
 
 /* Reads the ack, and the fd that may ride on it (attach, step 4). */
@@ -326,12 +320,9 @@ int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKE
 		rc = ack.status < 4096 ? (int)ack.status : -EPROTO;
 		goto err;
 	}
-	if (*bell_fd >= 0) {
-		int fl = fcntl(*bell_fd, F_GETFL);
-		if (!dp_is_eventfd(*bell_fd) || fl < 0 || fcntl(*bell_fd, F_SETFL, fl | O_NONBLOCK)) {
-			rc = -EPROTO;
-			goto err;
-		}
+	if (*bell_fd >= 0 && !dp_is_bell_pipe(*bell_fd)) {
+		rc = -EPROTO;
+		goto err;
 	}
 	*sock = fd;
 	return 0;

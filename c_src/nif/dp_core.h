@@ -102,9 +102,9 @@ int dp_drain_upto(struct ap_ring *r, uint8_t *buf, size_t buf_cap, unsigned max,
  * connected socket (close-on-exec, non-blocking) is returned in *sock.
  * 0; a negative errno (-ETIMEDOUT, -ECONNREFUSED, -EPERM: another uid,
  * -EPROTO: a bad ack, -ECONNRESET); or a positive errno: the pool node's
- * refusal (its ack status). *bell_fd is the pool node's bell eventfd
- * when its ack carried one (ap_seg.h, attach step 4; checked to be an
- * eventfd, made non-blocking), else -1; the caller closes it. */
+ * refusal (its ack status). *bell_fd is the pool node's bell pipe
+ * when its ack carried one (ap_seg.h, attach step 4; checked with
+ * dp_is_bell_pipe), else -1; the caller closes it. */
 int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKEN_LEN], const void *node,
 	      size_t node_len, int memfd, int64_t deadline_ms, int *sock,
 	      int *bell_fd);
@@ -114,8 +114,8 @@ int dp_attach(const void *name, size_t name_len, const uint8_t token[AP_SEG_TOKE
  * expected after the ack), at most a bounded amount per call. */
 int dp_peer_gone(int sock);
 
-/* 1 if fd is an eventfd (by /proc/self/fdinfo). */
-int dp_is_eventfd(int fd);
+/* 1 if fd is a pipe that takes RWF_NOWAIT writes (it writes one byte). */
+int dp_is_bell_pipe(int fd);
 
 int64_t dp_now_ms(void);
 

@@ -11,9 +11,10 @@
  *  - The loop thread is the one consumer of every request ring: it drains
  *    them (records validated, fences followed, dispatched through
  *    ap_pool_dispatch), woken by an io_uring FUTEX_WAIT on the segment's
- *    request bell or, on epoll, by the node's bell eventfd, which every
- *    BEAM got with its ack and writes instead of a futex wake (one
- *    eventfd for all segments: a ring drains every segment); and before
+ *    request bell or, on epoll, by the node's bell pipe (the loop reads
+ *    it, every BEAM got its write end with the ack and writes a byte
+ *    instead of a futex wake; one bell for all segments: a ring drains
+ *    every segment); and before
  *    sleeping it spins briefly over its segments when they were busy.
  *  - Replies go into the segment's reply rings, from workers (a mutex per
  *    ring) and from the loop (errors; never waiting).
@@ -30,6 +31,7 @@
  * that holds one is in this file, so the count can be audited in one
  * read. The records' format and checks are ap_seg.c's. */
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -100,7 +102,7 @@ static struct {
 	size_t name_len;
 	uint8_t token[AP_SEG_TOKEN_LEN];
 	int lfd, efd;
-	int bell_fd; /* epoll: the eventfd the BEAMs ring (ap_seg.h, attach step 4) */
+	int bell_fd, bell_tx; /* epoll: the bell pipe's ends, the loop's and the BEAMs' (ap_seg.h, attach step 4) */
 	pthread_t th;
 	_Atomic int nsegs; /* attached or being handed over: the cap's count */
 	uint32_t next_id;
@@ -111,7 +113,7 @@ static struct {
 	int spin; /* the idle spin's rounds now (adaptive, 0..DP_SPIN) */
 	int64_t hot_until_ms;
 	ap_buf copy; /* a record copied out of shared memory */
-} dp = { .lfd = -1, .efd = -1, .bell_fd = -1 };
+} dp = { .lfd = -1, .efd = -1, .bell_fd = -1, .bell_tx = -1 };
 
 static void detach(struct ap_dp_seg *sg, const char *why);
 
@@ -513,17 +515,19 @@ static void fw_done(ap_io_futex *f, int res)
 	ap_dp_seg_put(sg);
 }
 
-/* ---- wake-ups: epoll (the bell eventfd, in the loop's own epoll set) ---------- */
+/* ---- wake-ups: epoll (the bell pipe, in the loop's own epoll set) ------------- */
 
 /* Some BEAM rang: every raised flag comes down and every segment is
- * drained (one eventfd for all; dp_idle raises the flags again before the
- * loop blocks). */
+ * drained (one bell for all; dp_idle raises the flags again before the
+ * loop blocks). A bounded read: a BEAM that floods the bell costs loop
+ * wake-ups, never an endless read. */
 static void on_bell(ap_node *n, void *arg)
 {
 	(void)n;
 	(void)arg;
-	uint64_t v;
-	(void)!read(dp.bell_fd, &v, sizeof v);
+	char b[256];
+	for (int k = 0; k < 64 && read(dp.bell_fd, b, sizeof b) == (ssize_t)sizeof b; k++)
+		;
 	for (int i = 0; i < dp.top; i++) {
 		struct ap_dp_seg *sg = dp.segs[i];
 		if (!sg)
@@ -563,7 +567,7 @@ static void seg_added(ap_node *n, void *arg)
 		dp.top = slot + 1;
 	ap_log(AP_LOG_INFO, "ring segment %u attached: %s (os pid %u), %u request rings of %llu bytes, %u reply rings of %llu bytes, wake-ups by %s",
 	       sg->id, sg->peer, sg->os_pid, sg->s.n_req, (unsigned long long)sg->s.req_cap, sg->s.n_rep,
-	       (unsigned long long)sg->s.rep_cap, dp.uring ? "io_uring futex wait" : "the bell eventfd");
+	       (unsigned long long)sg->s.rep_cap, dp.uring ? "io_uring futex wait" : "the bell pipe");
 	sg->fw.done = fw_done;
 	sg->fw.arg = sg;
 	(void)arm(sg); /* dp_idle runs before the loop blocks */
@@ -799,7 +803,7 @@ static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattache
 		return;
 	}
 	struct ap_seg_ack ok = { .magic = AP_SEG_HELLO_MAGIC, .status = 0 };
-	if (dp.bell_fd >= 0 ? ap_ring_send_with_fd(a->fd, &ok, sizeof ok, dp.bell_fd) : send_ack(a->fd, 0)) {
+	if (dp.bell_tx >= 0 ? ap_ring_send_with_fd(a->fd, &ok, sizeof ok, dp.bell_tx) : send_ack(a->fd, 0)) {
 		refuse(a, 0, "cannot answer");
 		seg_free(sg);
 		return;
@@ -948,11 +952,24 @@ int ap_dp_start(ap_node *n, int enabled)
 	}
 	dp.uring = ap_node_futex_supported(n);
 	if (!dp.uring) {
-		int r;
-		dp.bell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-		if (dp.bell_fd < 0 || (r = ap_node_add_reader(n, dp.bell_fd, on_bell, NULL))) {
+		/* A pipe, not an eventfd: the BEAMs write it with RWF_NOWAIT,
+		 * which never blocks whatever anyone does to the shared write
+		 * end's flags (an eventfd's write blocks when a peer cleared
+		 * O_NONBLOCK and filled it). The read end is ours alone. */
+		int sv[2], r = pipe2(sv, O_NONBLOCK | O_CLOEXEC) ? -errno : 0;
+		if (!r) {
+			dp.bell_fd = sv[0];
+			dp.bell_tx = sv[1];
+			r = ap_node_add_reader(n, dp.bell_fd, on_bell, NULL);
+		}
+		if (r) {
 			ap_log(AP_LOG_ERROR, "same-host rings: no bell for the epoll loop (%s); distribution only",
-			       strerror(dp.bell_fd < 0 ? errno : -r));
+			       strerror(-r));
+			if (dp.bell_fd >= 0)
+				close(dp.bell_fd);
+			if (dp.bell_tx >= 0)
+				close(dp.bell_tx);
+			dp.bell_fd = dp.bell_tx = -1;
 			goto off;
 		}
 	}
@@ -964,7 +981,7 @@ int ap_dp_start(ap_node *n, int enabled)
 	ap_node_set_idle(n, dp_idle, NULL);
 	dp.enabled = 1;
 	ap_log(AP_LOG_INFO, "same-host rings: listening on @%s, wake-ups by %s", body,
-	       dp.uring ? "io_uring futex waits" : "an eventfd in the epoll set");
+	       dp.uring ? "io_uring futex waits" : "a bell pipe in the epoll set");
 	return 0;
 off:
 	if (dp.lfd >= 0)
@@ -972,7 +989,6 @@ off:
 	if (dp.efd >= 0)
 		close(dp.efd);
 	dp.lfd = dp.efd = -1;
-	/* bell_fd stays open once it is in the loop's set (nobody is given it) */
 	return 0;
 }
 

@@ -5,7 +5,7 @@
 #include <errno.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
+#include <sys/uio.h>
 
 #define LOAD(p, mo) __atomic_load_n((p), __ATOMIC_##mo)
 #define STORE(p, v, mo) __atomic_store_n((p), (v), __ATOMIC_##mo)
@@ -113,7 +113,16 @@ static uint32_t *flag_of(struct ap_seg_hdr *h, enum ap_seg_bell b)
 	return b == AP_SEG_BELL_REQ ? &h->req_sleeping : &h->rep_sleeping;
 }
 
-int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int efd)
+void ap_seg_ring_pipe(int bell)
+{
+	/* RWF_NOWAIT: never blocks, whatever anyone did to the write end's
+	 * flags; EAGAIN means the pipe is full, so the loop is rung. */
+	char c = 'b';
+	struct iovec iov = { .iov_base = &c, .iov_len = 1 };
+	(void)pwritev2(bell, &iov, 1, -1, RWF_NOWAIT);
+}
+
+int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int bell)
 {
 	uint32_t *flag = flag_of(h, b);
 
@@ -122,9 +131,8 @@ int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int efd)
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	if (LOAD(flag, RELAXED) && __atomic_exchange_n(flag, 0, __ATOMIC_RELAXED)) {
 		__atomic_fetch_add(bell_of(h, b), 1, __ATOMIC_RELEASE);
-		if (efd >= 0) {
-			uint64_t one = 1;
-			(void)!write(efd, &one, sizeof one); /* EAGAIN: the counter is full, the loop is rung */
+		if (bell >= 0) {
+			ap_seg_ring_pipe(bell);
 		} else {
 			ap_ring_futex_wake(bell_of(h, b), 1);
 		}

@@ -57,11 +57,13 @@
  *     errno) and keeps the socket open: EOF on it, either way, means the
  *     peer is gone. Every step has a deadline (AP_SEG_ATTACH_TIMEOUT_MS).
  *  4. A pool node whose loop cannot wait on a futex (the epoll backend)
- *     sends its bell eventfd with a status-0 ack (SCM_RIGHTS), and the
- *     NIF then rings `req_bell` by writing 1 to it (ap_seg_notify_fd)
- *     instead of a futex wake: the loop waits for it in epoll itself, with
- *     no thread between (one wake-up per sleep, not two). The NIF takes it
- *     only if /proc says it is an eventfd, and writes it non-blocking.
+ *     sends its bell with a status-0 ack (SCM_RIGHTS): the write end of a
+ *     pipe whose read end is in the loop's epoll set. The NIF then rings
+ *     `req_bell` by writing one byte to it with RWF_NOWAIT
+ *     (ap_seg_notify_fd) instead of a futex wake: no thread between (one
+ *     wake-up per sleep, not two), and a write that cannot block whatever
+ *     the peer does to the pipe's flags. The NIF takes the fd only if it
+ *     is a pipe that honours RWF_NOWAIT (Linux 5.8+; probed at attach).
  *
  * Ordering (docs/same-host-transport.md). A request record may carry a
  * fence: "read request ring fence_ring up to index fence_pos first". The
@@ -84,7 +86,7 @@
 #include "ap_ring.h"
 
 #define AP_SEG_MAGIC 0x3147455350444150ULL /* "PADPSEG1" read little-endian */
-#define AP_SEG_VERSION 2u /* 2: the ack may carry the bell eventfd */
+#define AP_SEG_VERSION 2u /* 2: the ack may carry the bell pipe */
 #define AP_SEG_HDR_SIZE (4u * AP_RING_LINE)
 #define AP_SEG_MAX_REQ 1024u /* request rings: schedulers, at most 1024 */
 #define AP_SEG_MAX_REP 64u
@@ -156,9 +158,11 @@ enum ap_seg_bell { AP_SEG_BELL_REQ = 0, AP_SEG_BELL_REP = 1 };
 /* Producer side, after ap_ring_publish on a ring of that direction: wakes
  * the sleeper if its flag is up (one wake per sleep). 1 if it woke. */
 int ap_seg_notify(struct ap_seg_hdr *h, enum ap_seg_bell b);
-/* The same, ringing through efd (write 1, non-blocking) when efd >= 0:
- * the bell eventfd of an epoll pool node (attach, step 4). */
-int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int efd);
+/* The same, ringing through bell (one byte written, RWF_NOWAIT) when
+ * bell >= 0: the bell pipe of an epoll pool node (attach, step 4). */
+int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int bell);
+/* One byte into a bell pipe, never blocking. */
+void ap_seg_ring_pipe(int bell);
 
 /* Sleeper side, steps 1-3: loads the bell into *expected, raises the
  * flag, full fence, and sets *word. The caller then re-checks every ring

@@ -70,7 +70,7 @@ static void put_hex(const uint8_t *b, size_t n)
 		printf("%02x", b[i]);
 }
 
-static int bell_fd = -1; /* an epoll node's bell eventfd, if its ack carried one */
+static int bell_fd = -1; /* an epoll node's bell pipe, if its ack carried one */
 
 static int read_full(int fd, void *p, size_t n, int ms)
 {

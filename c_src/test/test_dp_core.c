@@ -492,43 +492,54 @@ static int t_open_fds(void)
 	return n;
 }
 
-/* An epoll pool node's ack carries its bell eventfd; the NIF rings it
- * instead of the futex. A hostile node passing anything else is refused
- * and nothing it passed stays open. */
-static void test_attach_takes_the_bell_eventfd_only(void **state)
+/* An epoll pool node's ack carries its bell: the write end of a pipe.
+ * The NIF rings it instead of the futex with a write that cannot block:
+ * here the pipe is blocking and full, as a hostile node could leave it,
+ * and a ring still returns at once. Anything but a pipe (an eventfd,
+ * whose write would block so) is refused and nothing it passed stays
+ * open. */
+static void test_attach_takes_the_bell_pipe_only(void **state)
 {
-	char name[108];
+	char name[108], b[4096];
 	size_t nlen;
 	struct ap_ring_map m;
-	int sock, bell, efd, pfd[2], before;
+	int sock, bell, pp[2], efd, before;
 	uint32_t *word, expected;
-	uint64_t v = 0;
 
 	(void)state;
 	t_memfd_seg(&m, 1, 1);
-	efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	assert_true(efd >= 0);
-	struct t_srv srv = { .status = 0, .mode = 0, .ack_fd = efd };
+	assert_int_equal(pipe2(pp, O_CLOEXEC), 0);
+	assert_true(fcntl(pp[0], F_SETFL, O_NONBLOCK) == 0);
+	struct t_srv srv = { .status = 0, .mode = 0, .ack_fd = pp[1] };
 	srv.lfd = t_dp_listen(name, &nlen);
 	assert_int_equal(t_attach_bell(&srv, &m, name, nlen, 2000, &sock, &bell), 0);
-	assert_true(bell >= 0 && bell != efd);
-	assert_true(fcntl(bell, F_GETFL) & O_NONBLOCK);
-	/* no flag up: no ring; flag up: one write of 1 to the node's eventfd */
+	assert_true(bell >= 0 && bell != pp[1]);
+	assert_int_equal(read(pp[0], b, sizeof b), 1); /* the attach's probe */
+	/* no flag up: no ring; flag up: one byte for the node */
 	assert_int_equal(ap_seg_notify_fd(srv.peer.seg.hdr, AP_SEG_BELL_REQ, bell), 0);
-	assert_int_equal(read(efd, &v, sizeof v), -1);
+	assert_int_equal(read(pp[0], b, sizeof b), -1);
 	ap_seg_sleep_begin(srv.peer.seg.hdr, AP_SEG_BELL_REQ, &word, &expected);
 	assert_int_equal(ap_seg_notify_fd(srv.peer.seg.hdr, AP_SEG_BELL_REQ, bell), 1);
-	assert_int_equal(read(efd, &v, sizeof v), (ssize_t)sizeof v);
-	assert_int_equal(v, 1);
+	assert_int_equal(read(pp[0], b, sizeof b), 1);
 	assert_int_not_equal(*word, expected); /* the bell word moved too */
+	/* full and blocking: the ring returns, it does not wait for room */
+	assert_int_equal(fcntl(pp[1], F_SETFL, O_NONBLOCK), 0);
+	while (write(pp[1], b, sizeof b) > 0)
+		;
+	assert_int_equal(fcntl(pp[1], F_SETFL, 0), 0);
+	ap_seg_sleep_begin(srv.peer.seg.hdr, AP_SEG_BELL_REQ, &word, &expected);
+	assert_int_equal(ap_seg_notify_fd(srv.peer.seg.hdr, AP_SEG_BELL_REQ, bell), 1);
 	t_dp_peer_close(&srv.peer);
 	close(bell);
 	close(sock);
 	close(srv.lfd);
-	/* a pipe instead of an eventfd: refused, nothing kept */
-	assert_int_equal(pipe2(pfd, O_CLOEXEC), 0);
+	close(pp[0]);
+	close(pp[1]);
+	/* an eventfd instead of a pipe: refused, nothing kept */
+	efd = eventfd(0, EFD_CLOEXEC);
+	assert_true(efd >= 0);
 	before = t_open_fds();
-	struct t_srv srv2 = { .status = 0, .mode = 0, .ack_fd = pfd[1] };
+	struct t_srv srv2 = { .status = 0, .mode = 0, .ack_fd = efd };
 	srv2.lfd = t_dp_listen(name, &nlen);
 	assert_int_equal(t_attach_bell(&srv2, &m, name, nlen, 2000, &sock, &bell), -EPROTO);
 	assert_int_equal(sock, -1);
@@ -536,8 +547,6 @@ static void test_attach_takes_the_bell_eventfd_only(void **state)
 	t_dp_peer_close(&srv2.peer);
 	close(srv2.lfd);
 	assert_int_equal(t_open_fds(), before);
-	close(pfd[0]);
-	close(pfd[1]);
 	close(efd);
 	ap_ring_map_close(&m);
 }
@@ -569,7 +578,7 @@ int main(void)
 		cmocka_unit_test(test_drain_reports_a_broken_ring),
 		cmocka_unit_test(test_attach_hands_the_segment_to_the_pool_node),
 		cmocka_unit_test(test_attach_failures_are_reported),
-		cmocka_unit_test(test_attach_takes_the_bell_eventfd_only),
+		cmocka_unit_test(test_attach_takes_the_bell_pipe_only),
 		cmocka_unit_test(test_peer_gone_sees_eof_not_data),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
