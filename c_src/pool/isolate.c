@@ -160,9 +160,14 @@ static int send_direct(ap_worker *w)
 	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
 		return 0;
 	/* Again under the lock: the proxy lowers it only holding it. */
-	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop))
-		done = send_jobs(w) > 0 && next_need(s) == 0;
+	int r = 0;
+	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop)) {
+		r = send_jobs(w);
+		done = r > 0 && next_need(s) == 0;
+	}
 	pthread_mutex_unlock(&s->send_mu);
+	if (r < 0)
+		ap_iso_bell(s->ctl, 1); /* the child broke its ring: the proxy kills it now */
 	return done;
 }
 
