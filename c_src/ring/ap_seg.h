@@ -63,7 +63,8 @@
  *     (ap_seg_notify_fd) instead of a futex wake: no thread between (one
  *     wake-up per sleep, not two), and a write that cannot block whatever
  *     the peer does to the pipe's flags. The NIF takes the fd only if it
- *     is a pipe that honours RWF_NOWAIT (Linux 5.8+; probed at attach).
+ *     is a pipe that honours RWF_NOWAIT (probed at attach: kernels whose pipes
+ *     do not are refused, and that BEAM uses distribution).
  *
  * Ordering (docs/same-host-transport.md). A request record may carry a
  * fence: "read request ring fence_ring up to index fence_pos first". The
