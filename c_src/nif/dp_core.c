@@ -3,12 +3,12 @@
 #include "dp_core.h"
 
 #include <errno.h>
-#include <sys/stat.h>
-#include <sys/uio.h>
 #include <poll.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -219,7 +219,7 @@ static int read_ack(int fd, struct ap_seg_ack *ack, int *bell_fd, int64_t deadli
 	size_t n = sizeof *ack;
 
 	while (n) {
-		ssize_t r = ap_ring_recv_some(fd, b, n, bell_fd, 0);
+		ssize_t r = ap_ring_recv_some(fd, b, n, bell_fd);
 		if (r > 0) {
 			b += r;
 			n -= (size_t)r;

@@ -382,7 +382,7 @@ int ap_ring_send_with_fd(int sock, const void *buf, size_t len, int fd);
 /* One recvmsg of up to len bytes: the first fd that rides on them goes
  * into *fd when it is -1 (close-on-exec), every other one is closed.
  * Bytes read, 0 at end of stream, or -errno. */
-ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags);
+ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd);
 
 /* Unmaps and closes; does not unlink. */
 void ap_ring_map_close(struct ap_ring_map *m);

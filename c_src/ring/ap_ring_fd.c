@@ -107,7 +107,7 @@ int ap_ring_send_with_fd(int sock, const void *buf, size_t len, int fd)
 	return n == (ssize_t)len ? 0 : n < 0 ? (int)n : -EAGAIN;
 }
 
-ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags)
+ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd)
 {
 	struct iovec iov = { .iov_base = buf, .iov_len = len };
 	union {
@@ -118,7 +118,7 @@ ssize_t ap_ring_recv_some(int sock, void *buf, size_t len, int *fd, int flags)
 	ssize_t n;
 
 	do
-		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return -errno;

@@ -4,8 +4,8 @@
 
 #include <errno.h>
 #include <string.h>
-#include <time.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define LOAD(p, mo) __atomic_load_n((p), __ATOMIC_##mo)
 #define STORE(p, v, mo) __atomic_store_n((p), (v), __ATOMIC_##mo)
@@ -131,11 +131,10 @@ int ap_seg_notify_fd(struct ap_seg_hdr *h, enum ap_seg_bell b, int bell)
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	if (LOAD(flag, RELAXED) && __atomic_exchange_n(flag, 0, __ATOMIC_RELAXED)) {
 		__atomic_fetch_add(bell_of(h, b), 1, __ATOMIC_RELEASE);
-		if (bell >= 0) {
+		if (bell >= 0)
 			ap_seg_ring_pipe(bell);
-		} else {
+		else
 			ap_ring_futex_wake(bell_of(h, b), 1);
-		}
 		return 1;
 	}
 	return 0;

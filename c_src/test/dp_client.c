@@ -79,7 +79,7 @@ static int read_full(int fd, void *p, size_t n, int ms)
 		struct pollfd pf = { .fd = fd, .events = POLLIN };
 		if (poll(&pf, 1, ms) <= 0)
 			return -1;
-		ssize_t k = ap_ring_recv_some(fd, (uint8_t *)p + got, n - got, &bell_fd, 0);
+		ssize_t k = ap_ring_recv_some(fd, (uint8_t *)p + got, n - got, &bell_fd);
 		if (k <= 0)
 			return -1;
 		got += (size_t)k;
