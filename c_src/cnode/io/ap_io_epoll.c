@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "ap_log.h"
+#include "ap_time.h"
 
 #define RECV_SIZE (256 * 1024)
 #define MAX_EVENTS 64
@@ -25,7 +26,14 @@ struct epoll_be {
 	int epfd;
 	int lfd;
 	uint8_t *rbuf;
+	int64_t looked_us; /* the last epoll_wait */
 };
+
+/* A loop busy with work of its own (same-host rings) asks for a look
+ * without sleeping after every batch: one epoll_wait per this many
+ * microseconds is enough for the sockets, and each costs a syscall of a
+ * few microseconds here. */
+#define BUSY_LOOK_US 50
 
 static uint64_t key(int kind, uint64_t v) { return v << 2 | (uint64_t)kind; }
 
@@ -172,7 +180,11 @@ static int e_wait(ap_loop *l, int timeout_ms)
 	struct epoll_event evs[MAX_EVENTS];
 	if (ap_io_coalesce_check(l) && timeout_ms != 0)
 		ap_io_pause();
+	int64_t now = ap_mono_us();
+	if (timeout_ms == 0 && now - be->looked_us < BUSY_LOOK_US)
+		return 0;
 	int n = epoll_wait(be->epfd, evs, MAX_EVENTS, timeout_ms);
+	be->looked_us = timeout_ms == 0 ? now : ap_mono_us();
 	if (n < 0)
 		return errno == EINTR ? 0 : -errno;
 	for (int i = 0; i < n; i++) {
