@@ -123,6 +123,7 @@
                    restarts := non_neg_integer(),
                    overloaded := non_neg_integer(),
                    dropped_tells := non_neg_integer(),
+                   ran_on_loop => non_neg_integer(),
                    throughput_10s := float(),
                    uptime_ms := non_neg_integer(),
                    workers := [worker_stats()],

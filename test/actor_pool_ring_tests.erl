@@ -22,6 +22,7 @@
 
 -export([same_host_pool_node_gets_a_ring_lane/1,
          lone_asks_take_their_answers_on_their_scheduler/1,
+         messages_to_idle_workers_count_for_the_worker_routed/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
          answers_holding_large_maps_arrive_whole/1,
          pool_named_outside_latin1_answers_by_distribution/1,
@@ -51,6 +52,7 @@ ring_test_() ->
              [case_(Name, Ctx) || Name <- [
                  same_host_pool_node_gets_a_ring_lane,
                  lone_asks_take_their_answers_on_their_scheduler,
+                 messages_to_idle_workers_count_for_the_worker_routed,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
                  answers_holding_large_maps_arrive_whole,
                  pool_named_outside_latin1_answers_by_distribution,
@@ -89,6 +91,44 @@ same_host_pool_node_gets_a_ring_lane(#{pool_node := N}) ->
         [ok = actor_pool:tell(P, <<"t">>) || _ <- lists:seq(1, 100)],
         S = wait_stats(P, fun(#{processed := C}) -> C >= 101 end),
         ?assertEqual(#{dist => 0, ring => 101}, maps:get(by_path, S))
+    end).
+
+%% A built-in's short message to a worker that sleeps with an empty
+%% mailbox runs on the pool node's loop, on that worker's state (the
+%% inline runs of docs/same-host-transport.md): lone asks and tells, one at
+%% a time, are mostly such. Answers, counts and routing are the same as a
+%% worker's: round robin over two workers, each worker is counted for
+%% every other message, and the answers are the messages. A json document
+%% over the inline size limit (16 KiB) goes to a worker and is validated
+%% alike.
+messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
+    N = 200,
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2, routing => round_robin}, fun(P) ->
+        ?assertEqual([{ok, {K, <<K:32>>}} || K <- lists:seq(1, N)],
+                     [actor_pool:ask(P, {K, <<K:32>>}) || K <- lists:seq(1, N)]),
+        [ok = actor_pool:tell(P, K) || K <- lists:seq(1, N)],
+        S = wait_stats(P, fun(#{processed := C}) -> C >= 2 * N end),
+        ?assertMatch(#{processed := 400, errors := 0, crashes := 0, by_path := #{ring := 400, dist := 0}}, S),
+        ?assertEqual([{0, N}, {1, N}],
+                     lists:sort([{Id, C} || #{id := Id, processed := C} <- maps:get(workers, S)])),
+        %% Most ran on the loop (a worker the loop woke may still have
+        %% been awake for the next one: not all).
+        #{ran_on_loop := OnLoop} = S,
+        ?assert(OnLoop > N andalso OnLoop =< 2 * N, {ran_on_loop, OnLoop})
+    end),
+    %% Never with a handler deadline: the loop cannot time a handler it runs.
+    with_pool(ring_inline_deadline, echo, #{workers => 1, handler_timeout_ms => 1000}, fun(P) ->
+        ?assertEqual([{ok, K} || K <- lists:seq(1, 20)], [actor_pool:ask(P, K) || K <- lists:seq(1, 20)]),
+        ?assertMatch(#{processed := 20, ran_on_loop := 0}, actor_pool:stats(P))
+    end),
+    with_pool(ring_json_inline, json_validate, #{workers => 1}, fun(P) ->
+        Big = iolist_to_binary(["[", lists:join(",", lists:duplicate(9000, "1")), "]"]),
+        ?assert(byte_size(Big) > 16384),
+        ?assertEqual({ok, ok}, actor_pool:ask(P, <<"[1,2]">>)),
+        ?assertEqual({ok, ok}, actor_pool:ask(P, Big)),
+        ?assertMatch({error, _}, actor_pool:ask(P, <<"[1,">>)),
+        %% The large one went to the worker.
+        ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
 
 %% A lone caller's asks are answered in the ask's own NIF call (the

@@ -2,7 +2,32 @@
  * message's way into the mailbox of the worker chosen. */
 #include <string.h>
 
+#include "ap_time.h"
 #include "pool_int.h"
+
+/* The end of this drain's inline budget; 0 before its first inline run. */
+static int64_t inline_until_us;
+
+void ap_pool_inline_reset(void) { inline_until_us = 0; }
+
+int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len)
+{
+	if (!p->inline_ok || msg_len > AP_INLINE_MAX_BYTES || !ap_worker_alive(w) ||
+	    atomic_load_explicit(&w->stop, memory_order_relaxed) || atomic_load(&w->crash_pending))
+		return 0;
+	/* Idle: every job pushed is done (an acquire of the count the
+	 * worker bumps with a release), and then asleep with a flag raised
+	 * after the last of them was answered. A flag read before that job
+	 * is ruled out: the job's done count is ordered after the worker's
+	 * lowering of the flag to take it. */
+	uint64_t e = atomic_load_explicit(&w->mb.enq, memory_order_relaxed);
+	if (atomic_load_explicit(&w->mb.deq, memory_order_acquire) != e || atomic_load(&w->sleeping) != 1)
+		return 0;
+	int64_t now = ap_mono_us();
+	if (!inline_until_us)
+		inline_until_us = now + AP_INLINE_BUDGET_US;
+	return now < inline_until_us;
+}
 
 /* Pick a worker with room, or NULL (overloaded). Round robin walks the
  * slots; random starts anywhere; smallest_mailbox compares two random
@@ -66,6 +91,7 @@ void ap_pool_push(ap_worker *w, ap_job *j)
 
 void ap_pool_wake_pushed(ap_pool *p)
 {
+	inline_until_us = 0;
 	for (int k = 0; k < p->nwake; k++) {
 		ap_worker *w = &p->w[p->wake_list[k]];
 		w->wake_pending = 0;
@@ -106,6 +132,9 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
 	size_t head = by_dist ? p->scratch.len - head_start : 0;
 	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
+	/* Distribution asks are answered through the loop's own queue: not
+	 * from the loop itself. */
+	int inline_ok = !by_dist && ap_pool_can_inline(p, w, msg_len);
 	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {
 		if (is_ask)
@@ -114,6 +143,7 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	}
 	j->is_ask = (uint8_t)is_ask;
 	j->is_binary = (uint8_t)is_binary;
+	j->is_answer = 0;
 	j->seg = NULL;
 	j->ask_id = 0;
 	if (is_ask && rq->seg) {
@@ -137,7 +167,10 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	d += body;
 	if (nodelen)
 		memcpy(d, rq->caller->node, nodelen);
-	ap_pool_push(w, j);
+	if (inline_ok)
+		ap_pool_run_inline(w, j);
+	else
+		ap_pool_push(w, j);
 }
 
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)

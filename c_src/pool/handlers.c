@@ -557,6 +557,11 @@ const actor_pool_handler *ap_builtin_handler(const char *name)
 	return NULL;
 }
 
+int ap_handler_may_inline(const actor_pool_handler *h)
+{
+	return h == &echo_handler || h == &json_validate_handler;
+}
+
 /* ---- plugins ----------------------------------------------------------------- */
 
 static void set_why(char *why, size_t why_len, const char *s)

@@ -10,6 +10,9 @@
 /* The built-in handler called `name` ("echo", "json_validate"), or NULL.
  * The result is static: never unloaded, never freed. */
 const actor_pool_handler *ap_builtin_handler(const char *name);
+/* A built-in whose messages may run on the event loop (ap_pool_run_inline):
+ * short for a short message, never blocking, thread-agnostic state. */
+int ap_handler_may_inline(const actor_pool_handler *h);
 
 /* ---- json_validate ---------------------------------------------------------
  * Strict RFC 8259. The reasons, in the order the handler's reply atoms are

@@ -53,11 +53,10 @@ ap_job *ap_mbox_pop(ap_mbox *m)
  * on one long message does not look idle to smallest_mailbox. */
 void ap_mbox_done(ap_mbox *m)
 {
-	/* Relaxed is enough: a worker counts a job done before it publishes
-	 * the answer (a release), so whoever acted on the answer is ordered
-	 * after this store, and so is the loop reading the depth for the
-	 * next message. */
-	atomic_store_explicit(&m->deq, atomic_load_explicit(&m->deq, memory_order_relaxed) + 1, memory_order_relaxed);
+	/* A release: the loop's inline check (ap_pool_can_inline) reads the
+	 * depth with an acquire, and then the sleep flag, which must not be
+	 * one the worker raised before this job. */
+	atomic_store_explicit(&m->deq, atomic_load_explicit(&m->deq, memory_order_relaxed) + 1, memory_order_release);
 }
 
 void ap_job_free_list(ap_job *j)
@@ -125,6 +124,8 @@ static void futex_wake_private(_Atomic int *w)
 ap_job *ap_worker_next_job(ap_worker *w)
 {
 	for (;;) {
+		if (atomic_load(&w->crash_pending))
+			return NULL; /* an inline run crashed on its behalf */
 		ap_job *j = ap_mbox_pop(&w->mb);
 		if (j || atomic_load(&w->stop))
 			return j;
@@ -136,7 +137,7 @@ ap_job *ap_worker_next_job(ap_worker *w)
 		/* Checked after the flag (both seq_cst): a push we miss here
 		 * sees the flag, takes it down and wakes us; if that happened
 		 * already, the wait returns at once (the word is no longer 1). */
-		if (ap_mbox_empty(&w->mb) && !atomic_load(&w->stop))
+		if (ap_mbox_empty(&w->mb) && !atomic_load(&w->stop) && !atomic_load(&w->crash_pending))
 			futex_wait_private(&w->sleeping, 1);
 		atomic_store(&w->sleeping, 0);
 	}

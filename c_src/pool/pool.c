@@ -44,6 +44,67 @@ void ap_pool_opts_default(ap_pool_opts *o)
 static void rejoin(ap_node *n, void *arg);
 
 
+static void count_done(ap_worker *w, actor_pool_status st)
+{
+	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
+	if (st != AP_HANDLER_OK)
+		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+}
+
+/* The inline answer did not fit its reply ring: the worker delivers it
+ * (it may wait for room; the loop may not). The job's segment reference
+ * passes to the new job. */
+static void hand_answer_over(ap_worker *w, const ap_job *j)
+{
+	ap_job *a = ap_job_alloc(&w->mb, &w->job_cache, w->out.len);
+	if (!a) {
+		ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: no memory to queue it", w->pool->name);
+		ap_dp_seg_put(j->seg);
+		return;
+	}
+	a->is_ask = 1;
+	a->is_binary = 0;
+	a->is_answer = 1;
+	a->seg = j->seg;
+	a->ask_id = j->ask_id;
+	a->head_len = a->node_len = 0;
+	a->msg_len = (uint32_t)w->out.len;
+	memcpy(a->data, w->out.data, w->out.len);
+	ap_pool_push(w, a);
+}
+
+/* Loop thread: j, on w's state, while w sleeps (ap_pool_can_inline said
+ * so); then j goes back to w's job cache. A crash status is the worker's
+ * crash: answered, counted, and its thread exits as if it had crashed. */
+void ap_pool_run_inline(ap_worker *w, ap_job *j)
+{
+	ap_pool *p = w->pool;
+	actor_pool_request req = {
+		.data = j->data + j->head_len,
+		.len = j->msg_len,
+		.is_binary = j->is_binary,
+		.is_ask = j->is_ask,
+		.worker = (uint32_t)w->id,
+	};
+	p->inline_runs++;
+	w->reply.len = 0;
+	ap_pool_set_atom_reply(&w->reply, "ok");
+	actor_pool_status st = p->h->handle(w->state, &req, &w->reply);
+	const char *status = st == AP_HANDLER_OK ? "ok" : "error";
+	if (st == AP_HANDLER_CRASH) {
+		ap_worker_count_crash(w, AP_CRASH_HANDLER);
+		ap_pool_set_atom_reply(&w->reply, "worker_crashed");
+		atomic_store(&w->crash_pending, 1);
+		ap_worker_wake(w, 1, 0);
+	} else {
+		count_done(w, st);
+	}
+	if (j->is_ask && ap_pool_send_result_nowait(w, j, status, &w->reply) == -EAGAIN)
+		hand_answer_over(w, j);
+	j->free_next = w->job_cache;
+	w->job_cache = j;
+}
+
 static void *worker_main(void *arg)
 {
 	ap_worker *w = arg;
@@ -62,12 +123,21 @@ static void *worker_main(void *arg)
 		ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
 		return NULL;
 	}
+	/* Before the first sleep (ap_pool_can_inline reads it after that). */
+	w->state = state;
 	if (w->gen == 0)
 		ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	ap_job *j;
 	while ((j = ap_worker_next_job(w))) {
+		if (j->is_answer) {
+			/* An inline run's answer that found its reply ring full. */
+			ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len);
+			ap_dp_seg_put(j->seg);
+			ap_mbox_done(&w->mb);
+			continue;
+		}
 		if (atomic_load(&w->stop)) {
 			/* Stopping: everything still queued is answered, not run. */
 			if (j->is_ask)
@@ -120,12 +190,12 @@ static void *worker_main(void *arg)
 			w->exit_reason = EXIT_CRASH;
 			break;
 		}
-		atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
-		if (st != AP_HANDLER_OK)
-			atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+		count_done(w, st);
 		if (j->is_ask)
 			ap_pool_send_result(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply);
 	}
+	if (atomic_load(&w->crash_pending))
+		w->exit_reason = EXIT_CRASH;
 	if (p->h->terminate)
 		p->h->terminate(state);
 	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
@@ -135,6 +205,7 @@ static void *worker_main(void *arg)
 static int worker_start(ap_worker *w)
 {
 	atomic_store(&w->stop, 0);
+	atomic_store(&w->crash_pending, 0);
 	atomic_store(&w->alive, 1);
 	w->started_ms = ap_node_now_ms(w->pool->n);
 	if (pthread_create(&w->th, NULL, w->iso ? ap_iso_proxy_main : worker_main, w)) {
@@ -497,6 +568,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	p->pid = p->proc->pid;
 	p->h = h;
 	p->dl = dl;
+	p->inline_ok = p->o.isolation == AP_ISO_THREAD && !p->o.handler_timeout_ms && !dl && ap_handler_may_inline(h);
 	/* Each pool its own stream: seeded from the time and the pool's
 	 * address, pools started within a second where a stopped one's
 	 * memory was reused routed alike, message for message. */
@@ -621,6 +693,7 @@ int ap_pool_watch_children(ap_node *n)
 
 void ap_pool_wake_all_pushed(void)
 {
+	ap_pool_inline_reset();
 	for (ap_pool *p = pools; p; p = p->next)
 		if (p->nwake)
 			ap_pool_wake_pushed(p);

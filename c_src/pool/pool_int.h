@@ -39,6 +39,10 @@ typedef struct ap_job {
 	struct ap_job *free_next;  /* on the recycle stack */
 	uint32_t cap;              /* bytes of data[] allocated */
 	uint8_t is_ask, is_binary;
+	/* An answer made already (ap_pool_run_inline found its reply ring
+	 * full): data holds the term, msg_len bytes; the worker only
+	 * delivers it, waiting for room as it does for its own. */
+	uint8_t is_answer;
 	/* Asks that came by ring: the answer goes to this segment's reply
 	 * rings under ask_id (the job holds a reference), and head_len and
 	 * node_len are 0. NULL for distribution asks and every tell. */
@@ -125,9 +129,11 @@ typedef struct ap_worker {
 	int64_t started_ms;
 	int next_restart_ms;
 	int restart_pending;
-	/* worker thread only */
+	/* worker thread only, or the loop while it runs a job inline (below) */
 	actor_pool_reply reply;
 	ap_buf out;
+	void *state;               /* the handler's, from init */
+	_Atomic int crash_pending; /* an inline run crashed: the thread exits as if it had */
 } ap_worker;
 
 /* throughput_10s's window, seconds (its name says it). */
@@ -165,6 +171,8 @@ struct ap_pool {
 	} tp[AP_TP_WINDOW_S + 1];
 	unsigned tp_head, tp_n;
 	ap_buf scratch;            /* reply heads built by the loop */
+	int inline_ok;             /* jobs may run on the loop (ap_pool_run_inline) */
+	uint64_t inline_runs;      /* ... and so many did */
 	int *wake_list;            /* workers with jobs pushed but not yet woken */
 	int nwake;
 	struct ap_pool *next;
@@ -228,6 +236,22 @@ void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
 
+/* Inline runs (pool.c): in thread mode, a built-in handler's message
+ * (echo, json_validate: short, never blocking, never crashing the node),
+ * routed to a worker that sleeps with an empty mailbox, runs on the loop
+ * itself, on that worker's state, counted as that worker's: the worker
+ * cannot touch its state until the loop pushes it a job, and the wake-up
+ * it would cost is most of a small message's price on a host where a
+ * sleep and a wake cost 10 us. Bounded per drain (AP_INLINE_BUDGET_US)
+ * and by size, so the loop's other work never waits long; past that,
+ * messages go to the workers as before. */
+#define AP_INLINE_MAX_BYTES 16384
+#define AP_INLINE_BUDGET_US 200
+int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len);
+void ap_pool_run_inline(ap_worker *w, ap_job *j);
+/* The end of a drain: the next inline run starts a new budget. */
+void ap_pool_inline_reset(void);
+
 /* For moving jobs that are already made (a crashed worker's). */
 ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
@@ -238,6 +262,10 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
+/* Loop thread, an inline ring ask: as ap_pool_send_result, but never
+ * waits for room; -EAGAIN when the reply ring is full (the answer is in
+ * w->out then, the job's segment reference still held). */
+int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 /* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
 /* Loop thread: answer the start request once every worker ran its init. */
@@ -255,6 +283,10 @@ void ap_dp_seg_put(struct ap_dp_seg *s);
  * with a log line. An answer over the ring's largest record becomes
  * {error, reply_too_large}. */
 void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
+/* Any thread: as ap_dp_reply, but -EAGAIN at once when the ring has no
+ * room (nothing logged, nothing dropped); 0 otherwise (sent, or dropped
+ * for a dead or broken segment, as ap_dp_reply drops it). */
+int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
 /* Loop thread: {error, Reason} to ask_id; never waits (a full ring drops it). */
 void ap_dp_reply_error_loop(struct ap_dp_seg *s, uint64_t ask_id, const char *reason);
 

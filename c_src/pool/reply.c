@@ -1,5 +1,6 @@
 /* reply: the reply frames a pool builds, by its workers (a handler's
  * result) and by the loop (an ask answered without a worker). */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,6 +63,24 @@ void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom)
 	actor_pool_reply_set(r, AP_REPLY_ATOM, atom, strlen(atom));
 }
 
+/* {Status, reply} after j's head into w->out; 0, or -1 (nothing to send). */
+static int enc_answer(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
+{
+	ap_buf *b = &w->out;
+	b->len = 0;
+	if (ap_buf_append(b, j->data, j->head_len))
+		return -1;
+	if (enc_result(b, status, r)) {
+		ap_log(AP_LOG_WARNING, "pool %s: handler %s produced a reply that is not a term", w->pool->name,
+		       w->pool->handler_desc);
+		b->len = j->head_len;
+		ap_pool_set_atom_reply(r, "bad_reply");
+		if (enc_result(b, "error", r))
+			return -1;
+	}
+	return 0;
+}
+
 /* Worker thread: answer the ask j with {Status, reply}: a frame for the
  * loop to send, or, for an ask that came by ring, the term into a reply
  * ring of its segment (and the job's reference on it is dropped: every
@@ -69,17 +88,8 @@ void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom)
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
 {
 	ap_buf *b = &w->out;
-	b->len = 0;
-	if (ap_buf_append(b, j->data, j->head_len))
+	if (enc_answer(w, j, status, r))
 		goto out;
-	if (enc_result(b, status, r)) {
-		ap_log(AP_LOG_WARNING, "pool %s: handler %s produced a reply that is not a term", w->pool->name,
-		       w->pool->handler_desc);
-		b->len = j->head_len;
-		ap_pool_set_atom_reply(r, "bad_reply");
-		if (enc_result(b, "error", r))
-			goto out;
-	}
 	if (j->seg) {
 		ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, b->data, b->len);
 		goto out;
@@ -91,6 +101,15 @@ void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, acto
 out:
 	if (j->seg)
 		ap_dp_seg_put(j->seg);
+}
+
+int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
+{
+	if (enc_answer(w, j, status, r) == 0 &&
+	    ap_dp_reply_nowait(j->seg, (unsigned)w->id, j->ask_id, w->out.data, w->out.len) == -EAGAIN)
+		return -EAGAIN;
+	ap_dp_seg_put(j->seg);
+	return 0;
 }
 
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)

@@ -211,10 +211,16 @@ static int rep_write_slow(struct ap_dp_seg *sg, struct dp_rep *rr, uint64_t ask_
 	}
 }
 
-static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len, int loop)
+/* How a writer meets a full reply ring: a worker waits (once per stuck
+ * episode), the loop drops its own error answers, and an inline run
+ * (nowait) hears -EAGAIN and hands its answer to the worker. */
+enum rep_mode { REP_WORKER, REP_LOOP, REP_NOWAIT };
+
+static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len,
+		 enum rep_mode mode)
 {
 	if (atomic_load_explicit(&sg->dead, memory_order_acquire))
-		return;
+		return 0;
 	uint32_t n_rep = sg->s.n_rep;
 	/* Held briefly by everyone (a worker waiting for room sleeps without
 	 * it), so the loop takes it too; the loop itself never waits for room. */
@@ -230,7 +236,7 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 	 * otherwise cost every worker a second per answer, slowing the pool
 	 * for every other caller. Until something fits again, answers to it
 	 * are dropped at once (its asks time out; it is not reading them). */
-	if (r == -ETIMEDOUT && !loop && !rr->stuck) {
+	if (r == -ETIMEDOUT && mode == REP_WORKER && !rr->stuck) {
 		r = rep_write_slow(sg, rr, ask_id, term, len);
 		if (r == -ETIMEDOUT)
 			rr->stuck = 1;
@@ -238,6 +244,8 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 	if (r == 0)
 		rr->stuck = 0;
 	pthread_mutex_unlock(&rr->mu);
+	if (r == -ETIMEDOUT && mode == REP_NOWAIT)
+		return -EAGAIN;
 	if (r == 0) {
 		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
 	} else if (r == -EPROTO) {
@@ -254,18 +262,24 @@ static void reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const vo
 		ap_log(AP_LOG_WARNING, "ring reply to %s dropped: %s", sg->peer,
 		       r == -ETIMEDOUT ? "its reply ring stayed full" : strerror(-r));
 	}
+	return 0;
 }
 
 void ap_dp_reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len)
 {
-	reply(sg, ring, ask_id, term, len, 0);
+	reply(sg, ring, ask_id, term, len, REP_WORKER);
+}
+
+int ap_dp_reply_nowait(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len)
+{
+	return reply(sg, ring, ask_id, term, len, REP_NOWAIT);
 }
 
 void ap_dp_reply_error_loop(struct ap_dp_seg *sg, uint64_t ask_id, const char *reason)
 {
 	char tmp[AP_ERROR_TERM_MAX];
 	size_t len = ap_enc_error_term(tmp, reason);
-	reply(sg, (unsigned)(ask_id % sg->s.n_rep), ask_id, tmp, len, 1);
+	reply(sg, (unsigned)(ask_id % sg->s.n_rep), ask_id, tmp, len, REP_LOOP);
 }
 
 /* ---- the ingress: records -> requests (loop thread) -------------------------- */
@@ -355,7 +369,7 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 		if (ei_x_new(&x))
 			return;
 		ap_pool_encode_stats(pool, &x);
-		reply(sg, (unsigned)(h.ask_id % sg->s.n_rep), h.ask_id, x.buff, (size_t)x.index, 1);
+		reply(sg, (unsigned)(h.ask_id % sg->s.n_rep), h.ask_id, x.buff, (size_t)x.index, REP_LOOP);
 		ei_x_free(&x);
 		return;
 	}

@@ -40,7 +40,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	for (int i = 0; i < p->o.workers; i++)
 		for (int c = 0; c < AP_CRASH_CAUSES; c++)
 			by[c] += atomic_load(&p->w[i].crash_by[c]);
-	ei_x_encode_map_header(x, 19);
+	ei_x_encode_map_header(x, 20);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -54,6 +54,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	kv_u64(x, "restarts", restarts);
 	kv_u64(x, "overloaded", p->overloaded);
 	kv_u64(x, "dropped_tells", p->dropped_tells);
+	kv_u64(x, "ran_on_loop", p->inline_runs);
 	ei_x_encode_atom(x, "throughput_10s");
 	ei_x_encode_double(x, throughput(p, processed, ap_node_now_ms(p->n)));
 	kv_u64(x, "uptime_ms", (uint64_t)(ap_node_now_ms(p->n) - p->started_ms));
