@@ -54,10 +54,32 @@ start_pool_node() ->
     %% ACTOR_POOL_NODE_EXE (an absolute path) swaps the executable, so the
     %% test suite can run against a sanitizer build of the pool node.
     Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
-    Opts = maps:merge(Extra, #{exe => Exe,
-                               register => ?POOL_NODE_OWNER,
-                               %% new incarnations get their pools back
-                               notify => actor_pool_keeper}),
+    case ring_poll_args() of
+        {ok, PollArgs} ->
+            Args = maps:get(args, Extra, []),
+            Opts = maps:merge(Extra, #{exe => Exe,
+                                       args => PollArgs ++ Args,
+                                       register => ?POOL_NODE_OWNER,
+                                       %% new incarnations get their pools back
+                                       notify => actor_pool_keeper}),
+            start_pool_node(Opts);
+        {error, _} = Error ->
+            Error
+    end.
+
+%% The application setting ring_poll_us: how long the pool node's loop
+%% yields instead of sleeping after same-host ring records (see
+%% docs/same-host-transport.md). Checked here so a bad value is one clear
+%% error, not a pool node that will not start.
+ring_poll_args() ->
+    case application:get_env(actor_pool, ring_poll_us, ?RING_POLL_US_DEFAULT) of
+        N when is_integer(N), N >= 0, N =< ?AP_POOL_MAX_RING_POLL_US ->
+            {ok, ["--ring-poll-us", integer_to_list(N)]};
+        Other ->
+            {error, {badarg, {ring_poll_us, Other}}}
+    end.
+
+start_pool_node(Opts) ->
     case actor_cnode:start_link(Opts) of
         {ok, Pid} ->
             %% The same value on every restart of the owner, so this put is

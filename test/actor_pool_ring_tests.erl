@@ -23,6 +23,7 @@
 -export([same_host_pool_node_gets_a_ring_lane/1,
          lone_asks_take_their_answers_on_their_scheduler/1,
          messages_to_idle_workers_count_for_the_worker_routed/1,
+         ring_poll_us_setting_is_validated/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
          answers_holding_large_maps_arrive_whole/1,
          pool_named_outside_latin1_answers_by_distribution/1,
@@ -53,6 +54,7 @@ ring_test_() ->
                  same_host_pool_node_gets_a_ring_lane,
                  lone_asks_take_their_answers_on_their_scheduler,
                  messages_to_idle_workers_count_for_the_worker_routed,
+                 ring_poll_us_setting_is_validated,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
                  answers_holding_large_maps_arrive_whole,
                  pool_named_outside_latin1_answers_by_distribution,
@@ -130,6 +132,22 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
         %% The large one went to the worker.
         ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
+
+%% The application setting ring_poll_us is checked before a pool node is
+%% started with it: a bad value is one clear error, and nothing starts.
+ring_poll_us_setting_is_validated(_Ctx) ->
+    Old = application:get_env(actor_pool, ring_poll_us),
+    try
+        [begin
+             ok = application:set_env(actor_pool, ring_poll_us, V),
+             ?assertEqual({error, {badarg, {ring_poll_us, V}}}, actor_pool_sup:start_pool_node())
+         end || V <- [-1, 100001, 1.5, "300", infinity]]
+    after
+        case Old of
+            {ok, V0} -> application:set_env(actor_pool, ring_poll_us, V0);
+            undefined -> application:unset_env(actor_pool, ring_poll_us)
+        end
+    end.
 
 %% A lone caller's asks are answered in the ask's own NIF call (the
 %% segment's `awaited' counter), with the same answers, and leave nothing

@@ -4,7 +4,8 @@
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
- *       [--listen IPV4] [--no-fast-path] [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
+ *       [--listen IPV4] [--no-fast-path] [--ring-poll-us N]
+ *       [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
  * (the runtime flags, --listen and the handshake limits among them: ap_main.c).
  * A pool given a key is registered with the receptionist of the --connect
  * node (its actor_receptionist_server) each time the connection comes up,
@@ -643,14 +644,27 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
 	if (ap_pool_watch_children(n))
 		return 1;
-	int fast_path = 1;
-	for (int k = 0; k < argc; k++)
-		if (!strcmp(argv[k], "--no-fast-path"))
+	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT;
+	for (int k = 0; k < argc; k++) {
+		if (!strcmp(argv[k], "--no-fast-path")) {
 			fast_path = 0;
-	if (ap_dp_start(n, fast_path))
+		} else if (!strcmp(argv[k], "--ring-poll-us")) {
+			char *end = NULL;
+			long v = k + 1 < argc ? strtol(argv[k + 1], &end, 10) : -1;
+			if (!end || v < 0 || v > AP_POOL_MAX_RING_POLL_US || *end || end == argv[k + 1]) {
+				ap_log(AP_LOG_ERROR, "--ring-poll-us wants 0..%d microseconds", AP_POOL_MAX_RING_POLL_US);
+				return 1;
+			}
+			poll_us = (int)v;
+		}
+	}
+	if (ap_dp_start(n, fast_path, poll_us))
 		return 1;
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--no-fast-path")) {
+			continue;
+		} else if (!strcmp(argv[k], "--ring-poll-us")) {
+			k++;
 			continue;
 		} else if (!strcmp(argv[k], "--pool") && k + 1 < argc) {
 			if (start_spec(n, argv[++k]))

@@ -6,13 +6,17 @@
 #include <ei.h>
 
 #include "ap_node.h"
+#include "pool_limits.h"
 
 /* At start, before the loop runs: the listen socket, the token, the
  * attach thread, the loop's idle hook. enabled 0 (--no-fast-path): none
  * of it, and dp_info answers {error, disabled}. A failure to listen is
- * logged and leaves the node on distribution only. 0, or -1 (no random
- * bytes: the node should not start). */
-int ap_dp_start(ap_node *n, int enabled);
+ * logged and leaves the node on distribution only. poll_us
+ * (--ring-poll-us): how long the loop yields instead of sleeping after
+ * ring records, while they come at least that often; 0 never. 0, or -1
+ * (no random bytes: the node should not start). */
+#define AP_DP_POLL_US_DEFAULT 300
+int ap_dp_start(ap_node *n, int enabled, int poll_us);
 /* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
  * token => <<_:16/binary>>}} or {error, disabled}. */
 void ap_dp_encode_info(ei_x_buff *x);

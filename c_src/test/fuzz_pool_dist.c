@@ -169,9 +169,9 @@ int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init in
 	return 1;
 }
 
-int ap_dp_start(ap_node *n, int enabled)
+int ap_dp_start(ap_node *n, int enabled, int poll_us)
 {
-	(void)n, (void)enabled;
+	(void)n, (void)enabled, (void)poll_us;
 	t_check(0);
 	return -1;
 }
