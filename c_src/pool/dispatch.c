@@ -91,7 +91,6 @@ void ap_pool_push(ap_worker *w, ap_job *j)
 
 void ap_pool_wake_pushed(ap_pool *p)
 {
-	inline_until_us = 0;
 	for (int k = 0; k < p->nwake; k++) {
 		ap_worker *w = &p->w[p->wake_list[k]];
 		w->wake_pending = 0;
@@ -132,9 +131,10 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
 	size_t head = by_dist ? p->scratch.len - head_start : 0;
 	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
-	/* Distribution asks are answered through the loop's own queue: not
-	 * from the loop itself. */
-	int inline_ok = !by_dist && ap_pool_can_inline(p, w, msg_len);
+	/* Ring messages only: the budget is per ring drain (reset at its
+	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
+	 * through the loop's own queue, not from the loop itself. */
+	int inline_ok = rq->seg && ap_pool_can_inline(p, w, msg_len);
 	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {
 		if (is_ask)
@@ -143,7 +143,6 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	}
 	j->is_ask = (uint8_t)is_ask;
 	j->is_binary = (uint8_t)is_binary;
-	j->is_answer = 0;
 	j->seg = NULL;
 	j->ask_id = 0;
 	if (is_ask && rq->seg) {

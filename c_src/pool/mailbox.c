@@ -91,14 +91,20 @@ ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need)
 		 * filled. */
 		if (*cache)
 			__builtin_prefetch(*cache, 1);
-		if (j->cap >= need)
+		if (j->cap >= need) {
+			j->is_answer = 0;
 			return j;
+		}
 		free(j);
 	}
 	size_t cap = need < 256 ? 256 : need;
 	j = malloc(sizeof *j + cap);
-	if (j)
+	if (j) {
 		j->cap = (uint32_t)cap;
+		/* The one flag not every maker sets (only answers handed over
+		 * do): never a recycled job's or the heap's byte. */
+		j->is_answer = 0;
+	}
 	return j;
 }
 

@@ -232,7 +232,13 @@ static void pool_free(ap_pool *p)
 			/* A slot that never got its replacement: answer what waits. */
 			ap_job *j;
 			while ((j = ap_mbox_pop(&w->mb))) {
-				if (j->is_ask && j->seg) {
+				if (j->is_answer) {
+					/* Made already: delivered if it fits now. */
+					if (ap_dp_reply_nowait(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len))
+						ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: its reply ring is full",
+						       p->name);
+					ap_dp_seg_put(j->seg);
+				} else if (j->is_ask && j->seg) {
 					/* The loop thread: never the worker's path,
 					 * which waits for room in a full reply ring. */
 					ap_dp_reply_error_loop(j->seg, j->ask_id, "stopped");
@@ -337,6 +343,7 @@ static int move_job(ap_pool *p, ap_worker *from, const ap_job *j)
 	}
 	c->is_ask = j->is_ask;
 	c->is_binary = j->is_binary;
+	c->is_answer = j->is_answer;
 	c->seg = j->seg; /* the reference moves with the job */
 	c->ask_id = j->ask_id;
 	c->head_len = j->head_len;

@@ -249,7 +249,7 @@ void ap_pool_wake_all_pushed(void);
 #define AP_INLINE_BUDGET_US 200
 int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len);
 void ap_pool_run_inline(ap_worker *w, ap_job *j);
-/* The end of a drain: the next inline run starts a new budget. */
+/* The end of a ring drain: the next inline run starts a new budget. */
 void ap_pool_inline_reset(void);
 
 /* For moving jobs that are already made (a crashed worker's). */
