@@ -44,6 +44,20 @@ void ap_pool_opts_default(ap_pool_opts *o)
 static void rejoin(ap_node *n, void *arg);
 
 
+/* The handler's view of j, and w's reply buffer made ready for it. */
+static actor_pool_request job_request(ap_worker *w, const ap_job *j)
+{
+	w->reply.len = 0;
+	ap_pool_set_atom_reply(&w->reply, "ok");
+	return (actor_pool_request){
+		.data = j->data + j->head_len,
+		.len = j->msg_len,
+		.is_binary = j->is_binary,
+		.is_ask = j->is_ask,
+		.worker = (uint32_t)w->id,
+	};
+}
+
 static void count_done(ap_worker *w, actor_pool_status st)
 {
 	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
@@ -79,16 +93,8 @@ static void hand_answer_over(ap_worker *w, const ap_job *j)
 void ap_pool_run_inline(ap_worker *w, ap_job *j)
 {
 	ap_pool *p = w->pool;
-	actor_pool_request req = {
-		.data = j->data + j->head_len,
-		.len = j->msg_len,
-		.is_binary = j->is_binary,
-		.is_ask = j->is_ask,
-		.worker = (uint32_t)w->id,
-	};
+	actor_pool_request req = job_request(w, j);
 	p->inline_runs++;
-	w->reply.len = 0;
-	ap_pool_set_atom_reply(&w->reply, "ok");
 	actor_pool_status st = p->h->handle(w->state, &req, &w->reply);
 	const char *status = st == AP_HANDLER_OK ? "ok" : "error";
 	if (st == AP_HANDLER_CRASH) {
@@ -145,15 +151,7 @@ static void *worker_main(void *arg)
 			ap_mbox_done(&w->mb);
 			continue;
 		}
-		actor_pool_request req = {
-			.data = j->data + j->head_len,
-			.len = j->msg_len,
-			.is_binary = j->is_binary,
-			.is_ask = j->is_ask,
-			.worker = (uint32_t)w->id,
-		};
-		w->reply.len = 0;
-		ap_pool_set_atom_reply(&w->reply, "ok");
+		actor_pool_request req = job_request(w, j);
 		uint64_t running = 0;
 		if (p->o.handler_timeout_ms) {
 			running = ((atomic_load(&w->run) >> 2) + 1) << 2 | RUN_BUSY;
