@@ -174,10 +174,12 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
-	if (rq->seg)
+	if (rq->seg) {
 		p->by_ring++;
-	else
+	} else {
 		p->by_dist++;
+		ap_dp_poll_cancel();
+	}
 	if (rq->kind == AP_REQ_TELL || rq->seg) {
 		queue(p, rq, 0);
 		return;

@@ -287,6 +287,10 @@ void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void
  * room (nothing logged, nothing dropped); 0 otherwise (sent, or dropped
  * for a dead or broken segment, as ap_dp_reply drops it). */
 int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
+/* Loop thread: a message came by distribution, so the loop stops yielding
+ * for ring records (ring_poll_us) until the next ones come: a loop that
+ * spins takes the CPU a distribution round trip on this host needs. */
+void ap_dp_poll_cancel(void);
 /* Loop thread: {error, Reason} to ask_id; never waits (a full ring drops it). */
 void ap_dp_reply_error_loop(struct ap_dp_seg *s, uint64_t ask_id, const char *reason);
 

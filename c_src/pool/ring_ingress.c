@@ -950,6 +950,12 @@ static void *attach_main(void *arg)
 
 /* ---- start and dp_info -------------------------------------------------------- */
 
+void ap_dp_poll_cancel(void)
+{
+	dp.found_us = 0;
+	dp.gap_us = INT64_MAX;
+}
+
 int ap_dp_start(ap_node *n, int enabled, int poll_us)
 {
 	dp.n = n;
