@@ -242,8 +242,9 @@ void ap_pool_wake_all_pushed(void);
  * itself, on that worker's state, counted as that worker's: the worker
  * cannot touch its state until the loop pushes it a job, and the wake-up
  * it would cost is most of a small message's price on a host where a
- * sleep and a wake cost 10 us. Bounded per drain (AP_INLINE_BUDGET_US)
- * and by size, so the loop's other work never waits long; past that,
+ * sleep and a wake cost 10 us. Bounded per drain (AP_INLINE_BUDGET_US, the
+ * clock read per 4 KiB run) and by size, so the loop's other work never
+ * waits long; past that,
  * messages go to the workers as before. */
 #define AP_INLINE_MAX_BYTES 16384
 #define AP_INLINE_BUDGET_US 200
