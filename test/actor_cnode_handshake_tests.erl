@@ -272,18 +272,11 @@ listen_ip_binds_only_that_address(_Ctx) ->
     end).
 
 default_listen_ip_follows_the_beams_distribution_interface(_Ctx) ->
-    Saved = application:get_env(kernel, inet_dist_use_interface),
-    ok = application:set_env(kernel, inet_dist_use_interface, {127, 0, 0, 1}),
-    try
+    ap_test_util:with_env(kernel, inet_dist_use_interface, {127, 0, 0, 1}, fun() ->
         with_node("listendist", #{}, fun(_N, Port) ->
             ?assertEqual([{127, 0, 0, 1}], listen_addresses(Port))
         end)
-    after
-        case Saved of
-            {ok, V} -> application:set_env(kernel, inet_dist_use_interface, V);
-            undefined -> application:unset_env(kernel, inet_dist_use_interface)
-        end
-    end.
+    end).
 
 %% C nodes speak IPv4 only: an IPv6 distribution interface (kernel
 %% inet_dist_use_interface an 8-tuple) cannot be followed. Nodes still

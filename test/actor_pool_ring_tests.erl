@@ -136,18 +136,9 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
 %% The application setting ring_poll_us is checked before a pool node is
 %% started with it: a bad value is one clear error, and nothing starts.
 ring_poll_us_setting_is_validated(_Ctx) ->
-    Old = application:get_env(actor_pool, ring_poll_us),
-    try
-        [begin
-             ok = application:set_env(actor_pool, ring_poll_us, V),
-             ?assertEqual({error, {badarg, {ring_poll_us, V}}}, actor_pool_sup:start_pool_node())
-         end || V <- [-1, 100001, 1.5, "300", infinity]]
-    after
-        case Old of
-            {ok, V0} -> application:set_env(actor_pool, ring_poll_us, V0);
-            undefined -> application:unset_env(actor_pool, ring_poll_us)
-        end
-    end.
+    [ap_test_util:with_env(actor_pool, ring_poll_us, V, fun() ->
+         ?assertEqual({error, {badarg, {ring_poll_us, V}}}, actor_pool_sup:start_pool_node())
+     end) || V <- [-1, 100001, 1.5, "300", infinity]].
 
 %% A lone caller's asks are answered in the ask's own NIF call (the
 %% segment's `awaited' counter), with the same answers, and leave nothing

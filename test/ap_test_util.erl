@@ -5,7 +5,7 @@
 %% benchmarks and the demo).
 -module(ap_test_util).
 
--export([with_pool/4, crash_plugin/0, abs_exe/1]).
+-export([with_pool/4, with_env/4, crash_plugin/0, abs_exe/1]).
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
 -export([pool_setup/0, pool_cleanup/1]).
 -export([temp_dir/1, start_app/0, stop_app/1,
@@ -171,6 +171,21 @@ with_pool(Name, Handler, Opts, Fun) ->
         Fun(P)
     after
         actor_pool:stop_pool(P)
+    end.
+
+%% Fun() with application App's Key set to Value, then the key as it was
+%% (unset if it was).
+-spec with_env(atom(), atom(), term(), fun(() -> T)) -> T.
+with_env(App, Key, Value, Fun) ->
+    Saved = application:get_env(App, Key),
+    ok = application:set_env(App, Key, Value),
+    try
+        Fun()
+    after
+        case Saved of
+            {ok, V} -> application:set_env(App, Key, V);
+            undefined -> application:unset_env(App, Key)
+        end
     end.
 
 %% The test plugin that crashes on request (c_src/test/plugin_crash.c).
