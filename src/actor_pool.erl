@@ -230,7 +230,9 @@ oversized() ->
 %% @doc The node-wide counters of pool node `PoolNode' (its manager's
 %% `node_stats' answer): `received', `unknown_name', `bad_frames',
 %% `dropped', `oversized' (frames over its `max_frame' it passed over, from
-%% any peer), `connections', `io' and `max_frame'. See docs/operations.md.
+%% any peer), `connections', `io', `max_frame' and `ring_naps' (how often
+%% its loop slept between dense reads of same-host rings: the application
+%% setting `ring_nap_us'). See docs/operations.md.
 %% `{error, Reason}' when it cannot be reached, or (`unknown_request') is
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.

@@ -76,8 +76,11 @@
 -define(AP_POOL_MAX_HANDLER_TIMEOUT_MS, 86400000).
 -define(AP_POOL_MAX_MEMORY_MB, 1048576).
 -define(AP_POOL_MAX_RING_POLL_US, 100000).
+-define(AP_POOL_MAX_RING_NAP_US, 10000).
 -define(AP_POOL_MAX_PATH, 4095).
 
 %% The application setting ring_poll_us's default (the pool node's own,
 %% AP_DP_POLL_US_DEFAULT in c_src/pool/ring_ingress.h, is the same).
 -define(RING_POLL_US_DEFAULT, 300).
+%% ring_nap_us's, likewise (AP_DP_NAP_US_DEFAULT).
+-define(RING_NAP_US_DEFAULT, 100).

@@ -54,7 +54,7 @@ start_pool_node() ->
     %% ACTOR_POOL_NODE_EXE (an absolute path) swaps the executable, so the
     %% test suite can run against a sanitizer build of the pool node.
     Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
-    case ring_poll_args() of
+    case ring_args() of
         {ok, PollArgs} ->
             Args = maps:get(args, Extra, []),
             Opts = maps:merge(Extra, #{exe => Exe,
@@ -67,16 +67,23 @@ start_pool_node() ->
             Error
     end.
 
-%% The application setting ring_poll_us: how long the pool node's loop
-%% yields instead of sleeping after same-host ring records (see
-%% docs/same-host-transport.md). Checked here so a bad value is one clear
+%% The application settings ring_poll_us (how long the pool node's loop
+%% yields instead of sleeping after same-host ring records) and ring_nap_us
+%% (how long it sleeps between dense reads of them); see
+%% docs/same-host-transport.md. Checked here so a bad value is one clear
 %% error, not a pool node that will not start.
-ring_poll_args() ->
-    case application:get_env(actor_pool, ring_poll_us, ?RING_POLL_US_DEFAULT) of
-        N when is_integer(N), N >= 0, N =< ?AP_POOL_MAX_RING_POLL_US ->
-            {ok, ["--ring-poll-us", integer_to_list(N)]};
+ring_args() ->
+    ring_args([{ring_poll_us, "--ring-poll-us", ?RING_POLL_US_DEFAULT, ?AP_POOL_MAX_RING_POLL_US},
+               {ring_nap_us, "--ring-nap-us", ?RING_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US}], []).
+
+ring_args([], Acc) ->
+    {ok, Acc};
+ring_args([{Key, Flag, Default, Max} | Rest], Acc) ->
+    case application:get_env(actor_pool, Key, Default) of
+        N when is_integer(N), N >= 0, N =< Max ->
+            ring_args(Rest, Acc ++ [Flag, integer_to_list(N)]);
         Other ->
-            {error, {badarg, {ring_poll_us, Other}}}
+            {error, {badarg, {Key, Other}}}
     end.
 
 start_pool_node(Opts) ->

@@ -23,7 +23,8 @@
 -export([same_host_pool_node_gets_a_ring_lane/1,
          lone_asks_take_their_answers_on_their_scheduler/1,
          messages_to_idle_workers_count_for_the_worker_routed/1,
-         ring_poll_us_setting_is_validated/1,
+         ring_settings_are_validated/1,
+         dense_tells_are_read_in_naps_and_lone_asks_never_nap/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
          answers_holding_large_maps_arrive_whole/1,
          pool_named_outside_latin1_answers_by_distribution/1,
@@ -54,7 +55,8 @@ ring_test_() ->
                  same_host_pool_node_gets_a_ring_lane,
                  lone_asks_take_their_answers_on_their_scheduler,
                  messages_to_idle_workers_count_for_the_worker_routed,
-                 ring_poll_us_setting_is_validated,
+                 ring_settings_are_validated,
+                 dense_tells_are_read_in_naps_and_lone_asks_never_nap,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
                  answers_holding_large_maps_arrive_whole,
                  pool_named_outside_latin1_answers_by_distribution,
@@ -133,12 +135,37 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
         ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
 
-%% The application setting ring_poll_us is checked before a pool node is
-%% started with it: a bad value is one clear error, and nothing starts.
-ring_poll_us_setting_is_validated(_Ctx) ->
-    [ap_test_util:with_env(actor_pool, ring_poll_us, V, fun() ->
-         ?assertEqual({error, {badarg, {ring_poll_us, V}}}, actor_pool_sup:start_pool_node())
-     end) || V <- [-1, 100001, 1.5, "300", infinity]].
+%% The application settings ring_poll_us and ring_nap_us are checked
+%% before a pool node is started with them: a bad value is one clear error,
+%% and nothing starts.
+ring_settings_are_validated(_Ctx) ->
+    [ap_test_util:with_env(actor_pool, Key, V, fun() ->
+         ?assertEqual({error, {badarg, {Key, V}}}, actor_pool_sup:start_pool_node())
+     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_nap_us, 10000}],
+             V <- [-1, Max + 1, 1.5, "300", infinity]].
+
+%% Tells from four senders at once come faster than the loop reads them one
+%% by one: it reads them in batches and naps between (node_stats'
+%% `ring_naps'), and every one is handled. One process's asks, one at a
+%% time, never find a batch: no nap, so no wait added to a lone ask.
+dense_tells_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        ?assertEqual({ok, 0}, actor_pool:ask(P, 0)),
+        #{ring_naps := Naps0} = actor_pool:node_stats(N),
+        Per = 20000,
+        Self = self(),
+        Senders = [spawn_link(fun() ->
+                                      [ok = actor_pool:tell(P, {S, K}) || K <- lists:seq(1, Per)],
+                                      Self ! {sent, self()}
+                              end) || S <- lists:seq(1, 4)],
+        [receive {sent, Pid} -> ok after 60000 -> error(senders_hung) end || Pid <- Senders],
+        S = wait_stats(P, fun(#{processed := C}) -> C >= 4 * Per + 1 end),
+        ?assertMatch(#{processed := 80001, dropped_tells := 0, by_path := #{dist := 0}}, S),
+        #{ring_naps := Naps1} = actor_pool:node_stats(N),
+        ?assert(Naps1 > Naps0, {ring_naps, Naps0, Naps1}),
+        ?assertEqual([{ok, K} || K <- lists:seq(1, 200)], [actor_pool:ask(P, K) || K <- lists:seq(1, 200)]),
+        ?assertMatch(#{ring_naps := Naps1}, actor_pool:node_stats(N))
+    end).
 
 %% A lone caller's asks are answered in the ask's own NIF call (the
 %% segment's `awaited' counter), with the same answers, and leave nothing

@@ -16,7 +16,13 @@
  * ring records, while they come at least that often; 0 never. 0, or -1
  * (no random bytes: the node should not start). */
 #define AP_DP_POLL_US_DEFAULT 300
-int ap_dp_start(ap_node *n, int enabled, int poll_us);
+/* nap_us (--ring-nap-us): while reads find records densely, the loop
+ * sleeps this long between them instead of spinning or being rung; 0
+ * never. */
+#define AP_DP_NAP_US_DEFAULT 100
+int ap_dp_start(ap_node *n, int enabled, int poll_us, int nap_us);
+/* How many times the loop napped between dense reads (node_stats). */
+unsigned long long ap_dp_naps(void);
 /* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
  * token => <<_:16/binary>>}} or {error, disabled}. */
 void ap_dp_encode_info(ei_x_buff *x);
