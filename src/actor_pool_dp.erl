@@ -198,7 +198,11 @@ init([]) ->
              catch actor_dp:close(Seg, restart),
              persistent_term:erase(K)
          end || {{?MODULE, lane, _} = K, V} <- persistent_term:get(),
-                Seg <- case V of {lane, S} -> [S]; _ -> [] end],
+                Seg <- case V of
+                           {lane, S} -> [S];
+                           {lane, S, _Slow} -> [S];
+                           _ -> []
+                       end],
     _ = [persistent_term:erase(K) || {{?MODULE, lane, _} = K, none} <- persistent_term:get()],
     case persistent_term:get(?COUNTERS, undefined) of
         undefined -> persistent_term:put(?COUNTERS, counters:new(4, [write_concurrency]));

@@ -25,6 +25,7 @@
          messages_to_idle_workers_count_for_the_worker_routed/1,
          ring_settings_are_validated/1,
          dense_tells_are_read_in_naps_and_lone_asks_never_nap/1,
+         restarted_lane_server_replaces_every_lane/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
          answers_holding_large_maps_arrive_whole/1,
          pool_named_outside_latin1_answers_by_distribution/1,
@@ -57,6 +58,7 @@ ring_test_() ->
                  messages_to_idle_workers_count_for_the_worker_routed,
                  ring_settings_are_validated,
                  dense_tells_are_read_in_naps_and_lone_asks_never_nap,
+                 restarted_lane_server_replaces_every_lane,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
                  answers_holding_large_maps_arrive_whole,
                  pool_named_outside_latin1_answers_by_distribution,
@@ -161,10 +163,40 @@ dense_tells_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
         [receive {sent, Pid} -> ok after 60000 -> error(senders_hung) end || Pid <- Senders],
         S = wait_stats(P, fun(#{processed := C}) -> C >= 4 * Per + 1 end),
         ?assertMatch(#{processed := 80001, dropped_tells := 0, by_path := #{dist := 0}}, S),
+        %% The flood's last read may still be followed by a nap: an ask
+        %% answered after it is read after that nap.
+        ?assertEqual({ok, 0}, actor_pool:ask(P, 0)),
         #{ring_naps := Naps1} = actor_pool:node_stats(N),
         ?assert(Naps1 > Naps0, {ring_naps, Naps0, Naps1}),
         ?assertEqual([{ok, K} || K <- lists:seq(1, 200)], [actor_pool:ask(P, K) || K <- lists:seq(1, 200)]),
         ?assertMatch(#{ring_naps := Naps1}, actor_pool:node_stats(N))
+    end).
+
+%% A restarted lane server (actor_pool_dp) closes the lanes its predecessor
+%% left and makes new ones, also while a pool asked for distribution (its
+%% lane entry then carries the map of such pools): calls go by the new
+%% ring, the pool that asked for distribution still by distribution.
+restarted_lane_server_replaces_every_lane(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 1}, fun(P) ->
+        with_pool(ring_restart_slow, echo, #{workers => 1, fast_path => false}, fun(Slow) ->
+            ?assertEqual({ok, 1}, actor_pool:ask(P, 1)),
+            ?assertEqual({ok, 2}, actor_pool:ask(Slow, 2)),
+            #{lane := Seg0} = lane_info(N),
+            Old = whereis(actor_pool_dp),
+            MRef = monitor(process, Old),
+            exit(Old, kill),
+            receive {'DOWN', MRef, process, Old, killed} -> ok after ?WAIT_MS -> error(not_killed) end,
+            wait_until(fun() -> is_pid(whereis(actor_pool_dp)) end, ?WAIT_MS),
+            %% Answered once its init is done (a call before may find the
+            %% old lane closed and go by distribution, in order).
+            _ = actor_pool_dp:info(),
+            ?assertEqual({ok, 3}, actor_pool:ask(P, 3)),
+            ?assertEqual({ok, 4}, actor_pool:ask(Slow, 4)),
+            #{lane := Seg1} = lane_info(N),
+            ?assertNotEqual(Seg0, Seg1),
+            ?assertMatch(#{by_path := #{ring := 2, dist := 0}}, actor_pool:stats(P)),
+            ?assertMatch(#{by_path := #{ring := 0, dist := 2}}, actor_pool:stats(Slow))
+        end)
     end).
 
 %% A lone caller's asks are answered in the ask's own NIF call (the

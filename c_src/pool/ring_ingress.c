@@ -61,7 +61,7 @@
 #define DP_SPIN_HOT_MS 2     /* ... only while records came this recently */
 #define DP_SPIN_MIN 8        /* the adaptive spin's first step up */
 #define DP_BUDGET 4096       /* records per ring per drain: distribution is not starved */
-#define DP_NAP_MIN 3         /* records in one drain that make the traffic dense (dp_idle's nap) */
+#define DP_NAP_MIN 3         /* records waiting for one read that make the traffic dense (dp_idle's nap) */
 #define DP_LOG_GAP_MS 1000   /* bad-record log lines, at most one per segment per second */
 
 struct dp_rep {
@@ -400,8 +400,11 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 
 /* Reads ring `ring` while its read position is before upto, at most
  * budget records. The number handled, or -1 if the ring broke (then the
- * segment is detached). */
-static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int budget, int depth)
+ * segment is detached). *waited (when not NULL): plus the records that
+ * were in the ring before the read began (published before `mark`, the
+ * tail then), as opposed to those published while it ran. */
+static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int budget, int depth, uint64_t mark,
+		      int *waited)
 {
 	struct ap_ring *r = &sg->req[ring];
 	int done = 0;
@@ -409,6 +412,8 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
 	while (done < budget && r->pos < upto && sg->slot >= 0) {
 		const void *p;
 		size_t len;
+		if (waited && r->pos < mark)
+			(*waited)++;
 		int rc = ap_ring_read(r, &p, &len);
 		if (rc == -EAGAIN)
 			break;
@@ -434,7 +439,7 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
  * or hostile fence). Bounded: at most cap bytes lie before upto. */
 static int drain_to(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int depth)
 {
-	return drain_ring(sg, ring, upto, INT32_MAX, depth);
+	return drain_ring(sg, ring, upto, INT32_MAX, depth, 0, NULL);
 }
 
 /* Every request ring of sg once: the records handled, or -1 (detached). */
@@ -446,14 +451,18 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 	if (ap_seg_closed(sg->s.hdr) & AP_SEG_CLOSED_BEAM) {
 		/* The BEAM left in order: what it published before is read. */
 		for (uint32_t i = 0; i < sg->s.n_req; i++)
-			if (drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0) < 0)
+			if (drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, 0, NULL) < 0)
 				return -1;
 		ap_pool_wake_all_pushed();
 		detach(sg, "the BEAM closed it");
 		return -1;
 	}
+	int waited = 0;
 	for (uint32_t i = 0; i < sg->s.n_req; i++) {
-		int k = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0);
+		/* The tail now: a hint only (the BEAM writes it), for the nap's
+		 * count of records that waited for this read. */
+		uint64_t mark = __atomic_load_n(&sg->req[i].hdr->tail, __ATOMIC_ACQUIRE);
+		int k = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, mark, &waited);
 		if (k < 0) {
 			ap_pool_wake_all_pushed();
 			return -1;
@@ -461,7 +470,11 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 		total += k;
 	}
 	ap_pool_wake_all_pushed();
-	if (total >= DP_NAP_MIN)
+	/* Dense: records queued up while the loop was elsewhere. Those that
+	 * came during the read do not count: a lone caller whose next ask
+	 * follows each answer at once (the loop answers on itself) would
+	 * otherwise look like a crowd, and wait for a nap. */
+	if (waited >= DP_NAP_MIN)
 		dp.dense = 1;
 	if (total) {
 		int64_t now = ap_mono_us();
