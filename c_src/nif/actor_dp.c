@@ -436,16 +436,10 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 		return;
 	}
 	cnt(&s->n_replies);
-	enif_mutex_unlock(s->mu);
-	/* Sent outside the lock: once taken the entry is ours (a cancel or a
-	 * close no longer finds it), and the send is the longest step of a
-	 * delivery: held across it, the lock made the schedulers' submits
-	 * wait on a futex under many callers. A send invalidates the env
-	 * whatever its result: cleared before the next reply is decoded into
-	 * it. */
+	/* A send invalidates the env whatever its result: cleared before the
+	 * next reply is decoded into it. */
 	(void)enif_send(NULL, &a->pid, s->tenv, enif_make_tuple2(s->tenv, enif_make_copy(s->tenv, a->ref), ans));
 	enif_clear_env(s->tenv);
-	enif_mutex_lock(s->mu);
 	ask_free(s, a);
 	enif_mutex_unlock(s->mu);
 }

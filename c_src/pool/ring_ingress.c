@@ -654,6 +654,18 @@ static void peer_gone(ap_node *n, void *arg)
 	ap_dp_seg_put(sg); /* the attach thread's */
 }
 
+/* Every segment with records pending read once: 1 if any were read. */
+static int drain_pending(void)
+{
+	int found = 0;
+	for (int i = 0; i < dp.top; i++) {
+		struct ap_dp_seg *sg = dp.segs[i];
+		if (sg && seg_pending(sg) && drain_seg(sg) > 0)
+			found = 1;
+	}
+	return found;
+}
+
 /* Before the loop sleeps: drain what came since, spinning a little while
  * the segments are busy, so a stream of records costs no wake-up each.
  * The spin adapts: it doubles when it found records and halves when it
@@ -667,8 +679,8 @@ static int dp_idle(ap_node *n, void *arg)
 	(void)arg;
 	if (!dp.n_live)
 		return 0;
-	/* The last read found records densely (DP_NAP_MIN or more): more are
-	 * coming faster than the loop handles them one by one. Sleep nap_us
+	/* DP_NAP_MIN or more records waited for the last read: they come
+	 * faster than the loop handles them one by one. Sleep nap_us
 	 * with the bell flag down, then read everything that came: the BEAM
 	 * rings no bell meanwhile, and the CPU is free for its senders.
 	 * Spinning (or yielding) instead kept one of 2 CPUs busy looking at
@@ -677,27 +689,15 @@ static int dp_idle(ap_node *n, void *arg)
 	 * waits at most nap_us more; sparse traffic (a lone ask) never naps. */
 	if (dp.dense && dp.nap_us) {
 		struct timespec ts = { .tv_sec = 0, .tv_nsec = (long)dp.nap_us * 1000 };
-		int found = 0;
 		dp.dense = 0;
 		__atomic_store_n(&dp.naps, dp.naps + 1, __ATOMIC_RELAXED);
 		nanosleep(&ts, NULL);
-		for (int i = 0; i < dp.top; i++) {
-			struct ap_dp_seg *sg = dp.segs[i];
-			if (sg && seg_pending(sg) && drain_seg(sg) > 0)
-				found = 1;
-		}
-		if (found)
+		if (drain_pending())
 			return 1;
 	}
 	int spin = ap_node_now_ms(n) < dp.hot_until_ms ? dp.spin : 0;
 	for (int k = 0; k <= spin; k++) {
-		int found = 0;
-		for (int i = 0; i < dp.top; i++) {
-			struct ap_dp_seg *sg = dp.segs[i];
-			if (sg && seg_pending(sg) && drain_seg(sg) > 0)
-				found = 1;
-		}
-		if (found) {
+		if (drain_pending()) {
 			if (k > 0)
 				dp.spin = dp.spin * 2 > DP_SPIN ? DP_SPIN : dp.spin * 2;
 			else if (dp.spin < DP_SPIN_MIN)
