@@ -15,6 +15,8 @@
 -export([a_message_a_worker_dies_taking_in_costs_one_crash/0,
          a_broken_request_ring_costs_that_worker/0,
          a_child_hiding_its_running_message_is_still_timed_out/0,
+         a_child_claiming_unsent_messages_done_is_killed/0,
+         a_child_claiming_an_ask_done_without_its_result_is_killed/0,
          worker_stdout_is_not_the_pool_nodes/0]).
 
 -define(ASK_MS, 20000).
@@ -28,6 +30,8 @@ actor_pool_isolation_abuse_test_() ->
       || F <- [a_message_a_worker_dies_taking_in_costs_one_crash,
                a_broken_request_ring_costs_that_worker,
                a_child_hiding_its_running_message_is_still_timed_out,
+               a_child_claiming_unsent_messages_done_is_killed,
+               a_child_claiming_an_ask_done_without_its_result_is_killed,
                worker_stdout_is_not_the_pool_nodes]]}.
 
 causes(P) -> maps:get(crash_causes, actor_pool:stats(P)).
@@ -86,6 +90,30 @@ a_child_hiding_its_running_message_is_still_timed_out() ->
                       ?assertEqual({error, handler_timeout}, actor_pool:ask(P, <<"spin_hide">>, ?ASK_MS)),
                       ?assertMatch(#{timeout := 1}, causes(P)),
                       ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS))
+              end).
+
+%% A tell that ran ok has no result record: the child's done_seq says it
+%% is done. A child that claims more than it was sent is killed at once
+%% (its handler sleeps 30 s: only that ends it), and the ask queued behind
+%% it is answered by the replacement.
+a_child_claiming_unsent_messages_done_is_killed() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1},
+              fun(P) ->
+                      ok = actor_pool:tell(P, <<"lie_done">>),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
+                      ?assertMatch(#{signal := 1}, causes(P)),
+                      ?assertEqual(1, crashes(P))
+              end).
+
+%% An ask always has a result record: done_seq past it without one is a
+%% broken channel, and the ask is answered as the worker's crash.
+a_child_claiming_an_ask_done_without_its_result_is_killed() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1},
+              fun(P) ->
+                      ?assertEqual({error, {worker_crashed, sigkill}},
+                                   actor_pool:ask(P, <<"done_ask">>, ?ASK_MS)),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
+                      ?assertMatch(#{signal := 1}, causes(P))
               end).
 
 %% A port-owned pool node's stdout is its {packet, 4} stream to the BEAM: a

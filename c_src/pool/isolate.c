@@ -150,9 +150,13 @@ void ap_iso_slot_free(ap_worker *w)
 static int send_jobs(ap_worker *w);
 static size_t next_need(ap_iso *s);
 
-/* The loop sends an ask to the child of a sleeping proxy itself (with
- * every job queued before it): 1 if all went, so the proxy need not wake
- * for it (the child rings it for the result). */
+static void ring_held(ap_iso *s);
+
+/* The loop sends what it pushed to the child of a sleeping proxy itself,
+ * once per wake pass: 1 if all went, so the proxy need not wake for it
+ * (the child rings it for the results). Tells are rung at once, not held
+ * back: the proxy, asleep, would not ring them in time, and a pass brings
+ * them in batches anyway. */
 static int send_direct(ap_worker *w)
 {
 	ap_iso *s = w->iso;
@@ -163,6 +167,8 @@ static int send_direct(ap_worker *w)
 	int r = 0;
 	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop)) {
 		r = send_jobs(w);
+		if (r > 0)
+			ring_held(s);
 		done = r > 0 && next_need(s) == 0;
 	}
 	pthread_mutex_unlock(&s->send_mu);
@@ -179,7 +185,8 @@ static int send_direct(ap_worker *w)
  * mailbox. */
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
-	if (!always && ask && send_direct(w))
+	(void)ask;
+	if (!always && send_direct(w))
 		return;
 	atomic_thread_fence(memory_order_seq_cst);
 	int want = atomic_load(&w->iso->want_jobs);
@@ -477,6 +484,48 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	return 0;
 }
 
+/* Tells the child finished with status ok, up to seq `upto` (its
+ * done_seq, or the seq of a later result): they have no record, and leave
+ * the mailbox here. -1 if one of them is an ask (it must have a record). */
+static int take_done(ap_worker *w, uint64_t upto, int *progress)
+{
+	ap_iso *s = w->iso;
+	if (upto < s->front_seq)
+		return 0;
+	if (upto >= s->next_seq)
+		return -1;
+	uint64_t n = 0;
+	while (s->front_seq <= upto) {
+		/* Looked at before it leaves: an ask popped here would go
+		 * unanswered. */
+		ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
+		if (!j || j->is_ask)
+			return -1;
+		(void)ap_mbox_pop(&w->mb);
+		ap_mbox_done(&w->mb);
+		if (j->seg)
+			ap_dp_seg_put(j->seg);
+		s->front_seq++;
+		n++;
+	}
+	atomic_fetch_add_explicit(&w->processed, n, memory_order_relaxed);
+	s->front_since = ap_mono_ms();
+	*progress = 1;
+	return 0;
+}
+
+static int front_is_ask(ap_worker *w);
+
+/* Results the child has written, or ok tells it has finished since. An
+ * ask at the front always has a record: done_seq is not looked at then
+ * (an ask's caller waits; the line is the child's while it works). */
+static int results_ready(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	return ap_ring_readable(&s->rsp) ||
+	       (!front_is_ask(w) && atomic_load_explicit(&s->ctl->done_seq, memory_order_relaxed) >= s->front_seq);
+}
+
 /* Everything the child has finished. 0, 1 (a handler crash: stop
  * sending, wait for its exit), -1 (the child broke the protocol). */
 static int drain_results(ap_worker *w, int *progress)
@@ -485,15 +534,21 @@ static int drain_results(ap_worker *w, int *progress)
 	const void *p;
 	size_t len;
 	int r, crash = 0, n = 0;
+	/* Read before the records: those of every message up to it are
+	 * published by now (the child stores it after them). */
+	uint64_t done = atomic_load_explicit(&s->ctl->done_seq, memory_order_acquire);
 	while ((r = ap_ring_read(&s->rsp, &p, &len)) == 0) {
 		struct iso_rec h;
 		if (len < sizeof h)
 			goto bad;
 		memcpy(&h, p, sizeof h);
 		size_t chunk = len - sizeof h;
-		if (h.kind != REC_RESULT || h.seq != s->front_seq || s->front_seq >= s->next_seq ||
-		    h.total > ISO_MAX_MSG || h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH ||
-		    h.b > AP_REPLY_ATOM || h.c > 1 || (h.c && h.total))
+		if (h.kind != REC_RESULT || h.seq < s->front_seq || h.seq >= s->next_seq || h.total > ISO_MAX_MSG ||
+		    h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH || h.b > AP_REPLY_ATOM ||
+		    h.c > 1 || (h.c && h.total))
+			goto bad;
+		/* The ok tells before it are done. */
+		if (h.seq > s->front_seq && (s->got || take_done(w, h.seq - 1, progress)))
 			goto bad;
 		if (h.off == 0)
 			w->reply.len = 0;
@@ -518,6 +573,9 @@ static int drain_results(ap_worker *w, int *progress)
 	}
 	ap_ring_release(&s->rsp);
 	if (r != 0 && r != -EAGAIN)
+		goto bad;
+	/* A result half taken in is the front's: done cannot be past it. */
+	if (!crash && done >= s->front_seq && (s->got || take_done(w, done, progress)))
 		goto bad;
 	return crash;
 bad:
@@ -638,7 +696,7 @@ static int ready_run(ap_worker *w)
 {
 	ap_iso *s = w->iso;
 	size_t need;
-	return ap_ring_readable(&s->rsp) || atomic_load(&s->dead) || atomic_load(&w->stop) ||
+	return results_ready(w) || atomic_load(&s->dead) || atomic_load(&w->stop) ||
 	       ((need = next_need(s)) && ap_ring_has_room(&s->req, need) != 0);
 }
 
@@ -649,7 +707,7 @@ static int ready_dead(ap_worker *w) { return atomic_load(&w->iso->dead); }
 static int ready_held(ap_worker *w)
 {
 	ap_iso *s = w->iso;
-	if (ap_ring_readable(&s->rsp) || atomic_load(&s->dead) || atomic_load(&w->stop))
+	if (results_ready(w) || atomic_load(&s->dead) || atomic_load(&w->stop))
 		return 1;
 	ap_job *j = s->cursor;
 	for (unsigned k = s->unrung; k < ISO_RING_BATCH; k++) {

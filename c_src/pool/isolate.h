@@ -49,6 +49,12 @@ struct iso_ctl {
 	_Atomic uint64_t running_seq;     /* the message being handled, 0: none */
 	_Atomic int64_t running_since_ms; /* CLOCK_MONOTONIC */
 	uint8_t pad1[64 - 24];
+	/* The last message finished. A tell that ran with status ok writes
+	 * no result record: this word says it is done (stored after the
+	 * records of every message before it were published). A line of its
+	 * own: the proxy reads it while it waits, running_seq is not. */
+	_Atomic uint64_t done_seq;
+	uint8_t pad2[64 - 8];
 	/* the proxy's doorbell: whoever has news for the proxy (the child, the
 	 * loop) bumps it and wakes it when `waiting` is up */
 	_Atomic uint32_t proxy_bell, proxy_waiting;

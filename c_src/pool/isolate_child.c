@@ -194,8 +194,13 @@ int ap_iso_child_main(int argc, char **argv)
 			if (rs > AP_HANDLER_CRASH)
 				rs = AP_HANDLER_ERROR;
 		}
-		child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
-		ap_ring_publish(&rsp);
+		/* A tell that went well has no result to say: done_seq
+		 * covers it, and neither side touches a record for it. */
+		if (m.a || rs != AP_HANDLER_OK || not_run) {
+			child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
+			ap_ring_publish(&rsp);
+		}
+		atomic_store_explicit(&cc->done_seq, m.seq, memory_order_release);
 		atomic_store(&cc->running_seq, 0);
 		ap_ring_release(&req);
 		if (data == big) {
@@ -203,11 +208,12 @@ int ap_iso_child_main(int argc, char **argv)
 			big = NULL;
 		}
 		/* The proxy hears of results in batches under load (a wake-up
-		 * per message would cost more than an echo), and at once when
+		 * per message would cost more than an echo; a tell's result
+		 * only frees its slot in the mailbox), and at once when
 		 * we have caught up on an ask: its caller waits for nothing.
 		 * Tells' results ring before we sleep (above). */
 		unrung_ask |= m.a;
-		if (++unrung >= ISO_RING_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
+		if (++unrung >= ISO_RESULT_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
 			ap_iso_bell(cc, 0);
 			unrung = 0;
 			unrung_ask = 0;

@@ -21,8 +21,9 @@
 #define ISO_FD 3                   /* where the child finds the channel */
 #define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
 #define ISO_SPIN_INFLIGHT 2000     /* rounds a proxy with work at its child waits before it sleeps */
-#define ISO_RING_BATCH 32          /* results a busy child writes between rings of the proxy's bell;
-				    * tells the proxy holds back from a sleeping child at most */
+#define ISO_RING_BATCH 32          /* tells the proxy holds back from a sleeping child at most */
+#define ISO_RESULT_BATCH 256       /* results a busy child writes between rings of the proxy's bell
+				    * (an ask's result rings at once when the child has caught up) */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */

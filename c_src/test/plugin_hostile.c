@@ -7,6 +7,10 @@
  *                     1 s, replying scribbled
  *   <<"spin_hide">>   spins for ever, clearing running_seq all the while
  *                     (hiding from a handler_timeout_ms that trusted it)
+ *   <<"lie_done">>    claims done_seq far past what it was sent, then
+ *                     sleeps 30 s
+ *   <<"done_ask">>    claims its own message (an ask) done with no result
+ *                     record, then sleeps 30 s
  *   <<"print">>       writes a line to stdout, replies printed
  *   <<"fds">>         {Stdout, Stderr}: where fds 1 and 2 point
  *                     (readlink of /proc/self/fd/N), as binaries
@@ -72,6 +76,17 @@ static actor_pool_status hostile_handle(void *state, const actor_pool_request *r
 		struct iso_ctl *c = (struct iso_ctl *)m;
 		for (;;)
 			atomic_store(&c->running_seq, 0);
+	}
+	if (is(rq, "lie_done") || is(rq, "done_ask")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		struct iso_ctl *c = (struct iso_ctl *)m;
+		uint64_t v = is(rq, "lie_done") ? 1ULL << 40 : atomic_load(&c->running_seq);
+		atomic_store(&c->done_seq, v);
+		struct timespec ts = { 30, 0 };
+		nanosleep(&ts, NULL);
+		return AP_HANDLER_OK;
 	}
 	if (is(rq, "print")) {
 		printf("a line from a worker process's printf\n");
