@@ -61,6 +61,7 @@
 #define DP_SPIN_HOT_MS 2     /* ... only while records came this recently */
 #define DP_SPIN_MIN 8        /* the adaptive spin's first step up */
 #define DP_BUDGET 4096       /* records per ring per drain: distribution is not starved */
+#define DP_PREFETCH 512      /* bytes of the records ahead fetched while one is handled */
 #define DP_NAP_MIN 3         /* records waiting for one read that make the traffic dense (dp_idle's nap) */
 #define DP_LOG_GAP_MS 1000   /* bad-record log lines, at most one per segment per second */
 
@@ -408,6 +409,7 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
 {
 	struct ap_ring *r = &sg->req[ring];
 	int done = 0;
+	uintptr_t pf = 0;
 	sg->busy[ring] = 1;
 	while (done < budget && r->pos < upto && sg->slot >= 0) {
 		const void *p;
@@ -423,6 +425,16 @@ static int drain_ring(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int bu
 			detach(sg, "a request ring is broken");
 			return -1;
 		}
+		/* The records ahead were written on another core: fetch their
+		 * lines while this one is handled, not one miss at a time (the
+		 * first read of a record's bytes was a third of the loop's time
+		 * under a tell flood). A prefetch past the ring never faults;
+		 * after a wrap it starts again from here. */
+		uintptr_t end = (uintptr_t)p + len;
+		if (pf < end || pf > end + 2 * DP_PREFETCH)
+			pf = end;
+		for (; pf < end + DP_PREFETCH; pf += 64)
+			__builtin_prefetch((const void *)pf);
 		handle(sg, ring, p, len, depth);
 		done++;
 	}
