@@ -185,7 +185,6 @@ static int send_direct(ap_worker *w)
  * mailbox. */
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
-	(void)ask;
 	if (!always && send_direct(w))
 		return;
 	atomic_thread_fence(memory_order_seq_cst);
