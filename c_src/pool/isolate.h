@@ -12,10 +12,12 @@
  *   mailbox -> req ring  ----------------->  handler (init, handle, terminate)
  *   answers <- rsp ring  <-----------------
  *
- * Jobs stay in the mailbox until their result arrives (the proxy walks a
- * cursor past the ones it sent), so when the child dies the job it was
- * running is answered {error, {worker_crashed, Cause}} and every job behind
- * it is still queued: the loop moves them as it does a crashed thread's.
+ * Jobs stay in the mailbox until their result arrives (a cursor walks past
+ * the ones sent: the proxy's, or the loop's while the proxy sleeps), so
+ * when the child dies the job it was running is answered {error,
+ * {worker_crashed, Cause}} and every job behind it is still queued: the
+ * loop moves them as it does a crashed thread's. A tell that ran ok has
+ * no result record: the child's done_seq covers it.
  *
  * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
  * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
