@@ -120,6 +120,8 @@
 
 %% How long terminate/2 waits for the C node to exit after closing the port.
 -define(STOP_WAIT_MS, 2000).
+%% How long a killed incarnation's last log lines are waited for.
+-define(LAST_LOGS_MS, 500).
 -define(LOG_LEVELS, [emergency, alert, critical, error, warning, notice, info,
                      debug]).
 %% Log lines from the C node that reach `logger', per level and window: the
@@ -652,11 +654,38 @@ shutdown(State0) ->
     end.
 
 %% Kill the OS process at once (start timeout).
-kill(#state{port = Port, os_pid = OsPid} = State) ->
+kill(#state{port = Port, os_pid = OsPid} = State0) ->
     actor_cnode_os:kill(OsPid),
+    %% Its last log lines (often why it dropped a connection, which is
+    %% what got it killed) may still be in the pipe: a port closed now
+    %% would lose them. They are read up to its exit status, which comes
+    %% as soon as the killed process is reaped.
+    State = case is_port(Port) of
+                true -> last_logs(Port, State0, erlang:monotonic_time(millisecond) + ?LAST_LOGS_MS);
+                false -> State0
+            end,
     _ = (catch port_close(Port)),
     remove_shm(State),
     State#state{port = undefined}.
+
+last_logs(Port, State, Deadline) ->
+    receive
+        {Port, {data, Data}} ->
+            last_logs(Port, last_log(Data, State), Deadline);
+        {Port, {exit_status, _}} ->
+            State
+    after max(0, Deadline - erlang:monotonic_time(millisecond)) ->
+        State
+    end.
+
+%% Only log lines: a dying incarnation's `ready' is not news.
+last_log(Data, State) ->
+    try binary_to_term(Data) of
+        {log, Level, Msg} -> log(Level, Msg, State);
+        _ -> State
+    catch
+        error:badarg -> State
+    end.
 
 %% The incarnation in State is gone: unlink its segment, which a clean
 %% exit unlinks itself. Through the NIF, by the rule every party follows
