@@ -660,14 +660,13 @@ kill(#state{port = Port, os_pid = OsPid} = State0) ->
     %% what got it killed) may still be in the pipe: a port closed now
     %% would lose them. They are read up to its exit status, which comes
     %% as soon as the killed process is reaped.
-    State = case is_port(Port) of
-                true -> last_logs(Port, State0, erlang:monotonic_time(millisecond) + ?LAST_LOGS_MS);
-                false -> State0
-            end,
+    State = last_logs(Port, State0, erlang:monotonic_time(millisecond) + ?LAST_LOGS_MS),
     _ = (catch port_close(Port)),
     remove_shm(State),
     State#state{port = undefined}.
 
+last_logs(Port, State, _Deadline) when not is_port(Port) ->
+    State;
 last_logs(Port, State, Deadline) ->
     receive
         {Port, {data, Data}} ->

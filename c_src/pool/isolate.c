@@ -149,7 +149,6 @@ void ap_iso_slot_free(ap_worker *w)
 
 static int send_jobs(ap_worker *w);
 static size_t next_need(ap_iso *s);
-
 static void ring_held(ap_iso *s);
 
 /* The loop sends what it pushed to the child of a sleeping proxy itself,
@@ -512,8 +511,6 @@ static int take_done(ap_worker *w, uint64_t upto, int *progress)
 	*progress = 1;
 	return 0;
 }
-
-static int front_is_ask(ap_worker *w);
 
 /* Results the child has written, or ok tells it has finished since. An
  * ask at the front always has a record: done_seq is not looked at then

@@ -14,7 +14,6 @@
 #include <sys/random.h>
 #include <sys/signalfd.h>
 #include <signal.h>
-#include <stdalign.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
