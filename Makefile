@@ -43,21 +43,20 @@ eunit: epmd
 # The pool and receptionist suites (the cluster one too: its peers inherit
 # the variables) and the C-node abuse suite once more against ASan+UBSan
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
-# run.
+# run (scripts/sanitizer-reports: it waits for late writers and names each report).
 ASAN_LOG_DIR = _build/asan-logs
 ASAN_EUNIT_MODULES = actor_pool_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src test-bins build/actor_pool_node_asan build/actor_receptionist_node_asan \
 	  build/actor_echo_node_asan build/dp_client
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
-	ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
+	@rc=0; ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
 	  ACTOR_POOL_ECHO_EXE=$(CURDIR)/c_src/build/actor_echo_node_asan \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_LOG_DIR)/ubsan \
-	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$
-	@if [ -n "$$(ls -A $(ASAN_LOG_DIR))" ]; then cat $(ASAN_LOG_DIR)/*; \
-	  echo "sanitizer reports from the C nodes (above)"; exit 1; fi
+	  $(REBAR) eunit --module=$(ASAN_EUNIT_MODULES) --sname ap_eunit_asan_$$$$ || rc=$$?; \
+	  scripts/sanitizer-reports $(ASAN_LOG_DIR) "the C nodes" && exit $$rc
 	$(MAKE) eunit-asan-dp
 
 # The data plane NIF under ASan+UBSan: a sanitized actor_dp.so inside the
@@ -75,8 +74,7 @@ eunit-asan-dp: epmd
 	  ERL_FLAGS="+Mea min $$ERL_FLAGS" ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/asan \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/$(ASAN_DP_LOG_DIR)/ubsan \
 	  $(REBAR) eunit --module=actor_dp_tests,actor_pool_ring_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
-	  if [ -n "$$(ls -A $(ASAN_DP_LOG_DIR))" ]; then cat $(ASAN_DP_LOG_DIR)/*; \
-	  echo "sanitizer reports from the data plane NIF (above)"; exit 1; fi; exit $$rc
+	  scripts/sanitizer-reports $(ASAN_DP_LOG_DIR) "the data plane NIF" && exit $$rc
 
 dep-test:
 	bash test/dep_project/run
