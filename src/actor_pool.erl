@@ -184,7 +184,9 @@
 %% `{error, {badarg, {Key, Value}}}'. The pool node answers `{error,
 %% already_started}' for a name in use, `{error, {abi_mismatch, Got, Want}}'
 %% or `{error, {plugin_load_failed, Path, Why}}' for a plugin it cannot use,
-%% `{error, {handler_init_failed, Code}}'. `{error, noproc}': no pool node
+%% `{error, {handler_init_failed, Code}}', or `{error, stopped}' when
+%% {@link stop_pool/1} (from another process, by name) stopped the pool
+%% before its workers were up. `{error, noproc}': no pool node
 %% (the application is not running, or runs with `{pool_node, false}' and no
 %% `node' was given); `{error, {nodedown, Node}}': the pool node is not
 %% reachable.

@@ -92,6 +92,9 @@ restart(Node, {Name, Handler, Opts, _OldPid}) ->
             end;
         {error, already_started} ->
             ok;
+        {error, stopped} ->
+            %% stop_pool/1 came while its workers started: it is forgotten.
+            ok;
         {error, Reason} ->
             logger:warning("actor_pool: pool ~p could not be started again on ~ts: ~0p",
                            [Name, Node, Reason])

@@ -43,6 +43,7 @@
          every_ask_answered_once_and_tells_add_up/1,
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
+         stop_pool_while_starting_answers_stopped_in_both_modes/1,
          killed_pool_node_leaves_no_worker_process/1,
          application_stop_leaves_no_worker_process/1]).
 
@@ -75,6 +76,7 @@ actor_pool_isolation_test_() ->
                  every_ask_answered_once_and_tells_add_up,
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
+                 stop_pool_while_starting_answers_stopped_in_both_modes,
                  %% These kill the pool node.
                  segv_in_thread_mode_takes_the_pool_node_down,
                  abort_in_thread_mode_takes_the_pool_node_down,
@@ -596,6 +598,34 @@ stop_pool_answers_queued_asks_stopped_in_both_modes(_Ctx) ->
          ?assert(lists:member(First, [{reply, {ok, ok}}, {reply, {error, stopped}}])),
          ?assertEqual({Iso, [{reply, {error, stopped}} || _ <- Queued]}, {Iso, Queued})
      end || Iso <- [thread, process]].
+
+%% stop_pool/1 by name while the workers still run their init (1 s each):
+%% the start returns {error, stopped}, not a handler's failure (a worker
+%% process stopped in its init used to read as one: handler_init_failed
+%% -10), no worker process is left, and the name is free again.
+stop_pool_while_starting_answers_stopped_in_both_modes(_Ctx) ->
+    NodePid = node_os_pid(),
+    {plugin, Path} = crash_plugin(),
+    [begin
+         Self = self(),
+         Starter = spawn_link(fun() ->
+                                      Self ! {started, actor_pool:start_pool(
+                                                         ?FUNCTION_NAME, {plugin, Path, {init_sleep, 1000}},
+                                                         #{workers => 2, isolation => Iso})}
+                              end),
+         %% Known by name from the start request on, its workers starting.
+         wait_until(fun() -> is_map(catch actor_pool:stats(?FUNCTION_NAME)) end, ?WAIT_MS),
+         ok = actor_pool:stop_pool(?FUNCTION_NAME),
+         receive
+             {started, R} -> ?assertEqual({Iso, {error, stopped}}, {Iso, R})
+         after ?ASK_MS -> error({no_start_answer, Iso, Starter})
+         end,
+         wait_until(fun() -> worker_processes(NodePid) =:= [] end, ?WAIT_MS),
+         {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, isolation => Iso}),
+         ?assertEqual({ok, <<"again">>}, actor_pool:ask(P, <<"again">>)),
+         ok = actor_pool:stop_pool(P)
+     end || Iso <- [process, thread]],
+    ok.
 
 %% kill -9 of the pool node: its worker processes die with it
 %% (PR_SET_PDEATHSIG), and the pool comes back with new ones.

@@ -283,7 +283,13 @@ static void first_init_reported(ap_pool *p)
 {
 	if (--p->starting > 0)
 		return;
-	if (p->init_failed) {
+	if (p->stopping) {
+		/* stop_pool came while the workers ran their init. Whatever the
+		 * inits said (a worker process stopped in its init reads as a
+		 * failed one), the pool never served: not a handler's failure. */
+		ap_log(AP_LOG_INFO, "pool %s stopped before its workers were up", p->name);
+		ap_pool_answer_start(p, 0);
+	} else if (p->init_failed) {
 		ap_log(AP_LOG_WARNING, "pool %s: handler %s init failed (%d); not started", p->name, p->handler_desc,
 		       p->init_failed);
 		ap_pool_answer_start(p, 0);

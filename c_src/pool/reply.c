@@ -129,7 +129,8 @@ void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, c
 }
 
 /* Loop thread: the answer to the start request, once every worker ran its
- * init: {ok, Pid} or {error, {handler_init_failed, Code}}. */
+ * init: {ok, Pid}, {error, {handler_init_failed, Code}}, or {error, stopped}
+ * for a pool stopped meanwhile. */
 void ap_pool_answer_start(ap_pool *p, int ok)
 {
 	ap_pending_reply *r = p->start_reply;
@@ -142,6 +143,9 @@ void ap_pool_answer_start(ap_pool *p, int ok)
 		if (ok) {
 			ei_x_encode_atom(&x, "ok");
 			ei_x_encode_pid(&x, &p->pid);
+		} else if (p->stopping) {
+			ei_x_encode_atom(&x, "error");
+			ei_x_encode_atom(&x, "stopped");
 		} else {
 			ei_x_encode_atom(&x, "error");
 			ei_x_encode_tuple_header(&x, 2);

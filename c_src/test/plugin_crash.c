@@ -16,6 +16,9 @@
  *                    fails first abort()s (a runaway allocation under a limit)
  *   {fail, Reason}   AP_HANDLER_ERROR with the atom Reason
  *   anything else    echoed: a binary as a binary, a term as the same term
+ *
+ * Config {init_sleep, Ms}: each worker's init sleeps Ms milliseconds first
+ * (a pool that is still starting, for a test to stop).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -178,9 +181,26 @@ echo:
 	return AP_HANDLER_OK;
 }
 
+static int crash_init(void **state, const uint8_t *config, size_t config_len)
+{
+	/* The config is term_to_binary of the test's own term. */
+	const char *d = (const char *)config;
+	char tag[MAXATOMLEN_UTF8];
+	int idx = 0, ver, arity;
+	long ms;
+
+	*state = NULL;
+	if (config_len && !ei_decode_version(d, &idx, &ver) && !ei_decode_tuple_header(d, &idx, &arity) &&
+	    arity == 2 && !ei_decode_atom_as(d, &idx, tag, sizeof tag, ERLANG_UTF8, NULL, NULL) &&
+	    !strcmp(tag, "init_sleep") && !ei_decode_long(d, &idx, &ms) && ms >= 0)
+		sleep_ms(ms);
+	return 0;
+}
+
 static const actor_pool_handler crash_handler = {
 	.abi_version = ACTOR_POOL_HANDLER_ABI,
 	.name = "plugin_crash",
+	.init = crash_init,
 	.handle = crash_handle,
 };
 
