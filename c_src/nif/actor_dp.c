@@ -408,23 +408,8 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	struct dp *s = arg;
 	ERL_NIF_TERM ans;
 	struct ask *a;
+	ErlNifEnv *e;
 
-	/* Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
-	 * may over distribution. The whole copy must be one term. An answer
-	 * that may hold a hash map goes as its bytes, decoded by the asker
-	 * (actor_pool), not on this thread (may_hold_hash_map). */
-	if (may_hold_hash_map(term, len)) {
-		ERL_NIF_TERM bin;
-		unsigned char *b = enif_make_new_binary(s->tenv, len, &bin);
-		if (b) {
-			memcpy(b, term, len);
-			ans = enif_make_tuple2(s->tenv, a_ext, bin);
-		} else {
-			ans = error_tuple(s->tenv, a_enomem);
-		}
-	} else if (enif_binary_to_term(s->tenv, term, len, &ans, 0) != len) {
-		ans = error_tuple(s->tenv, a_bad_reply);
-	}
 	enif_mutex_lock(s->mu);
 	a = ask_take(s, id);
 	if (!a) {
@@ -432,14 +417,37 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 		 * caller that saw the effect sees the count. */
 		cnt(&s->n_late);
 		enif_mutex_unlock(s->mu);
-		enif_clear_env(s->tenv);
 		return;
 	}
 	cnt(&s->n_replies);
-	/* A send invalidates the env whatever its result: cleared before the
-	 * next reply is decoded into it. */
-	(void)enif_send(NULL, &a->pid, s->tenv, enif_make_tuple2(s->tenv, enif_make_copy(s->tenv, a->ref), ans));
-	enif_clear_env(s->tenv);
+	/* Made in the ask's own env, beside the ref its asker's scheduler
+	 * copied there: the heap fragment that goes with the message is that
+	 * scheduler's allocation, which the asker's side frees as its own. Made
+	 * here, in an env of this thread, every answer's fragment came from the
+	 * allocator instance of unmanaged threads, and each free of one was
+	 * handed to the BEAM's aux thread. Under the lock: the entry is ours
+	 * once taken, and a cancel that misses it must find the answer sent.
+	 *
+	 * Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
+	 * may over distribution. The whole copy must be one term. An answer
+	 * that may hold a hash map goes as its bytes, decoded by the asker
+	 * (actor_pool), not on this thread (may_hold_hash_map). */
+	e = a->env;
+	if (may_hold_hash_map(term, len)) {
+		ERL_NIF_TERM bin;
+		unsigned char *b = enif_make_new_binary(e, len, &bin);
+		if (b) {
+			memcpy(b, term, len);
+			ans = enif_make_tuple2(e, a_ext, bin);
+		} else {
+			ans = error_tuple(e, a_enomem);
+		}
+	} else if (enif_binary_to_term(e, term, len, &ans, 0) != len) {
+		ans = error_tuple(e, a_bad_reply);
+	}
+	/* The send takes the env's terms (it is left empty, ask_free clears
+	 * nothing more). */
+	(void)enif_send(NULL, &a->pid, e, enif_make_tuple2(e, a->ref, ans));
 	ask_free(s, a);
 	enif_mutex_unlock(s->mu);
 }
