@@ -44,6 +44,7 @@
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
+         tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes/1,
          killed_pool_node_leaves_no_worker_process/1,
          application_stop_leaves_no_worker_process/1]).
 
@@ -77,6 +78,7 @@ actor_pool_isolation_test_() ->
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
                  stop_pool_while_starting_answers_stopped_in_both_modes,
+                 tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes,
                  %% These kill the pool node.
                  segv_in_thread_mode_takes_the_pool_node_down,
                  abort_in_thread_mode_takes_the_pool_node_down,
@@ -624,6 +626,28 @@ stop_pool_while_starting_answers_stopped_in_both_modes(_Ctx) ->
          {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, isolation => Iso}),
          ?assertEqual({ok, <<"again">>}, actor_pool:ask(P, <<"again">>)),
          ok = actor_pool:stop_pool(P)
+     end || Iso <- [process, thread]],
+    ok.
+
+%% A flood of tells into one worker with a mailbox of 8, in both modes:
+%% each is processed or counted dropped (none lost), the mailbox ends
+%% empty, and the worker answers. In process mode the tells its child has
+%% finished leave the mailbox when the pool node's loop sends the next one
+%% or, full, when it routes the next one; else when the child idles.
+tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes(_Ctx) ->
+    N = 20000,
+    [begin
+         Name = list_to_atom("flood_small_mailbox_" ++ atom_to_list(Iso)),
+         with_pool(Name, crash_plugin(), #{workers => 1, mailbox_limit => 8, isolation => Iso}, fun(P) ->
+             _ = stats_when(P, fun all_running/1),
+             [ok = actor_pool:tell(P, <<"t">>) || _ <- lists:seq(1, N)],
+             S = stats_when(P, fun(#{processed := Pr, dropped_tells := D}) -> Pr + D >= N end),
+             ?assertMatch(#{crashes := 0, errors := 0}, S),
+             ?assertEqual({Iso, N}, {Iso, maps:get(processed, S) + maps:get(dropped_tells, S)}),
+             ?assert(maps:get(processed, S) > 0),
+             _ = stats_when(P, fun(St) -> [0] =:= [M || #{mailbox := M} <- workers(St)] end),
+             ?assertEqual({ok, <<"after">>}, actor_pool:ask(P, <<"after">>))
+         end)
      end || Iso <- [process, thread]],
     ok.
 

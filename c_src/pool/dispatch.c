@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "ap_time.h"
+#include "isolate.h"
 #include "pool_int.h"
 
 /* This drain's inline budget: its end (0 before the first inline run, -1
@@ -48,6 +49,19 @@ int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len)
 	return inline_budget_left(msg_len);
 }
 
+/* Room for one more: in process mode, ok tells its child finished may
+ * still sit in the mailbox (they leave it when the next message is sent,
+ * which a full mailbox holds off), so a full one is looked at again. */
+static int has_room(ap_pool *p, ap_worker *w)
+{
+	if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
+		return 1;
+	if (!w->iso)
+		return 0;
+	ap_iso_reclaim(w);
+	return ap_mbox_depth(&w->mb) < p->o.mailbox_limit;
+}
+
 /* Pick a worker with room, or NULL (overloaded). Round robin walks the
  * slots; random starts anywhere; smallest_mailbox compares two random
  * slots (power of two choices): O(1) per message and no lock, yet it keeps
@@ -83,7 +97,7 @@ ap_worker *ap_pool_route(ap_pool *p)
 			continue;
 		any_alive = 1;
 		tries++;
-		if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
+		if (has_room(p, w))
 			return w;
 	}
 	if (!any_alive) {

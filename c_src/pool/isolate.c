@@ -150,6 +150,24 @@ void ap_iso_slot_free(ap_worker *w)
 static int send_jobs(ap_worker *w);
 static size_t next_need(ap_iso *s);
 static void ring_held(ap_iso *s);
+static int take_done(ap_worker *w, uint64_t upto, int *progress);
+
+/* While the proxy sleeps, the loop takes the ok tells the child has
+ * finished off the mailbox as it sends the next ones, so that the proxy
+ * does not wake for them: a wake-up per batch cost more than the pops.
+ * Only with no result record waiting, none half taken in: records are the
+ * proxy's to read, and done_seq (read first, published after the records
+ * of everything before it) covers a message with a record only if the
+ * child lies. -1 on such a lie: the proxy finds it again and kills. */
+static int take_done_direct(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	uint64_t done = atomic_load_explicit(&s->ctl->done_seq, memory_order_acquire);
+	int progress = 0;
+	if (done < s->front_seq || s->got || ap_ring_readable(&s->rsp) != 0)
+		return 0;
+	return take_done(w, done, &progress);
+}
 
 /* The loop sends what it pushed to the child of a sleeping proxy itself,
  * once per wake pass: 1 if all went, so the proxy need not wake for it
@@ -165,15 +183,30 @@ static int send_direct(ap_worker *w)
 	/* Again under the lock: the proxy lowers it only holding it. */
 	int r = 0;
 	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop)) {
-		r = send_jobs(w);
+		r = take_done_direct(w);
+		if (r == 0)
+			r = send_jobs(w);
 		if (r > 0)
 			ring_held(s);
 		done = r > 0 && next_need(s) == 0;
 	}
 	pthread_mutex_unlock(&s->send_mu);
 	if (r < 0)
-		ap_iso_bell(s->ctl, 1); /* the child broke its ring: the proxy kills it now */
+		ap_iso_bell(s->ctl, 1); /* the child broke its channel: the proxy kills it now */
 	return done;
+}
+
+void ap_iso_reclaim(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
+		return;
+	int r = 0;
+	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop))
+		r = take_done_direct(w);
+	pthread_mutex_unlock(&s->send_mu);
+	if (r < 0)
+		ap_iso_bell(s->ctl, 1);
 }
 
 /* A push rings only a proxy that has nothing left to send: one waiting

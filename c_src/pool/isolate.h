@@ -81,6 +81,10 @@ void ap_iso_reap(struct ap_worker *w);
 /* Any thread: wake the slot's proxy (jobs were pushed, `ask` among them;
  * stop). */
 void ap_iso_wake(struct ap_worker *w, int always, int ask);
+/* Loop thread, for a slot whose mailbox is at its limit: take the ok
+ * tells its child has finished off the mailbox, if its proxy sleeps (they
+ * wait there for the next send, which a full mailbox holds off). */
+void ap_iso_reclaim(struct ap_worker *w);
 /* main() of the child, before anything else runs: argv[1] is
  * "--isolated-worker". Never returns. */
 int ap_iso_child_main(int argc, char **argv);

@@ -122,7 +122,7 @@ int ap_iso_child_main(int argc, char **argv)
 
 	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
 	uint8_t *big = NULL;
-	unsigned unrung = 0, unrung_ask = 0;
+	unsigned unrung = 0, unrung_ask = 0, untold = 0;
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	for (;;) {
@@ -139,10 +139,20 @@ int ap_iso_child_main(int argc, char **argv)
 				if (ap_ring_readable(&req) == 1)
 					continue;
 				ap_iso_bell(cc, 0);
-				unrung = 0;
+				unrung = untold = 0;
 			}
-			if (ap_ring_wait(&req, ISO_SPIN, -1) && ap_ring_readable(&req) != 1)
+			/* Ok tells finished and not told: the pool node's loop
+			 * takes them off the mailbox when it sends us the next
+			 * message (send_direct), so a stream of tells wakes
+			 * nobody for them. If none comes within ISO_DONE_WAIT_MS,
+			 * the proxy hears of them. */
+			int wr = ap_ring_wait(&req, ISO_SPIN, untold ? ISO_DONE_WAIT_MS : -1);
+			if (wr == 0 || ap_ring_readable(&req) == 1)
+				continue;
+			if (wr != -ETIMEDOUT)
 				_exit(72);
+			ap_iso_bell(cc, 0);
+			untold = 0;
 			continue;
 		}
 		struct iso_rec m;
@@ -196,7 +206,8 @@ int ap_iso_child_main(int argc, char **argv)
 		}
 		/* A tell that went well has no result to say: done_seq
 		 * covers it, and neither side touches a record for it. */
-		if (m.a || rs != AP_HANDLER_OK || not_run) {
+		int recorded = m.a || rs != AP_HANDLER_OK || not_run;
+		if (recorded) {
 			child_result(&rsp, m.seq, rs, &reply, m.a && !not_run && rs != AP_HANDLER_CRASH, not_run);
 			ap_ring_publish(&rsp);
 		}
@@ -213,9 +224,19 @@ int ap_iso_child_main(int argc, char **argv)
 		 * we have caught up on an ask: its caller waits for nothing.
 		 * Tells' results ring before we sleep (above). */
 		unrung_ask |= m.a;
-		if (++unrung >= ISO_RESULT_BATCH || (unrung_ask && ap_ring_readable(&req) != 1)) {
+		/* An ok tell counts less: while the proxy sleeps, the pool
+		 * node's loop takes finished tells as it sends the next ones
+		 * (send_direct), so they ring only in larger batches, or when
+		 * no message follows them (above). In a timed pool the proxy
+		 * times the front message and must hear of them as before. */
+		if (recorded || cc->layout_timeout)
+			unrung++;
+		else
+			untold++;
+		if (unrung >= ISO_RESULT_BATCH || untold >= ISO_DONE_BATCH ||
+		    (unrung_ask && ap_ring_readable(&req) != 1)) {
 			ap_iso_bell(cc, 0);
-			unrung = 0;
+			unrung = untold = 0;
 			unrung_ask = 0;
 		}
 		if (rs == AP_HANDLER_CRASH) {

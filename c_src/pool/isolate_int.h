@@ -24,6 +24,9 @@
 #define ISO_RING_BATCH 32          /* tells the proxy holds back from a sleeping child at most */
 #define ISO_RESULT_BATCH 256       /* results a busy child writes between rings of the proxy's bell
 				    * (an ask's result rings at once when the child has caught up) */
+#define ISO_DONE_BATCH 4096        /* ok tells (no record) it finishes between rings: the loop takes
+				    * them while it sends (isolate.c, take_done_direct) */
+#define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
