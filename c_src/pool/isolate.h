@@ -17,7 +17,9 @@
  * when the child dies the job it was running is answered {error,
  * {worker_crashed, Cause}} and every job behind it is still queued: the
  * loop moves them as it does a crashed thread's. A tell that ran ok has
- * no result record: the child's done_seq covers it.
+ * no result record: the child's done_seq covers it, and it leaves the
+ * mailbox in the proxy's pass or, while the proxy sleeps, in the loop's
+ * (take_done_direct: as it sends, or routes to a full mailbox).
  *
  * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
  * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
