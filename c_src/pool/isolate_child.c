@@ -222,7 +222,7 @@ int ap_iso_child_main(int argc, char **argv)
 		 * per message would cost more than an echo; a tell's result
 		 * only frees its slot in the mailbox), and at once when
 		 * we have caught up on an ask: its caller waits for nothing.
-		 * Tells' results ring before we sleep (above). */
+		 * Results with records ring before we sleep (above). */
 		unrung_ask |= m.a;
 		/* An ok tell counts less: while the proxy sleeps, the pool
 		 * node's loop takes finished tells as it sends the next ones
