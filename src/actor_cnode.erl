@@ -472,11 +472,18 @@ respawn(#state{restarts = Restarts} = State) ->
 %% Packets from the C node
 %% ===================================================================
 
-packet(Data, #state{node = Node} = State) ->
+packet(Data, State) ->
+    packet(Data, State, live).
+
+%% A dying incarnation's (kill/1 reads its last lines): its `ready' is
+%% not news.
+packet(Data, #state{node = Node} = State, Incarnation) ->
     %% Our own child wrote it; not `safe', its node name may be a new atom.
     try binary_to_term(Data) of
-        {ready, #{} = Ready} ->
+        {ready, #{} = Ready} when Incarnation =:= live ->
             ready(Ready, State);
+        {ready, #{}} ->
+            State;
         {log, Level, Msg} ->
             log(Level, Msg, State);
         Other ->
@@ -670,20 +677,11 @@ last_logs(Port, State, _Deadline) when not is_port(Port) ->
 last_logs(Port, State, Deadline) ->
     receive
         {Port, {data, Data}} ->
-            last_logs(Port, last_log(Data, State), Deadline);
+            last_logs(Port, packet(Data, State, dying), Deadline);
         {Port, {exit_status, _}} ->
             State
     after max(0, Deadline - erlang:monotonic_time(millisecond)) ->
         State
-    end.
-
-%% Only log lines: a dying incarnation's `ready' is not news.
-last_log(Data, State) ->
-    try binary_to_term(Data) of
-        {log, Level, Msg} -> log(Level, Msg, State);
-        _ -> State
-    catch
-        error:badarg -> State
     end.
 
 %% The incarnation in State is gone: unlink its segment, which a clean

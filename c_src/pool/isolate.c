@@ -169,12 +169,14 @@ static int take_done_direct(ap_worker *w)
 	return take_done(w, done, &progress);
 }
 
-/* The loop sends what it pushed to the child of a sleeping proxy itself,
- * once per wake pass: 1 if all went, so the proxy need not wake for it
- * (the child rings it for the results). Tells are rung at once, not held
- * back: the proxy, asleep, would not ring them in time, and a pass brings
- * them in batches anyway. */
-static int send_direct(ap_worker *w)
+/* The loop's turn at a sleeping proxy's channel, if the proxy lets it
+ * (direct_ok, raised only while it sleeps in its main loop) and its send
+ * lock is free: it takes the ok tells the child has finished, then, with
+ * `send`, sends what it pushed, once per wake pass, and rings the child at
+ * once (the proxy, asleep, would not ring held-back tells in time, and a
+ * pass brings them in batches anyway). 1 if all of it went, so the proxy
+ * need not wake for it (the child rings it for the results). */
+static int send_direct(ap_worker *w, int send)
 {
 	ap_iso *s = w->iso;
 	int done = 0;
@@ -184,7 +186,7 @@ static int send_direct(ap_worker *w)
 	int r = 0;
 	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop)) {
 		r = take_done_direct(w);
-		if (r == 0)
+		if (r == 0 && send)
 			r = send_jobs(w);
 		if (r > 0)
 			ring_held(s);
@@ -198,15 +200,7 @@ static int send_direct(ap_worker *w)
 
 void ap_iso_reclaim(ap_worker *w)
 {
-	ap_iso *s = w->iso;
-	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
-		return;
-	int r = 0;
-	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop))
-		r = take_done_direct(w);
-	pthread_mutex_unlock(&s->send_mu);
-	if (r < 0)
-		ap_iso_bell(s->ctl, 1);
+	(void)send_direct(w, 0);
 }
 
 /* A push rings only a proxy that has nothing left to send: one waiting
@@ -217,7 +211,7 @@ void ap_iso_reclaim(ap_worker *w)
  * mailbox. */
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
-	if (!always && send_direct(w))
+	if (!always && send_direct(w, 1))
 		return;
 	atomic_thread_fence(memory_order_seq_cst);
 	int want = atomic_load(&w->iso->want_jobs);
