@@ -44,6 +44,7 @@
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
+         replacement_in_its_init_is_restarting_and_skipped_in_both_modes/1,
          tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes/1,
          killed_pool_node_leaves_no_worker_process/1,
          application_stop_leaves_no_worker_process/1]).
@@ -78,6 +79,7 @@ actor_pool_isolation_test_() ->
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
                  stop_pool_while_starting_answers_stopped_in_both_modes,
+                 replacement_in_its_init_is_restarting_and_skipped_in_both_modes,
                  tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes,
                  %% These kill the pool node.
                  segv_in_thread_mode_takes_the_pool_node_down,
@@ -626,6 +628,34 @@ stop_pool_while_starting_answers_stopped_in_both_modes(_Ctx) ->
          {ok, P} = actor_pool:start_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, isolation => Iso}),
          ?assertEqual({ok, <<"again">>}, actor_pool:ask(P, <<"again">>)),
          ok = actor_pool:stop_pool(P)
+     end || Iso <- [process, thread]],
+    ok.
+
+%% A replacement is `restarting' until its init is done (1.5 s here), and
+%% routing skips it meanwhile: the other worker takes every ask, none waits
+%% behind the init. Before, a replacement in its init read `running', and
+%% round robin queued every second ask behind it.
+replacement_in_its_init_is_restarting_and_skipped_in_both_modes(_Ctx) ->
+    {plugin, Path} = crash_plugin(),
+    [begin
+         Name = list_to_atom("init_skipped_" ++ atom_to_list(Iso)),
+         Opts = #{workers => 2, isolation => Iso, backoff => #{min_ms => 10, max_ms => 10}},
+         with_pool(Name, {plugin, Path, {init_sleep, 1500}}, Opts, fun(P) ->
+             _ = stats_when(P, fun all_running/1),
+             ?assertEqual({error, worker_crashed}, actor_pool:ask(P, <<"crash">>, ?ASK_MS)),
+             %% Replaced (restarts 1) and still in its init.
+             InInit = stats_when(P, fun(S) -> [] =/= [W || #{restarts := 1} = W <- workers(S)] end),
+             [#{id := Id} = New] = [W || #{restarts := 1} = W <- workers(InInit)],
+             [#{id := OtherId}] = [W || #{id := I} = W <- workers(InInit), I =/= Id],
+             ?assertMatch({Iso, #{state := restarting, alive := false}}, {Iso, New}),
+             Iso =:= process andalso ?assert(is_integer(maps:get(os_pid, New))),
+             Meanwhile = [actor_pool:ask(P, <<"whoami">>, ?ASK_MS) || _ <- lists:seq(1, 10)],
+             ?assertEqual({Iso, [{ok, OtherId} || _ <- Meanwhile]}, {Iso, Meanwhile}),
+             %% Then it serves again.
+             _ = stats_when(P, fun all_running/1),
+             Ids = [I || {ok, I} <- [actor_pool:ask(P, <<"whoami">>, ?ASK_MS) || _ <- lists:seq(1, 10)]],
+             ?assertEqual({Iso, [0, 1]}, {Iso, lists:usort(Ids)})
+         end)
      end || Iso <- [process, thread]],
     ok.
 

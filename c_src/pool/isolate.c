@@ -889,8 +889,7 @@ void *ap_iso_proxy_main(void *arg)
 		wait_reaped(w, 1);
 		goto done;
 	}
-	if (w->gen == 0)
-		ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
+	ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	for (;;) {

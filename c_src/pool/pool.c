@@ -131,8 +131,7 @@ static void *worker_main(void *arg)
 	}
 	/* Before the first sleep (ap_pool_can_inline reads it after that). */
 	w->state = state;
-	if (w->gen == 0)
-		ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
+	ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	ap_job *j;
@@ -204,12 +203,13 @@ static int worker_start(ap_worker *w)
 {
 	atomic_store(&w->stop, 0);
 	atomic_store(&w->crash_pending, 0);
-	atomic_store(&w->alive, 1);
+	/* Routed to once its init is done (ap_pool_worker_ready): a message
+	 * queued behind an init (a plugin's may take seconds) would wait for
+	 * it while other workers serve. */
+	atomic_store(&w->alive, 0);
 	w->started_ms = ap_node_now_ms(w->pool->n);
-	if (pthread_create(&w->th, NULL, w->iso ? ap_iso_proxy_main : worker_main, w)) {
-		atomic_store(&w->alive, 0);
+	if (pthread_create(&w->th, NULL, w->iso ? ap_iso_proxy_main : worker_main, w))
 		return -1;
-	}
 	w->thread_live = 1;
 	w->pool->threads++;
 	return 0;
@@ -304,7 +304,13 @@ void ap_pool_worker_ready(ap_node *n, void *arg)
 {
 	(void)n;
 	ap_worker *w = arg;
-	first_init_reported(w->pool);
+	ap_pool *p = w->pool;
+	/* Posted before anything the worker posts after it (its exit): a
+	 * worker that is gone again is not taken back. */
+	if (w->thread_live && !p->stopping && !atomic_load(&w->stop) && !atomic_load(&w->hung))
+		atomic_store(&w->alive, 1);
+	if (w->gen == 0)
+		first_init_reported(p);
 }
 
 static void restart(ap_node *n, void *arg)

@@ -105,7 +105,7 @@ typedef struct ap_worker {
 	pthread_t th;
 	int thread_live;           /* started and not joined */
 	ap_mbox mb;
-	_Atomic int alive;         /* routing skips a slot waiting for its replacement */
+	_Atomic int alive;         /* routing skips a slot waiting for its replacement or in its init */
 	_Atomic int sleeping;      /* its doorbell (a private futex): 1 while it may sleep */
 	_Atomic int stop;
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
@@ -201,9 +201,9 @@ static inline void ap_worker_count_crash(ap_worker *w, enum ap_crash_cause c)
 	atomic_fetch_add(&w->crash_by[c], 1);
 }
 
-/* pool.c: a worker (thread, or a process-mode proxy) ran its first init
- * (ready), or is gone and joinable (exited): on the loop, through
- * ap_node_call_on_loop. */
+/* pool.c: a worker (thread, or a process-mode proxy) ran its init (ready:
+ * routing takes it from then on), or is gone and joinable (exited): on the
+ * loop, through ap_node_call_on_loop. */
 void ap_pool_worker_ready(ap_node *n, void *arg);
 void ap_pool_worker_exited(ap_node *n, void *arg);
 
