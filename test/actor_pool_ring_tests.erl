@@ -340,7 +340,20 @@ errors_are_identical_over_ring_and_distribution(#{pool_node := N}) ->
     ok = actor_pool:stop_pool(Gone),
     ?assertEqual({error, noproc}, actor_pool:ask(Gone, x)),
     ?assertEqual({error, noproc}, actor_pool:ask(ring_gone, x)),
-    ?assertEqual({error, noproc}, actor_pool:stats(Gone)).
+    ?assertEqual({error, noproc}, actor_pool:stats(Gone)),
+    %% The same once records reached it by name and by pid (the pool node
+    %% keeps the last destination it resolved), and the name then reaches
+    %% the next pool of that name.
+    {ok, Gone2} = actor_pool:start_pool(ring_gone, echo, #{workers => 1}),
+    ?assertEqual({ok, b}, actor_pool:ask(ring_gone, b)),
+    ?assertEqual({ok, a}, actor_pool:ask(Gone2, a)),
+    ok = actor_pool:stop_pool(Gone2),
+    ?assertEqual({error, noproc}, actor_pool:ask(Gone2, x)),
+    ?assertEqual({error, noproc}, actor_pool:ask(ring_gone, x)),
+    {ok, Next} = actor_pool:start_pool(ring_gone, echo, #{workers => 1}),
+    ?assertEqual({ok, c}, actor_pool:ask(ring_gone, c)),
+    ?assertMatch(#{processed := 1, by_path := #{ring := 1, dist := 0}}, actor_pool:stats(Next)),
+    ok = actor_pool:stop_pool(Next).
 
 %% Terms too large to encode within one NIF call but small enough for a
 %% ring record (a 100K-element list, a tuple with a 200 KB binary, a tuple

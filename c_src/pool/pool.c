@@ -26,6 +26,9 @@
 #include "pool_int.h"
 
 static ap_pool *pools; /* the pool node runs one ap_node */
+static uint64_t pools_gen = 1; /* moves with every start and stop (ap_pool_generation) */
+
+uint64_t ap_pool_generation(void) { return pools_gen; }
 
 void ap_pool_opts_default(ap_pool_opts *o)
 {
@@ -224,6 +227,7 @@ static void pool_free(ap_pool *p)
 		pp = &(*pp)->next;
 	if (*pp)
 		*pp = p->next;
+	pools_gen++;
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
 		if (w->mb.head) {
@@ -603,6 +607,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	while (*pp)
 		pp = &(*pp)->next;
 	*pp = p;
+	pools_gen++;
 	for (int i = 0; i < p->o.workers; i++)
 		if (worker_start(&p->w[i])) {
 			p->init_failed = -EAGAIN;
@@ -631,6 +636,7 @@ void ap_pool_stop(ap_node *n, ap_pool *p)
 	if (p->stopping)
 		return;
 	p->stopping = 1;
+	pools_gen++;
 	if (p->proc) {
 		ap_proc_exit(n, p->proc, "shutdown");
 		p->proc = NULL;

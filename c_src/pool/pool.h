@@ -55,6 +55,9 @@ int ap_pool_watch_children(ap_node *n);
 /* Stop: the name is free at once; queued asks get {error, stopped}. */
 void ap_pool_stop(ap_node *n, ap_pool *p);
 ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid);
+/* Loop thread: a count that moves whenever a pool starts or stops (never 0),
+ * so what ap_pool_find answered may be kept while it stays. */
+uint64_t ap_pool_generation(void);
 /* Encode [{Name, Pid}] of live pools, in start order. */
 int ap_pool_encode_list(ei_x_buff *x);
 /* Answer asks inside a batch sent to a pool that is gone. 1 if it was one. */
