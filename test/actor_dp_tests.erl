@@ -21,6 +21,7 @@
          unknown_pool_is_noproc/1,
          cancel_before_the_reply_means_no_message/1,
          cancel_after_the_reply_is_false_and_late_replies_are_dropped/1,
+         cancel_racing_the_reply_thread_leaves_nothing_behind/1,
          close_answers_every_pending_ask_at_once/1,
          peer_killed_answers_pending_asks_promptly/1,
          bad_replies_are_errors_not_crashes/1,
@@ -60,6 +61,7 @@ actor_dp_peer_test_() ->
                   unknown_pool_is_noproc,
                   cancel_before_the_reply_means_no_message,
                   cancel_after_the_reply_is_false_and_late_replies_are_dropped,
+                  cancel_racing_the_reply_thread_leaves_nothing_behind,
                   close_answers_every_pending_ask_at_once,
                   peer_killed_answers_pending_asks_promptly,
                   bad_replies_are_errors_not_crashes,
@@ -279,6 +281,50 @@ cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
     receive {Ref, _} = Twice -> error({second_reply_delivered, Twice}) after 0 -> ok end,
     #{replies := 1} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
+
+%% Cancels timed to meet the reply thread at any point of its delivery
+%% (it sends outside the ask table's lock): a cancel that answers false
+%% finds the answer already in the mailbox, one that answers true never
+%% gets it, and every answer is counted once (delivered or late).
+cancel_racing_the_reply_thread_leaves_nothing_behind(P) ->
+    Seg = open(P, #{}),
+    N = 3000,
+    rand:seed(exsss, {13, 15, 2026}),
+    Outcomes =
+        [begin
+             Ref = make_ref(),
+             {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, K, Ref, undefined)),
+             spin_us(rand:uniform(60) - 1),
+             case actor_dp:cancel(Seg, Id) of
+                 false ->
+                     receive {Ref, A} -> ?assertEqual({ok, K}, A), sent
+                     after 0 -> error({cancel_false_without_the_answer, K})
+                     end;
+                 true ->
+                     {cancelled, Ref}
+             end
+         end || K <- lists:seq(1, N)],
+    Cancelled = [Ref || {cancelled, Ref} <- Outcomes],
+    Sent = length(Outcomes) - length(Cancelled),
+    ap_support:wait_until(fun() ->
+                                  #{replies := R, late := L} = actor_dp:info(Seg),
+                                  R + L =:= N
+                          end, ?T),
+    #{replies := Sent, late := Late, pending := 0} = actor_dp:info(Seg),
+    ?assertEqual(length(Cancelled), Late),
+    [receive {Ref, _} = Extra -> error({cancelled_ask_answered, Extra}) after 0 -> ok end
+     || Ref <- Cancelled],
+    ok = actor_dp:close(Seg, done).
+
+spin_us(Us) ->
+    Until = erlang:monotonic_time(microsecond) + Us,
+    Spin = fun F() ->
+                   case erlang:monotonic_time(microsecond) < Until of
+                       true -> F();
+                       false -> ok
+                   end
+           end,
+    Spin().
 
 close_answers_every_pending_ask_at_once(P) ->
     Seg = open(P, #{}),

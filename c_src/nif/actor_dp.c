@@ -22,12 +22,14 @@
  *   a close within DP_WAIT_MS.
  *
  * - Exactly one answer per ask. An ask is registered (id -> pid, ref)
- *   under `mu` before its record is published. The reply thread delivers a
- *   reply while holding `mu` and only if the entry is still there; cancel
- *   and close take entries out under the same lock. So a cancelled ask
- *   never gets a message (cancel -> true), and once cancel answers false
- *   the message is already in the asker's queue (a flush after 0 finds
- *   it). close answers every pending ask at once with {Ref, {error, R}}.
+ *   under `mu` before its record is published. A reply is delivered only
+ *   by whoever takes its entry out of the table under `mu`; cancel and
+ *   close take entries out under the same lock. So a cancelled ask never
+ *   gets a message (cancel -> true), and once cancel answers false the
+ *   message is already in the asker's queue (a flush after 0 finds it):
+ *   the reply thread sends outside the lock, and cancel waits while
+ *   `delivering` names the ask (deliver). close answers every pending
+ *   ask at once with {Ref, {error, R}}.
  *
  * - Lifetime. The resource is kept alive by one reference of its own
  *   (`keep`) while it is open; close/2 or the exit of the owner process
@@ -42,6 +44,7 @@
  * over files that each look safe alone. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -108,6 +111,11 @@ struct dp {
 	int bell_fd; /* an epoll pool node's bell pipe (ap_seg.h, attach step 4), or -1 */
 
 	ErlNifMutex *mu; /* the asks, closed, keep, free list */
+	/* The ask whose answer the reply thread is making and sending, taken
+	 * out of the table under mu and sent outside it (0: none); cancel
+	 * waits for it to move on (see deliver). */
+	atomic_uint_fast64_t delivering;
+	struct ask *sent; /* the reply thread's last delivered entry, freed under its next hold of mu */
 	struct ask **tab;
 	uint32_t tab_mask;
 	uint32_t n_asks;
@@ -403,6 +411,26 @@ static int may_hold_hash_map(const uint8_t *term, size_t len)
 	return max_map > 32;
 }
 
+/* The reply thread's entry of its last delivery back to the spare list
+ * (caller holds mu). */
+static void free_sent(struct dp *s)
+{
+	if (s->sent) {
+		ask_free(s, s->sent);
+		s->sent = NULL;
+	}
+}
+
+/* The reply thread's delivery of one answer. The entry is taken out of
+ * the table under mu, and the answer made and sent outside it: held
+ * across the decode and the send (which may wake a scheduler, a syscall),
+ * the lock had the schedulers' submits and this thread sleep on it and
+ * wake each other, a fifth of this thread's time under 64 callers. A
+ * cancel that misses the entry must still find the answer sent (its
+ * caller flushes after it): it waits while `delivering` names its ask,
+ * which is set under the same lock as the take and cleared after the
+ * send. The entry goes back to the spare list under the next hold of the
+ * lock. */
 static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 {
 	struct dp *s = arg;
@@ -411,6 +439,7 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	ErlNifEnv *e;
 
 	enif_mutex_lock(s->mu);
+	free_sent(s);
 	a = ask_take(s, id);
 	if (!a) {
 		/* Counted before the lock is dropped, like a delivery below: a
@@ -420,13 +449,14 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 		return;
 	}
 	cnt(&s->n_replies);
+	atomic_store_explicit(&s->delivering, id, memory_order_relaxed);
+	enif_mutex_unlock(s->mu);
 	/* Made in the ask's own env, beside the ref its asker's scheduler
 	 * copied there: the heap fragment that goes with the message is that
 	 * scheduler's allocation, which the asker's side frees as its own. Made
 	 * here, in an env of this thread, every answer's fragment came from the
 	 * allocator instance of unmanaged threads, and each free of one was
-	 * handed to the BEAM's aux thread. Under the lock: the entry is ours
-	 * once taken, and a cancel that misses it must find the answer sent.
+	 * handed to the BEAM's aux thread.
 	 *
 	 * Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
 	 * may over distribution. The whole copy must be one term. An answer
@@ -448,8 +478,8 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	/* The send takes the env's terms (it is left empty, ask_free clears
 	 * nothing more). */
 	(void)enif_send(NULL, &a->pid, e, enif_make_tuple2(e, a->ref, ans));
-	ask_free(s, a);
-	enif_mutex_unlock(s->mu);
+	atomic_store_explicit(&s->delivering, 0, memory_order_release);
+	s->sent = a;
 }
 
 /* Ring i has records no drain has released (any thread, no view
@@ -554,6 +584,11 @@ static void *reply_thread(void *arg)
 			total = drain_all(s, SIZE_MAX, deliver, s, NULL);
 			drain_unlock(s);
 		}
+		if (s->sent) {
+			enif_mutex_lock(s->mu);
+			free_sent(s);
+			enif_mutex_unlock(s->mu);
+		}
 		if (total < 0) {
 			shut_from_thread(s, a_bad_segment);
 			break;
@@ -612,6 +647,10 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 			}
 		}
 		enif_free(s->tab);
+	}
+	if (s->sent) {
+		enif_free_env(s->sent->env);
+		enif_free(s->sent);
 	}
 	while (s->spare) {
 		struct ask *a = s->spare;
@@ -1434,7 +1473,18 @@ static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	if (a)
 		ask_free(s, a);
 	enif_mutex_unlock(s->mu);
-	return a ? a_true : a_false;
+	if (a)
+		return a_true;
+	/* Taken by the reply thread: false once its answer is in our queue
+	 * (its send is a decode and an enif_send away; yield the CPU to it,
+	 * which on a small host may be ours). */
+	for (unsigned k = 1; atomic_load_explicit(&s->delivering, memory_order_acquire) == id; k++) {
+		if (k % 64 == 0)
+			sched_yield();
+		else
+			ap_ring_cpu_relax();
+	}
+	return a_false;
 }
 
 static ERL_NIF_TERM nif_consumed(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
