@@ -55,6 +55,21 @@ static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const ac
 	} while (off < total);
 }
 
+/* What the proxy has not heard of yet: results with a record, ok tells
+ * (no record: done_seq covers them), whether an ask is among them. */
+struct untold {
+	unsigned results, ok_tells;
+	int ask;
+};
+
+/* Rings the proxy's bell (if it sleeps): it reads everything finished so
+ * far, so nothing is left untold. */
+static void tell_proxy(struct untold *u)
+{
+	ap_iso_bell(cc, 0);
+	*u = (struct untold){ 0, 0, 0 };
+}
+
 int ap_iso_child_main(int argc, char **argv)
 {
 	/* Die with the proxy thread that started us; if it is gone already,
@@ -122,7 +137,7 @@ int ap_iso_child_main(int argc, char **argv)
 
 	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
 	uint8_t *big = NULL;
-	unsigned unrung = 0, unrung_ask = 0, untold = 0;
+	struct untold u = { 0, 0, 0 };
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	for (;;) {
@@ -133,26 +148,24 @@ int ap_iso_child_main(int argc, char **argv)
 			/* Results not rung yet (tells' only: an ask's rings at
 			 * once) wait for the spin: more work may come, and one
 			 * wake-up then covers them all. Never for our sleep. */
-			if (unrung) {
+			if (u.results) {
 				for (int k = 0; k < ISO_SPIN && ap_ring_readable(&req) != 1; k++)
 					ap_ring_cpu_relax();
 				if (ap_ring_readable(&req) == 1)
 					continue;
-				ap_iso_bell(cc, 0);
-				unrung = untold = 0;
+				tell_proxy(&u);
 			}
 			/* Ok tells finished and not told: the pool node's loop
 			 * takes them off the mailbox when it sends us the next
 			 * message (send_direct), so a stream of tells wakes
 			 * nobody for them. If none comes within ISO_DONE_WAIT_MS,
 			 * the proxy hears of them. */
-			int wr = ap_ring_wait(&req, ISO_SPIN, untold ? ISO_DONE_WAIT_MS : -1);
+			int wr = ap_ring_wait(&req, ISO_SPIN, u.ok_tells ? ISO_DONE_WAIT_MS : -1);
 			if (wr == 0 || ap_ring_readable(&req) == 1)
 				continue;
 			if (wr != -ETIMEDOUT)
 				_exit(72);
-			ap_iso_bell(cc, 0);
-			untold = 0;
+			tell_proxy(&u);
 			continue;
 		}
 		struct iso_rec m;
@@ -223,22 +236,18 @@ int ap_iso_child_main(int argc, char **argv)
 		 * only frees its slot in the mailbox), and at once when
 		 * we have caught up on an ask: its caller waits for nothing.
 		 * Results with records ring before we sleep (above). */
-		unrung_ask |= m.a;
+		u.ask |= m.a;
 		/* An ok tell counts less: while the proxy sleeps, the pool
 		 * node's loop takes finished tells as it sends the next ones
 		 * (send_direct), so they ring only in larger batches, or when
 		 * no message follows them (above). In a timed pool the proxy
 		 * times the front message and must hear of them as before. */
 		if (recorded || cc->layout_timeout)
-			unrung++;
+			u.results++;
 		else
-			untold++;
-		if (unrung >= ISO_RESULT_BATCH || untold >= ISO_DONE_BATCH ||
-		    (unrung_ask && ap_ring_readable(&req) != 1)) {
-			ap_iso_bell(cc, 0);
-			unrung = untold = 0;
-			unrung_ask = 0;
-		}
+			u.ok_tells++;
+		if (u.results >= ISO_RESULT_BATCH || u.ok_tells >= ISO_DONE_BATCH || (u.ask && ap_ring_readable(&req) != 1))
+			tell_proxy(&u);
 		if (rs == AP_HANDLER_CRASH) {
 			if (h->terminate)
 				h->terminate(state);

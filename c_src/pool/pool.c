@@ -26,7 +26,9 @@
 #include "pool_int.h"
 
 static ap_pool *pools; /* the pool node runs one ap_node */
-static uint64_t pools_gen = 1; /* moves with every start and stop (ap_pool_generation) */
+/* Moves with every start and stop (ap_pool_generation); a pool is freed
+ * only after its stop. */
+static uint64_t pools_gen = 1;
 
 uint64_t ap_pool_generation(void) { return pools_gen; }
 
@@ -227,7 +229,6 @@ static void pool_free(ap_pool *p)
 		pp = &(*pp)->next;
 	if (*pp)
 		*pp = p->next;
-	pools_gen++;
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
 		if (w->mb.head) {
