@@ -716,6 +716,8 @@ static void drain_queue(ap_node *n)
 	}
 }
 
+void ap_node_run_queued(ap_node *n) { drain_queue(n); }
+
 static void io_on_readable(void *arg, int id)
 {
 	ap_node *n = arg;
@@ -955,6 +957,18 @@ int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg)
 	memcpy(it->data, &ci, sizeof ci);
 	ap_sendq_push(&n->q, it);
 	return 0;
+}
+
+void ap_node_call_on_loop_sure(ap_node *n, ap_loop_fn fn, void *arg)
+{
+	if (ap_node_call_on_loop(n, fn, arg) == 0)
+		return;
+	ap_log(AP_LOG_WARNING, "out of memory for a call to the event loop; trying again until it is queued");
+	/* The loop frees the memory it holds as it runs; a worker thread can
+	 * wait for it, and dropping the call would leave a slot for good. */
+	struct timespec ms = { 0, 1000000 };
+	while (ap_node_call_on_loop(n, fn, arg))
+		nanosleep(&ms, NULL);
 }
 
 int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg)

@@ -113,6 +113,15 @@ int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
  * posted by the same thread. Returns 0 or -1 (no memory). */
 typedef void (*ap_loop_fn)(ap_node *n, void *arg);
 int ap_node_call_on_loop(ap_node *n, ap_loop_fn fn, void *arg);
+/* Any thread but the loop: the same, for a call that must not be lost (a
+ * worker's start or exit: without it its slot is never routed again, or
+ * never replaced). Out of memory, it logs once and tries again every
+ * millisecond until the call is queued. */
+void ap_node_call_on_loop_sure(ap_node *n, ap_loop_fn fn, void *arg);
+
+/* Loop thread: do now what other threads queued (frames, calls), as the
+ * loop does when they wake it; tests drive a node without its loop so. */
+void ap_node_run_queued(ap_node *n);
 
 /* Loop thread: fn(n, arg) runs each time the connection to the parent
  * node (--connect) comes up, after the node reported ready. */

@@ -430,7 +430,7 @@ static int iso_spawn(ap_worker *w)
 	atomic_store(&w->os_pid, (int)pid);
 	atomic_store(&s->pidfd, fd);
 	/* An exit before the pidfd was there left no SIGCHLD for us: look. */
-	ap_node_call_on_loop(w->pool->n, reap_cb, w);
+	ap_node_call_on_loop_sure(w->pool->n, reap_cb, w);
 	return 0;
 }
 
@@ -759,7 +759,7 @@ static void wait_reaped(ap_worker *w, int kill_it)
 		proxy_sleep(w, 100000, ready_dead);
 		if (atomic_load(&s->dead))
 			break;
-		ap_node_call_on_loop(w->pool->n, reap_cb, w);
+		ap_node_call_on_loop_sure(w->pool->n, reap_cb, w);
 		if (ap_mono_ms() >= next_log) {
 			ap_log(AP_LOG_ERROR, "pool %s: worker %d's process (os pid %d) is not gone yet", w->pool->name,
 			       w->id, atomic_load(&w->os_pid));
@@ -889,7 +889,7 @@ void *ap_iso_proxy_main(void *arg)
 		wait_reaped(w, 1);
 		goto done;
 	}
-	ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
+	ap_node_call_on_loop_sure(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	for (;;) {
@@ -982,6 +982,6 @@ done:
 	}
 	atomic_store(&w->os_pid, 0);
 	pthread_mutex_unlock(&s->send_mu);
-	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
+	ap_node_call_on_loop_sure(p->n, ap_pool_worker_exited, w);
 	return NULL;
 }

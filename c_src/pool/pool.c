@@ -131,12 +131,12 @@ static void *worker_main(void *arg)
 	if (rc) {
 		w->init_rc = rc;
 		w->exit_reason = EXIT_INIT_FAILED;
-		ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
+		ap_node_call_on_loop_sure(p->n, ap_pool_worker_exited, w);
 		return NULL;
 	}
 	/* Before the first sleep (ap_pool_can_inline reads it after that). */
 	w->state = state;
-	ap_node_call_on_loop(p->n, ap_pool_worker_ready, w);
+	ap_node_call_on_loop_sure(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
 	ap_job *j;
@@ -172,7 +172,7 @@ static void *worker_main(void *arg)
 				sched_yield();
 			ap_mbox_done(&w->mb);
 			atomic_store(&w->run, running & ~(uint64_t)3);
-			ap_node_call_on_loop(p->n, rejoin, w);
+			ap_node_call_on_loop_sure(p->n, rejoin, w);
 			if (st == AP_HANDLER_CRASH) {
 				ap_worker_count_crash(w, AP_CRASH_HANDLER);
 				w->exit_reason = EXIT_CRASH;
@@ -200,7 +200,7 @@ static void *worker_main(void *arg)
 		w->exit_reason = EXIT_CRASH;
 	if (p->h->terminate)
 		p->h->terminate(state);
-	ap_node_call_on_loop(p->n, ap_pool_worker_exited, w);
+	ap_node_call_on_loop_sure(p->n, ap_pool_worker_exited, w);
 	return NULL;
 }
 
