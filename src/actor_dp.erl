@@ -2,8 +2,11 @@
 %%
 %% A segment ({@link seg()}) joins this BEAM to one pool node on the same
 %% host: request rings this module writes (one per scheduler), reply rings
-%% a thread of the NIF library drains, delivering `{Ref, Answer}' to the
-%% asker with `enif_send'. The layout and the attach handshake are
+%% a thread of the NIF library watches. It hands each ring with answers to
+%% a deliverer process ({@link actor_dp_deliverer}, one per scheduler),
+%% which sends `{Ref, Answer}' to each asker from its scheduler
+%% ({@link drain/2}); with no deliverer running, or for an answer over
+%% 64 KiB, the thread sends it itself with `enif_send'. The layout and the attach handshake are
 %% `c_src/ring/ap_seg.h''s; `docs/same-host-transport.md' has the design.
 %% This module is thin: routing, lanes and ordering across transports are
 %% `actor_pool''s.
@@ -28,6 +31,7 @@
 -export([open/3]).
 -export([submit/6, submit/7, submit_encoded/6]).
 -export([await/2, await/3]).
+-export([drain/2, deliver_for/2]).
 -export([cancel/2]).
 -export([consumed/2]).
 -export([close/2]).
@@ -82,6 +86,7 @@
                   awaited := non_neg_integer(),
                   await_missed := non_neg_integer(),
                   passed_on := non_neg_integer(),
+                  sched_delivered := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -94,8 +99,8 @@
 %% (submits refused), `encoded' (records submitted by {@link
 %% submit_encoded/6}), `awaited' (answers taken by {@link await/2}),
 %% `await_missed' (waits that ended without one), `passed_on' (others'
-%% answers an awaiting asker sent on), `pending' asks now; and the
-%% geometry.
+%% answers an awaiting asker sent on), `sched_delivered' (answers
+%% deliverer processes sent), `pending' asks now; and the geometry.
 
 %% ===================================================================
 %% API
@@ -199,6 +204,23 @@ await(_Seg, _AskId) ->
 %% tuning.
 -spec await(Seg :: seg(), AskId :: ask_id(), Us :: 0..1000) -> {reply, term()} | none.
 await(_Seg, _AskId, _Us) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc For a deliverer process, on `{actor_dp_drain, Seg, Ring}' (the
+%% reply thread's hand-over of reply ring `Ring'): sends each answer
+%% waiting in that ring (at most 512) to its asker from the caller's
+%% scheduler, as the reply thread would. An answer over 64 KiB, or one the
+%% reply thread or an awaiting asker holds, is left to the reply thread.
+-spec drain(Seg :: seg(), Ring :: non_neg_integer()) -> ok.
+drain(_Seg, _Ring) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Makes the calling process deliverer `Index' (0-based) of `Count'
+%% (at most 64): the reply threads of every segment hand it reply rings
+%% from now on, until a send to it fails (it is gone) or another process
+%% takes its index. A new `Count' forgets the others.
+-spec deliver_for(Index :: non_neg_integer(), Count :: pos_integer()) -> ok.
+deliver_for(_Index, _Count) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Forgets a pending ask: `true' if it was still pending (no answer

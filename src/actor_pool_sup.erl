@@ -16,6 +16,8 @@
 %% <li>{@link actor_receptionist_sup}, this node's receptionist (its C node
 %%     and BEAM-side server), unless the application environment says
 %%     `{receptionist, false}';</li>
+%% <li>{@link actor_dp_deliverer}s, one per scheduler: they send the
+%%     answers that come back through the rings from schedulers;</li>
 %% <li>{@link actor_pool_dp}, the lanes (shared-memory rings) to pool nodes
 %%     of this host;</li>
 %% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
@@ -141,6 +143,13 @@ init([]) ->
                  shutdown => infinity,
                  type => supervisor,
                  modules => [actor_pool_batch_sup]},
+    NDlv = actor_dp_deliverer:count(),
+    Deliverers = [#{id => {actor_dp_deliverer, I},
+                    start => {actor_dp_deliverer, start_link, [I, NDlv]},
+                    restart => permanent,
+                    shutdown => 1000,
+                    type => worker,
+                    modules => [actor_dp_deliverer]} || I <- lists:seq(0, NDlv - 1)],
     Dp = #{id => actor_pool_dp,
            start => {actor_pool_dp, start_link, []},
            restart => permanent,
@@ -166,5 +175,5 @@ init([]) ->
         ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
-        ++ [Dp, BatchSup, Metrics],
+        ++ Deliverers ++ [Dp, BatchSup, Metrics],
     {ok, {Flags, Children}}.

@@ -39,6 +39,7 @@
          switch_to_distribution_waits_until_the_ring_is_read/1,
          timed_out_ring_asks_leave_no_late_reply/1,
          full_rings_slow_senders_down_and_lose_nothing/1,
+         answers_go_out_from_deliverers_and_survive_their_deaths/1,
          killed_pool_node_answers_64_waiting_askers_promptly/1,
          restarted_pool_node_gets_a_fresh_lane/1]).
 
@@ -72,6 +73,7 @@ ring_test_() ->
                  switch_to_distribution_waits_until_the_ring_is_read,
                  timed_out_ring_asks_leave_no_late_reply,
                  full_rings_slow_senders_down_and_lose_nothing,
+                 answers_go_out_from_deliverers_and_survive_their_deaths,
                  %% last: they kill the pool node
                  killed_pool_node_answers_64_waiting_askers_promptly,
                  restarted_pool_node_gets_a_fresh_lane]]
@@ -564,6 +566,76 @@ full_rings_slow_senders_down_and_lose_nothing(#{pool_node := N}) ->
         ?assertMatch(#{processed := 320, dropped_tells := 0, by_path := #{dist := 0, ring := 320}}, S),
         ?assertMatch(#{counters := #{tell_dropped := Dropped0, ask_full := AskFull0}},
                      actor_pool_dp:info())
+    end).
+
+%% Under 64 callers, answers go out from the deliverer processes' schedulers
+%% (the segment's sched_delivered counts them); one over 64 KiB is still
+%% sent by the reply thread, whole. Two deliverers killed under that load
+%% (one at a time, each after the first's restart, each with a hand-over
+%% in its queue) cost no answer and no timeout: the reply thread takes
+%% their rings back (at once for a new hand-over, within 50 ms for one
+%% already sent) until the supervisor's restart registers a new deliverer.
+answers_go_out_from_deliverers_and_survive_their_deaths(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        ?assertEqual({ok, <<"x">>}, actor_pool:ask(P, <<"x">>)),
+        #{lane := Seg} = lane_info(N),
+        #{rep_rings := Rings} = actor_dp:info(Seg),
+        ?assertError(badarg, actor_dp:drain(Seg, Rings)),
+        ?assertError(badarg, actor_dp:deliver_for(2, 2)),
+        ?assertError(badarg, actor_dp:deliver_for(0, 0)),
+        ?assertError(badarg, actor_dp:deliver_for(0, 65)),
+        Big = binary:copy(<<"b">>, 100000),
+        Pad = binary:copy(<<"p">>, 100),
+        Msg = fun(I, K) when K rem 50 =:= 0 -> {I, K, Big};
+                 (I, K) -> {I, K, Pad}
+              end,
+        Self = self(),
+        Load = fun(Rounds) ->
+            Pids = [{I, spawn_link(fun() ->
+                               R = [actor_pool:ask(P, Msg(I, K), 10000) || K <- lists:seq(1, Rounds)],
+                               Self ! {done, self(), R}
+                           end)} || I <- lists:seq(1, 64)],
+            [receive
+                 {done, Pid, R} ->
+                     ?assertEqual([{ok, Msg(I, K)} || K <- lists:seq(1, Rounds)], R)
+             after 60000 -> error({caller_stuck, I})
+             end || {I, Pid} <- Pids],
+            ok
+        end,
+        #{sched_delivered := D0} = actor_dp:info(Seg),
+        ok = Load(100),
+        #{sched_delivered := D1, late := Late} = actor_dp:info(Seg),
+        ?assert(D1 - D0 > 64 * 100 div 4, {sched_delivered, D1 - D0}),
+        %% Killed while the load runs, once it goes through them.
+        Killer = spawn_link(fun() ->
+                     Dlv = fun() -> lists:sort([{Id, Pid} || {{actor_dp_deliverer, Id}, Pid, _, _}
+                                                             <- supervisor:which_children(actor_pool_sup),
+                                                         is_pid(Pid)])
+                           end,
+                     Grown = fun(From) ->
+                                 ap_support:poll(fun() -> maps:get(sched_delivered, actor_dp:info(Seg)) end,
+                                                 fun(D) -> D > From + 500 end, 20000, 1)
+                             end,
+                     Kill = fun(Nth) ->
+                                {ok, D} = Grown(maps:get(sched_delivered, actor_dp:info(Seg))),
+                                {_, Pid} = lists:nth(Nth, Dlv()),
+                                %% With a hand-over in its queue: lost with it.
+                                true = erlang:suspend_process(Pid),
+                                {ok, _} = ap_support:poll(fun() -> process_info(Pid, message_queue_len) end,
+                                                          fun({message_queue_len, L}) -> L > 0 end, 5000, 1),
+                                exit(Pid, kill),
+                                {ok, _} = ap_support:poll(fun() -> lists:keymember(Pid, 2, Dlv()) end,
+                                                          fun(Still) -> not Still end, 5000, 1),
+                                D
+                            end,
+                     Kill(1),
+                     Kill(min(2, length(Dlv()))),
+                     Self ! {killed, self()}
+                 end),
+        ok = Load(400),
+        receive {killed, Killer} -> ok after 10000 -> error(killer_stuck) end,
+        #{sched_delivered := D2, late := Late, pending := 0} = actor_dp:info(Seg),
+        ?assert(D2 > D1, {sched_delivered, D1, D2})
     end).
 
 %% 64 callers wait on ring asks that the workers hold (they sleep); the

@@ -66,6 +66,12 @@
 #define DP_CROWD_NS 1000000 /* an ask within this of another process's is not alone */
 #define DP_AWAIT_MAX_US 1000u /* await/3's longest wait: a NIF should return within about 1 ms */
 #define DP_AWAIT_MAX_LEN 65536u /* larger answers are left to the reply thread: no long decode on a scheduler */
+#define DP_MAX_DELIVERERS 64u /* deliverer processes (one per scheduler) the NIF knows of */
+#define DP_DELIVER_MAX 512  /* answers a deliverer passes on per poke before it yields */
+/* A ring goes to its deliverer with at least this many bytes of answers
+ * waiting (about two 100-byte answers): for one alone the hand-over costs
+ * more than the thread's own send (json cell, 64 callers, 10% slower). */
+#define DP_POKE_BYTES 300u
 
 struct ask {
 	uint64_t id;
@@ -89,24 +95,49 @@ struct req_ring {
 	char pad[64];    /* keep neighbours' locks off this line */
 };
 
+/* Answers are passed on from schedulers when they can be: the reply thread
+ * sends a deliverer process (actor_dp_deliverer, one per scheduler) one
+ * {actor_dp_drain, Seg, Ring} per batch, and the deliverer's drain/2
+ * sends each answer from its scheduler. Sent by the reply thread, a
+ * thread the BEAM does not manage, every answer cost the BEAM's aux thread
+ * a wake-up and the allocator of unmanaged threads a lock (see
+ * docs/same-host-transport.md). With no deliverer alive (actor_dp used
+ * without the application), or for an answer over DP_AWAIT_MAX_LEN, the
+ * reply thread delivers itself, as it always did. */
+struct rep_side {
+	atomic_int lock;
+	/* A deliverer was poked and has not begun its drain: the reply
+	 * thread neither pokes again nor drains. Since when: a poke nobody
+	 * took up within DP_WAIT_MS (its deliverer died with it) is taken
+	 * back. */
+	atomic_int poked;
+	int64_t poked_ms;
+	atomic_int big; /* a deliverer left an answer over DP_AWAIT_MAX_LEN: the thread's */
+	uint8_t *buf;   /* a copy of one record */
+	ErlNifEnv *env; /* for others' answers, passed on from a scheduler */
+	char pad[64];   /* the next ring's lock off this line */
+};
+
 struct dp {
 	struct ap_ring_map map;
 	struct ap_seg seg;
 	struct req_ring *req;
 	struct ap_ring *rep;
-	uint8_t *buf; /* the drainer's copy of one record (under draining) */
+	/* The reply rings' consumers, one side per ring (rs[i] for rep[i]):
+	 * the reply thread, an asker in await/2 or a deliverer process,
+	 * whichever holds the side's try-lock; the view in rep[i] and the
+	 * side's buffer and env are theirs while they hold it. seen[i]: the
+	 * position the last drain of ring i released, read by anyone (the
+	 * shared head is the pool node's to scribble on: a wait must not
+	 * trust it). */
+	struct rep_side *rs;
+	uint32_t n_rs;
 	size_t buf_cap;
-	/* The reply rings' consumer: the reply thread, or an asker in
-	 * await/2, whichever holds this try-lock; the views in rep, buf and
-	 * seen are theirs while they hold it. seen[i]: the position the last
-	 * drain of ring i released, read by anyone (the shared head is the
-	 * pool node's to scribble on: a wait must not trust it). */
-	atomic_int draining;
+	unsigned dlv_base; /* rings i go to deliverer (dlv_base + i) % count: segments spread */
 	atomic_int awaiting; /* askers in await/2: the reply thread stands aside */
 	atomic_int flag_taken; /* an asker in await/2 took the reply thread's sleep flag down */
 	uint64_t *seen;
-	ErlNifEnv *aenv; /* an asker's env for others' answers (under draining) */
-	atomic_uint_fast64_t drains; /* drain passes of the reply thread that delivered */
+	atomic_uint_fast64_t drains; /* drain passes that delivered (the reply thread's, deliverers') */
 	int sock;
 	int bell_fd; /* an epoll pool node's bell pipe (ap_seg.h, attach step 4), or -1 */
 
@@ -145,10 +176,20 @@ struct dp {
 	atomic_uint_fast64_t next_id;
 	char pad1[64];
 	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed, n_passed_on;
+	atomic_uint_fast64_t n_sched; /* answers deliverer processes sent */
 	atomic_uint_fast64_t n_encoded; /* records of submit_encoded/6 */
 };
 
 static ErlNifResourceType *g_dp_type;
+/* The deliverer processes, by index; written by deliver_for/2 (a
+ * deliverer's start) and when a send to one fails (it is gone). */
+static ErlNifMutex *g_dlv_mu;
+static ErlNifPid g_dlv[DP_MAX_DELIVERERS];
+static int g_dlv_alive[DP_MAX_DELIVERERS];
+static unsigned g_n_dlv;
+static atomic_uint g_dlv_next_base;
+/* The ring being drained by this thread (drain_ring): deliver_here's env. */
+static _Thread_local uint32_t tl_ring;
 static atomic_uint g_next_slot;
 static _Thread_local unsigned tl_slot; /* 0: none yet; else the thread's slot + 1 */
 /* The last pool pid this thread encoded as a destination, and its bytes
@@ -168,7 +209,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_closed, a_bad_reply, a_bad_segment, a_nodedown, a_actor_dp, a_down, a_badarg, a_owner_down, a_open,
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
-	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_awaited, a_await_missed,
+	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_actor_dp_drain, a_sched_delivered, a_awaited, a_await_missed,
 	a_await, a_passed_on, a_ext;
 static ERL_NIF_TERM a_encode, a_encoded;
 
@@ -489,6 +530,13 @@ static int rep_pending(struct dp *s, uint32_t i)
 	return __atomic_load_n(&s->rep[i].hdr->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&s->seen[i], __ATOMIC_ACQUIRE);
 }
 
+/* Bytes of ring i not drained yet. The tail is the pool node's word: a
+ * hint only (whether to hand the ring over), never a bound. */
+static uint64_t rep_pending_bytes(struct dp *s, uint32_t i)
+{
+	return __atomic_load_n(&s->rep[i].hdr->tail, __ATOMIC_ACQUIRE) - __atomic_load_n(&s->seen[i], __ATOMIC_ACQUIRE);
+}
+
 static int rep_any_pending(struct dp *s)
 {
 	for (uint32_t i = 0; i < s->seg.n_rep; i++)
@@ -509,35 +557,137 @@ static int rep_ready(void *arg)
 
 	if (atomic_load(&s->stop) || atomic_load(&s->closed))
 		return 1;
-	return !atomic_load(&s->awaiting) && rep_any_pending(s);
+	if (atomic_load(&s->awaiting))
+		return 0;
+	/* A poked ring is its deliverer's (until the poke goes stale: the
+	 * thread's sleep is DP_WAIT_MS at most). */
+	for (uint32_t i = 0; i < s->seg.n_rep; i++)
+		if (rep_pending(s, i) && !atomic_load(&s->rs[i].poked))
+			return 1;
+	return 0;
 }
 
-static int drain_trylock(struct dp *s)
+static int ring_trylock(struct dp *s, uint32_t i)
 {
 	int expect = 0;
-	return atomic_compare_exchange_strong_explicit(&s->draining, &expect, 1, memory_order_acquire,
+	return atomic_compare_exchange_strong_explicit(&s->rs[i].lock, &expect, 1, memory_order_acquire,
 						       memory_order_relaxed);
 }
 
-static void drain_unlock(struct dp *s) { atomic_store_explicit(&s->draining, 0, memory_order_release); }
+static void ring_unlock(struct dp *s, uint32_t i) { atomic_store_explicit(&s->rs[i].lock, 0, memory_order_release); }
 
-/* Every reply ring once, fn for each reply of at most max_len bytes (the
- * caller holds draining): the replies, or < 0 when a ring broke. *held:
- * a longer one was left in its ring, unread. */
+/* Up to max replies of ring i (the caller holds its lock), fn for each of
+ * at most max_len bytes: the replies, or < 0 when the ring broke. *held:
+ * a longer one was left in the ring, unread. */
+static int drain_ring(struct dp *s, uint32_t i, unsigned max, size_t max_len, dp_reply_fn fn, void *arg, int *held)
+{
+	struct dp_drain_stats st = { 0, 0, 0 };
+	int rc;
+
+	tl_ring = i;
+	rc = dp_drain_upto(&s->rep[i], s->rs[i].buf, s->buf_cap, max, max_len, fn, arg, &st);
+	if (st.bad_records)
+		atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
+	__atomic_store_n(&s->seen[i], s->rep[i].pos, __ATOMIC_RELEASE);
+	if (st.held && held)
+		*held = 1;
+	return rc;
+}
+
+/* Every reply ring with replies once, those whose lock is free: as
+ * drain_ring. */
 static int drain_all(struct dp *s, size_t max_len, dp_reply_fn fn, void *arg, int *held)
 {
 	int total = 0;
 
 	for (uint32_t i = 0; i < s->seg.n_rep; i++) {
-		struct dp_drain_stats st = { 0, 0, 0 };
-		int rc = dp_drain_upto(&s->rep[i], s->buf, s->buf_cap, DP_DRAIN_BATCH, max_len, fn, arg, &st);
-		if (st.bad_records)
-			atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
-		__atomic_store_n(&s->seen[i], s->rep[i].pos, __ATOMIC_RELEASE);
+		if (!rep_pending(s, i) || !ring_trylock(s, i))
+			continue;
+		int rc = drain_ring(s, i, DP_DRAIN_BATCH, max_len, fn, arg, held);
+		ring_unlock(s, i);
 		if (rc < 0)
 			return rc;
-		if (st.held && held)
-			*held = 1;
+		total += rc;
+	}
+	return total;
+}
+
+/* The deliverer for ring i, if one is alive as far as we know. */
+static int deliverer_of(struct dp *s, uint32_t i, ErlNifPid *pid)
+{
+	int ok = 0;
+
+	enif_mutex_lock(g_dlv_mu);
+	if (g_n_dlv) {
+		unsigned k = (s->dlv_base + i) % g_n_dlv;
+		if (g_dlv_alive[k]) {
+			*pid = g_dlv[k];
+			ok = 1;
+		}
+	}
+	enif_mutex_unlock(g_dlv_mu);
+	return ok;
+}
+
+static void deliverer_gone(const ErlNifPid *pid)
+{
+	enif_mutex_lock(g_dlv_mu);
+	for (unsigned k = 0; k < g_n_dlv; k++)
+		if (g_dlv_alive[k] && !enif_compare_pids(&g_dlv[k], pid))
+			g_dlv_alive[k] = 0;
+	enif_mutex_unlock(g_dlv_mu);
+}
+
+/* The reply thread hands ring i to its deliverer: 1 if it was sent. */
+static int poke(struct dp *s, uint32_t i)
+{
+	struct rep_side *r = &s->rs[i];
+	ErlNifPid pid;
+	int sent;
+
+	if (!deliverer_of(s, i, &pid))
+		return 0;
+	/* Up before the send: the deliverer takes it down as it begins. */
+	r->poked_ms = dp_now_ms();
+	atomic_store(&r->poked, 1);
+	sent = enif_send(NULL, &pid, s->tenv,
+			 enif_make_tuple3(s->tenv, a_actor_dp_drain, enif_make_resource(s->tenv, s),
+					  enif_make_uint(s->tenv, i)));
+	enif_clear_env(s->tenv);
+	if (!sent) {
+		atomic_store(&r->poked, 0);
+		deliverer_gone(&pid);
+	}
+	return sent;
+}
+
+/* The reply thread's pass: each ring with replies goes to its deliverer,
+ * or is drained here (no deliverer; an answer too large for a scheduler
+ * waiting; a poke gone stale). The replies delivered here plus the pokes
+ * sent, or < 0 when a ring broke. */
+static int thread_pass(struct dp *s)
+{
+	int total = 0;
+
+	for (uint32_t i = 0; i < s->seg.n_rep; i++) {
+		struct rep_side *r = &s->rs[i];
+		if (!rep_pending(s, i))
+			continue;
+		if (atomic_load(&r->poked)) {
+			if (dp_now_ms() - r->poked_ms < DP_WAIT_MS)
+				continue;
+			atomic_store(&r->poked, 0);
+		} else if (!atomic_load(&r->big) && rep_pending_bytes(s, i) >= DP_POKE_BYTES && poke(s, i)) {
+			total++;
+			continue;
+		}
+		if (!ring_trylock(s, i))
+			continue;
+		atomic_store(&r->big, 0);
+		int rc = drain_ring(s, i, DP_DRAIN_BATCH, SIZE_MAX, deliver, s, NULL);
+		ring_unlock(s, i);
+		if (rc < 0)
+			return rc;
 		total += rc;
 	}
 	return total;
@@ -577,13 +727,10 @@ static void *reply_thread(void *arg)
 		int total, rc;
 		int64_t now;
 
-		/* Only an asker in await/2 (awaiting > 0) holds the rings
-		 * besides us; whatever it leaves behind, it rings for. */
-		total = 0;
-		if (!atomic_load(&s->awaiting) && drain_trylock(s)) {
-			total = drain_all(s, SIZE_MAX, deliver, s, NULL);
-			drain_unlock(s);
-		}
+		/* While an asker waits in await/2 (awaiting > 0) it drains
+		 * the rings; whatever it leaves behind, it rings for, as a
+		 * deliverer does. */
+		total = atomic_load(&s->awaiting) ? 0 : thread_pass(s);
 		if (s->sent) {
 			enif_mutex_lock(s->mu);
 			free_sent(s);
@@ -663,13 +810,18 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 	enif_free(s->req);
 	enif_free(s->rep);
 	enif_free(s->seen);
-	enif_free(s->buf);
+	if (s->rs) {
+		for (uint32_t i = 0; i < s->n_rs; i++) {
+			enif_free(s->rs[i].buf);
+			if (s->rs[i].env)
+				enif_free_env(s->rs[i].env);
+		}
+		enif_free(s->rs);
+	}
 	if (s->tenv)
 		enif_free_env(s->tenv);
 	if (s->penv)
 		enif_free_env(s->penv);
-	if (s->aenv)
-		enif_free_env(s->aenv);
 	if (s->mu)
 		enif_mutex_destroy(s->mu);
 }
@@ -732,17 +884,25 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->mu = enif_mutex_create("actor_dp");
 	s->tenv = enif_alloc_env();
 	s->penv = enif_alloc_env();
-	s->aenv = enif_alloc_env();
 	s->tab = enif_alloc(DP_TAB_INIT * sizeof *s->tab);
 	s->req = enif_alloc(n_req * sizeof *s->req);
 	s->rep = enif_alloc(n_rep * sizeof *s->rep);
 	s->seen = enif_alloc(n_rep * sizeof *s->seen);
 	s->buf_cap = ap_ring_max_payload(rep_cap) + 1;
-	s->buf = enif_alloc(s->buf_cap);
-	if (!s->mu || !s->tenv || !s->penv || !s->aenv || !s->tab || !s->req || !s->rep || !s->seen || !s->buf) {
+	s->rs = enif_alloc(n_rep * sizeof *s->rs);
+	if (s->rs) {
+		memset(s->rs, 0, n_rep * sizeof *s->rs);
+		s->n_rs = (uint32_t)n_rep;
+		for (uint32_t i = 0; i < s->n_rs; i++)
+			if (!(s->rs[i].buf = enif_alloc(s->buf_cap)) || !(s->rs[i].env = enif_alloc_env()))
+				break;
+	}
+	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->seen || !s->rs ||
+	    !s->rs[n_rep - 1].env) {
 		ret = error_tuple(env, a_enomem);
 		goto out;
 	}
+	s->dlv_base = atomic_fetch_add(&g_dlv_next_base, 1);
 	memset(s->tab, 0, DP_TAB_INIT * sizeof *s->tab);
 	memset(s->req, 0, n_req * sizeof *s->req);
 	memset(s->seen, 0, n_rep * sizeof *s->seen);
@@ -1287,19 +1447,23 @@ struct await_ctx {
 	uint64_t mine;
 	ERL_NIF_TERM ans;
 	int got;
+	atomic_uint_fast64_t *count; /* others' answers sent: n_passed_on, or n_sched for a deliverer */
 };
 
-/* dp_reply_fn in await/2: the asker's own reply is kept (decoded on its
- * heap: it is the NIF's answer), the others are sent as the reply thread
- * would, decoded into aenv (not the asker's heap). An answer nobody waits
- * for is not decoded at all. The lookup is done twice, before the decode
- * and when the entry is taken, so a cancel in between still wins. */
+/* dp_reply_fn on a scheduler (await/2, a deliverer's drain/2): the
+ * asker's own reply is kept (decoded on its heap: it is the NIF's answer),
+ * the others are sent as the reply thread would, decoded into the ring's
+ * env (not the caller's heap). An answer nobody waits for is not decoded
+ * at all. The lookup is done twice, before the decode and when the entry
+ * is taken, so a cancel in between still wins; the send is made under the
+ * lock, so a cancel that misses the entry finds the answer sent. */
 static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len)
 {
 	struct await_ctx *c = arg;
 	struct dp *s = c->s;
-	int mine = id == c->mine;
-	ErlNifEnv *e = mine ? c->env : s->aenv;
+	int mine = c->mine && id == c->mine;
+	ErlNifEnv *oenv = s->rs[tl_ring].env;
+	ErlNifEnv *e = mine ? c->env : oenv;
 	ERL_NIF_TERM ans;
 	struct ask *a;
 
@@ -1314,7 +1478,7 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 		cnt(&s->n_late);
 		enif_mutex_unlock(s->mu);
 		if (!mine)
-			enif_clear_env(s->aenv);
+			enif_clear_env(oenv);
 		return;
 	}
 	cnt(&s->n_replies);
@@ -1322,9 +1486,9 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 		c->ans = ans;
 		c->got = 1;
 	} else {
-		cnt(&s->n_passed_on);
-		(void)enif_send(c->env, &a->pid, s->aenv, enif_make_tuple2(s->aenv, enif_make_copy(s->aenv, a->ref), ans));
-		enif_clear_env(s->aenv);
+		cnt(c->count);
+		(void)enif_send(c->env, &a->pid, oenv, enif_make_tuple2(oenv, enif_make_copy(oenv, a->ref), ans));
+		enif_clear_env(oenv);
 	}
 	ask_free(s, a);
 	enif_mutex_unlock(s->mu);
@@ -1381,7 +1545,7 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	gen = atomic_load_explicit(&s->drains, memory_order_acquire);
 	if (atomic_load(&s->closed) || !ask_waiting(s, id, &alone, argc == 3, &me) || !alone)
 		return a_none;
-	c = (struct await_ctx){ .s = s, .env = env, .mine = id, .got = 0 };
+	c = (struct await_ctx){ .s = s, .env = env, .mine = id, .got = 0, .count = &s->n_passed_on };
 	atomic_fetch_add(&s->awaiting, 1);
 	/* The reply thread, asleep, would be rung by the reply we wait for
 	 * only to stand aside again: a syscall in the worker and a wake-up
@@ -1393,9 +1557,8 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	now = t0;
 	for (unsigned k = 1;; k++) {
 		int passed = 0;
-		if (rep_any_pending(s) && drain_trylock(s)) {
+		if (rep_any_pending(s)) {
 			int held = 0, rc = drain_all(s, DP_AWAIT_MAX_LEN, deliver_here, &c, &held);
-			drain_unlock(s);
 			if (rc < 0) {
 				/* Every waiting ask, ours included, gets {error, bad_segment}. */
 				dp_shut(s, env, a_bad_segment, 1);
@@ -1455,6 +1618,75 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	}
 	cnt(&s->n_awaited);
 	return enif_make_tuple2(env, a_reply, c.ans);
+}
+
+/* ---- deliverers ------------------------------------------------------------------ */
+
+/* drain(Seg, Ring) -> ok, in a deliverer process on {actor_dp_drain, Seg,
+ * Ring}: the answers waiting in the ring (up to DP_DELIVER_MAX), sent from
+ * this scheduler. A larger answer, or what another drainer holds, is left
+ * to the reply thread, which is rung for it. */
+static ERL_NIF_TERM nif_drain(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	struct await_ctx c;
+	unsigned i;
+	int n = 0, held = 0, rc = 0;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_get_uint(env, argv[1], &i) || i >= s->seg.n_rep)
+		return enif_make_badarg(env);
+	c = (struct await_ctx){ .s = s, .env = env, .mine = 0, .got = 0, .count = &s->n_sched };
+	/* Down first: replies that come during the drain get a poke of their
+	 * own if this drain misses them. */
+	atomic_store(&s->rs[i].poked, 0);
+	while (n < DP_DELIVER_MAX && !held && rep_pending(s, i) && ring_trylock(s, i)) {
+		rc = drain_ring(s, i, DP_DRAIN_BATCH, DP_AWAIT_MAX_LEN, deliver_here, &c, &held);
+		ring_unlock(s, i);
+		if (rc <= 0)
+			break;
+		n += rc;
+	}
+	if (rc < 0) {
+		dp_shut(s, env, a_bad_segment, 1);
+		return a_ok;
+	}
+	if (n)
+		atomic_fetch_add_explicit(&s->drains, 1, memory_order_release);
+	if (held)
+		atomic_store(&s->rs[i].big, 1);
+	/* Whatever is left is the reply thread's to look at: it sleeps with
+	 * this ring poked. The fence orders the poke's end before the tail
+	 * read, as the thread raises its flag before it looks. */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (rep_pending(s, i))
+		ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
+	(void)enif_consume_timeslice(env, 1 + n / 8 > 100 ? 100 : 1 + n / 8);
+	return a_ok;
+}
+
+/* deliver_for(Index, Count) -> ok: the calling process is deliverer Index
+ * of Count (actor_dp_deliverer's start). */
+static ERL_NIF_TERM nif_deliver_for(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	unsigned idx, count;
+	ErlNifPid self;
+
+	(void)argc;
+	if (!enif_get_uint(env, argv[0], &idx) || !enif_get_uint(env, argv[1], &count) || count == 0 ||
+	    count > DP_MAX_DELIVERERS || idx >= count || !enif_self(env, &self))
+		return enif_make_badarg(env);
+	enif_mutex_lock(g_dlv_mu);
+	if (count != g_n_dlv) {
+		/* Another count (schedulers online changed, a restart): the
+		 * others register again as they start. */
+		memset(g_dlv_alive, 0, sizeof g_dlv_alive);
+		g_n_dlv = count;
+	}
+	g_dlv[idx] = self;
+	g_dlv_alive[idx] = 1;
+	enif_mutex_unlock(g_dlv_mu);
+	return a_ok;
 }
 
 /* ---- cancel, consumed, close, info, scribble ------------------------------------- */
@@ -1547,6 +1779,7 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_awaited, C(n_awaited));
 	KV(a_await_missed, C(n_await_missed));
 	KV(a_passed_on, C(n_passed_on));
+	KV(a_sched_delivered, C(n_sched));
 	KV(a_pending, enif_make_uint(env, pending));
 	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
 	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
@@ -1606,6 +1839,9 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	(void)info;
 	if (pin_self())
 		return -1;
+	/* Kept across an upgrade, as the library is (pin_self). */
+	if (!g_dlv_mu && !(g_dlv_mu = enif_mutex_create("actor_dp_deliverers")))
+		return -1;
 #define ATOM(name) a_##name = enif_make_atom(env, #name)
 	ATOM(ok);
 	ATOM(none);
@@ -1659,6 +1895,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(noproc);
 	ATOM(encode);
 	ATOM(encoded);
+	ATOM(actor_dp_drain);
+	ATOM(sched_delivered);
 #undef ATOM
 	g_dp_type = enif_open_resource_type_x(env, "actor_dp_seg", &init, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER,
 					      NULL);
@@ -1678,6 +1916,8 @@ static ErlNifFunc funcs[] = {
 	{"submit_encoded", 6, nif_submit_encoded, 0},
 	{"await", 2, nif_await, 0},
 	{"await", 3, nif_await, 0},
+	{"drain", 2, nif_drain, 0},
+	{"deliver_for", 2, nif_deliver_for, 0},
 	{"cancel", 2, nif_cancel, 0},
 	{"consumed", 2, nif_consumed, 0},
 	{"close", 2, nif_close, 0},
