@@ -594,6 +594,19 @@ static int drain_ring(struct dp *s, uint32_t i, unsigned max, size_t max_len, dp
 	return rc;
 }
 
+/* drain_ring under ring i's lock, if no other drainer holds it (0 then). */
+static int drain_ring_free(struct dp *s, uint32_t i, unsigned max, size_t max_len, dp_reply_fn fn, void *arg,
+			   int *held)
+{
+	int rc;
+
+	if (!ring_trylock(s, i))
+		return 0;
+	rc = drain_ring(s, i, max, max_len, fn, arg, held);
+	ring_unlock(s, i);
+	return rc;
+}
+
 /* Every reply ring with replies once, those whose lock is free: as
  * drain_ring. */
 static int drain_all(struct dp *s, size_t max_len, dp_reply_fn fn, void *arg, int *held)
@@ -601,10 +614,7 @@ static int drain_all(struct dp *s, size_t max_len, dp_reply_fn fn, void *arg, in
 	int total = 0;
 
 	for (uint32_t i = 0; i < s->seg.n_rep; i++) {
-		if (!rep_pending(s, i) || !ring_trylock(s, i))
-			continue;
-		int rc = drain_ring(s, i, DP_DRAIN_BATCH, max_len, fn, arg, held);
-		ring_unlock(s, i);
+		int rc = rep_pending(s, i) ? drain_ring_free(s, i, DP_DRAIN_BATCH, max_len, fn, arg, held) : 0;
 		if (rc < 0)
 			return rc;
 		total += rc;
@@ -681,11 +691,10 @@ static int thread_pass(struct dp *s)
 			total++;
 			continue;
 		}
-		if (!ring_trylock(s, i))
-			continue;
+		/* Down even if another drainer holds the ring: a deliverer
+		 * raises it again at the large answer, an asker rings. */
 		atomic_store(&r->big, 0);
-		int rc = drain_ring(s, i, DP_DRAIN_BATCH, SIZE_MAX, deliver, s, NULL);
-		ring_unlock(s, i);
+		int rc = drain_ring_free(s, i, DP_DRAIN_BATCH, SIZE_MAX, deliver, s, NULL);
 		if (rc < 0)
 			return rc;
 		total += rc;
@@ -1640,9 +1649,8 @@ static ERL_NIF_TERM nif_drain(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	/* Down first: replies that come during the drain get a poke of their
 	 * own if this drain misses them. */
 	atomic_store(&s->rs[i].poked, 0);
-	while (n < DP_DELIVER_MAX && !held && rep_pending(s, i) && ring_trylock(s, i)) {
-		rc = drain_ring(s, i, DP_DRAIN_BATCH, DP_AWAIT_MAX_LEN, deliver_here, &c, &held);
-		ring_unlock(s, i);
+	while (n < DP_DELIVER_MAX && !held && rep_pending(s, i)) {
+		rc = drain_ring_free(s, i, DP_DRAIN_BATCH, DP_AWAIT_MAX_LEN, deliver_here, &c, &held);
 		if (rc <= 0)
 			break;
 		n += rc;
