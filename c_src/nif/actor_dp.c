@@ -523,19 +523,15 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	s->sent = a;
 }
 
-/* Ring i has records no drain has released (any thread, no view
- * touched). */
-static int rep_pending(struct dp *s, uint32_t i)
-{
-	return __atomic_load_n(&s->rep[i].hdr->tail, __ATOMIC_ACQUIRE) != __atomic_load_n(&s->seen[i], __ATOMIC_ACQUIRE);
-}
-
-/* Bytes of ring i not drained yet. The tail is the pool node's word: a
- * hint only (whether to hand the ring over), never a bound. */
+/* Bytes of ring i that no drain has released (any thread, no view
+ * touched). The tail is the pool node's word: a hint (whether to drain,
+ * whether to hand the ring over), never a bound. */
 static uint64_t rep_pending_bytes(struct dp *s, uint32_t i)
 {
 	return __atomic_load_n(&s->rep[i].hdr->tail, __ATOMIC_ACQUIRE) - __atomic_load_n(&s->seen[i], __ATOMIC_ACQUIRE);
 }
+
+static int rep_pending(struct dp *s, uint32_t i) { return rep_pending_bytes(s, i) != 0; }
 
 static int rep_any_pending(struct dp *s)
 {
@@ -673,8 +669,8 @@ static int poke(struct dp *s, uint32_t i)
 
 /* The reply thread's pass: each ring with replies goes to its deliverer,
  * or is drained here (no deliverer; an answer too large for a scheduler
- * waiting; a poke gone stale). The replies delivered here plus the pokes
- * sent, or < 0 when a ring broke. */
+ * waiting; a poke gone stale). The replies delivered here, or < 0 when a
+ * ring broke. */
 static int thread_pass(struct dp *s)
 {
 	int total = 0;
@@ -688,7 +684,6 @@ static int thread_pass(struct dp *s)
 				continue;
 			atomic_store(&r->poked, 0);
 		} else if (!atomic_load(&r->big) && rep_pending_bytes(s, i) >= DP_POKE_BYTES && poke(s, i)) {
-			total++;
 			continue;
 		}
 		/* Down even if another drainer holds the ring: a deliverer
