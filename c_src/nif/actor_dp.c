@@ -27,8 +27,8 @@
  *   close take entries out under the same lock. So a cancelled ask never
  *   gets a message (cancel -> true), and once cancel answers false the
  *   message is already in the asker's queue (a flush after 0 finds it):
- *   the reply thread sends outside the lock, and cancel waits while
- *   `delivering` names the ask (deliver). close answers every pending
+ *   a ring's drainer sends outside the lock, and cancel waits while
+ *   that ring's `delivering` names the ask (deliver, deliver_here). close answers every pending
  *   ask at once with {Ref, {error, R}}.
  *
  * - Lifetime. The resource is kept alive by one reference of its own
@@ -44,6 +44,7 @@
  * over files that each look safe alone. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -113,6 +114,13 @@ struct rep_side {
 	atomic_int poked;
 	int64_t poked_ms;
 	atomic_int big; /* a deliverer left an answer over DP_AWAIT_MAX_LEN: the thread's */
+	/* The ask whose answer this ring's drainer is making and sending,
+	 * taken out of the table under mu and sent outside it (0: none); a
+	 * cancel that missed its entry waits for it to move on. `sent`: that
+	 * entry, back to the spare list under the drainer's next hold of mu.
+	 * Both are the holder of `lock`'s. */
+	atomic_uint_fast64_t delivering;
+	struct ask *sent;
 	uint8_t *buf;   /* a copy of one record */
 	ErlNifEnv *env; /* for others' answers, passed on from a scheduler */
 	char pad[64];   /* the next ring's lock off this line */
@@ -141,12 +149,13 @@ struct dp {
 	int sock;
 	int bell_fd; /* an epoll pool node's bell pipe (ap_seg.h, attach step 4), or -1 */
 
-	ErlNifMutex *mu; /* the asks, closed, keep, free list */
-	/* The ask whose answer the reply thread is making and sending, taken
-	 * out of the table under mu and sent outside it (0: none); cancel
-	 * waits for it to move on (see deliver). */
-	atomic_uint_fast64_t delivering;
-	struct ask *sent; /* the reply thread's last delivered entry, freed under its next hold of mu */
+	/* The asks, closed, keep, free list. An adaptive mutex (it spins a
+	 * little before it sleeps): held for a table operation, tens of
+	 * nanoseconds, by every submit of an ask and every delivery, it is
+	 * contended under many callers, and a sleep and a wake-up on it cost
+	 * two syscalls where the wait would have been shorter than either. */
+	pthread_mutex_t mu;
+	int mu_ok;
 	struct ask **tab;
 	uint32_t tab_mask;
 	uint32_t n_asks;
@@ -273,6 +282,21 @@ static uint64_t req_count(struct dp *s, int which)
 
 static void cnt(atomic_uint_fast64_t *c) { atomic_fetch_add_explicit(c, 1, memory_order_relaxed); }
 
+static int mu_init(pthread_mutex_t *mu)
+{
+	pthread_mutexattr_t at;
+	int ok;
+
+	if (pthread_mutexattr_init(&at))
+		return 0;
+	ok = !pthread_mutexattr_settype(&at, PTHREAD_MUTEX_ADAPTIVE_NP) && !pthread_mutex_init(mu, &at);
+	pthread_mutexattr_destroy(&at);
+	return ok;
+}
+
+static void mu_lock(struct dp *s) { (void)pthread_mutex_lock(&s->mu); }
+static void mu_unlock(struct dp *s) { (void)pthread_mutex_unlock(&s->mu); }
+
 /* ---- asks (caller holds mu) --------------------------------------------------- */
 
 static struct ask *ask_new(struct dp *s)
@@ -377,9 +401,9 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 {
 	ErlNifEnv *m;
 
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	if (atomic_load(&s->closed)) {
-		enif_mutex_unlock(s->mu);
+		mu_unlock(s);
 		return;
 	}
 	s->reason = enif_make_copy(s->penv, reason);
@@ -411,7 +435,7 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 		(void)enif_send(caller_env, &s->owner, m, msg);
 		enif_clear_env(m);
 	}
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	if (m)
 		enif_free_env(m);
 	ap_seg_close(s->seg.hdr, AP_SEG_CLOSED_BEAM);
@@ -427,10 +451,10 @@ static void dp_unkeep(struct dp *s)
 {
 	int drop;
 
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	drop = s->keep;
 	s->keep = 0;
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	if (drop)
 		enif_release_resource(s);
 }
@@ -452,14 +476,40 @@ static int may_hold_hash_map(const uint8_t *term, size_t len)
 	return max_map > 32;
 }
 
-/* The reply thread's entry of its last delivery back to the spare list
- * (caller holds mu). */
-static void free_sent(struct dp *s)
+/* The entry of ring i's last delivery back to the spare list (caller
+ * holds mu and ring i's lock). */
+static void free_sent(struct dp *s, uint32_t i)
 {
-	if (s->sent) {
-		ask_free(s, s->sent);
-		s->sent = NULL;
+	if (s->rs[i].sent) {
+		ask_free(s, s->rs[i].sent);
+		s->rs[i].sent = NULL;
 	}
+}
+
+/* Takes ask id's entry out of the table to deliver its answer outside mu:
+ * ring i's `delivering` names it until the send is made. NULL when the
+ * ask is gone (cancelled, answered by a close): a late answer. */
+static struct ask *take_to_deliver(struct dp *s, uint32_t i, uint64_t id, int mark)
+{
+	struct ask *a;
+
+	mu_lock(s);
+	free_sent(s, i);
+	a = ask_take(s, id);
+	/* Counted before the lock is dropped: a caller that saw the effect
+	 * sees the count. */
+	cnt(a ? &s->n_replies : &s->n_late);
+	if (a && mark)
+		atomic_store_explicit(&s->rs[i].delivering, id, memory_order_relaxed);
+	mu_unlock(s);
+	return a;
+}
+
+/* After the send: a cancel waiting on ring i may answer false now. */
+static void delivered(struct dp *s, uint32_t i, struct ask *a)
+{
+	atomic_store_explicit(&s->rs[i].delivering, 0, memory_order_release);
+	s->rs[i].sent = a;
 }
 
 /* The reply thread's delivery of one answer. The entry is taken out of
@@ -479,19 +529,9 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	struct ask *a;
 	ErlNifEnv *e;
 
-	enif_mutex_lock(s->mu);
-	free_sent(s);
-	a = ask_take(s, id);
-	if (!a) {
-		/* Counted before the lock is dropped, like a delivery below: a
-		 * caller that saw the effect sees the count. */
-		cnt(&s->n_late);
-		enif_mutex_unlock(s->mu);
+	a = take_to_deliver(s, tl_ring, id, 1);
+	if (!a)
 		return;
-	}
-	cnt(&s->n_replies);
-	atomic_store_explicit(&s->delivering, id, memory_order_relaxed);
-	enif_mutex_unlock(s->mu);
 	/* Made in the ask's own env, beside the ref its asker's scheduler
 	 * copied there: the heap fragment that goes with the message is that
 	 * scheduler's allocation, which the asker's side frees as its own. Made
@@ -519,8 +559,7 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	/* The send takes the env's terms (it is left empty, ask_free clears
 	 * nothing more). */
 	(void)enif_send(NULL, &a->pid, e, enif_make_tuple2(e, a->ref, ans));
-	atomic_store_explicit(&s->delivering, 0, memory_order_release);
-	s->sent = a;
+	delivered(s, tl_ring, a);
 }
 
 /* Bytes of ring i that no drain has released (any thread, no view
@@ -582,6 +621,11 @@ static int drain_ring(struct dp *s, uint32_t i, unsigned max, size_t max_len, dp
 
 	tl_ring = i;
 	rc = dp_drain_upto(&s->rep[i], s->rs[i].buf, s->buf_cap, max, max_len, fn, arg, &st);
+	if (s->rs[i].sent) {
+		mu_lock(s);
+		free_sent(s, i);
+		mu_unlock(s);
+	}
 	if (st.bad_records)
 		atomic_fetch_add_explicit(&s->n_bad, st.bad_records, memory_order_relaxed);
 	__atomic_store_n(&s->seen[i], s->rep[i].pos, __ATOMIC_RELEASE);
@@ -735,11 +779,6 @@ static void *reply_thread(void *arg)
 		 * the rings; whatever it leaves behind, it rings for, as a
 		 * deliverer does. */
 		total = atomic_load(&s->awaiting) ? 0 : thread_pass(s);
-		if (s->sent) {
-			enif_mutex_lock(s->mu);
-			free_sent(s);
-			enif_mutex_unlock(s->mu);
-		}
 		if (total < 0) {
 			shut_from_thread(s, a_bad_segment);
 			break;
@@ -799,10 +838,6 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		}
 		enif_free(s->tab);
 	}
-	if (s->sent) {
-		enif_free_env(s->sent->env);
-		enif_free(s->sent);
-	}
 	while (s->spare) {
 		struct ask *a = s->spare;
 		s->spare = a->next;
@@ -826,8 +861,8 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		enif_free_env(s->tenv);
 	if (s->penv)
 		enif_free_env(s->penv);
-	if (s->mu)
-		enif_mutex_destroy(s->mu);
+	if (s->mu_ok)
+		pthread_mutex_destroy(&s->mu);
 }
 
 /* The owner exited: nobody will close the segment, so close it now. */
@@ -885,7 +920,7 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->bell_fd = -1;
 	s->map.fd = -1;
 	s->owner = owner;
-	s->mu = enif_mutex_create("actor_dp");
+	s->mu_ok = mu_init(&s->mu);
 	s->tenv = enif_alloc_env();
 	s->penv = enif_alloc_env();
 	s->tab = enif_alloc(DP_TAB_INIT * sizeof *s->tab);
@@ -901,7 +936,7 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 			if (!(s->rs[i].buf = enif_alloc(s->buf_cap)) || !(s->rs[i].env = enif_alloc_env()))
 				break;
 	}
-	if (!s->mu || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->seen || !s->rs ||
+	if (!s->mu_ok || !s->tenv || !s->penv || !s->tab || !s->req || !s->rep || !s->seen || !s->rs ||
 	    !s->rs[n_rep - 1].env) {
 		ret = error_tuple(env, a_enomem);
 		goto out;
@@ -955,9 +990,9 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	 * find it there, or the segment would stay open with nobody to close
 	 * it. */
 	enif_keep_resource(s);
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	s->keep = 1;
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	if (enif_monitor_process(env, s, &owner, NULL)) {
 		dp_unkeep(s);
 		ret = error_tuple(env, a_noproc);
@@ -1222,9 +1257,9 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	if (q->kind != AP_DP_TELL) {
 		/* Registered before the record is visible: the reply may come
 		 * back before we return. */
-		enif_mutex_lock(s->mu);
+		mu_lock(s);
 		if (atomic_load(&s->closed) || !(a = ask_new(s))) {
-			enif_mutex_unlock(s->mu);
+			mu_unlock(s);
 			return a_closed; /* or no memory for the entry: the caller falls back */
 		}
 		a->id = atomic_fetch_add(&s->next_id, 1);
@@ -1247,7 +1282,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 			else
 				lone = 1;
 		}
-		enif_mutex_unlock(s->mu);
+		mu_unlock(s);
 		q->ask_id = a->id;
 	}
 	/* Our scheduler's ring, or the next free one: another thread may share
@@ -1294,11 +1329,11 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	}
 	if (rc && a) {
 		struct ask *back;
-		enif_mutex_lock(s->mu);
+		mu_lock(s);
 		back = ask_take(s, a->id);
 		if (back)
 			ask_free(s, back);
-		enif_mutex_unlock(s->mu);
+		mu_unlock(s);
 		/* A close answered the ask meanwhile ({Ref, {error, R}} is on
 		 * its way): the caller must wait for it as for any answer. */
 		if (!back)
@@ -1458,34 +1493,27 @@ struct await_ctx {
  * asker's own reply is kept (decoded on its heap: it is the NIF's answer),
  * the others are sent as the reply thread would, decoded into the ring's
  * env (not the caller's heap). An answer nobody waits for is not decoded
- * at all. The lookup is done twice, before the decode and when the entry
- * is taken, so a cancel in between still wins; the send is made under the
- * lock, so a cancel that misses the entry finds the answer sent. */
+ * at all. The entry is taken out under mu and the answer made and sent
+ * outside it, as deliver does: sent under the lock (a wake-up of the
+ * asker's scheduler, a syscall, held across), mu was the schedulers'
+ * most contended lock under 64 callers, submits and deliverers sleeping
+ * on it and waking each other. */
 static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len)
 {
 	struct await_ctx *c = arg;
 	struct dp *s = c->s;
+	uint32_t i = tl_ring;
 	int mine = c->mine && id == c->mine;
-	ErlNifEnv *oenv = s->rs[tl_ring].env;
+	ErlNifEnv *oenv = s->rs[i].env;
 	ErlNifEnv *e = mine ? c->env : oenv;
 	ERL_NIF_TERM ans;
-	struct ask *a;
+	/* Our own needs no mark: we are the only one who could cancel it. */
+	struct ask *a = take_to_deliver(s, i, id, !mine);
 
-	enif_mutex_lock(s->mu);
-	a = ask_find(s, id);
-	enif_mutex_unlock(s->mu);
-	if (a && enif_binary_to_term(e, term, len, &ans, 0) != len)
-		ans = error_tuple(e, a_bad_reply);
-	enif_mutex_lock(s->mu);
-	a = a ? ask_take(s, id) : NULL;
-	if (!a) {
-		cnt(&s->n_late);
-		enif_mutex_unlock(s->mu);
-		if (!mine)
-			enif_clear_env(oenv);
+	if (!a)
 		return;
-	}
-	cnt(&s->n_replies);
+	if (enif_binary_to_term(e, term, len, &ans, 0) != len)
+		ans = error_tuple(e, a_bad_reply);
 	if (mine) {
 		c->ans = ans;
 		c->got = 1;
@@ -1494,8 +1522,7 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 		(void)enif_send(c->env, &a->pid, oenv, enif_make_tuple2(oenv, enif_make_copy(oenv, a->ref), ans));
 		enif_clear_env(oenv);
 	}
-	ask_free(s, a);
-	enif_mutex_unlock(s->mu);
+	delivered(s, i, a);
 }
 
 /* Whether ask id is still waiting for its reply (none came, no close
@@ -1509,13 +1536,13 @@ static int ask_waiting(struct dp *s, uint64_t id, int *alone, int crowd_ok, cons
 {
 	struct ask *a;
 
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	a = ask_find(s, id);
 	/* Only the asker may take the answer: anyone else would leave it
 	 * waiting for a message that never comes. */
 	if (alone)
 		*alone = a && s->n_asks == 1 && (crowd_ok || !a->crowded) && !enif_compare_pids(&a->pid, self);
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	return a != NULL;
 }
 
@@ -1603,7 +1630,7 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	spent = enif_monotonic_time(ERL_NIF_NSEC) - t0;
 	pct = 1 + (int)(spent / 10000); /* 1% of a timeslice per 10 us */
 	(void)enif_consume_timeslice(env, pct > 100 ? 100 : pct);
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	if (c.got) {
 		s->await_backoff = 0;
 		s->await_misses = 0;
@@ -1615,7 +1642,7 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 			s->await_backoff = DP_AWAIT_SKIP_MAX;
 		s->await_skip = s->await_backoff;
 	}
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	if (!c.got) {
 		cnt(&s->n_await_missed);
 		return a_none;
@@ -1703,22 +1730,23 @@ static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	(void)argc;
 	if (!get_dp(env, argv[0], &s) || !enif_get_uint64(env, argv[1], &id))
 		return enif_make_badarg(env);
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	a = ask_take(s, id);
 	if (a)
 		ask_free(s, a);
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 	if (a)
 		return a_true;
-	/* Taken by the reply thread: false once its answer is in our queue
+	/* Taken by a ring's drainer: false once its answer is in our queue
 	 * (its send is a decode and an enif_send away; yield the CPU to it,
 	 * which on a small host may be ours). */
-	for (unsigned k = 1; atomic_load_explicit(&s->delivering, memory_order_acquire) == id; k++) {
-		if (k % 64 == 0)
-			sched_yield();
-		else
-			ap_ring_cpu_relax();
-	}
+	for (uint32_t i = 0; i < s->n_rs; i++)
+		for (unsigned k = 1; atomic_load_explicit(&s->rs[i].delivering, memory_order_acquire) == id; k++) {
+			if (k % 64 == 0)
+				sched_yield();
+			else
+				ap_ring_cpu_relax();
+		}
 	return a_false;
 }
 
@@ -1764,9 +1792,9 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	(void)argc;
 	if (!get_dp(env, argv[0], &s))
 		return enif_make_badarg(env);
-	enif_mutex_lock(s->mu);
+	mu_lock(s);
 	pending = s->n_asks;
-	enif_mutex_unlock(s->mu);
+	mu_unlock(s);
 #define KV(key, val) (k[n] = (key), v[n++] = (val))
 #define C(c) enif_make_uint64(env, atomic_load_explicit(&s->c, memory_order_relaxed))
 	KV(a_state, atomic_load(&s->closed) ? a_closed : a_open);
