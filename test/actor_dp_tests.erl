@@ -22,6 +22,7 @@
          cancel_before_the_reply_means_no_message/1,
          cancel_after_the_reply_is_false_and_late_replies_are_dropped/1,
          cancel_racing_the_reply_thread_leaves_nothing_behind/1,
+         cancel_racing_a_deliverer_leaves_nothing_behind/1,
          close_answers_every_pending_ask_at_once/1,
          peer_killed_answers_pending_asks_promptly/1,
          bad_replies_are_errors_not_crashes/1,
@@ -62,6 +63,7 @@ actor_dp_peer_test_() ->
                   cancel_before_the_reply_means_no_message,
                   cancel_after_the_reply_is_false_and_late_replies_are_dropped,
                   cancel_racing_the_reply_thread_leaves_nothing_behind,
+                  cancel_racing_a_deliverer_leaves_nothing_behind,
                   close_answers_every_pending_ask_at_once,
                   peer_killed_answers_pending_asks_promptly,
                   bad_replies_are_errors_not_crashes,
@@ -288,16 +290,73 @@ cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
 %% gets it, and every answer is counted once (delivered or late).
 cancel_racing_the_reply_thread_leaves_nothing_behind(P) ->
     Seg = open(P, #{}),
-    N = 3000,
     rand:seed(exsss, {13, 15, 2026}),
+    _ = cancel_race(Seg, 3000, fun(K) -> K end),
+    ok = actor_dp:close(Seg, done).
+
+%% The same race against a deliverer process (actor_dp_deliverer's part,
+%% played here by a process of the test registered for every index): it
+%% sends answers from a scheduler, outside the ask table's lock, and a
+%% cancel that misses the entry must still find the answer sent. Answers
+%% of 400 bytes: each alone is enough for the reply thread to hand its
+%% ring over.
+cancel_racing_a_deliverer_leaves_nothing_behind(P) ->
+    Seg = open(P, #{}),
+    Count = actor_dp_deliverer:count(),
+    Self = self(),
+    Dlv = spawn_link(fun() ->
+                             [ok = actor_dp:deliver_for(I, Count) || I <- lists:seq(0, Count - 1)],
+                             Self ! {registered, self()},
+                             drain_loop()
+                     end),
+    receive {registered, Dlv} -> ok after ?T -> error(deliverer_not_registered) end,
+    try
+        rand:seed(exsss, {17, 15, 2026}),
+        #{sched_delivered := D0} = actor_dp:info(Seg),
+        {Sent, _} = cancel_race(Seg, 3000, fun(K) -> <<K:32, 0:(396 * 8)>> end),
+        #{sched_delivered := D1} = actor_dp:info(Seg),
+        %% Most answers that were sent went through the deliverer.
+        ?assert(D1 - D0 > Sent div 2, {sched_delivered, D1 - D0, Sent}),
+        ok = actor_dp:close(Seg, done)
+    after
+        unlink(Dlv),
+        exit(Dlv, kill),
+        reregister_deliverers()
+    end.
+
+drain_loop() ->
+    receive
+        {actor_dp_drain, Seg, Ring} ->
+            ok = actor_dp:drain(Seg, Ring),
+            drain_loop()
+    end.
+
+%% The application's deliverers, if it runs, register again (a restart of
+%% each): ours took their places.
+reregister_deliverers() ->
+    case whereis(actor_pool_sup) of
+        undefined ->
+            ok;
+        _ ->
+            [begin
+                 ok = supervisor:terminate_child(actor_pool_sup, Id),
+                 {ok, _} = supervisor:restart_child(actor_pool_sup, Id)
+             end || {{actor_dp_deliverer, _} = Id, _, _, _} <- supervisor:which_children(actor_pool_sup)],
+            ok
+    end.
+
+%% N asks of Msg(K), each cancelled after a random 0-60 us: a cancel that
+%% answers false finds the answer in the mailbox at once, one that answers
+%% true never gets it, and the counts add up. {Sent, Cancelled}.
+cancel_race(Seg, N, Msg) ->
     Outcomes =
         [begin
              Ref = make_ref(),
-             {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, K, Ref, undefined)),
+             {ok, _, Id} = asked(actor_dp:submit(Seg, ask, echo, Msg(K), Ref, undefined)),
              spin_us(rand:uniform(60) - 1),
              case actor_dp:cancel(Seg, Id) of
                  false ->
-                     receive {Ref, A} -> ?assertEqual({ok, K}, A), sent
+                     receive {Ref, A} -> ?assertEqual({ok, Msg(K)}, A), sent
                      after 0 -> error({cancel_false_without_the_answer, K})
                      end;
                  true ->
@@ -314,7 +373,7 @@ cancel_racing_the_reply_thread_leaves_nothing_behind(P) ->
     ?assertEqual(length(Cancelled), Late),
     [receive {Ref, _} = Extra -> error({cancelled_ask_answered, Extra}) after 0 -> ok end
      || Ref <- Cancelled],
-    ok = actor_dp:close(Seg, done).
+    {Sent, length(Cancelled)}.
 
 spin_us(Us) ->
     Until = erlang:monotonic_time(microsecond) + Us,
