@@ -27,9 +27,9 @@
  *   close take entries out under the same lock. So a cancelled ask never
  *   gets a message (cancel -> true), and once cancel answers false the
  *   message is already in the asker's queue (a flush after 0 finds it):
- *   a ring's drainer sends outside the lock, and cancel waits while
- *   that ring's `delivering` names the ask (deliver, deliver_here). close answers every pending
- *   ask at once with {Ref, {error, R}}.
+ *   a ring's drainer sends outside the lock, and cancel waits while that
+ *   ring's `delivering` names the ask (deliver, deliver_here). close
+ *   answers every pending ask at once with {Ref, {error, R}}.
  *
  * - Lifetime. The resource is kept alive by one reference of its own
  *   (`keep`) while it is open; close/2 or the exit of the owner process
@@ -851,6 +851,11 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 	enif_free(s->seen);
 	if (s->rs) {
 		for (uint32_t i = 0; i < s->n_rs; i++) {
+			/* None left by a drain (it frees its last): a guard. */
+			if (s->rs[i].sent) {
+				enif_free_env(s->rs[i].sent->env);
+				enif_free(s->rs[i].sent);
+			}
 			enif_free(s->rs[i].buf);
 			if (s->rs[i].env)
 				enif_free_env(s->rs[i].env);
