@@ -6,8 +6,9 @@
 %% a deliverer process ({@link actor_dp_deliverer}, one per scheduler),
 %% which sends `{Ref, Answer}' to each asker from its scheduler
 %% ({@link drain/2}); with no deliverer running, or for an answer over
-%% 64 KiB, the thread sends it itself with `enif_send'. The layout and the attach handshake are
-%% `c_src/ring/ap_seg.h''s; `docs/same-host-transport.md' has the design.
+%% 64 KiB, the thread sends it itself with `enif_send'. The layout and the
+%% attach handshake are `c_src/ring/ap_seg.h''s;
+%% `docs/same-host-transport.md' has the design.
 %% This module is thin: routing, lanes and ordering across transports are
 %% `actor_pool''s.
 %%
