@@ -38,7 +38,8 @@
          broken_rings_detach_the_segment_and_the_node_goes_on/1,
          freeing_a_crashed_pool_does_not_stall_the_loop/1,
          a_written_request_head_does_not_break_wake_ups/1,
-         loop_answers_are_not_lost_while_a_worker_waits_for_room/1]).
+         loop_answers_are_not_lost_while_a_worker_waits_for_room/1,
+         answers_the_loop_made_in_one_read_all_come_out/1]).
 
 -define(WAIT_MS, 10000).
 
@@ -65,7 +66,8 @@ ring_node_test_() ->
                  broken_rings_detach_the_segment_and_the_node_goes_on,
                  freeing_a_crashed_pool_does_not_stall_the_loop,
                  a_written_request_head_does_not_break_wake_ups,
-                 loop_answers_are_not_lost_while_a_worker_waits_for_room]]
+                 loop_answers_are_not_lost_while_a_worker_waits_for_room,
+                 answers_the_loop_made_in_one_read_all_come_out]]
      end}.
 
 case_(Name, Ctx) ->
@@ -676,6 +678,30 @@ loop_answers_are_not_lost_while_a_worker_waits_for_room(Ctx) ->
             ok = publish(C, [0]),
             Got = lists:sort(gather(C, 4, [])),
             ?assertMatch([{1, {ok, x}}, {2, {ok, _}}, {3, {ok, _}}, {4, {error, noproc}}], Got)
+        end)
+    end).
+
+%% The loop publishes the answers it makes itself (inline runs) per 16 and
+%% at the end of the read that made them: a batch of 20 asks, read at
+%% once and run on the loop, leaves 4 for that end, and every answer
+%% comes out with its own ask's message.
+answers_the_loop_made_in_one_read_all_come_out(Ctx) ->
+    with_pool(ap_rn_batch, echo, #{workers => 1}, fun(P) ->
+        with_client(Ctx, fun(C) ->
+            Dest = dest(ap_rn_batch),
+            %% a first ask, answered: the worker is idle and asleep after it
+            {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(0)]),
+            ok = publish(C, [0]),
+            [{1, {ok, 0}}] = wait_replies(C, 1),
+            #{ran_on_loop := Before} = wait_stats(P, fun(#{processed := N}) -> N >= 1 end),
+            N = 20,
+            [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", enc(Id)]) || Id <- lists:seq(2, N + 1)],
+            ok = publish(C, [0]),
+            Got = lists:sort(gather(C, N, [])),
+            ?assertEqual([{Id, {ok, Id}} || Id <- lists:seq(2, N + 1)], Got),
+            #{ran_on_loop := After} = actor_pool:stats(P),
+            %% past the first 16: the read's end published the rest
+            ?assert(After - Before > 16, {ran_on_loop, Before, After})
         end)
     end).
 

@@ -176,7 +176,7 @@ static void rep_broken(ap_node *n, void *arg)
 
 /* Writes one reply record into rr (locked by the caller). wait_ms: how
  * long to wait for room. 0, or -ETIMEDOUT / -EPROTO / -EMSGSIZE. */
-static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_t len, int wait_ms)
+static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_t len, int wait_ms, int publish)
 {
 	void *p;
 	int r = ap_ring_reserve(&rr->r, sizeof(struct ap_dp_rep) + len, &p);
@@ -192,6 +192,8 @@ static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_
 	struct ap_dp_rep h = { .ask_id = ask_id, .len = (uint32_t)len };
 	memcpy(p, &h, sizeof h);
 	memcpy((uint8_t *)p + sizeof h, term, len);
+	if (!publish)
+		return 0;
 	return ap_ring_publish(&rr->r) < 0 ? -EPROTO : 0;
 }
 
@@ -227,10 +229,78 @@ static int rep_write_slow(struct ap_dp_seg *sg, struct dp_rep *rr, uint64_t ask_
 			if (atomic_load(&sg->dead))
 				return -EPIPE;
 		}
-		int r = rep_write(rr, ask_id, term, len, 0);
+		int r = rep_write(rr, ask_id, term, len, 0, 1);
 		if (r != -ETIMEDOUT || ap_mono_ms() >= deadline)
 			return r;
 	}
+}
+
+/* After a reply record was written (r: rep_write's result): the BEAM
+ * is rung, or a broken ring detaches the segment, or a drop is logged. */
+static void written(struct ap_dp_seg *sg, int r)
+{
+	if (r == 0) {
+		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
+	} else if (r == -EPROTO) {
+		/* Once: every later reply is dropped at once, not logged, while
+		 * the loop gets round to the detach. */
+		atomic_store_explicit(&sg->dead, 1, memory_order_release);
+		if (!atomic_exchange(&sg->rep_broken, 1)) {
+			ap_log(AP_LOG_WARNING, "reply ring of %s is broken; detaching it", sg->peer);
+			ap_dp_seg_get(sg);
+			if (ap_node_call_on_loop(dp.n, rep_broken, sg))
+				ap_dp_seg_put(sg);
+		}
+	} else if (r != -EPIPE) {
+		ap_log(AP_LOG_WARNING, "ring reply to %s dropped: %s", sg->peer,
+		       r == -ETIMEDOUT ? "its reply ring stayed full" : strerror(-r));
+	}
+}
+
+/* Answers the loop made itself (inline runs) are written at once but
+ * published at the end of the ring drain that made them, or per
+ * DP_DEFER_ANSWERS: the BEAM's reply thread then finds them in batches
+ * (one wake-up, one hand-over to a deliverer) instead of one at a time.
+ * A worker that writes the same ring meanwhile publishes them with its
+ * own, which is as good: they are whole. Loop thread only. */
+#define DP_DEFER_ANSWERS 16
+#define DP_DEFER_RINGS 8
+static struct {
+	struct { struct ap_dp_seg *sg; unsigned ring; } at[DP_DEFER_RINGS];
+	int n, answers;
+} deferred;
+
+static void publish_deferred(void)
+{
+	for (int i = 0; i < deferred.n; i++) {
+		struct ap_dp_seg *sg = deferred.at[i].sg;
+		struct dp_rep *rr = &sg->rep[deferred.at[i].ring];
+		pthread_mutex_lock(&rr->mu);
+		int r = atomic_load(&sg->dead) ? -EPIPE : ap_ring_publish(&rr->r) < 0 ? -EPROTO : 0;
+		pthread_mutex_unlock(&rr->mu);
+		written(sg, r);
+		ap_dp_seg_put(sg);
+	}
+	deferred.n = deferred.answers = 0;
+}
+
+static void defer_publish(struct ap_dp_seg *sg, unsigned ring)
+{
+	int i = 0;
+	while (i < deferred.n && (deferred.at[i].sg != sg || deferred.at[i].ring != ring))
+		i++;
+	if (i == deferred.n) {
+		if (i == DP_DEFER_RINGS) {
+			publish_deferred();
+			i = 0;
+		}
+		ap_dp_seg_get(sg);
+		deferred.at[i].sg = sg;
+		deferred.at[i].ring = ring;
+		deferred.n = i + 1;
+	}
+	if (++deferred.answers >= DP_DEFER_ANSWERS)
+		publish_deferred();
 }
 
 /* How a writer meets a full reply ring: a worker waits (once per stuck
@@ -253,7 +323,7 @@ static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 		len = ap_enc_error_term(big, "reply_too_large");
 		term = big;
 	}
-	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0);
+	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0, mode != REP_NOWAIT);
 	/* One wait per stuck episode: a BEAM that stopped reading would
 	 * otherwise cost every worker a second per answer, slowing the pool
 	 * for every other caller. Until something fits again, answers to it
@@ -268,22 +338,10 @@ static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 	pthread_mutex_unlock(&rr->mu);
 	if (r == -ETIMEDOUT && mode == REP_NOWAIT)
 		return -EAGAIN;
-	if (r == 0) {
-		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
-	} else if (r == -EPROTO) {
-		/* Once: every later reply is dropped at once, not logged, while
-		 * the loop gets round to the detach. */
-		atomic_store_explicit(&sg->dead, 1, memory_order_release);
-		if (!atomic_exchange(&sg->rep_broken, 1)) {
-			ap_log(AP_LOG_WARNING, "reply ring of %s is broken; detaching it", sg->peer);
-			ap_dp_seg_get(sg);
-			if (ap_node_call_on_loop(dp.n, rep_broken, sg))
-				ap_dp_seg_put(sg);
-		}
-	} else if (r != -EPIPE) {
-		ap_log(AP_LOG_WARNING, "ring reply to %s dropped: %s", sg->peer,
-		       r == -ETIMEDOUT ? "its reply ring stayed full" : strerror(-r));
-	}
+	if (r == 0 && mode == REP_NOWAIT)
+		defer_publish(sg, ring % n_rep);
+	else
+		written(sg, r);
 	return 0;
 }
 
@@ -501,6 +559,7 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 		for (uint32_t i = 0; i < sg->s.n_req; i++)
 			if (drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, 0, NULL) < 0)
 				return -1;
+		publish_deferred();
 		ap_pool_wake_all_pushed();
 		detach(sg, "the BEAM closed it");
 		return -1;
@@ -512,11 +571,13 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 		uint64_t mark = __atomic_load_n(&sg->req[i].hdr->tail, __ATOMIC_ACQUIRE);
 		int k = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, mark, &waited);
 		if (k < 0) {
+			publish_deferred();
 			ap_pool_wake_all_pushed();
 			return -1;
 		}
 		total += k;
 	}
+	publish_deferred();
 	ap_pool_wake_all_pushed();
 	/* Dense: records queued up while the loop was elsewhere. Those that
 	 * came during the read do not count: a lone caller whose next ask
