@@ -206,6 +206,14 @@ static int rep_write(struct dp_rep *rr, uint64_t ask_id, const void *term, size_
 static int rep_write_slow(struct ap_dp_seg *sg, struct dp_rep *rr, uint64_t ask_id, const void *term, size_t len)
 {
 	int64_t deadline = ap_mono_ms() + DP_REPLY_WAIT_MS;
+	/* The loop's answers written but not yet published (see
+	 * publish_deferred) may be what fills the ring: the BEAM must see
+	 * them to make room. */
+	if (rr->r.pos != rr->r.tail) {
+		if (ap_ring_publish(&rr->r) < 0)
+			return -EPROTO;
+		ap_seg_notify(sg->s.hdr, AP_SEG_BELL_REP);
+	}
 	for (;;) {
 		uint32_t *word, exp;
 		int s = ap_ring_prepare_sleep(&rr->r, sizeof(struct ap_dp_rep) + len, &word, &exp);
