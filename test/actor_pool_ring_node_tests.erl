@@ -693,7 +693,7 @@ answers_the_loop_made_in_one_read_all_come_out(Ctx) ->
             {ok, _} = cmd(C, ["ask 0 1 ", Dest, " ", enc(0)]),
             ok = publish(C, [0]),
             [{1, {ok, 0}}] = wait_replies(C, 1),
-            #{ran_on_loop := Before} = wait_stats(P, fun(#{processed := N}) -> N >= 1 end),
+            #{ran_on_loop := Before} = wait_stats(P, fun(#{processed := Done}) -> Done >= 1 end),
             N = 20,
             [{ok, _} = cmd(C, ["ask 0 ", int(Id), " ", Dest, " ", enc(Id)]) || Id <- lists:seq(2, N + 1)],
             ok = publish(C, [0]),

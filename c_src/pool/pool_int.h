@@ -290,9 +290,11 @@ void ap_dp_seg_put(struct ap_dp_seg *s);
  * with a log line. An answer over the ring's largest record becomes
  * {error, reply_too_large}. */
 void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
-/* Any thread: as ap_dp_reply, but -EAGAIN at once when the ring has no
- * room (nothing logged, nothing dropped); 0 otherwise (sent, or dropped
- * for a dead or broken segment, as ap_dp_reply drops it). */
+/* Loop thread (an inline run's answer): as ap_dp_reply, but -EAGAIN at
+ * once when the ring has no room (nothing logged, nothing dropped); 0
+ * otherwise (written, or dropped for a dead or broken segment, as
+ * ap_dp_reply drops it). Written answers are published per 16 and at
+ * the end of the ring read being dispatched (ring_ingress.c). */
 int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
 /* Loop thread: a message came by distribution, so the loop stops yielding
  * for ring records (ring_poll_us) until the next ones come: a loop that

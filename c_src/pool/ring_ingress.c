@@ -266,16 +266,18 @@ static void written(struct ap_dp_seg *sg, int r)
 }
 
 /* Answers the loop made itself (inline runs) are written at once but
- * published at the end of the ring drain that made them, or per
- * DP_DEFER_ANSWERS: the BEAM's reply thread then finds them in batches
- * (one wake-up, one hand-over to a deliverer) instead of one at a time.
- * A worker that writes the same ring meanwhile publishes them with its
- * own, which is as good: they are whole. Loop thread only. */
+ * published at the end of the ring read that made them (end_read), or
+ * per DP_DEFER_ANSWERS: the BEAM's reply thread then finds them in
+ * batches (one wake-up, one hand-over to a deliverer) instead of one at a
+ * time. A worker that writes the same ring meanwhile publishes them with
+ * its own, which is as good: they are whole. Loop thread only; outside a
+ * read (a stopped pool's made answers) they go out at once. */
 #define DP_DEFER_ANSWERS 16
 #define DP_DEFER_RINGS 8
 static struct {
 	struct { struct ap_dp_seg *sg; unsigned ring; } at[DP_DEFER_RINGS];
 	int n, answers;
+	int reading; /* within drain_seg_ref */
 } deferred;
 
 static void publish_deferred(void)
@@ -311,6 +313,12 @@ static void defer_publish(struct ap_dp_seg *sg, unsigned ring)
 		publish_deferred();
 }
 
+static void end_read(void)
+{
+	deferred.reading = 0;
+	publish_deferred();
+}
+
 /* How a writer meets a full reply ring: a worker waits (once per stuck
  * episode), the loop drops its own error answers, and an inline run
  * (nowait) hears -EAGAIN and hands its answer to the worker. */
@@ -331,7 +339,8 @@ static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 		len = ap_enc_error_term(big, "reply_too_large");
 		term = big;
 	}
-	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0, mode != REP_NOWAIT);
+	int defer = mode == REP_NOWAIT && deferred.reading;
+	int r = atomic_load(&sg->dead) ? -EPIPE : rep_write(rr, ask_id, term, len, 0, !defer);
 	/* One wait per stuck episode: a BEAM that stopped reading would
 	 * otherwise cost every worker a second per answer, slowing the pool
 	 * for every other caller. Until something fits again, answers to it
@@ -346,7 +355,7 @@ static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 	pthread_mutex_unlock(&rr->mu);
 	if (r == -ETIMEDOUT && mode == REP_NOWAIT)
 		return -EAGAIN;
-	if (r == 0 && mode == REP_NOWAIT)
+	if (r == 0 && defer)
 		defer_publish(sg, ring % n_rep);
 	else
 		written(sg, r);
@@ -562,14 +571,16 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 	int total = 0;
 	if (sg->slot < 0)
 		return -1;
+	deferred.reading = 1;
 	if (ap_seg_closed(sg->s.hdr) & AP_SEG_CLOSED_BEAM) {
 		/* The BEAM left in order: what it published before is read. */
-		for (uint32_t i = 0; i < sg->s.n_req; i++)
-			if (drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, 0, NULL) < 0)
-				return -1;
-		publish_deferred();
+		int broken = 0;
+		for (uint32_t i = 0; i < sg->s.n_req && !broken; i++)
+			broken = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, 0, NULL) < 0;
+		end_read();
 		ap_pool_wake_all_pushed();
-		detach(sg, "the BEAM closed it");
+		if (!broken) /* a broken ring detached it already */
+			detach(sg, "the BEAM closed it");
 		return -1;
 	}
 	int waited = 0;
@@ -579,13 +590,13 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 		uint64_t mark = __atomic_load_n(&sg->req[i].hdr->tail, __ATOMIC_ACQUIRE);
 		int k = drain_ring(sg, i, UINT64_MAX, DP_BUDGET, 0, mark, &waited);
 		if (k < 0) {
-			publish_deferred();
+			end_read();
 			ap_pool_wake_all_pushed();
 			return -1;
 		}
 		total += k;
 	}
-	publish_deferred();
+	end_read();
 	ap_pool_wake_all_pushed();
 	/* Dense: records queued up while the loop was elsewhere. Those that
 	 * came during the read do not count: a lone caller whose next ask
