@@ -319,6 +319,12 @@ static struct ask *ask_new(struct dp *s)
 	return a;
 }
 
+static void ask_destroy(struct ask *a)
+{
+	enif_free_env(a->env);
+	enif_free(a);
+}
+
 static void ask_free(struct dp *s, struct ask *a)
 {
 	enif_clear_env(a->env);
@@ -328,8 +334,7 @@ static void ask_free(struct dp *s, struct ask *a)
 		s->n_spare++;
 		return;
 	}
-	enif_free_env(a->env);
-	enif_free(a);
+	ask_destroy(a);
 }
 
 static uint32_t slot_of(uint64_t id, uint32_t mask) { return (uint32_t)((id * 0x9e3779b97f4a7c15ull) >> 32) & mask; }
@@ -832,8 +837,7 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 			struct ask *a, *next;
 			for (a = s->tab[i]; a; a = next) {
 				next = a->next;
-				enif_free_env(a->env);
-				enif_free(a);
+				ask_destroy(a);
 			}
 		}
 		enif_free(s->tab);
@@ -841,8 +845,7 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 	while (s->spare) {
 		struct ask *a = s->spare;
 		s->spare = a->next;
-		enif_free_env(a->env);
-		enif_free(a);
+		ask_destroy(a);
 	}
 	if (s->map.mem)
 		ap_ring_map_close(&s->map);
@@ -852,10 +855,8 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 	if (s->rs) {
 		for (uint32_t i = 0; i < s->n_rs; i++) {
 			/* None left by a drain (it frees its last): a guard. */
-			if (s->rs[i].sent) {
-				enif_free_env(s->rs[i].sent->env);
-				enif_free(s->rs[i].sent);
-			}
+			if (s->rs[i].sent)
+				ask_destroy(s->rs[i].sent);
 			enif_free(s->rs[i].buf);
 			if (s->rs[i].env)
 				enif_free_env(s->rs[i].env);
