@@ -232,9 +232,11 @@ oversized() ->
 %% @doc The node-wide counters of pool node `PoolNode' (its manager's
 %% `node_stats' answer): `received', `unknown_name', `bad_frames',
 %% `dropped', `oversized' (frames over its `max_frame' it passed over, from
-%% any peer), `connections', `io', `max_frame' and `ring_naps' (how often
+%% any peer), `connections', `io', `max_frame', `ring_naps' (how often
 %% its loop slept between dense reads of same-host rings: the application
-%% setting `ring_nap_us'). See docs/operations.md.
+%% setting `ring_nap_us') and `iso_loop_results' (results of worker
+%% processes that its loop answered itself, waking no proxy thread: see
+%% docs/stateless-workers.md, "Isolation"). See docs/operations.md.
 %% `{error, Reason}' when it cannot be reached, or (`unknown_request') is
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.

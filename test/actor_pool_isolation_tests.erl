@@ -41,6 +41,7 @@
          overrun_thread_is_hung_skipped_and_rejoins/1,
          bounded_allocation_in_thread_mode_just_works/1,
          every_ask_answered_once_and_tells_add_up/1,
+         loop_answers_worker_processes_under_ring_traffic/1,
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
@@ -76,6 +77,7 @@ actor_pool_isolation_test_() ->
                  overrun_thread_is_hung_skipped_and_rejoins,
                  bounded_allocation_in_thread_mode_just_works,
                  every_ask_answered_once_and_tells_add_up,
+                 loop_answers_worker_processes_under_ring_traffic,
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
                  stop_pool_while_starting_answers_stopped_in_both_modes,
@@ -517,6 +519,48 @@ every_ask_answered_once_and_tells_add_up(_Ctx) ->
                               end),
     ?assert(proper:quickcheck(Prop, [{numtests, 30}, {max_size, 24}, noshrink,
                                      {on_output, fun(F, A) -> io:format(user, F, A) end}])).
+
+%% Under ring traffic the pool node's loop takes its worker processes'
+%% results itself while their proxies sleep (node_stats'
+%% `iso_loop_results'), and answers them as a proxy would: each answer and
+%% each refusal reaches its own caller, once, and the counts add up. What
+%% it leaves to a proxy (answers to distribution callers, mixed in) is
+%% answered too. Rounds go on until the loop has taken some (a deadline,
+%% not a count of rounds: on a slow host a round may find it asleep).
+loop_answers_worker_processes_under_ring_traffic(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2, isolation => process}, fun(P) ->
+        #{iso_loop_results := L0} = actor_pool:node_stats(N),
+        Deadline = erlang:monotonic_time(millisecond) + 30000,
+        Round = fun Round(R, Asked, Refused) ->
+            Self = self(),
+            Ring = [spawn_link(fun() ->
+                                       Self ! {self(), [ring_ask(P, {R, C, K}) || K <- lists:seq(1, 100)]}
+                               end) || C <- lists:seq(1, 16)],
+            Dist = [spawn_link(fun() ->
+                                       Self ! {self(), [gen_server:call(P, {d, R, C, K}, ?ASK_MS) =:= {ok, {d, R, C, K}}
+                                                        || K <- lists:seq(1, 25)]}
+                               end) || C <- lists:seq(1, 4)],
+            Oks = lists:append([receive {Pid, L} -> L after 2 * ?ASK_MS -> [hung] end || Pid <- Ring ++ Dist]),
+            ?assertEqual([], [X || X <- Oks, X =/= true]),
+            Asked1 = Asked + 16 * 100 + 4 * 25,
+            Refused1 = Refused + 16 * 20,
+            #{iso_loop_results := L} = actor_pool:node_stats(N),
+            case L > L0 orelse erlang:monotonic_time(millisecond) > Deadline of
+                true -> {L, Asked1, Refused1};
+                false -> Round(R + 1, Asked1, Refused1)
+            end
+        end,
+        {L1, Asked, Refused} = Round(1, 0, 0),
+        ?assert(L1 > L0, {iso_loop_results, L0, L1}),
+        ?assertMatch(#{processed := Asked, errors := Refused, crashes := 0}, actor_pool:stats(P)),
+        ?assertEqual([], flush_mailbox())
+    end).
+
+%% Every fifth a refusal ({error, Why}), the others echoed.
+ring_ask(P, {_, _, K}) when K rem 5 =:= 0 ->
+    actor_pool:ask(P, {fail, refused}, ?ASK_MS) =:= {error, refused};
+ring_ask(P, M) ->
+    actor_pool:ask(P, M, ?ASK_MS) =:= {ok, M}.
 
 run_mix(Ops) ->
     Name = list_to_atom("iso_prop_" ++ integer_to_list(erlang:unique_integer([positive]))),

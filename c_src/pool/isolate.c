@@ -75,6 +75,7 @@ typedef struct ap_iso {
 	uint64_t timed_out_seq;
 	int killed;         /* we sent SIGKILL */
 	int handler_crash;  /* the child reported AP_HANDLER_CRASH and exits on its own */
+	int looks;          /* loop only: what it last stored in ctl->loop_looks */
 } ap_iso;
 
 enum { WANT_NONE, WANT_ANY, WANT_ASK };
@@ -196,6 +197,104 @@ static int send_direct(ap_worker *w, int send)
 	if (r < 0)
 		ap_iso_bell(s->ctl, 1); /* the child broke its channel: the proxy kills it now */
 	return done;
+}
+
+/* One result record the loop answers itself, or 0 to leave it (unread)
+ * to the proxy: anything but a whole result to a ring ask or a refused
+ * tell (a crash, a stop, a large answer in chunks, an answer to a
+ * distribution caller, a full reply ring), and anything the proxy's own
+ * checks (drain_results) would refuse: it finds it again and kills. */
+static int take_one_direct(ap_worker *w, const void *p, size_t len)
+{
+	ap_iso *s = w->iso;
+	struct iso_rec h;
+	if (len < sizeof h)
+		return 0;
+	memcpy(&h, p, sizeof h);
+	size_t chunk = len - sizeof h;
+	if (h.kind != REC_RESULT || h.seq < s->front_seq || h.seq >= s->next_seq || h.off != 0 || chunk != h.total ||
+	    h.a >= AP_HANDLER_CRASH || h.b > AP_REPLY_ATOM || h.c)
+		return 0;
+	int progress = 0;
+	/* The ok tells before it are done. */
+	if (h.seq > s->front_seq && take_done(w, h.seq - 1, &progress))
+		return 0;
+	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
+	if (!j || (j->is_ask && !j->seg))
+		return 0;
+	if (j->is_ask) {
+		w->reply.len = 0;
+		if (chunk && ap_pool_reply_reserve(&w->reply, chunk))
+			return 0;
+		memcpy(w->reply.data, (const uint8_t *)p + sizeof h, chunk);
+		w->reply.len = chunk;
+		w->reply.kind = (actor_pool_reply_kind)h.b;
+		/* Published with the loop's own answers at the end of its read. */
+		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply) == -EAGAIN)
+			return 0;
+	} else if (j->seg) {
+		ap_dp_seg_put(j->seg);
+	}
+	(void)ap_mbox_pop(&w->mb);
+	ap_mbox_done(&w->mb);
+	s->front_seq++;
+	s->front_since = ap_mono_ms();
+	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
+	if (h.a != AP_HANDLER_OK)
+		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+	return 1;
+}
+
+/* Results the loop answered (node_stats `iso_loop_results'); relaxed,
+ * any thread may read. */
+static unsigned long long loop_results;
+
+unsigned long long ap_iso_loop_results(void) { return __atomic_load_n(&loop_results, __ATOMIC_RELAXED); }
+
+int ap_iso_take_direct(ap_worker *w, int looks)
+{
+	ap_iso *s = w->iso;
+	if (s->looks != looks) {
+		s->looks = looks;
+		atomic_store(&s->ctl->loop_looks, (uint32_t)looks);
+		/* Lowered: the child rings from now on, or we see below what
+		 * it published before it read the flag. */
+		atomic_thread_fence(memory_order_seq_cst);
+	}
+	/* Awake, the proxy takes its results itself before it sleeps. */
+	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
+		return 0;
+	int took = 0, leave = 0;
+	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop) && !s->got) {
+		const void *p;
+		size_t len;
+		int n = 0;
+		for (;;) {
+			uint64_t mark = ap_ring_mark(&s->rsp);
+			int r = ap_ring_read(&s->rsp, &p, &len);
+			if (r == -EAGAIN)
+				break;
+			if (r || !take_one_direct(w, p, len)) {
+				ap_ring_unread(&s->rsp, mark);
+				leave = 1;
+				break;
+			}
+			took++;
+			if (++n == 64) {
+				ap_ring_release(&s->rsp);
+				n = 0;
+			}
+		}
+		ap_ring_release(&s->rsp);
+		if (!leave && take_done_direct(w) < 0)
+			leave = 1;
+	}
+	pthread_mutex_unlock(&s->send_mu);
+	if (leave)
+		ap_iso_bell(s->ctl, 0);
+	if (took)
+		__atomic_store_n(&loop_results, loop_results + (unsigned)took, __ATOMIC_RELAXED);
+	return took > 0;
 }
 
 void ap_iso_reclaim(ap_worker *w)

@@ -66,6 +66,12 @@ struct iso_ctl {
 	 * back unrun (a RESULT with c = 1), to be answered stopped as the
 	 * queue of a thread is */
 	_Atomic uint32_t stopping;
+	/* the loop's: 1 while it looks at this channel's results itself on
+	 * each pass (it is busy with ring traffic and the proxy sleeps), so
+	 * the child need not wake the proxy for them (isolate.c,
+	 * ap_iso_take_direct). Its Dekker pair: the child publishes, fences,
+	 * loads this; the loop stores 0, fences, looks at the results. */
+	_Atomic uint32_t loop_looks;
 };
 
 
@@ -87,6 +93,17 @@ void ap_iso_wake(struct ap_worker *w, int always, int ask);
  * tells its child has finished off the mailbox, if its proxy sleeps (they
  * wait there for the next send, which a full mailbox holds off). */
 void ap_iso_reclaim(struct ap_worker *w);
+/* Loop thread: while `looks` is 1, the loop takes the results of this
+ * slot's child itself when its proxy sleeps (answers to ring asks,
+ * published with the loop's own at the end of its read), so neither the
+ * child nor the proxy wakes for them; whatever it cannot take without
+ * waiting (a crash, a large or distribution answer, a full reply ring) it
+ * leaves to the proxy and rings it. With `looks` 0 (the loop is about to
+ * sleep) it takes what is there once more after lowering the flag. 1 if it
+ * answered anything. */
+int ap_iso_take_direct(struct ap_worker *w, int looks);
+/* How many results the loop answered so far (node_stats). */
+unsigned long long ap_iso_loop_results(void);
 /* main() of the child, before anything else runs: argv[1] is
  * "--isolated-worker". Never returns. */
 int ap_iso_child_main(int argc, char **argv);

@@ -66,8 +66,16 @@ struct untold {
  * far, so nothing is left untold. */
 static void tell_proxy(struct untold *u)
 {
-	ap_iso_bell(cc, 0);
 	*u = (struct untold){ 0, 0, 0 };
+	/* The pool node's loop looks at our results on its own passes while
+	 * it is busy (ap_iso_take_direct): no wake-up. The fence pairs with
+	 * the loop's when it stops looking: it then sees what we published,
+	 * or we see the flag down. A timed pool's proxy times the front
+	 * message: it hears of every batch. */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (!cc->layout_timeout && atomic_load(&cc->loop_looks))
+		return;
+	ap_iso_bell(cc, 0);
 }
 
 int ap_iso_child_main(int argc, char **argv)

@@ -241,6 +241,9 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
+/* ap_iso_take_direct for every worker process of every pool (pool.c):
+ * 1 if the loop answered anything. */
+int ap_pool_iso_take_all(int looks);
 
 /* Inline runs (pool.c): in thread mode, a built-in handler's message
  * (echo, json_validate: short, never blocking, never crashing the node),

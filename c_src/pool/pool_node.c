@@ -407,7 +407,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 9);
+	ei_x_encode_map_header(&x, 10);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
@@ -426,6 +426,8 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulong(&x, ap_node_max_frame(n));
 	ei_x_encode_atom(&x, "ring_naps");
 	ei_x_encode_ulonglong(&x, ap_dp_naps());
+	ei_x_encode_atom(&x, "iso_loop_results");
+	ei_x_encode_ulonglong(&x, ap_iso_loop_results());
 	ap_reply(n, self, m, x.buff, x.index);
 	ei_x_free(&x);
 }

@@ -121,6 +121,9 @@ static struct {
 	 * the last records came, and the gap before them. */
 	int poll_us;
 	int64_t found_us, gap_us;
+	/* Whether the worker processes were told that the loop takes their
+	 * results (iso_pass). */
+	int iso_looking;
 	/* The nap (dp_idle): its length, whether the last read was dense,
 	 * how many naps so far (node_stats; relaxed, any thread may read). */
 	int nap_us;
@@ -317,6 +320,25 @@ static void end_read(void)
 {
 	deferred.reading = 0;
 	publish_deferred();
+}
+
+/* The results of worker processes whose proxies sleep, taken by the
+ * loop itself (ap_iso_take_direct) while it is busy with ring traffic,
+ * their answers published with the loop's own at the end of the read:
+ * neither the child nor its proxy wakes for them. looks 0: the loop is
+ * about to sleep; the children ring their proxies again from now on
+ * (what came before is taken here once more). */
+static int iso_pass(int looks)
+{
+	if (!looks && !dp.iso_looking)
+		return 0;
+	dp.iso_looking = looks;
+	int reading = deferred.reading;
+	deferred.reading = 1;
+	int took = ap_pool_iso_take_all(looks);
+	if (!reading)
+		end_read();
+	return took;
 }
 
 /* How a writer meets a full reply ring: a worker waits (once per stuck
@@ -596,6 +618,7 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 		}
 		total += k;
 	}
+	iso_pass(1);
 	end_read();
 	ap_pool_wake_all_pushed();
 	/* Dense: records queued up while the loop was elsewhere. Those that
@@ -805,8 +828,10 @@ static int drain_pending(void)
 static int dp_idle(ap_node *n, void *arg)
 {
 	(void)arg;
-	if (!dp.n_live)
+	if (!dp.n_live) {
+		iso_pass(0);
 		return 0;
+	}
 	/* DP_NAP_MIN or more records waited for the last read: they come
 	 * faster than the loop handles them one by one. Sleep nap_us
 	 * with the bell flag down, then read everything that came: the BEAM
@@ -819,6 +844,8 @@ static int dp_idle(ap_node *n, void *arg)
 		struct timespec ts = { .tv_sec = 0, .tv_nsec = (long)dp.nap_us * 1000 };
 		dp.dense = 0;
 		__atomic_store_n(&dp.naps, dp.naps + 1, __ATOMIC_RELAXED);
+		/* Not looking while napping: an answer would wait for it. */
+		iso_pass(0);
 		nanosleep(&ts, NULL);
 		if (drain_pending())
 			return 1;
@@ -845,9 +872,11 @@ static int dp_idle(ap_node *n, void *arg)
 	 * quiet. The look that follows costs no syscall while nothing else
 	 * waits (the backends' run_once with a 0 timeout). */
 	if (dp.poll_us && dp.gap_us < dp.poll_us && ap_mono_us() - dp.found_us < dp.poll_us) {
-		sched_yield();
+		if (!iso_pass(1))
+			sched_yield();
 		return 1;
 	}
+	iso_pass(0);
 	int busy = 0;
 	for (int i = 0; i < dp.top; i++)
 		if (dp.segs[i] && !dp.segs[i]->fw_armed)
@@ -1134,6 +1163,7 @@ int ap_dp_start(ap_node *n, int enabled, int poll_us, int nap_us)
 {
 	dp.n = n;
 	dp.poll_us = poll_us;
+
 	dp.nap_us = nap_us;
 	dp.gap_us = INT64_MAX;
 	if (!enabled) {

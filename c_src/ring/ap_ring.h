@@ -274,6 +274,12 @@ int ap_ring_wait_space(struct ap_ring *r, size_t len, unsigned spin, int timeout
  * pad record is skipped per call. */
 int ap_ring_read(struct ap_ring *r, const void **p, size_t *len);
 
+/* Consumer: where the next read starts, and a way back to it. Records
+ * read after `mark` and not released since are read again by the next
+ * ap_ring_read (a reader that finds one it must leave to someone else). */
+static inline uint64_t ap_ring_mark(const struct ap_ring *r) { return r->pos; }
+static inline void ap_ring_unread(struct ap_ring *r, uint64_t mark) { r->pos = mark; }
+
 /* Gives every record read so far back to the producer (one release
  * store), and wakes it if it may be asleep waiting for space. Does nothing
  * on a broken ring (what was refused is not given back). */
