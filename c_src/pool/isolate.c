@@ -75,7 +75,6 @@ typedef struct ap_iso {
 	uint64_t timed_out_seq;
 	int killed;         /* we sent SIGKILL */
 	int handler_crash;  /* the child reported AP_HANDLER_CRASH and exits on its own */
-	int looks;          /* loop only: what it last stored in ctl->loop_looks */
 } ap_iso;
 
 enum { WANT_NONE, WANT_ANY, WANT_ASK };
@@ -254,8 +253,10 @@ unsigned long long ap_iso_loop_results(void) { return __atomic_load_n(&loop_resu
 int ap_iso_take_direct(ap_worker *w, int looks)
 {
 	ap_iso *s = w->iso;
-	if (s->looks != looks) {
-		s->looks = looks;
+	/* Read back rather than remembered: a new child's channel starts
+	 * at 0 (iso_spawn), and a child that writes the word only makes
+	 * itself wait (for our next pass, or its proxy's idle look). */
+	if (atomic_load_explicit(&s->ctl->loop_looks, memory_order_relaxed) != (uint32_t)looks) {
 		atomic_store(&s->ctl->loop_looks, (uint32_t)looks);
 		/* Lowered: the child rings from now on, or we see below what
 		 * it published before it read the flag. */
