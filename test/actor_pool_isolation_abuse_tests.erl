@@ -17,6 +17,7 @@
          a_child_hiding_its_running_message_is_still_timed_out/0,
          a_child_claiming_unsent_messages_done_is_killed/0,
          a_child_claiming_an_ask_done_without_its_result_is_killed/0,
+         a_child_that_silences_its_own_bell_only_waits/0,
          worker_stdout_is_not_the_pool_nodes/0]).
 
 -define(ASK_MS, 20000).
@@ -32,6 +33,7 @@ actor_pool_isolation_abuse_test_() ->
                a_child_hiding_its_running_message_is_still_timed_out,
                a_child_claiming_unsent_messages_done_is_killed,
                a_child_claiming_an_ask_done_without_its_result_is_killed,
+               a_child_that_silences_its_own_bell_only_waits,
                worker_stdout_is_not_the_pool_nodes]]}.
 
 causes(P) -> maps:get(crash_causes, actor_pool:stats(P)).
@@ -114,6 +116,22 @@ a_child_claiming_an_ask_done_without_its_result_is_killed() ->
                                    actor_pool:ask(P, <<"done_ask">>, ?ASK_MS)),
                       ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
                       ?assertMatch(#{signal := 1}, causes(P))
+              end).
+
+%% loop_looks is the pool node's word to a child: "the loop takes your
+%% results on its passes, ring nobody". A child that raises it itself
+%% (while the loop sleeps between lone asks) only delays its own answers:
+%% its proxy still looks once a second, or the loop on its next pass, and
+%% every ask is answered, in order, with nothing lost or killed.
+a_child_that_silences_its_own_bell_only_waits() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 1},
+              fun(P) ->
+                      ?assertEqual({ok, muted}, actor_pool:ask(P, <<"mute">>, ?ASK_MS)),
+                      ?assertEqual([{ok, K} || K <- lists:seq(1, 3)],
+                                   [actor_pool:ask(P, K, ?ASK_MS) || K <- lists:seq(1, 3)]),
+                      ?assertEqual({ok, muted}, actor_pool:ask(P, <<"mute">>, ?ASK_MS)),
+                      ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
+                      ?assertMatch(#{processed := 6, crashes := 0}, actor_pool:stats(P))
               end).
 
 %% A port-owned pool node's stdout is its {packet, 4} stream to the BEAM: a

@@ -11,6 +11,9 @@
  *                     sleeps 30 s
  *   <<"done_ask">>    claims its own message (an ask) done with no result
  *                     record, then sleeps 30 s
+ *   <<"mute">>        raises loop_looks (the loop's word: "I take your
+ *                     results, ring nobody"), replies muted: its answers
+ *                     now wake nobody until the loop or the proxy looks
  *   <<"print">>       writes a line to stdout, replies printed
  *   <<"fds">>         {Stdout, Stderr}: where fds 1 and 2 point
  *                     (readlink of /proc/self/fd/N), as binaries
@@ -87,6 +90,13 @@ static actor_pool_status hostile_handle(void *state, const actor_pool_request *r
 		struct timespec ts = { 30, 0 };
 		nanosleep(&ts, NULL);
 		return AP_HANDLER_OK;
+	}
+	if (is(rq, "mute")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		atomic_store(&((struct iso_ctl *)m)->loop_looks, 1);
+		return actor_pool_reply_set(r, AP_REPLY_ATOM, "muted", 5) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
 	}
 	if (is(rq, "print")) {
 		printf("a line from a worker process's printf\n");
