@@ -262,8 +262,10 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 		 * it published before it read the flag. */
 		atomic_thread_fence(memory_order_seq_cst);
 	}
-	/* Awake, the proxy takes its results itself before it sleeps. */
-	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
+	/* Nothing queued, nothing to take: an idle slot costs the loop's
+	 * passes two loads. Awake, the proxy takes its results itself before
+	 * it sleeps. */
+	if (!ap_mbox_depth(&w->mb) || !atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
 		return 0;
 	int took = 0, leave = 0;
 	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop) && !s->got) {
