@@ -1163,7 +1163,6 @@ int ap_dp_start(ap_node *n, int enabled, int poll_us, int nap_us)
 {
 	dp.n = n;
 	dp.poll_us = poll_us;
-
 	dp.nap_us = nap_us;
 	dp.gap_us = INT64_MAX;
 	if (!enabled) {
