@@ -152,6 +152,25 @@ static size_t next_need(ap_iso *s);
 static void ring_held(ap_iso *s);
 static int take_done(ap_worker *w, uint64_t upto, int *progress);
 
+/* A result record the proxy must not believe (the child broke its
+ * channel): not a result, not for a message sent and unanswered, not the
+ * next chunk of the one being taken in, or a status, kind or flag out of
+ * range. */
+static int result_bad(const ap_iso *s, const struct iso_rec *h, size_t chunk)
+{
+	return h->kind != REC_RESULT || h->seq < s->front_seq || h->seq >= s->next_seq || h->total > ISO_MAX_MSG ||
+	       h->off != s->got || chunk > h->total - h->off || h->a > AP_HANDLER_CRASH || h->b > AP_REPLY_ATOM ||
+	       h->c > 1 || (h->c && h->total);
+}
+
+/* A message the handler ran: processed, and an error if it refused. */
+static void count_result(ap_worker *w, unsigned status)
+{
+	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
+	if (status != AP_HANDLER_OK)
+		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+}
+
 /* While the proxy sleeps, the loop takes the ok tells the child has
  * finished off the mailbox as it sends the next ones, so that the proxy
  * does not wake for them: a wake-up per batch cost more than the pops.
@@ -176,22 +195,32 @@ static int take_done_direct(ap_worker *w)
  * once (the proxy, asleep, would not ring held-back tells in time, and a
  * pass brings them in batches anyway). 1 if all of it went, so the proxy
  * need not wake for it (the child rings it for the results). */
-static int send_direct(ap_worker *w, int send)
+/* The loop's hold on a sleeping proxy's channel: 1 with its send lock
+ * taken (the caller unlocks), 0 if the proxy is awake, not in its main
+ * loop's sleep, or its slot is dying or stopping. */
+static int hold_channel(ap_worker *w)
 {
 	ap_iso *s = w->iso;
-	int done = 0;
 	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
 		return 0;
 	/* Again under the lock: the proxy lowers it only holding it. */
-	int r = 0;
-	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop)) {
-		r = take_done_direct(w);
-		if (r == 0 && send)
-			r = send_jobs(w);
-		if (r > 0)
-			ring_held(s);
-		done = r > 0 && next_need(s) == 0;
-	}
+	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop))
+		return 1;
+	pthread_mutex_unlock(&s->send_mu);
+	return 0;
+}
+
+static int send_direct(ap_worker *w, int send)
+{
+	ap_iso *s = w->iso;
+	if (!hold_channel(w))
+		return 0;
+	int r = take_done_direct(w);
+	if (r == 0 && send)
+		r = send_jobs(w);
+	if (r > 0)
+		ring_held(s);
+	int done = r > 0 && next_need(s) == 0;
 	pthread_mutex_unlock(&s->send_mu);
 	if (r < 0)
 		ap_iso_bell(s->ctl, 1); /* the child broke its channel: the proxy kills it now */
@@ -211,8 +240,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 		return 0;
 	memcpy(&h, p, sizeof h);
 	size_t chunk = len - sizeof h;
-	if (h.kind != REC_RESULT || h.seq < s->front_seq || h.seq >= s->next_seq || h.off != 0 || chunk != h.total ||
-	    h.a >= AP_HANDLER_CRASH || h.b > AP_REPLY_ATOM || h.c)
+	if (result_bad(s, &h, chunk) || chunk != h.total || h.a == AP_HANDLER_CRASH || h.c)
 		return 0;
 	int progress = 0;
 	/* The ok tells before it are done. */
@@ -234,13 +262,12 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	} else if (j->seg) {
 		ap_dp_seg_put(j->seg);
 	}
+	/* front_since is left alone: only a timed pool's proxy reads it,
+	 * and the loop takes no timed pool's results. */
 	(void)ap_mbox_pop(&w->mb);
 	ap_mbox_done(&w->mb);
 	s->front_seq++;
-	s->front_since = ap_mono_ms();
-	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
-	if (h.a != AP_HANDLER_OK)
-		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+	count_result(w, h.a);
 	return 1;
 }
 
@@ -265,10 +292,11 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 	/* Nothing queued, nothing to take: an idle slot costs the loop's
 	 * passes two loads. Awake, the proxy takes its results itself before
 	 * it sleeps. */
-	if (!ap_mbox_depth(&w->mb) || !atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
+	if (!ap_mbox_depth(&w->mb) || !hold_channel(w))
 		return 0;
 	int took = 0, leave = 0;
-	if (atomic_load(&s->direct_ok) && !atomic_load(&s->dead) && !atomic_load(&w->stop) && !s->got) {
+	/* A result half taken in by the proxy is its own to finish. */
+	if (!s->got) {
 		const void *p;
 		size_t len;
 		int n = 0;
@@ -599,9 +627,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 			ap_dp_seg_put(j->seg);
 		return 1;
 	}
-	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
-	if (h->a != AP_HANDLER_OK)
-		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+	count_result(w, h->a);
 	if (j->is_ask) {
 		w->reply.kind = (actor_pool_reply_kind)h->b;
 		ap_pool_send_result(w, j, h->a == AP_HANDLER_OK ? "ok" : "error", &w->reply);
@@ -668,9 +694,7 @@ static int drain_results(ap_worker *w, int *progress)
 			goto bad;
 		memcpy(&h, p, sizeof h);
 		size_t chunk = len - sizeof h;
-		if (h.kind != REC_RESULT || h.seq < s->front_seq || h.seq >= s->next_seq || h.total > ISO_MAX_MSG ||
-		    h.off != s->got || chunk > h.total - h.off || h.a > AP_HANDLER_CRASH || h.b > AP_REPLY_ATOM ||
-		    h.c > 1 || (h.c && h.total))
+		if (result_bad(s, &h, chunk))
 			goto bad;
 		/* The ok tells before it are done. */
 		if (h.seq > s->front_seq && (s->got || take_done(w, h.seq - 1, progress)))
