@@ -234,7 +234,9 @@ oversized() ->
 %% `dropped', `oversized' (frames over its `max_frame' it passed over, from
 %% any peer), `connections', `io', `max_frame', `ring_naps' (how often
 %% its loop slept between dense reads of same-host rings: the application
-%% setting `ring_nap_us') and `iso_loop_results' (results of worker
+%% setting `ring_nap_us'), `ring_lone_windows' (reads that found a lone
+%% caller's ask, after which the loop stays awake for the application
+%% setting `ring_lone_poll_us') and `iso_loop_results' (results of worker
 %% processes that its loop answered itself, waking no proxy thread: see
 %% docs/stateless-workers.md, "Isolation"). See docs/operations.md.
 %% `{error, Reason}' when it cannot be reached, or (`unknown_request') is

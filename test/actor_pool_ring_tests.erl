@@ -25,6 +25,7 @@
          messages_to_idle_workers_count_for_the_worker_routed/1,
          ring_settings_are_validated/1,
          dense_tells_are_read_in_naps_and_lone_asks_never_nap/1,
+         lone_asks_keep_the_loop_awake/1,
          restarted_lane_server_replaces_every_lane/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
          answers_holding_large_maps_arrive_whole/1,
@@ -59,6 +60,7 @@ ring_test_() ->
                  messages_to_idle_workers_count_for_the_worker_routed,
                  ring_settings_are_validated,
                  dense_tells_are_read_in_naps_and_lone_asks_never_nap,
+                 lone_asks_keep_the_loop_awake,
                  restarted_lane_server_replaces_every_lane,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
                  answers_holding_large_maps_arrive_whole,
@@ -139,13 +141,13 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
         ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
 
-%% The application settings ring_poll_us and ring_nap_us are checked
+%% The application settings ring_poll_us, ring_lone_poll_us and ring_nap_us are checked
 %% before a pool node is started with them: a bad value is one clear error,
 %% and nothing starts.
 ring_settings_are_validated(_Ctx) ->
     [ap_test_util:with_env(actor_pool, Key, V, fun() ->
          ?assertEqual({error, {badarg, {Key, V}}}, actor_pool_sup:start_pool_node())
-     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_nap_us, 10000}],
+     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_lone_poll_us, 100000}, {ring_nap_us, 10000}],
              V <- [-1, Max + 1, 1.5, "300", infinity]].
 
 %% Tells from four senders at once come faster than the loop reads them one
@@ -172,6 +174,36 @@ dense_tells_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
         ?assert(Naps1 > Naps0, {ring_naps, Naps0, Naps1}),
         ?assertEqual([{ok, K} || K <- lists:seq(1, 200)], [actor_pool:ask(P, K) || K <- lists:seq(1, 200)]),
         ?assertMatch(#{ring_naps := Naps1}, actor_pool:node_stats(N))
+    end).
+
+%% Each ask of one process that waits for each answer is the only ask its
+%% BEAM waits for: the loop reads it with the BEAM's hint and stays awake
+%% for the next (node_stats' `ring_lone_windows', one per such read).
+%% Asks by distribution and tells are not lone: tells after the lone asks
+%% find the hint down again. Asks further apart than the window (1 ms)
+%% find it closed: after two windows in a row that caught nothing, the
+%% next 4, 8, ... lone asks open none, and the first that is caught again
+%% resets that.
+lone_asks_keep_the_loop_awake(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
+        with_pool(ring_lone_slow, echo, #{workers => 1, fast_path => false}, fun(Slow) ->
+            #{ring_lone_windows := W0} = actor_pool:node_stats(N),
+            %% Earlier cases' misses may make up to 256 of them open none.
+            ?assertEqual([{ok, K} || K <- lists:seq(1, 400)], [actor_pool:ask(P, K) || K <- lists:seq(1, 400)]),
+            #{ring_lone_windows := W1} = actor_pool:node_stats(N),
+            ?assert(W1 - W0 >= 100, {ring_lone_windows, W0, W1}),
+            ?assertEqual([{ok, K} || K <- lists:seq(1, 100)], [actor_pool:ask(Slow, K) || K <- lists:seq(1, 100)]),
+            [ok = actor_pool:tell(P, K) || K <- lists:seq(1, 1000)],
+            wait_stats(P, fun(#{processed := C}) -> C >= 1400 end),
+            ?assertMatch(#{ring_lone_windows := W1}, actor_pool:node_stats(N)),
+            Spaced = [begin timer:sleep(3), actor_pool:ask(P, K) end || K <- lists:seq(1, 20)],
+            ?assertEqual([{ok, K} || K <- lists:seq(1, 20)], Spaced),
+            #{ring_lone_windows := W2} = actor_pool:node_stats(N),
+            ?assert(W2 - W1 >= 1 andalso W2 - W1 =< 6, {ring_lone_windows, W1, W2}),
+            ?assertEqual([{ok, K} || K <- lists:seq(1, 50)], [actor_pool:ask(P, K) || K <- lists:seq(1, 50)]),
+            #{ring_lone_windows := W3} = actor_pool:node_stats(N),
+            ?assert(W3 - W2 >= 30, {ring_lone_windows, W2, W3})
+        end)
     end).
 
 %% A restarted lane server (actor_pool_dp) closes the lanes its predecessor

@@ -1249,7 +1249,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	struct ask *a = NULL;
 	uint64_t tail = 0;
 	void *p;
-	int rc, lone = 0;
+	int rc, lone = 0, solo = 0;
 
 	*published = 0;
 	if ((rc = dp_req_check(q)))
@@ -1283,6 +1283,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		/* Worth an await/2 (decided here, under the lock we hold
 		 * anyway: the other asks never make that call). */
 		if (q->kind == AP_DP_ASK && s->n_asks == 1 && !a->crowded) {
+			solo = 1;
 			if (s->await_skip)
 				s->await_skip--;
 			else
@@ -1291,6 +1292,11 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		mu_unlock(s);
 		q->ask_id = a->id;
 	}
+	/* The loop's hint (ap_seg.h), before the record shows: it reads it
+	 * with the record. Its line is the bell's, which the notify below
+	 * reads anyway; written only when it changes. */
+	if (__atomic_load_n(&s->seg.hdr->req_lone, __ATOMIC_RELAXED) != (uint32_t)solo)
+		__atomic_store_n(&s->seg.hdr->req_lone, (uint32_t)solo, __ATOMIC_RELAXED);
 	/* Our scheduler's ring, or the next free one: another thread may share
 	 * it (dirty schedulers, more schedulers than rings). */
 	ring = my_ring(s, dirty);

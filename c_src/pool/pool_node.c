@@ -4,7 +4,8 @@
  *
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
- *       [--listen IPV4] [--no-fast-path] [--ring-poll-us N] [--ring-nap-us N]
+ *       [--listen IPV4] [--no-fast-path] [--ring-poll-us N]
+ *       [--ring-lone-poll-us N] [--ring-nap-us N]
  *       [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
  * (the runtime flags, --listen and the handshake limits among them: ap_main.c).
  * A pool given a key is registered with the receptionist of the --connect
@@ -407,7 +408,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 10);
+	ei_x_encode_map_header(&x, 11);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
@@ -426,6 +427,8 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulong(&x, ap_node_max_frame(n));
 	ei_x_encode_atom(&x, "ring_naps");
 	ei_x_encode_ulonglong(&x, ap_dp_naps());
+	ei_x_encode_atom(&x, "ring_lone_windows");
+	ei_x_encode_ulonglong(&x, ap_dp_lone_windows());
 	ei_x_encode_atom(&x, "iso_loop_results");
 	ei_x_encode_ulonglong(&x, ap_iso_loop_results());
 	ap_reply(n, self, m, x.buff, x.index);
@@ -662,21 +665,26 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
 	if (ap_pool_watch_children(n))
 		return 1;
-	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT, nap_us = AP_DP_NAP_US_DEFAULT;
+	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT, lone_us = AP_DP_LONE_US_DEFAULT,
+	    nap_us = AP_DP_NAP_US_DEFAULT;
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--no-fast-path"))
 			fast_path = 0;
 		else if (!strcmp(argv[k], "--ring-poll-us") && us_arg(argc, argv, k, AP_POOL_MAX_RING_POLL_US, &poll_us))
 			return 1;
+		else if (!strcmp(argv[k], "--ring-lone-poll-us") &&
+			 us_arg(argc, argv, k, AP_POOL_MAX_RING_POLL_US, &lone_us))
+			return 1;
 		else if (!strcmp(argv[k], "--ring-nap-us") && us_arg(argc, argv, k, AP_POOL_MAX_RING_NAP_US, &nap_us))
 			return 1;
 	}
-	if (ap_dp_start(n, fast_path, poll_us, nap_us))
+	if (ap_dp_start(n, fast_path, poll_us, lone_us, nap_us))
 		return 1;
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--no-fast-path")) {
 			continue;
-		} else if (!strcmp(argv[k], "--ring-poll-us") || !strcmp(argv[k], "--ring-nap-us")) {
+		} else if (!strcmp(argv[k], "--ring-poll-us") || !strcmp(argv[k], "--ring-lone-poll-us") ||
+			   !strcmp(argv[k], "--ring-nap-us")) {
 			k++;
 			continue;
 		} else if (!strcmp(argv[k], "--pool") && k + 1 < argc) {

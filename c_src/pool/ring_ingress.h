@@ -16,13 +16,22 @@
  * ring records, while they come at least that often; 0 never. 0, or -1
  * (no random bytes: the node should not start). */
 #define AP_DP_POLL_US_DEFAULT 300
+/* lone_us (--ring-lone-poll-us): after an ask that was the only one its
+ * BEAM waited for (the segment's req_lone hint), the loop yields this
+ * long, whatever the gap before it and whatever came by distribution
+ * since: a lone caller's next ask finds the loop awake instead of paying
+ * for waking it. 0 never. */
+#define AP_DP_LONE_US_DEFAULT 1000
 /* nap_us (--ring-nap-us): while reads find records densely, the loop
  * sleeps this long between them instead of spinning or being rung; 0
  * never. */
 #define AP_DP_NAP_US_DEFAULT 100
-int ap_dp_start(ap_node *n, int enabled, int poll_us, int nap_us);
+int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us);
 /* How many times the loop napped between dense reads (node_stats). */
 unsigned long long ap_dp_naps(void);
+/* How many reads found a lone ask and so kept the loop awake after it
+ * (node_stats). */
+unsigned long long ap_dp_lone_windows(void);
 /* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
  * token => <<_:16/binary>>}} or {error, disabled}. */
 void ap_dp_encode_info(ei_x_buff *x);

@@ -111,7 +111,11 @@ struct ap_seg_hdr {
 	/* line 1: the request doorbell (the pool node's loop sleeps on it) */
 	uint32_t req_bell;
 	uint32_t req_sleeping;
-	uint8_t pad1[AP_RING_LINE - 8];
+	/* 1 while the BEAM's last record was an ask, the only one it waited
+	 * for (a hint, written only when it changes: the loop's yield window
+	 * after such an ask is ring_lone_poll_us, ring_ingress.c dp_idle). */
+	uint32_t req_lone;
+	uint8_t pad1[AP_RING_LINE - 12];
 	/* line 2: the reply doorbell (the NIF's reply thread sleeps on it) */
 	uint32_t rep_bell;
 	uint32_t rep_sleeping;
