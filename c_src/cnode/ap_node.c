@@ -924,8 +924,11 @@ int ap_node_run(ap_node *n)
 		if (n->timers && n->timers->at_ms < due)
 			due = n->timers->at_ms;
 		int64_t wait = due - n->now_ms;
-		if (n->idle && n->idle(n, n->idle_arg))
+		int busy = n->idle ? n->idle(n, n->idle_arg) : 0;
+		if (busy)
 			wait = 0;
+		if (busy == 2)
+			ap_loop_look_now(n->loop);
 		int r = ap_loop_run_once(n->loop, wait < 0 ? 0 : (int)wait);
 		if (r < 0) {
 			ap_log(AP_LOG_ERROR, "event loop failed: %s", strerror(-r));

@@ -273,6 +273,8 @@ void ap_io_pause(void)
 	nanosleep(&ts, NULL);
 }
 
+void ap_loop_look_now(ap_loop *l) { l->look_now = 1; }
+
 int ap_loop_run_once(ap_loop *l, int timeout_ms)
 {
 	while (l->dirty) {

@@ -87,5 +87,10 @@ void ap_loop_futex_cancel(ap_loop *l, ap_io_futex *f);
 /* Flush, wait up to timeout_ms (-1: no limit) and dispatch what arrived.
  * Returns 0, or -errno on a fatal backend error. */
 int ap_loop_run_once(ap_loop *l, int timeout_ms);
+/* The next run_once with timeout 0 looks at the sockets even if it would
+ * skip that as too soon after the last look (epoll, BUSY_LOOK_US): for a
+ * loop that has nothing of its own to do and only yields, a message by
+ * distribution must not wait for the busy loop's rate. */
+void ap_loop_look_now(ap_loop *l);
 
 #endif

@@ -181,8 +181,9 @@ static int e_wait(ap_loop *l, int timeout_ms)
 	if (ap_io_coalesce_check(l) && timeout_ms != 0)
 		ap_io_pause();
 	int64_t now = ap_mono_us();
-	if (timeout_ms == 0 && now - be->looked_us < BUSY_LOOK_US)
+	if (timeout_ms == 0 && now - be->looked_us < BUSY_LOOK_US && !l->look_now)
 		return 0;
+	l->look_now = 0;
 	int n = epoll_wait(be->epfd, evs, MAX_EVENTS, timeout_ms);
 	be->looked_us = timeout_ms == 0 ? now : ap_mono_us();
 	if (n < 0)

@@ -27,6 +27,7 @@ struct ap_loop {
 	ap_io_cbs cbs;
 	void *arg;
 	void *be;                 /* backend state */
+	int look_now;             /* ap_loop_look_now: the next 0-timeout wait looks */
 	ap_io_conn *dirty;        /* conns with bytes to flush */
 	ap_io_conn *closed;       /* conns whose teardown finished, reported after dispatch */
 	/* Receive-rate window. Under a flood of small messages a wakeup per
