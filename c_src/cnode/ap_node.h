@@ -142,8 +142,8 @@ void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
 /* Loop thread: fn(n, arg) runs before every wait of the loop; it returns
  * 1 when it found work (the loop then only polls, without sleeping), 2
  * when it found none but keeps the loop awake (it polls the sockets now,
- * ap_loop_look_now), 0 when the loop may sleep. For ingresses that are not sockets (the
- * same-host rings), with a bounded spin. One hook. */
+ * ap_loop_look_now), 0 when the loop may sleep. For ingresses that are
+ * not sockets (the same-host rings), with a bounded spin. One hook. */
 typedef int (*ap_idle_fn)(ap_node *n, void *arg);
 void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg);
 
