@@ -54,6 +54,7 @@
 
 #include <erl_nif.h>
 
+#include "ap_skip.h"
 #include "ap_term.h"
 #include "dp_core.h"
 
@@ -162,8 +163,7 @@ struct dp {
 	struct ask *spare;
 	uint32_t n_spare;
 	int keep; /* the resource holds a reference to itself */
-	unsigned await_skip, await_backoff; /* under mu: lone asks left without the wait, the next gap */
-	unsigned await_misses; /* under mu: waits in a row that ran out */
+	struct ap_skip await_skip; /* under mu: lone asks that go without the wait after misses */
 	ErlNifPid last_pid; /* under mu: who submitted the last ask, and when */
 	ErlNifTime last_ns;
 
@@ -1284,10 +1284,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		 * anyway: the other asks never make that call). */
 		if (q->kind == AP_DP_ASK && s->n_asks == 1 && !a->crowded) {
 			solo = 1;
-			if (s->await_skip)
-				s->await_skip--;
-			else
-				lone = 1;
+			lone = ap_skip_wait(&s->await_skip);
 		}
 		mu_unlock(s);
 		q->ask_id = a->id;
@@ -1643,17 +1640,12 @@ static ERL_NIF_TERM nif_await(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 	pct = 1 + (int)(spent / 10000); /* 1% of a timeslice per 10 us */
 	(void)enif_consume_timeslice(env, pct > 100 ? 100 : pct);
 	mu_lock(s);
-	if (c.got) {
-		s->await_backoff = 0;
-		s->await_misses = 0;
-	} else if (argc == 2 && now - t0 >= budget && ++s->await_misses >= 2) {
-		/* Two in a row: the handler is slower than the wait (one alone
-		 * is a preempted thread, as on a busy host: no gap for it). */
-		s->await_backoff = s->await_backoff ? s->await_backoff * 2 : 4;
-		if (s->await_backoff > DP_AWAIT_SKIP_MAX)
-			s->await_backoff = DP_AWAIT_SKIP_MAX;
-		s->await_skip = s->await_backoff;
-	}
+	/* Two misses in a row: the handler is slower than the wait (one
+	 * alone is a preempted thread, as on a busy host: no gap for it). */
+	if (c.got)
+		ap_skip_hit(&s->await_skip);
+	else if (argc == 2 && now - t0 >= budget)
+		ap_skip_miss(&s->await_skip, DP_AWAIT_SKIP_MAX);
 	mu_unlock(s);
 	if (!c.got) {
 		cnt(&s->n_await_missed);

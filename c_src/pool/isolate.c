@@ -188,13 +188,6 @@ static int take_done_direct(ap_worker *w)
 	return take_done(w, done, &progress);
 }
 
-/* The loop's turn at a sleeping proxy's channel, if the proxy lets it
- * (direct_ok, raised only while it sleeps in its main loop) and its send
- * lock is free: it takes the ok tells the child has finished, then, with
- * `send`, sends what it pushed, once per wake pass, and rings the child at
- * once (the proxy, asleep, would not ring held-back tells in time, and a
- * pass brings them in batches anyway). 1 if all of it went, so the proxy
- * need not wake for it (the child rings it for the results). */
 /* The loop's hold on a sleeping proxy's channel: 1 with its send lock
  * taken (the caller unlocks), 0 if the proxy is awake, not in its main
  * loop's sleep, or its slot is dying or stopping. */
@@ -210,6 +203,13 @@ static int hold_channel(ap_worker *w)
 	return 0;
 }
 
+/* The loop's turn at a sleeping proxy's channel, if the proxy lets it
+ * (direct_ok, raised only while it sleeps in its main loop) and its send
+ * lock is free: it takes the ok tells the child has finished, then, with
+ * `send`, sends what it pushed, once per wake pass, and rings the child at
+ * once (the proxy, asleep, would not ring held-back tells in time, and a
+ * pass brings them in batches anyway). 1 if all of it went, so the proxy
+ * need not wake for it (the child rings it for the results). */
 static int send_direct(ap_worker *w, int send)
 {
 	ap_iso *s = w->iso;

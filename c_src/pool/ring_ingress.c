@@ -48,6 +48,7 @@
 
 #include "ap_log.h"
 #include "ap_seg.h"
+#include "ap_skip.h"
 #include "ap_term.h"
 #include "ap_time.h"
 #include "pool_int.h"
@@ -63,8 +64,7 @@
 #define DP_BUDGET 4096       /* records per ring per drain: distribution is not starved */
 #define DP_PREFETCH 512      /* bytes of the records ahead fetched while one is handled */
 #define DP_NAP_MIN 3         /* records waiting for one read that make the traffic dense (dp_idle's nap) */
-#define DP_LONE_SKIP_MIN 4   /* lone asks that open no window after a window that caught nothing ... */
-#define DP_LONE_SKIP_MAX 256 /* ... doubling at each such miss in a row up to this */
+#define DP_LONE_SKIP_MAX 256 /* after windows that caught nothing, at most this many lone asks open none */
 #define DP_LOG_GAP_MS 1000   /* bad-record log lines, at most one per segment per second */
 #define DP_DEST_CACHE_MAX 128 /* bytes of a destination that resolve keeps (a pid of a long node name: not) */
 
@@ -125,12 +125,11 @@ static struct {
 	int64_t found_us, gap_us;
 	/* After an ask that was its BEAM's only one waiting (req_lone): the
 	 * loop yields until lone_until_us (ring_lone_poll_us; 0: no window).
-	 * Two windows in a row that end with nothing read make the next
-	 * lone_skip lone asks open none (4, 8, ... DP_LONE_SKIP_MAX while the
-	 * misses go on; a window that catches a record resets it). */
+	 * Windows that end with nothing read make later lone asks open none
+	 * (ap_skip.h). */
 	int lone_us;
 	int64_t lone_until_us;
-	unsigned lone_skip, lone_backoff, lone_misses;
+	struct ap_skip lone_skip;
 	unsigned long long lone_windows; /* node_stats (relaxed, any thread may read) */
 	/* Whether the worker processes were told that the loop takes their
 	 * results (iso_pass). */
@@ -611,12 +610,7 @@ static int lone_open(int64_t now)
 	if (now < dp.lone_until_us)
 		return 1;
 	dp.lone_until_us = 0;
-	if (++dp.lone_misses < 2)
-		return 0;
-	dp.lone_backoff = dp.lone_backoff ? dp.lone_backoff * 2 : DP_LONE_SKIP_MIN;
-	if (dp.lone_backoff > DP_LONE_SKIP_MAX)
-		dp.lone_backoff = DP_LONE_SKIP_MAX;
-	dp.lone_skip = dp.lone_backoff;
+	ap_skip_miss(&dp.lone_skip, DP_LONE_SKIP_MAX);
 	return 0;
 }
 
@@ -628,19 +622,14 @@ static int lone_open(int64_t now)
 static void lone_read(struct ap_dp_seg *sg, int64_t now)
 {
 	if (now < dp.lone_until_us) {
-		dp.lone_backoff = 0;
-		dp.lone_skip = 0;
-		dp.lone_misses = 0;
+		ap_skip_hit(&dp.lone_skip);
 		dp.lone_until_us = 0;
 	} else {
 		(void)lone_open(now); /* a miss if one ran out unnoticed */
 	}
-	if (!dp.lone_us || __atomic_load_n(&sg->s.hdr->req_lone, __ATOMIC_RELAXED) != 1)
+	if (!dp.lone_us || __atomic_load_n(&sg->s.hdr->req_lone, __ATOMIC_RELAXED) != 1 ||
+	    !ap_skip_wait(&dp.lone_skip))
 		return;
-	if (dp.lone_skip) {
-		dp.lone_skip--;
-		return;
-	}
 	dp.lone_until_us = now + dp.lone_us;
 	__atomic_store_n(&dp.lone_windows, dp.lone_windows + 1, __ATOMIC_RELAXED);
 }
