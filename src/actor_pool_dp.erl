@@ -44,13 +44,16 @@
 
 -type lane() :: {lane, Seg :: term()} | none.
 
-%% persistent_term keys: a pool node's lane, the pools that asked for
-%% distribution, the counters of what callers could not put in a ring.
-%% A lane's entry is `{lane, Seg}', or `{lane, Seg, Slow}' while some pools
-%% asked for distribution (Slow: the ?SLOW map), so that a call reads one
-%% key (each read hashes its key: two reads per tell were 9% of its BEAM
-%% CPU); `none' when calls to that node use distribution.
--define(LANE(Node), {?MODULE, lane, Node}).
+%% persistent_term keys: the lanes, the pools that asked for distribution,
+%% the counters of what callers could not put in a ring.
+%% ?LANES maps each pool node to its entry, `{lane, Seg}', or `{lane, Seg,
+%% Slow}' while some pools asked for distribution (Slow: the ?SLOW map), so
+%% that a call reads one key (each read hashes its key: two reads per tell
+%% were 9% of its BEAM CPU); `none' when calls to that node use
+%% distribution. One atom key for all pool nodes: an atom hashes in one
+%% word, where a key of {?MODULE, lane, Node} went through
+%% make_internal_hash and eq at every call. Only this server writes it.
+-define(LANES, '$actor_pool_dp_lanes').
 -define(SLOW, {?MODULE, slow}).
 -define(COUNTERS, {?MODULE, counters}).
 -define(RETRY_MS, 5000).
@@ -85,7 +88,7 @@ start_link() ->
 %% distribution with `fast_path => false').
 -spec lane(node(), pid() | {atom(), node()}) -> lane().
 lane(Node, Dest) ->
-    case persistent_term:get(?LANE(Node), undefined) of
+    case lane_entry(Node) of
         {lane, _} = Lane ->
             Lane;
         {lane, Seg, Slow} ->
@@ -194,16 +197,14 @@ init([]) ->
     process_flag(trap_exit, true),
     %% Lanes of an earlier incarnation of this server: nobody watches them
     %% any more, so they are closed and callers attach again.
-    _ = [begin
-             catch actor_dp:close(Seg, restart),
-             persistent_term:erase(K)
-         end || {{?MODULE, lane, _} = K, V} <- persistent_term:get(),
-                Seg <- case V of
-                           {lane, S} -> [S];
-                           {lane, S, _Slow} -> [S];
-                           _ -> []
-                       end],
-    _ = [persistent_term:erase(K) || {{?MODULE, lane, _} = K, none} <- persistent_term:get()],
+    _ = [catch actor_dp:close(Seg, restart)
+         || {_Node, V} <- maps:to_list(persistent_term:get(?LANES, #{})),
+            Seg <- case V of
+                       {lane, S} -> [S];
+                       {lane, S, _Slow} -> [S];
+                       _ -> []
+                   end],
+    _ = persistent_term:erase(?LANES),
     case persistent_term:get(?COUNTERS, undefined) of
         undefined -> persistent_term:put(?COUNTERS, counters:new(4, [write_concurrency]));
         _ -> ok
@@ -215,7 +216,7 @@ init([]) ->
 %% @private
 -spec handle_call(term(), gen_server:from(), #st{}) -> {reply, term(), #st{}}.
 handle_call({lane, Node}, _From, St) ->
-    case persistent_term:get(?LANE(Node), undefined) of
+    case lane_entry(Node) of
         {lane, _} = L -> {reply, L, St};
         {lane, Seg, _} -> {reply, {lane, Seg}, St};
         none -> {reply, none, St};
@@ -273,11 +274,8 @@ handle_info(_Other, St) ->
 %% @private
 -spec terminate(term(), #st{}) -> ok.
 terminate(_Reason, #st{lanes = Lanes}) ->
-    _ = [begin
-             catch actor_dp:close(Seg, {nodedown, Node}),
-             persistent_term:erase(?LANE(Node))
-         end || {Node, {lane, Seg}} <- maps:to_list(Lanes)],
-    _ = [persistent_term:erase(?LANE(Node)) || {Node, {none, _}} <- maps:to_list(Lanes)],
+    _ = [catch actor_dp:close(Seg, {nodedown, Node}) || {Node, {lane, Seg}} <- maps:to_list(Lanes)],
+    _ = persistent_term:erase(?LANES),
     ok.
 
 %% ===================================================================
@@ -287,11 +285,11 @@ terminate(_Reason, #st{lanes = Lanes}) ->
 attach(Node, St) ->
     case open_lane(Node) of
         {ok, Seg} ->
-            persistent_term:put(?LANE(Node), lane_entry(Seg, persistent_term:get(?SLOW, #{}))),
+            put_lane(Node, lane_entry(Seg, persistent_term:get(?SLOW, #{}))),
             logger:info("actor_pool: calls to pool node ~p use shared-memory rings", [Node]),
             {reply, {lane, Seg}, St#st{lanes = maps:put(Node, {lane, Seg}, St#st.lanes)}};
         {none, Why} ->
-            persistent_term:put(?LANE(Node), none),
+            put_lane(Node, none),
             {reply, none, log_once(Node, Why, St#st{lanes = maps:put(Node, {none, Why}, St#st.lanes)})}
     end.
 
@@ -358,8 +356,21 @@ put_slow(_Old, New, #st{lanes = Lanes}) ->
         0 -> _ = persistent_term:erase(?SLOW);
         _ -> persistent_term:put(?SLOW, New)
     end,
-    _ = [persistent_term:put(?LANE(Node), lane_entry(Seg, New)) || {Node, {lane, Seg}} <- maps:to_list(Lanes)],
-    ok.
+    Entries = maps:fold(fun(Node, {lane, Seg}, Acc) -> Acc#{Node => lane_entry(Seg, New)};
+                           (_Node, _None, Acc) -> Acc
+                        end, persistent_term:get(?LANES, #{}), Lanes),
+    persistent_term:put(?LANES, Entries).
+
+%% Node's entry in ?LANES, or undefined.
+lane_entry(Node) ->
+    case persistent_term:get(?LANES, #{}) of
+        #{Node := Entry} -> Entry;
+        #{} -> undefined
+    end.
+
+%% This server only (one writer: no update is lost).
+put_lane(Node, Entry) ->
+    persistent_term:put(?LANES, maps:put(Node, Entry, persistent_term:get(?LANES, #{}))).
 
 lane_entry(Seg, Slow) when map_size(Slow) =:= 0 -> {lane, Seg};
 lane_entry(Seg, Slow) -> {lane, Seg, Slow}.
@@ -384,7 +395,7 @@ refresh(#st{lanes = Lanes} = St) ->
                 end, St1, maps:to_list(St1#st.lanes)).
 
 forget(Node, #st{lanes = Lanes} = St) ->
-    _ = persistent_term:erase(?LANE(Node)),
+    persistent_term:put(?LANES, maps:remove(Node, persistent_term:get(?LANES, #{}))),
     St#st{lanes = maps:remove(Node, Lanes)}.
 
 %% Close the lane of Node (if it still is Seg, or any with `any') and note
@@ -410,7 +421,7 @@ drop_lane(Node, Seg, Why, #st{lanes = Lanes} = St) ->
             %% (actor_cnode, net_kernel), and the next lane is made at once.
             logger:info("actor_pool: the shared-memory lane to pool node ~p is closed: ~p",
                         [Node, Why]),
-            persistent_term:put(?LANE(Node), none),
+            put_lane(Node, none),
             St#st{lanes = maps:put(Node, {none, Why}, Lanes)};
         _ ->
             St

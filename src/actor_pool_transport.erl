@@ -203,10 +203,13 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% Transports: distribution and the same-host rings
 %% ===================================================================
 
-%% Process dictionary, per pool node: how this process last sent to it,
-%% `dist' or `{Seg, Ticket}' (the ticket of its last ring submit, or
-%% undefined). See docs/same-host-transport.md, "Ordering".
--define(DP_KEY(Node), {'$actor_pool_dp', Node}).
+%% Process dictionary, one key: a map, per pool node, of how this process
+%% last sent to it, `dist' or `{Seg, Ticket}' (the ticket of its last ring
+%% submit, or undefined). See docs/same-host-transport.md, "Ordering". An
+%% atom key: the dictionary hashes and compares an atom in one word, where
+%% a key of {Tag, Node} went through make_internal_hash and eq at every
+%% get and put.
+-define(DP_KEY, '$actor_pool_dp').
 %% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
 %% between tries, so the scheduler is never held) for this long (an ask, at
 %% most its timeout), then the tell is dropped, the ask answered
@@ -225,11 +228,10 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% to Node went into a ring first waits until the pool node has read it, so
 %% that this one cannot overtake it.
 dist_send(Node, Dest, Item) ->
-    Key = ?DP_KEY(Node),
-    case get(Key) of
+    case dp_last(Node) of
         dist -> ok;
-        undefined -> put(Key, dist);
-        {Seg, Ticket} -> ring_drained(Seg, Ticket), put(Key, dist)
+        undefined -> dp_put(Node, dist);
+        {Seg, Ticket} -> ring_drained(Seg, Ticket), dp_put(Node, dist)
     end,
     actor_pool_batcher:send(Node, Dest, Item).
 
@@ -266,15 +268,14 @@ ring_drained(Seg, Ticket, Deadline, N) ->
 %% distribution instead: too large for a ring, or the lane is closed; Size
 %% is the message's external size once known).
 ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
-    Key = ?DP_KEY(Node),
-    Prev = case get(Key) of
+    Prev = case dp_last(Node) of
                {Seg, T} ->
                    T;
                dist ->
                    %% Everything this process sent by distribution is
                    %% dispatched once a call behind it is answered.
                    _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
-                   put(Key, {Seg, undefined}),
+                   dp_put(Node, {Seg, undefined}),
                    undefined;
                _OtherSegOrNone ->
                    undefined
@@ -284,9 +285,9 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
                 Pid -> Pid
             end,
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
-        {ok, T1} -> put(Key, {Seg, T1}), ok;
-        {ok, T1, AskId} -> put(Key, {Seg, T1}), {ok, AskId};
-        {ok, T1, AskId, await} -> put(Key, {Seg, T1}), {ok, AskId, await};
+        {ok, T1} -> dp_put(Node, {Seg, T1}), ok;
+        {ok, T1, AskId} -> dp_put(Node, {Seg, T1}), {ok, AskId};
+        {ok, T1, AskId, await} -> dp_put(Node, {Seg, T1}), {ok, AskId, await};
         full -> full;
         encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
         too_large -> actor_pool_dp:count(too_large), to_dist(Body);
@@ -296,6 +297,19 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
         %% OTP 25): a pool named outside it is reached by distribution,
         %% after what went by ring before (the caller's "dist" path).
         error:badarg -> to_dist(Body)
+    end.
+
+dp_last(Node) ->
+    case get(?DP_KEY) of
+        #{Node := Last} -> Last;
+        _ -> undefined
+    end.
+
+dp_put(Node, Last) ->
+    case get(?DP_KEY) of
+        #{Node := _} = M -> put(?DP_KEY, M#{Node := Last});
+        #{} = M -> put(?DP_KEY, M#{Node => Last});
+        undefined -> put(?DP_KEY, #{Node => Last})
     end.
 
 dp_submit(Seg, Kind, Dest, {term, Msg, Est}, Ref, Prev) ->
