@@ -613,8 +613,9 @@ full_rings_slow_senders_down_and_lose_nothing(#{pool_node := N}) ->
     end).
 
 %% Under 64 callers, answers go out from the deliverer processes' schedulers
-%% (the segment's sched_delivered counts them); one over 64 KiB is still
-%% sent by the reply thread, whole. Two deliverers killed under that load
+%% (the segment's sched_delivered counts them), whole whether a drain
+%% passes them on through its heap or, past its budget, through an env;
+%% one over 64 KiB is still sent by the reply thread, whole. Two deliverers killed under that load
 %% (one at a time, each after the first's restart, each with a hand-over
 %% in its queue) cost no answer and no timeout: the reply thread takes
 %% their rings back (at once for a new hand-over, within 50 ms for one
@@ -630,7 +631,12 @@ answers_go_out_from_deliverers_and_survive_their_deaths(#{pool_node := N}) ->
         ?assertError(badarg, actor_dp:deliver_for(0, 65)),
         Big = binary:copy(<<"b">>, 100000),
         Pad = binary:copy(<<"p">>, 100),
+        %% Answers of 5 KB (a list: 40 KB decoded) among the small ones: a
+        %% drain passes its first 64 KB of answers on through its process's
+        %% heap, the rest through the ring's env.
+        Mid = lists:duplicate(2500, 7),
         Msg = fun(I, K) when K rem 50 =:= 0 -> {I, K, Big};
+                 (I, K) when K rem 3 =:= 0 -> {I, K, Mid};
                  (I, K) -> {I, K, Pad}
               end,
         Self = self(),
