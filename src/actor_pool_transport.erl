@@ -228,10 +228,10 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% to Node went into a ring first waits until the pool node has read it, so
 %% that this one cannot overtake it.
 dist_send(Node, Dest, Item) ->
-    case dp_last(Node) of
-        dist -> ok;
-        undefined -> dp_put(Node, dist);
-        {Seg, Ticket} -> ring_drained(Seg, Ticket), dp_put(Node, dist)
+    case dp_map() of
+        #{Node := dist} -> ok;
+        #{Node := {Seg, Ticket}} = M -> ring_drained(Seg, Ticket), put(?DP_KEY, M#{Node := dist});
+        M -> put(?DP_KEY, M#{Node => dist})
     end,
     actor_pool_batcher:send(Node, Dest, Item).
 
@@ -268,26 +268,33 @@ ring_drained(Seg, Ticket, Deadline, N) ->
 %% distribution instead: too large for a ring, or the lane is closed; Size
 %% is the message's external size once known).
 ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
-    Prev = case dp_last(Node) of
-               {Seg, T} ->
-                   T;
-               dist ->
-                   %% Everything this process sent by distribution is
-                   %% dispatched once a call behind it is answered.
-                   _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
-                   dp_put(Node, {Seg, undefined}),
-                   undefined;
-               _OtherSegOrNone ->
-                   undefined
-           end,
+    case dp_map() of
+        #{Node := {Seg, T}} = M ->
+            ring_submit(Seg, Node, Kind, Dest, Body, Ref, T, M);
+        #{Node := dist} ->
+            %% Everything this process sent by distribution is dispatched
+            %% once a call behind it is answered.
+            _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
+            M = (dp_map())#{Node => {Seg, undefined}},
+            put(?DP_KEY, M),
+            ring_submit(Seg, Node, Kind, Dest, Body, Ref, undefined, M);
+        M ->
+            %% Another segment's ticket (a lane replaced) or none yet.
+            ring_submit(Seg, Node, Kind, Dest, Body, Ref, undefined, M#{Node => undefined})
+    end.
+
+%% M: this process's map of ?DP_KEY as read for this record, with a key
+%% for Node (one read and one write of the dictionary per record; the
+%% write replaces a value, the cheaper update of a map).
+ring_submit(Seg, Node, Kind, Dest, Body, Ref, Prev, M) ->
     RDest = case Dest of
                 {Name, _} -> Name;
                 Pid -> Pid
             end,
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
-        {ok, T1} -> dp_put(Node, {Seg, T1}), ok;
-        {ok, T1, AskId} -> dp_put(Node, {Seg, T1}), {ok, AskId};
-        {ok, T1, AskId, await} -> dp_put(Node, {Seg, T1}), {ok, AskId, await};
+        {ok, T1} -> put(?DP_KEY, M#{Node := {Seg, T1}}), ok;
+        {ok, T1, AskId} -> put(?DP_KEY, M#{Node := {Seg, T1}}), {ok, AskId};
+        {ok, T1, AskId, await} -> put(?DP_KEY, M#{Node := {Seg, T1}}), {ok, AskId, await};
         full -> full;
         encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
         too_large -> actor_pool_dp:count(too_large), to_dist(Body);
@@ -299,17 +306,10 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
         error:badarg -> to_dist(Body)
     end.
 
-dp_last(Node) ->
+dp_map() ->
     case get(?DP_KEY) of
-        #{Node := Last} -> Last;
-        _ -> undefined
-    end.
-
-dp_put(Node, Last) ->
-    case get(?DP_KEY) of
-        #{Node := _} = M -> put(?DP_KEY, M#{Node := Last});
-        #{} = M -> put(?DP_KEY, M#{Node => Last});
-        undefined -> put(?DP_KEY, #{Node => Last})
+        #{} = M -> M;
+        undefined -> #{}
     end.
 
 dp_submit(Seg, Kind, Dest, {term, Msg, Est}, Ref, Prev) ->

@@ -1538,15 +1538,12 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 		c->ans = ans;
 		c->got = 1;
 	} else {
-		ERL_NIF_TERM msg = enif_make_tuple2(e, enif_make_copy(e, a->ref), ans);
 		cnt(c->count);
-		if (here) {
+		(void)enif_send(c->env, &a->pid, here ? NULL : e, enif_make_tuple2(e, enif_make_copy(e, a->ref), ans));
+		if (here)
 			c->on_heap += len;
-			(void)enif_send(c->env, &a->pid, NULL, msg);
-		} else {
-			(void)enif_send(c->env, &a->pid, e, msg);
+		else
 			enif_clear_env(e);
-		}
 	}
 	delivered(s, i, a);
 }

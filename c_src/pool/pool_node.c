@@ -667,25 +667,34 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 		return 1;
 	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT, lone_us = AP_DP_LONE_US_DEFAULT,
 	    nap_us = AP_DP_NAP_US_DEFAULT;
+	/* The ring settings, read before the pools start (ap_dp_start) and
+	 * passed over with their value after. */
+	const struct {
+		const char *flag;
+		long max;
+		int *v;
+	} ring_flags[] = { { "--ring-poll-us", AP_POOL_MAX_RING_POLL_US, &poll_us },
+			   { "--ring-lone-poll-us", AP_POOL_MAX_RING_POLL_US, &lone_us },
+			   { "--ring-nap-us", AP_POOL_MAX_RING_NAP_US, &nap_us } };
+	const size_t n_ring_flags = sizeof ring_flags / sizeof ring_flags[0];
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--no-fast-path"))
 			fast_path = 0;
-		else if (!strcmp(argv[k], "--ring-poll-us") && us_arg(argc, argv, k, AP_POOL_MAX_RING_POLL_US, &poll_us))
-			return 1;
-		else if (!strcmp(argv[k], "--ring-lone-poll-us") &&
-			 us_arg(argc, argv, k, AP_POOL_MAX_RING_POLL_US, &lone_us))
-			return 1;
-		else if (!strcmp(argv[k], "--ring-nap-us") && us_arg(argc, argv, k, AP_POOL_MAX_RING_NAP_US, &nap_us))
-			return 1;
+		for (size_t f = 0; f < n_ring_flags; f++)
+			if (!strcmp(argv[k], ring_flags[f].flag) && us_arg(argc, argv, k, ring_flags[f].max, ring_flags[f].v))
+				return 1;
 	}
 	if (ap_dp_start(n, fast_path, poll_us, lone_us, nap_us))
 		return 1;
 	for (int k = 0; k < argc; k++) {
-		if (!strcmp(argv[k], "--no-fast-path")) {
-			continue;
-		} else if (!strcmp(argv[k], "--ring-poll-us") || !strcmp(argv[k], "--ring-lone-poll-us") ||
-			   !strcmp(argv[k], "--ring-nap-us")) {
+		size_t f = 0;
+		while (f < n_ring_flags && strcmp(argv[k], ring_flags[f].flag))
+			f++;
+		if (f < n_ring_flags) {
 			k++;
+			continue;
+		}
+		if (!strcmp(argv[k], "--no-fast-path")) {
 			continue;
 		} else if (!strcmp(argv[k], "--pool") && k + 1 < argc) {
 			if (start_spec(n, argv[++k]))
