@@ -86,3 +86,5 @@
 -define(RING_LONE_POLL_US_DEFAULT, 1000).
 %% ring_nap_us's, likewise (AP_DP_NAP_US_DEFAULT).
 -define(RING_NAP_US_DEFAULT, 100).
+%% ring_ask_nap_us's, likewise (AP_DP_ASK_NAP_US_DEFAULT).
+-define(RING_ASK_NAP_US_DEFAULT, 20).

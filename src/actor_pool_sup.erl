@@ -71,15 +71,17 @@ start_pool_node() ->
 
 %% The application settings ring_poll_us (how long the pool node's loop
 %% yields instead of sleeping after same-host ring records),
-%% ring_lone_poll_us (the same after a lone caller's ask) and ring_nap_us
-%% (how long it sleeps between dense reads of them); see
+%% ring_lone_poll_us (the same after a lone caller's ask), ring_nap_us
+%% (how long it sleeps between dense reads of them) and ring_ask_nap_us
+%% (the same after a read with asks); see
 %% docs/same-host-transport.md. Checked here so a bad value is one clear
 %% error, not a pool node that will not start.
 ring_args() ->
     ring_args([{ring_poll_us, "--ring-poll-us", ?RING_POLL_US_DEFAULT, ?AP_POOL_MAX_RING_POLL_US},
                {ring_lone_poll_us, "--ring-lone-poll-us", ?RING_LONE_POLL_US_DEFAULT,
                 ?AP_POOL_MAX_RING_POLL_US},
-               {ring_nap_us, "--ring-nap-us", ?RING_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US}], []).
+               {ring_nap_us, "--ring-nap-us", ?RING_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US},
+               {ring_ask_nap_us, "--ring-ask-nap-us", ?RING_ASK_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US}], []).
 
 ring_args([], Acc) ->
     {ok, Acc};

@@ -24,7 +24,7 @@
          lone_asks_take_their_answers_on_their_scheduler/1,
          messages_to_idle_workers_count_for_the_worker_routed/1,
          ring_settings_are_validated/1,
-         dense_tells_are_read_in_naps_and_lone_asks_never_nap/1,
+         dense_tells_and_asks_are_read_in_naps_and_lone_asks_never_nap/1,
          lone_asks_keep_the_loop_awake/1,
          restarted_lane_server_replaces_every_lane/1,
          sequential_asks_never_overflow_a_one_slot_mailbox/1,
@@ -59,7 +59,7 @@ ring_test_() ->
                  lone_asks_take_their_answers_on_their_scheduler,
                  messages_to_idle_workers_count_for_the_worker_routed,
                  ring_settings_are_validated,
-                 dense_tells_are_read_in_naps_and_lone_asks_never_nap,
+                 dense_tells_and_asks_are_read_in_naps_and_lone_asks_never_nap,
                  lone_asks_keep_the_loop_awake,
                  restarted_lane_server_replaces_every_lane,
                  sequential_asks_never_overflow_a_one_slot_mailbox,
@@ -141,23 +141,27 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
         ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
 
-%% The application settings ring_poll_us, ring_lone_poll_us and ring_nap_us are checked
+%% The application settings ring_poll_us, ring_lone_poll_us, ring_nap_us and
+%% ring_ask_nap_us are checked
 %% before a pool node is started with them: a bad value is one clear error,
 %% and nothing starts.
 ring_settings_are_validated(_Ctx) ->
     [ap_test_util:with_env(actor_pool, Key, V, fun() ->
          ?assertEqual({error, {badarg, {Key, V}}}, actor_pool_sup:start_pool_node())
-     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_lone_poll_us, 100000}, {ring_nap_us, 10000}],
+     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_lone_poll_us, 100000}, {ring_nap_us, 10000},
+                             {ring_ask_nap_us, 10000}],
              V <- [-1, Max + 1, 1.5, "300", infinity]].
 
 %% Tells from four senders at once come faster than the loop reads them one
 %% by one: it reads them in batches and naps between (node_stats'
-%% `ring_naps'), and every one is handled. One process's asks, one at a
-%% time, never find a batch: no nap, so no wait added to a lone ask.
-dense_tells_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
+%% `ring_naps'), and every one is handled; those naps are tells' naps
+%% (`ring_ask_naps' unchanged). One process's asks, one at a time, never
+%% find a batch: no nap, so no wait added to a lone ask. 64 callers' asks
+%% do, and their reads take the asks' nap (`ring_ask_naps').
+dense_tells_and_asks_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
     with_pool(?FUNCTION_NAME, echo, #{workers => 2}, fun(P) ->
         ?assertEqual({ok, 0}, actor_pool:ask(P, 0)),
-        #{ring_naps := Naps0} = actor_pool:node_stats(N),
+        #{ring_naps := Naps0, ring_ask_naps := AskNaps0} = actor_pool:node_stats(N),
         Per = 20000,
         Self = self(),
         Senders = [spawn_link(fun() ->
@@ -173,7 +177,17 @@ dense_tells_are_read_in_naps_and_lone_asks_never_nap(#{pool_node := N}) ->
         #{ring_naps := Naps1} = actor_pool:node_stats(N),
         ?assert(Naps1 > Naps0, {ring_naps, Naps0, Naps1}),
         ?assertEqual([{ok, K} || K <- lists:seq(1, 200)], [actor_pool:ask(P, K) || K <- lists:seq(1, 200)]),
-        ?assertMatch(#{ring_naps := Naps1}, actor_pool:node_stats(N))
+        ?assertMatch(#{ring_naps := Naps1, ring_ask_naps := AskNaps0}, actor_pool:node_stats(N)),
+        Callers = [spawn_link(fun() ->
+                                      Self ! {asked, self(), [actor_pool:ask(P, {C, K}) || K <- lists:seq(1, 300)]}
+                              end) || C <- lists:seq(1, 64)],
+        [receive
+             {asked, Pid, Answers} -> ?assertEqual([{ok, {C, K}} || K <- lists:seq(1, 300)], Answers)
+         after 60000 -> error(callers_hung)
+         end || {C, Pid} <- lists:zip(lists:seq(1, 64), Callers)],
+        #{ring_naps := Naps2, ring_ask_naps := AskNaps2} = actor_pool:node_stats(N),
+        ?assert(AskNaps2 > AskNaps0, {ring_ask_naps, AskNaps0, AskNaps2}),
+        ?assertEqual(Naps2 - Naps1, AskNaps2 - AskNaps0)
     end).
 
 %% Each ask of one process that waits for each answer is the only ask its

@@ -25,7 +25,8 @@
 #define AP_POOL_MAX_MEMORY_MB 1048576
 /* The application setting ring_poll_us (--ring-poll-us), microseconds. */
 #define AP_POOL_MAX_RING_POLL_US 100000
-/* The application setting ring_nap_us (--ring-nap-us), microseconds. */
+/* The application settings ring_nap_us (--ring-nap-us) and ring_ask_nap_us
+ * (--ring-ask-nap-us), microseconds. */
 #define AP_POOL_MAX_RING_NAP_US 10000
 /* A plugin's path, in bytes, without its NUL. */
 #define AP_POOL_MAX_PATH 4095

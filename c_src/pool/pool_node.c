@@ -5,7 +5,7 @@
  * Run by actor_cnode (--port), or by hand as a hidden node of a cluster:
  *   actor_pool_node --name N@host --cookie-file F --connect app@host \
  *       [--listen IPV4] [--no-fast-path] [--ring-poll-us N]
- *       [--ring-lone-poll-us N] [--ring-nap-us N]
+ *       [--ring-lone-poll-us N] [--ring-nap-us N] [--ring-ask-nap-us N]
  *       [--pool name:handler[:workers[:routing]][:key=ServiceId]]...
  * (the runtime flags, --listen and the handshake limits among them: ap_main.c).
  * A pool given a key is registered with the receptionist of the --connect
@@ -408,7 +408,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 11);
+	ei_x_encode_map_header(&x, 12);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
@@ -427,6 +427,8 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulong(&x, ap_node_max_frame(n));
 	ei_x_encode_atom(&x, "ring_naps");
 	ei_x_encode_ulonglong(&x, ap_dp_naps());
+	ei_x_encode_atom(&x, "ring_ask_naps");
+	ei_x_encode_ulonglong(&x, ap_dp_ask_naps());
 	ei_x_encode_atom(&x, "ring_lone_windows");
 	ei_x_encode_ulonglong(&x, ap_dp_lone_windows());
 	ei_x_encode_atom(&x, "iso_loop_results");
@@ -666,7 +668,7 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	if (ap_pool_watch_children(n))
 		return 1;
 	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT, lone_us = AP_DP_LONE_US_DEFAULT,
-	    nap_us = AP_DP_NAP_US_DEFAULT;
+	    nap_us = AP_DP_NAP_US_DEFAULT, ask_nap_us = AP_DP_ASK_NAP_US_DEFAULT;
 	/* The ring settings, read before the pools start (ap_dp_start) and
 	 * passed over with their value after. */
 	const struct {
@@ -675,7 +677,8 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 		int *v;
 	} ring_flags[] = { { "--ring-poll-us", AP_POOL_MAX_RING_POLL_US, &poll_us },
 			   { "--ring-lone-poll-us", AP_POOL_MAX_RING_POLL_US, &lone_us },
-			   { "--ring-nap-us", AP_POOL_MAX_RING_NAP_US, &nap_us } };
+			   { "--ring-nap-us", AP_POOL_MAX_RING_NAP_US, &nap_us },
+			   { "--ring-ask-nap-us", AP_POOL_MAX_RING_NAP_US, &ask_nap_us } };
 	const size_t n_ring_flags = sizeof ring_flags / sizeof ring_flags[0];
 	for (int k = 0; k < argc; k++) {
 		if (!strcmp(argv[k], "--no-fast-path"))
@@ -684,7 +687,7 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 			if (!strcmp(argv[k], ring_flags[f].flag) && us_arg(argc, argv, k, ring_flags[f].max, ring_flags[f].v))
 				return 1;
 	}
-	if (ap_dp_start(n, fast_path, poll_us, lone_us, nap_us))
+	if (ap_dp_start(n, fast_path, poll_us, lone_us, nap_us, ask_nap_us))
 		return 1;
 	for (int k = 0; k < argc; k++) {
 		size_t f = 0;

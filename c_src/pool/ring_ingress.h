@@ -26,9 +26,14 @@
  * sleeps this long between them instead of spinning or being rung; 0
  * never. */
 #define AP_DP_NAP_US_DEFAULT 100
-int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us);
-/* How many times the loop napped between dense reads (node_stats). */
+/* ask_nap_us (--ring-ask-nap-us): the same nap after a dense read that
+ * had asks (their callers wait for the answers); 0: such reads never nap. */
+#define AP_DP_ASK_NAP_US_DEFAULT 20
+int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us, int ask_nap_us);
+/* How many times the loop napped between dense reads, and how many of
+ * those naps followed a read with asks (node_stats). */
 unsigned long long ap_dp_naps(void);
+unsigned long long ap_dp_ask_naps(void);
 /* How many reads found a lone ask and so kept the loop awake after it
  * (node_stats). */
 unsigned long long ap_dp_lone_windows(void);

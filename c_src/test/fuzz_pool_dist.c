@@ -169,14 +169,15 @@ int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init in
 	return 1;
 }
 
-int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us)
+int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us, int ask_nap_us)
 {
-	(void)n, (void)enabled, (void)poll_us, (void)lone_us, (void)nap_us;
+	(void)n, (void)enabled, (void)poll_us, (void)lone_us, (void)nap_us, (void)ask_nap_us;
 	t_check(0);
 	return -1;
 }
 
 unsigned long long ap_dp_naps(void) { return 0; }
+unsigned long long ap_dp_ask_naps(void) { return 0; }
 unsigned long long ap_dp_lone_windows(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
 
