@@ -47,8 +47,10 @@
 -opaque seg() :: reference().
 %% A segment (a NIF resource).
 
--opaque ticket() :: {non_neg_integer(), non_neg_integer()}.
-%% Where a submit's record went (request ring, position after it).
+-opaque ticket() :: non_neg_integer().
+%% Where a submit's record went (request ring, position after it), as one
+%% small integer: the ring in its low 10 bits, the low 49 bits of the
+%% position above them.
 
 -type ask_id() :: non_neg_integer().
 
@@ -129,7 +131,9 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% ignored) is what the answer `{Ref, Answer}' carries. `Ticket' is the
 %% caller's previous ticket for this segment (or `undefined'): when it
 %% names another ring the record carries a fence, so the pool node reads
-%% that ring up to it first and the caller's order holds.
+%% that ring up to it first and the caller's order holds. A ticket of an
+%% earlier segment to the same pool node makes a stale fence, which costs
+%% nothing but a read of that ring the reader would do anyway.
 %%
 %% `full': no room in the ring now (yield and retry, or give up);
 %% `too_large': over the ring's record size; `closed': the segment is

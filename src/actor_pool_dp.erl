@@ -26,6 +26,7 @@
 %% API.
 -export([start_link/0]).
 -export([lane/2]).
+-export([seg/1]).
 -export([info/0]).
 -export([refresh/0]).
 -export([set_slow/3]).
@@ -110,6 +111,16 @@ lane(Node, Dest) ->
                         exit:_ -> none
                     end
             end
+    end.
+
+%% @doc The segment of the lanes to `Node' (whatever the pool), or `none'.
+%% No call: what this BEAM has at hand.
+-spec seg(node()) -> {ok, Seg :: term()} | none.
+seg(Node) ->
+    case lane_entry(Node) of
+        {lane, Seg} -> {ok, Seg};
+        {lane, Seg, _Slow} -> {ok, Seg};
+        _ -> none
     end.
 
 %% @doc Every pool node this BEAM has considered for rings: its transport

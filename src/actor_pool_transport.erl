@@ -204,11 +204,13 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% ===================================================================
 
 %% Process dictionary, one key: a map, per pool node, of how this process
-%% last sent to it, `dist' or `{Seg, Ticket}' (the ticket of its last ring
-%% submit, or undefined). See docs/same-host-transport.md, "Ordering". An
-%% atom key: the dictionary hashes and compares an atom in one word, where
-%% a key of {Tag, Node} went through make_internal_hash and eq at every
-%% get and put.
+%% last sent to it, `dist' or the ticket of its last ring submit (an
+%% integer; undefined for none since distribution). See
+%% docs/same-host-transport.md, "Ordering". An atom key: the dictionary
+%% hashes and compares an atom in one word, where a key of {Tag, Node} went
+%% through make_internal_hash and eq at every get and put. No segment
+%% beside the ticket: comparing it was a deep compare (eq) on every record,
+%% and a ticket of a replaced lane only makes a stale fence (actor_dp:submit/6).
 -define(DP_KEY, '$actor_pool_dp').
 %% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
 %% between tries, so the scheduler is never held) for this long (an ask, at
@@ -230,15 +232,20 @@ request(Node, Dest, MakeItem, Timeout) ->
 dist_send(Node, Dest, Item) ->
     case dp_map() of
         #{Node := dist} -> ok;
-        #{Node := {Seg, Ticket}} = M -> ring_drained(Seg, Ticket), put(?DP_KEY, M#{Node := dist});
+        #{Node := Ticket} = M -> ring_drained(Node, Ticket), put(?DP_KEY, M#{Node := dist});
         M -> put(?DP_KEY, M#{Node => dist})
     end,
     actor_pool_batcher:send(Node, Dest, Item).
 
-ring_drained(_Seg, undefined) ->
+%% The lane's segment now: one that replaced the segment of Ticket is read
+%% past it at once (actor_dp:submit/6); no lane, nothing left to read.
+ring_drained(_Node, undefined) ->
     ok;
-ring_drained(Seg, Ticket) ->
-    ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0).
+ring_drained(Node, Ticket) ->
+    case actor_pool_dp:seg(Node) of
+        {ok, Seg} -> ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0);
+        none -> ok
+    end.
 
 ring_drained(Seg, Ticket, Deadline, N) ->
     case catch actor_dp:consumed(Seg, Ticket) of
@@ -269,17 +276,16 @@ ring_drained(Seg, Ticket, Deadline, N) ->
 %% is the message's external size once known).
 ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
     case dp_map() of
-        #{Node := {Seg, T}} = M ->
-            ring_submit(Seg, Node, Kind, Dest, Body, Ref, T, M);
         #{Node := dist} ->
             %% Everything this process sent by distribution is dispatched
             %% once a call behind it is answered.
             _ = call(Node, {?MANAGER, Node}, dp_info, ?DEFAULT_TIMEOUT),
-            M = (dp_map())#{Node => {Seg, undefined}},
+            M = (dp_map())#{Node => undefined},
             put(?DP_KEY, M),
             ring_submit(Seg, Node, Kind, Dest, Body, Ref, undefined, M);
+        #{Node := T} = M ->
+            ring_submit(Seg, Node, Kind, Dest, Body, Ref, T, M);
         M ->
-            %% Another segment's ticket (a lane replaced) or none yet.
             ring_submit(Seg, Node, Kind, Dest, Body, Ref, undefined, M#{Node => undefined})
     end.
 
@@ -292,9 +298,9 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref, Prev, M) ->
                 Pid -> Pid
             end,
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
-        {ok, T1} -> put(?DP_KEY, M#{Node := {Seg, T1}}), ok;
-        {ok, T1, AskId} -> put(?DP_KEY, M#{Node := {Seg, T1}}), {ok, AskId};
-        {ok, T1, AskId, await} -> put(?DP_KEY, M#{Node := {Seg, T1}}), {ok, AskId, await};
+        {ok, T1} -> put(?DP_KEY, M#{Node := T1}), ok;
+        {ok, T1, AskId} -> put(?DP_KEY, M#{Node := T1}), {ok, AskId};
+        {ok, T1, AskId, await} -> put(?DP_KEY, M#{Node := T1}), {ok, AskId, await};
         full -> full;
         encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};
         too_large -> actor_pool_dp:count(too_large), to_dist(Body);

@@ -210,7 +210,8 @@ asks_are_answered_with_their_ref(P) ->
     Msgs = [<<"bin">>, {a, tuple, [1, 2.5, "str"]}, <<>>, binary:copy(<<7>>, 100000), self()],
     Refs = [begin
                 Ref = make_ref(),
-                {ok, {0, _}, Id} = asked(actor_dp:submit(Seg, ask, echo, M, Ref, undefined)),
+                {ok, T, Id} = asked(actor_dp:submit(Seg, ask, echo, M, Ref, undefined)),
+                ?assertMatch({0, _}, untk(T)),
                 ?assert(is_integer(Id)),
                 {Ref, M}
             end || M <- Msgs],
@@ -230,8 +231,11 @@ tells_stats_and_consumed(P) ->
 
 tells_stats_and_consumed_bound(P) ->
     Seg = open(P, #{req_rings => 2}),
-    {ok, {R1, Pos1} = T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
-    {ok, {R1, Pos2} = T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
+    {ok, T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
+    {ok, T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
+    ?assert(is_integer(T1) andalso is_integer(T2)), % no tuple to build per tell
+    {R1, Pos1} = untk(T1),
+    {R1, Pos2} = untk(T2),
     ?assert(Pos2 > Pos1),
     R1B = integer_to_binary(R1),
     expect(P, <<"tell 1 ring ", R1B/binary, " fence none">>),
@@ -246,8 +250,18 @@ tells_stats_and_consumed_bound(P) ->
     #{tells := 2, stats := 1} = actor_dp:info(Seg),
     %% a ticket of the other ring (the caller moved): the record carries it
     Other = 1 - R1,
-    {ok, {R1, _}} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, {Other, 4242}),
-    expect(P, iolist_to_binary(["tell 3 ring ", R1B, " fence ", integer_to_binary(Other), " 4242"])),
+    {ok, T3} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, T2),
+    {ok, T4} = actor_dp:submit(Seg, tell, echo, <<"t4">>, undefined, tk(Other, 0)),
+    ?assertMatch({R1, _}, untk(T4)),
+    expect(P, <<"tell 3 ring ", R1B/binary, " fence none">>),
+    expect(P, iolist_to_binary(["tell 4 ring ", R1B, " fence ", integer_to_binary(Other), " 0"])),
+    %% one past that ring's tail (another segment's): read as its tail
+    {ok, _} = actor_dp:submit(Seg, tell, echo, <<"t5">>, undefined, tk(Other, 4242)),
+    expect(P, iolist_to_binary(["tell 5 ring ", R1B, " fence ", integer_to_binary(Other), " 0"])),
+    %% ours, past our tail: consumed once the reader has read to the tail
+    {_, Pos4} = untk(T4),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, tk(R1, Pos4 + 1000000)) end, ?T),
+    ?assert(actor_dp:consumed(Seg, T3)),
     ok = actor_dp:close(Seg, done),
     closed = actor_dp:consumed(Seg, T2),
     closed = actor_dp:submit(Seg, tell, echo, <<"late">>, undefined, T2).
@@ -652,12 +666,16 @@ bad_arguments_are_badarg(P) ->
     ?assertError(badarg, asked(actor_dp:submit(Seg, ask, echo, hi, not_a_ref, undefined))),
     ?assertError(badarg, actor_dp:submit(Seg, tell, "echo", hi, undefined, undefined)),
     ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0})),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0, 0})),
+    ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, -1)),
     ?assertError(badarg, actor_dp:submit(make_ref(), tell, echo, hi, undefined, undefined)),
     ?assertError(badarg, actor_dp:cancel(Seg, -1)),
-    ?assertError(badarg, actor_dp:consumed(Seg, {99, 0})),
+    ?assertError(badarg, actor_dp:consumed(Seg, tk(99, 0))),
+    ?assertError(badarg, actor_dp:consumed(Seg, {0, 0})),
+    ?assertError(badarg, actor_dp:consumed(Seg, 1 bsl 59)),
     ?assertError(badarg, actor_dp:close(make_ref(), x)),
     %% a ticket naming a ring this segment does not have is no fence
-    {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, {5000, 1}),
+    {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, tk(1000, 1)),
     ok = actor_dp:close(Seg, done).
 
 %% Many answers sent back to back, by the reply thread (replies) and by
@@ -1085,3 +1103,9 @@ asked(Other) -> Other.
 
 flush_all() ->
     receive _ -> flush_all() after 0 -> ok end.
+
+%% A ticket (actor_dp:ticket(), opaque to callers): the ring in its low 10
+%% bits, the low 49 bits of the position above.
+tk(Ring, Pos) -> (Pos bsl 10) bor Ring.
+
+untk(T) -> {T band 1023, T bsr 10}.
