@@ -34,13 +34,14 @@
 -export([await/2, await/3]).
 -export([drain/2, deliver_for/2]).
 -export([cancel/2]).
+-export([mark/2]).
 -export([consumed/2]).
 -export([close/2]).
 -export([info/1]).
 -export([scribble/3]).
 -export([loaded/0]).
 
--export_type([seg/0, ticket/0, ask_id/0, open_opts/0, open_error/0, info/0]).
+-export_type([seg/0, ticket/0, mark/0, ask_id/0, open_opts/0, open_error/0, info/0]).
 
 -on_load(init/0).
 
@@ -48,9 +49,10 @@
 %% A segment (a NIF resource).
 
 -opaque ticket() :: non_neg_integer().
-%% Where a submit's record went (request ring, position after it), as one
-%% small integer: the ring in its low 10 bits, the low 49 bits of the
-%% position above them.
+%% The request ring a submit's record went to.
+
+-opaque mark() :: non_neg_integer().
+%% A place in a request ring ({@link mark/2}), for {@link consumed/2}.
 
 -type ask_id() :: non_neg_integer().
 
@@ -130,10 +132,12 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% as its external format. `Ref' (a reference, for `ask' and `stats'; else
 %% ignored) is what the answer `{Ref, Answer}' carries. `Ticket' is the
 %% caller's previous ticket for this segment (or `undefined'): when it
-%% names another ring the record carries a fence, so the pool node reads
-%% that ring up to it first and the caller's order holds. A ticket of an
-%% earlier segment to the same pool node makes a stale fence, which costs
-%% nothing but a read of that ring the reader would do anyway.
+%% names another ring the record carries a fence, that ring's end now, so
+%% the pool node reads that ring up to there first and the caller's order
+%% holds. The ticket is the ring only: it changes when the caller moves to
+%% another ring, not with each record. A ticket of an earlier segment to
+%% the same pool node makes a fence too, which costs nothing but a read of
+%% that ring the reader would do anyway.
 %%
 %% `full': no room in the ring now (yield and retry, or give up);
 %% `too_large': over the ring's record size; `closed': the segment is
@@ -235,10 +239,16 @@ deliver_for(_Index, _Count) ->
 cancel(_Seg, _AskId) ->
     erlang:nif_error(not_loaded).
 
-%% @doc Whether the pool node has read everything up to `Ticket' (its
+%% @doc Where the ring of `Ticket' ends now: everything the caller put
+%% there is before it. `closed' once the segment is closed.
+-spec mark(Seg :: seg(), Ticket :: ticket()) -> mark() | closed.
+mark(_Seg, _Ticket) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Whether the pool node has read everything up to `Mark' (its
 %% consumer has passed it); `closed' once the segment is closed.
--spec consumed(Seg :: seg(), Ticket :: ticket()) -> boolean() | closed.
-consumed(_Seg, _Ticket) ->
+-spec consumed(Seg :: seg(), Mark :: mark()) -> boolean() | closed.
+consumed(_Seg, _Mark) ->
     erlang:nif_error(not_loaded).
 
 %% @doc Closes the segment: every pending ask gets `{Ref, {error, Reason}}'

@@ -204,13 +204,15 @@ request(Node, Dest, MakeItem, Timeout) ->
 %% ===================================================================
 
 %% Process dictionary, one key: a map, per pool node, of how this process
-%% last sent to it, `dist' or the ticket of its last ring submit (an
-%% integer; undefined for none since distribution). See
+%% last sent to it, `dist' or the ticket of its last ring submit (the ring
+%% it went to; undefined for none since distribution). See
 %% docs/same-host-transport.md, "Ordering". An atom key: the dictionary
 %% hashes and compares an atom in one word, where a key of {Tag, Node} went
-%% through make_internal_hash and eq at every get and put. No segment
-%% beside the ticket: comparing it was a deep compare (eq) on every record,
-%% and a ticket of a replaced lane only makes a stale fence (actor_dp:submit/6).
+%% through make_internal_hash and eq at every get and put. A ticket changes
+%% only when the process moves to another ring: the dictionary is written
+%% then, not per record. No segment beside it: comparing one was a deep
+%% compare (eq) on every record, and a ticket of a replaced lane only makes
+%% a fence the reader meets at once (actor_dp:submit/6).
 -define(DP_KEY, '$actor_pool_dp').
 %% A full ring: a tell or an ask retries (yielding, then sleeping 1 ms
 %% between tries, so the scheduler is never held) for this long (an ask, at
@@ -237,28 +239,36 @@ dist_send(Node, Dest, Item) ->
     end,
     actor_pool_batcher:send(Node, Dest, Item).
 
-%% The lane's segment now: one that replaced the segment of Ticket is read
-%% past it at once (actor_dp:submit/6); no lane, nothing left to read.
+%% Waits until the reader of the lane's segment has passed where the
+%% ticket's ring ends now (actor_dp:mark/2): everything this process put
+%% there. A segment that replaced the ticket's own is waited for the same
+%% way, briefly; no lane (or a closed one), nothing left to read.
 ring_drained(_Node, undefined) ->
     ok;
 ring_drained(Node, Ticket) ->
     case actor_pool_dp:seg(Node) of
-        {ok, Seg} -> ring_drained(Seg, Ticket, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0);
-        none -> ok
+        {ok, Seg} ->
+            case catch actor_dp:mark(Seg, Ticket) of
+                closed -> ok;
+                {'EXIT', _OtherGeometry} -> ok;
+                Mark -> ring_drained(Seg, Mark, erlang:monotonic_time(microsecond) + ?DRAIN_WAIT_US, 0)
+            end;
+        none ->
+            ok
     end.
 
-ring_drained(Seg, Ticket, Deadline, N) ->
-    case catch actor_dp:consumed(Seg, Ticket) of
+ring_drained(Seg, Mark, Deadline, N) ->
+    case catch actor_dp:consumed(Seg, Mark) of
         false ->
             case erlang:monotonic_time(microsecond) < Deadline of
                 true when N < 100 ->
                     erlang:yield(),
-                    ring_drained(Seg, Ticket, Deadline, N + 1);
+                    ring_drained(Seg, Mark, Deadline, N + 1);
                 true ->
                     %% The pool node is slow to read: stop spinning the
                     %% scheduler.
                     receive after 1 -> ok end,
-                    ring_drained(Seg, Ticket, Deadline, N);
+                    ring_drained(Seg, Mark, Deadline, N);
                 false ->
                     ok
             end;
@@ -290,16 +300,20 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref) ->
     end.
 
 %% M: this process's map of ?DP_KEY as read for this record, with a key
-%% for Node (one read and one write of the dictionary per record; the
-%% write replaces a value, the cheaper update of a map).
+%% for Node (one read of the dictionary per record, and a write only when
+%% the ticket changed: the write replaces a value, the cheaper update of a
+%% map).
 ring_submit(Seg, Node, Kind, Dest, Body, Ref, Prev, M) ->
     RDest = case Dest of
                 {Name, _} -> Name;
                 Pid -> Pid
             end,
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
+        {ok, Prev} -> ok;
         {ok, T1} -> put(?DP_KEY, M#{Node := T1}), ok;
+        {ok, Prev, AskId} -> {ok, AskId};
         {ok, T1, AskId} -> put(?DP_KEY, M#{Node := T1}), {ok, AskId};
+        {ok, Prev, AskId, await} -> {ok, AskId, await};
         {ok, T1, AskId, await} -> put(?DP_KEY, M#{Node := T1}), {ok, AskId, await};
         full -> full;
         encode -> {term, Msg, _} = Body, {encoded, term_to_binary(Msg)};

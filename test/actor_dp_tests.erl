@@ -210,8 +210,7 @@ asks_are_answered_with_their_ref(P) ->
     Msgs = [<<"bin">>, {a, tuple, [1, 2.5, "str"]}, <<>>, binary:copy(<<7>>, 100000), self()],
     Refs = [begin
                 Ref = make_ref(),
-                {ok, T, Id} = asked(actor_dp:submit(Seg, ask, echo, M, Ref, undefined)),
-                ?assertMatch({0, _}, untk(T)),
+                {ok, 0, Id} = asked(actor_dp:submit(Seg, ask, echo, M, Ref, undefined)),
                 ?assert(is_integer(Id)),
                 {Ref, M}
             end || M <- Msgs],
@@ -231,40 +230,39 @@ tells_stats_and_consumed(P) ->
 
 tells_stats_and_consumed_bound(P) ->
     Seg = open(P, #{req_rings => 2}),
-    {ok, T1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
-    {ok, T2} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, T1),
-    ?assert(is_integer(T1) andalso is_integer(T2)), % no tuple to build per tell
-    {R1, Pos1} = untk(T1),
-    {R1, Pos2} = untk(T2),
+    %% A ticket is the ring the record went to; a mark, where a ring ends.
+    {ok, R1} = actor_dp:submit(Seg, tell, echo, <<"t1">>, undefined, undefined),
+    M1 = actor_dp:mark(Seg, R1),
+    {ok, R1} = actor_dp:submit(Seg, tell, self(), {t, 2}, undefined, R1),
+    M2 = actor_dp:mark(Seg, R1),
+    {R1, Pos1} = untk(M1),
+    {R1, Pos2} = untk(M2),
     ?assert(Pos2 > Pos1),
     R1B = integer_to_binary(R1),
     expect(P, <<"tell 1 ring ", R1B/binary, " fence none">>),
     %% the same ring as the ticket: no fence needed
     expect(P, <<"tell 2 ring ", R1B/binary, " fence none">>),
-    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, T2) end, ?T),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, M2) end, ?T),
     Ref = make_ref(),
-    {ok, _, _} = actor_dp:submit(Seg, stats, echo, undefined, Ref, T2),
+    {ok, _, _} = actor_dp:submit(Seg, stats, echo, undefined, Ref, R1),
     receive {Ref, Stats} -> ?assertEqual(#{tells => 2, asks => 0}, Stats)
     after ?T -> error(no_stats)
     end,
     #{tells := 2, stats := 1} = actor_dp:info(Seg),
-    %% a ticket of the other ring (the caller moved): the record carries it
+    %% a ticket of the other ring (the caller moved): the record carries a
+    %% fence to where that ring ends now (nothing was written there: 0)
     Other = 1 - R1,
-    {ok, T3} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, T2),
-    {ok, T4} = actor_dp:submit(Seg, tell, echo, <<"t4">>, undefined, tk(Other, 0)),
-    ?assertMatch({R1, _}, untk(T4)),
-    expect(P, <<"tell 3 ring ", R1B/binary, " fence none">>),
-    expect(P, iolist_to_binary(["tell 4 ring ", R1B, " fence ", integer_to_binary(Other), " 0"])),
-    %% one past that ring's tail (another segment's): read as its tail
-    {ok, _} = actor_dp:submit(Seg, tell, echo, <<"t5">>, undefined, tk(Other, 4242)),
-    expect(P, iolist_to_binary(["tell 5 ring ", R1B, " fence ", integer_to_binary(Other), " 0"])),
-    %% ours, past our tail: consumed once the reader has read to the tail
-    {_, Pos4} = untk(T4),
-    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, tk(R1, Pos4 + 1000000)) end, ?T),
-    ?assert(actor_dp:consumed(Seg, T3)),
+    {ok, R1} = actor_dp:submit(Seg, tell, echo, <<"t3">>, undefined, Other),
+    expect(P, iolist_to_binary(["tell 3 ring ", R1B, " fence ", integer_to_binary(Other), " 0"])),
+    %% a mark past where the ring ends (none of ours): read as that end
+    M3 = actor_dp:mark(Seg, R1),
+    {R1, Pos3} = untk(M3),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, tk(R1, Pos3 + 1000000)) end, ?T),
+    ?assert(actor_dp:consumed(Seg, M3)),
     ok = actor_dp:close(Seg, done),
-    closed = actor_dp:consumed(Seg, T2),
-    closed = actor_dp:submit(Seg, tell, echo, <<"late">>, undefined, T2).
+    closed = actor_dp:consumed(Seg, M2),
+    closed = actor_dp:mark(Seg, R1),
+    closed = actor_dp:submit(Seg, tell, echo, <<"late">>, undefined, R1).
 
 unknown_pool_is_noproc(P) ->
     Seg = open(P, #{}),
@@ -519,9 +517,10 @@ full_ring_and_too_large(P) ->
     Last = fill(Seg, undefined, 0),
     #{full := Full, too_large := 1} = actor_dp:info(Seg),
     ?assert(Full >= 1),
-    ?assertNot(actor_dp:consumed(Seg, Last)),
+    Mark = actor_dp:mark(Seg, Last),
+    ?assertNot(actor_dp:consumed(Seg, Mark)),
     cmd(P, "resume"),
-    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+    ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Mark) end, ?T),
     {ok, _} = actor_dp:submit(Seg, tell, echo, <<"room again">>, undefined, Last),
     ok = actor_dp:close(Seg, done).
 
@@ -667,6 +666,8 @@ bad_arguments_are_badarg(P) ->
     ?assertError(badarg, actor_dp:submit(Seg, tell, "echo", hi, undefined, undefined)),
     ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0})),
     ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, {0, 0})),
+    ?assertError(badarg, actor_dp:mark(Seg, 99)),
+    ?assertError(badarg, actor_dp:mark(Seg, -1)),
     ?assertError(badarg, actor_dp:submit(Seg, tell, echo, hi, undefined, -1)),
     ?assertError(badarg, actor_dp:submit(make_ref(), tell, echo, hi, undefined, undefined)),
     ?assertError(badarg, actor_dp:cancel(Seg, -1)),
@@ -675,7 +676,7 @@ bad_arguments_are_badarg(P) ->
     ?assertError(badarg, actor_dp:consumed(Seg, 1 bsl 59)),
     ?assertError(badarg, actor_dp:close(make_ref(), x)),
     %% a ticket naming a ring this segment does not have is no fence
-    {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, tk(1000, 1)),
+    {ok, _} = actor_dp:submit(Seg, tell, echo, hi, undefined, 1000),
     ok = actor_dp:close(Seg, done).
 
 %% Many answers sent back to back, by the reply thread (replies) and by
@@ -920,7 +921,8 @@ pool_node_answers_asks_tells_and_stats(#{pool_node := N} = Ctx) ->
                                    {ok, T2} = actor_dp:submit(Seg, tell, dp_echo, {t, K}, undefined, T),
                                    T2
                            end, undefined, lists:seq(1, 100)),
-        ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Last) end, ?T),
+        Mark = actor_dp:mark(Seg, Last),
+        ap_support:wait_until(fun() -> actor_dp:consumed(Seg, Mark) end, ?T),
         %% every tell and ask by ring, counted by the pool on that path
         ap_support:wait_until(
           fun() ->
@@ -1104,7 +1106,7 @@ asked(Other) -> Other.
 flush_all() ->
     receive _ -> flush_all() after 0 -> ok end.
 
-%% A ticket (actor_dp:ticket(), opaque to callers): the ring in its low 10
+%% A mark (actor_dp:mark(), opaque to callers): the ring in its low 10
 %% bits, the low 49 bits of the position above.
 tk(Ring, Pos) -> (Pos bsl 10) bor Ring.
 

@@ -1174,46 +1174,49 @@ static int enc_small(ErlNifEnv *env, ERL_NIF_TERM t)
 	return 1;
 }
 
-/* A ticket: where a submit's record went (its ring, the position after
- * it), as one small integer: the ring in the low TK_RING_BITS bits, the
- * position's low TK_POS_BITS bits above. The caller keeps it per pool node
- * and passes it back: an integer costs no tuples to build and no deep
- * compare (a {Ring, Pos} tuple beside the segment took 7% of a tell's
- * samples). The position's high bits are read back from the ring's tail:
- * a ticket's record was committed before, so it lies less than 2^49 bytes
- * behind it. A ticket of another segment (a lane replaced) names a place
- * at most at the tail: a fence the reader has passed or soon will (what is
- * before it is committed), and a consumed/2 that is true soon. */
+/* A ticket: the ring a submit's record went to, a small integer the
+ * caller keeps per pool node and passes back with its next submit. When
+ * that one goes to another ring, its fence is that ring's tail now: the
+ * ticket's record was committed before, so it lies before the tail, and
+ * the reader reads that ring up to there first (others' records among
+ * them, which only come sooner). The caller's ticket so changes only when
+ * it moves between rings: no dictionary write per record, no tuple built
+ * and nothing deep compared (a {Seg, {Ring, Pos}} kept per record took
+ * 7% of a tell's samples, its write and the map update 5% more). A ticket
+ * of another segment (a lane replaced) makes a fence at that ring's tail
+ * too, one more read the reader would do anyway.
+ *
+ * A mark: a ticket with the tail it had then (mark/2), for consumed/2,
+ * which must wait for a place that does not move: the ring in the low
+ * TK_RING_BITS bits, the position's low TK_POS_BITS bits above, its high
+ * bits read back from the ring's tail (the mark lies less than 2^49 bytes
+ * behind it). */
 #define TK_RING_BITS 10
 #define TK_POS_BITS 49
 #define TK_POS_MASK ((UINT64_C(1) << TK_POS_BITS) - 1)
 _Static_assert(AP_SEG_MAX_REQ <= (1u << TK_RING_BITS), "a ring index fits in a ticket");
-_Static_assert(TK_RING_BITS + TK_POS_BITS <= 59, "a ticket is a small integer");
+_Static_assert(TK_RING_BITS + TK_POS_BITS <= 59, "a mark is a small integer");
 
-static ERL_NIF_TERM make_ticket(ErlNifEnv *env, uint32_t ring, uint64_t pos)
+/* Ring i's committed tail: our own word, published by its writers; a
+ * hostile value only makes a fence or a mark wrong, never memory. */
+static uint64_t req_tail(const struct dp *s, uint32_t i)
 {
-	return enif_make_uint64(env, ((pos & TK_POS_MASK) << TK_RING_BITS) | ring);
+	return __atomic_load_n(&s->req[i].r.hdr->tail, __ATOMIC_ACQUIRE);
 }
 
-/* 1 and *ring, *pos from ticket t; 0 if t is not one. A ring this
- * segment does not have is returned as it is (the callers' concern). */
-static int get_ticket(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint64_t *ring, uint64_t *pos)
+/* 1 and *ring, *pos from mark t; 0 if t is not one of this segment. */
+static int get_mark(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint32_t *ring, uint64_t *pos)
 {
 	ErlNifUInt64 v;
 
-	if (!enif_get_uint64(env, t, &v) || v >> (TK_RING_BITS + TK_POS_BITS))
+	if (!enif_get_uint64(env, t, &v) || v >> (TK_RING_BITS + TK_POS_BITS) ||
+	    (v & ((1u << TK_RING_BITS) - 1)) >= s->seg.n_req)
 		return 0;
-	*ring = v & ((1u << TK_RING_BITS) - 1);
-	*pos = v >> TK_RING_BITS;
-	if (*ring < s->seg.n_req) {
-		/* Our own word, published by the writers of that ring; a
-		 * hostile value only makes the fence wrong (see above). */
-		uint64_t now = __atomic_load_n(&s->req[*ring].r.hdr->tail, __ATOMIC_ACQUIRE);
-		uint64_t p = (now & ~TK_POS_MASK) | *pos;
-		if (p > now)
-			p = now > TK_POS_MASK ? p - (TK_POS_MASK + 1) : now;
-		*pos = p; /* past the tail: another segment's (see above), read as the tail */
-	}
+	*ring = (uint32_t)(v & ((1u << TK_RING_BITS) - 1));
+	uint64_t now = req_tail(s, *ring), p = (now & ~TK_POS_MASK) | (v >> TK_RING_BITS);
+	if (p > now) /* the window below the tail; past it: no mark of ours, the tail */
+		p = now > TK_POS_MASK ? p - (TK_POS_MASK + 1) : now;
+	*pos = p;
 	return 1;
 }
 
@@ -1224,7 +1227,7 @@ static int get_ticket(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint64
 static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s, struct dp_req_parts *q,
 		       uint8_t name[DP_MAX_DEST_NAME], ErlNifBinary *dest_bin, int *own_dest)
 {
-	uint64_t tr, tp;
+	ErlNifUInt64 tr;
 
 	if (!get_dp(env, argv[0], s))
 		return -1;
@@ -1238,12 +1241,11 @@ static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s,
 		return -1;
 	if (q->kind != AP_DP_TELL && !enif_is_ref(env, argv[4]))
 		return -1;
-	if (get_ticket(env, *s, argv[5], &tr, &tp)) {
-		/* A ticket of another segment's geometry is no fence. */
-		if (tr < (*s)->seg.n_req) {
+	if (enif_get_uint64(env, argv[5], &tr)) {
+		/* A ticket of another segment's geometry is no fence; the
+		 * fence's place is taken when the record's ring is known. */
+		if (tr < (*s)->seg.n_req)
 			q->fence_ring = (uint32_t)tr;
-			q->fence_pos = tp;
-		}
 	} else if (!enif_is_identical(argv[5], a_undefined)) {
 		return -1;
 	}
@@ -1287,7 +1289,6 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	uint32_t ring, k;
 	struct req_ring *rr = NULL;
 	struct ask *a = NULL;
-	uint64_t tail = 0;
 	void *p;
 	int rc, lone = 0, solo = 0;
 
@@ -1353,9 +1354,10 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		if (rc == 0) {
 			if (q->fence_ring == ring)
 				q->fence_ring = AP_DP_NO_FENCE;
+			else if (q->fence_ring != AP_DP_NO_FENCE)
+				q->fence_pos = req_tail(s, q->fence_ring);
 			dp_req_write(p, q);
 			rc = ap_ring_publish(&rr->r);
-			tail = rr->r.tail;
 			if (rc == 0) {
 				atomic_uint_fast64_t *c =
 					&rr->n[q->kind == AP_DP_TELL ? RC_TELLS : q->kind == AP_DP_ASK ? RC_ASKS : RC_STATS];
@@ -1387,7 +1389,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		 * its way): the caller must wait for it as for any answer. */
 		if (!back)
 			return enif_make_tuple3(env, a_ok,
-						make_ticket(env, ring, 0),
+						enif_make_uint(env, ring),
 						enif_make_uint64(env, q->ask_id));
 	}
 	if (rc == -EPROTO)
@@ -1396,12 +1398,12 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		return a_full;
 	if (q->kind == AP_DP_TELL)
 		return enif_make_tuple2(env, a_ok,
-					make_ticket(env, ring, tail));
+					enif_make_uint(env, ring));
 	if (lone)
 		return enif_make_tuple4(env, a_ok,
-					make_ticket(env, ring, tail),
+					enif_make_uint(env, ring),
 					enif_make_uint64(env, q->ask_id), a_await);
-	return enif_make_tuple3(env, a_ok, make_ticket(env, ring, tail),
+	return enif_make_tuple3(env, a_ok, enif_make_uint(env, ring),
 				enif_make_uint64(env, q->ask_id));
 }
 
@@ -1810,10 +1812,11 @@ static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 static ERL_NIF_TERM nif_consumed(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	struct dp *s;
-	uint64_t ring, pos, head;
+	uint32_t ring;
+	uint64_t pos, head;
 
 	(void)argc;
-	if (!get_dp(env, argv[0], &s) || !get_ticket(env, s, argv[1], &ring, &pos) || ring >= s->seg.n_req)
+	if (!get_dp(env, argv[0], &s) || !get_mark(env, s, argv[1], &ring, &pos))
 		return enif_make_badarg(env);
 	if (atomic_load(&s->closed))
 		return a_closed;
@@ -1821,6 +1824,20 @@ static ERL_NIF_TERM nif_consumed(ErlNifEnv *env, int argc, const ERL_NIF_TERM ar
 	 * wrong, which costs the caller ordering, never memory. */
 	head = __atomic_load_n(&s->req[ring].r.hdr->head, __ATOMIC_ACQUIRE);
 	return head >= pos ? a_true : a_false;
+}
+
+/* mark(Seg, Ticket): where the ticket's ring ends now, for consumed/2. */
+static ERL_NIF_TERM nif_mark(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	unsigned ring;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_get_uint(env, argv[1], &ring) || ring >= s->seg.n_req)
+		return enif_make_badarg(env);
+	if (atomic_load(&s->closed))
+		return a_closed;
+	return enif_make_uint64(env, ((req_tail(s, ring) & TK_POS_MASK) << TK_RING_BITS) | ring);
 }
 
 static ERL_NIF_TERM nif_close(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
@@ -2003,6 +2020,7 @@ static ErlNifFunc funcs[] = {
 	{"drain", 2, nif_drain, 0},
 	{"deliver_for", 2, nif_deliver_for, 0},
 	{"cancel", 2, nif_cancel, 0},
+	{"mark", 2, nif_mark, 0},
 	{"consumed", 2, nif_consumed, 0},
 	{"close", 2, nif_close, 0},
 	{"info", 1, nif_info, 0},
