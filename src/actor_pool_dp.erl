@@ -117,11 +117,7 @@ lane(Node, Dest) ->
 %% No call: what this BEAM has at hand.
 -spec seg(node()) -> {ok, Seg :: term()} | none.
 seg(Node) ->
-    case lane_entry(Node) of
-        {lane, Seg} -> {ok, Seg};
-        {lane, Seg, _Slow} -> {ok, Seg};
-        _ -> none
-    end.
+    entry_seg(lane_entry(Node)).
 
 %% @doc Every pool node this BEAM has considered for rings: its transport
 %% (`ring' or `distribution'), why distribution when it is, the segment's
@@ -209,12 +205,7 @@ init([]) ->
     %% Lanes of an earlier incarnation of this server: nobody watches them
     %% any more, so they are closed and callers attach again.
     _ = [catch actor_dp:close(Seg, restart)
-         || {_Node, V} <- maps:to_list(persistent_term:get(?LANES, #{})),
-            Seg <- case V of
-                       {lane, S} -> [S];
-                       {lane, S, _Slow} -> [S];
-                       _ -> []
-                   end],
+         || V <- maps:values(persistent_term:get(?LANES, #{})), {ok, Seg} <- [entry_seg(V)]],
     _ = persistent_term:erase(?LANES),
     case persistent_term:get(?COUNTERS, undefined) of
         undefined -> persistent_term:put(?COUNTERS, counters:new(4, [write_concurrency]));
@@ -385,6 +376,12 @@ put_lane(Node, Entry) ->
 
 lane_entry(Seg, Slow) when map_size(Slow) =:= 0 -> {lane, Seg};
 lane_entry(Seg, Slow) -> {lane, Seg, Slow}.
+
+%% The segment of a ?LANES entry, whether or not some pools asked for
+%% distribution.
+entry_seg({lane, Seg}) -> {ok, Seg};
+entry_seg({lane, Seg, _Slow}) -> {ok, Seg};
+entry_seg(_NoneOrUndefined) -> none.
 
 %% The env turned false closes every lane; `none' entries are retried
 %% (other hosts excepted: they never get rings).

@@ -309,6 +309,8 @@ ring_submit(Seg, Node, Kind, Dest, Body, Ref, Prev, M) ->
                 Pid -> Pid
             end,
     try dp_submit(Seg, Kind, RDest, Body, Ref, Prev) of
+        %% The same ticket as before: nothing to write. Spelt out per
+        %% shape: a helper for the write took 2-8% more BEAM CPU per tell.
         {ok, Prev} -> ok;
         {ok, T1} -> put(?DP_KEY, M#{Node := T1}), ok;
         {ok, Prev, AskId} -> {ok, AskId};

@@ -1193,6 +1193,7 @@ static int enc_small(ErlNifEnv *env, ERL_NIF_TERM t)
  * behind it). */
 #define TK_RING_BITS 10
 #define TK_POS_BITS 49
+#define TK_RING_MASK ((1u << TK_RING_BITS) - 1)
 #define TK_POS_MASK ((UINT64_C(1) << TK_POS_BITS) - 1)
 _Static_assert(AP_SEG_MAX_REQ <= (1u << TK_RING_BITS), "a ring index fits in a ticket");
 _Static_assert(TK_RING_BITS + TK_POS_BITS <= 59, "a mark is a small integer");
@@ -1209,10 +1210,9 @@ static int get_mark(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint32_t
 {
 	ErlNifUInt64 v;
 
-	if (!enif_get_uint64(env, t, &v) || v >> (TK_RING_BITS + TK_POS_BITS) ||
-	    (v & ((1u << TK_RING_BITS) - 1)) >= s->seg.n_req)
+	if (!enif_get_uint64(env, t, &v) || v >> (TK_RING_BITS + TK_POS_BITS) || (v & TK_RING_MASK) >= s->seg.n_req)
 		return 0;
-	*ring = (uint32_t)(v & ((1u << TK_RING_BITS) - 1));
+	*ring = (uint32_t)(v & TK_RING_MASK);
 	uint64_t now = req_tail(s, *ring), p = (now & ~TK_POS_MASK) | (v >> TK_RING_BITS);
 	if (p > now) /* the window below the tail; past it: no mark of ours, the tail */
 		p = now > TK_POS_MASK ? p - (TK_POS_MASK + 1) : now;

@@ -135,12 +135,12 @@ static struct {
 	 * results (iso_pass). */
 	int iso_looking;
 	/* The nap (dp_idle): its length, that after a read with asks, whether
-	 * the last read was dense and had asks, the asks handled by the read
-	 * under way, how many naps so far and how many of them after asks
-	 * (node_stats; relaxed, any thread may read). */
+	 * the last read was dense and had asks, whether the segment's read
+	 * under way met an ask, how many naps so far and how many of them
+	 * after asks (node_stats; relaxed, any thread may read). */
 	int nap_us, ask_nap_us;
 	int dense, dense_asks;
-	int read_asks;
+	int read_asked;
 	unsigned long long naps, ask_naps;
 	ap_buf copy; /* a record copied out of shared memory */
 	/* The last destination resolved, by its bytes (see resolve). */
@@ -520,7 +520,7 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 		return;
 	}
 	if (h.kind != AP_DP_TELL)
-		dp.read_asks++;
+		dp.read_asked = 1;
 	if (h.kind == AP_DP_STATS) {
 		if (!pool) {
 			ap_dp_reply_error_loop(sg, h.ask_id, "noproc");
@@ -646,6 +646,7 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 	if (sg->slot < 0)
 		return -1;
 	deferred.reading = 1;
+	dp.read_asked = 0; /* this read's own, whatever an earlier one left */
 	if (ap_seg_closed(sg->s.hdr) & AP_SEG_CLOSED_BEAM) {
 		/* The BEAM left in order: what it published before is read. */
 		int broken = 0;
@@ -679,9 +680,8 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 	 * otherwise look like a crowd, and wait for a nap. */
 	if (waited >= DP_NAP_MIN) {
 		dp.dense = 1;
-		dp.dense_asks |= dp.read_asks > 0;
+		dp.dense_asks |= dp.read_asked;
 	}
-	dp.read_asks = 0;
 	if (total) {
 		int64_t now = ap_mono_us();
 		dp.hot_until_ms = ap_node_now_ms(dp.n) + DP_SPIN_HOT_MS;
