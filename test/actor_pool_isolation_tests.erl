@@ -31,6 +31,7 @@
          exit_costs_one_worker_process/1,
          handler_crash_status_is_counted_apart/1,
          tell_first_to_a_new_worker_process_is_handled/1,
+         ask_ahead_of_slow_tells_is_answered_before_them/1,
          overrun_handler_process_is_killed_and_replaced/1,
          runaway_allocation_kills_one_worker_process/1,
          killed_worker_process_is_replaced_and_the_pool_keeps_its_size/1,
@@ -70,6 +71,7 @@ actor_pool_isolation_test_() ->
                  exit_costs_one_worker_process,
                  handler_crash_status_is_counted_apart,
                  tell_first_to_a_new_worker_process_is_handled,
+                 ask_ahead_of_slow_tells_is_answered_before_them,
                  overrun_handler_process_is_killed_and_replaced,
                  runaway_allocation_kills_one_worker_process,
                  killed_worker_process_is_replaced_and_the_pool_keeps_its_size,
@@ -220,6 +222,32 @@ tell_first_to_a_new_worker_process_is_handled(_Ctx) ->
         ?assertEqual({ok, <<"then">>}, actor_pool:ask(P, <<"then">>)),
         ?assertMatch(#{processed := 2, crashes := 0}, actor_pool:stats(P)),
         ?assertEqual(NodePid, node_os_pid())
+    end).
+
+%% An ask queued in the worker process ahead of slow tells (40 of 5 ms,
+%% behind a first one of 100 ms that keeps the process busy while they
+%% come) is answered as soon as the process has run it, as in thread mode:
+%% when the answer arrives, tells are still unhandled. (The process
+%% batched its answers until its queue ran dry: the ask waited for every
+%% tell behind it.) Then every tell is handled.
+ask_ahead_of_slow_tells_is_answered_before_them(_Ctx) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, isolation => process}, fun(P) ->
+        ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
+        #{processed := C0} = actor_pool:stats(P),
+        ok = actor_pool:tell(P, {sleep, 100}),
+        Self = self(),
+        Asker = spawn_link(fun() -> Self ! {asked, self(), actor_pool:ask(P, {sleep, 0}, ?ASK_MS)} end),
+        %% Its ask is queued behind the first tell (no order holds between
+        %% two processes' messages: the tells go once it is there).
+        _ = stats_when(P, fun(S) -> [2] =:= [M || #{mailbox := M} <- workers(S)] end),
+        [ok = actor_pool:tell(P, {sleep, 5}) || _ <- lists:seq(1, 40)],
+        receive {asked, Asker, Answer} -> ?assertEqual({ok, ok}, Answer)
+        after ?ASK_MS -> error(ask_stuck)
+        end,
+        #{processed := C} = actor_pool:stats(P),
+        ?assert(C < C0 + 42, {processed, C0, C}),
+        _ = stats_when(P, fun(#{processed := N}) -> N =:= C0 + 42 end),
+        ?assertMatch(#{errors := 0, crashes := 0}, actor_pool:stats(P))
     end).
 
 %% A handler that never returns: its asker gets handler_timeout and the

@@ -26,6 +26,8 @@
 				    * (an ask's result rings at once when the child has caught up) */
 #define ISO_DONE_BATCH 4096        /* ok tells (no record) it finishes between rings: the loop takes
 				    * them while it sends (isolate.c, take_done_direct) */
+#define ISO_ASK_WAIT_US 20         /* an ask's answer waits at most this long (and the one message
+				    * then running) for the batch behind it; none if the ask took it */
 #define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
