@@ -36,6 +36,7 @@
          fast_path_option_is_validated/1,
          fast_path_false_setting_sends_by_distribution/1,
          order_holds_across_scheduler_changes/1,
+         order_holds_when_rings_are_read_after_a_stall/1,
          order_holds_across_a_transport_switch/1,
          switch_to_distribution_waits_until_the_ring_is_read/1,
          timed_out_ring_asks_leave_no_late_reply/1,
@@ -71,6 +72,7 @@ ring_test_() ->
                  fast_path_option_is_validated,
                  fast_path_false_setting_sends_by_distribution,
                  order_holds_across_scheduler_changes,
+                 order_holds_when_rings_are_read_after_a_stall,
                  order_holds_across_a_transport_switch,
                  switch_to_distribution_waits_until_the_ring_is_read,
                  timed_out_ring_asks_leave_no_late_reply,
@@ -530,6 +532,62 @@ order_holds_across_scheduler_changes(_Ctx) ->
         ?assertMatch(#{by_path := #{dist := 0}}, actor_pool:stats(P))
     end).
 
+%% The pool node is stopped (SIGSTOP) while one process puts tells in the
+%% ring of one scheduler, moves to another and asks from there (the sender
+%% is seen waiting for the answer). Let go, the pool node finds both rings
+%% holding records and reads them in its own order (from the first ring:
+%% it was stopped asleep, not halfway through a pass); the ask's record is
+%% fenced on the tells' ring, so it is handled after every tell (one
+%% worker; each tell takes 1 ms, so the stats request behind the answer
+%% would see tells still unhandled had the ask gone first). Both
+%% directions, three times each, so that in half the rounds the ask's ring
+%% is the one read first; in both isolation modes. (The order test above
+%% rarely finds two rings holding records at once: the loop keeps up with
+%% one sender.)
+order_holds_when_rings_are_read_after_a_stall(_Ctx) ->
+    ?assert(erlang:system_info(schedulers_online) >= 2),
+    [order_after_a_stall(Name, Isolation)
+     || {Name, Isolation} <- [{ring_stall_thread, thread}, {ring_stall_process, process}]].
+
+order_after_a_stall(Name, Isolation) ->
+    with_pool(Name, crash_plugin(), #{workers => 1, isolation => Isolation, mailbox_limit => 1048576}, fun(P) ->
+        ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
+        #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
+        Os = integer_to_list(OsPid),
+        Self = self(),
+        Tells = 20,
+        [begin
+             #{processed := C0} = actor_pool:stats(P),
+             wait_loop_asleep(OsPid),
+             _ = os:cmd("kill -STOP " ++ Os),
+             Asker = try
+                         A = spawn_link(fun() ->
+                                            bind_scheduler(From),
+                                            [ok = actor_pool:tell(P, {sleep, 1}) || _ <- lists:seq(1, Tells)],
+                                            bind_scheduler(To),
+                                            Answer = actor_pool:ask(P, {sleep, 0}, 30000),
+                                            #{processed := C} = actor_pool:stats(P),
+                                            _ = erlang:process_flag(scheduler, 0),
+                                            Self ! {asked, self(), Answer, C}
+                                        end),
+                         wait_until(fun() ->
+                                        process_info(A, current_function) =:=
+                                            {current_function, {actor_pool_transport, ring_receive, 4}}
+                                    end, 900),
+                         A
+                     after
+                         _ = os:cmd("kill -CONT " ++ Os)
+                     end,
+             receive
+                 {asked, Asker, Answer, C} ->
+                     ?assertEqual({Isolation, {from, From}, {to, To}, {ok, ok}, C0 + Tells + 1},
+                                  {Isolation, {from, From}, {to, To}, Answer, C})
+             after 30000 -> error(ask_stuck)
+             end
+         end || _ <- lists:seq(1, 3), {From, To} <- [{1, 2}, {2, 1}]],
+        ?assertMatch(#{by_path := #{dist := 0}}, actor_pool:stats(P))
+    end).
+
 %% A message too large for a ring goes by distribution; the process's
 %% earlier ring messages are read first, and its next ring message waits
 %% for the distribution ones. With one worker: once an ask is answered,
@@ -804,13 +862,38 @@ lane_info_any(Node) ->
 scheduler() ->
     erlang:system_info(scheduler_id).
 
+%% Until the pool node's loop (its main thread) has not run for 2 ms: it
+%% sleeps waiting for a bell, past its naps (tens of microseconds) and its
+%% spin after traffic. At most 2 s.
+wait_loop_asleep(OsPid) ->
+    Os = integer_to_list(OsPid),
+    File = "/proc/" ++ Os ++ "/task/" ++ Os ++ "/schedstat",
+    wait_loop_asleep(File, run_ns(File), 1000).
+
+wait_loop_asleep(_File, _Ns, 0) ->
+    error(pool_node_loop_never_asleep);
+wait_loop_asleep(File, Ns, Left) ->
+    receive after 2 -> ok end,
+    case run_ns(File) of
+        Ns -> ok;
+        Ns1 -> wait_loop_asleep(File, Ns1, Left - 1)
+    end.
+
+%% A thread's time on a CPU so far (ns), from its schedstat.
+run_ns(File) ->
+    {ok, B} = file:read_file(File),
+    [Ns | _] = binary:split(B, <<" ">>),
+    binary_to_integer(Ns).
+
 %% Bind the calling process to another scheduler and wait until it runs
 %% there (process_flag(scheduler, N) moves it at its next schedule-in).
 move_scheduler(Scheds) ->
-    To = scheduler() rem Scheds + 1,
-    _ = erlang:process_flag(scheduler, To),
-    move_wait(To, 1000),
+    bind_scheduler(scheduler() rem Scheds + 1),
     put(moves, case get(moves) of undefined -> 1; M -> M + 1 end).
+
+bind_scheduler(To) ->
+    _ = erlang:process_flag(scheduler, To),
+    move_wait(To, 1000).
 
 move_wait(To, 0) ->
     error({not_moved_to_scheduler, To});
