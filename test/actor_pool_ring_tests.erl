@@ -553,31 +553,24 @@ order_after_a_stall(Name, Isolation) ->
     with_pool(Name, crash_plugin(), #{workers => 1, isolation => Isolation, mailbox_limit => 1048576}, fun(P) ->
         ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
         #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
-        Os = integer_to_list(OsPid),
         Self = self(),
         Tells = 20,
         [begin
              #{processed := C0} = actor_pool:stats(P),
              wait_loop_asleep(OsPid),
-             _ = os:cmd("kill -STOP " ++ Os),
-             Asker = try
-                         A = spawn_link(fun() ->
-                                            bind_scheduler(From),
-                                            [ok = actor_pool:tell(P, {sleep, 1}) || _ <- lists:seq(1, Tells)],
-                                            bind_scheduler(To),
-                                            Answer = actor_pool:ask(P, {sleep, 0}, 30000),
-                                            #{processed := C} = actor_pool:stats(P),
-                                            _ = erlang:process_flag(scheduler, 0),
-                                            Self ! {asked, self(), Answer, C}
-                                        end),
-                         wait_until(fun() ->
-                                        process_info(A, current_function) =:=
-                                            {current_function, {actor_pool_transport, ring_receive, 4}}
-                                    end, 900),
-                         A
-                     after
-                         _ = os:cmd("kill -CONT " ++ Os)
-                     end,
+             Asker = spawned_while_stopped(
+                       OsPid,
+                       fun() ->
+                               spawn_link(fun() ->
+                                                  bind_scheduler(From),
+                                                  [ok = actor_pool:tell(P, {sleep, 1}) || _ <- lists:seq(1, Tells)],
+                                                  bind_scheduler(To),
+                                                  Answer = actor_pool:ask(P, {sleep, 0}, 30000),
+                                                  #{processed := C} = actor_pool:stats(P),
+                                                  _ = erlang:process_flag(scheduler, 0),
+                                                  Self ! {asked, self(), Answer, C}
+                                          end)
+                       end, {actor_pool_transport, ring_receive, 4}),
              receive
                  {asked, Asker, Answer, C} ->
                      ?assertEqual({Isolation, {from, From}, {to, To}, {ok, ok}, C0 + Tells + 1},
@@ -632,23 +625,16 @@ switch_to_distribution_waits_until_the_ring_is_read(_Ctx) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 1, mailbox_limit => 1048576}, fun(P) ->
         ?assertEqual({ok, ok}, actor_pool:ask(P, {sleep, 0})),
         #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
-        Os = integer_to_list(OsPid),
         Big = {sleep, 0, binary:copy(<<3>>, 600 * 1024)},
         Self = self(),
-        _ = os:cmd("kill -STOP " ++ Os),
-        Sender = try
-                     S = spawn_link(fun() ->
-                                        [ok = actor_pool:tell(P, {sleep, 0}) || _ <- lists:seq(1, 100)],
-                                        Self ! {asked, self(), actor_pool:ask(P, Big, 30000)}
-                                    end),
-                     wait_until(fun() ->
-                                    process_info(S, current_function) =:=
-                                        {current_function, {actor_pool_transport, ring_drained, 4}}
-                                end, 900),
-                     S
-                 after
-                     _ = os:cmd("kill -CONT " ++ Os)
-                 end,
+        Sender = spawned_while_stopped(
+                   OsPid,
+                   fun() ->
+                           spawn_link(fun() ->
+                                              [ok = actor_pool:tell(P, {sleep, 0}) || _ <- lists:seq(1, 100)],
+                                              Self ! {asked, self(), actor_pool:ask(P, Big, 30000)}
+                                      end)
+                   end, {actor_pool_transport, ring_drained, 4}),
         receive {asked, Sender, R} -> ?assertEqual({ok, Big}, R)
         after 30000 -> error(ask_stuck)
         end,
@@ -861,6 +847,20 @@ lane_info_any(Node) ->
 
 scheduler() ->
     erlang:system_info(scheduler_id).
+
+%% Spawn() (it starts a process and returns it) while the pool node (OS
+%% pid OsPid) is stopped, until that process is seen in function MFA; then
+%% the pool node runs again, whatever happened. The process.
+spawned_while_stopped(OsPid, Spawn, MFA) ->
+    Os = integer_to_list(OsPid),
+    _ = os:cmd("kill -STOP " ++ Os),
+    try
+        Pid = Spawn(),
+        wait_until(fun() -> process_info(Pid, current_function) =:= {current_function, MFA} end, 900),
+        Pid
+    after
+        _ = os:cmd("kill -CONT " ++ Os)
+    end.
 
 %% Until the pool node's loop (its main thread) has not run for 2 ms: it
 %% sleeps waiting for a bell, past its naps (tens of microseconds) and its
