@@ -342,6 +342,10 @@ handle_info({nodedown, Node}, #state{node = Node} = State) ->
     %% Only logged: the port tells whether the OS process is gone.
     logger:warning("actor_cnode ~ts: connection to the C node lost", [Node]),
     {noreply, State#state{monitoring = false}};
+handle_info({'EXIT', Port, Reason}, #state{port = Port} = State) when is_port(Port) ->
+    %% The live incarnation's port broke (see port_closed/2): it is gone
+    %% like one that exited, and the next one follows after the backoff.
+    {noreply, start_failed(port_closed(Reason, monitor_node_off(cancel_timer(State))))};
 handle_info({'EXIT', Port, _Reason}, State) when is_port(Port) ->
     %% A port closes after its exit_status, or after we closed it.
     {noreply, State};
@@ -445,7 +449,10 @@ await_ready(#state{port = Port} = State, Deadline) ->
         {Port, {exit_status, Status}} ->
             logger:warning("actor_cnode ~ts: exited with status ~b before "
                            "it was ready", [State#state.node, Status]),
-            {stop, {cnode_start_failed, {exit_status, Status}}}
+            {stop, {cnode_start_failed, {exit_status, Status}}};
+        {'EXIT', Port, Reason} ->
+            _ = port_closed(Reason, State),
+            {stop, {cnode_start_failed, {port_closed, Reason}}}
     after Remaining ->
         logger:warning("actor_cnode ~ts: not ready after ~b ms; killing it",
                        [State#state.node, opt(start_timeout_ms, State)]),
@@ -609,6 +616,23 @@ exited(Status, #state{node = Node} = State0) ->
     State = monitor_node_off(cancel_timer(State0)),
     remove_shm(State),
     start_failed(State#state{port = undefined}).
+
+%% The port broke instead of reporting an exit status: writing the
+%% configuration failed with epipe because the C node had already closed
+%% its end (it exited at once, and erl_child_setup had not yet reported its
+%% status; the status is lost with the port). Make sure the process is
+%% gone, as on stop.
+port_closed(Reason, #state{node = Node, os_pid = OsPid} = State) ->
+    logger:warning("actor_cnode ~ts: its port closed (~0p) before an exit "
+                   "status came; the C node exited or closed its stdin",
+                   [Node, Reason]),
+    Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
+    case actor_cnode_os:wait_exit(OsPid, Deadline) of
+        true -> ok;
+        false -> actor_cnode_os:kill(OsPid)
+    end,
+    remove_shm(State),
+    State#state{port = undefined}.
 
 %% The incarnation is gone (exited, or killed for not getting ready): mark
 %% down and schedule the next one.

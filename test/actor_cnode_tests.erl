@@ -361,12 +361,17 @@ missing_executable_fails_the_start(_Ctx) ->
                  actor_cnode:start_link(#{exe => "actor_no_such_node"})).
 
 executable_that_exits_fails_the_start(_Ctx) ->
-    %% start_link fails without killing its (non-trapping) caller.
-    ?assertEqual({error, {cnode_start_failed, {exit_status, 1}}},
-                 actor_cnode:start_link(#{exe => "/bin/false",
-                                          name => alive("false")})),
-    ?assertEqual({error, {cnode_start_failed, {exit_status, 1}}},
-                 actor_cnode:start(#{exe => "/bin/false", name => alive("false")})).
+    %% start_link fails without killing its (non-trapping) caller, at
+    %% once, not at the start timeout. Which of the two reasons depends on
+    %% whether /bin/false's exit status reached the port before the owner
+    %% wrote its configuration (else the write breaks the port: epipe).
+    [?assert(exited_at_once(actor_cnode:Start(#{exe => "/bin/false",
+                                                name => alive("false")})))
+     || Start <- [start_link, start], _ <- lists:seq(1, 5)].
+
+exited_at_once({error, {cnode_start_failed, {exit_status, 1}}}) -> true;
+exited_at_once({error, {cnode_start_failed, {port_closed, epipe}}}) -> true;
+exited_at_once(Other) -> error({not_an_early_exit, Other}).
 
 executable_never_ready_is_killed_after_the_timeout(_Ctx) ->
     Dir = ap_test_util:temp_dir("actor_cnode_tests"),
