@@ -387,6 +387,10 @@ with_node(Tag, Opts, Fun) ->
     {ok, Owner} = actor_cnode:start_link(Opts#{exe => pool_exe(), name => Alive}),
     #{node := N, port := Port, os_pid := OsPid} = actor_cnode:info(Owner),
     try
+        %% The C node's side of its handshake ends (and it says ready) a
+        %% moment before this node's side marks the connection up: wait
+        %% for that, or there is nothing to cut yet.
+        wait_until(fun() -> lists:member(N, nodes(hidden)) end, ?WAIT_MS),
         true = erlang:disconnect_node(N),
         wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS),
         Fun(N, Port)
