@@ -96,6 +96,7 @@ struct ap_node {
 	ap_loop_fn extra_fn[N_EXTRA];
 	void *extra_arg[N_EXTRA];
 	volatile int stop;
+	int outlived; /* ap_node_outlived_by_threads */
 };
 
 /* ---- processes ---------------------------------------------------------- */
@@ -861,6 +862,17 @@ void ap_node_free(ap_node *n)
 		ap_loop_close(n->loop, c->io, 0);
 	while (n->conns && n->loop)
 		ap_loop_run_once(n->loop, 100);
+	if (n->epmd_fd >= 0)
+		close(n->epmd_fd); /* unregisters from epmd */
+	n->epmd_fd = -1;
+	if (n->lfd >= 0)
+		close(n->lfd);
+	n->lfd = -1;
+	if (n->dump)
+		fclose(n->dump);
+	n->dump = NULL;
+	if (n->outlived)
+		return; /* the exit frees the rest: see ap_node_outlived_by_threads */
 	while (n->timers) {
 		struct ap_timer *t = n->timers;
 		n->timers = t->next;
@@ -876,14 +888,10 @@ void ap_node_free(ap_node *n)
 	ap_loop_free(n->loop);
 	if (n->q.efd >= 0)
 		ap_sendq_destroy(&n->q);
-	if (n->epmd_fd >= 0)
-		close(n->epmd_fd); /* unregisters from epmd */
-	if (n->lfd >= 0)
-		close(n->lfd);
-	if (n->dump)
-		fclose(n->dump);
 	free(n);
 }
+
+void ap_node_outlived_by_threads(ap_node *n) { n->outlived = 1; }
 
 int ap_node_run(ap_node *n)
 {

@@ -139,6 +139,15 @@ int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg);
 typedef int (*ap_dead_letter_fn)(ap_node *n, ap_proc *self, const ap_msg *m);
 void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
 
+/* Before ap_node_run: threads of the service outlive the node, so
+ * ap_node_free closes the node (connections, epmd, listener) but leaves
+ * the memory those threads reach (the node, its queue, its loop) to the
+ * process's exit. For a service whose threads are not joined when it
+ * stops (a pool worker may be seconds into a handler; the ring attach
+ * thread polls its sockets) and may still queue a call to the loop
+ * (ap_node_call_on_loop) while main returns. */
+void ap_node_outlived_by_threads(ap_node *n);
+
 /* Loop thread: fn(n, arg) runs before every wait of the loop; it returns
  * 1 when it found work (the loop then only polls, without sleeping), 2
  * when it found none but keeps the loop awake (it polls the sockets now,

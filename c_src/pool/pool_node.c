@@ -660,6 +660,8 @@ static int us_arg(int argc, char **argv, int k, long max, int *v)
 
 static int pool_node_init(ap_node *n, int argc, char **argv)
 {
+	/* Workers and the ring attach thread run until the process exits. */
+	ap_node_outlived_by_threads(n);
 	if (!(manager = ap_proc_spawn(n, "actor_pool_node", manager_fn, NULL)))
 		return 1;
 	ap_node_on_parent_up(n, parent_up, NULL);
