@@ -388,10 +388,10 @@ with_node(Tag, Opts, Fun) ->
     #{node := N, port := Port, os_pid := OsPid} = actor_cnode:info(Owner),
     try
         %% The C node's side of its handshake ends (and it says ready) a
-        %% moment before this node's side marks the connection up: wait
-        %% for that, or there is nothing to cut yet.
-        wait_until(fun() -> lists:member(N, nodes(hidden)) end, ?WAIT_MS),
-        true = erlang:disconnect_node(N),
+        %% moment before net_kernel here marks the connection up, and
+        %% until then disconnect_node/1 returns false (even once the node
+        %% is in nodes(hidden)): cut it once that is done.
+        wait_until(fun() -> erlang:disconnect_node(N) end, ?WAIT_MS),
         wait_until(fun() -> not lists:member(N, nodes(hidden)) end, ?WAIT_MS),
         Fun(N, Port)
     after
