@@ -622,17 +622,11 @@ exited(Status, #state{node = Node} = State0) ->
 %% its end (it exited at once, and erl_child_setup had not yet reported its
 %% status; the status is lost with the port). Make sure the process is
 %% gone, as on stop.
-port_closed(Reason, #state{node = Node, os_pid = OsPid} = State) ->
+port_closed(Reason, #state{node = Node} = State) ->
     logger:warning("actor_cnode ~ts: its port closed (~0p) before an exit "
                    "status came; the C node exited or closed its stdin",
                    [Node, Reason]),
-    Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
-    case actor_cnode_os:wait_exit(OsPid, Deadline) of
-        true -> ok;
-        false -> actor_cnode_os:kill(OsPid)
-    end,
-    remove_shm(State),
-    State#state{port = undefined}.
+    reap(State).
 
 %% The incarnation is gone (exited, or killed for not getting ready): mark
 %% down and schedule the next one.
@@ -670,19 +664,24 @@ shutdown(State0) ->
     case State of
         #state{port = undefined} ->
             State;
-        #state{port = Port, os_pid = OsPid, node = Node} ->
+        #state{port = Port} ->
             _ = (catch port_close(Port)),
-            Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
-            case actor_cnode_os:wait_exit(OsPid, Deadline) of
-                true -> ok;
-                false ->
-                    logger:warning("actor_cnode ~ts: still running ~b ms after "
-                                   "its port closed; kill -9", [Node, ?STOP_WAIT_MS]),
-                    actor_cnode_os:kill(OsPid)
-            end,
-            remove_shm(State),
-            State#state{port = undefined, os_pid = undefined, status = down}
+            (reap(State))#state{os_pid = undefined, status = down}
     end.
+
+%% The incarnation's port is closed: wait until its OS process has gone
+%% (kill -9 after ?STOP_WAIT_MS), then unlink its segment.
+reap(#state{os_pid = OsPid, node = Node} = State) ->
+    Deadline = erlang:monotonic_time(millisecond) + ?STOP_WAIT_MS,
+    case actor_cnode_os:wait_exit(OsPid, Deadline) of
+        true -> ok;
+        false ->
+            logger:warning("actor_cnode ~ts: still running ~b ms after "
+                           "its port closed; kill -9", [Node, ?STOP_WAIT_MS]),
+            actor_cnode_os:kill(OsPid)
+    end,
+    remove_shm(State),
+    State#state{port = undefined}.
 
 %% Kill the OS process at once (start timeout).
 kill(#state{port = Port, os_pid = OsPid} = State0) ->

@@ -15,7 +15,7 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the pool node's I/O backend.
 -module(actor_pool_ring_tests).
 
--import(ap_test_util, [with_pool/4, crash_plugin/0]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0, alive/1]).
 -import(ap_support, [wait_until/2, os_pid_alive/1, epmd_names/0]).
 
 -include_lib("eunit/include/eunit.hrl").
@@ -842,7 +842,7 @@ restarted_pool_node_gets_a_fresh_lane(#{pool_node := N}) ->
 pool_nodes_stopped_with_their_lanes_open_exit_cleanly(_Ctx) ->
     Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
     [begin
-         Alive = ap_test_util:alive("lanestop" ++ integer_to_list(I)),
+         Alive = alive("lanestop" ++ integer_to_list(I)),
          {ok, Owner} = actor_cnode:start(#{exe => Exe, name => Alive}),
          #{node := PN, os_pid := OsPid} = actor_cnode:info(Owner),
          try

@@ -68,7 +68,7 @@ struct untold {
  * far, so nothing is left untold. */
 static void tell_proxy(struct untold *u)
 {
-	*u = (struct untold){ 0, 0, 0, 0 };
+	*u = (struct untold){ 0 };
 	/* The pool node's loop looks at our results on its own passes while
 	 * it is busy (ap_iso_take_direct): no wake-up. The fence pairs with
 	 * the loop's when it stops looking: it then sees what we published,
@@ -147,7 +147,7 @@ int ap_iso_child_main(int argc, char **argv)
 
 	actor_pool_reply reply = { .reserve = ap_pool_reply_reserve };
 	uint8_t *big = NULL;
-	struct untold u = { 0, 0, 0, 0 };
+	struct untold u = { 0 };
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	for (;;) {
