@@ -41,7 +41,7 @@
 -export([scribble/3]).
 -export([loaded/0]).
 
--export_type([seg/0, ticket/0, mark/0, ask_id/0, open_opts/0, open_error/0, info/0]).
+-export_type([seg/0, ticket/0, mark/0, ask_id/0, ask_tag/0, open_opts/0, open_error/0, info/0]).
 
 -on_load(init/0).
 
@@ -55,6 +55,10 @@
 %% A place in a request ring ({@link mark/2}), for {@link consumed/2}.
 
 -type ask_id() :: non_neg_integer().
+
+-type ask_tag() :: reference() | {reference(), 1..4294967295} | undefined.
+%% What an answer carries ({@link submit/6}): a reference, with the
+%% timeout in ms the NIF keeps for the ask; `undefined' for a tell.
 
 -type open_opts() :: #{req_rings => pos_integer(),
                        req_bytes => pos_integer(),
@@ -92,6 +96,7 @@
                   await_missed := non_neg_integer(),
                   passed_on := non_neg_integer(),
                   sched_delivered := non_neg_integer(),
+                  timeouts := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -105,7 +110,8 @@
 %% submit_encoded/6}), `awaited' (answers taken by {@link await/2}),
 %% `await_missed' (waits that ended without one), `passed_on' (others'
 %% answers an awaiting asker sent on), `sched_delivered' (answers
-%% deliverer processes sent), `pending' asks now; and the geometry.
+%% deliverer processes sent), `timeouts' (asks answered `{error, timeout}'
+%% by the NIF at their deadline), `pending' asks now; and the geometry.
 
 %% ===================================================================
 %% API
@@ -130,7 +136,11 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% free one) and rings the pool node. `Dest' is the pool's registered name
 %% (a Latin-1 atom) or pid. A binary `Msg' travels as itself; another term
 %% as its external format. `Ref' (a reference, for `ask' and `stats'; else
-%% ignored) is what the answer `{Ref, Answer}' carries. `Ticket' is the
+%% ignored) is what the answer `{Ref, Answer}' carries; `{Ref, TimeoutMs}'
+%% (1..4294967295) makes the NIF keep the ask's timeout: if no answer came
+%% within `TimeoutMs' it sends `{Ref, {error, timeout}}' and drops the
+%% answer that comes later, so the caller waits with no `after' of its own
+%% (and no timer). `Ticket' is the
 %% caller's previous ticket for this segment (or `undefined'): when it
 %% names another ring the record carries a fence, that ring's end now, so
 %% the pool node reads that ring up to there first and the caller's order
@@ -159,7 +169,7 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% with {@link submit_encoded/6}. A binary `Msg' is never answered
 %% `encode': it is not encoded, and refused on its size alone.
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
-             Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
+             Ref :: ask_tag(), Ticket :: ticket() | undefined) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
           | full | too_large | closed | encode.
 submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
@@ -171,7 +181,7 @@ submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket) ->
 %% NIF's own walk of `Msg' (which then is encoded in the call). A wrong
 %% bound only makes the call take longer.
 -spec submit(Seg :: seg(), Kind :: tell | ask | stats, Dest :: atom() | pid(), Msg :: term(),
-             Ref :: reference() | undefined, Ticket :: ticket() | undefined,
+             Ref :: ask_tag(), Ticket :: ticket() | undefined,
              Bound :: non_neg_integer()) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
           | full | too_large | closed | encode.
@@ -188,7 +198,7 @@ submit(_Seg, _Kind, _Dest, _Msg, _Ref, _Ticket, _Bound) ->
 %% The bytes are checked on a dirty CPU scheduler when there are more than
 %% 64 KiB of them.
 -spec submit_encoded(Seg :: seg(), Kind :: tell | ask, Dest :: atom() | pid(), Bin :: binary(),
-                     Ref :: reference() | undefined, Ticket :: ticket() | undefined) ->
+                     Ref :: ask_tag(), Ticket :: ticket() | undefined) ->
           {ok, ticket()} | {ok, ticket(), ask_id()} | {ok, ticket(), ask_id(), await}
           | full | too_large | closed.
 submit_encoded(_Seg, _Kind, _Dest, _Bin, _Ref, _Ticket) ->

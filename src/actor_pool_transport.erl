@@ -394,26 +394,34 @@ ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries) ->
 %% An ask or a stats request over the lane. The reply is taken by
 %% actor_dp:await/2 or comes from the NIF's reply thread as {Ref, Answer};
 %% a closed lane answers every waiting ask {error, {nodedown, Node}} at once.
+%% The NIF keeps the timeout ({Ref, Timeout}: it answers {error, timeout}
+%% at the deadline and drops a later reply), so the wait has no timer: a
+%% timer's set and cancel per ask cost 0.6 us of the BEAM's CPU under 64
+%% callers (docs/same-host-transport.md, "Timeouts").
 ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
     Ref = make_ref(),
+    Tag = case Timeout of
+              T when is_integer(T), T > 0, T =< 16#FFFFFFFF -> {Ref, T};
+              _ -> Ref
+          end,
     %% A full ring is waited for as a tell waits, within the timeout.
     WaitUs = case Timeout of
                  infinity -> ?FULL_RETRY_US;
                  _ -> min(?FULL_RETRY_US, Timeout * 1000)
              end,
-    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Ref, WaitUs) of
+    case ring_submit_wait(Seg, Node, Kind, Dest, {term, Msg, Est}, Tag, WaitUs) of
         {ok, AskId, await} when Timeout =/= 0 ->
             %% A lone asker takes its reply in the NIF (no wake-up of the
             %% reply thread, then of this scheduler); else, or late, it
             %% comes as a message.
             case actor_dp:await(Seg, AskId) of
                 {reply, Reply} -> Reply;
-                none -> ring_receive(Seg, AskId, Ref, Timeout)
+                none -> ring_receive(Seg, AskId, Tag, Timeout)
             end;
         {ok, AskId, await} ->
-            ring_receive(Seg, AskId, Ref, Timeout);
+            ring_receive(Seg, AskId, Tag, Timeout);
         {ok, AskId} ->
-            ring_receive(Seg, AskId, Ref, Timeout);
+            ring_receive(Seg, AskId, Tag, Timeout);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};
@@ -425,8 +433,18 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
             call(Node, Dest, '$ap_stats', Timeout)
     end.
 
-%% The answer as a message; on timeout the ask is cancelled in the NIF
-%% (after which no reply is sent) and a reply that raced it is taken.
+%% The answer as a message: the NIF sends exactly one for an ask whose
+%% timeout it keeps ({Ref, T}), or for an infinite one. Else (a timeout
+%% of 0) the ask is cancelled in the NIF on timeout (after which no reply
+%% is sent) and a reply that raced it is taken.
+ring_receive(_Seg, _AskId, {Ref, _}, _Timeout) ->
+    receive
+        {Ref, Reply} -> ring_answer(Reply)
+    end;
+ring_receive(_Seg, _AskId, Ref, infinity) ->
+    receive
+        {Ref, Reply} -> ring_answer(Reply)
+    end;
 ring_receive(Seg, AskId, Ref, Timeout) ->
     receive
         {Ref, Reply} -> ring_answer(Reply)

@@ -23,6 +23,9 @@
          cancel_after_the_reply_is_false_and_late_replies_are_dropped/1,
          cancel_racing_the_reply_thread_leaves_nothing_behind/1,
          cancel_racing_a_deliverer_leaves_nothing_behind/1,
+         timeouts_kept_by_the_nif_answer_once_never_early/1,
+         a_short_timeout_is_kept_while_the_reply_thread_sleeps/1,
+         an_ask_whose_caller_died_is_dropped_at_its_timeout/1,
          close_answers_every_pending_ask_at_once/1,
          peer_killed_answers_pending_asks_promptly/1,
          bad_replies_are_errors_not_crashes/1,
@@ -64,6 +67,9 @@ actor_dp_peer_test_() ->
                   cancel_after_the_reply_is_false_and_late_replies_are_dropped,
                   cancel_racing_the_reply_thread_leaves_nothing_behind,
                   cancel_racing_a_deliverer_leaves_nothing_behind,
+                  timeouts_kept_by_the_nif_answer_once_never_early,
+                  a_short_timeout_is_kept_while_the_reply_thread_sleeps,
+                  an_ask_whose_caller_died_is_dropped_at_its_timeout,
                   close_answers_every_pending_ask_at_once,
                   peer_killed_answers_pending_asks_promptly,
                   bad_replies_are_errors_not_crashes,
@@ -294,6 +300,76 @@ cancel_after_the_reply_is_false_and_late_replies_are_dropped(P) ->
     ap_support:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 1 end, ?T),
     receive {Ref, _} = Twice -> error({second_reply_delivered, Twice}) after 0 -> ok end,
     #{replies := 1} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+%% A timeout the NIF keeps ({Ref, TimeoutMs}): the ask is answered
+%% {error, timeout} once, never before its time, and the reply that comes
+%% later is dropped (counted late); an ask with a longer timeout is left
+%% alone and answered when its reply comes.
+timeouts_kept_by_the_nif_answer_once_never_early(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "pause"),
+    Asks = [begin
+                Ref = make_ref(),
+                T0 = erlang:monotonic_time(microsecond),
+                {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, T, {Ref, T}, undefined)),
+                {Ref, T, T0}
+            end || T <- [1, 5, 20, 60]],
+    Long = make_ref(),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, long, {Long, 60000}, undefined)),
+    [receive
+         {Ref, R} ->
+             Waited = erlang:monotonic_time(microsecond) - T0,
+             ?assertEqual({error, timeout}, R),
+             ?assert(Waited >= T * 1000, {early, T, Waited})
+     after ?T -> error({no_timeout, T})
+     end || {Ref, T, T0} <- Asks],
+    ?assertMatch(#{timeouts := 4, pending := 1}, actor_dp:info(Seg)),
+    cmd(P, "resume"),
+    receive {Long, L} -> ?assertEqual({ok, long}, L) after ?T -> error(no_reply) end,
+    ap_support:wait_until(fun() -> maps:get(late, actor_dp:info(Seg)) =:= 4 end, ?T),
+    receive {_, _} = Late -> error({late_reply_delivered, Late}) after 0 -> ok end,
+    ?assertMatch(#{timeouts := 4, pending := 0, replies := 1}, actor_dp:info(Seg)),
+    %% a timeout is 1..4294967295 ms beside a reference
+    [?assertError(badarg, asked(actor_dp:submit(Seg, ask, echo, hi, Bad, undefined)))
+     || Bad <- [{make_ref(), 0}, {make_ref(), -1}, {make_ref(), 1 bsl 32}, {not_a_ref, 5},
+                {make_ref(), 5, x}]],
+    ok = actor_dp:close(Seg, done).
+
+%% The reply thread sleeps up to 50 ms when nothing happens; an ask whose
+%% timeout falls sooner wakes it, so the timeout is kept on time rather
+%% than at the end of that sleep (a median over asks, as the host may
+%% hold up any one of them).
+a_short_timeout_is_kept_while_the_reply_thread_sleeps(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode silent"),
+    Us = [begin
+              Ref = make_ref(),
+              T0 = erlang:monotonic_time(microsecond),
+              {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, K, {Ref, 2}, undefined)),
+              receive {Ref, {error, timeout}} -> ok after ?T -> error({no_timeout, K}) end,
+              Waited = erlang:monotonic_time(microsecond) - T0,
+              %% idle again: the reply thread goes back to its long sleep
+              receive after 60 -> ok end,
+              Waited
+          end || K <- lists:seq(1, 9)],
+    Median = lists:nth(5, lists:sort(Us)),
+    ?assert(Median < 20000, {median_us, Median, Us}),
+    ?assertMatch(#{timeouts := 9, pending := 0}, actor_dp:info(Seg)),
+    ok = actor_dp:close(Seg, done).
+
+%% An ask whose caller exited is not kept past its timeout: its entry goes
+%% (pending 0), with no reply ever sent.
+an_ask_whose_caller_died_is_dropped_at_its_timeout(P) ->
+    Seg = open(P, #{}),
+    cmd(P, "mode silent"),
+    {Pid, Mref} = spawn_monitor(fun() ->
+                                        {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi,
+                                                                           {make_ref(), 30}, undefined))
+                                end),
+    receive {'DOWN', Mref, process, Pid, normal} -> ok after ?T -> error(asker_stuck) end,
+    ap_support:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 0 end, ?T),
+    ?assertMatch(#{timeouts := 1, replies := 0}, actor_dp:info(Seg)),
     ok = actor_dp:close(Seg, done).
 
 %% Cancels timed to meet the reply thread at any point of its delivery

@@ -79,6 +79,7 @@
 struct ask {
 	uint64_t id;
 	int crowded; /* the ask before it came from another process, lately */
+	int64_t deadline_ms; /* dp_now_ms; 0: none (an infinite or caller-kept timeout) */
 	ErlNifPid pid;
 	ErlNifEnv *env; /* owns ref */
 	ERL_NIF_TERM ref;
@@ -166,7 +167,13 @@ struct dp {
 	int keep; /* the resource holds a reference to itself */
 	struct ap_skip await_skip; /* under mu: lone asks that go without the wait after misses */
 	ErlNifPid last_pid; /* under mu: who submitted the last ask, and when */
-	ErlNifTime last_ns;
+	int64_t last_ns; /* mono_ns */
+	/* The asks' timeouts, kept here rather than by a timer of each asker
+	 * (see expire_asks): no deadline is earlier than next_deadline_ms
+	 * (written under mu, read by the reply thread without it), and the
+	 * reply thread sleeps until wake_ms at the latest. */
+	_Atomic int64_t next_deadline_ms;
+	_Atomic int64_t wake_ms;
 
 	atomic_int closed;
 	atomic_int stop;
@@ -188,6 +195,7 @@ struct dp {
 	atomic_uint_fast64_t n_replies, n_late, n_bad, n_full, n_too_large, n_awaited, n_await_missed, n_passed_on;
 	atomic_uint_fast64_t n_sched; /* answers deliverer processes sent */
 	atomic_uint_fast64_t n_encoded; /* records of submit_encoded/6 */
+	atomic_uint_fast64_t n_timeouts; /* asks answered {error, timeout} here */
 };
 
 static ErlNifResourceType *g_dp_type;
@@ -220,7 +228,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
 	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_actor_dp_drain, a_sched_delivered, a_awaited, a_await_missed,
-	a_await, a_passed_on, a_ext;
+	a_await, a_passed_on, a_ext, a_timeout, a_timeouts;
 static ERL_NIF_TERM a_encode, a_encoded;
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -753,6 +761,65 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
 	enif_clear_env(s->tenv);
 }
 
+/* ---- timeouts ------------------------------------------------------------------- */
+
+/* An ask's timeout kept here: the asker waits in a receive with no
+ * `after', and the reply thread answers it {error, timeout} at its
+ * deadline, taking its entry out of the table under mu as a delivery
+ * does, so exactly one of the two reaches the asker and a reply that comes
+ * later is dropped (counted late). A timer of the asker's own cost its
+ * scheduler a set and a cancel per ask, the cancel often on another
+ * scheduler than the set (the asker moved while it waited): 0.6 us of
+ * BEAM CPU per ask under 64 callers, 15% of the ask (same-host-transport.md,
+ * "Timeouts"). The deadlines are few (one per waiting ask) and found by
+ * a walk of the table only when the earliest is due. */
+static void expire_asks(struct dp *s, int64_t now)
+{
+	struct ask *due = NULL, *a, **pp;
+	int64_t next = INT64_MAX;
+
+	mu_lock(s);
+	for (uint32_t i = 0; i <= s->tab_mask; i++)
+		for (pp = &s->tab[i]; (a = *pp);) {
+			if (a->deadline_ms && a->deadline_ms <= now) {
+				*pp = a->next;
+				s->n_asks--;
+				a->next = due;
+				due = a;
+				/* Counted before the send: a caller that saw the
+				 * effect sees the count. */
+				cnt(&s->n_timeouts);
+				continue;
+			}
+			if (a->deadline_ms && a->deadline_ms < next)
+				next = a->deadline_ms;
+			pp = &a->next;
+		}
+	atomic_store(&s->next_deadline_ms, next);
+	mu_unlock(s);
+	while ((a = due)) {
+		due = a->next;
+		/* Made in the ask's env, beside its ref, as deliver does. */
+		ERL_NIF_TERM msg = enif_make_tuple2(a->env, a->ref, error_tuple(a->env, a_timeout));
+		(void)enif_send(NULL, &a->pid, a->env, msg);
+		mu_lock(s);
+		ask_free(s, a);
+		mu_unlock(s);
+	}
+}
+
+/* The reply thread's wait ends for a reply, a close, a deadline due, or
+ * a deadline sooner than the wake-up it planned (a submit kicked it). */
+static int thread_ready(void *arg)
+{
+	struct dp *s = arg;
+	int64_t next = atomic_load(&s->next_deadline_ms);
+
+	if (next < atomic_load(&s->wake_ms) || (next != INT64_MAX && next <= dp_now_ms()))
+		return 1;
+	return rep_ready(arg);
+}
+
 /* The reply thread's spin before it sleeps adapts: it doubles when a
  * reply came during it and halves when none did. Replies of many callers
  * follow each other closely and are taken without a sleep; a lone ask's
@@ -789,13 +856,26 @@ static void *reply_thread(void *arg)
 			shut_from_thread(s, a_bad_segment);
 			break;
 		}
+		now = dp_now_ms();
+		if (atomic_load_explicit(&s->next_deadline_ms, memory_order_relaxed) <= now)
+			expire_asks(s, now);
 		if (total)
 			atomic_fetch_add_explicit(&s->drains, 1, memory_order_release);
 		/* Only the wait's result (a timeout, an error) asks for the
 		 * socket poll. */
 		rc = 0;
 		if (!total && !spin_for_reply(s, &spin)) {
-			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, rep_ready, s, 0, DP_WAIT_MS);
+			/* Until the earliest deadline at the latest. The Dekker
+			 * pair of a submit's kick: wake_ms stored here, then
+			 * the deadline read (thread_ready); a deadline sooner
+			 * than the wake-up ends the wait at once. */
+			int64_t wake = now + DP_WAIT_MS, next = atomic_load(&s->next_deadline_ms);
+			if (next < wake)
+				wake = next;
+			atomic_store(&s->wake_ms, wake);
+			rc = ap_seg_wait(s->seg.hdr, AP_SEG_BELL_REP, thread_ready, s, 0,
+					 wake > now ? (int)(wake - now) : 0);
+			atomic_store(&s->wake_ms, INT64_MAX);
 			/* Woken: the next spin is worth a try again. */
 			if (spin < DP_SPIN_MIN)
 				spin = DP_SPIN_MIN;
@@ -955,6 +1035,8 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->tab_mask = DP_TAB_INIT - 1;
 	s->node = enif_make_copy(s->penv, argv[5]);
 	atomic_store(&s->next_id, 1);
+	atomic_store(&s->next_deadline_ms, INT64_MAX);
+	atomic_store(&s->wake_ms, INT64_MAX);
 
 	if ((rc = ap_ring_map_create_memfd(&s->map, "actor_dp", size))) {
 		memset(&s->map, 0, sizeof s->map);
@@ -1224,10 +1306,28 @@ static int get_mark(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint32_t
  * Ticket (argv[0..2], [4], [5]) read into *s and *q. 0, or -1 for a
  * badarg. The destination may be in name[] or in *dest_bin (then
  * *own_dest is set: the caller releases it). */
+/* CLOCK_MONOTONIC in ns: dp_now_ms's clock. */
+static int64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* An ask's reference, and its timeout when this library keeps it. */
+struct ask_tag {
+	ERL_NIF_TERM ref;
+	uint32_t timeout_ms; /* 0: none */
+};
+
 static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s, struct dp_req_parts *q,
-		       uint8_t name[DP_MAX_DEST_NAME], ErlNifBinary *dest_bin, int *own_dest)
+		       uint8_t name[DP_MAX_DEST_NAME], ErlNifBinary *dest_bin, int *own_dest, struct ask_tag *tag)
 {
 	ErlNifUInt64 tr;
+	const ERL_NIF_TERM *el;
+	int arity;
+	unsigned t;
 
 	if (!get_dp(env, argv[0], s))
 		return -1;
@@ -1239,7 +1339,15 @@ static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s,
 		q->kind = AP_DP_STATS;
 	else
 		return -1;
-	if (q->kind != AP_DP_TELL && !enif_is_ref(env, argv[4]))
+	/* An ask's tag: Ref, or {Ref, TimeoutMs} for a timeout kept here. */
+	tag->ref = argv[4];
+	tag->timeout_ms = 0;
+	if (q->kind != AP_DP_TELL && enif_get_tuple(env, argv[4], &arity, &el) && arity == 2 &&
+	    enif_get_uint(env, el[1], &t) && t > 0) {
+		tag->ref = el[0];
+		tag->timeout_ms = t;
+	}
+	if (q->kind != AP_DP_TELL && !enif_is_ref(env, tag->ref))
 		return -1;
 	if (enif_get_uint64(env, argv[5], &tr)) {
 		/* A ticket of another segment's geometry is no fence; the
@@ -1283,14 +1391,14 @@ static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s,
 /* Writes the record q into a request ring and answers as submit/6 does.
  * ref: the ask's Ref (argv[4]); dirty: on a dirty scheduler. *published:
  * whether the record went in. */
-static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_parts *q, ERL_NIF_TERM ref, int dirty,
-				  int *published)
+static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_parts *q, const struct ask_tag *tag,
+				  int dirty, int *published)
 {
 	uint32_t ring, k;
 	struct req_ring *rr = NULL;
 	struct ask *a = NULL;
 	void *p;
-	int rc, lone = 0, solo = 0;
+	int rc, lone = 0, solo = 0, kick = 0;
 
 	*published = 0;
 	if ((rc = dp_req_check(q)))
@@ -1310,11 +1418,25 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 			return a_closed; /* or no memory for the entry: the caller falls back */
 		}
 		a->id = atomic_fetch_add(&s->next_id, 1);
-		a->ref = enif_make_copy(a->env, ref);
+		a->ref = enif_make_copy(a->env, tag->ref);
 		enif_self(env, &a->pid);
 		a->crowded = 0;
+		a->deadline_ms = 0;
+		/* One clock read for both uses (a read was 0.7% of the
+		 * schedulers' samples under 64 callers). */
+		int64_t now = q->kind == AP_DP_ASK || tag->timeout_ms ? mono_ns() : 0;
+		if (tag->timeout_ms) {
+			/* +1: the clock's milliseconds are truncated, and a
+			 * timeout is never early (as `after' is not). */
+			a->deadline_ms = now / 1000000 + tag->timeout_ms + 1;
+			if (a->deadline_ms < atomic_load_explicit(&s->next_deadline_ms, memory_order_relaxed)) {
+				atomic_store(&s->next_deadline_ms, a->deadline_ms);
+				/* Sooner than the reply thread's wake-up: wake it
+				 * (a short timeout while it sleeps its longest). */
+				kick = a->deadline_ms < atomic_load(&s->wake_ms);
+			}
+		}
 		if (q->kind == AP_DP_ASK) {
-			ErlNifTime now = enif_monotonic_time(ERL_NIF_NSEC);
 			a->crowded = s->last_ns && now - s->last_ns < DP_CROWD_NS &&
 				     enif_compare_pids(&s->last_pid, &a->pid) != 0;
 			s->last_pid = a->pid;
@@ -1329,6 +1451,8 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		}
 		mu_unlock(s);
 		q->ask_id = a->id;
+		if (kick)
+			ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
 	}
 	/* The loop's hint (ap_seg.h), before the record shows: it reads it
 	 * with the record. Its line is the bell's, which the notify below
@@ -1417,10 +1541,11 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 	ErlNifBinary dest_bin = { 0 }, msg_bin = { 0 }, mbin;
 	int own_dest = 0, own_msg = 0, published;
 	ErlNifUInt64 bound = UINT64_MAX;
+	struct ask_tag tag;
 	ERL_NIF_TERM ret;
 
 	if ((argc == 7 && !enif_get_uint64(env, argv[6], &bound)) ||
-	    submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest)) {
+	    submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest, &tag)) {
 		ret = enif_make_badarg(env);
 		goto done;
 	}
@@ -1450,7 +1575,7 @@ static ERL_NIF_TERM nif_submit(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 			q.msg_len = msg_bin.size - 1;
 		}
 	}
-	ret = submit_record(env, s, &q, argv[4], 0, &published);
+	ret = submit_record(env, s, &q, &tag, 0, &published);
 done:
 	if (own_dest)
 		enif_release_binary(&dest_bin);
@@ -1473,8 +1598,9 @@ static ERL_NIF_TERM submit_encoded(ErlNifEnv *env, const ERL_NIF_TERM argv[], in
 	ErlNifBinary dest_bin = { 0 }, mbin;
 	int own_dest = 0, published;
 	ERL_NIF_TERM ret;
+	struct ask_tag tag;
 
-	if (submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest) || q.kind == AP_DP_STATS ||
+	if (submit_args(env, argv, &s, &q, name, &dest_bin, &own_dest, &tag) || q.kind == AP_DP_STATS ||
 	    !enif_inspect_binary(env, argv[3], &mbin) || mbin.size < 2 || mbin.data[0] != 131) {
 		ret = enif_make_badarg(env);
 		goto done;
@@ -1490,7 +1616,7 @@ static ERL_NIF_TERM submit_encoded(ErlNifEnv *env, const ERL_NIF_TERM argv[], in
 		ret = enif_make_badarg(env);
 		goto done;
 	}
-	ret = submit_record(env, s, &q, argv[4], dirty, &published);
+	ret = submit_record(env, s, &q, &tag, dirty, &published);
 	if (published)
 		cnt(&s->n_encoded);
 done:
@@ -1881,6 +2007,7 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_await_missed, C(n_await_missed));
 	KV(a_passed_on, C(n_passed_on));
 	KV(a_sched_delivered, C(n_sched));
+	KV(a_timeouts, C(n_timeouts));
 	KV(a_pending, enif_make_uint(env, pending));
 	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
 	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
@@ -1949,6 +2076,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(await);
 	ATOM(passed_on);
 	a_ext = enif_make_atom(env, "$actor_dp_ext");
+	a_timeout = enif_make_atom(env, "timeout");
+	a_timeouts = enif_make_atom(env, "timeouts");
 	ATOM(reply);
 	ATOM(awaited);
 	ATOM(await_missed);
