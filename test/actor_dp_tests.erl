@@ -321,7 +321,9 @@ timeouts_kept_by_the_nif_answer_once_never_early(P) ->
          {Ref, R} ->
              Waited = erlang:monotonic_time(microsecond) - T0,
              ?assertEqual({error, timeout}, R),
-             ?assert(Waited >= T * 1000, {early, T, Waited})
+             %% 2% slack: the VM's monotonic time may run up to 1%
+             %% off the OS clock the NIF's deadlines are on
+             ?assert(Waited >= T * 980, {early, T, Waited})
      after ?T -> error({no_timeout, T})
      end || {Ref, T, T0} <- Asks],
     ?assertMatch(#{timeouts := 4, pending := 1}, actor_dp:info(Seg)),

@@ -427,14 +427,13 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 		struct ask *a, *next;
 		for (a = s->tab[i]; a; a = next) {
 			next = a->next;
-			if (m) {
-				ERL_NIF_TERM msg = enif_make_tuple2(m, enif_make_copy(m, a->ref),
-								    error_tuple(m, enif_make_copy(m, s->reason)));
-				/* A send invalidates the env: cleared before reuse, whether
-				 * or not the receiver was alive. */
-				(void)enif_send(caller_env, &a->pid, m, msg);
-				enif_clear_env(m);
-			}
+			/* Made in the ask's own env, beside its ref: no
+			 * allocation that could fail and leave an asker, who
+			 * may wait with no timeout of its own, unanswered. The
+			 * send invalidates the env; ask_free clears it. */
+			ERL_NIF_TERM msg = enif_make_tuple2(a->env, a->ref,
+							    error_tuple(a->env, enif_make_copy(a->env, s->reason)));
+			(void)enif_send(caller_env, &a->pid, a->env, msg);
 			a->next = NULL;
 			ask_free(s, a);
 		}
@@ -775,20 +774,26 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
  * a walk of the table only when the earliest is due. */
 static void expire_asks(struct dp *s, int64_t now)
 {
-	struct ask *due = NULL, *a, **pp;
+	struct ask *a, **pp;
 	int64_t next = INT64_MAX;
 
+	/* Sent under the lock, as a close sends: a cancel that misses the
+	 * entry then finds its answer in the mailbox (cancel/2's promise).
+	 * Timeouts are rare; the lock is held for a send each. */
 	mu_lock(s);
 	for (uint32_t i = 0; i <= s->tab_mask; i++)
 		for (pp = &s->tab[i]; (a = *pp);) {
 			if (a->deadline_ms && a->deadline_ms <= now) {
 				*pp = a->next;
 				s->n_asks--;
-				a->next = due;
-				due = a;
 				/* Counted before the send: a caller that saw the
 				 * effect sees the count. */
 				cnt(&s->n_timeouts);
+				/* Made in the ask's env, beside its ref, as deliver does. */
+				ERL_NIF_TERM msg = enif_make_tuple2(a->env, a->ref, error_tuple(a->env, a_timeout));
+				(void)enif_send(NULL, &a->pid, a->env, msg);
+				a->next = NULL;
+				ask_free(s, a);
 				continue;
 			}
 			if (a->deadline_ms && a->deadline_ms < next)
@@ -797,15 +802,6 @@ static void expire_asks(struct dp *s, int64_t now)
 		}
 	atomic_store(&s->next_deadline_ms, next);
 	mu_unlock(s);
-	while ((a = due)) {
-		due = a->next;
-		/* Made in the ask's env, beside its ref, as deliver does. */
-		ERL_NIF_TERM msg = enif_make_tuple2(a->env, a->ref, error_tuple(a->env, a_timeout));
-		(void)enif_send(NULL, &a->pid, a->env, msg);
-		mu_lock(s);
-		ask_free(s, a);
-		mu_unlock(s);
-	}
 }
 
 /* The reply thread's wait ends for a reply, a close, a deadline due, or
@@ -1449,8 +1445,11 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 			solo = 1;
 			lone = ap_skip_wait(&s->await_skip);
 		}
-		mu_unlock(s);
+		/* Read under the lock: once it is dropped the entry may be
+		 * answered (a timeout, a close), freed and reused by another
+		 * submit. */
 		q->ask_id = a->id;
+		mu_unlock(s);
 		if (kick)
 			ap_seg_kick(s->seg.hdr, AP_SEG_BELL_REP);
 	}
@@ -1505,7 +1504,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 	if (rc && a) {
 		struct ask *back;
 		mu_lock(s);
-		back = ask_take(s, a->id);
+		back = ask_take(s, q->ask_id);
 		if (back)
 			ask_free(s, back);
 		mu_unlock(s);
