@@ -397,13 +397,14 @@ ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries) ->
 %% The NIF keeps the timeout ({Ref, Timeout}: it answers {error, timeout}
 %% at the deadline and drops a later reply), so the wait has no timer: a
 %% timer's set and cancel per ask cost 0.6 us of the BEAM's CPU under 64
-%% callers (docs/same-host-transport.md, "Timeouts").
+%% callers (docs/same-host-transport.md, "Timeouts kept by the NIF"). Its
+%% answer comes as any other: the receive waits for it with no `after'.
 ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
     Ref = make_ref(),
-    Tag = case Timeout of
-              T when is_integer(T), T > 0, T =< 16#FFFFFFFF -> {Ref, T};
-              _ -> Ref
-          end,
+    {Tag, Wait} = case Timeout of
+                      T when is_integer(T), T > 0, T =< 16#FFFFFFFF -> {{Ref, T}, infinity};
+                      _ -> {Ref, Timeout}
+                  end,
     %% A full ring is waited for as a tell waits, within the timeout.
     WaitUs = case Timeout of
                  infinity -> ?FULL_RETRY_US;
@@ -416,12 +417,12 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
             %% comes as a message.
             case actor_dp:await(Seg, AskId) of
                 {reply, Reply} -> Reply;
-                none -> ring_receive(Seg, AskId, Tag, Timeout)
+                none -> ring_receive(Seg, AskId, Ref, Wait)
             end;
         {ok, AskId, await} ->
-            ring_receive(Seg, AskId, Tag, Timeout);
+            ring_receive(Seg, AskId, Ref, Wait);
         {ok, AskId} ->
-            ring_receive(Seg, AskId, Tag, Timeout);
+            ring_receive(Seg, AskId, Ref, Wait);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
             {error, overloaded};
@@ -433,18 +434,10 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
             call(Node, Dest, '$ap_stats', Timeout)
     end.
 
-%% The answer as a message: the NIF sends exactly one for an ask whose
-%% timeout it keeps ({Ref, T}), or for an infinite one. Else (a timeout
-%% of 0) the ask is cancelled in the NIF on timeout (after which no reply
-%% is sent) and a reply that raced it is taken.
-ring_receive(_Seg, _AskId, {Ref, _}, _Timeout) ->
-    receive
-        {Ref, Reply} -> ring_answer(Reply)
-    end;
-ring_receive(_Seg, _AskId, Ref, infinity) ->
-    receive
-        {Ref, Reply} -> ring_answer(Reply)
-    end;
+%% The answer as a message (Timeout infinity, also for an ask whose timeout
+%% the NIF keeps: it sends exactly one message). On a timeout of the
+%% caller's own the ask is cancelled in the NIF (after which no reply is
+%% sent) and a reply that raced it is taken.
 ring_receive(Seg, AskId, Ref, Timeout) ->
     receive
         {Ref, Reply} -> ring_answer(Reply)

@@ -310,13 +310,10 @@ timeouts_kept_by_the_nif_answer_once_never_early(P) ->
     Seg = open(P, #{}),
     cmd(P, "pause"),
     Asks = [begin
-                Ref = make_ref(),
-                T0 = erlang:monotonic_time(microsecond),
-                {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, T, {Ref, T}, undefined)),
+                {Ref, T0} = timed_ask(Seg, T, T),
                 {Ref, T, T0}
             end || T <- [1, 5, 20, 60]],
-    Long = make_ref(),
-    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, long, {Long, 60000}, undefined)),
+    {Long, _} = timed_ask(Seg, long, 60000),
     [receive
          {Ref, R} ->
              Waited = erlang:monotonic_time(microsecond) - T0,
@@ -346,9 +343,7 @@ a_short_timeout_is_kept_while_the_reply_thread_sleeps(P) ->
     Seg = open(P, #{}),
     cmd(P, "mode silent"),
     Us = [begin
-              Ref = make_ref(),
-              T0 = erlang:monotonic_time(microsecond),
-              {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, K, {Ref, 2}, undefined)),
+              {Ref, T0} = timed_ask(Seg, K, 2),
               receive {Ref, {error, timeout}} -> ok after ?T -> error({no_timeout, K}) end,
               Waited = erlang:monotonic_time(microsecond) - T0,
               %% idle again: the reply thread goes back to its long sleep
@@ -360,15 +355,20 @@ a_short_timeout_is_kept_while_the_reply_thread_sleeps(P) ->
     ?assertMatch(#{timeouts := 9, pending := 0}, actor_dp:info(Seg)),
     ok = actor_dp:close(Seg, done).
 
+%% An ask of Msg whose timeout of T ms the NIF keeps: {Ref, when it was
+%% submitted (us)}.
+timed_ask(Seg, Msg, T) ->
+    Ref = make_ref(),
+    T0 = erlang:monotonic_time(microsecond),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, Msg, {Ref, T}, undefined)),
+    {Ref, T0}.
+
 %% An ask whose caller exited is not kept past its timeout: its entry goes
 %% (pending 0), with no reply ever sent.
 an_ask_whose_caller_died_is_dropped_at_its_timeout(P) ->
     Seg = open(P, #{}),
     cmd(P, "mode silent"),
-    {Pid, Mref} = spawn_monitor(fun() ->
-                                        {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, hi,
-                                                                           {make_ref(), 30}, undefined))
-                                end),
+    {Pid, Mref} = spawn_monitor(fun() -> timed_ask(Seg, hi, 30) end),
     receive {'DOWN', Mref, process, Pid, normal} -> ok after ?T -> error(asker_stuck) end,
     ap_support:wait_until(fun() -> maps:get(pending, actor_dp:info(Seg)) =:= 0 end, ?T),
     ?assertMatch(#{timeouts := 1, replies := 0}, actor_dp:info(Seg)),

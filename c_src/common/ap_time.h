@@ -13,6 +13,13 @@ static inline int64_t ap_mono_us(void)
 	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+static inline int64_t ap_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static inline int64_t ap_mono_ms(void)
 {
 	struct timespec ts;

@@ -55,6 +55,7 @@
 #include <erl_nif.h>
 
 #include "ap_skip.h"
+#include "ap_time.h"
 #include "ap_term.h"
 #include "dp_core.h"
 
@@ -167,7 +168,7 @@ struct dp {
 	int keep; /* the resource holds a reference to itself */
 	struct ap_skip await_skip; /* under mu: lone asks that go without the wait after misses */
 	ErlNifPid last_pid; /* under mu: who submitted the last ask, and when */
-	int64_t last_ns; /* mono_ns */
+	int64_t last_ns; /* ap_mono_ns */
 	/* The asks' timeouts, kept here rather than by a timer of each asker
 	 * (see expire_asks): no deadline is earlier than next_deadline_ms
 	 * (written under mu, read by the reply thread without it), and the
@@ -770,7 +771,7 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
  * scheduler a set and a cancel per ask, the cancel often on another
  * scheduler than the set (the asker moved while it waited): 0.6 us of
  * BEAM CPU per ask under 64 callers, 15% of the ask (same-host-transport.md,
- * "Timeouts"). The deadlines are few (one per waiting ask) and found by
+ * "Timeouts kept by the NIF"). The deadlines are few (one per waiting ask) and found by
  * a walk of the table only when the earliest is due. */
 static void expire_asks(struct dp *s, int64_t now)
 {
@@ -1298,25 +1299,17 @@ static int get_mark(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint32_t
 	return 1;
 }
 
-/* What submit/6 and submit_encoded/6 share: Seg, Kind, Dest, Ref and
- * Ticket (argv[0..2], [4], [5]) read into *s and *q. 0, or -1 for a
- * badarg. The destination may be in name[] or in *dest_bin (then
- * *own_dest is set: the caller releases it). */
-/* CLOCK_MONOTONIC in ns: dp_now_ms's clock. */
-static int64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* An ask's reference, and its timeout when this library keeps it. */
 struct ask_tag {
 	ERL_NIF_TERM ref;
 	uint32_t timeout_ms; /* 0: none */
 };
 
+/* What submit/6 and submit_encoded/6 share: Seg, Kind, Dest, Ref (or
+ * {Ref, TimeoutMs}) and Ticket (argv[0..2], [4], [5]) read into *s, *q and
+ * *tag. 0, or -1 for a
+ * badarg. The destination may be in name[] or in *dest_bin (then
+ * *own_dest is set: the caller releases it). */
 static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s, struct dp_req_parts *q,
 		       uint8_t name[DP_MAX_DEST_NAME], ErlNifBinary *dest_bin, int *own_dest, struct ask_tag *tag)
 {
@@ -1385,7 +1378,7 @@ static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s,
 }
 
 /* Writes the record q into a request ring and answers as submit/6 does.
- * ref: the ask's Ref (argv[4]); dirty: on a dirty scheduler. *published:
+ * tag: the ask's Ref and timeout (argv[4]); dirty: on a dirty scheduler. *published:
  * whether the record went in. */
 static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_parts *q, const struct ask_tag *tag,
 				  int dirty, int *published)
@@ -1420,7 +1413,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		a->deadline_ms = 0;
 		/* One clock read for both uses (a read was 0.7% of the
 		 * schedulers' samples under 64 callers). */
-		int64_t now = q->kind == AP_DP_ASK || tag->timeout_ms ? mono_ns() : 0;
+		int64_t now = q->kind == AP_DP_ASK || tag->timeout_ms ? ap_mono_ns() : 0;
 		if (tag->timeout_ms) {
 			/* +1: the clock's milliseconds are truncated, and a
 			 * timeout is never early (as `after' is not). */
@@ -2075,8 +2068,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(await);
 	ATOM(passed_on);
 	a_ext = enif_make_atom(env, "$actor_dp_ext");
-	a_timeout = enif_make_atom(env, "timeout");
-	a_timeouts = enif_make_atom(env, "timeouts");
+	ATOM(timeout);
+	ATOM(timeouts);
 	ATOM(reply);
 	ATOM(awaited);
 	ATOM(await_missed);
