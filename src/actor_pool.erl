@@ -237,9 +237,12 @@ oversized() ->
 %% setting `ring_nap_us'), `ring_ask_naps' (those of them after a read with
 %% asks: `ring_ask_nap_us'), `ring_lone_windows' (reads that found a lone
 %% caller's ask, after which the loop stays awake for the application
-%% setting `ring_lone_poll_us') and `iso_loop_results' (results of worker
+%% setting `ring_lone_poll_us'), `iso_loop_results' (results of worker
 %% processes that its loop answered itself, waking no proxy thread: see
-%% docs/stateless-workers.md, "Isolation"). See docs/operations.md.
+%% docs/stateless-workers.md, "Isolation"), `iso_loop_waits' (ask naps
+%% before which the loop waited for its worker processes' answers and
+%% caught them all) and `iso_loop_waits_missed' (such waits that ran
+%% out). See docs/operations.md.
 %% `{error, Reason}' when it cannot be reached, or (`unknown_request') is
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.

@@ -43,6 +43,7 @@
          bounded_allocation_in_thread_mode_just_works/1,
          every_ask_answered_once_and_tells_add_up/1,
          loop_answers_worker_processes_under_ring_traffic/1,
+         loop_waits_for_worker_process_answers_before_it_naps/1,
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
@@ -80,6 +81,7 @@ actor_pool_isolation_test_() ->
                  bounded_allocation_in_thread_mode_just_works,
                  every_ask_answered_once_and_tells_add_up,
                  loop_answers_worker_processes_under_ring_traffic,
+                 loop_waits_for_worker_process_answers_before_it_naps,
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
                  stop_pool_while_starting_answers_stopped_in_both_modes,
@@ -583,6 +585,50 @@ loop_answers_worker_processes_under_ring_traffic(#{pool_node := N}) ->
         ?assertMatch(#{processed := Asked, errors := Refused, crashes := 0}, actor_pool:stats(P)),
         ?assertEqual([], flush_mailbox())
     end).
+
+%% After a dense read with asks for worker processes, the loop waits for
+%% their answers (yielding its CPU) before it naps, and sends them out
+%% together (node_stats' `iso_loop_waits'); a wait that runs out is
+%% counted apart (`iso_loop_waits_missed'). Rounds of 32 callers go on
+%% until a wait caught its answers (a deadline: on a slow host a round's
+%% reads may never be dense); every answer is right and comes once. Then
+%% bursts of slow asks (2 ms each: no wait catches them) are answered all
+%% the same, and each read waits at most once.
+loop_waits_for_worker_process_answers_before_it_naps(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2, isolation => process}, fun(P) ->
+        #{iso_loop_waits := W0, iso_loop_waits_missed := M0, ring_ask_naps := A0} =
+            actor_pool:node_stats(N),
+        Deadline = erlang:monotonic_time(millisecond) + 30000,
+        Round = fun Round(R, Asked) ->
+            Oks = in_parallel(32, fun(C) -> [ring_ask(P, {R, C, K}) || K <- lists:seq(1, 100)] end),
+            ?assertEqual([], [X || X <- lists:append(Oks), X =/= true]),
+            #{iso_loop_waits := W} = actor_pool:node_stats(N),
+            case W > W0 orelse erlang:monotonic_time(millisecond) > Deadline of
+                true -> {W, Asked + 3200};
+                false -> Round(R + 1, Asked + 3200)
+            end
+        end,
+        {W1, Asked} = Round(1, 0),
+        ?assert(W1 > W0, {iso_loop_waits, W0, W1}),
+        ?assertMatch(#{processed := Asked, crashes := 0}, actor_pool:stats(P)),
+        Slow = in_parallel(16, fun(C) ->
+                                       [actor_pool:ask(P, {sleep, 2}, ?ASK_MS) =:= {ok, ok}
+                                        || _ <- lists:seq(1, 5 + C rem 2)]
+                               end),
+        ?assertEqual([], [X || X <- lists:append(Slow), X =/= true]),
+        #{iso_loop_waits := W2, iso_loop_waits_missed := M2, ring_ask_naps := A2} =
+            actor_pool:node_stats(N),
+        %% Each wait comes before an ask nap.
+        ?assert(W2 - W0 + M2 - M0 =< A2 - A0, {W0, M0, A0, W2, M2, A2}),
+        ?assertEqual([], flush_mailbox())
+    end).
+
+%% Fun(C) for C in 1..K, each in its own process at once: their results,
+%% in order of C.
+in_parallel(K, Fun) ->
+    Self = self(),
+    Pids = [spawn_link(fun() -> Self ! {self(), Fun(C)} end) || C <- lists:seq(1, K)],
+    [receive {Pid, L} -> L after 4 * ?ASK_MS -> [hung] end || Pid <- Pids].
 
 %% Every fifth a refusal ({error, Why}), the others echoed.
 ring_ask(P, {_, _, K}) when K rem 5 =:= 0 ->

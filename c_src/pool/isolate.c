@@ -67,6 +67,7 @@ typedef struct ap_iso {
 	size_t sent_off;    /* bytes of cursor->next already sent */
 	uint64_t next_seq;  /* of the next job to send */
 	uint64_t front_seq; /* of the oldest job sent and not answered */
+	uint64_t ask_seq;   /* of the last ask sent whole; 0 when none */
 	int64_t front_since; /* since when the child has been on it, by our clock (handler_timeout_ms) */
 	/* Tells published and not rung (send_commit), since when. */
 	unsigned unrung;
@@ -320,12 +321,15 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 		if (!leave && take_done_direct(w) < 0)
 			leave = 1;
 	}
+	/* An ask sent and not answered: the child is on it (or on what
+	 * was sent before it). */
+	int out = !leave && s->ask_seq >= s->front_seq;
 	pthread_mutex_unlock(&s->send_mu);
 	if (leave)
 		ap_iso_bell(s->ctl, 0);
 	if (took)
 		__atomic_store_n(&loop_results, loop_results + (unsigned)took, __ATOMIC_RELAXED);
-	return took > 0;
+	return (took > 0 ? AP_ISO_TOOK : 0) | (out ? AP_ISO_ASKS_OUT : 0);
 }
 
 void ap_iso_reclaim(ap_worker *w)
@@ -508,6 +512,7 @@ static int iso_spawn(ap_worker *w)
 	s->cursor = w->mb.head;
 	s->sent_off = 0;
 	s->next_seq = s->front_seq = 1;
+	s->ask_seq = 0;
 	s->unrung = 0;
 	s->front_since = 0;
 	s->got = 0;
@@ -815,6 +820,8 @@ static int send_jobs(ap_worker *w)
 		} while (s->sent_off < total);
 		s->cursor = j;
 		s->sent_off = 0;
+		if (j->is_ask)
+			s->ask_seq = s->next_seq;
 		s->next_seq++;
 	}
 out:

@@ -99,8 +99,10 @@ void ap_iso_reclaim(struct ap_worker *w);
  * child nor the proxy wakes for them; whatever it cannot take without
  * waiting (a crash, a large or distribution answer, a full reply ring) it
  * leaves to the proxy and rings it. With `looks` 0 (the loop is about to
- * sleep) it takes what is there once more after lowering the flag. 1 if it
- * answered anything. */
+ * sleep) it takes what is there once more after lowering the flag.
+ * AP_ISO_TOOK if it answered anything, AP_ISO_ASKS_OUT if the child still
+ * holds an ask the loop sent it (the loop may wait for it: iso_await in
+ * ring_ingress.c); the flags are pool_int.h's. */
 int ap_iso_take_direct(struct ap_worker *w, int looks);
 /* How many results the loop answered so far (node_stats). */
 unsigned long long ap_iso_loop_results(void);

@@ -720,15 +720,15 @@ int ap_pool_watch_children(ap_node *n)
 
 int ap_pool_iso_take_all(int looks)
 {
-	int took = 0;
+	int flags = 0;
 	for (ap_pool *p = pools; p; p = p->next)
 		/* A timed pool's proxy times the front message: it takes its
 		 * results itself (its child always rings it). */
 		if (p->o.isolation == AP_ISO_PROCESS && !p->o.handler_timeout_ms)
 			for (int i = 0; i < p->o.workers; i++)
 				if (p->w[i].iso)
-					took |= ap_iso_take_direct(&p->w[i], looks);
-	return took;
+					flags |= ap_iso_take_direct(&p->w[i], looks);
+	return flags;
 }
 
 void ap_pool_wake_all_pushed(void)

@@ -241,8 +241,11 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
+/* ap_iso_take_direct's flags: it answered something; a child still holds
+ * an ask the loop sent it. */
+enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2 };
 /* ap_iso_take_direct for every worker process of every pool (pool.c):
- * 1 if the loop answered anything. */
+ * its flags, or-ed. */
 int ap_pool_iso_take_all(int looks);
 
 /* Inline runs (pool.c): in thread mode, a built-in handler's message
