@@ -587,39 +587,47 @@ loop_answers_worker_processes_under_ring_traffic(#{pool_node := N}) ->
     end).
 
 %% After a dense read with asks for worker processes, the loop waits for
-%% their answers (yielding its CPU) before it naps, and sends them out
-%% together (node_stats' `iso_loop_waits'); a wait that runs out is
-%% counted apart (`iso_loop_waits_missed'). Rounds of 32 callers go on
-%% until a wait caught its answers (a deadline: on a slow host a round's
-%% reads may never be dense); every answer is right and comes once. Then
-%% bursts of slow asks (2 ms each: no wait catches them) are answered all
-%% the same, and each read waits at most once.
+%% their answers (yielding its CPU) before it naps, and answers them
+%% itself while their proxies sleep (node_stats' `iso_loop_waits',
+%% `iso_loop_results'). Rounds of 16 and 8 callers go on until a wait
+%% caught its answers (a deadline: on a slow host a round's reads may
+%% never be dense, or its answers take longer than a wait); every answer
+%% is right and comes once. Then bursts of slow asks (2 ms each, 16 at
+%% once: a dense read whose answers no wait catches) go on until a wait
+%% runs out (`iso_loop_waits_missed'), and are all answered.
 loop_waits_for_worker_process_answers_before_it_naps(#{pool_node := N}) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2, isolation => process}, fun(P) ->
-        #{iso_loop_waits := W0, iso_loop_waits_missed := M0, ring_ask_naps := A0} =
-            actor_pool:node_stats(N),
-        Deadline = erlang:monotonic_time(millisecond) + 30000,
-        Round = fun Round(R, Asked) ->
-            Oks = in_parallel(32, fun(C) -> [ring_ask(P, {R, C, K}) || K <- lists:seq(1, 100)] end),
+        #{iso_loop_waits := W0, iso_loop_results := L0, iso_loop_waits_missed := M0,
+          ring_ask_naps := A0} = actor_pool:node_stats(N),
+        Round = fun Round(R, Asked, Deadline) ->
+            K = 16 div (1 + R rem 2),
+            Oks = in_parallel(K, fun(C) -> [ring_ask(P, {R, C, I}) || I <- lists:seq(1, 200)] end),
             ?assertEqual([], [X || X <- lists:append(Oks), X =/= true]),
             #{iso_loop_waits := W} = actor_pool:node_stats(N),
             case W > W0 orelse erlang:monotonic_time(millisecond) > Deadline of
-                true -> {W, Asked + 3200};
-                false -> Round(R + 1, Asked + 3200)
+                true -> Asked + K * 200;
+                false -> Round(R + 1, Asked + K * 200, Deadline)
             end
         end,
-        {W1, Asked} = Round(1, 0),
+        Asked = Round(1, 0, erlang:monotonic_time(millisecond) + 30000),
+        #{iso_loop_waits := W1, iso_loop_results := L1} = actor_pool:node_stats(N),
         ?assert(W1 > W0, {iso_loop_waits, W0, W1}),
+        ?assert(L1 > L0, {iso_loop_results, L0, L1}),
         ?assertMatch(#{processed := Asked, crashes := 0}, actor_pool:stats(P)),
-        Slow = in_parallel(16, fun(C) ->
-                                       [actor_pool:ask(P, {sleep, 2}, ?ASK_MS) =:= {ok, ok}
-                                        || _ <- lists:seq(1, 5 + C rem 2)]
-                               end),
-        ?assertEqual([], [X || X <- lists:append(Slow), X =/= true]),
-        #{iso_loop_waits := W2, iso_loop_waits_missed := M2, ring_ask_naps := A2} =
-            actor_pool:node_stats(N),
-        %% Each wait comes before an ask nap.
-        ?assert(W2 - W0 + M2 - M0 =< A2 - A0, {W0, M0, A0, W2, M2, A2}),
+        Burst = fun Burst(Deadline) ->
+            Slow = in_parallel(16, fun(_) -> [actor_pool:ask(P, {sleep, 2}, ?ASK_MS) =:= {ok, ok}] end),
+            ?assertEqual([], [X || X <- lists:append(Slow), X =/= true]),
+            #{iso_loop_waits_missed := M} = actor_pool:node_stats(N),
+            case M > M0 orelse erlang:monotonic_time(millisecond) > Deadline of
+                true -> M;
+                false -> Burst(Deadline)
+            end
+        end,
+        M1 = Burst(erlang:monotonic_time(millisecond) + 30000),
+        ?assert(M1 > M0, {iso_loop_waits_missed, M0, M1}),
+        %% Each wait comes before an ask nap (counted first).
+        #{iso_loop_waits := W2, ring_ask_naps := A2} = actor_pool:node_stats(N),
+        ?assert(W2 - W0 + M1 - M0 =< A2 - A0, {W0, M0, A0, W2, M1, A2}),
         ?assertEqual([], flush_mailbox())
     end).
 

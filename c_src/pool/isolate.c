@@ -293,8 +293,10 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 	/* Nothing queued, nothing to take: an idle slot costs the loop's
 	 * passes two loads. Awake, the proxy takes its results itself before
 	 * it sleeps. */
-	if (!ap_mbox_depth(&w->mb) || !hold_channel(w))
+	if (!ap_mbox_depth(&w->mb))
 		return 0;
+	if (!hold_channel(w))
+		return AP_ISO_PROXY;
 	int took = 0, leave = 0;
 	/* A result half taken in by the proxy is its own to finish. */
 	if (!s->got) {
@@ -329,7 +331,7 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 		ap_iso_bell(s->ctl, 0);
 	if (took)
 		__atomic_store_n(&loop_results, loop_results + (unsigned)took, __ATOMIC_RELAXED);
-	return (took > 0 ? AP_ISO_TOOK : 0) | (out ? AP_ISO_ASKS_OUT : 0);
+	return (took > 0 ? AP_ISO_TOOK : 0) | (out ? AP_ISO_ASKS_OUT : 0) | (leave ? AP_ISO_PROXY : 0);
 }
 
 void ap_iso_reclaim(ap_worker *w)

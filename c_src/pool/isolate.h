@@ -102,7 +102,8 @@ void ap_iso_reclaim(struct ap_worker *w);
  * sleep) it takes what is there once more after lowering the flag.
  * AP_ISO_TOOK if it answered anything, AP_ISO_ASKS_OUT if the child still
  * holds an ask the loop sent it (the loop may wait for it: iso_await in
- * ring_ingress.c); the flags are pool_int.h's. */
+ * ring_ingress.c), AP_ISO_PROXY if the proxy is awake or was left
+ * something to send; the flags are pool_int.h's. */
 int ap_iso_take_direct(struct ap_worker *w, int looks);
 /* How many results the loop answered so far (node_stats). */
 unsigned long long ap_iso_loop_results(void);

@@ -242,8 +242,8 @@ void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
 /* ap_iso_take_direct's flags: it answered something; a child still holds
- * an ask the loop sent it. */
-enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2 };
+ * an ask the loop sent it; a proxy is awake or was left an answer. */
+enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2, AP_ISO_PROXY = 4 };
 /* ap_iso_take_direct for every worker process of every pool (pool.c):
  * its flags, or-ed. */
 int ap_pool_iso_take_all(int looks);
