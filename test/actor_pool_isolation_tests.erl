@@ -560,8 +560,7 @@ every_ask_answered_once_and_tells_add_up(_Ctx) ->
 loop_answers_worker_processes_under_ring_traffic(#{pool_node := N}) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2, isolation => process}, fun(P) ->
         #{iso_loop_results := L0} = actor_pool:node_stats(N),
-        Deadline = erlang:monotonic_time(millisecond) + 30000,
-        Round = fun Round(R, Asked, Refused) ->
+        {L1, Counts} = rounds_until_grows(N, iso_loop_results, L0, fun(R) ->
             Self = self(),
             Ring = [spawn_link(fun() ->
                                        Self ! {self(), [ring_ask(P, {R, C, K}) || K <- lists:seq(1, 100)]}
@@ -572,15 +571,11 @@ loop_answers_worker_processes_under_ring_traffic(#{pool_node := N}) ->
                                end) || C <- lists:seq(1, 4)],
             Oks = lists:append([receive {Pid, L} -> L after 2 * ?ASK_MS -> [hung] end || Pid <- Ring ++ Dist]),
             ?assertEqual([], [X || X <- Oks, X =/= true]),
-            Asked1 = Asked + 16 * 100 + 4 * 25,
-            Refused1 = Refused + 16 * 20,
-            #{iso_loop_results := L} = actor_pool:node_stats(N),
-            case L > L0 orelse erlang:monotonic_time(millisecond) > Deadline of
-                true -> {L, Asked1, Refused1};
-                false -> Round(R + 1, Asked1, Refused1)
-            end
-        end,
-        {L1, Asked, Refused} = Round(1, 0, 0),
+            {16 * 100 + 4 * 25, 16 * 20}
+        end),
+        {Asks, Refusals} = lists:unzip(Counts),
+        Asked = lists:sum(Asks),
+        Refused = lists:sum(Refusals),
         ?assert(L1 > L0, {iso_loop_results, L0, L1}),
         ?assertMatch(#{processed := Asked, errors := Refused, crashes := 0}, actor_pool:stats(P)),
         ?assertEqual([], flush_mailbox())
@@ -599,37 +594,42 @@ loop_waits_for_worker_process_answers_before_it_naps(#{pool_node := N}) ->
     with_pool(?FUNCTION_NAME, crash_plugin(), #{workers => 2, isolation => process}, fun(P) ->
         #{iso_loop_waits := W0, iso_loop_results := L0, iso_loop_waits_missed := M0,
           ring_ask_naps := A0} = actor_pool:node_stats(N),
-        Round = fun Round(R, Asked, Deadline) ->
+        {W1, Counts} = rounds_until_grows(N, iso_loop_waits, W0, fun(R) ->
             K = 16 div (1 + R rem 2),
             Oks = in_parallel(K, fun(C) -> [ring_ask(P, {R, C, I}) || I <- lists:seq(1, 200)] end),
             ?assertEqual([], [X || X <- lists:append(Oks), X =/= true]),
-            #{iso_loop_waits := W} = actor_pool:node_stats(N),
-            case W > W0 orelse erlang:monotonic_time(millisecond) > Deadline of
-                true -> Asked + K * 200;
-                false -> Round(R + 1, Asked + K * 200, Deadline)
-            end
-        end,
-        Asked = Round(1, 0, erlang:monotonic_time(millisecond) + 30000),
-        #{iso_loop_waits := W1, iso_loop_results := L1} = actor_pool:node_stats(N),
+            K * 200
+        end),
+        Asked = lists:sum(Counts),
+        #{iso_loop_results := L1} = actor_pool:node_stats(N),
         ?assert(W1 > W0, {iso_loop_waits, W0, W1}),
         ?assert(L1 > L0, {iso_loop_results, L0, L1}),
         ?assertMatch(#{processed := Asked, crashes := 0}, actor_pool:stats(P)),
-        Burst = fun Burst(Deadline) ->
+        {M1, _} = rounds_until_grows(N, iso_loop_waits_missed, M0, fun(_) ->
             Slow = in_parallel(16, fun(_) -> [actor_pool:ask(P, {sleep, 2}, ?ASK_MS) =:= {ok, ok}] end),
-            ?assertEqual([], [X || X <- lists:append(Slow), X =/= true]),
-            #{iso_loop_waits_missed := M} = actor_pool:node_stats(N),
-            case M > M0 orelse erlang:monotonic_time(millisecond) > Deadline of
-                true -> M;
-                false -> Burst(Deadline)
-            end
-        end,
-        M1 = Burst(erlang:monotonic_time(millisecond) + 30000),
+            ?assertEqual([], [X || X <- lists:append(Slow), X =/= true])
+        end),
         ?assert(M1 > M0, {iso_loop_waits_missed, M0, M1}),
         %% Each wait comes before an ask nap (counted first).
         #{iso_loop_waits := W2, ring_ask_naps := A2} = actor_pool:node_stats(N),
         ?assert(W2 - W0 + M1 - M0 =< A2 - A0, {W0, M0, A0, W2, M1, A2}),
         ?assertEqual([], flush_mailbox())
     end).
+
+%% Fun(R) for rounds R = 1, 2, ... until node N's node_stats counter Key
+%% is over From, or 30 s have passed (a deadline, not a count of rounds: on
+%% a slow host a round may not move it): {Key's value then, Fun's results
+%% in order}.
+rounds_until_grows(N, Key, From, Fun) ->
+    rounds_until_grows(N, Key, From, Fun, erlang:monotonic_time(millisecond) + 30000, []).
+
+rounds_until_grows(N, Key, From, Fun, Deadline, Acc) ->
+    Acc1 = [Fun(length(Acc) + 1) | Acc],
+    #{Key := V} = actor_pool:node_stats(N),
+    case V > From orelse erlang:monotonic_time(millisecond) > Deadline of
+        true -> {V, lists:reverse(Acc1)};
+        false -> rounds_until_grows(N, Key, From, Fun, Deadline, Acc1)
+    end.
 
 %% Fun(C) for C in 1..K, each in its own process at once: their results,
 %% in order of C.

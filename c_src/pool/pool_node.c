@@ -434,9 +434,9 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_atom(&x, "iso_loop_results");
 	ei_x_encode_ulonglong(&x, ap_iso_loop_results());
 	ei_x_encode_atom(&x, "iso_loop_waits");
-	ei_x_encode_ulonglong(&x, ap_dp_iso_waits(0));
+	ei_x_encode_ulonglong(&x, ap_dp_iso_waits());
 	ei_x_encode_atom(&x, "iso_loop_waits_missed");
-	ei_x_encode_ulonglong(&x, ap_dp_iso_waits(1));
+	ei_x_encode_ulonglong(&x, ap_dp_iso_waits_missed());
 	ap_reply(n, self, m, x.buff, x.index);
 	ei_x_free(&x);
 }

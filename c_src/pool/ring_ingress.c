@@ -355,10 +355,10 @@ static int iso_pass(int looks)
 	dp.iso_looking = looks;
 	int reading = deferred.reading;
 	deferred.reading = 1;
-	int took = ap_pool_iso_take_all(looks);
+	int flags = ap_pool_iso_take_all(looks);
 	if (!reading)
 		end_read();
-	return took;
+	return flags;
 }
 
 /* After a dense read with asks, before its nap: while worker processes
@@ -948,10 +948,10 @@ static int dp_idle(ap_node *n, void *arg)
 	if (nap_us) {
 		struct timespec ts = { .tv_sec = 0, .tv_nsec = (long)nap_us * 1000 };
 		__atomic_store_n(&dp.naps, dp.naps + 1, __ATOMIC_RELAXED);
-		if (asks)
+		if (asks) {
 			__atomic_store_n(&dp.ask_naps, dp.ask_naps + 1, __ATOMIC_RELAXED);
-		if (asks)
 			iso_await();
+		}
 		/* Not looking while napping: an answer would wait for it. */
 		iso_pass(0);
 		nanosleep(&ts, NULL);
@@ -1271,11 +1271,8 @@ static void *attach_main(void *arg)
 unsigned long long ap_dp_naps(void) { return __atomic_load_n(&dp.naps, __ATOMIC_RELAXED); }
 unsigned long long ap_dp_ask_naps(void) { return __atomic_load_n(&dp.ask_naps, __ATOMIC_RELAXED); }
 unsigned long long ap_dp_lone_windows(void) { return __atomic_load_n(&dp.lone_windows, __ATOMIC_RELAXED); }
-unsigned long long ap_dp_iso_waits(int missed)
-{
-	return missed ? __atomic_load_n(&dp.iso_waits_missed, __ATOMIC_RELAXED)
-		      : __atomic_load_n(&dp.iso_waits, __ATOMIC_RELAXED);
-}
+unsigned long long ap_dp_iso_waits(void) { return __atomic_load_n(&dp.iso_waits, __ATOMIC_RELAXED); }
+unsigned long long ap_dp_iso_waits_missed(void) { return __atomic_load_n(&dp.iso_waits_missed, __ATOMIC_RELAXED); }
 
 void ap_dp_poll_cancel(void)
 {

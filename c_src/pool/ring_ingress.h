@@ -38,9 +38,10 @@ unsigned long long ap_dp_ask_naps(void);
  * (node_stats). */
 unsigned long long ap_dp_lone_windows(void);
 /* How many times the loop waited before a nap for the answers of worker
- * processes and caught them all (missed 0), or ran out (missed 1)
+ * processes and caught them all, and how many such waits ran out
  * (node_stats). */
-unsigned long long ap_dp_iso_waits(int missed);
+unsigned long long ap_dp_iso_waits(void);
+unsigned long long ap_dp_iso_waits_missed(void);
 /* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
  * token => <<_:16/binary>>}} or {error, disabled}. */
 void ap_dp_encode_info(ei_x_buff *x);

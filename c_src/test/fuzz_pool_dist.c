@@ -179,7 +179,8 @@ int ap_dp_start(ap_node *n, int enabled, int poll_us, int lone_us, int nap_us, i
 unsigned long long ap_dp_naps(void) { return 0; }
 unsigned long long ap_dp_ask_naps(void) { return 0; }
 unsigned long long ap_dp_lone_windows(void) { return 0; }
-unsigned long long ap_dp_iso_waits(int missed) { (void)missed; return 0; }
+unsigned long long ap_dp_iso_waits(void) { return 0; }
+unsigned long long ap_dp_iso_waits_missed(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
 
 void ap_dp_encode_info(ei_x_buff *x)
