@@ -76,11 +76,13 @@ a_broken_request_ring_costs_that_worker() ->
                                                  [#{mailbox := M}] = maps:get(workers, actor_pool:stats(P)),
                                                  M =:= 1
                                          end, ?ASK_MS)),
-                      Big = actor_pool:ask(P, binary:copy(<<1>>, 300000), ?ASK_MS),
+                      %% Four times the request ring (512 KiB): it must
+                      %% wait for room there.
+                      Big = actor_pool:ask(P, binary:copy(<<1>>, 2000000), ?ASK_MS),
                       receive {scribbled, S} -> ?assertMatch({error, {worker_crashed, sigkill}}, S) end,
                       %% Queued behind the broken ring: moved (one slot: to
                       %% its replacement) and answered.
-                      ?assertEqual({ok, 300000}, Big),
+                      ?assertEqual({ok, 2000000}, Big),
                       ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
                       ?assertMatch(#{signal := 1}, causes(P))
               end).

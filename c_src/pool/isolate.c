@@ -88,10 +88,10 @@ int ap_iso_slot_init(ap_worker *w)
 {
 	ap_pool *p = w->pool;
 	size_t spec_len = strlen(p->spec) + 1;
-	size_t ring = ap_ring_size(ISO_RING_CAP);
+	size_t req = ap_ring_size(ISO_REQ_CAP), rsp = ap_ring_size(ISO_RSP_CAP);
 	size_t spec_off = ISO_CTL_SIZE, cfg_off = round_up(spec_off + spec_len, 64);
-	size_t req_off = round_up(cfg_off + p->config_len, 4096), rsp_off = req_off + ring;
-	size_t size = round_up(rsp_off + ring, 4096);
+	size_t req_off = round_up(cfg_off + p->config_len, 4096), rsp_off = round_up(req_off + req, 4096);
+	size_t size = round_up(rsp_off + rsp, 4096);
 	ap_iso *s = calloc(1, sizeof *s);
 	if (!s)
 		return -ENOMEM;
@@ -118,7 +118,8 @@ int ap_iso_slot_init(ap_worker *w)
 	l->size = (uint32_t)size;
 	l->req_off = (uint32_t)req_off;
 	l->rsp_off = (uint32_t)rsp_off;
-	l->ring_size = (uint32_t)ring;
+	l->req_size = (uint32_t)req;
+	l->rsp_size = (uint32_t)rsp;
 	l->spec_off = (uint32_t)spec_off;
 	l->spec_len = (uint32_t)spec_len;
 	l->cfg_off = (uint32_t)cfg_off;
@@ -506,10 +507,10 @@ static int iso_spawn(ap_worker *w)
 	memcpy(mem + l->spec_off, p->spec, l->spec_len);
 	if (l->cfg_len)
 		memcpy(mem + l->cfg_off, p->config, l->cfg_len);
-	if (ap_ring_format(mem + l->req_off, l->ring_size, ISO_RING_CAP) ||
-	    ap_ring_format(mem + l->rsp_off, l->ring_size, ISO_RING_CAP) ||
-	    ap_ring_attach_producer(&s->req, mem + l->req_off, l->ring_size) ||
-	    ap_ring_attach_consumer(&s->rsp, mem + l->rsp_off, l->ring_size))
+	if (ap_ring_format(mem + l->req_off, l->req_size, ISO_REQ_CAP) ||
+	    ap_ring_format(mem + l->rsp_off, l->rsp_size, ISO_RSP_CAP) ||
+	    ap_ring_attach_producer(&s->req, mem + l->req_off, l->req_size) ||
+	    ap_ring_attach_consumer(&s->rsp, mem + l->rsp_off, l->rsp_size))
 		return -EPROTO;
 	s->cursor = w->mb.head;
 	s->sent_off = 0;
@@ -795,7 +796,7 @@ static int64_t held_left(ap_iso *s)
 static int send_jobs(ap_worker *w)
 {
 	ap_iso *s = w->iso;
-	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
+	size_t room = ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec);
 	int sent = 0, r = 0, ask = 0;
 	unsigned n = 0;
 	ap_job *j;
@@ -846,7 +847,7 @@ static size_t next_need(ap_iso *s)
 	ap_job *j = atomic_load_explicit(&s->cursor->next, memory_order_acquire);
 	if (!j)
 		return 0;
-	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec), left = j->msg_len - s->sent_off;
+	size_t room = ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec), left = j->msg_len - s->sent_off;
 	return sizeof(struct iso_rec) + (left < room ? left : room);
 }
 

@@ -41,12 +41,12 @@
 /* Line-sized groups: the child writes one, the proxy the other. */
 struct iso_ctl {
 	uint64_t magic;
-	uint32_t size, req_off, rsp_off, ring_size;
+	uint32_t size, req_off, rsp_off, req_size, rsp_size;
 	uint32_t spec_off, spec_len, cfg_off, cfg_len; /* the handler spec (NUL-terminated) and its config */
 	int32_t max_memory_mb;
 	uint32_t worker;
 	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
-	uint8_t pad0[64 - 52];
+	uint8_t pad0[64 - 56];
 	/* the child's */
 	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
 	int32_t init_rc;

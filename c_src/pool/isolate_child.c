@@ -31,7 +31,7 @@ static void child_die(int code) { _exit(code); }
 static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
 			 int not_run)
 {
-	size_t room = ap_ring_max_payload(ISO_RING_CAP) - sizeof(struct iso_rec);
+	size_t room = ap_ring_max_payload(ISO_RSP_CAP) - sizeof(struct iso_rec);
 	size_t total = send_reply ? reply->len : 0, off = 0;
 	if (total > ISO_MAX_MSG)
 		child_die(75);
@@ -104,12 +104,12 @@ int ap_iso_child_main(int argc, char **argv)
 	close(ISO_FD);
 	cc = (struct iso_ctl *)mem;
 	if (cc->magic != ISO_MAGIC || cc->size != size || cc->spec_off + (size_t)cc->spec_len > size ||
-	    cc->cfg_off + (size_t)cc->cfg_len > size || cc->req_off + (size_t)cc->ring_size > size ||
-	    cc->rsp_off + (size_t)cc->ring_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1])
+	    cc->cfg_off + (size_t)cc->cfg_len > size || cc->req_off + (size_t)cc->req_size > size ||
+	    cc->rsp_off + (size_t)cc->rsp_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1])
 		_exit(71);
 	struct ap_ring req, rsp;
-	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->ring_size) ||
-	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->ring_size))
+	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->req_size) ||
+	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->rsp_size))
 		_exit(71);
 	char tname[16];
 	snprintf(tname, sizeof tname, "ap_worker/%u", cc->worker);
@@ -150,11 +150,15 @@ int ap_iso_child_main(int argc, char **argv)
 	struct untold u = { 0 };
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
+	unsigned unreleased = 0; /* messages read and not given back to the ring */
 	for (;;) {
 		const void *p;
 		size_t len;
 		int r = ap_ring_read(&req, &p, &len);
 		if (r == -EAGAIN) {
+			/* Caught up: give the ring back before any wait. */
+			ap_ring_release(&req);
+			unreleased = 0;
 			/* Results not rung yet (tells' only: an ask's rings at
 			 * once) wait for the spin: more work may come, and one
 			 * wake-up then covers them all. Never for our sleep. */
@@ -197,7 +201,9 @@ int ap_iso_child_main(int argc, char **argv)
 			 * (no memory for it) is dying on it. */
 			if (cc->layout_timeout)
 				atomic_store(&cc->running_since_ms, ap_mono_ms());
-			atomic_store(&cc->running_seq, m.seq);
+			/* A hint, read after our death: no locked store (a
+			 * full fence) per message for it. */
+			atomic_store_explicit(&cc->running_seq, m.seq, memory_order_release);
 		}
 		if (m.off == 0 && chunk < m.total) {
 			free(big);
@@ -240,8 +246,14 @@ int ap_iso_child_main(int argc, char **argv)
 			ap_ring_publish(&rsp);
 		}
 		atomic_store_explicit(&cc->done_seq, m.seq, memory_order_release);
-		atomic_store(&cc->running_seq, 0);
-		ap_ring_release(&req);
+		atomic_store_explicit(&cc->running_seq, 0, memory_order_release);
+		/* Given back in batches: each release is a fence and a store to
+		 * the line the pool node's loop reads to write (a fifth of our
+		 * time under a tell flood, one per message). */
+		if (++unreleased >= ISO_RELEASE_BATCH) {
+			ap_ring_release(&req);
+			unreleased = 0;
+		}
 		if (data == big) {
 			free(big);
 			big = NULL;
