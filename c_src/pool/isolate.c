@@ -303,7 +303,7 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 	if (!s->got) {
 		const void *p;
 		size_t len;
-		int n = 0;
+		unsigned n = 0;
 		for (;;) {
 			uint64_t mark = ap_ring_mark(&s->rsp);
 			int r = ap_ring_read(&s->rsp, &p, &len);
@@ -315,10 +315,7 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 				break;
 			}
 			took++;
-			if (++n == 64) {
-				ap_ring_release(&s->rsp);
-				n = 0;
-			}
+			ap_iso_release_every(&s->rsp, &n, 64);
 		}
 		ap_ring_release(&s->rsp);
 		if (!leave && take_done_direct(w) < 0)
@@ -692,7 +689,8 @@ static int drain_results(ap_worker *w, int *progress)
 	ap_iso *s = w->iso;
 	const void *p;
 	size_t len;
-	int r, crash = 0, n = 0;
+	int r, crash = 0;
+	unsigned n = 0;
 	/* Read before the records: those of every message up to it are
 	 * published by now (the child stores it after them). */
 	uint64_t done = atomic_load_explicit(&s->ctl->done_seq, memory_order_acquire);
@@ -716,10 +714,7 @@ static int drain_results(ap_worker *w, int *progress)
 			memcpy(w->reply.data + h.off, (const uint8_t *)p + sizeof h, chunk);
 		s->got += chunk;
 		w->reply.len = s->got;
-		if (++n == 64) {
-			ap_ring_release(&s->rsp);
-			n = 0;
-		}
+		ap_iso_release_every(&s->rsp, &n, 64);
 		if (s->got < h.total)
 			continue;
 		*progress = 1;

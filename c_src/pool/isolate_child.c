@@ -247,13 +247,9 @@ int ap_iso_child_main(int argc, char **argv)
 		}
 		atomic_store_explicit(&cc->done_seq, m.seq, memory_order_release);
 		atomic_store_explicit(&cc->running_seq, 0, memory_order_release);
-		/* Given back in batches: each release is a fence and a store to
-		 * the line the pool node's loop reads to write (a fifth of our
-		 * time under a tell flood, one per message). */
-		if (++unreleased >= ISO_RELEASE_BATCH) {
-			ap_ring_release(&req);
-			unreleased = 0;
-		}
+		/* In batches: one release per message was a fifth of our time
+		 * under a tell flood. */
+		ap_iso_release_every(&req, &unreleased, ISO_RELEASE_BATCH);
 		if (data == big) {
 			free(big);
 			big = NULL;

@@ -16,12 +16,10 @@
 
 #define ISO_MAGIC 0x314f5349504100ULL /* "\0APISO1" */
 #define ISO_CTL_SIZE 4096u
-/* The request ring is the larger: under a flood of tells the pool node's
- * loop sends faster than a child takes them, and each time the ring filled
- * the proxy woke to send the rest (process-mode tells: 512 KiB with the
- * child's batched release (ISO_RELEASE_BATCH) took 3.1-4.2M tells/s against
- * 1.6-2.9M at 128 KiB, 2 CPUs; 1 MiB no better). Results are one per ask or
- * refused tell: 128 KiB. Larger messages and results go in chunks. */
+/* Per direction; larger messages and results go in chunks. The request
+ * ring is the larger: under a flood of tells a full one woke the proxy to
+ * send the rest (docs/stateless-workers.md, "A larger request ring").
+ * Results are one per ask or refused tell. */
 #define ISO_REQ_CAP (512u << 10)
 #define ISO_RSP_CAP (128u << 10)
 #define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
@@ -35,7 +33,7 @@
 				    * them while it sends (isolate.c, take_done_direct) */
 #define ISO_ASK_WAIT_US 20         /* an ask's answer waits at most this long (and the one message
 				    * then running) for the batch behind it; none if the ask took it */
-#define ISO_RELEASE_BATCH 32      /* messages the child reads before it gives their room back */
+#define ISO_RELEASE_BATCH 32       /* messages the child reads before it gives their room back */
 #define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
@@ -61,6 +59,18 @@ struct iso_rec {
 #define ISO_ASAN 1
 #endif
 #endif
+
+/* Gives the room of records read back to the ring's producer every
+ * `every` reads (counted in *n), not after each: a release is a fence and
+ * a store to the line the producer writes. The caller releases once more
+ * when it stops reading. */
+static inline void ap_iso_release_every(struct ap_ring *r, unsigned *n, unsigned every)
+{
+	if (++*n >= every) {
+		ap_ring_release(r);
+		*n = 0;
+	}
+}
 
 /* Rung by whoever has news for the proxy (the child, the loop): always, or
  * only when the proxy is about to sleep or sleeping (its Dekker pair is
