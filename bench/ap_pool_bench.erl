@@ -374,6 +374,7 @@ bench(Cfg, Pools, Anchors) ->
           "", none}],
     Verdicts = print_rows(Rows),
     print_cpu(Samples, Cells),
+    print_pairs(Samples),
     print_contention(Samples),
     print_counters(Counters0, Pools),
     Missed = [M || {M, missed} <- Verdicts],
@@ -417,21 +418,29 @@ sample(F, Pools, Anchors) ->
                        false -> maps:get(pool_os_pid, Pools, undefined)
                    end},
             {peer, maps:get(peer_os_pid, Anchors)}],
-    C0 = [{K, proc_cpu_us(P)} || {K, P} <- Pids],
+    C0 = [{K, cpu_of(K, P)} || {K, P} <- Pids],
     H0 = host_cpu_us(),
+    St0 = host_steal_us(),
     T0 = erlang:monotonic_time(microsecond),
     {Values, N} = F(),
     Wall = erlang:monotonic_time(microsecond) - T0,
-    C1 = [{K, proc_cpu_us(P)} || {K, P} <- Pids],
+    C1 = [{K, cpu_of(K, P)} || {K, P} <- Pids],
     H1 = host_cpu_us(),
+    St1 = host_steal_us(),
     Cpu = [{K, sub(B, A)} || {{K, A}, {K, B}} <- lists:zip(C0, C1)],
     Ours = lists:sum([X || {_, X} <- Cpu, is_number(X)]),
-    #{values => Values, n => N, wall => Wall,
+    #{values => Values, n => N, wall => Wall, steal => sub(St1, St0),
       %% /proc counts in clock ticks: clamp the rounding below zero
       cpu => Cpu ++ [{others, case sub(sub(H1, H0), Ours) of
                                   X when is_number(X) -> max(0, X);
                                   X -> X
                               end}]}.
+
+%% The pool node's CPU includes its worker processes' (isolation =>
+%% process): theirs is work the pool does, not the rest of the host's. The
+%% BEAM and the peer are counted alone (the pool node is the BEAM's child).
+cpu_of(pool, P) -> proc_tree_cpu_us(P);
+cpu_of(_, P) -> proc_cpu_us(P).
 
 sub(A, B) when is_number(A), is_number(B) -> A - B;
 sub(_, _) -> undefined.
@@ -673,8 +682,8 @@ print_cpu(Samples, Cells) ->
     io:format("~nCPU per message (us), median of runs: this BEAM, the pool node, both together "
               "(ask cells whose work is all in them), the peer node, the rest of the host; "
               "wall = elapsed us per message~n"),
-    io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s   ~s~n",
-              ["cell", "wall", "BEAM", "pool node", "BEAM+pool", "peer", "others",
+    io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s ~6s   ~s~n",
+              ["cell", "wall", "BEAM", "pool node", "BEAM+pool", "peer", "others", "steal",
                "spread of the runs"]),
     lists:foreach(
       fun({Key, _}) when Key =/= lone ->
@@ -685,15 +694,45 @@ print_cpu(Samples, Cells) ->
                          false -> undefined
                      end,
               Rates = lists:sort([proplists:get_value(rate, maps:get(values, S)) || S <- L]),
-              io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s   ~s..~s/s~n",
+              io:format("~-28s ~9s ~9s ~9s ~9s ~9s ~9s ~6s   ~s..~s/s~n",
                         [atom_to_list(Key), fmt(Per(wall)), fmt(Per(beam)), fmt(Per(pool)),
-                         fmt(Both), fmt(Per(peer)), fmt(Per(others)), fmt(hd(Rates)),
+                         fmt(Both), fmt(Per(peer)), fmt(Per(others)), steal_pct(L), fmt(hd(Rates)),
                          fmt(lists:last(Rates))]);
          (_) -> ok
       end, Cells),
     io:format("(cells: ap_* through the actor_pool API, pool_* the same pool unbatched, "
               "peer_* the BEAM peer, vm_* the in-VM gen_server echo pool, erlpool/poolboy "
-              "in this BEAM)~n~n").
+              "in this BEAM; the pool node's CPU includes its worker processes'; steal: "
+              "the share of the vCPUs' time the hypervisor gave to others)~n~n").
+
+%% The share of the host's CPU time, all cores, that the hypervisor took
+%% (steal) while these samples ran.
+steal_pct(L) ->
+    case [{St, W} || #{steal := St, wall := W} <- L, is_number(St)] of
+        [] -> "-";
+        SW ->
+            Share = lists:sum([St || {St, _} <- SW]) / (lists:sum([W || {_, W} <- SW]) * online_cpus()),
+            integer_to_list(round(100 * Share)) ++ "%"
+    end.
+
+%% Process mode's rows divide two cells run one after the other in each
+%% round; the ratio of each round shows how much of a row's ratio is the
+%% host's drift. For reading only: the rows above are what is judged.
+print_pairs(Samples) ->
+    Pairs = [{"#15 tells", iso_tell, ap_tell}, {"#15 asks", iso_ask64, ap_ask64}],
+    lists:foreach(
+      fun({Name, P, T}) ->
+              case {maps:get(P, Samples, []), maps:get(T, Samples, [])} of
+                  {[_ | _] = Ps, [_ | _] = Ts} when length(Ps) =:= length(Ts) ->
+                      Rs = [proplists:get_value(rate, maps:get(values, A)) /
+                                proplists:get_value(rate, maps:get(values, B))
+                            || {A, B} <- lists:reverse(lists:zip(Ps, Ts))],
+                      io:format("~s, process/thread in each round: ~s (median ~.2f)~n",
+                                [Name, lists:join(" ", [io_lib:format("~.2f", [R]) || R <- Rs]),
+                                 median(Rs)]);
+                  _ -> ok
+              end
+      end, Pairs).
 
 %% How much of the host the rest of the machine took while the cells ran:
 %% the figures above are only comparable between runs on an equally idle host.
@@ -702,11 +741,16 @@ print_contention(Samples) ->
     Wall = lists:sum([W || #{wall := W} <- All]),
     Others = lists:sum([X || #{cpu := Cpu} <- All, {others, X} <- Cpu, is_number(X)]),
     Share = Others / (Wall * online_cpus()),
-    io:format("host: other processes used ~p% of the CPU while the cells ran; "
-              "load average at the end ~s~n", [round(100 * Share), loadavg()]),
+    io:format("host: other processes used ~p% of the CPU while the cells ran; the hypervisor "
+              "took ~s of the vCPUs' time (steal); load average at the end ~s~n",
+              [round(100 * Share), steal_pct(All), loadavg()]),
     Share > 0.15 andalso
         io:format("warning: the host was busy with other work; every figure above "
-                  "is deflated by it~n").
+                  "is deflated by it~n"),
+    Steal = lists:sum([St || #{steal := St} <- All, is_number(St)]) / (Wall * online_cpus()),
+    Steal > 0.15 andalso
+        io:format("warning: the hypervisor took over 15% of this VM's CPU time; the figures "
+                  "above, wake-ups most, are slower for it, and their ratios drift more~n").
 
 loadavg() ->
     case file:read_file("/proc/loadavg") of
@@ -760,6 +804,56 @@ proc_cpu_us(OsPid) ->
             F = string:lexemes(Rest, " "),
             (binary_to_integer(lists:nth(12, F)) + binary_to_integer(lists:nth(13, F)))
                 * 1000000 div clk_tck();
+        _ -> undefined
+    end.
+
+%% A process's CPU time with that of its children: the live ones' (listed
+%% per thread in /proc/PID/task/TID/children) and the reaped ones' (cutime,
+%% cstime), so a child replaced during a cell moves from one sum to the other.
+proc_tree_cpu_us(OsPid) when is_list(OsPid) ->
+    case stat_ticks(OsPid) of
+        {Own, Reaped} ->
+            Kids = lists:usort(lists:append([children(OsPid, T) || T <- tasks(OsPid)])),
+            Live = lists:sum([K || C <- Kids, {K, _} <- [stat_ticks(C)]]),
+            (Own + Reaped + Live) * 1000000 div clk_tck();
+        undefined -> undefined
+    end;
+proc_tree_cpu_us(Other) -> proc_cpu_us(Other).
+
+tasks(OsPid) ->
+    case file:list_dir("/proc/" ++ OsPid ++ "/task") of
+        {ok, Ts} -> Ts;
+        _ -> []
+    end.
+
+children(OsPid, Tid) ->
+    case file:read_file("/proc/" ++ OsPid ++ "/task/" ++ Tid ++ "/children") of
+        {ok, B} -> [binary_to_list(X) || X <- string:lexemes(B, " \n")];
+        _ -> []
+    end.
+
+%% {utime + stime, cutime + cstime} in clock ticks, or undefined (gone).
+stat_ticks(OsPid) ->
+    case file:read_file("/proc/" ++ OsPid ++ "/stat") of
+        {ok, B} ->
+            [_, Rest] = string:split(B, ") ", trailing),
+            [U, S, CU, CS] = [binary_to_integer(X) || X <- lists:sublist(string:lexemes(Rest, " "), 12, 4)],
+            {U + S, CU + CS};
+        _ -> undefined
+    end.
+
+%% Time the hypervisor ran something else while this VM's CPUs wanted to
+%% run (steal, /proc/stat), all cores, in us: on a shared host it is what
+%% moves the figures from one run to the next.
+host_steal_us() ->
+    case file:read_file("/proc/stat") of
+        {ok, B} ->
+            [Line | _] = string:split(B, "\n"),
+            [<<"cpu">> | Fs] = string:lexemes(Line, " "),
+            case [binary_to_integer(X) || X <- Fs] of
+                [_, _, _, _, _, _, _, Steal | _] -> Steal * 1000000 div clk_tck();
+                _ -> undefined
+            end;
         _ -> undefined
     end.
 
