@@ -239,7 +239,10 @@ oversized() ->
 %% caller's ask, after which the loop stays awake for the application
 %% setting `ring_lone_poll_us'), `iso_loop_results' (results of worker
 %% processes that its loop answered itself, waking no proxy thread: see
-%% docs/stateless-workers.md, "Isolation"), `iso_loop_waits' (ask naps
+%% docs/stateless-workers.md, "Isolation"), `iso_bare_tells' (tells its
+%% loop wrote straight into a worker process's request ring, with no job)
+%% and `iso_bare_rehydrated' (those of them made jobs again because their
+%% worker process died first), `iso_loop_waits' (ask naps
 %% before which the loop waited for its worker processes' answers and
 %% caught them all) and `iso_loop_waits_missed' (such waits that ran
 %% out). See docs/operations.md.

@@ -14,6 +14,7 @@
 
 -export([a_message_a_worker_dies_taking_in_costs_one_crash/0,
          a_broken_request_ring_costs_that_worker/0,
+         a_child_writing_into_its_request_records_dies_alone/0,
          a_child_hiding_its_running_message_is_still_timed_out/0,
          a_child_claiming_unsent_messages_done_is_killed/0,
          a_child_claiming_an_ask_done_without_its_result_is_killed/0,
@@ -30,6 +31,7 @@ actor_pool_isolation_abuse_test_() ->
      [{atom_to_list(F), {timeout, 120, fun ?MODULE:F/0}}
       || F <- [a_message_a_worker_dies_taking_in_costs_one_crash,
                a_broken_request_ring_costs_that_worker,
+               a_child_writing_into_its_request_records_dies_alone,
                a_child_hiding_its_running_message_is_still_timed_out,
                a_child_claiming_unsent_messages_done_is_killed,
                a_child_claiming_an_ask_done_without_its_result_is_killed,
@@ -84,6 +86,23 @@ a_broken_request_ring_costs_that_worker() ->
                       %% its replacement) and answered.
                       ?assertEqual({ok, 2000000}, Big),
                       ?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)),
+                      ?assertMatch(#{signal := 1}, causes(P))
+              end).
+
+%% The request ring's records are the pool node's only copy of the tells
+%% it sent there without a job (bare tells), which it hands to another
+%% worker if the child dies first: the child maps them read-only, so a
+%% write there is the child's SIGSEGV, that worker's loss alone; the slot
+%% comes back and serves.
+a_child_writing_into_its_request_records_dies_alone() ->
+    with_pool(?FUNCTION_NAME, hostile(), #{workers => 2},
+              fun(P) ->
+                      ok = (wait_until(fun() -> all_alive(P) end, ?ASK_MS)),
+                      ?assertEqual({error, {worker_crashed, sigsegv}},
+                                   actor_pool:ask(P, <<"scribble_req">>, ?ASK_MS)),
+                      ok = (wait_until(fun() -> all_alive(P) end, ?ASK_MS)),
+                      [?assertEqual({ok, 3}, actor_pool:ask(P, <<"abc">>, ?ASK_MS)) || _ <- [1, 2, 3, 4]],
+                      ?assertEqual(1, crashes(P)),
                       ?assertMatch(#{signal := 1}, causes(P))
               end).
 

@@ -49,6 +49,7 @@
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
          replacement_in_its_init_is_restarting_and_skipped_in_both_modes/1,
          tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes/1,
+         killed_worker_process_hands_on_its_bare_tells/1,
          killed_pool_node_leaves_no_worker_process/1,
          application_stop_leaves_no_worker_process/1]).
 
@@ -87,6 +88,7 @@ actor_pool_isolation_test_() ->
                  stop_pool_while_starting_answers_stopped_in_both_modes,
                  replacement_in_its_init_is_restarting_and_skipped_in_both_modes,
                  tell_flood_into_a_small_mailbox_is_all_counted_in_both_modes,
+                 killed_worker_process_hands_on_its_bare_tells,
                  %% These kill the pool node.
                  segv_in_thread_mode_takes_the_pool_node_down,
                  abort_in_thread_mode_takes_the_pool_node_down,
@@ -787,6 +789,55 @@ replacement_in_its_init_is_restarting_and_skipped_in_both_modes(_Ctx) ->
          end)
      end || Iso <- [process, thread]],
     ok.
+
+%% A tell from a same-host ring that finds everything before it already
+%% at its worker process goes straight into the process's request ring,
+%% with no job (node_stats' `iso_bare_tells'): the record is then the pool
+%% node's only copy. Worker 0's process sleeps on an ask while tells pile
+%% up behind it that way; kill -9 of it makes them jobs again
+%% (`iso_bare_rehydrated'), and every one is handled: alone, by the
+%% replacement; with two workers, by the other one. Only the ask it died
+%% on is lost, answered as such.
+killed_worker_process_hands_on_its_bare_tells(#{pool_node := N}) ->
+    [begin
+         Name = list_to_atom("bare_tells_" ++ integer_to_list(Workers)),
+         with_pool(Name, crash_plugin(), #{workers => Workers, routing => round_robin,
+                                           backoff => #{min_ms => 20, max_ms => 20}}, fun(P) ->
+             S0 = stats_when(P, fun all_running/1),
+             #{os_pid := Victim} = worker(0, S0),
+             #{iso_bare_tells := B0, iso_bare_rehydrated := H0} = actor_pool:node_stats(N),
+             Self = self(),
+             %% Round robin's first: worker 0.
+             spawn_link(fun() -> Self ! {slept, actor_pool:ask(P, {sleep, 60000}, ?ASK_MS)} end),
+             _ = stats_when(P, fun(S) -> maps:get(mailbox, worker(0, S)) >= 1 end),
+             Told = tell_until_bare(P, N, B0 + 20 * Workers, 0),
+             kill_9(Victim),
+             ?assertEqual({Workers, {error, {worker_crashed, sigkill}}},
+                          {Workers, receive {slept, A} -> A after ?ASK_MS -> no_answer end}),
+             S1 = stats_when(P, fun(S) -> all_running(S) andalso maps:get(processed, S) >= Told end),
+             ?assertMatch(#{dropped_tells := 0, crashes := 1, errors := 0}, S1),
+             ?assertEqual({Workers, Told}, {Workers, maps:get(processed, S1)}),
+             #{iso_bare_tells := B1, iso_bare_rehydrated := H1} = actor_pool:node_stats(N),
+             ?assert(H1 > H0, {Workers, rehydrated, H0, H1}),
+             %% Worker 0's child ran none of its bare tells: alone, every
+             %% bare tell was its.
+             Workers =:= 1 andalso ?assertEqual(B1 - B0, H1 - H0),
+             ?assert(H1 - H0 =< B1 - B0),
+             _ = stats_when(P, fun(St) -> [0] =:= lists:usort([M || #{mailbox := M} <- workers(St)]) end),
+             ?assertEqual({ok, <<"after">>}, actor_pool:ask(P, <<"after">>))
+         end)
+     end || Workers <- [1, 2]],
+    ok.
+
+%% Tells in rounds of 10 until node_stats' iso_bare_tells reaches Target (a
+%% deadline, not a count: the proxy may be awake at first); how many.
+tell_until_bare(P, N, Target, Told) ->
+    [ok = actor_pool:tell(P, <<"t">>) || _ <- lists:seq(1, 10)],
+    #{iso_bare_tells := B} = actor_pool:node_stats(N),
+    case B >= Target orelse Told > 100000 of
+        true -> Told + 10;
+        false -> tell_until_bare(P, N, Target, Told + 10)
+    end.
 
 %% A flood of tells into one worker with a mailbox of 8, in both modes:
 %% each is processed or counted dropped (none lost), the mailbox ends

@@ -112,14 +112,19 @@ ap_worker *ap_pool_route(ap_pool *p)
 /* Wakes are deferred to the end of the message being dispatched (see
  * ap_pool_wake_pushed): a worker woken per job would drain its one job and sleep
  * again while the loop is still unpacking the rest of a batch. */
-void ap_pool_push(ap_worker *w, ap_job *j)
+void ap_pool_wake_later(ap_worker *w, int ask)
 {
-	ap_mbox_push(&w->mb, j);
-	w->wake_ask |= j->is_ask;
+	w->wake_ask |= ask;
 	if (!w->wake_pending) {
 		w->wake_pending = 1;
 		w->pool->wake_list[w->pool->nwake++] = w->id;
 	}
+}
+
+void ap_pool_push(ap_worker *w, ap_job *j)
+{
+	ap_mbox_push(&w->mb, j);
+	ap_pool_wake_later(w, j->is_ask);
 }
 
 void ap_pool_wake_pushed(ap_pool *p)
@@ -167,6 +172,10 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	/* Ring messages only: the budget is per ring drain (reset at its
 	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
 	 * through the loop's own queue, not from the loop itself. */
+	if (rq->seg && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
+		ap_pool_wake_later(w, 0);
+		return;
+	}
 	int inline_ok = rq->seg && ap_pool_can_inline(p, w, msg_len);
 	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {

@@ -74,6 +74,22 @@ typedef struct ap_iso {
 	int64_t unrung_since_us;
 	size_t got;         /* bytes of the current result assembled in w->reply */
 	uint64_t timed_out_seq;
+	/* Bare tells: tells the loop wrote straight into the request ring
+	 * (ap_iso_send_tell), with no job in the mailbox. Their seqs, in
+	 * order, and where their records are, for ap_iso_rehydrate: the
+	 * record is the pool node's only copy (the child maps the ring's data
+	 * read-only). A FIFO of ISO_BARE_MAX; whoever holds send_mu reads
+	 * it. bare_unpub: written and not yet published. */
+	struct iso_bare {
+		uint64_t seq;
+		uint32_t rec_off, len; /* the record's offset in the ring's data, the message's bytes */
+	} *bare;
+	uint64_t bare_head, bare_tail;
+	unsigned bare_unpub;
+	/* The loop keeps send_mu from its first bare tell of a read to that
+	 * read's wake pass (send_direct): a lock and an unlock per tell cost
+	 * a fifth of its time. Loop only. */
+	int loop_held;
 	int killed;         /* we sent SIGKILL */
 	int handler_crash;  /* the child reported AP_HANDLER_CRASH and exits on its own */
 } ap_iso;
@@ -90,13 +106,22 @@ int ap_iso_slot_init(ap_worker *w)
 	size_t spec_len = strlen(p->spec) + 1;
 	size_t req = ap_ring_size(ISO_REQ_CAP), rsp = ap_ring_size(ISO_RSP_CAP);
 	size_t spec_off = ISO_CTL_SIZE, cfg_off = round_up(spec_off + spec_len, 64);
-	size_t req_off = round_up(cfg_off + p->config_len, 4096), rsp_off = round_up(req_off + req, 4096);
+	/* The request ring's data starts on a page: the child maps it
+	 * read-only (ap_iso_child_main). */
+	size_t req_off = round_up(cfg_off + p->config_len + AP_RING_HDR_SIZE, 4096) - AP_RING_HDR_SIZE;
+	size_t rsp_off = round_up(req_off + req, 4096);
 	size_t size = round_up(rsp_off + rsp, 4096);
 	ap_iso *s = calloc(1, sizeof *s);
 	if (!s)
 		return -ENOMEM;
+	s->bare = calloc(ISO_BARE_MAX, sizeof *s->bare);
+	if (!s->bare) {
+		free(s);
+		return -ENOMEM;
+	}
 	int r = ap_ring_map_create_memfd(&s->map, "actor_pool_worker", size);
 	if (r) {
+		free(s->bare);
 		free(s);
 		return r;
 	}
@@ -105,9 +130,11 @@ int ap_iso_slot_init(ap_worker *w)
 	if (s->map.fd <= ISO_FD) {
 		int fd = fcntl(s->map.fd, F_DUPFD_CLOEXEC, ISO_FD + 1);
 		if (fd < 0) {
+			r = -errno;
 			ap_ring_map_close(&s->map);
+			free(s->bare);
 			free(s);
-			return -errno;
+			return r;
 		}
 		close(s->map.fd);
 		s->map.fd = fd;
@@ -143,6 +170,7 @@ void ap_iso_slot_free(ap_worker *w)
 		close(fd);
 	ap_ring_map_close(&s->map);
 	pthread_mutex_destroy(&s->send_mu);
+	free(s->bare);
 	free(s);
 	w->iso = NULL;
 }
@@ -150,6 +178,7 @@ void ap_iso_slot_free(ap_worker *w)
 /* ---- doorbells ------------------------------------------------------------- */
 
 static int send_jobs(ap_worker *w);
+static int send_commit(ap_iso *s, int ask, unsigned n);
 static size_t next_need(ap_iso *s);
 static void ring_held(ap_iso *s);
 static int take_done(ap_worker *w, uint64_t upto, int *progress);
@@ -171,6 +200,22 @@ static void count_result(ap_worker *w, unsigned status)
 	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
 	if (status != AP_HANDLER_OK)
 		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+}
+
+/* The oldest message out is a bare tell (no job in the mailbox). */
+static int front_bare(const ap_iso *s)
+{
+	return s->bare_head != s->bare_tail && s->bare[s->bare_head % ISO_BARE_MAX].seq == s->front_seq;
+}
+
+/* The bare tell at the front is done with (run, refused, or lost with
+ * its child). */
+static void take_bare(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	s->bare_head++;
+	s->front_seq++;
+	ap_mbox_done(&w->mb);
 }
 
 /* While the proxy sleeps, the loop takes the ok tells the child has
@@ -196,6 +241,8 @@ static int take_done_direct(ap_worker *w)
 static int hold_channel(ap_worker *w)
 {
 	ap_iso *s = w->iso;
+	if (s->loop_held)
+		return 1; /* since this read's first bare tell */
 	if (!atomic_load(&s->direct_ok) || pthread_mutex_trylock(&s->send_mu))
 		return 0;
 	/* Again under the lock: the proxy lowers it only holding it. */
@@ -203,6 +250,14 @@ static int hold_channel(ap_worker *w)
 		return 1;
 	pthread_mutex_unlock(&s->send_mu);
 	return 0;
+}
+
+/* Lets go of hold_channel's lock, unless a read's bare tells keep it
+ * until the wake pass (send_direct). */
+static void release_channel(ap_iso *s)
+{
+	if (!s->loop_held)
+		pthread_mutex_unlock(&s->send_mu);
 }
 
 /* The loop's turn at a sleeping proxy's channel, if the proxy lets it
@@ -220,9 +275,12 @@ static int send_direct(ap_worker *w, int send)
 	int r = take_done_direct(w);
 	if (r == 0 && send)
 		r = send_jobs(w);
+	if (r >= 0 && s->bare_unpub) /* this read's bare tells, if send_jobs did not publish them */
+		r = send_commit(s, 0, s->bare_unpub) < 0 ? -1 : 1;
 	if (r > 0)
 		ring_held(s);
 	int done = r > 0 && next_need(s) == 0;
+	s->loop_held = 0;
 	pthread_mutex_unlock(&s->send_mu);
 	if (r < 0)
 		ap_iso_bell(s->ctl, 1); /* the child broke its channel: the proxy kills it now */
@@ -248,6 +306,12 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	/* The ok tells before it are done. */
 	if (h.seq > s->front_seq && take_done(w, h.seq - 1, &progress))
 		return 0;
+	if (front_bare(s)) {
+		/* A bare tell refused: nothing to answer. */
+		take_bare(w);
+		count_result(w, h.a);
+		return 1;
+	}
 	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
 	if (!j || (j->is_ask && !j->seg))
 		return 0;
@@ -324,7 +388,7 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 	/* An ask sent and not answered: the child is on it (or on what
 	 * was sent before it). */
 	int out = !leave && s->ask_seq >= s->front_seq;
-	pthread_mutex_unlock(&s->send_mu);
+	release_channel(s);
 	if (leave)
 		ap_iso_bell(s->ctl, 0);
 	if (took)
@@ -347,6 +411,14 @@ void ap_iso_wake(ap_worker *w, int always, int ask)
 {
 	if (!always && send_direct(w, 1))
 		return;
+	if (w->iso->loop_held) {
+		/* Not through send_direct: publish what this read wrote. */
+		ap_iso *s = w->iso;
+		if (s->bare_unpub)
+			(void)send_commit(s, 1, s->bare_unpub); /* a broken ring is seen by the next send */
+		s->loop_held = 0;
+		pthread_mutex_unlock(&s->send_mu);
+	}
 	atomic_thread_fence(memory_order_seq_cst);
 	int want = atomic_load(&w->iso->want_jobs);
 	if (always || want == WANT_ANY || (want == WANT_ASK && ask))
@@ -360,6 +432,8 @@ static int front_out(const ap_iso *s) { return s->front_seq < s->next_seq || s->
 /* The proxy is the mailbox's only consumer: its oldest job stays put. */
 static int front_is_ask(ap_worker *w)
 {
+	if (front_bare(w->iso))
+		return 0;
 	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
 	return j && j->is_ask;
 }
@@ -517,6 +591,8 @@ static int iso_spawn(ap_worker *w)
 	s->front_since = 0;
 	s->got = 0;
 	s->timed_out_seq = 0;
+	s->bare_head = s->bare_tail = 0; /* ap_iso_rehydrate made jobs of the last child's */
+	s->bare_unpub = 0;
 	s->killed = s->handler_crash = 0;
 	s->how = s->code = 0;
 	atomic_store(&s->dead, 0);
@@ -609,6 +685,21 @@ static void set_death_reply(ap_worker *w, int timeout)
 static int take_result(ap_worker *w, const struct iso_rec *h)
 {
 	ap_iso *s = w->iso;
+	if (front_bare(s)) {
+		/* A tell: no answer, whatever came of it. */
+		take_bare(w);
+		s->front_since = ap_mono_ms();
+		s->got = 0;
+		if (h->c)
+			return 0;
+		if (h->a == AP_HANDLER_CRASH) {
+			ap_worker_count_crash(w, AP_CRASH_HANDLER);
+			s->handler_crash = 1;
+			return 1;
+		}
+		count_result(w, h->a);
+		return 0;
+	}
 	ap_job *j = ap_mbox_pop(&w->mb);
 	s->front_seq++;
 	s->front_since = ap_mono_ms(); /* the child is on the next one now, if any */
@@ -654,6 +745,11 @@ static int take_done(ap_worker *w, uint64_t upto, int *progress)
 		return -1;
 	uint64_t n = 0;
 	while (s->front_seq <= upto) {
+		if (front_bare(s)) {
+			take_bare(w);
+			n++;
+			continue;
+		}
 		/* Looked at before it leaves: an ask popped here would go
 		 * unanswered. */
 		ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
@@ -752,6 +848,7 @@ static int send_commit(ap_iso *s, int ask, unsigned n)
 {
 	if (ap_ring_publish(&s->req) < 0)
 		return -1;
+	s->bare_unpub = 0; /* published with the rest */
 	if (!ask) {
 		int64_t now = ap_mono_us();
 		if (!s->unrung)
@@ -920,7 +1017,11 @@ static void on_death(ap_worker *w)
 	/* running_seq is the child's word, so only a hint: a timeout is
 	 * ours, and answers the message we timed. */
 	if (timeout || (running && running == s->front_seq && front_out(s))) {
-		ap_job *j = ap_mbox_pop(&w->mb);
+		ap_job *j = NULL;
+		if (front_bare(s))
+			take_bare(w); /* a tell: lost with its child, as a job's would be */
+		else
+			j = ap_mbox_pop(&w->mb);
 		if (j) {
 			ap_mbox_done(&w->mb);
 			s->front_seq++;
@@ -1115,4 +1216,141 @@ done:
 	pthread_mutex_unlock(&s->send_mu);
 	ap_node_call_on_loop_sure(p->n, ap_pool_worker_exited, w);
 	return NULL;
+}
+
+/* ---- bare tells (loop thread) ---------------------------------------------- */
+
+/* Bare tells sent (node_stats `iso_bare_tells'), and those made jobs again
+ * after their child's death; relaxed, any thread may read. */
+static unsigned long long bare_sent, bare_rehydrated;
+
+unsigned long long ap_iso_bare_tells(void) { return __atomic_load_n(&bare_sent, __ATOMIC_RELAXED); }
+
+unsigned long long ap_iso_bare_rehydrated(void) { return __atomic_load_n(&bare_rehydrated, __ATOMIC_RELAXED); }
+
+/* A tell from a same-host ring written straight into the worker process's
+ * request ring, with no job: the job's making, queueing, sending and
+ * taking back were a fifth of the loop's time under a tell flood. Only
+ * while everything queued before it has gone to the child (so the order
+ * holds), the proxy sleeps (the loop holds its channel, as send_direct
+ * does), no handler deadline is timed (the proxy times jobs), and it fits
+ * one record in the room there is now; 0 otherwise, and the caller makes
+ * a job as before. The record is then the pool node's only copy of the
+ * message: the child maps the ring's data read-only, and if it dies
+ * first, ap_iso_rehydrate makes jobs of the tells it had not started.
+ * Published at the read's wake pass (send_direct), which the caller's
+ * ap_pool_push-like wake list brings. */
+int ap_iso_send_tell(ap_worker *w, const char *msg, int msg_len, int is_binary)
+{
+	ap_iso *s = w->iso;
+	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
+	if (w->pool->o.handler_timeout_ms || body > ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec))
+		return 0;
+	int held = s->loop_held;
+	if (!hold_channel(w))
+		return 0;
+	void *rec;
+	if (s->bare_tail - s->bare_head >= ISO_BARE_MAX || s->sent_off ||
+	    atomic_load_explicit(&s->cursor->next, memory_order_acquire) ||
+	    ap_ring_reserve(&s->req, sizeof(struct iso_rec) + body, &rec)) {
+		/* Held since an earlier one: w is on the wake list already. */
+		if (!held)
+			pthread_mutex_unlock(&s->send_mu);
+		return 0;
+	}
+	s->loop_held = 1;
+	struct iso_rec h = { .seq = s->next_seq, .total = (uint32_t)body, .kind = REC_MSG, .b = (uint8_t)is_binary };
+	memcpy(rec, &h, sizeof h);
+	uint8_t *d = (uint8_t *)rec + sizeof h;
+	if (is_binary) {
+		memcpy(d, msg + 5, body);
+	} else {
+		d[0] = 131;
+		memcpy(d + 1, msg, (size_t)msg_len);
+	}
+	s->bare[s->bare_tail % ISO_BARE_MAX] = (struct iso_bare){
+		.seq = s->next_seq, .rec_off = (uint32_t)((uint8_t *)rec - s->req.data), .len = (uint32_t)body
+	};
+	s->bare_tail++;
+	s->next_seq++;
+	s->bare_unpub++;
+	/* In the depth (routing, mailbox_limit) as a job would be. */
+	atomic_store_explicit(&w->mb.enq, atomic_load_explicit(&w->mb.enq, memory_order_relaxed) + 1,
+			      memory_order_relaxed);
+	__atomic_store_n(&bare_sent, bare_sent + 1, __ATOMIC_RELAXED);
+	return 1;
+}
+
+/* A job of a bare tell's record, or NULL: the record is not the one sent
+ * (a child that broke its read-only mapping could have changed it) or no
+ * memory. */
+static ap_job *bare_job(ap_worker *w, const struct iso_bare *b)
+{
+	ap_iso *s = w->iso;
+	struct iso_rec h;
+	if ((uint64_t)b->rec_off + sizeof h + b->len > s->req.cap)
+		return NULL;
+	const uint8_t *rec = s->req.data + b->rec_off;
+	memcpy(&h, rec, sizeof h);
+	if (h.seq != b->seq || h.kind != REC_MSG || h.total != b->len || h.off || h.a || h.b > 1)
+		return NULL;
+	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, b->len);
+	if (!j)
+		return NULL;
+	j->is_ask = 0;
+	j->is_binary = h.b;
+	j->seg = NULL;
+	j->ask_id = 0;
+	j->head_len = j->node_len = 0;
+	j->msg_len = b->len;
+	memcpy(j->data, rec + sizeof h, b->len);
+	return j;
+}
+
+/* After the proxy has gone (the loop is the mailbox's consumer too): the
+ * bare tells its child had not finished become jobs, in their places among
+ * the jobs sent, so that they move to live workers, or go to the next
+ * child, as any job left in the mailbox. */
+void ap_iso_rehydrate(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	if (!s || s->bare_head == s->bare_tail)
+		return;
+	ap_mbox *m = &w->mb;
+	ap_job *prev = m->head;
+	uint64_t made = 0, lost = 0;
+	for (uint64_t seq = s->front_seq; seq < s->next_seq && s->bare_head != s->bare_tail; seq++) {
+		const struct iso_bare *b = &s->bare[s->bare_head % ISO_BARE_MAX];
+		if (b->seq != seq) {
+			/* A job's seq: it is the next in the mailbox. */
+			ap_job *next = atomic_load_explicit(&prev->next, memory_order_relaxed);
+			if (!next)
+				break;
+			prev = next;
+			continue;
+		}
+		s->bare_head++;
+		ap_job *j = bare_job(w, b);
+		if (!j) {
+			ap_mbox_done(m); /* out of the depth: it is gone */
+			lost++;
+			continue;
+		}
+		atomic_store_explicit(&j->next, atomic_load_explicit(&prev->next, memory_order_relaxed),
+				      memory_order_relaxed);
+		atomic_store_explicit(&prev->next, j, memory_order_relaxed);
+		if (m->tail == prev)
+			m->tail = j;
+		prev = j;
+		made++;
+	}
+	/* Any left are past what was sent: cannot be. */
+	for (; s->bare_head != s->bare_tail; s->bare_head++) {
+		ap_mbox_done(m);
+		lost++;
+	}
+	__atomic_store_n(&bare_rehydrated, bare_rehydrated + made, __ATOMIC_RELAXED);
+	if (lost)
+		ap_log(AP_LOG_ERROR, "pool %s: %llu tells worker %d's process had not run were lost: their records "
+		       "in its request ring were changed", w->pool->name, (unsigned long long)lost, w->id);
 }

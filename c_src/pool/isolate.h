@@ -20,6 +20,12 @@
  * no result record: the child's done_seq covers it, and it leaves the
  * mailbox in the proxy's pass or, while the proxy sleeps, in the loop's
  * (take_done_direct: as it sends, or routes to a full mailbox).
+ * One exception: a tell from a same-host ring that finds everything before
+ * it already sent, while the proxy sleeps, is written by the loop straight
+ * into the request ring with no job (a bare tell, ap_iso_send_tell). Its
+ * record is then the only copy, so the child maps the ring's data
+ * read-only, and after a death the bare tells it had not started become
+ * jobs in the mailbox again (ap_iso_rehydrate) before anything moves them.
  *
  * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
  * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
@@ -107,6 +113,19 @@ void ap_iso_reclaim(struct ap_worker *w);
 int ap_iso_take_direct(struct ap_worker *w, int looks);
 /* How many results the loop answered so far (node_stats). */
 unsigned long long ap_iso_loop_results(void);
+
+/* Loop thread: a tell from a same-host ring straight into w's worker
+ * process's request ring, with no job (1), or 0: make a job as before. The
+ * caller puts w on its wake list, whose pass publishes it. */
+int ap_iso_send_tell(struct ap_worker *w, const char *msg, int msg_len, int is_binary);
+
+/* Loop thread, once w's proxy has exited: the bare tells its child had not
+ * finished become jobs in w's mailbox, in order. */
+void ap_iso_rehydrate(struct ap_worker *w);
+
+/* node_stats: bare tells sent, and made jobs again after a death. */
+unsigned long long ap_iso_bare_tells(void);
+unsigned long long ap_iso_bare_rehydrated(void);
 /* main() of the child, before anything else runs: argv[1] is
  * "--isolated-worker". Never returns. */
 int ap_iso_child_main(int argc, char **argv);

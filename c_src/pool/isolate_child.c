@@ -111,6 +111,12 @@ int ap_iso_child_main(int argc, char **argv)
 	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->req_size) ||
 	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->rsp_size))
 		_exit(71);
+	/* The request ring's records are read-only here (the pool node lays
+	 * them out on a page of their own): some are the pool node's only copy
+	 * of a tell (isolate.c, bare tells), which it hands to another worker
+	 * if we die first; a stray write of a handler must not change them. */
+	if (mprotect(mem + cc->req_off + AP_RING_HDR_SIZE, cc->req_size - AP_RING_HDR_SIZE, PROT_READ))
+		_exit(71);
 	char tname[16];
 	snprintf(tname, sizeof tname, "ap_worker/%u", cc->worker);
 	prctl(PR_SET_NAME, tname);

@@ -34,6 +34,8 @@
 #define ISO_ASK_WAIT_US 20         /* an ask's answer waits at most this long (and the one message
 				    * then running) for the batch behind it; none if the ask took it */
 #define ISO_RELEASE_BATCH 32       /* messages the child reads before it gives their room back */
+#define ISO_BARE_MAX 4096          /* tells in a request ring without a job, at most (isolate.c,
+				    * ap_iso_send_tell): about what 512 KiB holds of short ones */
 #define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */

@@ -513,6 +513,9 @@ void ap_pool_worker_exited(ap_node *n, void *arg)
 	w->thread_live = 0;
 	p->threads--;
 	atomic_store(&w->alive, 0);
+	/* Before anything reads the mailbox: its child's bare tells join it. */
+	if (w->iso)
+		ap_iso_rehydrate(w);
 
 	if (w->exit_reason == EXIT_INIT_FAILED && w->gen == 0) {
 		if (!p->init_failed)

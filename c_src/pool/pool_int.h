@@ -237,6 +237,9 @@ typedef struct ap_request {
 /* tag and msg are encoded terms without the 131 byte, each validated whole
  * by the ingress (the ap_term walk) over bytes it bounds: nothing here
  * checks them again. */
+/* w, on its pool's list for the wake pass at the end of this message or
+ * read (ap_pool_wake_pushed); ask: an ask is among what it got. */
+void ap_pool_wake_later(ap_worker *w, int ask);
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */

@@ -408,7 +408,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 14);
+	ei_x_encode_map_header(&x, 16);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
@@ -433,6 +433,10 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulonglong(&x, ap_dp_lone_windows());
 	ei_x_encode_atom(&x, "iso_loop_results");
 	ei_x_encode_ulonglong(&x, ap_iso_loop_results());
+	ei_x_encode_atom(&x, "iso_bare_tells");
+	ei_x_encode_ulonglong(&x, ap_iso_bare_tells());
+	ei_x_encode_atom(&x, "iso_bare_rehydrated");
+	ei_x_encode_ulonglong(&x, ap_iso_bare_rehydrated());
 	ei_x_encode_atom(&x, "iso_loop_waits");
 	ei_x_encode_ulonglong(&x, ap_dp_iso_waits());
 	ei_x_encode_atom(&x, "iso_loop_waits_missed");

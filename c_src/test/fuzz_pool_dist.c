@@ -182,6 +182,8 @@ unsigned long long ap_dp_lone_windows(void) { return 0; }
 unsigned long long ap_dp_iso_waits(void) { return 0; }
 unsigned long long ap_dp_iso_waits_missed(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
+unsigned long long ap_iso_bare_tells(void) { return 0; }
+unsigned long long ap_iso_bare_rehydrated(void) { return 0; }
 
 void ap_dp_encode_info(ei_x_buff *x)
 {

@@ -5,6 +5,10 @@
  *   <<"break_req">>   writes a head past the request ring's tail (the ring
  *                     turns broken for the pool node's proxy), then sleeps
  *                     1 s, replying scribbled
+ *   <<"scribble_req">> writes into the request ring's records (where the
+ *                     pool node keeps its only copy of some tells): the
+ *                     child maps them read-only, so this dies of SIGSEGV;
+ *                     replies scribbled if the write went through
  *   <<"spin_hide">>   spins for ever, clearing running_seq all the while
  *                     (hiding from a handler_timeout_ms that trusted it)
  *   <<"lie_done">>    claims done_seq far past what it was sent, then
@@ -70,6 +74,15 @@ static actor_pool_status hostile_handle(void *state, const actor_pool_request *r
 		__atomic_store_n(&h->head, 1ULL << 40, __ATOMIC_RELEASE);
 		struct timespec ts = { 1, 0 };
 		nanosleep(&ts, NULL);
+		return actor_pool_reply_set(r, AP_REPLY_ATOM, "scribbled", 9) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	if (is(rq, "scribble_req")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		struct iso_ctl *c = (struct iso_ctl *)m;
+		volatile uint8_t *data = m + c->req_off + AP_RING_HDR_SIZE;
+		data[0] ^= 0xff;
 		return actor_pool_reply_set(r, AP_REPLY_ATOM, "scribbled", 9) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
 	}
 	if (is(rq, "spin_hide")) {
