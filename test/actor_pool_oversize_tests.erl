@@ -200,9 +200,10 @@ tell_too_large_for_ring_and_frame_is_a_counted_drop(#{pool_node := PN}) ->
 
 %% An ask and a tell of a 10M-element list (about 50 MB encoded) to a ring
 %% pool: refused and dropped as too large, as before, and meanwhile a
-%% ticker process bound to the caller's scheduler is never kept waiting
-%% 50 ms or more (encoding it in the NIF, or erlang:external_size/1, held
-%% the scheduler for 100 ms and more). The list is a persistent term, so
+%% ticker process bound to the caller's scheduler is not kept waiting
+%% 50 ms or more, in one of up to three tries (encoding it in the NIF, or
+%% erlang:external_size/1, held the scheduler for 100 ms and more, every
+%% time). The list is a persistent term, so
 %% that no garbage collection of the caller copies it during the run. (Not
 %% for a BEAM with libasan preloaded and +Mea min, as in eunit-asan-dp:
 %% there term_to_binary/1 itself holds the scheduler some 40 ms for the
@@ -218,37 +219,51 @@ huge_term_is_refused_without_holding_the_scheduler(#{pool_node := PN}) ->
         Before = snapshot(ov_huge, PN),
         #{tells := T0, asks := A0} = actor_pool:oversized(),
         #{counters := #{too_large := Ring0}} = actor_pool_dp:info(),
-        Self = self(),
-        {Pid, MRef} =
-            spawn_monitor(fun() ->
-                              Sched = bind_scheduler(erlang:system_info(scheduler_id)),
-                              Ticker = start_ticker(Sched),
-                              Huge = persistent_term:get(Key),
-                              Ask = actor_pool:ask(ov_huge, Huge, 30000),
-                              Tell = actor_pool:tell(ov_huge, Huge),
-                              Self ! {huge, self(), Ask, Tell, stop_ticker(Ticker)}
-                          end),
-        receive
-            {huge, Pid, Ask, Tell, GapUs} ->
-                erlang:demonitor(MRef, [flush]),
-                ?assertEqual({error, {too_large, Size, ?MAX_MSG}}, Ask),
-                ?assertEqual(ok, Tell),
-                ?assertMatch(G when G < 50000, GapUs);
-            {'DOWN', MRef, process, Pid, Why} ->
-                error(Why)
-        after 120000 ->
-            error(huge_case_timeout)
-        end,
-        ?assertMatch(#{tells := T1, asks := A1} when T1 =:= T0 + 1 andalso A1 =:= A0 + 1,
+        %% Up to three tries: a vCPU the hypervisor takes away (steal,
+        %% 20-40% of the time on a busy host) stops the ticker as long
+        %% as a held scheduler would, but not on every try; a scheduler
+        %% the NIF holds does.
+        {Tries, GapUs} = huge_tries(Key, Size, 1),
+        ?assertMatch(G when G < 50000, GapUs),
+        ?assertMatch(#{tells := T1, asks := A1} when T1 =:= T0 + Tries andalso A1 =:= A0 + Tries,
                      actor_pool:oversized()),
         %% The ring refused both first; nothing reached the pool.
-        ?assertMatch(#{counters := #{too_large := Ring1}} when Ring1 =:= Ring0 + 2,
+        ?assertMatch(#{counters := #{too_large := Ring1}} when Ring1 =:= Ring0 + 2 * Tries,
                      actor_pool_dp:info()),
         ?assertEqual(Before, snapshot(ov_huge, PN))
     after
         _ = persistent_term:erase(Key)
     end,
     ok = actor_pool:stop_pool(ov_huge).
+
+%% The huge ask and tell from a process bound to its scheduler beside a
+%% ticker, tried again while the ticker was kept waiting 50 ms or more, up
+%% to three times: {tries, the last try's longest gap in us}.
+huge_tries(Key, Size, Try) ->
+    Self = self(),
+    {Pid, MRef} =
+        spawn_monitor(fun() ->
+                          Sched = bind_scheduler(erlang:system_info(scheduler_id)),
+                          Ticker = start_ticker(Sched),
+                          Huge = persistent_term:get(Key),
+                          Ask = actor_pool:ask(ov_huge, Huge, 30000),
+                          Tell = actor_pool:tell(ov_huge, Huge),
+                          Self ! {huge, self(), Ask, Tell, stop_ticker(Ticker)}
+                      end),
+    receive
+        {huge, Pid, Ask, Tell, GapUs} ->
+            erlang:demonitor(MRef, [flush]),
+            ?assertEqual({error, {too_large, Size, ?MAX_MSG}}, Ask),
+            ?assertEqual(ok, Tell),
+            case GapUs >= 50000 andalso Try < 3 of
+                true -> huge_tries(Key, Size, Try + 1);
+                false -> {Try, GapUs}
+            end;
+        {'DOWN', MRef, process, Pid, Why} ->
+            error(Why)
+    after 120000 ->
+        error(huge_case_timeout)
+    end.
 
 %% Just under the limit, by distribution, and a term whose cheap bound is
 %% over it while its exact size is not (atoms are bounded by their
