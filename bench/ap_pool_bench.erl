@@ -419,19 +419,18 @@ sample(F, Pools, Anchors) ->
                    end},
             {peer, maps:get(peer_os_pid, Anchors)}],
     C0 = [{K, cpu_of(K, P)} || {K, P} <- Pids],
-    H0 = host_cpu_us(),
-    St0 = host_steal_us(),
+    Ht0 = host_ticks(),
     T0 = erlang:monotonic_time(microsecond),
     {Values, N} = F(),
     Wall = erlang:monotonic_time(microsecond) - T0,
     C1 = [{K, cpu_of(K, P)} || {K, P} <- Pids],
-    H1 = host_cpu_us(),
-    St1 = host_steal_us(),
+    Ht1 = host_ticks(),
+    Host = sub(host_cpu_us(Ht1), host_cpu_us(Ht0)),
     Cpu = [{K, sub(B, A)} || {{K, A}, {K, B}} <- lists:zip(C0, C1)],
     Ours = lists:sum([X || {_, X} <- Cpu, is_number(X)]),
-    #{values => Values, n => N, wall => Wall, steal => sub(St1, St0),
+    #{values => Values, n => N, wall => Wall, steal => sub(host_steal_us(Ht1), host_steal_us(Ht0)),
       %% /proc counts in clock ticks: clamp the rounding below zero
-      cpu => Cpu ++ [{others, case sub(sub(H1, H0), Ours) of
+      cpu => Cpu ++ [{others, case sub(Host, Ours) of
                                   X when is_number(X) -> max(0, X);
                                   X -> X
                               end}]}.
@@ -797,14 +796,9 @@ clk_tck() ->
 proc_cpu_us(undefined) -> undefined;
 proc_cpu_us(none) -> 0;
 proc_cpu_us(OsPid) ->
-    case file:read_file("/proc/" ++ OsPid ++ "/stat") of
-        {ok, B} ->
-            %% fields after "(comm) ": state is field 3, utime 14, stime 15
-            [_, Rest] = string:split(B, ") ", trailing),
-            F = string:lexemes(Rest, " "),
-            (binary_to_integer(lists:nth(12, F)) + binary_to_integer(lists:nth(13, F)))
-                * 1000000 div clk_tck();
-        _ -> undefined
+    case stat_ticks(OsPid) of
+        {Own, _Reaped} -> Own * 1000000 div clk_tck();
+        undefined -> undefined
     end.
 
 %% A process's CPU time with that of its children: the live ones' (listed
@@ -836,36 +830,39 @@ children(OsPid, Tid) ->
 stat_ticks(OsPid) ->
     case file:read_file("/proc/" ++ OsPid ++ "/stat") of
         {ok, B} ->
+            %% fields after "(comm) ": state is field 3, utime 14, stime
+            %% 15, cutime 16, cstime 17
             [_, Rest] = string:split(B, ") ", trailing),
             [U, S, CU, CS] = [binary_to_integer(X) || X <- lists:sublist(string:lexemes(Rest, " "), 12, 4)],
             {U + S, CU + CS};
         _ -> undefined
     end.
 
-%% Time the hypervisor ran something else while this VM's CPUs wanted to
-%% run (steal, /proc/stat), all cores, in us: on a shared host it is what
-%% moves the figures from one run to the next.
-host_steal_us() ->
-    case file:read_file("/proc/stat") of
-        {ok, B} ->
-            [Line | _] = string:split(B, "\n"),
-            [<<"cpu">> | Fs] = string:lexemes(Line, " "),
-            case [binary_to_integer(X) || X <- Fs] of
-                [_, _, _, _, _, _, _, Steal | _] -> Steal * 1000000 div clk_tck();
-                _ -> undefined
-            end;
+%% Of host_ticks(): time the hypervisor ran something else while this VM's
+%% CPUs wanted to run (steal), all cores, in us: on a shared host it is what moves the
+%% figures from one run to the next.
+host_steal_us(Ticks) ->
+    case Ticks of
+        [_, _, _, _, _, _, _, Steal | _] -> Steal * 1000000 div clk_tck();
         _ -> undefined
     end.
 
-%% Busy CPU time of the whole host (all cores), in us.
-host_cpu_us() ->
+%% Of host_ticks(): busy CPU time of the whole host (all cores), in us.
+host_cpu_us(Ticks) ->
+    case Ticks of
+        [User, Nice, Sys, _Idle, _IoWait, Irq, SoftIrq | _] ->
+            (User + Nice + Sys + Irq + SoftIrq) * 1000000 div clk_tck();
+        _ -> undefined
+    end.
+
+%% The "cpu" line of /proc/stat, in clock ticks: user, nice, system, idle,
+%% iowait, irq, softirq, steal, ...; [] if unreadable.
+host_ticks() ->
     case file:read_file("/proc/stat") of
         {ok, B} ->
             [Line | _] = string:split(B, "\n"),
             [<<"cpu">> | Fs] = string:lexemes(Line, " "),
-            [User, Nice, Sys, _Idle, _IoWait, Irq, SoftIrq | _] =
-                [binary_to_integer(X) || X <- Fs],
-            (User + Nice + Sys + Irq + SoftIrq) * 1000000 div clk_tck();
-        _ -> undefined
+            [binary_to_integer(X) || X <- Fs];
+        _ -> []
     end.
 

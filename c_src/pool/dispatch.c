@@ -166,16 +166,18 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 		return;
 	}
 	int is_binary = msg_len >= 5 && (uint8_t)msg[0] == 109;
-	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
+	size_t body = ap_msg_body_len(msg_len, is_binary);
 	size_t head = by_dist ? p->scratch.len - head_start : 0;
 	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
-	/* Ring messages only: the budget is per ring drain (reset at its
-	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
-	 * through the loop's own queue, not from the loop itself. */
+	/* A ring tell to a worker process may need no job (isolate.c, bare
+	 * tells); its wake pass publishes it. */
 	if (rq->seg && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
 		ap_pool_wake_later(w, 0);
 		return;
 	}
+	/* Ring messages only: the budget is per ring drain (reset at its
+	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
+	 * through the loop's own queue, not from the loop itself. */
 	int inline_ok = rq->seg && ap_pool_can_inline(p, w, msg_len);
 	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
 	if (!j) {
@@ -199,12 +201,7 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	if (head)
 		memcpy(d, p->scratch.data + head_start, head);
 	d += head;
-	if (is_binary) {
-		memcpy(d, msg + 5, body);
-	} else {
-		d[0] = 131;
-		memcpy(d + 1, msg, (size_t)msg_len);
-	}
+	ap_msg_body_copy(d, msg, msg_len, is_binary);
 	d += body;
 	if (nodelen)
 		memcpy(d, rq->caller->node, nodelen);

@@ -409,15 +409,11 @@ void ap_iso_reclaim(ap_worker *w)
  * mailbox. */
 void ap_iso_wake(ap_worker *w, int always, int ask)
 {
-	if (!always && send_direct(w, 1))
-		return;
-	if (w->iso->loop_held) {
-		/* Not through send_direct: publish what this read wrote. */
-		ap_iso *s = w->iso;
-		if (s->bare_unpub)
-			(void)send_commit(s, 1, s->bare_unpub); /* a broken ring is seen by the next send */
-		s->loop_held = 0;
-		pthread_mutex_unlock(&s->send_mu);
+	/* Held by this read's bare tells, the channel is ours until
+	 * send_direct publishes them and lets it go, whoever is rung. */
+	if (!always || w->iso->loop_held) {
+		if (send_direct(w, 1) && !always)
+			return;
 	}
 	atomic_thread_fence(memory_order_seq_cst);
 	int want = atomic_load(&w->iso->want_jobs);
@@ -1243,31 +1239,23 @@ unsigned long long ap_iso_bare_rehydrated(void) { return __atomic_load_n(&bare_r
 int ap_iso_send_tell(ap_worker *w, const char *msg, int msg_len, int is_binary)
 {
 	ap_iso *s = w->iso;
-	size_t body = is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
-	if (w->pool->o.handler_timeout_ms || body > ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec))
-		return 0;
-	int held = s->loop_held;
-	if (!hold_channel(w))
+	size_t body = ap_msg_body_len(msg_len, is_binary);
+	if (w->pool->o.handler_timeout_ms || body > ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec) ||
+	    !hold_channel(w))
 		return 0;
 	void *rec;
 	if (s->bare_tail - s->bare_head >= ISO_BARE_MAX || s->sent_off ||
 	    atomic_load_explicit(&s->cursor->next, memory_order_acquire) ||
 	    ap_ring_reserve(&s->req, sizeof(struct iso_rec) + body, &rec)) {
-		/* Held since an earlier one: w is on the wake list already. */
-		if (!held)
-			pthread_mutex_unlock(&s->send_mu);
+		/* Kept if an earlier one of this read holds it: w is on the
+		 * wake list already. */
+		release_channel(s);
 		return 0;
 	}
 	s->loop_held = 1;
 	struct iso_rec h = { .seq = s->next_seq, .total = (uint32_t)body, .kind = REC_MSG, .b = (uint8_t)is_binary };
 	memcpy(rec, &h, sizeof h);
-	uint8_t *d = (uint8_t *)rec + sizeof h;
-	if (is_binary) {
-		memcpy(d, msg + 5, body);
-	} else {
-		d[0] = 131;
-		memcpy(d + 1, msg, (size_t)msg_len);
-	}
+	ap_msg_body_copy((uint8_t *)rec + sizeof h, msg, msg_len, is_binary);
 	s->bare[s->bare_tail % ISO_BARE_MAX] = (struct iso_bare){
 		.seq = s->next_seq, .rec_off = (uint32_t)((uint8_t *)rec - s->req.data), .len = (uint32_t)body
 	};

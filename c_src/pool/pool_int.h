@@ -24,6 +24,7 @@
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "pool.h"
 #include "pool_limits.h"
@@ -237,10 +238,28 @@ typedef struct ap_request {
 /* tag and msg are encoded terms without the 131 byte, each validated whole
  * by the ingress (the ap_term walk) over bytes it bounds: nothing here
  * checks them again. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
+/* A message as a handler gets it, from a request's msg (a term without
+ * its 131 byte): a binary's own bytes, after its 5-byte head, or 131 and
+ * the term. Its length, and the bytes written to d. */
+static inline size_t ap_msg_body_len(int msg_len, int is_binary)
+{
+	return is_binary ? (size_t)msg_len - 5 : (size_t)msg_len + 1;
+}
+
+static inline void ap_msg_body_copy(uint8_t *d, const char *msg, int msg_len, int is_binary)
+{
+	if (is_binary) {
+		memcpy(d, msg + 5, (size_t)msg_len - 5);
+	} else {
+		d[0] = 131;
+		memcpy(d + 1, msg, (size_t)msg_len);
+	}
+}
+
 /* w, on its pool's list for the wake pass at the end of this message or
  * read (ap_pool_wake_pushed); ask: an ask is among what it got. */
 void ap_pool_wake_later(ap_worker *w, int ask);
-void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
