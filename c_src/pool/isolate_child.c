@@ -5,6 +5,7 @@
  * but its own checks of the channel: a bad record ends the child.
  */
 #include <errno.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -19,6 +20,7 @@
 
 #include "ap_log.h"
 #include "ap_ring.h"
+#include "ap_skip.h"
 #include "handlers.h"
 #include "isolate_int.h"
 #include "pool_int.h"
@@ -157,6 +159,8 @@ int ap_iso_child_main(int argc, char **argv)
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	unsigned unreleased = 0; /* messages read and not given back to the ring */
+	int64_t last_ask_us = 0; /* when the last ask ended, until we next wait */
+	struct ap_skip poll_skip = { 0 };
 	for (;;) {
 		const void *p;
 		size_t len;
@@ -174,6 +178,28 @@ int ap_iso_child_main(int argc, char **argv)
 				if (ap_ring_readable(&req) == 1)
 					continue;
 				tell_proxy(&u);
+			}
+			/* After an ask, its caller's next ask (and the next
+			 * batch of 64 callers') is a round trip away: wait
+			 * for it, yielding the CPU to whoever wants it, for
+			 * ISO_ASK_POLL_US, rather than sleep at once and have
+			 * the loop wake us for it. On a VM that wake-up is a
+			 * hypervisor exit to run a halted vCPU again, and
+			 * under steal it waited 0.3-1 ms; 64 callers with the
+			 * poll, twelve rounds beside thread mode: 0.57-1.20x
+			 * of it (median 0.90) against 0.41-1.11x (0.75)
+			 * without. A window that ends with nothing makes the
+			 * next ones skip (ap_skip): a trickle sleeps. */
+			int64_t asked = last_ask_us;
+			last_ask_us = 0;
+			if (asked && ap_skip_wait(&poll_skip)) {
+				while (ap_mono_us() - asked < ISO_ASK_POLL_US && ap_ring_readable(&req) != 1)
+					sched_yield();
+				if (ap_ring_readable(&req) == 1) {
+					ap_skip_hit(&poll_skip);
+					continue;
+				}
+				ap_skip_miss(&poll_skip, ISO_ASK_POLL_SKIP_MAX);
 			}
 			/* Ok tells finished and not told: the pool node's loop
 			 * takes them off the mailbox when it sends us the next
@@ -272,6 +298,8 @@ int ap_iso_child_main(int argc, char **argv)
 		 * 30 tells of 1 ms waited for all of them (34 ms, against 2.3
 		 * ms in thread mode). Results with records ring before we sleep
 		 * (above). */
+		if (m.a)
+			last_ask_us = t1;
 		if (m.a && !u.ask)
 			u.ask_us = t1;
 		u.ask |= m.a;

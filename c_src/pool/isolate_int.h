@@ -37,6 +37,8 @@
 #define ISO_BARE_MAX 4096          /* tells in a request ring without a job, at most (isolate.c,
 				    * ap_iso_send_tell): about what 512 KiB holds of short ones */
 #define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
+#define ISO_ASK_POLL_US 250        /* after an ask, a child yields this long for the next message before it sleeps */
+#define ISO_ASK_POLL_SKIP_MAX 64   /* after windows that found nothing, at most this many waits skip theirs */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
