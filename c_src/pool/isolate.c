@@ -830,6 +830,14 @@ bad:
 
 /* ---- the proxy: sending ---------------------------------------------------- */
 
+/* Rings the child for what was published, with the time: the child
+ * measures its wake-ups against it (isolate.h, rang_us). */
+static int ring_child(ap_iso *s)
+{
+	atomic_store_explicit(&s->ctl->rang_us, ap_mono_us(), memory_order_relaxed);
+	return ap_ring_notify(&s->req);
+}
+
 /* Publishes what send_jobs wrote, and wakes a sleeping child for it,
  * except for tells: those are held back (published, not rung) for up to
  * ISO_HOLD_US or until ISO_RING_BATCH of them, and meanwhile the proxy
@@ -854,7 +862,7 @@ static int send_commit(ap_iso *s, int ask, unsigned n)
 			return 0;
 	}
 	s->unrung = 0;
-	return ap_ring_notify(&s->req) < 0 ? -1 : 0;
+	return ring_child(s) < 0 ? -1 : 0;
 }
 
 /* Rings the child for the tells held back, now. */
@@ -862,7 +870,7 @@ static void ring_held(ap_iso *s)
 {
 	if (s->unrung) {
 		s->unrung = 0;
-		(void)ap_ring_notify(&s->req); /* a broken ring is seen by the next send */
+		(void)ring_child(s); /* a broken ring is seen by the next send */
 	}
 }
 

@@ -78,6 +78,12 @@ struct iso_ctl {
 	 * ap_iso_take_direct). Its Dekker pair: the child publishes, fences,
 	 * loads this; the loop stores 0, fences, looks at the results. */
 	_Atomic uint32_t loop_looks;
+	/* When the pool node last rang the child for new messages (the loop
+	 * or the proxy; ap_mono_us): the child, woken, measures from it how
+	 * long its wake-ups take, and after an ask waits for the next one
+	 * awake only while they are slow (isolate_child.c, wake_slow). Only
+	 * the child believes it. */
+	_Atomic int64_t rang_us;
 };
 
 

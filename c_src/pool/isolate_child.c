@@ -161,6 +161,8 @@ int ap_iso_child_main(int argc, char **argv)
 	unsigned unreleased = 0; /* messages read and not given back to the ring */
 	int64_t last_ask_us = 0; /* when the last ask ended, until we next wait */
 	struct ap_skip poll_skip = { 0 };
+	int64_t wake_us64 = 0;   /* how long our wake-ups took lately, us x 64 */
+	unsigned gaps = 0;       /* waits after an ask */
 	for (;;) {
 		const void *p;
 		size_t len;
@@ -180,19 +182,23 @@ int ap_iso_child_main(int argc, char **argv)
 				tell_proxy(&u);
 			}
 			/* After an ask, its caller's next ask (and the next
-			 * batch of 64 callers') is a round trip away: wait
-			 * for it, yielding the CPU to whoever wants it, for
-			 * ISO_ASK_POLL_US, rather than sleep at once and have
-			 * the loop wake us for it. On a VM that wake-up is a
-			 * hypervisor exit to run a halted vCPU again, and
-			 * under steal it waited 0.3-1 ms; 64 callers with the
-			 * poll, twelve rounds beside thread mode: 0.57-1.20x
-			 * of it (median 0.90) against 0.41-1.11x (0.75)
-			 * without. A window that ends with nothing makes the
-			 * next ones skip (ap_skip): a trickle sleeps. */
+			 * batch of 64 callers') is a round trip away. While
+			 * our wake-ups are slow (ISO_WAKE_SLOW_US or more on
+			 * average: on a VM a wake-up is a hypervisor exit to
+			 * run a halted vCPU again, and under steal they took
+			 * 52 us on average, 5% of them 0.3-1 ms), wait for it
+			 * awake, yielding the CPU to whoever wants it, for
+			 * ISO_ASK_POLL_US, rather than sleep and have the loop
+			 * wake us for it. Every ISO_WAKE_SAMPLE-th wait sleeps
+			 * anyway, to keep measuring. While wake-ups are quick
+			 * the wait only burns CPU the BEAM wants (0.69-0.83x
+			 * thread mode against 0.83-0.94x without it, with 2-7%
+			 * steal), so then we sleep at once. A window that ends
+			 * with nothing makes the next ones skip (ap_skip). */
 			int64_t asked = last_ask_us;
 			last_ask_us = 0;
-			if (asked && ap_skip_wait(&poll_skip)) {
+			if (asked && wake_us64 >= ISO_WAKE_SLOW_US * 64 && ++gaps % ISO_WAKE_SAMPLE &&
+			    ap_skip_wait(&poll_skip)) {
 				while (ap_mono_us() - asked < ISO_ASK_POLL_US && ap_ring_readable(&req) != 1)
 					sched_yield();
 				if (ap_ring_readable(&req) == 1) {
@@ -207,6 +213,13 @@ int ap_iso_child_main(int argc, char **argv)
 			 * nobody for them. If none comes within ISO_DONE_WAIT_MS,
 			 * the proxy hears of them. */
 			int wr = ap_ring_wait(&req, ISO_SPIN, u.ok_tells ? ISO_DONE_WAIT_MS : -1);
+			if (wr == 0) {
+				/* A moving mean over about 64 wake-ups, each
+				 * counted up to 1 ms. */
+				int64_t took = ap_mono_us() - atomic_load_explicit(&cc->rang_us, memory_order_relaxed);
+				took = took < 0 ? 0 : took > 1000 ? 1000 : took;
+				wake_us64 += (took * 64 - wake_us64) / 64;
+			}
 			if (wr == 0 || ap_ring_readable(&req) == 1)
 				continue;
 			if (wr != -ETIMEDOUT)
