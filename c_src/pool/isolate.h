@@ -81,7 +81,7 @@ struct iso_ctl {
 	/* When the pool node last rang the child for new messages (the loop
 	 * or the proxy; ap_mono_us): the child, woken, measures from it how
 	 * long its wake-ups take, and after an ask waits for the next one
-	 * awake only while they are slow (isolate_child.c, wake_slow). Only
+	 * awake only while they are slow (isolate_child.c, ask_wait). Only
 	 * the child believes it. */
 	_Atomic int64_t rang_us;
 };

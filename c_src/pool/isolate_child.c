@@ -82,6 +82,51 @@ static void tell_proxy(struct untold *u)
 	ap_iso_bell(cc, 0);
 }
 
+/* The wait for the next ask awake (ask_wait): after an ask, its caller's
+ * next ask (and the next batch of 64 callers') is a round trip away. While
+ * our wake-ups are slow (ISO_WAKE_SLOW_US or more on average: on a VM a
+ * wake-up is a hypervisor exit to run a halted vCPU again, and under steal
+ * they took 52 us on average, 5% of them 0.3-1 ms), we wait for it awake,
+ * yielding the CPU to whoever wants it, for ISO_ASK_POLL_US, rather than
+ * sleep and have the pool node wake us. While they are quick, the wait
+ * only burnt CPU the BEAM wanted, so then we sleep at once. Every
+ * ISO_WAKE_SAMPLE-th wait sleeps anyway, to keep measuring; a wait that
+ * ends with nothing makes the next ones skip (ap_skip). Numbers in
+ * docs/stateless-workers.md, "Isolation". */
+struct ask_wait {
+	int64_t asked_us;  /* when the last ask ended, until the next wait */
+	int64_t wake_us64; /* how long our wake-ups took lately: a mean over about 64, us x 64 */
+	unsigned waits;
+	struct ap_skip skip;
+};
+
+/* Caught up: 1 if the next message came while we waited awake. */
+static int ask_wait(struct ask_wait *a, struct ap_ring *req)
+{
+	int64_t asked = a->asked_us;
+	a->asked_us = 0;
+	if (!asked || a->wake_us64 < ISO_WAKE_SLOW_US * 64 || ++a->waits % ISO_WAKE_SAMPLE == 0 ||
+	    !ap_skip_wait(&a->skip))
+		return 0;
+	while (ap_mono_us() - asked < ISO_ASK_POLL_US && ap_ring_readable(req) != 1)
+		sched_yield();
+	if (ap_ring_readable(req) == 1) {
+		ap_skip_hit(&a->skip);
+		return 1;
+	}
+	ap_skip_miss(&a->skip, ISO_ASK_POLL_SKIP_MAX);
+	return 0;
+}
+
+/* Woken (or found work while spinning): how long since the pool node
+ * rang, each counted up to 1 ms. */
+static void ask_wait_woken(struct ask_wait *a)
+{
+	int64_t took = ap_mono_us() - atomic_load_explicit(&cc->rang_us, memory_order_relaxed);
+	took = took < 0 ? 0 : took > 1000 ? 1000 : took;
+	a->wake_us64 += (took * 64 - a->wake_us64) / 64;
+}
+
 int ap_iso_child_main(int argc, char **argv)
 {
 	/* Die with the proxy thread that started us; if it is gone already,
@@ -159,10 +204,7 @@ int ap_iso_child_main(int argc, char **argv)
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	unsigned unreleased = 0; /* messages read and not given back to the ring */
-	int64_t last_ask_us = 0; /* when the last ask ended, until we next wait */
-	struct ap_skip poll_skip = { 0 };
-	int64_t wake_us64 = 0;   /* how long our wake-ups took lately, us x 64 */
-	unsigned gaps = 0;       /* waits after an ask */
+	struct ask_wait aw = { 0 };
 	for (;;) {
 		const void *p;
 		size_t len;
@@ -181,45 +223,16 @@ int ap_iso_child_main(int argc, char **argv)
 					continue;
 				tell_proxy(&u);
 			}
-			/* After an ask, its caller's next ask (and the next
-			 * batch of 64 callers') is a round trip away. While
-			 * our wake-ups are slow (ISO_WAKE_SLOW_US or more on
-			 * average: on a VM a wake-up is a hypervisor exit to
-			 * run a halted vCPU again, and under steal they took
-			 * 52 us on average, 5% of them 0.3-1 ms), wait for it
-			 * awake, yielding the CPU to whoever wants it, for
-			 * ISO_ASK_POLL_US, rather than sleep and have the loop
-			 * wake us for it. Every ISO_WAKE_SAMPLE-th wait sleeps
-			 * anyway, to keep measuring. While wake-ups are quick
-			 * the wait only burns CPU the BEAM wants (0.69-0.83x
-			 * thread mode against 0.83-0.94x without it, with 2-7%
-			 * steal), so then we sleep at once. A window that ends
-			 * with nothing makes the next ones skip (ap_skip). */
-			int64_t asked = last_ask_us;
-			last_ask_us = 0;
-			if (asked && wake_us64 >= ISO_WAKE_SLOW_US * 64 && ++gaps % ISO_WAKE_SAMPLE &&
-			    ap_skip_wait(&poll_skip)) {
-				while (ap_mono_us() - asked < ISO_ASK_POLL_US && ap_ring_readable(&req) != 1)
-					sched_yield();
-				if (ap_ring_readable(&req) == 1) {
-					ap_skip_hit(&poll_skip);
-					continue;
-				}
-				ap_skip_miss(&poll_skip, ISO_ASK_POLL_SKIP_MAX);
-			}
+			if (ask_wait(&aw, &req))
+				continue;
 			/* Ok tells finished and not told: the pool node's loop
 			 * takes them off the mailbox when it sends us the next
 			 * message (send_direct), so a stream of tells wakes
 			 * nobody for them. If none comes within ISO_DONE_WAIT_MS,
 			 * the proxy hears of them. */
 			int wr = ap_ring_wait(&req, ISO_SPIN, u.ok_tells ? ISO_DONE_WAIT_MS : -1);
-			if (wr == 0) {
-				/* A moving mean over about 64 wake-ups, each
-				 * counted up to 1 ms. */
-				int64_t took = ap_mono_us() - atomic_load_explicit(&cc->rang_us, memory_order_relaxed);
-				took = took < 0 ? 0 : took > 1000 ? 1000 : took;
-				wake_us64 += (took * 64 - wake_us64) / 64;
-			}
+			if (wr == 0)
+				ask_wait_woken(&aw);
 			if (wr == 0 || ap_ring_readable(&req) == 1)
 				continue;
 			if (wr != -ETIMEDOUT)
@@ -312,7 +325,7 @@ int ap_iso_child_main(int argc, char **argv)
 		 * ms in thread mode). Results with records ring before we sleep
 		 * (above). */
 		if (m.a)
-			last_ask_us = t1;
+			aw.asked_us = t1;
 		if (m.a && !u.ask)
 			u.ask_us = t1;
 		u.ask |= m.a;
