@@ -839,21 +839,15 @@ stat_ticks(OsPid) ->
     end.
 
 %% Of host_ticks(): time the hypervisor ran something else while this VM's
-%% CPUs wanted to run (steal), all cores, in us: on a shared host it is what moves the
-%% figures from one run to the next.
-host_steal_us(Ticks) ->
-    case Ticks of
-        [_, _, _, _, _, _, _, Steal | _] -> Steal * 1000000 div clk_tck();
-        _ -> undefined
-    end.
+%% CPUs wanted to run (steal), all cores, in us: on a shared host it is
+%% what moves the figures from one run to the next.
+host_steal_us([_, _, _, _, _, _, _, Steal | _]) -> Steal * 1000000 div clk_tck();
+host_steal_us(_) -> undefined.
 
 %% Of host_ticks(): busy CPU time of the whole host (all cores), in us.
-host_cpu_us(Ticks) ->
-    case Ticks of
-        [User, Nice, Sys, _Idle, _IoWait, Irq, SoftIrq | _] ->
-            (User + Nice + Sys + Irq + SoftIrq) * 1000000 div clk_tck();
-        _ -> undefined
-    end.
+host_cpu_us([User, Nice, Sys, _Idle, _IoWait, Irq, SoftIrq | _]) ->
+    (User + Nice + Sys + Irq + SoftIrq) * 1000000 div clk_tck();
+host_cpu_us(_) -> undefined.
 
 %% The "cpu" line of /proc/stat, in clock ticks: user, nice, system, idle,
 %% iowait, irq, softirq, steal, ...; [] if unreadable.
