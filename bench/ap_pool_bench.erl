@@ -170,8 +170,14 @@ start_pools(#{workers := W}) ->
     JsonD = start_pool(ap_bench_json_dist_pool, json_validate, Slow),
     %% Issue 15: the same echo pool with its workers in processes.
     EchoP = start_pool(ap_bench_echo_proc_pool, echo, Opts#{isolation => process}),
+    %% And a plugin that echoes, in both modes: a plugin never runs on the
+    %% pool node's loop, so its thread mode hands every message to a worker
+    %% thread, where the built-in echo's is answered on the loop itself.
+    Plugin = {plugin, ap_support:test_bin("plugin_crash.so")},
+    PlugT = start_pool(ap_bench_plugin_pool, Plugin, Opts#{isolation => thread}),
+    PlugP = start_pool(ap_bench_plugin_proc_pool, Plugin, Opts#{isolation => process}),
     #{echo => Echo, json => Json, echo_dist => EchoD, json_dist => JsonD, echo_proc => EchoP,
-      pool_os_pid => pool_node_os_pid(Echo)}.
+      plugin => PlugT, plugin_proc => PlugP, pool_os_pid => pool_node_os_pid(Echo)}.
 
 start_pool(Name, Handler, Opts) ->
     case actor_pool:start_pool(Name, Handler, Opts) of
@@ -190,7 +196,7 @@ start_pool(Name, Handler, Opts) ->
 
 stop_pools(Pools) ->
     maps:foreach(
-      fun(K, Pool) when K =:= echo; K =:= json; K =:= echo_dist; K =:= json_dist; K =:= echo_proc ->
+      fun(_, Pool) when is_pid(Pool) ->
               case catch actor_pool:stop_pool(Pool) of
                   ok -> ok;
                   Other -> io:format("warning: actor_pool:stop_pool(~p): ~p~n", [Pool, Other])
@@ -226,6 +232,8 @@ bench(Cfg, Pools, Anchors) ->
     EchoD = maps:get(echo_dist, Pools, undefined),
     JsonD = maps:get(json_dist, Pools, undefined),
     EchoP = maps:get(echo_proc, Pools, undefined),
+    PlugT = maps:get(plugin, Pools, undefined),
+    PlugP = maps:get(plugin_proc, Pools, undefined),
     P = ?PAYLOAD,
     PoolSeen = fun() -> pool_processed(Echo) end,
     PoolSeenD = fun() -> pool_processed(EchoD) end,
@@ -241,6 +249,8 @@ bench(Cfg, Pools, Anchors) ->
          {pool_bang, fun() -> tells(ATells, fun(Pl) -> Echo ! Pl end, PoolSeen) end},
          {ap_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(Echo, P) end) end},
          {iso_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(EchoP, P) end) end},
+         {pl_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(PlugT, P) end) end},
+         {pli_ask64, fun() -> asks(Asks, fun(_) -> {ok, P} = actor_pool:ask(PlugP, P) end) end},
          {pool_call64, fun() -> asks(Asks, fun(_) -> {ok, P} = gen_server:call(Echo, P) end) end},
          {ap_json64, fun() -> asks(JAsks, fun(I) -> {ok, ok} = actor_pool:ask(Json, doc(Docs, I)) end) end},
          {apd_tell, fun() -> tells(Tells, fun(Pl) -> actor_pool:tell(EchoD, Pl) end, PoolSeenD) end},
@@ -366,6 +376,9 @@ bench(Cfg, Pools, Anchors) ->
          {"#15 echo ask, 64 callers (asks/s)", V(iso_ask64, rate),
           [{"same pool, isolation => thread", V(ap_ask64, rate)}],
           "ratio >= 0.8", fun(A, [B]) -> A >= 0.8 * B end},
+         {"#15 plugin echo ask, 64 callers (asks/s)", V(pli_ask64, rate),
+          [{"same plugin, isolation => thread", V(pl_ask64, rate)}],
+          "", none},
          {"#15 worker SIGSEGV to serving again p50 (ms)", V(iso_restart, p50),
           [{"thread mode: the pool node dies", undefined}],
           "<= 20 ms (first crash)", {absolute, fun(A) -> A =< 20 end}},
@@ -525,7 +538,7 @@ restarts(N) ->
 %% cells and its anchors; a cell not named here runs last.
 interleave(Cells) ->
     Order = [ap_tell, iso_tell, vm_tell, pool_bang, peer_tell,
-             ap_ask64, iso_ask64, vm_ask64, pool_call64, peer_ask64,
+             ap_ask64, iso_ask64, pl_ask64, pli_ask64, vm_ask64, pool_call64, peer_ask64,
              ap_json64, erlpool_json64, poolboy_json64,
              apd_tell, apd_ask64, apd_json64, lone, iso_restart],
     [C || K <- Order, {K1, _} = C <- Cells, K1 =:= K]
@@ -718,7 +731,8 @@ steal_pct(L) ->
 %% round; the ratio of each round shows how much of a row's ratio is the
 %% host's drift. For reading only: the rows above are what is judged.
 print_pairs(Samples) ->
-    Pairs = [{"#15 tells", iso_tell, ap_tell}, {"#15 asks", iso_ask64, ap_ask64}],
+    Pairs = [{"#15 tells", iso_tell, ap_tell}, {"#15 asks", iso_ask64, ap_ask64},
+             {"#15 plugin asks", pli_ask64, pl_ask64}],
     lists:foreach(
       fun({Name, P, T}) ->
               case {maps:get(P, Samples, []), maps:get(T, Samples, [])} of
