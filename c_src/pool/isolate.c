@@ -526,9 +526,11 @@ static void iso_kill(ap_iso *s)
 
 /* The environment of a worker process. Under ASan, a crash must stay the
  * crash (not ASan's report and exit 1), and ASan's shadow memory rules out
- * RLIMIT_DATA, so its own RSS limit stands in for max_memory_mb: the soft
+ * RLIMIT_DATA, so its own limits stand in for max_memory_mb: the soft RSS
  * one, past which malloc returns NULL as it does under RLIMIT_DATA (the hard
- * one exits 1 instead, a different crash from the same handler). */
+ * one exits 1 instead, a different crash from the same handler), and the
+ * largest single allocation, which RLIMIT_DATA refuses at once where the
+ * RSS limit is only checked now and then. */
 static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 {
 #ifdef ISO_ASAN
@@ -548,8 +550,9 @@ static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 	}
 	int mb = w->pool->o.max_memory_mb;
 	snprintf(asan, asan_len, "ASAN_OPTIONS=%s%shandle_segv=0:handle_abort=0:handle_sigbus=0:handle_sigfpe=0:"
-		 "handle_sigill=0:detect_leaks=0:allocator_may_return_null=1:soft_rss_limit_mb=%d",
-		 old, *old ? ":" : "", mb);
+		 "handle_sigill=0:detect_leaks=0:allocator_may_return_null=1:soft_rss_limit_mb=%d:"
+		 "max_allocation_size_mb=%d",
+		 old, *old ? ":" : "", mb, mb);
 	env[k++] = asan;
 	env[k] = NULL;
 	return env;
