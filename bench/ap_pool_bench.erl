@@ -173,11 +173,14 @@ start_pools(#{workers := W}) ->
     %% And a plugin that echoes, in both modes: a plugin never runs on the
     %% pool node's loop, so its thread mode hands every message to a worker
     %% thread, where the built-in echo's is answered on the loop itself.
-    Plugin = {plugin, ap_support:test_bin("plugin_crash.so")},
-    PlugT = start_pool(ap_bench_plugin_pool, Plugin, Opts#{isolation => thread}),
-    PlugP = start_pool(ap_bench_plugin_proc_pool, Plugin, Opts#{isolation => process}),
+    PlugT = start_pool(ap_bench_plugin_pool, crash_plugin(), Opts#{isolation => thread}),
+    PlugP = start_pool(ap_bench_plugin_proc_pool, crash_plugin(), Opts#{isolation => process}),
     #{echo => Echo, json => Json, echo_dist => EchoD, json_dist => JsonD, echo_proc => EchoP,
       plugin => PlugT, plugin_proc => PlugP, pool_os_pid => pool_node_os_pid(Echo)}.
+
+%% The test plugin that echoes what it is not told to do otherwise (and
+%% crashes on request: the restart cell).
+crash_plugin() -> {plugin, ap_support:test_bin("plugin_crash.so")}.
 
 start_pool(Name, Handler, Opts) ->
     case actor_pool:start_pool(Name, Handler, Opts) of
@@ -516,8 +519,7 @@ ask_n(Ask, I, N) -> Ask(I), ask_n(Ask, I + 1, N - 1).
 %% for the replacement. From before the killing ask, so detecting the death
 %% counts too.
 restarts(N) ->
-    Plugin = ap_support:test_bin("plugin_crash.so"),
-    {ok, Pool} = actor_pool:start_pool(ap_bench_restart_pool, {plugin, Plugin},
+    {ok, Pool} = actor_pool:start_pool(ap_bench_restart_pool, crash_plugin(),
                                        #{workers => 1, isolation => process, stable_ms => 0,
                                          backoff => #{min_ms => 1, max_ms => 1, jitter => 0}}),
     try
