@@ -244,8 +244,9 @@ oversized() ->
 %% and `iso_bare_rehydrated' (those of them made jobs again because their
 %% worker process died first), `iso_loop_waits' (ask naps
 %% before which the loop waited for its worker processes' answers and
-%% caught them all) and `iso_loop_waits_missed' (such waits that ran
-%% out). See docs/operations.md.
+%% caught them all), `iso_loop_waits_missed' (such waits that ran
+%% out) and `iso_follows' (how often its live worker processes with quick
+%% handlers moved to the loop's CPU). See docs/operations.md.
 %% `{error, Reason}' when it cannot be reached, or (`unknown_request') is
 %% older than this call.
 -spec node_stats(node()) -> #{atom() => term()} | {error, term()}.

@@ -20,7 +20,7 @@
 -module(actor_pool_isolation_tests).
 
 -import(ap_test_util, [with_pool/4, crash_plugin/0]).
--import(ap_support, [wait_until/2, os_pid_alive/1]).
+-import(ap_support, [poll/3, wait_until/2, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
 
@@ -44,6 +44,7 @@
          every_ask_answered_once_and_tells_add_up/1,
          loop_answers_worker_processes_under_ring_traffic/1,
          loop_waits_for_worker_process_answers_before_it_naps/1,
+         worker_processes_with_quick_asks_follow_the_loop/1,
          stop_pool_leaves_no_worker_process/1,
          stop_pool_answers_queued_asks_stopped_in_both_modes/1,
          stop_pool_while_starting_answers_stopped_in_both_modes/1,
@@ -83,6 +84,7 @@ actor_pool_isolation_test_() ->
                  every_ask_answered_once_and_tells_add_up,
                  loop_answers_worker_processes_under_ring_traffic,
                  loop_waits_for_worker_process_answers_before_it_naps,
+                 worker_processes_with_quick_asks_follow_the_loop,
                  stop_pool_leaves_no_worker_process,
                  stop_pool_answers_queued_asks_stopped_in_both_modes,
                  stop_pool_while_starting_answers_stopped_in_both_modes,
@@ -617,6 +619,72 @@ loop_waits_for_worker_process_answers_before_it_naps(#{pool_node := N}) ->
         ?assert(W2 - W0 + M1 - M0 =< A2 - A0, {W0, M0, A0, W2, M1, A2}),
         ?assertEqual([], flush_mailbox())
     end).
+
+%% A worker process whose handlers are quick moves, after an ask, to the
+%% CPU its pool node's loop runs on (node_stats' `iso_follows'), and hands
+%% itself back the CPUs it started with (the pool node's), however it was
+%% pinned from outside meanwhile. Each round pins both processes to a CPU
+%% the loop is not on as the round starts, and runs 16 callers of asks;
+%% rounds go on until both came back to the pool node's CPUs (a deadline:
+%% the loop may move to their CPU first). On a host of one CPU there is
+%% nowhere to move: the count stays and the masks are never touched.
+worker_processes_with_quick_asks_follow_the_loop(#{pool_node := N}) ->
+    with_pool(?FUNCTION_NAME, echo, #{workers => 2, isolation => process}, fun(P) ->
+        Pids = os_pids(stats_when(P, fun all_running/1)),
+        NodePid = node_os_pid(),
+        NodeCpus = cpus_allowed(NodePid),
+        #{iso_follows := F0} = actor_pool:node_stats(N),
+        Round = fun(R) ->
+            Oks = in_parallel(16, fun(C) -> [actor_pool:ask(P, {R, C, I}, ?ASK_MS) =:= {ok, {R, C, I}}
+                                             || I <- lists:seq(1, 200)] end),
+            ?assertEqual([], [X || X <- lists:append(Oks), X =/= true])
+        end,
+        case NodeCpus of
+            [_] ->
+                [Round(R) || R <- lists:seq(1, 3)],
+                ?assertMatch(#{iso_follows := F0}, actor_pool:node_stats(N)),
+                ?assertEqual([NodeCpus, NodeCpus], [cpus_allowed(Pid) || Pid <- Pids]);
+            _ ->
+                Deadline = erlang:monotonic_time(millisecond) + 30000,
+                Back = follow_rounds(Pids, NodePid, NodeCpus, Round, 1, Deadline),
+                ?assert(Back, {not_back, [cpus_allowed(Pid) || Pid <- Pids], NodeCpus}),
+                #{iso_follows := F1} = actor_pool:node_stats(N),
+                ?assert(F1 >= F0 + length(Pids), {iso_follows, F0, F1})
+        end,
+        ?assertMatch(#{crashes := 0}, actor_pool:stats(P)),
+        ?assertEqual(Pids, os_pids(actor_pool:stats(P)))
+    end).
+
+follow_rounds(Pids, NodePid, NodeCpus, Round, R, Deadline) ->
+    Away = hd(NodeCpus -- [on_cpu(NodePid)]),
+    [pin(Pid, Away) || Pid <- Pids],
+    Round(R),
+    Back = fun() -> lists:all(fun(Pid) -> cpus_allowed(Pid) =:= NodeCpus end, Pids) end,
+    case poll(Back, fun(B) -> B end, 1000) of
+        {ok, true} -> true;
+        {timeout, false} ->
+            erlang:monotonic_time(millisecond) < Deadline
+                andalso follow_rounds(Pids, NodePid, NodeCpus, Round, R + 1, Deadline)
+    end.
+
+%% The CPUs an OS process may run on (its main thread's), sorted.
+cpus_allowed(OsPid) ->
+    {ok, B} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/status"),
+    {match, [L]} = re:run(B, "Cpus_allowed_list:\\s*(\\S+)", [{capture, all_but_first, list}]),
+    lists:usort(lists:append([case string:split(Part, "-") of
+                                  [A, Z] -> lists:seq(list_to_integer(A), list_to_integer(Z));
+                                  [A] -> [list_to_integer(A)]
+                              end || Part <- string:split(L, ",", all)])).
+
+%% The CPU an OS process's main thread (the pool node's loop) last ran on.
+on_cpu(OsPid) ->
+    {ok, B} = file:read_file("/proc/" ++ integer_to_list(OsPid) ++ "/stat"),
+    [_, Rest] = binary:split(B, <<") ">>),
+    list_to_integer(lists:nth(37, string:lexemes(binary_to_list(Rest), " "))).
+
+pin(OsPid, Cpu) ->
+    Out = os:cmd("taskset -p -c " ++ integer_to_list(Cpu) ++ " " ++ integer_to_list(OsPid)),
+    ?assertMatch({match, _}, re:run(Out, "new affinity list: " ++ integer_to_list(Cpu)), Out).
 
 %% Fun(R) for rounds R = 1, 2, ... until node N's node_stats counter Key
 %% is over From, or 30 s have passed (a deadline, not a count of rounds: on

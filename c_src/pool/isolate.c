@@ -154,6 +154,7 @@ int ap_iso_slot_init(ap_worker *w)
 	l->max_memory_mb = p->o.max_memory_mb;
 	l->layout_timeout = p->o.handler_timeout_ms > 0;
 	l->worker = (uint32_t)w->id;
+	l->workers = (uint32_t)p->o.workers;
 	atomic_init(&s->pidfd, -1);
 	pthread_mutex_init(&s->send_mu, NULL);
 	w->iso = s;
@@ -343,9 +344,11 @@ static unsigned long long loop_results;
 
 unsigned long long ap_iso_loop_results(void) { return __atomic_load_n(&loop_results, __ATOMIC_RELAXED); }
 
-int ap_iso_take_direct(ap_worker *w, int looks)
+int ap_iso_take_direct(ap_worker *w, int looks, int cpu)
 {
 	ap_iso *s = w->iso;
+	if (looks && atomic_load_explicit(&s->ctl->loop_cpu, memory_order_relaxed) != cpu)
+		atomic_store_explicit(&s->ctl->loop_cpu, cpu, memory_order_relaxed);
 	/* Read back rather than remembered: a new child's channel starts
 	 * at 0 (iso_spawn), and a child that writes the word only makes
 	 * itself wait (for our next pass, or its proxy's idle look). */
@@ -394,6 +397,12 @@ int ap_iso_take_direct(ap_worker *w, int looks)
 	if (took)
 		__atomic_store_n(&loop_results, loop_results + (unsigned)took, __ATOMIC_RELAXED);
 	return (took > 0 ? AP_ISO_TOOK : 0) | (out ? AP_ISO_ASKS_OUT : 0) | (leave ? AP_ISO_PROXY : 0);
+}
+
+unsigned ap_iso_follows(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	return atomic_load(&s->pidfd) >= 0 ? atomic_load_explicit(&s->ctl->follows, memory_order_relaxed) : 0;
 }
 
 void ap_iso_reclaim(ap_worker *w)
@@ -574,6 +583,7 @@ static int iso_spawn(ap_worker *w)
 	 * it could have scribbled on is written again, from our own copies. */
 	memset(c, 0, ISO_CTL_SIZE);
 	memcpy(c, l, offsetof(struct iso_ctl, init_state));
+	atomic_store(&c->loop_cpu, -1);
 	memcpy(mem + l->spec_off, p->spec, l->spec_len);
 	if (l->cfg_len)
 		memcpy(mem + l->cfg_off, p->config, l->cfg_len);

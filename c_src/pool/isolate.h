@@ -52,13 +52,15 @@ struct iso_ctl {
 	int32_t max_memory_mb;
 	uint32_t worker;
 	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
-	uint8_t pad0[64 - 56];
+	uint32_t workers;        /* the pool's worker count (isolate_child.c, follow_loop) */
+	uint8_t pad0[64 - 60];
 	/* the child's */
 	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
 	int32_t init_rc;
 	_Atomic uint64_t running_seq;     /* the message being handled, 0: none */
 	_Atomic int64_t running_since_ms; /* CLOCK_MONOTONIC */
-	uint8_t pad1[64 - 24];
+	_Atomic uint32_t follows;         /* its moves to the loop's CPU (node_stats; the child's word for it) */
+	uint8_t pad1[64 - 28];
 	/* The last message finished. A tell that ran with status ok writes
 	 * no result record: this word says it is done (stored after the
 	 * records of every message before it were published). A line of its
@@ -84,6 +86,10 @@ struct iso_ctl {
 	 * awake only while they are slow (isolate_child.c, ask_wait). Only
 	 * the child believes it. */
 	_Atomic int64_t rang_us;
+	/* The CPU the loop last ran on while it looked at our results
+	 * (loop_looks), -1 before: a child whose asks are quick moves there
+	 * (isolate_child.c, follow_loop). Only the child believes it. */
+	_Atomic int32_t loop_cpu;
 };
 
 
@@ -116,9 +122,12 @@ void ap_iso_reclaim(struct ap_worker *w);
  * holds an ask the loop sent it (the loop may wait for it: iso_await in
  * ring_ingress.c), AP_ISO_PROXY if the proxy is awake or was left
  * something to send; the flags are pool_int.h's. */
-int ap_iso_take_direct(struct ap_worker *w, int looks);
+int ap_iso_take_direct(struct ap_worker *w, int looks, int cpu);
 /* How many results the loop answered so far (node_stats). */
 unsigned long long ap_iso_loop_results(void);
+/* Loop thread: how often w's live worker process moved to the loop's CPU
+ * (isolate_child.c, follow_loop); 0 without one. */
+unsigned ap_iso_follows(struct ap_worker *w);
 
 /* Loop thread: a tell from a same-host ring straight into w's worker
  * process's request ring, with no job (1), or 0: make a job as before. The

@@ -118,6 +118,71 @@ static int ask_wait(struct ask_wait *a, struct ap_ring *req)
 	return 0;
 }
 
+/* Following the loop: a child whose handlers are quick spends its time
+ * on the hop (taking a message in, writing its answer, waiting for the
+ * next), not on the work. Where the loop that feeds it runs makes the
+ * difference: on the loop's CPU it runs while the loop waits for its
+ * answers (iso_await) and wakes nobody; on another CPU it competes with
+ * whatever runs there (the BEAM, on a small host) and each hand-over
+ * crosses CPUs. 64 callers of echo asks, 2 vCPUs, epoll, one phase of
+ * the host: 217-223K asks/s with the pool node held on one CPU, 140-152K
+ * placed by the scheduler (docs/stateless-workers.md, "Isolation"). The
+ * scheduler places us by load, not by who feeds whom, so after an ask we
+ * move to the loop's CPU ourselves (pin there, then hand back our whole
+ * mask: the move stays until the scheduler balances us away again).
+ * Only while the pool's
+ * handlers are quick: while all its workers' handlers together would
+ * take half a CPU or more (this child's handler time over the last
+ * window, times the pool's workers, times two), one CPU would hold them
+ * back, and the scheduler spreads them as it will. When the scheduler
+ * moves us away again soon after a move (that CPU is busy: other pools'
+ * children follow the same loop), the next move waits twice as long, up
+ * to ISO_FOLLOW_MAX_MS, so the two do not pull us to and fro. */
+struct follow {
+	cpu_set_t mask; /* ours at start: the CPUs the pool node may use */
+	int ok;         /* more than one of them */
+	int quick;      /* the last window's verdict */
+	int64_t win_us, busy_us, moved_us;
+	int64_t gap_us; /* between moves, at least */
+};
+
+static void follow_init(struct follow *f)
+{
+	f->ok = sched_getaffinity(0, sizeof f->mask, &f->mask) == 0 && CPU_COUNT(&f->mask) > 1;
+	f->gap_us = ISO_FOLLOW_MS * 1000;
+}
+
+/* After an ask that ended at now (monotonic us), caught up. */
+static void follow_loop(struct follow *f, int64_t now)
+{
+	if (!f->ok)
+		return;
+	if (now - f->win_us >= ISO_FOLLOW_WINDOW_US) {
+		int64_t n = cc->workers ? cc->workers : 1;
+		f->quick = f->win_us && f->busy_us * n * 2 < now - f->win_us;
+		f->win_us = now;
+		f->busy_us = 0;
+	}
+	if (!f->quick || now - f->moved_us < f->gap_us)
+		return;
+	int cpu = atomic_load_explicit(&cc->loop_cpu, memory_order_relaxed);
+	if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &f->mask) || sched_getcpu() == cpu)
+		return;
+	/* Moved away within four gaps of our last move: wait longer. */
+	if (f->moved_us && now - f->moved_us < 4 * f->gap_us)
+		f->gap_us = f->gap_us * 2 > ISO_FOLLOW_MAX_MS * 1000 ? ISO_FOLLOW_MAX_MS * 1000 : f->gap_us * 2;
+	else
+		f->gap_us = ISO_FOLLOW_MS * 1000;
+	cpu_set_t one;
+	CPU_ZERO(&one);
+	CPU_SET(cpu, &one);
+	f->moved_us = now;
+	if (sched_setaffinity(0, sizeof one, &one) == 0) {
+		(void)sched_setaffinity(0, sizeof f->mask, &f->mask);
+		atomic_fetch_add_explicit(&cc->follows, 1, memory_order_relaxed);
+	}
+}
+
 /* Woken (or found work while spinning): how long since the pool node
  * rang, each counted up to 1 ms. */
 static void ask_wait_woken(struct ask_wait *a)
@@ -205,6 +270,8 @@ int ap_iso_child_main(int argc, char **argv)
 	uint64_t big_seq = 0;
 	unsigned unreleased = 0; /* messages read and not given back to the ring */
 	struct ask_wait aw = { 0 };
+	struct follow fl = { 0 };
+	follow_init(&fl);
 	for (;;) {
 		const void *p;
 		size_t len;
@@ -223,6 +290,8 @@ int ap_iso_child_main(int argc, char **argv)
 					continue;
 				tell_proxy(&u);
 			}
+			if (aw.asked_us)
+				follow_loop(&fl, aw.asked_us);
 			if (ask_wait(&aw, &req))
 				continue;
 			/* Ok tells finished and not told: the pool node's loop
@@ -296,6 +365,8 @@ int ap_iso_child_main(int argc, char **argv)
 		}
 		if (m.a || u.ask)
 			t1 = ap_mono_us();
+		if (t0)
+			fl.busy_us += t1 - t0;
 		/* A tell that went well has no result to say: done_seq
 		 * covers it, and neither side touches a record for it. */
 		int recorded = m.a || rs != AP_HANDLER_OK || not_run;

@@ -41,6 +41,9 @@
 #define ISO_ASK_POLL_SKIP_MAX 64   /* after windows that found nothing, at most this many waits skip theirs */
 #define ISO_WAKE_SLOW_US 40        /* with its wake-ups this late on average, a child waits for asks awake */
 #define ISO_WAKE_SAMPLE 32         /* every this many such waits it sleeps, to measure a wake-up */
+#define ISO_FOLLOW_WINDOW_US 10000 /* a child weighs its handlers' time over windows this long (follow_loop) */
+#define ISO_FOLLOW_MS 10           /* and moves to the loop's CPU at most this often, */
+#define ISO_FOLLOW_MAX_MS 1000     /* or this often while the scheduler keeps moving it away */
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */

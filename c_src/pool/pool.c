@@ -724,14 +724,27 @@ int ap_pool_watch_children(ap_node *n)
 int ap_pool_iso_take_all(int looks)
 {
 	int flags = 0;
+	/* Where the loop runs, for children that follow it (isolate.h,
+	 * loop_cpu): glibc reads it from rseq, no syscall. */
+	int cpu = looks ? sched_getcpu() : -1;
 	for (ap_pool *p = pools; p; p = p->next)
 		/* A timed pool's proxy times the front message: it takes its
 		 * results itself (its child always rings it). */
 		if (p->o.isolation == AP_ISO_PROCESS && !p->o.handler_timeout_ms)
 			for (int i = 0; i < p->o.workers; i++)
 				if (p->w[i].iso)
-					flags |= ap_iso_take_direct(&p->w[i], looks);
+					flags |= ap_iso_take_direct(&p->w[i], looks, cpu);
 	return flags;
+}
+
+unsigned long long ap_pool_iso_follows(void)
+{
+	unsigned long long n = 0;
+	for (ap_pool *p = pools; p; p = p->next)
+		for (int i = 0; i < p->o.workers; i++)
+			if (p->w[i].iso)
+				n += ap_iso_follows(&p->w[i]);
+	return n;
 }
 
 void ap_pool_wake_all_pushed(void)

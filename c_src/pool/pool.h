@@ -58,6 +58,9 @@ ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid);
 /* Loop thread: a count that moves whenever a pool starts or stops (never 0),
  * so what ap_pool_find answered may be kept while it stays. */
 uint64_t ap_pool_generation(void);
+/* The moves of every live worker process to the loop's CPU (node_stats
+ * `iso_follows'). Loop thread. */
+unsigned long long ap_pool_iso_follows(void);
 /* Encode [{Name, Pid}] of live pools, in start order. */
 int ap_pool_encode_list(ei_x_buff *x);
 /* Answer asks inside a batch sent to a pool that is gone. 1 if it was one. */

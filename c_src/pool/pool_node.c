@@ -408,7 +408,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 16);
+	ei_x_encode_map_header(&x, 17);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
@@ -441,6 +441,8 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_ulonglong(&x, ap_dp_iso_waits());
 	ei_x_encode_atom(&x, "iso_loop_waits_missed");
 	ei_x_encode_ulonglong(&x, ap_dp_iso_waits_missed());
+	ei_x_encode_atom(&x, "iso_follows");
+	ei_x_encode_ulonglong(&x, ap_pool_iso_follows());
 	ap_reply(n, self, m, x.buff, x.index);
 	ei_x_free(&x);
 }
