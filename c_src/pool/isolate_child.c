@@ -130,14 +130,14 @@ static int ask_wait(struct ask_wait *a, struct ap_ring *req)
  * scheduler places us by load, not by who feeds whom, so after an ask we
  * move to the loop's CPU ourselves (pin there, then hand back our whole
  * mask: the move stays until the scheduler balances us away again).
- * Only while the pool's
- * handlers are quick: while all its workers' handlers together would
- * take half a CPU or more (this child's handler time over the last
- * window, times the pool's workers, times two), one CPU would hold them
- * back, and the scheduler spreads them as it will. When the scheduler
- * moves us away again soon after a move (that CPU is busy: other pools'
- * children follow the same loop), the next move waits twice as long, up
- * to ISO_FOLLOW_MAX_MS, so the two do not pull us to and fro. */
+ * Only while the pool's handlers are quick: while all its workers'
+ * handlers together would take half a CPU or more (this child's handler
+ * time over the last window, times the pool's workers, times two), one
+ * CPU would hold them back, and the scheduler spreads them as it will.
+ * When the scheduler moves us away again soon after a move (that CPU is
+ * busy: other pools' children follow the same loop), the next move waits
+ * twice as long, up to ISO_FOLLOW_MAX_MS, so the two do not pull us to
+ * and fro. */
 struct follow {
 	cpu_set_t mask; /* ours at start: the CPUs the pool node may use */
 	int ok;         /* more than one of them */
@@ -178,7 +178,14 @@ static void follow_loop(struct follow *f, int64_t now)
 	CPU_SET(cpu, &one);
 	f->moved_us = now;
 	if (sched_setaffinity(0, sizeof one, &one) == 0) {
-		(void)sched_setaffinity(0, sizeof f->mask, &f->mask);
+		/* Never left on one CPU: if our mask is refused now (the
+		 * cpuset changed), every CPU, which the kernel cuts to the
+		 * cpuset's. */
+		if (sched_setaffinity(0, sizeof f->mask, &f->mask)) {
+			cpu_set_t all;
+			memset(&all, 0xff, sizeof all);
+			(void)sched_setaffinity(0, sizeof all, &all);
+		}
 		atomic_fetch_add_explicit(&cc->follows, 1, memory_order_relaxed);
 	}
 }
