@@ -184,6 +184,7 @@ unsigned long long ap_dp_iso_waits_missed(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
 unsigned long long ap_iso_bare_tells(void) { return 0; }
 unsigned long long ap_iso_bare_rehydrated(void) { return 0; }
+unsigned long long ap_pool_iso_follows(void) { return 0; }
 
 void ap_dp_encode_info(ei_x_buff *x)
 {
