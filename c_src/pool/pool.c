@@ -725,15 +725,19 @@ int ap_pool_iso_take_all(int looks)
 {
 	int flags = 0;
 	/* Where the loop runs, for children that follow it (isolate.h,
-	 * loop_cpu): glibc reads it from rseq, no syscall. */
-	int cpu = looks ? sched_getcpu() : -1;
+	 * loop_cpu), read once per pass and only with such a pool: glibc
+	 * reads it from rseq, no syscall. */
+	int cpu = -2;
 	for (ap_pool *p = pools; p; p = p->next)
 		/* A timed pool's proxy times the front message: it takes its
 		 * results itself (its child always rings it). */
 		if (p->o.isolation == AP_ISO_PROCESS && !p->o.handler_timeout_ms)
 			for (int i = 0; i < p->o.workers; i++)
-				if (p->w[i].iso)
+				if (p->w[i].iso) {
+					if (cpu == -2)
+						cpu = looks ? sched_getcpu() : -1;
 					flags |= ap_iso_take_direct(&p->w[i], looks, cpu);
+				}
 	return flags;
 }
 
