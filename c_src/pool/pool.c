@@ -36,6 +36,7 @@ void ap_pool_opts_default(ap_pool_opts *o)
 {
 	*o = (ap_pool_opts){ .workers = 0, .routing = AP_ROUTE_ROUND_ROBIN, .mailbox_limit = 10000,
 			     .backoff_min_ms = 50, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 10000 };
+	ap_sb_opts_default(&o->sandbox);
 }
 
 /* ---- worker threads -------------------------------------------------------- */
@@ -518,8 +519,10 @@ void ap_pool_worker_exited(ap_node *n, void *arg)
 		ap_iso_rehydrate(w);
 
 	if (w->exit_reason == EXIT_INIT_FAILED && w->gen == 0) {
-		if (!p->init_failed)
+		if (!p->init_failed) {
 			p->init_failed = w->init_rc ? w->init_rc : -1;
+			p->init_fail = w->init_fail;
+		}
 		first_init_reported(p);
 		maybe_free(p);
 		return;
@@ -590,6 +593,8 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 		if (p->o.isolation == AP_ISO_PROCESS && ap_iso_slot_init(w))
 			goto nomem;
 	}
+	if (p->o.isolation == AP_ISO_PROCESS)
+		ap_sb_warn(p->name, &p->o.sandbox, p->o.max_memory_mb, ap_iso_sb_layers(&p->w[0]));
 	p->proc = ap_proc_spawn(n, name, ap_pool_process, p);
 	if (!p->proc)
 		goto nomem;

@@ -99,6 +99,14 @@ enum ap_crash_cause { AP_CRASH_SIGNAL, AP_CRASH_EXIT, AP_CRASH_TIMEOUT, AP_CRASH
 
 struct ap_iso;
 
+/* Why a worker process could not serve (sandbox.h, ISO_FAIL_*): the start's
+ * error ({plugin_load_failed, Path, Why}, {abi_mismatch, Got, Want},
+ * {sandbox_failed, Layer, Why}, else {handler_init_failed, Code}). */
+struct ap_init_fail {
+	int kind, num;
+	char layer[16], why[256];
+};
+
 typedef struct ap_worker {
 	ap_pool *pool;
 	int id;
@@ -130,6 +138,7 @@ typedef struct ap_worker {
 	_Atomic int hung;
 	enum exit_reason exit_reason;
 	int init_rc;
+	struct ap_init_fail init_fail; /* process mode: what its process said of a failed start */
 	/* loop thread only */
 	uint64_t restarts;
 	int streak;                /* crashes since the slot was last stable */
@@ -168,6 +177,7 @@ struct ap_pool {
 	int timers;                /* restart timers not yet fired */
 	int starting;              /* workers whose first init has not reported */
 	int init_failed;           /* the first failing init code, 0 if none */
+	struct ap_init_fail init_fail; /* ... and what its worker process said of it */
 	ap_pending_reply *start_reply;
 	int64_t started_ms;
 	/* processed, sampled once a second (ap_pool_tick): the last

@@ -30,5 +30,9 @@
 #define AP_POOL_MAX_RING_NAP_US 10000
 /* A plugin's path, in bytes, without its NUL. */
 #define AP_POOL_MAX_PATH 4095
+/* The sandbox's read and write paths: how many in all, and their bytes
+ * with a NUL each. */
+#define AP_POOL_MAX_SANDBOX_PATHS 32
+#define AP_POOL_MAX_SANDBOX_BYTES 8192
 
 #endif

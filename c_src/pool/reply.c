@@ -128,9 +128,46 @@ void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, c
 	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
 }
 
+/* Why a pool did not start: what its first failing worker process said
+ * (sandbox.h, ISO_FAIL_*), else its init's code. */
+static void enc_init_fail(ei_x_buff *x, const ap_pool *p)
+{
+	const struct ap_init_fail *f = &p->init_fail;
+	ei_x_encode_tuple_header(x, 3 - (f->kind == ISO_FAIL_LOAD || f->kind == ISO_FAIL_ABI ||
+					 f->kind == ISO_FAIL_SANDBOX ? 0 : 1));
+	switch (f->kind) {
+	case ISO_FAIL_LOAD:
+		ei_x_encode_atom(x, "plugin_load_failed");
+		ei_x_encode_binary(x, p->spec, (long)strlen(p->spec));
+		ei_x_encode_binary(x, f->why, (long)strlen(f->why));
+		break;
+	case ISO_FAIL_ABI:
+		ei_x_encode_atom(x, "abi_mismatch");
+		ei_x_encode_ulong(x, (uint32_t)f->num);
+		ei_x_encode_ulong(x, ACTOR_POOL_HANDLER_ABI);
+		break;
+	case ISO_FAIL_SANDBOX: {
+		/* The layer's name is ours (sandbox_child.c), but the child
+		 * wrote it: an atom only if it is one of them. */
+		static const char *const layers[] = { "cgroup", "pidns", "uid", "no_new_privs", "landlock", "seccomp" };
+		const char *l = "sandbox";
+		for (size_t i = 0; i < sizeof layers / sizeof *layers; i++)
+			if (!strcmp(f->layer, layers[i]))
+				l = layers[i];
+		ei_x_encode_atom(x, "sandbox_failed");
+		ei_x_encode_atom(x, l);
+		ei_x_encode_binary(x, f->why, (long)strlen(f->why));
+		break;
+	}
+	default:
+		ei_x_encode_atom(x, "handler_init_failed");
+		ei_x_encode_long(x, p->init_failed);
+	}
+}
+
 /* Loop thread: the answer to the start request, once every worker ran its
- * init: {ok, Pid}, {error, {handler_init_failed, Code}}, or {error, stopped}
- * for a pool stopped meanwhile. */
+ * init: {ok, Pid}, {error, Why} (enc_init_fail), or {error, stopped} for a
+ * pool stopped meanwhile. */
 void ap_pool_answer_start(ap_pool *p, int ok)
 {
 	ap_pending_reply *r = p->start_reply;
@@ -148,9 +185,7 @@ void ap_pool_answer_start(ap_pool *p, int ok)
 			ei_x_encode_atom(&x, "stopped");
 		} else {
 			ei_x_encode_atom(&x, "error");
-			ei_x_encode_tuple_header(&x, 2);
-			ei_x_encode_atom(&x, "handler_init_failed");
-			ei_x_encode_long(&x, p->init_failed);
+			enc_init_fail(&x, p);
 		}
 		if (ap_buf_append(&r->head, x.buff, (size_t)x.index) == 0 && ap_frame_end(&r->head, 0) == 0)
 			ap_node_post(p->n, r->node, r->head.data, r->head.len);

@@ -2,7 +2,9 @@
  * sliding window. */
 #include <string.h>
 
+#include "isolate.h"
 #include "pool_int.h"
+#include "sandbox.h"
 
 static const char *routing_name(ap_routing r)
 {
@@ -40,7 +42,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	for (int i = 0; i < p->o.workers; i++)
 		for (int c = 0; c < AP_CRASH_CAUSES; c++)
 			by[c] += atomic_load(&p->w[i].crash_by[c]);
-	ei_x_encode_map_header(x, 20);
+	ei_x_encode_map_header(x, 21);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -63,6 +65,9 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
 	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
 	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
+	ei_x_encode_atom(x, "sandbox");
+	ap_sb_encode_stats(x, &p->o.sandbox, p->o.isolation == AP_ISO_PROCESS, p->o.max_memory_mb,
+			   p->o.workers ? ap_iso_sb_layers(&p->w[0]) : 0);
 	ei_x_encode_atom(x, "crash_causes");
 	ei_x_encode_map_header(x, AP_CRASH_CAUSES);
 	kv_u64(x, "signal", by[AP_CRASH_SIGNAL]);
