@@ -163,7 +163,14 @@ int ap_iso_slot_init(ap_worker *w)
 	l->workers = (uint32_t)p->o.workers;
 	l->sb_off = (uint32_t)sb_off;
 	l->sb_len = (uint32_t)sb_len;
+#ifdef ISO_ASAN
+	/* ASan's own limits stand in for the worker's (child_env): a memory
+	 * cgroup would kill it before they fail an allocation. Its children
+	 * (fork => true) have no such limits: for them it stays. */
+	ap_sb_cgroup_make(&s->cg, &p->o.sandbox, p->o.sandbox.fork ? p->o.max_memory_mb : 0);
+#else
 	ap_sb_cgroup_make(&s->cg, &p->o.sandbox, p->o.max_memory_mb);
+#endif
 	s->sb_layers = ap_sb_layers(&p->o.sandbox, &s->cg);
 	atomic_init(&s->pidfd, -1);
 	pthread_mutex_init(&s->send_mu, NULL);
