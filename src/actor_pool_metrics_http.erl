@@ -153,12 +153,18 @@ accept(Server, L) ->
               bytes = 0 :: non_neg_integer()}).
 
 request(S) ->
-    Deadline = erlang:monotonic_time(millisecond) + ?REQUEST_MS,
+    request(S, erlang:monotonic_time(millisecond) + ?REQUEST_MS, true).
+
+request(S, Deadline, SkipEmpty) ->
     case recv(S, Deadline) of
         {ok, {http_request, Method, Target, Version}} ->
             %% HTTP/1.0: one request per connection.
             headers(S, Deadline, #req{method = Method, target = Target,
                                       close = Version =/= {1, 1}});
+        {ok, {http_error, Empty}} when SkipEmpty, Empty =:= <<"\r\n">>;
+                                       SkipEmpty, Empty =:= <<"\n">> ->
+            %% RFC 9112 2.2: one empty line before a request is ignored.
+            request(S, Deadline, false);
         {ok, _} ->
             refuse(S, 400);
         {error, emsgsize} ->

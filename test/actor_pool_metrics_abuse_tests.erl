@@ -141,7 +141,7 @@ announced_bodies_are_refused_unread(#{port := Port}) ->
                                     {"POST", "content-length: 1000000\r\n", 405},
                                     {"PUT", "content-length: 10\r\n", 405}]].
 
-%% One HTTP/1.1 connection serves GET, HEAD, a query and a 404 in turn
+%% One HTTP/1.1 connection serves GET, HEAD, a query, a 404 in turn
 %% (keep-alive, as Prometheus uses it); idle, it is closed after the
 %% keep-alive deadline.
 keep_alive_serves_a_scraper(#{port := Port}) ->
@@ -155,6 +155,9 @@ keep_alive_serves_a_scraper(#{port := Port}) ->
     ?assertMatch({200, _, <<"# HELP", _/binary>>}, request(S, 'GET', "/metrics?from=test")),
     ?assertMatch({404, _, _}, request(S, 'GET', "/")),
     ?assertMatch({200, _, _}, request(S, 'GET', "/metrics/")),
+    %% One empty line before a request is ignored (RFC 9112, 2.2).
+    ok = gen_tcp:send(S, "\r\nGET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"),
+    ?assertMatch({200, _, _}, response(S, 'GET')),
     ?assertNot(closed(S)),
     wait_until(fun() -> closed(S) end, ?REQUEST_MS + ?PROMPT_MS),
     gen_tcp:close(S).
