@@ -77,6 +77,7 @@
 -define(AP_POOL_MAX_MEMORY_MB, 1048576).
 -define(AP_POOL_MAX_RING_POLL_US, 100000).
 -define(AP_POOL_MAX_RING_NAP_US, 10000).
+-define(AP_POOL_MAX_REPLY_ATOMS, 1048576).
 -define(AP_POOL_MAX_PATH, 4095).
 
 %% The application setting ring_poll_us's default (the pool node's own,
