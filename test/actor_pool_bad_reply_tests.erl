@@ -26,6 +26,7 @@
 -export([refused_replies_reach_their_asker_alone/1,
          accepted_replies_pass_and_refused_ones_are_bad_reply/1,
          fresh_atoms_stop_at_the_budget/1,
+         new_atoms_within_the_budget_arrive_in_any_shape/1,
          atom_budget_is_validated_on_both_sides/1]).
 
 %% A log handler's callback.
@@ -49,6 +50,7 @@ actor_pool_bad_reply_test_() ->
               || Name <- [refused_replies_reach_their_asker_alone,
                           accepted_replies_pass_and_refused_ones_are_bad_reply,
                           fresh_atoms_stop_at_the_budget,
+                          new_atoms_within_the_budget_arrive_in_any_shape,
                           atom_budget_is_validated_on_both_sides]]
      end}.
 
@@ -373,6 +375,30 @@ run_fresh(Mode) ->
         ?assertEqual({ok, ok}, actor_pool:ask(P, <<"term:", (utf8_atom(<<"ok">>))/binary>>, ?ASK_MS)),
         assert_path(P, Mode)
     end).
+
+%% Atoms this BEAM never saw, within the budget, arrive whatever carries
+%% them: maps of over 32 keys in replies of over 64 KiB from 8 callers at
+%% once (on the rings the NIF's reply thread hands those to their asker to
+%% decode, in actor_pool_transport, where the segment's allowance of new
+%% atoms applies as in the NIF), a pid of a node never seen (its node is an
+%% atom too) in a small map.
+new_atoms_within_the_budget_arrive_in_any_shape(_Ctx) ->
+    [begin
+         Prefix = "apshape" ++ integer_to_list(erlang:unique_integer([positive])) ++ "_",
+         Name = fun(I) -> list_to_binary(Prefix ++ integer_to_list(I)) end,
+         Big = fun(C) -> map([{utf8_atom(Name(C * 100 + I)), <<97, 1>>} || I <- lists:seq(1, 40)]) end,
+         Pid = <<88, (utf8_atom(<<(Name(1))/binary, "@h">>))/binary, 1:32, 0:32, 1:32>>,
+         Small = map([{utf8_atom(Name(2)), Pid}]),
+         with_pool(name(shape, Mode), Mode, #{workers => 4}, fun(P) ->
+             Pad = 70000,
+             Ask = fun(B) -> {B, actor_pool:ask(P, <<"padded:", Pad:32, B/binary>>, ?ASK_MS)} end,
+             Got = [Ask(Small) | par(8, 8, fun(C) -> Ask(Big(C)) end)],
+             ?assertEqual([{B, {ok, {binary_to_term(<<131, B/binary>>), <<0:Pad/unit:8>>}}} || {B, _} <- Got],
+                          Got),
+             ?assertMatch(#{reply_atoms := 322, bad_replies := 0}, actor_pool:stats(P)),
+             assert_path(P, Mode)
+         end)
+     end || Mode <- modes()].
 
 %% F(1..N) over C processes; the results in no particular order.
 par(C, N, F) ->

@@ -6,6 +6,9 @@
  *   <<"term:", Bytes>>   AP_REPLY_TERM with Bytes (an encoded term, with or
  *                        without its 131 byte), unchecked
  *   <<"atom:", Name>>    AP_REPLY_ATOM with Name (an atom's text), unchecked
+ *   <<"padded:", N:32, Bytes>>  AP_REPLY_TERM {Term, <<0:N/unit:8>>}, Term
+ *                        being Bytes (no 131): a large reply from a small
+ *                        request
  *   <<"sleep:", Ms>>     sleeps Ms (decimal) milliseconds, replies <<"slept">>
  *   anything else        echoed: a binary as a binary, a term as itself
  */
@@ -34,6 +37,25 @@ static actor_pool_status badreply_handle(void *state, const actor_pool_request *
 		return reply(r, AP_REPLY_TERM, rq->data + 5, rq->len - 5);
 	if (prefixed(rq, "atom:"))
 		return reply(r, AP_REPLY_ATOM, rq->data + 5, rq->len - 5);
+	if (prefixed(rq, "padded:") && rq->len >= 11) {
+		const uint8_t *q = rq->data + 7;
+		size_t pad = (size_t)q[0] << 24 | (size_t)q[1] << 16 | (size_t)q[2] << 8 | q[3];
+		size_t tl = rq->len - 11;
+		r->kind = AP_REPLY_TERM;
+		r->len = 0;
+		if (pad > (64u << 20) || r->reserve(r, 2 + tl + 5 + pad))
+			return AP_HANDLER_CRASH;
+		uint8_t *d = r->data;
+		d[0] = 104;
+		d[1] = 2;
+		memcpy(d + 2, q + 4, tl);
+		d[2 + tl] = 109;
+		for (int k = 0; k < 4; k++)
+			d[3 + tl + k] = (uint8_t)(pad >> (24 - 8 * k));
+		memset(d + 7 + tl, 0, pad);
+		r->len = 7 + tl + pad;
+		return AP_HANDLER_OK;
+	}
 	if (prefixed(rq, "sleep:")) {
 		char ms[16] = { 0 };
 		memcpy(ms, rq->data + 6, rq->len - 6 < sizeof ms - 1 ? rq->len - 6 : sizeof ms - 1);
