@@ -90,9 +90,12 @@ static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r, 
 	}
 	case AP_REPLY_ATOM:
 		i = 0;
-		if (r->len > 255 * 4 ||
-		    ei_encode_atom_len_as(tmp, &i, (const char *)r->data, (int)r->len, ERLANG_UTF8, ERLANG_UTF8)) {
+		if (r->len > 255 * 4) {
 			w->check.why = "an atom of over 255 characters";
+			return -1;
+		}
+		if (ei_encode_atom_len_as(tmp, &i, (const char *)r->data, (int)r->len, ERLANG_UTF8, ERLANG_UTF8)) {
+			w->check.why = "an atom ei cannot encode";
 			return -1;
 		}
 		if (j && check_term(w, j, tmp, (size_t)i))
@@ -147,6 +150,8 @@ static int enc_answer(ap_worker *w, const ap_job *j, const char *status, actor_p
 	if (ap_buf_append(b, j->data, j->head_len))
 		return -1;
 	if (enc_result(b, status, r, w, own ? NULL : j)) {
+		if (own)
+			return -1; /* no memory: nothing to send */
 		const char *why = w->check.why ? w->check.why : "malformed";
 		bad_reply(w->pool, why, why == ap_term_why_atom);
 		b->len = j->head_len;

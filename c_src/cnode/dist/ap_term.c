@@ -482,7 +482,7 @@ static inline void s_element(ap_term_strict *st, int d, uint64_t left)
 }
 
 /* The strict checks of the term at p, which the walk found well formed
- * (left: its bytes up to the end of the buffer). */
+ * (all its fixed fields inside the buffer). */
 static int s_term(ap_term_strict *st, const uint8_t *p)
 {
 	uint64_t n;
