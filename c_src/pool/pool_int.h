@@ -141,9 +141,11 @@ typedef struct ap_worker {
 	/* worker thread only, or the loop while it runs a job inline (below) */
 	actor_pool_reply reply;
 	ap_buf out;
-	ap_term_strict check;      /* reply.c's check of the handler's term */
 	void *state;               /* the handler's, from init */
 	_Atomic int crash_pending; /* an inline run crashed: the thread exits as if it had */
+	/* reply.c's check of the handler's terms (as reply and out); last:
+	 * over a kilobyte, touched by term and atom replies only. */
+	ap_term_strict check;
 } ap_worker;
 
 /* throughput_10s's window, seconds (its name says it). */

@@ -73,11 +73,10 @@ static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r, 
 {
 	char tmp[MAXATOMLEN_UTF8 + 16];
 	int i = 0;
-	w->check.why = "no memory";
 	ei_encode_tuple_header(tmp, &i, 2);
 	ei_encode_atom(tmp, &i, status);
 	if (ap_buf_append(b, tmp, (size_t)i))
-		return -1;
+		goto nomem;
 	switch (r->kind) {
 	case AP_REPLY_BINARY: {
 		uint8_t h[5] = { 109 };
@@ -86,7 +85,9 @@ static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r, 
 			return -1;
 		}
 		ap_put32be(h + 1, (uint32_t)r->len);
-		return ap_buf_append(b, h, 5) || ap_buf_append(b, r->data, r->len) ? -1 : 0;
+		if (ap_buf_append(b, h, 5) || ap_buf_append(b, r->data, r->len))
+			goto nomem;
+		return 0;
 	}
 	case AP_REPLY_ATOM:
 		i = 0;
@@ -100,7 +101,9 @@ static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r, 
 		}
 		if (j && check_term(w, j, tmp, (size_t)i))
 			return -1;
-		return ap_buf_append(b, tmp, (size_t)i);
+		if (ap_buf_append(b, tmp, (size_t)i))
+			goto nomem;
+		return 0;
 	case AP_REPLY_TERM: {
 		const char *t = (const char *)r->data;
 		size_t len = r->len;
@@ -110,10 +113,15 @@ static int enc_result(ap_buf *b, const char *status, const actor_pool_reply *r, 
 		}
 		if (j && check_term(w, j, t, len))
 			return -1;
-		return ap_buf_append(b, t, len);
+		if (ap_buf_append(b, t, len))
+			goto nomem;
+		return 0;
 	}
 	}
 	w->check.why = "an unknown reply kind";
+	return -1;
+nomem:
+	w->check.why = "no memory";
 	return -1;
 }
 
