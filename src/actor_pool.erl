@@ -90,6 +90,7 @@
                   isolation => isolation(),
                   handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
                   max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
+                  max_reply_atoms => 1..?AP_POOL_MAX_REPLY_ATOMS,
                   node => node(),
                   fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
@@ -120,6 +121,9 @@
                    isolation => isolation(),
                    handler_timeout_ms => pos_integer() | infinity,
                    max_memory_mb => pos_integer() | infinity,
+                   max_reply_atoms => pos_integer(),
+                   reply_atoms => non_neg_integer(),
+                   bad_replies => non_neg_integer(),
                    restarts := non_neg_integer(),
                    overloaded := non_neg_integer(),
                    dropped_tells := non_neg_integer(),
@@ -165,6 +169,11 @@
 %% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the address
 %%     space limit of each worker process (`process' isolation only; given
 %%     for a `thread' pool it is `{error, {badarg, {max_memory_mb, V}}}').</li>
+%% <li>`max_reply_atoms' (1..1048576, default 1024): how many distinct atoms
+%%     the pool's replies may carry, over its life. An atom is never freed,
+%%     and a BEAM whose atom table fills up aborts: a reply with an atom past
+%%     the budget is answered `{error, bad_reply}' instead (stats
+%%     `reply_atoms', `bad_replies').</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
 %% <li>`fast_path' (boolean, default `true'): `false' makes the calls from
 %%     this BEAM to this pool (tell, ask, stats) use distribution even when
@@ -317,7 +326,10 @@ ask(Pool, Msg) ->
 %% `Cause' is the signal as a lower-case atom such as `sigsegv' or
 %% `sigkill', or its number when it has no name here, or `{exit, Code}');
 %% `handler_timeout' (the handler ran longer than the pool's
-%% `handler_timeout_ms'); `stopped' (the pool stopped first);
+%% `handler_timeout_ms'); `bad_reply' (the handler's reply was one this
+%% node would refuse, such as a NaN float, an atom of over 255 characters or
+%% a map with a duplicate key, or it carried an atom past the pool's
+%% `max_reply_atoms'; see docs/handlers.md); `stopped' (the pool stopped first);
 %% `noproc' (no such pool); `{nodedown, PoolNode}' (the connection to the
 %% pool node was lost: the message may or may not have been handled);
 %% `timeout' (a reply that comes later is dropped, never left in the
@@ -347,7 +359,9 @@ ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
 
 %% @doc The pool's metrics: size and routing, `isolation',
-%% `handler_timeout_ms', `max_memory_mb', counters (`processed', `errors',
+%% `handler_timeout_ms', `max_memory_mb', `max_reply_atoms' and the distinct
+%% atoms its replies carried so far (`reply_atoms'), counters (`processed',
+%% `errors', `bad_replies' (replies refused: see {@link ask/3}),
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
 %% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
 %% (messages per second over the last 10 s, up to the call), `uptime_ms', and per

@@ -108,6 +108,9 @@ pool_families(Pools) ->
       "Asks answered {error, overloaded}: every mailbox was full.", C(overloaded)},
      {"actor_pool_dropped_tells_total", counter,
       "Tells dropped because every mailbox was full.", C(dropped_tells)},
+     {"actor_pool_bad_replies_total", counter,
+      "Asks answered {error, bad_reply}: the handler's reply was one the caller's node would "
+      "refuse, or carried an atom past max_reply_atoms.", C(bad_replies)},
      {"actor_pool_ran_on_loop_total", counter,
       "Messages a sleeping worker's state handled on the pool node's event loop "
       "(short messages of the built-in handlers: no wake-up).", C(ran_on_loop)},

@@ -97,7 +97,8 @@ defaults() ->
       backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
       stable_ms => 10000,
       handler_timeout_ms => infinity,
-      max_memory_mb => infinity}.
+      max_memory_mb => infinity,
+      max_reply_atoms => 1024}.
 
 options([], Acc) ->
     {ok, Acc};
@@ -124,6 +125,10 @@ option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_HAND
 option(max_memory_mb, infinity) ->
     {ok, infinity};
 option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_MEMORY_MB ->
+    {ok, N};
+%% No infinity: the atoms a handler's replies make in this BEAM are never
+%% freed, and a full atom table aborts it.
+option(max_reply_atoms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_REPLY_ATOMS ->
     {ok, N};
 option(backoff, #{} = B) ->
     Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),

@@ -346,7 +346,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 		w->reply.len = chunk;
 		w->reply.kind = (actor_pool_reply_kind)h.b;
 		/* Published with the loop's own answers at the end of its read. */
-		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply) == -EAGAIN)
+		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0) == -EAGAIN)
 			return 0;
 	} else if (j->seg) {
 		ap_dp_seg_put(j->seg);
@@ -708,7 +708,7 @@ static int iso_spawn(ap_worker *w)
 /* ---- the proxy: results ---------------------------------------------------- */
 
 /* {worker_crashed, Cause} or handler_timeout as the reply, for
- * ap_pool_send_result(..., "error", ...). */
+ * ap_pool_send_own(..., "error", ...). */
 static void set_death_reply(ap_worker *w, int timeout)
 {
 	ap_iso *s = w->iso;
@@ -1095,7 +1095,7 @@ static void on_death(ap_worker *w)
 			s->front_seq++;
 			if (j->is_ask) {
 				set_death_reply(w, timeout);
-				ap_pool_send_result(w, j, "error", &w->reply);
+				ap_pool_send_own(w, j, "error", &w->reply);
 			} else if (j->seg) {
 				ap_dp_seg_put(j->seg);
 			}

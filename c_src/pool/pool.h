@@ -28,6 +28,7 @@ typedef struct ap_pool_opts {
 	int handler_timeout_ms;  /* 0: none; else a message running longer is answered {error, handler_timeout} */
 	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process (and its cgroup's limit); 0: none */
 	ap_sandbox_opts sandbox; /* process mode: what a worker process may do (sandbox.h) */
+	uint32_t max_reply_atoms; /* distinct atoms the pool's replies may carry (reply.c) */
 } ap_pool_opts;
 
 typedef struct ap_pool ap_pool;

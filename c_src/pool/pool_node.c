@@ -272,6 +272,12 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 			mem_vs = vs;
 			if (get_limit(b, i, AP_POOL_MAX_MEMORY_MB, &o->max_memory_mb))
 				return bad(ba, "max_memory_mb", b, len, vs);
+		} else if (!strcmp(key, "max_reply_atoms")) {
+			/* No infinity: without a bound a handler could fill
+			 * the caller's atom table, which aborts the BEAM. */
+			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_REPLY_ATOMS)
+				return bad(ba, "max_reply_atoms", b, len, vs);
+			o->max_reply_atoms = (uint32_t)l;
 		} else {
 			/* Options the Erlang side keeps for itself (node, ...). */
 			if (ap_term_skip(b, len, i))
