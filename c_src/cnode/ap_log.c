@@ -160,10 +160,10 @@ static void report_locked(struct kind *k)
 	k->suppressed = 0;
 }
 
-void ap_log(enum ap_log_level lvl, const char *fmt, ...)
+int ap_log(enum ap_log_level lvl, const char *fmt, ...)
 {
 	if (lvl > max_level)
-		return;
+		return 0;
 	pthread_mutex_lock(&log_mu);
 	int64_t now = now_ms();
 	struct kind *k = find_kind(fmt, now);
@@ -174,7 +174,7 @@ void ap_log(enum ap_log_level lvl, const char *fmt, ...)
 		k->lvl = (int)lvl;
 		atomic_store(&pending, 1);
 		pthread_mutex_unlock(&log_mu);
-		return;
+		return 0;
 	}
 	k->tokens -= MILLI;
 	if (k->suppressed)
@@ -191,6 +191,7 @@ void ap_log(enum ap_log_level lvl, const char *fmt, ...)
 		emit_locked((int)lvl, msg, n);
 	}
 	pthread_mutex_unlock(&log_mu);
+	return 1;
 }
 
 void ap_log_flush(void)

@@ -22,7 +22,9 @@ enum ap_log_level { AP_LOG_ERROR, AP_LOG_WARNING, AP_LOG_NOTICE, AP_LOG_INFO, AP
  * holding term_to_binary({log, Level, Bin}) written to fd (thread-safe). */
 void ap_log_set_port_fd(int fd);
 void ap_log_set_level(enum ap_log_level max);
-void ap_log(enum ap_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* 1 when the line went out, 0 when the level or the rate limit held it
+ * back. */
+int ap_log(enum ap_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Copy a name that came from a peer (an atom, a node name) into out, cap
  * bytes (at least 4), fit for a log line: control bytes, DEL, backslash,

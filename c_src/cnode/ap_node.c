@@ -321,9 +321,9 @@ int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
 
 static int log_unknown(ap_node *n)
 {
-	/* Count everything, log the first few and then every 1000th, so a
-	 * misdirected stream cannot flood the log. */
-	uint64_t k = ++n->stats.unknown_name;
+	/* Everything is counted (deliver); the first few are logged and then
+	 * every 1000th, so a misdirected stream cannot flood the log. */
+	uint64_t k = n->stats.unknown_name;
 	return k <= 10 || k % 1000 == 0;
 }
 
@@ -377,6 +377,9 @@ static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, cons
 		p->fn(n, p, &m);
 		return;
 	}
+	n->stats.unknown_name++;
+	if (n->dead_letter && n->dead_letter(n, n->kernel, &m, c->peer, toname))
+		return;
 	if (log_unknown(n)) {
 		/* Both names come from the peer: escaped, a name cannot forge
 		 * log lines. */
@@ -390,8 +393,6 @@ static void deliver(ap_node *n, ap_conn *c, ap_proc *p, const ap_ctrl *ctl, cons
 			ap_log(AP_LOG_WARNING, "message from %s to dead pid <%u.%u> dropped (%llu so far)", peer,
 			       ctl->to.num, ctl->to.serial, (unsigned long long)n->stats.unknown_name);
 	}
-	if (n->dead_letter && n->dead_letter(n, n->kernel, &m))
-		return;
 	if (m.kind == AP_MSG_CALL) {
 		/* A caller's monitor never fires on a C-node process: answer, or
 		 * it would wait out its whole timeout. */

@@ -133,10 +133,14 @@ const char *ap_node_parent(const ap_node *n);
 int ap_node_timer(ap_node *n, int delay_ms, ap_loop_fn fn, void *arg);
 
 /* Loop thread: messages to a name or pid that does not exist go to fn
- * (after being counted) before the runtime's own handling; fn returns 1
- * when it answered everything that needed an answer. `self` is a local
+ * (after being counted) before the runtime's own handling, with the peer's
+ * node name and the name it was sent to (NULL: a pid). fn returns 1 when
+ * it took the message whole (answered what needed an answer, logged what
+ * it wanted logged); 0 leaves the rest to the runtime: a log line
+ * (rate-limited) and a call answered {error, noproc}. `self` is a local
  * process usable as a sender. */
-typedef int (*ap_dead_letter_fn)(ap_node *n, ap_proc *self, const ap_msg *m);
+typedef int (*ap_dead_letter_fn)(ap_node *n, ap_proc *self, const ap_msg *m, const char *peer,
+				 const char *toname);
 void ap_node_set_dead_letter(ap_node *n, ap_dead_letter_fn fn);
 
 /* Before ap_node_run: threads of the service outlive the node, so

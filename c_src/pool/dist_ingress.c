@@ -4,6 +4,9 @@
 #include <string.h>
 
 #include "ap_dec.h"
+#include "ap_log.h"
+#include "ap_rand.h"
+#include "ap_siphash.h"
 #include "ap_term.h"
 #include "pool_int.h"
 
@@ -115,15 +118,66 @@ void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
 	ap_pool_wake_pushed(p);
 }
 
-int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
+/* ---- tells that find no pool ------------------------------------------------ */
+
+/* Tells, by either ingress, to a name or pid with no pool (node_stats
+ * no_pool_tells). Loop thread, as both ingresses. */
+static uint64_t no_pool_tells;
+/* The names logged already, by keyed hash, one per slot: a misspelt name
+ * is logged once, and a sender that misspells without end costs these
+ * 8 KiB and no more (a name another pushed out of its slot is logged
+ * again). The key is random: nobody picks names that share a slot. */
+#define NO_POOL_SEEN 1024
+static uint64_t seen[NO_POOL_SEEN], seen_k0, seen_k1;
+
+uint64_t ap_pool_no_pool_tells(void) { return no_pool_tells; }
+
+void ap_pool_no_pool(const char *peer, const char *name, size_t name_len, const erlang_pid *pid, uint64_t tells)
 {
-	int list, k, nitems, arity, type, size;
-	if (m->kind != AP_MSG_INFO || !is_batch(m->buf, m->index, &list))
-		return 0;
+	if (!tells)
+		return;
+	no_pool_tells += tells;
+	char p[4 * MAXNODELEN + 8], esc[2 * MAXATOMLEN_UTF8];
+	if (!name) {
+		/* Pids are not remembered (a stopped pool's are endless): a
+		 * line per tell, which ap_log's rate limit thins out. */
+		if (pid)
+			ap_log(AP_LOG_WARNING, "tell from %s to pid <%u.%u> dropped: no pool has it (%llu tells to no pool so far)",
+			       ap_log_escape(p, sizeof p, peer), pid->num, pid->serial, (unsigned long long)no_pool_tells);
+		return;
+	}
+	if (!seen_k0 && !seen_k1) {
+		seen_k0 = ap_rand_seed(seen);
+		seen_k1 = ap_rand_seed(&seen_k1) | 1;
+	}
+	uint64_t h = ap_siphash13(seen_k0, seen_k1, name, name_len) | 1;
+	uint64_t *slot = &seen[(h >> 1) % NO_POOL_SEEN];
+	if (*slot == h)
+		return;
+	char cname[MAXATOMLEN_UTF8];
+	size_t l = name_len < sizeof cname ? name_len : sizeof cname - 1;
+	memcpy(cname, name, l);
+	cname[l] = 0;
+	/* Remembered once logged: a line ap_log's rate limit held back is
+	 * logged at a later tell to that name. */
+	if (ap_log(AP_LOG_WARNING,
+		   "tell from %s to unregistered name '%s' dropped: no pool has that name (each name "
+		   "is logged once; %llu tells to no pool so far)",
+		   ap_log_escape(p, sizeof p, peer), ap_log_escape(esc, sizeof esc, cname),
+		   (unsigned long long)no_pool_tells))
+		*slot = h;
+}
+
+/* A batch to a pool that is gone: its asks answered {error, noproc}; the
+ * number of its tells. */
+static uint64_t batch_dead(ap_node *n, ap_proc *self, const ap_msg *m, int list)
+{
+	int k, nitems, arity, type, size;
 	const char *b = m->buf;
 	int i = list;
+	uint64_t tells = 0;
 	if (ei_get_type(b, &i, &type, &size) || type != ERL_LIST_EXT || ei_decode_list_header(b, &i, &nitems))
-		return 1;
+		return 0;
 	ap_buf out = { 0 };
 	for (k = 0; k < nitems; k++) {
 		int e = term_end(b, m->len, i);
@@ -131,16 +185,33 @@ int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m)
 		erlang_pid caller;
 		if (e < 0)
 			break;
-		if (ei_decode_tuple_header(b, &i, &arity) == 0 && arity == 4 && ap_get_atom(b, &i, tag, sizeof tag) == 0 &&
-		    !strcmp(tag, "ask") &&
-		    ei_get_type(b, &i, &type, &size) == 0 && type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
-			int t0 = i, t1 = term_end(b, e, i);
-			out.len = 0;
-			if (t1 > 0 && ap_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
-				ap_node_post(n, caller.node, out.data, out.len);
+		if (ei_decode_tuple_header(b, &i, &arity) == 0 && ap_get_atom(b, &i, tag, sizeof tag) == 0) {
+			if (arity == 2 && !strcmp(tag, "tell")) {
+				tells++;
+			} else if (arity == 4 && !strcmp(tag, "ask") && ei_get_type(b, &i, &type, &size) == 0 &&
+				   type == ERL_PID_EXT && ei_decode_pid(b, &i, &caller) == 0) {
+				int t0 = i, t1 = term_end(b, e, i);
+				out.len = 0;
+				if (t1 > 0 && ap_enc_error_reply(&out, &self->pid, &caller, b + t0, t1 - t0, "noproc") == 0)
+					ap_node_post(n, caller.node, out.data, out.len);
+			}
 		}
 		i = e;
 	}
 	ap_buf_free(&out);
-	return 1;
+	return tells;
+}
+
+/* A message to a name or pid with no process: its tells are counted and
+ * the asks of a batch answered; a name is logged here, once, and the node
+ * logs the rest. A plain call (an ask) is left to the node, which answers
+ * it noproc. */
+int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m, const char *peer, const char *toname)
+{
+	int list;
+	if (m->kind != AP_MSG_INFO && m->kind != AP_MSG_CAST)
+		return 0;
+	uint64_t tells = m->kind == AP_MSG_INFO && is_batch(m->buf, m->index, &list) ? batch_dead(n, self, m, list) : 1;
+	ap_pool_no_pool(peer, toname, toname ? strlen(toname) : 0, NULL, tells);
+	return toname != NULL;
 }

@@ -66,8 +66,16 @@ uint64_t ap_pool_generation(void);
 unsigned long long ap_pool_iso_follows(void);
 /* Encode [{Name, Pid}] of live pools, in start order. */
 int ap_pool_encode_list(ei_x_buff *x);
-/* Answer asks inside a batch sent to a pool that is gone. 1 if it was one. */
-int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m);
+/* The node's dead letters (ap_dead_letter_fn): a message to a name or
+ * pid with no pool. Its tells are counted (ap_pool_no_pool), the asks of a
+ * batch answered {error, noproc}. */
+int ap_pool_dead_letter(ap_node *n, ap_proc *self, const ap_msg *m, const char *peer, const char *toname);
+/* Loop thread: `tells` tells from `peer` found no pool: to `name` (name_len
+ * bytes; logged once per name) or to `pid` (logged, rate-limited; NULL:
+ * the caller logs). */
+void ap_pool_no_pool(const char *peer, const char *name, size_t name_len, const erlang_pid *pid, uint64_t tells);
+/* Tells to a name or pid with no pool so far (node_stats no_pool_tells). */
+uint64_t ap_pool_no_pool_tells(void);
 /* Once a second: throughput. */
 void ap_pool_tick(ap_node *n, void *arg);
 

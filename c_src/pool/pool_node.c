@@ -499,11 +499,13 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	const ap_node_stats *s = ap_node_get_stats(n);
 	ei_x_buff x;
 	ei_x_new(&x);
-	ei_x_encode_map_header(&x, 17);
+	ei_x_encode_map_header(&x, 18);
 	ei_x_encode_atom(&x, "received");
 	ei_x_encode_ulonglong(&x, s->received);
 	ei_x_encode_atom(&x, "unknown_name");
 	ei_x_encode_ulonglong(&x, s->unknown_name);
+	ei_x_encode_atom(&x, "no_pool_tells");
+	ei_x_encode_ulonglong(&x, ap_pool_no_pool_tells());
 	ei_x_encode_atom(&x, "bad_frames");
 	ei_x_encode_ulonglong(&x, s->bad_frames);
 	ei_x_encode_atom(&x, "dropped");

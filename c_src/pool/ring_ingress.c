@@ -525,6 +525,17 @@ static int resolve(const struct ap_dp_req *h, const char *dest, ap_pool **pool)
 
 static int drain_to(struct ap_dp_seg *sg, uint32_t ring, uint64_t upto, int depth);
 
+/* A tell to a destination with no pool (resolve vouched for its bytes). */
+static void no_pool_tell(struct ap_dp_seg *sg, const struct ap_dp_req *h, const char *dest)
+{
+	erlang_pid pid;
+	int i = 0;
+	if (h->dest_kind == AP_DP_DEST_NAME)
+		ap_pool_no_pool(sg->peer, dest, h->dest_len, NULL, 1);
+	else
+		ap_pool_no_pool(sg->peer, NULL, 0, ei_decode_pid(dest, &i, &pid) ? NULL : &pid, 1);
+}
+
 /* One record of request ring `ring`: its payload p (shared memory, len
  * bytes read once and checked by the ring). */
 static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t len, int depth)
@@ -587,7 +598,9 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 	if (!pool) {
 		if (h.kind == AP_DP_ASK)
 			ap_dp_reply_error_loop(sg, h.ask_id, "noproc");
-		return; /* a tell to nobody is dropped, as distribution drops it */
+		else
+			no_pool_tell(sg, &h, dest); /* dropped, as distribution drops it: counted, logged */
+		return;
 	}
 	ap_pool_dispatch(pool, &(ap_request){ .kind = h.kind == AP_DP_ASK ? AP_REQ_ASK : AP_REQ_TELL, .seg = sg,
 					      .ask_id = h.ask_id, .msg = msg, .msg_len = (int)h.msg_len });

@@ -408,7 +408,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	if (to)
 		to->fn(t_node, to, &m);
 	else
-		ap_pool_dead_letter(t_node, t_dead, &m);
+		ap_pool_dead_letter(t_node, t_dead, &m, "peer@host", ctl.op == AP_OP_REG_SEND ? ctl.toname : NULL);
 	t_m = NULL;
 	return 0;
 }

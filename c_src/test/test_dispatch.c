@@ -1,11 +1,14 @@
 /* test_dispatch: ap_pool_dispatch, the one way from an ingress to a worker's
- * mailbox: routing, the job's bytes, overload. No worker threads: the test
- * is the mailboxes' consumer. */
+ * mailbox: routing, the job's bytes, overload; the count of tells that find
+ * no pool. No worker threads: the test is the mailboxes' consumer. */
 #include "t_helpers.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
+#include "ap_log.h"
 #include "pool_int.h"
 
 #define T_WORKERS_MAX 4
@@ -276,6 +279,57 @@ static void test_a_sleeping_worker_is_woken_by_every_push(void **state)
 	t_pool_free(t);
 }
 
+/* The log lines written to fd so far, as raw bytes ({packet,4} frames of
+ * {log, Level, Text}: the text is in them as is). */
+static size_t t_read_all(int fd, char *buf, size_t cap)
+{
+	size_t n = 0;
+	ssize_t r;
+	while (n < cap && (r = read(fd, buf + n, cap - n)) > 0)
+		n += (size_t)r;
+	return n;
+}
+
+static int t_count(const char *buf, size_t len, const char *needle)
+{
+	int k = 0;
+	size_t nl = strlen(needle);
+	for (size_t i = 0; i + nl <= len; i++)
+		if (!memcmp(buf + i, needle, nl))
+			k++;
+	return k;
+}
+
+/* Tells that find no pool are counted, and each name logged once, however
+ * many tells name it; a pid's are logged too (rate-limited, not
+ * remembered). */
+static void test_tells_to_no_pool_are_counted_and_each_name_logged_once(void **state)
+{
+	(void)state;
+	int fds[2];
+	assert_int_equal(pipe(fds), 0);
+	assert_int_equal(fcntl(fds[0], F_SETFL, O_NONBLOCK), 0);
+	ap_log_set_port_fd(fds[1]);
+	uint64_t before = ap_pool_no_pool_tells();
+	ap_pool_no_pool("peer@host", "misspelt", 8, NULL, 3);
+	ap_pool_no_pool("peer@host", "misspelt_and_more", 8, NULL, 1); /* the same 8 bytes */
+	ap_pool_no_pool("peer@host", "other", 5, NULL, 2);
+	ap_pool_no_pool("peer@host", "other", 5, NULL, 0);
+	erlang_pid pid = { .num = 42, .serial = 3 };
+	ap_pool_no_pool("peer@host", NULL, 0, &pid, 1);
+	ap_pool_no_pool("peer@host", NULL, 0, NULL, 1); /* the caller logs it */
+	assert_int_equal(ap_pool_no_pool_tells() - before, 8);
+	ap_log_set_port_fd(-1);
+	static char buf[1 << 16];
+	size_t n = t_read_all(fds[0], buf, sizeof buf);
+	assert_int_equal(t_count(buf, n, "'misspelt'"), 1);
+	assert_int_equal(t_count(buf, n, "'other'"), 1);
+	assert_int_equal(t_count(buf, n, "pid <42.3>"), 1);
+	assert_int_equal(t_count(buf, n, "dropped"), 3);
+	close(fds[0]);
+	close(fds[1]);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -286,6 +340,7 @@ int main(void)
 		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
 		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
 		cmocka_unit_test(test_a_sleeping_worker_is_woken_by_every_push),
+		cmocka_unit_test(test_tells_to_no_pool_are_counted_and_each_name_logged_once),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
