@@ -61,6 +61,12 @@ typedef struct ap_iso {
 	 * proxy fewer per ask; the proxy still takes the results. */
 	pthread_mutex_t send_mu;
 	_Atomic int direct_ok;
+	/* What the pool node took of its children's run-time histograms
+	 * (ap_iso_harvest): the values it last read in the channel, under
+	 * hist_mu (the loop reads for stats, the proxy before a new child
+	 * clears the channel). */
+	pthread_mutex_t hist_mu;
+	uint64_t hist_seen[AP_HIST_BUCKETS + 1];
 	/* proxy thread only (or the loop, under send_mu, see above) */
 	struct ap_ring req, rsp;
 	ap_job *cursor;     /* the last job sent whole; the mailbox's dummy when none */
@@ -174,6 +180,7 @@ int ap_iso_slot_init(ap_worker *w)
 	s->sb_layers = ap_sb_layers(&p->o.sandbox, &s->cg);
 	atomic_init(&s->pidfd, -1);
 	pthread_mutex_init(&s->send_mu, NULL);
+	pthread_mutex_init(&s->hist_mu, NULL);
 	w->iso = s;
 	return 0;
 }
@@ -189,9 +196,41 @@ void ap_iso_slot_free(ap_worker *w)
 	ap_ring_map_close(&s->map);
 	ap_sb_cgroup_free(&s->cg);
 	pthread_mutex_destroy(&s->send_mu);
+	pthread_mutex_destroy(&s->hist_mu);
 	free(s->bare);
 	free(s);
 	w->iso = NULL;
+}
+
+/* Under hist_mu: what the child added to its histogram since the last
+ * look goes into w->run_ns. A plugin runs in the child and may write
+ * anything there: only growth is taken (a value that went down is taken
+ * as the new base), and added without wrapping, so the pool's histogram
+ * only grows, whatever a child writes; it can misstate its own times, as
+ * its handler could by sleeping, and nothing else. Only this writes
+ * w->run_ns of a process-mode slot. */
+static void harvest_locked(ap_worker *w, ap_iso *s)
+{
+	for (unsigned i = 0; i <= AP_HIST_BUCKETS; i++) {
+		_Atomic uint64_t *src = i < AP_HIST_BUCKETS ? &s->ctl->run_ns.n[i] : &s->ctl->run_ns.sum_ns;
+		_Atomic uint64_t *dst = i < AP_HIST_BUCKETS ? &w->run_ns.n[i] : &w->run_ns.sum_ns;
+		uint64_t v = atomic_load_explicit(src, memory_order_relaxed);
+		if (v > s->hist_seen[i]) {
+			uint64_t cur = atomic_load_explicit(dst, memory_order_relaxed), d = v - s->hist_seen[i];
+			atomic_store_explicit(dst, cur + d < cur ? UINT64_MAX : cur + d, memory_order_relaxed);
+		}
+		s->hist_seen[i] = v;
+	}
+}
+
+void ap_iso_harvest(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	if (!s)
+		return;
+	pthread_mutex_lock(&s->hist_mu);
+	harvest_locked(w, s);
+	pthread_mutex_unlock(&s->hist_mu);
 }
 
 /* The first slot's layers (every slot of a pool has the same, unless a
@@ -610,8 +649,13 @@ static int iso_spawn(ap_worker *w)
 	struct iso_ctl *c = s->ctl, *l = &s->layout;
 	uint8_t *mem = s->map.mem;
 	/* The previous child is reaped: nobody else is attached. Everything
-	 * it could have scribbled on is written again, from our own copies. */
+	 * it could have scribbled on is written again, from our own copies;
+	 * what it timed is taken first. */
+	pthread_mutex_lock(&s->hist_mu);
+	harvest_locked(w, s);
 	memset(c, 0, ISO_CTL_SIZE);
+	memset(s->hist_seen, 0, sizeof s->hist_seen);
+	pthread_mutex_unlock(&s->hist_mu);
 	memcpy(c, l, offsetof(struct iso_ctl, init_state));
 	atomic_store(&c->loop_cpu, -1);
 	memcpy(mem + l->spec_off, p->spec, l->spec_len);

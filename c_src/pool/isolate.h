@@ -40,6 +40,8 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "ap_hist.h"
+
 /* The head of a slot's channel (4 KiB), then the handler spec and config,
  * then the request ring (proxy -> child) and the result ring. Here rather
  * than in isolate.c for the tests' hostile worker (c_src/test/
@@ -99,6 +101,9 @@ struct iso_ctl {
 	int32_t fail_num;
 	char fail_layer[16];
 	char fail_why[256];
+	/* The child's, one writer: how long its handler calls took. The
+	 * pool node takes only its growth (isolate.c, ap_iso_harvest). */
+	ap_hist run_ns;
 };
 
 
@@ -134,6 +139,10 @@ void ap_iso_reclaim(struct ap_worker *w);
  * ring_ingress.c), AP_ISO_PROXY if the proxy is awake or was left
  * something to send; the flags are pool_int.h's. */
 int ap_iso_take_direct(struct ap_worker *w, int looks, int cpu);
+/* Any thread: what w's worker processes added to their handler-time
+ * histogram since the last call, into w->run_ns (stats). No-op in thread
+ * mode. */
+void ap_iso_harvest(struct ap_worker *w);
 /* How many results the loop answered so far (node_stats). */
 unsigned long long ap_iso_loop_results(void);
 /* Loop thread: how often w's live worker process moved to the loop's CPU

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ap_hist.h"
 #include "ap_term.h"
 #include "pool.h"
 #include "pool_limits.h"
@@ -125,6 +126,11 @@ typedef struct ap_worker {
 	/* The worker's per-message counters: off the loop's line above. */
 	alignas(64) _Atomic uint64_t processed, errors, crashes;
 	_Atomic uint64_t crash_by[AP_CRASH_CAUSES];
+	/* How long its handler calls took (stats' handler_time): added by
+	 * whoever runs its handler, the worker thread or the loop inline (one
+	 * at a time); in process mode, what its worker processes counted,
+	 * taken from their channel (isolate.c, ap_iso_harvest). */
+	ap_hist run_ns;
 	/* Process mode (isolate.h): the slot's channel to its worker process,
 	 * made once on the loop before the first start and kept until
 	 * pool_free, so the loop may always ring it; NULL in thread mode. */

@@ -43,7 +43,13 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	for (int i = 0; i < p->o.workers; i++)
 		for (int c = 0; c < AP_CRASH_CAUSES; c++)
 			by[c] += atomic_load(&p->w[i].crash_by[c]);
-	ei_x_encode_map_header(x, 24);
+	/* The buckets, then the sum (ns). */
+	uint64_t run[AP_HIST_BUCKETS + 1] = { 0 };
+	for (int i = 0; i < p->o.workers; i++) {
+		ap_iso_harvest(&p->w[i]);
+		ap_hist_sum_into(run, &p->w[i].run_ns);
+	}
+	ei_x_encode_map_header(x, 25);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -80,6 +86,21 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	kv_u64(x, "exit", by[AP_CRASH_EXIT]);
 	kv_u64(x, "timeout", by[AP_CRASH_TIMEOUT]);
 	kv_u64(x, "handler", by[AP_CRASH_HANDLER]);
+	/* How long handler calls took: the upper bounds, the count per
+	 * bucket (not cumulative; one more, past the last bound), the sum. */
+	ei_x_encode_atom(x, "handler_time");
+	ei_x_encode_map_header(x, 3);
+	ei_x_encode_atom(x, "bounds_ns");
+	ei_x_encode_list_header(x, AP_HIST_BOUNDS);
+	for (int b = 0; b < AP_HIST_BOUNDS; b++)
+		ei_x_encode_ulonglong(x, ap_hist_bounds_ns[b]);
+	ei_x_encode_empty_list(x);
+	ei_x_encode_atom(x, "counts");
+	ei_x_encode_list_header(x, AP_HIST_BUCKETS);
+	for (int b = 0; b < AP_HIST_BUCKETS; b++)
+		ei_x_encode_ulonglong(x, run[b]);
+	ei_x_encode_empty_list(x);
+	kv_u64(x, "sum_ns", run[AP_HIST_BUCKETS]);
 	/* Messages received (tells and asks) per ingress: stats requests and
 	 * control calls are not counted. */
 	ei_x_encode_atom(x, "by_path");

@@ -1,6 +1,7 @@
 /* test_dispatch: ap_pool_dispatch, the one way from an ingress to a worker's
- * mailbox: routing, the job's bytes, overload; the count of tells that find
- * no pool. No worker threads: the test is the mailboxes' consumer. */
+ * mailbox: routing, the job's bytes, overload; the handler-time buckets and
+ * the count of tells that find no pool. No worker threads: the test is the
+ * mailboxes' consumer. */
 #include "t_helpers.h"
 
 #include <fcntl.h>
@@ -279,6 +280,31 @@ static void test_a_sleeping_worker_is_woken_by_every_push(void **state)
 	t_pool_free(t);
 }
 
+/* A duration lands in the first bucket whose bound is at or above it; the
+ * sum is the durations' total. */
+static void test_a_duration_lands_in_the_first_bucket_at_or_above_it(void **state)
+{
+	(void)state;
+	for (unsigned b = 0; b < AP_HIST_BOUNDS; b++) {
+		uint64_t bound = ap_hist_bounds_ns[b];
+		assert_int_equal(ap_hist_bucket(bound), b);
+		assert_int_equal(ap_hist_bucket(bound + 1), b + 1);
+		if (b)
+			assert_true(bound > ap_hist_bounds_ns[b - 1]);
+	}
+	assert_int_equal(ap_hist_bucket(0), 0);
+	assert_int_equal(ap_hist_bucket(UINT64_MAX), AP_HIST_BUCKETS - 1);
+	ap_hist h = { 0 };
+	uint64_t got[AP_HIST_BUCKETS + 1] = { 0 };
+	ap_hist_add(&h, 999);
+	ap_hist_add(&h, 30000000);
+	ap_hist_add_1w(&h, 30000000);
+	ap_hist_sum_into(got, &h);
+	assert_int_equal(got[0], 1);
+	assert_int_equal(got[ap_hist_bucket(30000000)], 2);
+	assert_int_equal(got[AP_HIST_BUCKETS], 999 + 2 * 30000000ull);
+}
+
 /* The log lines written to fd so far, as raw bytes ({packet,4} frames of
  * {log, Level, Text}: the text is in them as is). */
 static size_t t_read_all(int fd, char *buf, size_t cap)
@@ -340,6 +366,7 @@ int main(void)
 		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
 		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
 		cmocka_unit_test(test_a_sleeping_worker_is_woken_by_every_push),
+		cmocka_unit_test(test_a_duration_lands_in_the_first_bucket_at_or_above_it),
 		cmocka_unit_test(test_tells_to_no_pool_are_counted_and_each_name_logged_once),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
