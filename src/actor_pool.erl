@@ -251,8 +251,15 @@ forget_kept(Target, PoolNode) ->
         true -> actor_pool_keeper:forget(Target)
     end.
 
-%% @doc Tells to a service key that had no pool registered (dropped, and
-%% counted here), since this node first started the application.
+%% @doc Tells dropped on this node because no pool could take them, since
+%% this node first started the application: to a service key with no pool
+%% registered, or to a pool name while this node has no pool node (the
+%% application does not run, or runs with `{pool_node, false}'). Each key
+%% or name is logged once (a warning; at most 10 lines a second). Tells to a
+%% name or pid that a pool node does not know are counted by that pool
+%% node: `no_pool_tells' in {@link node_stats/1}. Both are
+%% `actor_pool_dropped_tells_total{reason="no_pool"}' in the metrics
+%% (docs/operations.md).
 -spec no_pool_tells() -> non_neg_integer().
 no_pool_tells() ->
     actor_pool_keys:no_pool_tells().
@@ -270,7 +277,9 @@ oversized() ->
     end.
 
 %% @doc The node-wide counters of pool node `PoolNode' (its manager's
-%% `node_stats' answer): `received', `unknown_name', `bad_frames',
+%% `node_stats' answer): `received', `unknown_name', `no_pool_tells' (tells,
+%% by ring or by distribution, to a name or pid with no pool on it: dropped,
+%% and each name logged once), `bad_frames',
 %% `dropped', `oversized' (frames over its `max_frame' it passed over, from
 %% any peer), `connections', `io', `max_frame', `ring_naps' (how often
 %% its loop slept between dense reads of same-host rings: the application
@@ -313,9 +322,13 @@ stop_pool(Pool) ->
     end.
 
 %% @doc Sends `Msg' to one worker of the pool (fire and forget; the pool's
-%% routing picks the worker). Always `ok', as `!' is: a tell to a pool that
-%% does not exist, or that finds every mailbox full, is dropped (the pool
-%% counts the latter in `dropped_tells').
+%% routing picks the worker). Always `ok', as `!' is: a tell that finds
+%% every mailbox full is dropped and counted by the pool (`dropped_tells');
+%% a tell to a pool that does not exist is dropped, counted and logged
+%% once per name: by the pool node for a name or pid it does not know
+%% (`no_pool_tells' in {@link node_stats/1}), here for a service key with no
+%% pool registered ({@link no_pool_tells/0}). The metrics show every drop,
+%% by reason (`actor_pool_dropped_tells_total', docs/operations.md).
 %%
 %% A binary reaches the handler as its bytes; any other term in the external
 %% term format. A message that holds a closure (a fun other than `fun M:F/A'),
@@ -336,8 +349,8 @@ tell(Pool, Msg) ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
                     actor_pool_transport:tell(Node, Dest, Msg, Est);
-                undefined -> ok;
-                no_pool -> actor_pool_keys:count_no_pool();
+                undefined -> actor_pool_keys:count_no_pool(Pool, no_pool_node);
+                no_pool -> actor_pool_keys:count_no_pool(Pool, no_registration);
                 badarg -> erlang:error(badarg, [Pool, Msg])
             end
     end.

@@ -31,8 +31,17 @@
 %% starts again after a restart of this node's pool node,
 %% {Name, Handler, Opts, Pid}.
 -define(POOLS_KEPT, actor_pool_kept).
-%% persistent_term key of the counter of tells to a key with no pool.
+%% persistent_term key: {Counters, Atomics} of tells that found no pool on
+%% this node (a service key with no pool, a name and no pool node): the
+%% count (counter slot 1), and the state of their log lines (atomics, signed:
+%% the second of the last line, the lines in it, then ?NO_POOL_SEEN slots of
+%% targets logged, by hash; actor_pool_keys).
 -define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
+-define(NO_POOL_SECOND, 1).
+-define(NO_POOL_LINES_SLOT, 2).
+-define(NO_POOL_SEEN0, 3).
+-define(NO_POOL_SEEN, 1024).
+-define(NO_POOL_LINES, 10).
 
 %% ETS table (public, read_concurrency, owned by actor_pool_batch_sup) of
 %% batcher groups, one staging row per pool node while its batchers start:

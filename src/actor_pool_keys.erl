@@ -7,8 +7,9 @@
 %% is kept in ?POOL_KEYS (actor_pool_int.hrl), `{PoolPid, Name, PoolNode,
 %% Id}', so that a pool stopped by name is deregistered too. Each register
 %% and deregister is waited for: the receptionist answers through a relay
-%% process (see rcpt_sync/3). Tells to a key with no pool are dropped and
-%% counted here ({@link no_pool_tells/0}).
+%% process (see rcpt_sync/3). Tells to a key with no pool (and to a name
+%% while this node has no pool node) are dropped, counted and logged here
+%% ({@link no_pool_tells/0}).
 -module(actor_pool_keys).
 
 -include("actor_pool_int.hrl").
@@ -16,7 +17,7 @@
 -export([register/3]).
 -export([deregister/3]).
 -export([pick/1]).
--export([count_no_pool/0]).
+-export([count_no_pool/2]).
 -export([no_pool_tells/0]).
 
 %% @doc Registers pool `Pid' (named `Name') under service id `Id' and waits
@@ -100,19 +101,67 @@ pick(Key) ->
             {ok, Pid, node(Pid)}
     end.
 
-%% @doc Counts a tell to a key with no pool (it was dropped).
--spec count_no_pool() -> ok.
-count_no_pool() ->
+%% @doc Counts a tell that found no pool (it was dropped): to `Target', a
+%% service key with no pool registered (`no_registration') or a name while
+%% this node has no pool node (`no_pool_node'); and logs it, once per
+%% target (see log_no_pool/3).
+-spec count_no_pool(term(), no_registration | no_pool_node) -> ok.
+count_no_pool(Target, Why) ->
     case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> ok;
-        C -> counters:add(C, 1, 1)
+        {C, A} ->
+            counters:add(C, 1, 1),
+            log_no_pool(A, Target, Why);
+        undefined ->
+            ok
     end.
 
-%% @doc Tells to a service key that had no pool registered, since this node
-%% first started the application.
+%% @doc Tells that found no pool here, since this node first started the
+%% application (actor_pool:no_pool_tells/0).
 -spec no_pool_tells() -> non_neg_integer().
 no_pool_tells() ->
     case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> 0;
-        C -> counters:get(C, 1)
+        {C, _} -> counters:get(C, 1);
+        undefined -> 0
+    end.
+
+%% One warning per target, in bounded memory: the targets already logged
+%% are remembered by hash in ?NO_POOL_SEEN atomics slots, each target in
+%% the one its hash picks (a target that a later one pushed out is logged
+%% again when it comes back: a user can misspell without end, the memory
+%% stays the same). And at most ?NO_POOL_LINES lines a second: a target
+%% not logged for that is not remembered, and is logged on a later tell.
+%% Atomics, so no process is asked and tells from every scheduler go on.
+log_no_pool(A, Target, Why) ->
+    H = erlang:phash2(Target, 1 bsl 27) + 1,
+    Slot = ?NO_POOL_SEEN0 + H rem ?NO_POOL_SEEN,
+    case atomics:get(A, Slot) of
+        H ->
+            ok;
+        _ ->
+            case line_allowed(A) of
+                true ->
+                    atomics:put(A, Slot, H),
+                    logger:warning("actor_pool: tell to ~0tP dropped: ~ts (logged once per key "
+                                   "or name; actor_pool:no_pool_tells/0 counts them)",
+                                   [Target, 30, why(Why)], #{actor_pool => no_pool_tell});
+                false ->
+                    ok
+            end
+    end.
+
+why(no_registration) -> "no pool is registered under that service key";
+why(no_pool_node) ->
+    "this node has no pool node (the application is not running, or runs with {pool_node, false})".
+
+%% At most ?NO_POOL_LINES a second, from every process together.
+line_allowed(A) ->
+    Now = erlang:monotonic_time(second),
+    case atomics:get(A, ?NO_POOL_SECOND) of
+        Now ->
+            atomics:add_get(A, ?NO_POOL_LINES_SLOT, 1) =< ?NO_POOL_LINES;
+        Then ->
+            case atomics:compare_exchange(A, ?NO_POOL_SECOND, Then, Now) of
+                ok -> atomics:put(A, ?NO_POOL_LINES_SLOT, 1), true;
+                _ -> atomics:add_get(A, ?NO_POOL_LINES_SLOT, 1) =< ?NO_POOL_LINES
+            end
     end.

@@ -114,8 +114,10 @@ init([]) ->
     ?POOL_KEYS = ets:new(?POOL_KEYS, [public, named_table, bag]),
     ?POOLS_KEPT = ets:new(?POOLS_KEPT, [public, named_table, set]),
     case persistent_term:get(?NO_POOL_TELLS, undefined) of
-        undefined -> persistent_term:put(?NO_POOL_TELLS, counters:new(1, [write_concurrency]));
-        _ -> ok
+        {_, _} -> ok;
+        _ -> persistent_term:put(?NO_POOL_TELLS,
+                                 {counters:new(1, [write_concurrency]),
+                                  atomics:new(?NO_POOL_SEEN0 + ?NO_POOL_SEEN - 1, [{signed, true}])})
     end,
     case persistent_term:get(?OVERSIZED, undefined) of
         undefined -> persistent_term:put(?OVERSIZED, {counters:new(2, [write_concurrency]),
