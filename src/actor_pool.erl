@@ -151,7 +151,10 @@
                    throughput_10s := float(),
                    uptime_ms := non_neg_integer(),
                    workers := [worker_stats()],
-                   by_path => #{dist := non_neg_integer(), ring := non_neg_integer()}}.
+                   by_path => #{dist := non_neg_integer(), ring := non_neg_integer()},
+                   handler_time => #{bounds_ns := [pos_integer()],
+                                     counts := [non_neg_integer()],
+                                     sum_ns := non_neg_integer()}}.
 %% Documented field by field in docs/stateless-workers.md ("Metrics").
 
 %% ===================================================================
@@ -390,7 +393,12 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
         Est ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
-                    actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout);
+                    %% The round trip, for the pool's histogram
+                    %% (actor_pool_latency): a clock read on each side.
+                    T0 = erlang:monotonic_time(nanosecond),
+                    Reply = actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout),
+                    ok = actor_pool_latency:ask_done(Dest, Reply, T0),
+                    Reply;
                 undefined ->
                     {error, noproc};
                 no_pool ->
@@ -408,7 +416,10 @@ ask(Pool, Msg, Timeout) ->
 %% `errors', `bad_replies' (replies refused: see {@link ask/3}),
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
 %% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
-%% (messages per second over the last 10 s, up to the call), `uptime_ms', and per
+%% (messages per second over the last 10 s, up to the call), `uptime_ms',
+%% `handler_time' (how long the handler's calls took, timed around each call
+%% on the pool node: `counts' per bucket, not cumulative, of the upper
+%% `bounds_ns' and one past the last, and `sum_ns'), and per
 %% worker `id', `alive', `state' (`running', `hung', `restarting'),
 %% `os_pid' (a process-isolated worker's; `undefined' otherwise), `mailbox'
 %% (depth gauge), `processed', `restarts', `crashes', `next_restart_ms'. See

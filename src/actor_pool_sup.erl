@@ -20,7 +20,11 @@
 %%     answers that come back through the rings from schedulers;</li>
 %% <li>{@link actor_pool_dp}, the lanes (shared-memory rings) to pool nodes
 %%     of this host;</li>
-%% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool}.</li>
+%% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool};</li>
+%% <li>{@link actor_pool_latency}, the keeper of the ask round-trip
+%%     histograms (per pool, for the metrics);</li>
+%% <li>`actor_pool_metrics', the metrics endpoint, when `metrics_port' is
+%%     set.</li>
 %% </ol>
 %% The owner restarts its C node when it dies; the pools that were started on
 %% it through {@link actor_pool:start_pool/3} are started again by the keeper,
@@ -163,6 +167,12 @@ init([]) ->
            shutdown => 5000,
            type => worker,
            modules => [actor_pool_dp]},
+    Latency = #{id => actor_pool_latency,
+                start => {actor_pool_latency, start_link, []},
+                restart => permanent,
+                shutdown => 5000,
+                type => worker,
+                modules => [actor_pool_latency]},
     RcptSup = #{id => actor_receptionist_sup,
                 start => {actor_receptionist_sup, start_link, []},
                 restart => permanent,
@@ -182,5 +192,5 @@ init([]) ->
         ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
-        ++ Deliverers ++ [Dp, BatchSup, Metrics],
+        ++ Deliverers ++ [Dp, BatchSup, Latency, Metrics],
     {ok, {Flags, Children}}.
