@@ -28,6 +28,7 @@
 -export([lane/2]).
 -export([seg/1]).
 -export([info/0]).
+-export([counters/0]).
 -export([refresh/0]).
 -export([set_slow/3]).
 -export([unset_slow/1]).
@@ -134,9 +135,13 @@ info() ->
                 _ -> gen_server:call(?MODULE, info, 10000)
             end,
     #{lanes => Lanes,
-      counters => maps:from_list([{K, counter(K)} || K <- [tell_dropped, ask_full,
-                                                           too_large, closed]]),
+      counters => counters(),
       slow => maps:keys(persistent_term:get(?SLOW, #{}))}.
+
+%% @doc {@link info/0}'s `counters' alone (no call: for the metrics).
+-spec counters() -> #{counter() => non_neg_integer()}.
+counters() ->
+    maps:from_list([{K, counter(K)} || K <- [tell_dropped, ask_full, too_large, closed]]).
 
 %% @doc Applies the application setting `fast_path' now: with `false' every
 %% lane is closed (calls go through distribution), with `true' pool nodes

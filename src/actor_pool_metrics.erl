@@ -20,6 +20,8 @@
 %% answer leaves its samples out of that scrape rather than failing it.
 -module(actor_pool_metrics).
 
+-include("actor_pool_int.hrl").
+
 -export([render/0]).
 -export([content_type/0]).
 -export([start_link/0]).
@@ -28,7 +30,9 @@
 -define(CALL_TIMEOUT, 2000).
 
 -type family() :: {Name :: string(), counter | gauge, Help :: string(),
-                   [{[{string(), term()}], number()}]}.
+                   [{[{string(), term()}], number()}]}
+                | {Name :: string(), histogram, Help :: string(),
+                   [{[{string(), term()}], actor_pool_latency:histogram()}]}.
 
 %% ===================================================================
 %% API
@@ -79,13 +83,23 @@ ip_string(_) -> "".
 
 -spec families() -> [family()].
 families() ->
-    pool_families(pool_stats()) ++ batcher_families() ++ receptionist_families()
-        ++ cnode_families().
+    Local = actor_pool:pool_node(),
+    %% undefined (not []) when the pool node does not answer: the ask
+    %% histograms of its pools are kept then.
+    LocalPools = case Local of
+                     undefined -> undefined;
+                     _ -> pools_of(Local)
+                 end,
+    Listed = case LocalPools of
+                 L when is_list(L) -> L;
+                 undefined -> []
+             end,
+    pool_families(pool_stats(Listed)) ++ ask_families(Local, LocalPools) ++ batcher_families()
+        ++ receptionist_families() ++ cnode_families().
 
 %% [{PoolName, PoolNode, Stats}] of every pool this node lists.
-pool_stats() ->
-    Pools = try actor_pool:which_pools() catch _:_ -> [] end,
-    [{Name, node(Pid), S} || {Name, Pid} <- Pools,
+pool_stats(Listed) ->
+    [{Name, node(Pid), S} || {Name, Pid} <- Listed,
                              S <- [safe(fun() -> actor_pool:stats(Pid) end)],
                              is_map(S)].
 
@@ -107,7 +121,12 @@ pool_families(Pools) ->
      {"actor_pool_overloaded_total", counter,
       "Asks answered {error, overloaded}: every mailbox was full.", C(overloaded)},
      {"actor_pool_dropped_tells_total", counter,
-      "Tells dropped because every mailbox was full.", C(dropped_tells)},
+      "Tells dropped, by reason: mailbox_full (every mailbox of the pool was full), no_pool "
+      "(no pool of that name, pid or service key: counted by the pool node, or by this node), "
+      "oversized (too large for a frame of the pool node), ring_full (a same-host ring stayed "
+      "full for a second).",
+      [{L(N, Nd) ++ [{"reason", "mailbox_full"}], maps:get(dropped_tells, S, 0)}
+       || {N, Nd, S} <- Pools] ++ node_drops()},
      {"actor_pool_bad_replies_total", counter,
       "Asks answered {error, bad_reply}: the handler's reply was one the caller's node would "
       "refuse, or carried an atom past max_reply_atoms.", C(bad_replies)},
@@ -130,7 +149,86 @@ pool_families(Pools) ->
       "1 when the worker is running, 0 when it is hung or waiting to be replaced.",
       [{L(N, Nd) ++ [{"worker", maps:get(id, W)}],
         case maps:get(state, W, running) of running -> 1; _ -> 0 end}
-       || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]}].
+       || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},
+     {"actor_pool_handler_duration_seconds", histogram,
+      "Time the pool's handler took per message, measured on the pool node around each "
+      "call (in a worker process, by that process).",
+      [{L(N, Nd), H} || {N, Nd, S} <- Pools, H <- [histogram(maps:get(handler_time, S, none))],
+                        H =/= none]}].
+
+%% Drops counted by no pool: this node's (oversized, ring_full, no_pool:
+%% a service key with no pool, a name and no pool node), and its pool
+%% node's tells to a name or pid it does not know.
+node_drops() ->
+    Here = [{"node", node()}],
+    #{tells := Oversized} = actor_pool:oversized(),
+    RingFull = case safe(fun() -> actor_pool_dp:counters() end) of
+                   #{tell_dropped := RF} -> RF;
+                   _ -> 0
+               end,
+    PoolNode = case actor_pool:pool_node() of
+                   undefined ->
+                       [];
+                   Node ->
+                       case safe(fun() -> actor_pool_transport:node_stats(Node, ?CALL_TIMEOUT) end) of
+                           #{no_pool_tells := V} when is_integer(V), V >= 0 ->
+                               [{[{"node", Node}, {"reason", "no_pool"}], V}];
+                           _ ->
+                               []
+                       end
+               end,
+    [{Here ++ [{"reason", "no_pool"}], actor_pool:no_pool_tells()},
+     {Here ++ [{"reason", "oversized"}], Oversized},
+     {Here ++ [{"reason", "ring_full"}], RingFull}] ++ PoolNode.
+
+%% A pool node's handler_time, checked (a pool node of another version may
+%% send none, or another shape): none, or what family/1 renders.
+histogram(#{bounds_ns := Bounds, counts := Counts, sum_ns := Sum})
+  when is_list(Bounds), is_list(Counts), is_integer(Sum), Sum >= 0,
+       length(Counts) =:= length(Bounds) + 1 ->
+    Ok = lists:all(fun(B) -> is_integer(B) andalso B > 0 end, Bounds)
+        andalso lists:sort(Bounds) =:= Bounds andalso lists:usort(Bounds) =:= Bounds
+        andalso lists:all(fun(C) -> is_integer(C) andalso C >= 0 end, Counts),
+    case Ok of
+        true -> {Bounds, Counts, Sum};
+        false -> none
+    end;
+histogram(_) ->
+    none.
+
+%% The ask round trips this node measured (actor_pool_latency), per pool.
+%% The pools of each pool node they went to are listed (this node's own
+%% are at hand), so that those gone are left out and forgotten; a pool
+%% node that does not answer keeps its pools.
+ask_families(Local, LocalPools) ->
+    Hists = actor_pool_latency:histograms(),
+    Nodes = lists:usort([Nd || {_, Nd, _} <- Hists]),
+    Alive = maps:from_list(
+              [{Nd, A} || Nd <- Nodes,
+                          A <- [case Nd =:= Local of
+                                    true -> LocalPools;
+                                    false -> pools_of(Nd)
+                                end],
+                          is_list(A)]),
+    _ = [actor_pool_latency:forget(Nd, A) || {Nd, A} <- maps:to_list(Alive)],
+    [{"actor_pool_ask_duration_seconds", histogram,
+      "Round trip of asks from this node to the pool (actor_pool:ask/2,3), from the call "
+      "to its answer, whatever the answer.",
+      [{[{"pool", N}, {"node", Nd}], H}
+       || {N, Nd, H} <- Hists,
+          case Alive of
+              #{Nd := A} -> lists:keymember(N, 1, A);
+              #{} -> true
+          end]}].
+
+%% The pools of a pool node, `[{Name, Pid}]', or undefined when it does
+%% not answer.
+pools_of(Node) ->
+    case safe(fun() -> actor_pool_transport:call(Node, {?MANAGER, Node}, which_pools,
+                                                 ?CALL_TIMEOUT) end) of
+        L when is_list(L) -> L;
+        _ -> undefined
+    end.
 
 batcher_families() ->
     Groups = try actor_pool_batch_sup:batchers() catch _:_ -> [] end,
@@ -261,10 +359,32 @@ clock_ticks() ->
 %% The text format
 %% ===================================================================
 
+family({Name, histogram, Help, Samples}) ->
+    ["# HELP ", Name, $\s, escape_help(Help), $\n,
+     "# TYPE ", Name, " histogram\n",
+     [histogram_lines(Name, Ls, H) || {Ls, H} <- Samples]];
 family({Name, Type, Help, Samples}) ->
     ["# HELP ", Name, $\s, escape_help(Help), $\n,
      "# TYPE ", Name, $\s, atom_to_list(Type), $\n,
      [[Name, labels(Ls), $\s, value(V), $\n] || {Ls, V} <- Samples]].
+
+%% Cumulative buckets (le in seconds, then +Inf), the sum in seconds, and
+%% the count: the +Inf bucket, so the two always agree.
+histogram_lines(Name, Ls, {Bounds, Counts, SumNs}) ->
+    {Cum, _} = lists:mapfoldl(fun(C, Acc) -> {Acc + C, Acc + C} end, 0, Counts),
+    Les = [le(B) || B <- Bounds] ++ ["+Inf"],
+    [[[Name, "_bucket", labels(Ls ++ [{"le", Le}]), $\s, value(C), $\n]
+      || {Le, C} <- lists:zip(Les, Cum)],
+     Name, "_sum", labels(Ls), $\s, value(SumNs / 1.0e9), $\n,
+     Name, "_count", labels(Ls), $\s, value(lists:last(Cum)), $\n].
+
+%% A bound in ns as seconds, exactly: 2500 -> "0.0000025", 10^9 -> "1".
+le(Ns) ->
+    S = integer_to_list(Ns div 1000000000),
+    case Ns rem 1000000000 of
+        0 -> S;
+        F -> S ++ "." ++ string:trim(lists:flatten(io_lib:format("~9..0B", [F])), trailing, "0")
+    end.
 
 labels([]) -> [];
 labels(Ls) ->
