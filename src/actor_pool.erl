@@ -395,7 +395,7 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
                 {ok, Dest, Node} ->
                     %% The round trip, for the pool's histogram
                     %% (actor_pool_latency): a clock read on each side.
-                    T0 = erlang:monotonic_time(nanosecond),
+                    T0 = os:perf_counter(),
                     Reply = actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout),
                     ok = actor_pool_latency:ask_done(Dest, Reply, T0),
                     Reply;
