@@ -41,8 +41,10 @@
 -export([info/1]).
 -export([scribble/3]).
 -export([loaded/0]).
+-export([hist_new/0, hist_add/2, hist_read/1]).
 
--export_type([seg/0, ticket/0, mark/0, ask_id/0, ask_tag/0, open_opts/0, open_error/0, info/0]).
+-export_type([seg/0, ticket/0, mark/0, ask_id/0, ask_tag/0, open_opts/0, open_error/0, info/0,
+              hist/0]).
 
 -on_load(init/0).
 
@@ -62,9 +64,15 @@
 
 -type ask_id() :: non_neg_integer().
 
--type ask_tag() :: reference() | {reference(), 1..4294967295} | undefined.
+-type ask_tag() :: reference() | {reference(), 1..4294967295}
+                 | {reference(), 0..4294967295, hist()} | undefined.
 %% What an answer carries ({@link submit/6}): a reference, with the
-%% timeout in ms the NIF keeps for the ask; `undefined' for a tell.
+%% timeout in ms the NIF keeps for the ask (0 in the 3-tuple: none), and a
+%% histogram that the ask's round trip is added to ({@link hist_new/0});
+%% `undefined' for a tell.
+
+-opaque hist() :: reference().
+%% A histogram of round trips ({@link hist_new/0}), a NIF resource.
 
 -type open_opts() :: #{req_rings => pos_integer(),
                        req_bytes => pos_integer(),
@@ -310,6 +318,30 @@ scribble(_Seg, _Offset, _Bin) ->
 -spec loaded() -> boolean().
 loaded() ->
     false.
+
+%% @doc A histogram of ask round trips, for asks that name it in their tag
+%% (`{Ref, TimeoutMs, Hist}', TimeoutMs 0 for none): each is timed from its
+%% submit to its answer, whatever the answer (a reply, a timeout kept
+%% here, the segment's close, a cancel), into the buckets of
+%% `c_src/common/ap_hist.h' (1, 2.5 and 5 per decade from 1 us to 10 s).
+%% Relaxed atomic adds in shards (one per thread that adds), no lock; a
+%% segment keeps each histogram its asks named (at most 4096; past that
+%% an ask naming a new one is not timed) until the segment goes.
+-spec hist_new() -> hist().
+hist_new() ->
+    erlang:nif_error(not_loaded).
+
+%% @doc Adds a round trip of `Ns' nanoseconds measured elsewhere (an ask
+%% by distribution) to `Hist'.
+-spec hist_add(hist(), non_neg_integer()) -> ok.
+hist_add(_Hist, _Ns) ->
+    erlang:nif_error(not_loaded).
+
+%% @doc `{Counts, SumNs}': the round trips per bucket (not cumulative; 23,
+%% the last past 10 s) and their sum.
+-spec hist_read(hist()) -> {[non_neg_integer()], non_neg_integer()}.
+hist_read(_Hist) ->
+    erlang:nif_error(not_loaded).
 
 %% ===================================================================
 %% Internal functions

@@ -393,12 +393,18 @@ ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
         Est ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
-                    %% The round trip, for the pool's histogram
-                    %% (actor_pool_latency): a clock read on each side.
-                    T0 = os:perf_counter(),
-                    Reply = actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout),
-                    ok = actor_pool_latency:ask_done(Dest, Reply, T0),
-                    Reply;
+                    %% The round trip goes into the pool's histogram
+                    %% (actor_pool_latency), timed by the transport; a
+                    %% pool with none yet is timed here, and gets one.
+                    case actor_pool_latency:hist(Dest) of
+                        none ->
+                            T0 = os:perf_counter(),
+                            Reply = actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout, none),
+                            ok = actor_pool_latency:unmeasured(Dest, Reply, T0),
+                            Reply;
+                        Hist ->
+                            actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout, Hist)
+                    end;
                 undefined ->
                     {error, noproc};
                 no_pool ->

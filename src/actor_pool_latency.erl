@@ -2,29 +2,38 @@
 %% @doc Ask round trips measured in this BEAM, per pool: the histograms
 %% behind `actor_pool_ask_duration_seconds' ({@link actor_pool_metrics}).
 %%
-%% {@link actor_pool:ask/3} reads the clock (os:perf_counter/0) before and
-%% after each ask and, for a pool it knows here, adds the time to that
-%% pool's bucket and to its sum: two `counters:add/3' on a
-%% `write_concurrency' counters object (each scheduler its own cells: no
-%% lock, no shared cache line, no message). The count is the sum of the
-%% buckets, so there is no third add.
+%% Each pool known here has one histogram: a NIF resource of {@link
+%% actor_dp} ({@link actor_dp:hist_new/0}), or, without the NIF, a
+%% `write_concurrency' counters object. {@link actor_pool:ask/3} looks it up
+%% ({@link hist/1}: one `persistent_term' read, an atom key, and a map
+%% lookup) and hands it down with the ask:
+%% <ul>
+%% <li>by a same-host ring, in the ask's tag: the NIF times the ask from its
+%%     submit (a clock read it makes anyway) to its answer and adds it, one
+%%     clock read and two relaxed adds on the thread's own shard. Timed in
+%%     Erlang (two clock reads, a lookup, two counter adds) that was about
+%%     a quarter of a microsecond per ask, 3-5% of the 64-caller ask cell
+%%     of `make bench' on a quiet host;</li>
+%% <li>by distribution, timed here ({@link observe/2}: os:perf_counter/0,
+%%     the OS's monotonic clock read straight, before and after).</li>
+%% </ul>
 %%
-%% Which pools it knows is one `persistent_term' (an atom key: one word to
-%% hash), a map from how an ask names a pool (its pid, or `{Name,
-%% PoolNode}') to the counters of `{Name, PoolNode}': asks by pid and by
-%% name to one pool add to the same histogram, which stays the same across
-%% the pool's restarts under that name. This server is the map's only
-%% writer. A pool gets its place the first time an ask to it is answered
-%% `{ok, _}': the caller casts the ask's time here and the server adds the
-%% pool (for a pid, after asking its pool node for its name) and counts
-%% that time, so no ask is lost on the way. A name or pid with no pool
-%% behind it is never answered `{ok, _}' and never gets a place; an ask
-%% that fails before its pool has one is not measured.
+%% The map is from how an ask names a pool (its pid, or `{Name,
+%% PoolNode}') to the histogram of `{Name, PoolNode}': asks by pid and by
+%% name to one pool add to one histogram, which stays across the pool's
+%% restarts under that name. This server is the map's only writer. A pool
+%% gets its place the first time an ask to it is answered `{ok, _}': the
+%% caller times that ask itself and casts the time here ({@link
+%% unmeasured/3}), and the server adds the pool (for a pid, after asking its
+%% pool node for its name) and counts that time, so no ask is lost on the
+%% way. A name or pid with no pool behind it is never answered `{ok, _}'
+%% and never gets a place; an ask that fails before its pool has one is not
+%% measured.
 %%
 %% Bounded: at most ?MAX_POOLS pools and ?MAX_KEYS ways to name them; past
 %% that the map says so (`?FULL') and callers stop casting. Each scrape
 %% ({@link actor_pool_metrics}) lists the pools of every pool node here and
-%% {@link forget/3}s those that are gone.
+%% {@link forget/2}s those that are gone.
 -module(actor_pool_latency).
 -behaviour(gen_server).
 
@@ -32,7 +41,9 @@
 
 %% API.
 -export([start_link/0]).
--export([ask_done/3]).
+-export([hist/1]).
+-export([observe/2]).
+-export([unmeasured/3]).
 -export([bounds_ns/0]).
 -export([histograms/0]).
 -export([forget/2]).
@@ -43,7 +54,10 @@
 -export([handle_cast/2]).
 -export([handle_info/2]).
 
--export_type([histogram/0]).
+-export_type([hist/0, histogram/0]).
+
+-type hist() :: actor_dp:hist() | {counters, counters:counters_ref()}.
+%% A pool's histogram: the NIF's, or counters where the NIF is not loaded.
 
 -type histogram() :: {Bounds :: [pos_integer()], Counts :: [non_neg_integer()],
                       SumNs :: non_neg_integer()}.
@@ -53,12 +67,9 @@
 -define(KEY, '$actor_pool_latency').
 %% In the map when it is full: callers stop casting new pools.
 -define(FULL, '$full').
-%% In the map when the perf counter does not count ns (it does on Linux):
-%% its unit, per second.
--define(UNIT, '$unit').
 -define(MAX_POOLS, 1024).
 -define(MAX_KEYS, 4096).
-%% Counter slots: the buckets, then the sum.
+%% Counter slots (the fallback): the buckets, then the sum.
 -define(BUCKETS, 23).
 -define(SUM, 24).
 %% Asking a pool node for its pools' names (a pid's).
@@ -66,7 +77,7 @@
 
 -record(st, {
     %% {Name, PoolNode} => counters
-    pools = #{} :: #{{atom(), node()} => counters:counters_ref()},
+    pools = #{} :: #{{atom(), node()} => hist()},
     %% how asks name a pool => {Name, PoolNode}, or none: a pid its
     %% node does not list as a pool (asks to it are not measured)
     keys = #{} :: #{pid() | {atom(), node()} => {atom(), node()} | none}
@@ -81,30 +92,33 @@
 start_link() ->
     gen_server:start_link({local, ?MODULE}, ?MODULE, [], []).
 
-%% @doc An ask to `Dest' that began at `T0' (`os:perf_counter()') was
-%% answered `Reply'. The hot path: one persistent_term read, a clock read
-%% and two counter adds for a known pool. The clock is the OS's monotonic
-%% one, which os:perf_counter/0 reads straight (about 40 ns here), not
-%% erlang:monotonic_time/0 (about 140 ns: the runtime's time correction).
--spec ask_done(pid() | {atom(), node()}, term(), integer()) -> ok.
-ask_done(Dest, Reply, T0) ->
+%% @doc The histogram of the pool `Dest' names, or `none' (not known here,
+%% or known as no pool). The ask's hot path.
+-spec hist(pid() | {atom(), node()}) -> hist() | none.
+hist(Dest) ->
     case persistent_term:get(?KEY, #{}) of
-        #{Dest := C} = M when C =/= none ->
-            Dt = case M of
-                     #{?UNIT := Unit} -> (os:perf_counter() - T0) * 1000000000 div Unit;
-                     #{} -> os:perf_counter() - T0
-                 end,
-            counters:add(C, bucket(Dt), 1),
-            counters:add(C, ?SUM, Dt);
-        #{Dest := none} ->
-            ok;
-        #{?FULL := true} ->
-            ok;
-        _ when element(1, Reply) =:= ok ->
-            Dt = erlang:convert_time_unit(os:perf_counter() - T0, perf_counter, nanosecond),
-            gen_server:cast(?MODULE, {new, Dest, Dt});
-        _ ->
-            ok
+        #{Dest := H} -> H;
+        #{} -> none
+    end.
+
+%% @doc Adds a round trip that began at `T0' (`os:perf_counter()') to
+%% `Hist'.
+-spec observe(hist(), integer()) -> ok.
+observe(Hist, T0) ->
+    add(Hist, since(T0)).
+
+%% @doc An ask to `Dest', a pool with no histogram here when it began at
+%% `T0' (`os:perf_counter()'), was answered `Reply': it goes into the
+%% histogram the pool got meanwhile, or on `{ok, _}' the pool gets one,
+%% with this ask in it.
+-spec unmeasured(pid() | {atom(), node()}, term(), integer()) -> ok.
+unmeasured(Dest, Reply, T0) ->
+    case persistent_term:get(?KEY, #{}) of
+        #{Dest := none} -> ok;
+        #{Dest := H} -> add(H, since(T0));
+        #{?FULL := true} -> ok;
+        #{} when element(1, Reply) =:= ok -> gen_server:cast(?MODULE, {new, Dest, since(T0)});
+        #{} -> ok
     end.
 
 %% @doc The upper bounds of the buckets, in ns: 1, 2.5 and 5 per decade
@@ -125,9 +139,8 @@ histograms() ->
         _ ->
             Pools = try gen_server:call(?MODULE, pools, 5000) catch exit:_ -> [] end,
             Bounds = bounds_ns(),
-            [{Name, Node, {Bounds, [counters:get(C, I) || I <- lists:seq(1, ?BUCKETS)],
-                           counters:get(C, ?SUM)}}
-             || {{Name, Node}, C} <- Pools]
+            [{Name, Node, {Bounds, Counts, Sum}} || {{Name, Node}, H} <- Pools,
+                                                   {Counts, Sum} <- [read(H)]]
     end.
 
 %% @doc `PoolNode' lists `Alive' (`[{Name, Pid}]'): forget its other pools
@@ -172,39 +185,41 @@ handle_info(_Other, St) ->
 %% Internals
 %% ===================================================================
 
-%% Bucket of an ask of Dt ns: the first bound at or above it (1..22), 23
-%% past the last. Two levels of comparisons, no list walk.
-bucket(Dt) when Dt =< 1000000 ->
-    if Dt =< 1000 -> 1;
-       Dt =< 2500 -> 2;
-       Dt =< 5000 -> 3;
-       Dt =< 10000 -> 4;
-       Dt =< 25000 -> 5;
-       Dt =< 50000 -> 6;
-       Dt =< 100000 -> 7;
-       Dt =< 250000 -> 8;
-       Dt =< 500000 -> 9;
-       true -> 10
-    end;
-bucket(Dt) ->
-    if Dt =< 2500000 -> 11;
-       Dt =< 5000000 -> 12;
-       Dt =< 10000000 -> 13;
-       Dt =< 25000000 -> 14;
-       Dt =< 50000000 -> 15;
-       Dt =< 100000000 -> 16;
-       Dt =< 250000000 -> 17;
-       Dt =< 500000000 -> 18;
-       Dt =< 1000000000 -> 19;
-       Dt =< 2500000000 -> 20;
-       Dt =< 5000000000 -> 21;
-       Dt =< 10000000000 -> 22;
-       true -> 23
+%% ns since T0 (os:perf_counter/0): its unit is ns on Linux.
+since(T0) ->
+    D = os:perf_counter() - T0,
+    case erlang:convert_time_unit(1, second, perf_counter) of
+        1000000000 -> D;
+        Unit -> max(0, D) * 1000000000 div Unit
     end.
 
-observe(C, Dt) ->
-    counters:add(C, bucket(Dt), 1),
-    counters:add(C, ?SUM, Dt).
+%% actor_dp:loaded/0 is replaced by the NIF when it loads; its Erlang body
+%% says `false', which is all dialyzer sees of it.
+-dialyzer({nowarn_function, new_hist/0}).
+new_hist() ->
+    case actor_dp:loaded() of
+        true -> actor_dp:hist_new();
+        false -> {counters, counters:new(?SUM, [write_concurrency])}
+    end.
+
+add({counters, C}, Ns) ->
+    counters:add(C, bucket(Ns), 1),
+    counters:add(C, ?SUM, Ns);
+add(H, Ns) ->
+    actor_dp:hist_add(H, max(0, Ns)).
+
+read({counters, C}) ->
+    {[counters:get(C, I) || I <- lists:seq(1, ?BUCKETS)], counters:get(C, ?SUM)};
+read(H) ->
+    actor_dp:hist_read(H).
+
+%% Bucket of Ns (the counters' fallback): the first bound at or above it
+%% (1..22), 23 past the last.
+bucket(Ns) ->
+    bucket(Ns, bounds_ns(), 1).
+
+bucket(Ns, [B | Bs], I) when Ns > B -> bucket(Ns, Bs, I + 1);
+bucket(_Ns, _, I) -> I.
 
 new(Dest, Dt, #st{keys = Keys, pools = Pools} = St) ->
     case Keys of
@@ -212,19 +227,19 @@ new(Dest, Dt, #st{keys = Keys, pools = Pools} = St) ->
             St;
         #{Dest := Pool} ->
             %% Added by an earlier cast: count this ask too.
-            observe(maps:get(Pool, Pools), Dt),
+            add(maps:get(Pool, Pools), Dt),
             St;
         #{} when map_size(Keys) >= ?MAX_KEYS ->
             St;
         #{} ->
             case pool_of(Dest) of
                 {ok, Pool} when is_map_key(Pool, Pools) ->
-                    observe(maps:get(Pool, Pools), Dt),
+                    add(maps:get(Pool, Pools), Dt),
                     publish(St#st{keys = Keys#{Dest => Pool}});
                 {ok, Pool} when map_size(Pools) < ?MAX_POOLS ->
-                    C = counters:new(?SUM, [write_concurrency]),
-                    observe(C, Dt),
-                    publish(St#st{pools = Pools#{Pool => C}, keys = Keys#{Dest => Pool}});
+                    H = new_hist(),
+                    add(H, Dt),
+                    publish(St#st{pools = Pools#{Pool => H}, keys = Keys#{Dest => Pool}});
                 {ok, _PoolsFull} ->
                     St;
                 not_a_pool ->
@@ -284,13 +299,8 @@ publish(#st{pools = Pools, keys = Keys} = St) ->
                       (_, Pool) -> maps:get(Pool, Pools)
                    end, Keys),
     Full = map_size(Keys) >= ?MAX_KEYS orelse map_size(Pools) >= ?MAX_POOLS,
-    Unit = erlang:convert_time_unit(1, second, perf_counter),
-    Map1 = case Unit of
-               1000000000 -> Map;
-               _ -> Map#{?UNIT => Unit}
-           end,
     persistent_term:put(?KEY, case Full of
-                                  true -> Map1#{?FULL => true};
-                                  false -> Map1
+                                  true -> Map#{?FULL => true};
+                                  false -> Map
                               end),
     St.

@@ -14,7 +14,7 @@
 -include("actor_pool_int.hrl").
 
 -export([tell/4]).
--export([ask/5]).
+-export([ask/6]).
 -export([stats/3]).
 -export([call/4]).
 -export([node_stats/2]).
@@ -39,12 +39,15 @@ tell(Node, Dest, Msg, Est) ->
     end.
 
 %% @doc An ask, by ring or by distribution as {@link tell/4} chooses; the
-%% reply as actor_pool:ask/3 documents it.
--spec ask(node(), dest(), term(), non_neg_integer(), timeout()) -> term().
-ask(Node, Dest, Msg, Est, Timeout) ->
+%% reply as actor_pool:ask/3 documents it. Its round trip goes into `Hist'
+%% (actor_pool_latency; `none': nowhere): by ring the NIF times it, by
+%% distribution this module.
+-spec ask(node(), dest(), term(), non_neg_integer(), timeout(), actor_pool_latency:hist() | none) ->
+          term().
+ask(Node, Dest, Msg, Est, Timeout, Hist) ->
     case actor_pool_dp:lane(Node, Dest) of
-        {lane, Seg} -> ring_request(Seg, Node, Dest, ask, {Msg, Est}, Timeout);
-        none -> dist_ask(Node, Dest, Msg, Est, Timeout)
+        {lane, Seg} -> ring_request(Seg, Node, Dest, ask, {Msg, Est}, Timeout, Hist);
+        none -> dist_ask(Node, Dest, Msg, Est, Timeout, Hist)
     end.
 
 %% @doc A pool's stats request, by ring or by distribution; the reply as
@@ -52,7 +55,7 @@ ask(Node, Dest, Msg, Est, Timeout) ->
 -spec stats(node(), dest(), timeout()) -> term().
 stats(Node, Dest, Timeout) ->
     case actor_pool_dp:lane(Node, Dest) of
-        {lane, Seg} -> ring_request(Seg, Node, Dest, stats, {undefined, 0}, Timeout);
+        {lane, Seg} -> ring_request(Seg, Node, Dest, stats, {undefined, 0}, Timeout, none);
         none -> call(Node, Dest, '$ap_stats', Timeout)
     end.
 
@@ -75,7 +78,17 @@ dist_tell(Node, Dest, Msg, Est) ->
         {too_large, Size, Max} -> oversized_tell(Node, Dest, Size, Max)
     end.
 
-%% An ask by distribution, likewise: {error, {too_large, Size, Max}}.
+%% An ask by distribution, timed into Hist.
+dist_ask(Node, Dest, Msg, Est, Timeout, none) ->
+    dist_ask(Node, Dest, Msg, Est, Timeout);
+dist_ask(Node, Dest, Msg, Est, Timeout, Hist) ->
+    T0 = os:perf_counter(),
+    Reply = dist_ask(Node, Dest, Msg, Est, Timeout),
+    ok = actor_pool_latency:observe(Hist, T0),
+    Reply.
+
+%% An ask by distribution, unless the message does not fit in a frame of
+%% the pool node: {error, {too_large, Size, Max}}, and nothing is sent.
 dist_ask(Node, Dest, Msg, Est, Timeout) ->
     case fits(Node, Msg, Est) of
         ok ->
@@ -399,11 +412,19 @@ ring_submit_wait(Seg, Node, Kind, Dest, Body, Ref, WaitUs, Deadline, Tries) ->
 %% timer's set and cancel per ask cost 0.6 us of the BEAM's CPU under 64
 %% callers (docs/same-host-transport.md, "Timeouts kept by the NIF"). Its
 %% answer comes as any other: the receive waits for it with no `after'.
-ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
+%% An ask with a histogram names it in its tag, {Ref, TimeoutMs, Hist}
+%% (TimeoutMs 0: not kept by the NIF): the NIF times it (actor_dp:hist_new/0).
+ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout, Hist) ->
     Ref = make_ref(),
     {Tag, Wait} = case Timeout of
-                      T when is_integer(T), T > 0, T =< 16#FFFFFFFF -> {{Ref, T}, infinity};
-                      _ -> {Ref, Timeout}
+                      T when is_integer(T), T > 0, T =< 16#FFFFFFFF, is_reference(Hist) ->
+                          {{Ref, T, Hist}, infinity};
+                      T when is_integer(T), T > 0, T =< 16#FFFFFFFF ->
+                          {{Ref, T}, infinity};
+                      _ when is_reference(Hist) ->
+                          {{Ref, 0, Hist}, Timeout};
+                      _ ->
+                          {Ref, Timeout}
                   end,
     %% A full ring is waited for as a tell waits, within the timeout.
     WaitUs = case Timeout of
@@ -425,11 +446,13 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
             ring_receive(Seg, AskId, Ref, Wait);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
+            %% Counted with the time it waited for room (the whole wait).
+            _ = Hist =:= none orelse actor_pool_latency:observe(Hist, os:perf_counter() - WaitUs * 1000),
             {error, overloaded};
         {dist, Size} when Kind =:= ask ->
-            dist_ask(Node, Dest, Msg, {exact, Size}, Timeout);
+            dist_ask(Node, Dest, Msg, {exact, Size}, Timeout, Hist);
         _DistOrFullStats when Kind =:= ask ->
-            dist_ask(Node, Dest, Msg, Est, Timeout);
+            dist_ask(Node, Dest, Msg, Est, Timeout, Hist);
         _DistOrFullStats ->
             call(Node, Dest, '$ap_stats', Timeout)
     end.

@@ -55,6 +55,7 @@
 #include <erl_nif.h>
 
 #include "ap_atomset.h"
+#include "ap_hist.h"
 #include "ap_skip.h"
 #include "ap_time.h"
 #include "ap_term.h"
@@ -78,10 +79,16 @@
  * more than the thread's own send (json cell, 64 callers, 10% slower). */
 #define DP_POKE_BYTES 300u
 
+struct dp_hist;
+
 struct ask {
 	uint64_t id;
 	int crowded; /* the ask before it came from another process, lately */
 	int64_t deadline_ms; /* dp_now_ms; 0: none (an infinite or caller-kept timeout) */
+	/* Where its round trip goes (the tag's histogram, pinned by the
+	 * segment; NULL: not measured), and its submit (ap_mono_ns). */
+	struct dp_hist *hist;
+	int64_t t0;
 	ErlNifPid pid;
 	ErlNifEnv *env; /* owns ref */
 	ERL_NIF_TERM ref;
@@ -203,7 +210,51 @@ struct dp {
 	uint32_t new_atoms_cap;
 	ap_atomset *_Atomic new_atoms;
 	atomic_uint_fast64_t n_unsafe;
+	/* Under mu: the histograms asks named (each kept until the segment
+	 * goes, so an ask's pointer is good until its answer), the last one
+	 * named (most asks name it again: no walk). */
+	struct dp_hist **hists;
+	uint32_t n_hists, cap_hists;
+	struct dp_hist *last_hist;
 };
+
+/* ---- ask round trips (actor_pool_latency) ------------------------------------------
+ * A histogram (hist_new/0) that asks name in their tag ({Ref, TimeoutMs,
+ * Hist}): the segment times each from its submit (the clock read it makes
+ * anyway) to its answer, whichever way that goes (a reply delivered, a
+ * timeout, a close, a cancel), with one more clock read and two relaxed
+ * adds, no lock. Shards, one per thread that adds (round robin): the
+ * reply thread and the schedulers' deliverers add at once without
+ * sharing a line. hist_add/2 adds a time measured elsewhere (an ask by
+ * distribution). */
+#define DP_HIST_SHARDS 8
+/* Histograms one segment keeps at most (actor_pool_latency keeps fewer
+ * pools); past that, asks naming a new one go unmeasured. */
+#define DP_MAX_HISTS 4096
+
+struct dp_hist {
+	ap_hist shard[DP_HIST_SHARDS];
+};
+
+static ErlNifResourceType *g_hist_type;
+static _Thread_local int tl_shard = -1;
+static atomic_uint g_next_shard;
+
+static void hist_observe(struct dp_hist *h, int64_t ns)
+{
+	if (tl_shard < 0)
+		tl_shard = (int)(atomic_fetch_add(&g_next_shard, 1) % DP_HIST_SHARDS);
+	ap_hist_add(&h->shard[tl_shard], ns > 0 ? (uint64_t)ns : 0);
+}
+
+/* An ask is answered (now: ap_mono_ns): its round trip, once. */
+static void ask_observe(struct ask *a, int64_t now)
+{
+	if (a->hist) {
+		hist_observe(a->hist, now - a->t0);
+		a->hist = NULL;
+	}
+}
 
 static ErlNifResourceType *g_dp_type;
 /* The deliverer processes, by index; written by deliver_for/2 (a
@@ -430,10 +481,12 @@ static void dp_shut(struct dp *s, ErlNifEnv *caller_env, ERL_NIF_TERM reason, in
 	s->reason = enif_make_copy(s->penv, reason);
 	atomic_store(&s->closed, 1);
 	m = enif_alloc_env();
+	int64_t now_ns = ap_mono_ns();
 	for (uint32_t i = 0; i <= s->tab_mask; i++) {
 		struct ask *a, *next;
 		for (a = s->tab[i]; a; a = next) {
 			next = a->next;
+			ask_observe(a, now_ns);
 			/* Made in the ask's own env, beside its ref: no
 			 * allocation that could fail and leave an asker, who
 			 * may wait with no timeout of its own, unanswered. The
@@ -652,8 +705,10 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	} else if (decode_answer(s, e, term, len, &ans)) {
 		ans = error_tuple(e, a_bad_reply);
 	}
-	/* The send takes the env's terms (it is left empty, ask_free clears
-	 * nothing more). */
+	/* Timed before the send: an asker that has its answer finds it in
+	 * its histogram. The send takes the env's terms (it is left empty,
+	 * ask_free clears nothing more). */
+	ask_observe(a, ap_mono_ns());
 	(void)enif_send(NULL, &a->pid, e, enif_make_tuple2(e, a->ref, ans));
 	delivered(s, tl_ring, a);
 }
@@ -858,7 +913,7 @@ static void shut_from_thread(struct dp *s, ERL_NIF_TERM reason_in_tenv)
 static void expire_asks(struct dp *s, int64_t now)
 {
 	struct ask *a, **pp;
-	int64_t next = INT64_MAX;
+	int64_t next = INT64_MAX, now_ns = ap_mono_ns();
 
 	/* Sent under the lock, as a close sends: a cancel that misses the
 	 * entry then finds its answer in the mailbox (cancel/2's promise).
@@ -872,6 +927,7 @@ static void expire_asks(struct dp *s, int64_t now)
 				/* Counted before the send: a caller that saw the
 				 * effect sees the count. */
 				cnt(&s->n_timeouts);
+				ask_observe(a, now_ns);
 				/* Made in the ask's env, beside its ref, as deliver does. */
 				ERL_NIF_TERM msg = enif_make_tuple2(a->env, a->ref, error_tuple(a->env, a_timeout));
 				(void)enif_send(NULL, &a->pid, a->env, msg);
@@ -1028,6 +1084,9 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		enif_free_env(s->tenv);
 	if (s->penv)
 		enif_free_env(s->penv);
+	for (uint32_t i = 0; i < s->n_hists; i++)
+		enif_release_resource(s->hists[i]);
+	enif_free(s->hists);
 	if (s->mu_ok)
 		pthread_mutex_destroy(&s->mu);
 }
@@ -1389,7 +1448,33 @@ static int get_mark(ErlNifEnv *env, const struct dp *s, ERL_NIF_TERM t, uint32_t
 struct ask_tag {
 	ERL_NIF_TERM ref;
 	uint32_t timeout_ms; /* 0: none */
+	struct dp_hist *hist; /* NULL: none */
 };
+
+/* Under mu: h, kept by the segment until it goes (NULL past
+ * DP_MAX_HISTS, or without memory: the ask goes unmeasured). */
+static struct dp_hist *pin_hist(struct dp *s, struct dp_hist *h)
+{
+	if (!h || h == s->last_hist)
+		return h;
+	for (uint32_t i = 0; i < s->n_hists; i++)
+		if (s->hists[i] == h) {
+			s->last_hist = h;
+			return h;
+		}
+	if (s->n_hists == s->cap_hists) {
+		uint32_t cap = s->cap_hists ? 2 * s->cap_hists : 8;
+		struct dp_hist **n;
+		if (cap > DP_MAX_HISTS || !(n = enif_realloc(s->hists, cap * sizeof *n)))
+			return NULL;
+		s->hists = n;
+		s->cap_hists = cap;
+	}
+	enif_keep_resource(h);
+	s->hists[s->n_hists++] = h;
+	s->last_hist = h;
+	return h;
+}
 
 /* What submit/6 and submit_encoded/6 share: Seg, Kind, Dest, Ref (or
  * {Ref, TimeoutMs}) and Ticket (argv[0..2], [4], [5]) read into *s, *q and
@@ -1414,13 +1499,21 @@ static int submit_args(ErlNifEnv *env, const ERL_NIF_TERM argv[], struct dp **s,
 		q->kind = AP_DP_STATS;
 	else
 		return -1;
-	/* An ask's tag: Ref, or {Ref, TimeoutMs} for a timeout kept here. */
+	/* An ask's tag: Ref, or {Ref, TimeoutMs} for a timeout kept here,
+	 * or {Ref, TimeoutMs, Hist} (TimeoutMs 0: none) to time it into Hist. */
 	tag->ref = argv[4];
 	tag->timeout_ms = 0;
-	if (q->kind != AP_DP_TELL && enif_get_tuple(env, argv[4], &arity, &el) && arity == 2 &&
-	    enif_get_uint(env, el[1], &t) && t > 0) {
-		tag->ref = el[0];
-		tag->timeout_ms = t;
+	tag->hist = NULL;
+	if (q->kind != AP_DP_TELL && enif_get_tuple(env, argv[4], &arity, &el)) {
+		void *h;
+		if (arity == 2 && enif_get_uint(env, el[1], &t) && t > 0) {
+			tag->ref = el[0];
+			tag->timeout_ms = t;
+		} else if (arity == 3 && enif_get_uint(env, el[1], &t) && enif_get_resource(env, el[2], g_hist_type, &h)) {
+			tag->ref = el[0];
+			tag->timeout_ms = t;
+			tag->hist = h;
+		}
 	}
 	if (q->kind != AP_DP_TELL && !enif_is_ref(env, tag->ref))
 		return -1;
@@ -1497,6 +1590,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		enif_self(env, &a->pid);
 		a->crowded = 0;
 		a->deadline_ms = 0;
+		a->hist = q->kind == AP_DP_ASK ? pin_hist(s, tag->hist) : NULL;
 		/* One clock read for both uses (a read was 0.7% of the
 		 * schedulers' samples under 64 callers). */
 		int64_t now = q->kind == AP_DP_ASK || tag->timeout_ms ? ap_mono_ns() : 0;
@@ -1511,6 +1605,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 				kick = a->deadline_ms < atomic_load(&s->wake_ms);
 			}
 		}
+		a->t0 = now;
 		if (q->kind == AP_DP_ASK) {
 			a->crowded = s->last_ns && now - s->last_ns < DP_CROWD_NS &&
 				     enif_compare_pids(&s->last_pid, &a->pid) != 0;
@@ -1585,7 +1680,7 @@ static ERL_NIF_TERM submit_record(ErlNifEnv *env, struct dp *s, struct dp_req_pa
 		mu_lock(s);
 		back = ask_take(s, q->ask_id);
 		if (back)
-			ask_free(s, back);
+			ask_free(s, back); /* unanswered: it goes by distribution, timed there */
 		mu_unlock(s);
 		/* A close answered the ask meanwhile ({Ref, {error, R}} is on
 		 * its way): the caller must wait for it as for any answer. */
@@ -1779,6 +1874,7 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 		return;
 	if (decode_answer(s, e, term, len, &ans))
 		ans = error_tuple(e, a_bad_reply);
+	ask_observe(a, ap_mono_ns()); /* before the send, as deliver does */
 	if (mine) {
 		c->ans = ans;
 		c->got = 1;
@@ -1982,6 +2078,54 @@ static ERL_NIF_TERM nif_deliver_for(ErlNifEnv *env, int argc, const ERL_NIF_TERM
 	return a_ok;
 }
 
+/* ---- ask round-trip histograms -------------------------------------------------- */
+
+static ERL_NIF_TERM nif_hist_new(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	(void)argc;
+	(void)argv;
+	struct dp_hist *h = enif_alloc_resource(g_hist_type, sizeof *h);
+	if (!h)
+		return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+	memset(h, 0, sizeof *h);
+	ERL_NIF_TERM t = enif_make_resource(env, h);
+	enif_release_resource(h);
+	return t;
+}
+
+static ERL_NIF_TERM nif_hist_add(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	void *h;
+	ErlNifUInt64 ns;
+
+	(void)argc;
+	if (!enif_get_resource(env, argv[0], g_hist_type, &h) || !enif_get_uint64(env, argv[1], &ns) ||
+	    ns > INT64_MAX)
+		return enif_make_badarg(env);
+	hist_observe(h, (int64_t)ns);
+	return a_ok;
+}
+
+/* {Counts, SumNs}: per bucket (ap_hist.h's bounds, then one past them),
+ * the shards added up. */
+static ERL_NIF_TERM nif_hist_read(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	void *p;
+	uint64_t sum[AP_HIST_BUCKETS + 1] = { 0 };
+	ERL_NIF_TERM c[AP_HIST_BUCKETS];
+
+	(void)argc;
+	if (!enif_get_resource(env, argv[0], g_hist_type, &p))
+		return enif_make_badarg(env);
+	struct dp_hist *h = p;
+	for (unsigned k = 0; k < DP_HIST_SHARDS; k++)
+		ap_hist_sum_into(sum, &h->shard[k]);
+	for (unsigned b = 0; b < AP_HIST_BUCKETS; b++)
+		c[b] = enif_make_uint64(env, sum[b]);
+	return enif_make_tuple2(env, enif_make_list_from_array(env, c, AP_HIST_BUCKETS),
+				enif_make_uint64(env, sum[AP_HIST_BUCKETS]));
+}
+
 /* ---- cancel, consumed, close, info, scribble ------------------------------------- */
 
 static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
@@ -1995,8 +2139,11 @@ static ERL_NIF_TERM nif_cancel(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv
 		return enif_make_badarg(env);
 	mu_lock(s);
 	a = ask_take(s, id);
-	if (a)
+	if (a) {
+		/* Its caller's own timeout ended it: timed as an answer. */
+		ask_observe(a, ap_mono_ns());
 		ask_free(s, a);
+	}
 	mu_unlock(s);
 	if (a)
 		return a_true;
@@ -2232,7 +2379,9 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 #undef ATOM
 	g_dp_type = enif_open_resource_type_x(env, "actor_dp_seg", &init, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER,
 					      NULL);
-	return g_dp_type ? 0 : -1;
+	g_hist_type = enif_open_resource_type(env, NULL, "actor_dp_hist", NULL, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER,
+					      NULL);
+	return g_dp_type && g_hist_type ? 0 : -1;
 }
 
 static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM info)
@@ -2259,6 +2408,9 @@ static ErlNifFunc funcs[] = {
 	{"info", 1, nif_info, 0},
 	{"scribble", 3, nif_scribble, 0},
 	{"loaded", 0, nif_loaded, 0},
+	{"hist_new", 0, nif_hist_new, 0},
+	{"hist_add", 2, nif_hist_add, 0},
+	{"hist_read", 1, nif_hist_read, 0},
 };
 
 ERL_NIF_INIT(actor_dp, funcs, load, NULL, upgrade, NULL)
