@@ -111,7 +111,7 @@ void ap_pool_run_inline(ap_worker *w, ap_job *j)
 	p->inline_runs++;
 	int64_t t0 = ap_mono_ns();
 	actor_pool_status st = p->h->handle(w->state, &req, &w->reply);
-	ap_hist_add(&w->run_ns, (uint64_t)(ap_mono_ns() - t0));
+	ap_hist_add_1w(&p->inline_ns, (uint64_t)(ap_mono_ns() - t0));
 	const char *status = st == AP_HANDLER_OK ? "ok" : "error";
 	if (st == AP_HANDLER_CRASH) {
 		ap_worker_count_crash(w, AP_CRASH_HANDLER);
@@ -177,7 +177,7 @@ static void *worker_main(void *arg)
 		int64_t t0 = ap_mono_ns();
 		actor_pool_status st = p->h->handle(state, &req, &w->reply);
 		/* Every call that returns, one past handler_timeout_ms too. */
-		ap_hist_add(&w->run_ns, (uint64_t)(ap_mono_ns() - t0));
+		ap_hist_add_1w(&w->run_ns, (uint64_t)(ap_mono_ns() - t0));
 		if (running && !atomic_compare_exchange_strong(&w->run, &running, running & ~(uint64_t)3)) {
 			/* The watchdog answered it and moved our queue: wait
 			 * until it is done with the mailbox, drop the answer,

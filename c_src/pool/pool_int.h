@@ -126,10 +126,10 @@ typedef struct ap_worker {
 	/* The worker's per-message counters: off the loop's line above. */
 	alignas(64) _Atomic uint64_t processed, errors, crashes;
 	_Atomic uint64_t crash_by[AP_CRASH_CAUSES];
-	/* How long its handler calls took (stats' handler_time): added by
-	 * whoever runs its handler, the worker thread or the loop inline (one
-	 * at a time); in process mode, what its worker processes counted,
-	 * taken from their channel (isolate.c, ap_iso_harvest). */
+	/* How long its handler calls took (stats' handler_time): added by its
+	 * worker thread alone (one writer: no locked add); in process mode,
+	 * what its worker processes counted, taken from their channel by
+	 * ap_iso_harvest (under the slot's lock: one writer too). */
 	ap_hist run_ns;
 	/* Process mode (isolate.h): the slot's channel to its worker process,
 	 * made once on the loop before the first start and kept until
@@ -201,6 +201,7 @@ struct ap_pool {
 	ap_buf scratch;            /* reply heads built by the loop */
 	int inline_ok;             /* jobs may run on the loop (ap_pool_run_inline) */
 	uint64_t inline_runs;      /* ... and so many did */
+	ap_hist inline_ns;         /* ... and how long they took (the loop's alone) */
 	int *wake_list;            /* workers with jobs pushed but not yet woken */
 	int nwake;
 	/* reply.c, any thread that answers: the atoms the pool's replies

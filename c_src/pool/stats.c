@@ -49,6 +49,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		ap_iso_harvest(&p->w[i]);
 		ap_hist_sum_into(run, &p->w[i].run_ns);
 	}
+	ap_hist_sum_into(run, &p->inline_ns);
 	ei_x_encode_map_header(x, 25);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
