@@ -10,7 +10,9 @@
 %%   sum is at least what they slept (thread and process mode);
 %% - the whole output passes `promtool check metrics' (Debian's prometheus
 %%   package: a missing promtool fails the case);
-%% - a stopped pool leaves the ask histograms.
+%% - a stopped pool leaves the ask histograms;
+%% - a worker process that writes into its own histogram cannot make its
+%%   pool's shrink or wrap.
 -module(actor_pool_histogram_tests).
 
 -import(ap_test_util, [with_pool/4, crash_plugin/0, temp_dir/1]).
@@ -18,7 +20,8 @@
 -include_lib("eunit/include/eunit.hrl").
 
 -export([every_ask_and_call_is_counted_once/1, slow_calls_land_past_their_bound/1,
-         histograms_pass_promtool/1, a_stopped_pool_leaves_the_ask_histograms/1]).
+         histograms_pass_promtool/1, a_stopped_pool_leaves_the_ask_histograms/1,
+         a_worker_process_cannot_shrink_or_wrap_its_handler_times/1]).
 
 -define(ASK, <<"actor_pool_ask_duration_seconds">>).
 -define(HANDLER, <<"actor_pool_handler_duration_seconds">>).
@@ -28,7 +31,8 @@ histogram_test_() ->
      fun(Ctx) ->
              [{atom_to_list(T), {timeout, 120, fun() -> ?MODULE:T(Ctx) end}}
               || T <- [every_ask_and_call_is_counted_once, slow_calls_land_past_their_bound,
-                       histograms_pass_promtool, a_stopped_pool_leaves_the_ask_histograms]]
+                       histograms_pass_promtool, a_stopped_pool_leaves_the_ask_histograms,
+                       a_worker_process_cannot_shrink_or_wrap_its_handler_times]]
      end}.
 
 %% ===================================================================
@@ -101,6 +105,41 @@ a_stopped_pool_leaves_the_ask_histograms(#{pool_node := PN}) ->
     ok = actor_pool:stop_pool(P),
     Text = render(),
     ?assertEqual(nomatch, binary:match(Text, <<"pool=\"hist_stopped\"">>)).
+
+%% A plugin in a worker process writes what it likes into its channel,
+%% its handler-time histogram too (plugin_hostile.so): huge counts and sums,
+%% then zeros, then huge again. The pool's histogram only grows (each
+%% bucket, at every look), its sum stops at 2^64 - 1 instead of wrapping,
+%% the counts go on from the zeros as the child counts again, and the
+%% output still passes promtool.
+a_worker_process_cannot_shrink_or_wrap_its_handler_times(_Ctx) ->
+    Hostile = {plugin, ap_support:test_bin("plugin_hostile.so")},
+    with_pool(hist_hostile, Hostile, #{workers => 1, isolation => process}, fun(P) ->
+        Read = fun() ->
+                       #{handler_time := #{counts := C, sum_ns := S}} = actor_pool:stats(P),
+                       {C, S}
+               end,
+        [{ok, 3} = actor_pool:ask(P, <<"abc">>) || _ <- [1, 2, 3]],
+        R1 = Read(),
+        ?assertEqual(3, lists:sum(element(1, R1))),
+        Seen = [begin
+                    {ok, lied} = actor_pool:ask(P, Lie),
+                    Read()
+                end || Lie <- [<<"times_high">>, <<"times_zero">>, <<"times_high">>,
+                               <<"times_zero">>]],
+        {C5, S5} = lists:last(Seen),
+        [{ok, 3} = actor_pool:ask(P, <<"abc">>) || _ <- [1, 2]],
+        {C6, S6} = Read(),
+        Reads = [R1 | Seen] ++ [{C6, S6}],
+        [begin
+             ?assert(lists:all(fun({X, Y}) -> Y >= X end, lists:zip(A, B)), {A, B}),
+             ?assert(SB >= SA, {SA, SB})
+         end || {{A, SA}, {B, SB}} <- lists:zip(lists:droplast(Reads), tl(Reads))],
+        ?assertEqual(1 bsl 64 - 1, S5),
+        ?assertEqual(S5, S6),
+        ?assertEqual(lists:sum(C5) + 2, lists:sum(C6)),
+        ?assertEqual({0, ""}, promtool_check(render()))
+    end).
 
 %% ===================================================================
 %% Helpers

@@ -18,6 +18,9 @@
  *   <<"mute">>        raises loop_looks (the loop's word: "I take your
  *                     results, ring nobody"), replies muted: its answers
  *                     now wake nobody until the loop or the proxy looks
+ *   <<"times_high">>  writes 2^62 into each count of its handler-time
+ *                     histogram and 3 * 2^62 into its sum, replies lied
+ *   <<"times_zero">>  writes zeros over it, replies lied
  *   <<"print">>       writes a line to stdout, replies printed
  *   <<"fds">>         {Stdout, Stderr}: where fds 1 and 2 point
  *                     (readlink of /proc/self/fd/N), as binaries
@@ -110,6 +113,17 @@ static actor_pool_status hostile_handle(void *state, const actor_pool_request *r
 			return AP_HANDLER_CRASH;
 		atomic_store(&((struct iso_ctl *)m)->loop_looks, 1);
 		return actor_pool_reply_set(r, AP_REPLY_ATOM, "muted", 5) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
+	}
+	if (is(rq, "times_high") || is(rq, "times_zero")) {
+		uint8_t *m = channel();
+		if (!m)
+			return AP_HANDLER_CRASH;
+		struct iso_ctl *c = (struct iso_ctl *)m;
+		int high = is(rq, "times_high");
+		for (unsigned b = 0; b < AP_HIST_BUCKETS; b++)
+			atomic_store(&c->run_ns.n[b], high ? 1ULL << 62 : 0);
+		atomic_store(&c->run_ns.sum_ns, high ? 3ULL << 62 : 0);
+		return actor_pool_reply_set(r, AP_REPLY_ATOM, "lied", 4) ? AP_HANDLER_CRASH : AP_HANDLER_OK;
 	}
 	if (is(rq, "print")) {
 		printf("a line from a worker process's printf\n");
