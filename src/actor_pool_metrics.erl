@@ -170,7 +170,8 @@ node_drops() ->
                    undefined ->
                        [];
                    Node ->
-                       case safe(fun() -> actor_pool_transport:node_stats(Node, ?CALL_TIMEOUT) end) of
+                       Stats = fun() -> actor_pool_transport:node_stats(Node, ?CALL_TIMEOUT) end,
+                       case safe(Stats) of
                            #{no_pool_tells := V} when is_integer(V), V >= 0 ->
                                [{[{"node", Node}, {"reason", "no_pool"}], V}];
                            _ ->

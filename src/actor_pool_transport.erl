@@ -446,8 +446,9 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout, Hist) ->
             ring_receive(Seg, AskId, Ref, Wait);
         full when Kind =:= ask ->
             actor_pool_dp:count(ask_full),
-            %% Counted with the time it waited for room (the whole wait).
-            _ = Hist =:= none orelse actor_pool_latency:observe(Hist, os:perf_counter() - WaitUs * 1000),
+            %% Timed as the wait for room it gave up after.
+            _ = Hist =:= none
+                orelse actor_pool_latency:observe(Hist, os:perf_counter() - WaitUs * 1000),
             {error, overloaded};
         {dist, Size} when Kind =:= ask ->
             dist_ask(Node, Dest, Msg, {exact, Size}, Timeout, Hist);

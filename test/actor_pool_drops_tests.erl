@@ -202,7 +202,8 @@ sample(Name, Labels) ->
                                                       || {K, V} <- Labels]), "} "]),
     case [X || X <- binary:split(Text, <<"\n">>, [global]),
                binary:longest_common_prefix([X, L]) =:= byte_size(L)] of
-        [Line] -> binary_to_integer(binary:part(Line, byte_size(L), byte_size(Line) - byte_size(L)));
+        [Line] ->
+            binary_to_integer(binary:part(Line, byte_size(L), byte_size(Line) - byte_size(L)));
         Other -> error({no_single_sample, L, Other})
     end.
 
