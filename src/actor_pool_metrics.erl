@@ -213,8 +213,9 @@ ask_families(Local, LocalPools) ->
                           is_list(A)]),
     _ = [actor_pool_latency:forget(Nd, A) || {Nd, A} <- maps:to_list(Alive)],
     [{"actor_pool_ask_duration_seconds", histogram,
-      "Round trip of asks from this node to the pool (actor_pool:ask/2,3), from the call "
-      "to its answer, whatever the answer.",
+      "Round trip of asks from this node to the pool (actor_pool:ask/2,3), whatever the "
+      "answer: from the send to the answer's arrival (by ring: from the record's submit to the "
+      "answer's hand-over, timed by the data-plane NIF).",
       [{[{"pool", N}, {"node", Nd}], H}
        || {N, Nd, H} <- Hists,
           case Alive of
