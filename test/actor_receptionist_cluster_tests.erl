@@ -32,7 +32,13 @@
          complete_view_holds_the_first_listing/0,
          a_held_subscription_waits_and_unsubscribe_cancels_it/0,
          bad_options_are_badarg/0,
-         cluster_property/0]).
+         cluster_property/0,
+         forged_gossip_changes_nothing/0,
+         origins_that_are_no_members_cost_nothing/0,
+         origin_slots_of_members_that_left_are_reused/0,
+         registrations_cost_the_same_with_many_origins/0]).
+%% Run on the peers.
+-export([forge_member/6, forge_origins/4, footprint/0, fake_relay/2]).
 
 -define(WAIT_MS, 20000).
 -define(GOSSIP_MS, 200).
@@ -54,7 +60,11 @@ actor_receptionist_cluster_test_() ->
                   complete_view_holds_the_first_listing,
                   a_held_subscription_waits_and_unsubscribe_cancels_it,
                   bad_options_are_badarg,
-                  cluster_property]]}.
+                  cluster_property,
+                  forged_gossip_changes_nothing,
+                  origins_that_are_no_members_cost_nothing,
+                  origin_slots_of_members_that_left_are_reused,
+                  registrations_cost_the_same_with_many_origins]]}.
 
 setup() ->
     %% peer needs this node alive only for names; the cluster is the peers'.
@@ -648,6 +658,251 @@ cluster_property() ->
         ?assert(proper:quickcheck(Prop, [{numtests, 40}, {max_size, 40}, quiet,
                                          {on_output, fun(F, A) -> io:format(user, F, A) end}]))
     end).
+
+%% ===================================================================
+%% Gossip trusts only what it can check
+%% ===================================================================
+
+%% A process on a third node (not a receptionist) sends A messages that
+%% claim to be B's server's: the older protocol's, which name B's server
+%% by its pid (a state without B's registration, a delta that removes it,
+%% a hello, a digest), and this protocol's on aliases it made up. None
+%% changes what A holds of B: A's subscriber sees B's registration stay,
+%% then B's next real change; each is counted as rejected.
+forged_gossip_changes_nothing() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        K = key(forged),
+        {service_key, Id} = K,
+        RB = ref(B),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        converge(Ms, K, [RB]),
+        SA = subscriber(A, K),
+        wait_listing(A, SA, K, [RB]),
+        #{incarnation := Inc, version := Ver} = call(B, actor_receptionist, status, []),
+        PidB = call(B, erlang, whereis, [actor_receptionist_server]),
+        #{gossip := G0} = call(A, actor_receptionist, status, []),
+        %% Returns once A's server has handled them all.
+        N = call(C, ?MODULE, forge_member, [node_of(A), PidB, Inc, Ver, Id, RB]),
+        ok = call(A, ap_test_util, rcpt_barrier, []),
+        ?assertEqual([RB], lookup(A, K)),
+        %% B's own next change comes through as ever.
+        RB2 = ref(B),
+        ok = call(B, actor_receptionist, register, [K, RB2]),
+        converge(Ms, K, [RB, RB2]),
+        wait_listing(A, SA, K, [RB, RB2]),
+        ?assertEqual([lists:sort([RB]), lists:sort([RB, RB2])], listings(A, SA, K)),
+        #{gossip := G1} = call(A, actor_receptionist, status, []),
+        ?assert(maps:get(rejected, G1, 0) >= maps:get(rejected, G0, 0) + N)
+    end).
+
+%% States of made-up origins, "relayed" by member B (by its server's pid,
+%% older protocol) or on made-up aliases (this protocol, names as
+%% binaries), and digests that list them: A makes no table and no origin
+%% slot in its C node for any, holds none of them, and for the binaries no
+%% atom either. (An atom in any message is made by the runtime when it
+%% decodes the message, before any code sees it: the older protocol's
+%% names cost their atoms whoever takes them, which is why names travel as
+%% binaries now.)
+origins_that_are_no_members_cost_nothing() ->
+    with_members(2, fun([A, B]) ->
+        PidB = call(B, erlang, whereis, [actor_receptionist_server]),
+        F0 = call(A, ?MODULE, footprint, []),
+        N1 = call(B, ?MODULE, forge_origins, [node_of(A), PidB, old, 1000]),
+        F1 = call(A, ?MODULE, footprint, []),
+        N2 = call(B, ?MODULE, forge_origins, [node_of(A), PidB, new, 1000]),
+        F2 = call(A, ?MODULE, footprint, []),
+        [begin
+             ?assert(maps:get(tables, Fb) - maps:get(tables, Fa) < 10),
+             ?assertEqual(maps:get(cnode_origins, Fa), maps:get(cnode_origins, Fb)),
+             ?assertEqual(maps:get(origins, Fa), maps:get(origins, Fb))
+         end || {Fa, Fb} <- [{F0, F1}, {F1, F2}]],
+        ?assert(maps:get(atoms, F2) - maps:get(atoms, F1) < 10),
+        ?assert(maps:get(rejected, F2) >= maps:get(rejected, F0) + N1 + N2)
+    end).
+
+%% The C node's origin slots are those of the members it holds: one that
+%% leaves gives its slot back, and a member that comes later (another
+%% name) takes it.
+origin_slots_of_members_that_left_are_reused() ->
+    with_members(1, fun([A]) ->
+        K = key(slots),
+        ?assertMatch(#{origins := 0}, call(A, actor_receptionist, stats, [])),
+        [begin
+             {B, _} = start_member(),
+             try
+                 mesh([A, B]),
+                 RB = ref(B),
+                 ok = call(B, actor_receptionist, register, [K, RB]),
+                 converge([A], K, [RB]),
+                 ?assertMatch(#{origins := 1}, call(A, actor_receptionist, stats, []))
+             after
+                 stop_member(B)
+             end,
+             converge([A], K, []),
+             wait_until(fun() -> maps:get(origins, call(A, actor_receptionist, stats, [])) =:= 0 end,
+                        ?WAIT_MS)
+         end || _ <- [1, 2, 3]]
+    end).
+
+%% Member A holds 10,000 origins, relayed to it by member F (a plain BEAM
+%% whose receptionist server is the fake_relay/2 below: it speaks the
+%% protocol, and lists the origins as its direct ones), each with one
+%% registration, and member B's. A registration on A, and one of B's
+%% reaching A, cost A's server about what they cost with no origin: the
+%% work is counted in reductions, under a bound that a walk over the
+%% origins per registration passes by ten times; the whole case also has a
+%% deadline a hundred times what it takes.
+registrations_cost_the_same_with_many_origins() ->
+    NOrigins = 10000, NRegs = 2000,
+    with_members(2, fun([A, B] = Ms) ->
+        Paths = [filename:dirname(code:which(M)) || M <- [?MODULE, ap_test_util]],
+        {ok, F, FNode} = peer:start(#{name => peer:random_name(rcpt_relay), connection => standard_io,
+                                      args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                                               "-connect_all", "false", "-pa" | Paths]}),
+        try
+            T0 = erlang:monotonic_time(millisecond),
+            Names = [iolist_to_binary(io_lib:format("relayed~b@nowhere", [I]))
+                     || I <- lists:seq(1, NOrigins)],
+            _ = call(F, erlang, spawn, [?MODULE, fake_relay, [node_of(A), Names]]),
+            true = call(F, net_kernel, connect_node, [node_of(A)]),
+            wait_until(fun() ->
+                               map_size(maps:get(origins, call(A, actor_receptionist, status, [])))
+                                   >= NOrigins + 2
+                       end, 120000),
+            ?assertMatch(#{origins := O} when O >= NOrigins + 2, call(A, actor_receptionist, stats, [])),
+            ?assertEqual([call(F, erlang, whereis, [fake_relay_ref])],
+                         lookup(A, actor_receptionist:service_key(<<"relay.", (lists:last(Names))/binary>>))),
+            Server = call(A, erlang, whereis, [actor_receptionist_server]),
+            Reds = fun() -> {reductions, R} = call(A, erlang, process_info, [Server, reductions]), R end,
+            %% Local registrations on A.
+            KA = key(many_origins_local),
+            R0 = Reds(),
+            ok = call(A, erlang, apply,
+                      [fun() ->
+                               Ref = spawn(timer, sleep, [infinity]),
+                               [ok = actor_receptionist:register(KA, Ref) || _ <- [1]],
+                               [ok = actor_receptionist:register(key({many_local, I}), Ref)
+                                || I <- lists:seq(1, NRegs)],
+                               ap_test_util:rcpt_barrier()
+                       end, []]),
+            R1 = Reds(),
+            %% B's, through its deltas.
+            RB = ref(B),
+            ok = call(B, erlang, apply,
+                      [fun() ->
+                               [ok = actor_receptionist:register(key({many_remote, I}), RB)
+                                || I <- lists:seq(1, NRegs)],
+                               ok
+                       end, []]),
+            converge([A], key({many_remote, NRegs}), [RB]),
+            R2 = Reds(),
+            io:format(user, "~nreductions per registration with ~b origins: local ~b, remote ~b~n",
+                      [NOrigins, (R1 - R0) div NRegs, (R2 - R1) div NRegs]),
+            ?assert((R1 - R0) div NRegs < 1000),
+            ?assert((R2 - R1) div NRegs < 1000),
+            converge(Ms, key({many_remote, 1}), [RB]),
+            ?assert(erlang:monotonic_time(millisecond) - T0 < 120000)
+        after
+            catch peer:stop(F),
+            wait_gone([FNode])
+        end
+    end).
+
+%% (On a peer) The messages of forged_gossip_changes_nothing/0, to
+%% Target's server; once it has handled them, how many.
+forge_member(Target, MemberPid, Inc, Ver, Id, Ref) ->
+    Dest = {actor_receptionist_server, Target},
+    Old = [{ap_rcpt_state, MemberPid, Inc, Ver + 1000, []},
+           {ap_rcpt_delta, MemberPid, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
+           {ap_rcpt_hello, MemberPid, Inc},
+           {ap_rcpt_digest, MemberPid, Inc, Ver + 1000, []}],
+    Aliases = [make_ref(), alias(), made_up_ref(Target), made_up_ref(node(MemberPid))],
+    New = [{ap_rcpt2, Alias, Body}
+           || Alias <- Aliases,
+              Body <- [{state, Inc, Ver + 1000, []}, {delta, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
+                       {digest, Inc, Ver + 1000, []}, {welcome, alias()}, ask]],
+    [Dest ! M || M <- Old ++ New],
+    #{} = gen_server:call(Dest, status),
+    length(Old ++ New).
+
+%% (On a peer) N states of made-up origins (and digests listing them) to
+%% Target's server, in the older protocol (`old': relayed by MemberPid,
+%% names as atoms) or this one (`new': on made-up aliases, names as
+%% binaries); once it has handled them, how many messages.
+forge_origins(Target, MemberPid, Format, N) ->
+    Dest = {actor_receptionist_server, Target},
+    Names = [iolist_to_binary(io_lib:format("forged_~s_~b@nowhere", [Format, I]))
+             || I <- lists:seq(1, N)],
+    Regs = fun(Name) -> [{<<"forged.", Name/binary>>, self()}] end,
+    Msgs = case Format of
+               old ->
+                   [{ap_rcpt_origin_state, MemberPid, binary_to_atom(Name), 1, 1, Regs(Name)}
+                    || Name <- Names]
+                       ++ [{ap_rcpt_digest, MemberPid, 1, 1, [{binary_to_atom(Name), 1, 1}
+                                                                 || Name <- Names]}];
+               new ->
+                   Alias = made_up_ref(Target),
+                   Digest = [{Name, 1, 1} || Name <- Names],
+                   [{ap_rcpt2, A, {origin_state, Name, 1, 1, Regs(Name)}}
+                    || A <- [Alias, make_ref()], Name <- Names]
+                       ++ [{ap_rcpt2, A, {digest, 1, 1, Digest}} || A <- [Alias, make_ref()]]
+           end,
+    [Dest ! M || M <- Msgs],
+    #{} = gen_server:call(Dest, status),
+    length(Msgs).
+
+%% A reference of Node that nobody made (the external term format lets
+%% anyone write one).
+made_up_ref(Node) ->
+    Name = atom_to_binary(Node),
+    binary_to_term(<<131, 90, 3:16, 119, (byte_size(Name)):8, Name/binary, 7:32,
+                     (rand:uniform(16#3ffff)):32, (rand:uniform(1 bsl 30)):32,
+                     (rand:uniform(1 bsl 30)):32>>).
+
+%% (On the node of test A) What a forged origin would cost: atoms, ETS
+%% tables, the C node's origin slots, the origins held, gossip rejected.
+footprint() ->
+    #{origins := Os, gossip := G} = actor_receptionist:status(),
+    #{origins := CnodeOrigins} = actor_receptionist:stats(),
+    #{atoms => erlang:system_info(atom_count), tables => length(ets:all()),
+      cnode_origins => CnodeOrigins, origins => lists:sort(maps:keys(Os)),
+      rejected => maps:get(rejected, G, 0)}.
+
+%% (On a plain peer) A receptionist server as far as member Member can
+%% tell: it opens a channel with Member, and lists Names as the origins it
+%% reaches directly, each with one registration (key `relay.Name', a
+%% process of this node registered as fake_relay_ref). It answers no
+%% digest (Member then keeps what it holds through it).
+fake_relay(Member, Names) ->
+    true = register(actor_receptionist_server, self()),
+    Ref = spawn(timer, sleep, [infinity]),
+    true = register(fake_relay_ref, Ref),
+    Mine = alias(),
+    Server = {actor_receptionist_server, Member},
+    relay_loop(Server, Mine, undefined, Names, Ref).
+
+relay_loop(Server, Mine, Out, Names, Ref) ->
+    Send = fun(To, Body) -> To =/= undefined andalso erlang:send(To, {ap_rcpt2, To, Body}) end,
+    receive
+        {ap_rcpt2_hello, X, member} ->
+            %% Member's probe: welcome it, and say hello back until it
+            %% welcomes us.
+            Server ! {ap_rcpt2, X, {welcome, Mine}},
+            Out =:= undefined andalso (Server ! {ap_rcpt2_hello, Mine, member}),
+            relay_loop(Server, Mine, Out, Names, Ref);
+        {ap_rcpt2, Mine, {welcome, W}} when Out =:= undefined ->
+            Send(W, {state, 1, 1, []}),
+            Send(W, {digest, 1, 1, [{Name, 1, 1} || Name <- Names]}),
+            relay_loop(Server, Mine, W, Names, Ref);
+        {ap_rcpt2, Mine, ask} ->
+            Send(Out, {state, 1, 1, []}),
+            relay_loop(Server, Mine, Out, Names, Ref);
+        {ap_rcpt2, Mine, {want_origin, Name}} ->
+            Send(Out, {origin_state, Name, 1, 1, [{<<"relay.", Name/binary>>, Ref}]}),
+            relay_loop(Server, Mine, Out, Names, Ref);
+        _ ->
+            relay_loop(Server, Mine, Out, Names, Ref)
+    end.
 
 %% ===================================================================
 %% Helpers
