@@ -1,9 +1,11 @@
 /* test_registry: the receptionist's registry core: order, idempotency,
  * listings only on change, subscriptions, drops by origin and node, and a
- * snapshot (a real ap_shm writer over memory) that always equals it. */
+ * snapshot (a real ap_shm writer over memory) that always equals it; and
+ * its interned origin names (origins.c). */
 #include "t_helpers.h"
 
 #include "ap_shm.h"
+#include "origins.h"
 #include "registry.h"
 
 /* ---- what the callbacks saw ----------------------------------------------- */
@@ -1187,6 +1189,92 @@ static void test_cost_of_a_register_with_its_snapshot_put(void **state)
 	free(seg);
 }
 
+/* ---- origins ------------------------------------------------------------------ */
+
+/* Names get ids 1, 2, ...; a name is found again, not interned twice; a
+ * released id goes to the next new name; the cap and bad names give 0. */
+static void test_origins_intern_find_release_reuse(void **state)
+{
+	(void)state;
+	origins *o = origins_new(3);
+	assert_non_null(o);
+	assert_int_equal(origins_get(o, "a@h", 0), 0);
+	assert_int_equal(origins_get(o, "a@h", 1), 1);
+	assert_int_equal(origins_get(o, "b@h", 1), 2);
+	assert_int_equal(origins_get(o, "a@h", 1), 1);
+	assert_int_equal(origins_get(o, "a@h", 0), 1);
+	assert_string_equal(origins_name(o, 2), "b@h");
+	assert_null(origins_name(o, 3));
+	assert_null(origins_name(o, 0));
+	assert_int_equal(origins_count(o), 2);
+	origins_release(o, 1);
+	origins_release(o, 1); /* not held: nothing */
+	origins_release(o, 77);
+	assert_int_equal(origins_count(o), 1);
+	assert_int_equal(origins_get(o, "a@h", 0), 0);
+	assert_null(origins_name(o, 1));
+	assert_int_equal(origins_get(o, "c@h", 1), 1);
+	assert_string_equal(origins_name(o, 1), "c@h");
+	assert_int_equal(origins_get(o, "d@h", 1), 3);
+	assert_int_equal(origins_get(o, "e@h", 1), 0); /* 3 held: the cap */
+	assert_int_equal(origins_get(o, "b@h", 1), 2);
+	char longname[MAXATOMLEN_UTF8 + 8];
+	memset(longname, 'x', sizeof longname - 1);
+	longname[sizeof longname - 1] = 0;
+	origins_release(o, 3);
+	assert_int_equal(origins_get(o, longname, 1), 0);
+	assert_int_equal(origins_count(o), 2);
+	origins_free(o);
+}
+
+/* A lookup visits a few slots of the table however many origins are held
+ * (a walk over them, as before, visited half of them on average), and
+ * origins that come and go keep the ids dense: never more ids in use than
+ * origins held. Work is counted, not timed. */
+static void test_origins_lookup_work_does_not_grow_and_ids_are_reused(void **state)
+{
+	(void)state;
+	enum { N = 60000, CHURN = 200000 };
+	origins *o = origins_new(65536);
+	char name[64];
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "member%u@host%u", i, i % 7);
+		assert_int_equal(origins_get(o, name, 1), i + 1);
+	}
+	uint64_t p0 = origins_probes(o);
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "member%u@host%u", i, i % 7);
+		assert_int_equal(origins_get(o, name, 0), i + 1);
+	}
+	uint64_t per = (origins_probes(o) - p0) / N;
+	print_message("[ info     ] %u origins: %llu slots visited per lookup\n", N, (unsigned long long)per);
+	assert_true(per <= 4);
+	/* Misses cost as little. */
+	p0 = origins_probes(o);
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "stranger%u@host", i);
+		assert_int_equal(origins_get(o, name, 0), 0);
+	}
+	assert_true((origins_probes(o) - p0) / N <= 8);
+	/* Churn: one leaves, a new one comes, many times over. */
+	t_rng rng;
+	t_rng_seed(&rng, 45);
+	for (unsigned k = 0; k < CHURN; k++) {
+		uint32_t id = 1 + (uint32_t)(t_rand64(&rng) % N);
+		origins_release(o, id);
+		snprintf(name, sizeof name, "late%u@host", k);
+		assert_int_equal(origins_get(o, name, 1), id);
+	}
+	assert_int_equal(origins_count(o), N);
+	p0 = origins_probes(o);
+	for (unsigned k = CHURN - 1000; k < CHURN; k++) {
+		snprintf(name, sizeof name, "late%u@host", k);
+		origins_get(o, name, 0);
+	}
+	assert_true((origins_probes(o) - p0) / 1000 <= 8);
+	origins_free(o);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1208,6 +1296,8 @@ int main(void)
 		cmocka_unit_test(test_snapshot_equals_registry_after_random_operations),
 		cmocka_unit_test(test_rebuild_from_the_registry_reproduces_it),
 		cmocka_unit_test(test_cost_of_a_register_with_its_snapshot_put),
+		cmocka_unit_test(test_origins_intern_find_release_reuse),
+		cmocka_unit_test(test_origins_lookup_work_does_not_grow_and_ids_are_reused),
 	};
 	ei_init();
 	return cmocka_run_group_tests(tests, NULL, NULL);
