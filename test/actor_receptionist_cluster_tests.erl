@@ -904,6 +904,11 @@ relay_loop(Server, Mine, Out, Names, Ref) ->
             relay_loop(Server, Mine, Out, Names, Ref);
         _ ->
             relay_loop(Server, Mine, Out, Names, Ref)
+    after case Out of undefined -> 200; _ -> infinity end ->
+        %% Not welcomed yet (Member may have probed this node before this
+        %% process had its name): say hello.
+        Server ! {ap_rcpt2_hello, Mine, member},
+        relay_loop(Server, Mine, Out, Names, Ref)
     end.
 
 %% ===================================================================
