@@ -663,12 +663,15 @@ cluster_property() ->
 %% Gossip trusts only what it can check
 %% ===================================================================
 
-%% A process on a third node (not a receptionist) sends A messages that
-%% claim to be B's server's: the older protocol's, which name B's server
-%% by its pid (a state without B's registration, a delta that removes it,
-%% a hello, a digest), and this protocol's on aliases it made up. None
-%% changes what A holds of B: A's subscriber sees B's registration stay,
-%% then B's next real change; each is counted as rejected.
+%% A process on a third node C (not a receptionist) sends A's server and
+%% its own node's messages that claim to be B's server's: the older
+%% protocol's, which name B's server by its pid (a state without B's
+%% registration, a delta that removes it, a hello, a digest), this
+%% protocol's on aliases it made up (a state, a delta, a digest, a
+%% welcome, an ask), and hellos that would have A or C welcome it. None
+%% changes what A or C holds of B: their subscribers see B's registration
+%% stay, then B's next real change; each message on a made-up alias is
+%% counted as rejected.
 forged_gossip_changes_nothing() ->
     with_members(3, fun([A, B, C] = Ms) ->
         K = key(forged),
@@ -676,23 +679,28 @@ forged_gossip_changes_nothing() ->
         RB = ref(B),
         ok = call(B, actor_receptionist, register, [K, RB]),
         converge(Ms, K, [RB]),
-        SA = subscriber(A, K),
-        wait_listing(A, SA, K, [RB]),
+        Watched = [{M, subscriber(M, K)} || M <- [A, C]],
+        [wait_listing(M, S, K, [RB]) || {M, S} <- Watched],
         #{incarnation := Inc, version := Ver} = call(B, actor_receptionist, status, []),
         PidB = call(B, erlang, whereis, [actor_receptionist_server]),
-        #{gossip := G0} = call(A, actor_receptionist, status, []),
-        %% Returns once A's server has handled them all.
-        N = call(C, ?MODULE, forge_member, [node_of(A), PidB, Inc, Ver, Id, RB]),
-        ok = call(A, ap_test_util, rcpt_barrier, []),
-        ?assertEqual([RB], lookup(A, K)),
+        Rejected = fun(M) ->
+                           #{gossip := G} = call(M, actor_receptionist, status, []),
+                           maps:get(rejected, G, 0)
+                   end,
+        R0 = [Rejected(M) || M <- [A, C]],
+        %% Returns once each target's server has handled them all.
+        N = call(C, ?MODULE, forge_member, [[node_of(A), node_of(C)], PidB, Inc, Ver, Id, RB]),
+        [ok = call(M, ap_test_util, rcpt_barrier, []) || M <- [A, C]],
+        [?assertEqual([RB], lookup(M, K)) || M <- [A, C]],
         %% B's own next change comes through as ever.
         RB2 = ref(B),
         ok = call(B, actor_receptionist, register, [K, RB2]),
         converge(Ms, K, [RB, RB2]),
-        wait_listing(A, SA, K, [RB, RB2]),
-        ?assertEqual([lists:sort([RB]), lists:sort([RB, RB2])], listings(A, SA, K)),
-        #{gossip := G1} = call(A, actor_receptionist, status, []),
-        ?assert(maps:get(rejected, G1, 0) >= maps:get(rejected, G0, 0) + N)
+        [begin
+             wait_listing(M, S, K, [RB, RB2]),
+             ?assertEqual([lists:sort([RB]), lists:sort([RB, RB2])], listings(M, S, K))
+         end || {M, S} <- Watched],
+        [?assert(Rejected(M) >= R + N) || {M, R} <- lists:zip([A, C], R0)]
     end).
 
 %% States of made-up origins, "relayed" by member B (by its server's pid,
@@ -810,22 +818,31 @@ registrations_cost_the_same_with_many_origins() ->
         end
     end).
 
-%% (On a peer) The messages of forged_gossip_changes_nothing/0, to
-%% Target's server; once it has handled them, how many.
-forge_member(Target, MemberPid, Inc, Ver, Id, Ref) ->
-    Dest = {actor_receptionist_server, Target},
+%% (On a peer) The messages of forged_gossip_changes_nothing/0, to the
+%% servers of Targets; once each has handled them, how many of them come
+%% on made-up aliases (each is counted as rejected).
+forge_member(Targets, MemberPid, Inc, Ver, Id, Ref) ->
+    Member = node(MemberPid),
     Old = [{ap_rcpt_state, MemberPid, Inc, Ver + 1000, []},
            {ap_rcpt_delta, MemberPid, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
            {ap_rcpt_hello, MemberPid, Inc},
            {ap_rcpt_digest, MemberPid, Inc, Ver + 1000, []}],
-    Aliases = [make_ref(), alias(), made_up_ref(Target), made_up_ref(node(MemberPid))],
-    New = [{ap_rcpt2, Alias, Body}
-           || Alias <- Aliases,
-              Body <- [{state, Inc, Ver + 1000, []}, {delta, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
-                       {digest, Inc, Ver + 1000, []}, {welcome, alias()}, ask]],
-    [Dest ! M || M <- Old ++ New],
-    #{} = gen_server:call(Dest, status),
-    length(Old ++ New).
+    Made = fun(Target) ->
+                   Aliases = [make_ref(), alias(), made_up_ref(Target), made_up_ref(Member)],
+                   [{ap_rcpt2, Alias, Body}
+                    || Alias <- Aliases,
+                       Body <- [{state, Inc, Ver + 1000, []},
+                                {delta, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
+                                {digest, Inc, Ver + 1000, []}, {welcome, alias()}, ask]]
+           end,
+    Hellos = [{ap_rcpt2_hello, alias(), member}, {ap_rcpt2_hello, made_up_ref(Member), member},
+              {ap_rcpt2_hello, made_up_ref(Member), follower}],
+    lists:foreach(fun(Target) ->
+                          Dest = {actor_receptionist_server, Target},
+                          [Dest ! M || M <- Old ++ Made(Target) ++ Hellos],
+                          #{} = gen_server:call(Dest, status)
+                  end, Targets),
+    length(Old) + length(Made(hd(Targets))).
 
 %% (On a peer) N states of made-up origins (and digests listing them) to
 %% Target's server, in the older protocol (`old': relayed by MemberPid,
