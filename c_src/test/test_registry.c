@@ -1189,6 +1189,66 @@ static void test_cost_of_a_register_with_its_snapshot_put(void **state)
 	free(seg);
 }
 
+/* Many origins, each with refs on several nodes (a group per pair) under
+ * shared keys, retagged now and then, dropped in random order: each drop
+ * takes exactly that origin's refs (its count beforehand), the others'
+ * stay, and the index of groups by origin stays whole (t_check). */
+static void test_many_origins_drop_one_by_one(void **state)
+{
+	(void)state;
+	enum { ORIGINS = 300, NODES = 4, KEYS = 40, PER = 6 };
+	struct t_rec rec = { 0 };
+	registry *r = registry_new(&t_ops, &rec, 0);
+	char key[32], node[32];
+	uint64_t held[ORIGINS + 1] = { 0 };
+	t_rng rng;
+	t_rng_seed(&rng, 6);
+	unsigned num = 1;
+	for (uint32_t o = 1; o <= ORIGINS; o++)
+		for (unsigned j = 0; j < PER; j++) {
+			snprintf(key, sizeof key, "k%u", (unsigned)(t_rand64(&rng) % KEYS));
+			snprintf(node, sizeof node, "n%u@host", (unsigned)(t_rand64(&rng) % NODES));
+			erlang_pid p = t_pid(node, num++, 0, 7);
+			assert_int_equal(registry_register(r, K(key), &p, o), 1);
+			held[o]++;
+			if (j == 0 && o > 1) {
+				/* Held for the origin before it from now on. */
+				assert_int_equal(registry_set_origin(r, K(key), &p, o - 1), 1);
+				held[o]--;
+				held[o - 1]++;
+			}
+		}
+	t_check(r);
+	uint32_t order[ORIGINS];
+	for (uint32_t i = 0; i < ORIGINS; i++)
+		order[i] = i + 1;
+	for (uint32_t i = ORIGINS - 1; i > 0; i--) {
+		uint32_t j = (uint32_t)(t_rand64(&rng) % (i + 1)), x = order[i];
+		order[i] = order[j];
+		order[j] = x;
+	}
+	registry_stats st;
+	for (uint32_t i = 0; i < ORIGINS; i++) {
+		uint32_t o = order[i];
+		registry_get_stats(r, &st);
+		uint64_t before = st.refs;
+		assert_int_equal(registry_origin_refs(r, o), held[o]);
+		assert_int_equal(registry_drop_origin(r, o), held[o]);
+		assert_int_equal(registry_origin_refs(r, o), 0);
+		assert_int_equal(registry_drop_origin(r, o), 0);
+		registry_get_stats(r, &st);
+		assert_int_equal(st.refs, before - held[o]);
+		if (i % 37 == 0)
+			t_check(r);
+	}
+	registry_get_stats(r, &st);
+	assert_int_equal(st.refs, 0);
+	assert_int_equal(st.groups, 0);
+	t_check(r);
+	registry_free(r);
+	t_rec_free(&rec);
+}
+
 /* ---- origins ------------------------------------------------------------------ */
 
 /* Names get ids 1, 2, ...; a name is found again, not interned twice; a
@@ -1290,6 +1350,7 @@ int main(void)
 		cmocka_unit_test(test_drop_origin_removes_its_refs_and_reports_each_key_once),
 		cmocka_unit_test(test_set_origin_moves_a_ref_to_another_origin_silently),
 		cmocka_unit_test(test_drop_node_removes_refs_on_that_node_from_every_origin),
+		cmocka_unit_test(test_many_origins_drop_one_by_one),
 		cmocka_unit_test(test_deferred_changes_are_reported_once_per_key_at_the_flush),
 		cmocka_unit_test(test_100k_keys),
 		cmocka_unit_test(test_10k_refs_in_one_key),
