@@ -415,8 +415,13 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
                           probing = maps:from_list([{N, P#probe{rounds = max(0, R - 1)}}
                                                     || {N, #probe{rounds = R} = P} <- Live])},
                      Expired),
-    G2 = maps:fold(fun(Node, #probe{in = In}, S) -> out({?RCPT_SERVER, Node}, hello(In, S), S) end,
-                   reprobe(G1), G1#g.probing),
+    %% (A node heard speaking the older protocol gets no hello once it is
+    %% not waited for: it would log each as unexpected.)
+    G2 = maps:fold(fun(Node, #probe{in = In, rounds = R}, S) when R > 0; not is_map_key(Node, S#g.old) ->
+                           out({?RCPT_SERVER, Node}, hello(In, S), S);
+                      (_, _, S) ->
+                           S
+                   end, reprobe(G1), G1#g.probing),
     %% A member whose state never came, or whose version seen elsewhere we
     %% still lack, is asked again here: its own digests reach us only now
     %% and then.
