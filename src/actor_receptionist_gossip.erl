@@ -500,14 +500,17 @@ hello_from(Node, X, Kind, #{cnodes := CNodes}, #g{hidden = Hidden} = G) ->
         andalso lists:member(Node, io_nodes(connected, G)),
     case Ok of
         true ->
+            Fresh = in_of(Node, G) =:= error,
             G1 = probe(Node, Rel, G),
             {ok, In, Out} = in_of(Node, G1),
             G2 = out({?RCPT_SERVER, Node}, {ap_rcpt2, X, {welcome, In}}, G1),
-            case Out =/= X andalso Out =/= none of
-                %% Open, but it names another alias for us than the one we
-                %% send to (its side was reopened, or the hello is made
-                %% up): our own hello makes its server welcome us again,
-                %% with the alias it really holds.
+            %% Our own hello again, now rather than next round, if our
+            %% probe was not welcomed yet (its server is there and answers:
+            %% a welcome of ours or of its may just have been lost), or if
+            %% it names another alias for us than the one we send to (its
+            %% side was reopened, or the hello is made up): its server then
+            %% welcomes us with the alias it really holds.
+            case (Out =:= none andalso not Fresh) orelse (Out =/= X andalso Out =/= none) of
                 true -> out({?RCPT_SERVER, Node}, hello(In, G2), G2);
                 false -> G2
             end;
@@ -551,10 +554,16 @@ chan(Node, In, {welcome, W}, #{journal := Journal}, #g{probing = Pr} = G)
                     rejected(G)
             end
     end;
-chan(Node, In, ask, #{journal := Journal}, #g{hidden = false} = G) ->
-    case link_of(Node, In, G) of
-        {none, _} -> rejected(G);
-        {_, #peer{out = Out}} -> send_state(Out, Journal, flush(G))
+chan(Node, In, ask, #{journal := Journal}, #g{hidden = false, probing = Pr} = G) ->
+    case {link_of(Node, In, G), maps:find(Node, Pr)} of
+        {{none, _}, {ok, #probe{in = In}}} ->
+            %% It holds our alias, so it took our hello, and its welcome
+            %% was lost: say hello again now, and answer its next ask.
+            out({?RCPT_SERVER, Node}, hello(In, G), G);
+        {{none, _}, _} ->
+            rejected(G);
+        {{_, #peer{out = Out}}, _} ->
+            send_state(Out, Journal, flush(G))
     end;
 chan(Node, In, {state, Inc, Ver, Regs}, #{journal := Journal}, #g{peers = Peers} = G0)
   when ?IS_VER(Inc), ?IS_VER(Ver), is_list(Regs) ->
