@@ -890,43 +890,58 @@ footprint() ->
 %% (On a plain peer) A receptionist server as far as member Member can
 %% tell: it opens a channel with Member, and lists Names as the origins it
 %% reaches directly, each with one registration (key `relay.Name', a
-%% process of this node registered as fake_relay_ref). It answers no
-%% digest (Member then keeps what it holds through it).
+%% process of this node registered as fake_relay_ref). It sends its digest
+%% every 200 ms until Member has asked for every name (Member sends its
+%% requests without waiting on a busy connection: some may be lost, as a
+%% real relay's next round would mend), then no more, and answers none of
+%% Member's: Member keeps what it holds through it and spends nothing on
+%% its digests while measured.
 fake_relay(Member, Names) ->
     true = register(actor_receptionist_server, self()),
     Ref = spawn(timer, sleep, [infinity]),
     true = register(fake_relay_ref, Ref),
-    Mine = alias(),
-    Server = {actor_receptionist_server, Member},
-    relay_loop(Server, Mine, undefined, Names, Ref).
+    relay_loop(#{server => {actor_receptionist_server, Member}, mine => alias(), out => undefined,
+                 names => Names, ref => Ref, asked => #{}, due => now_ms()}).
 
-relay_loop(Server, Mine, Out, Names, Ref) ->
-    Send = fun(To, Body) -> To =/= undefined andalso erlang:send(To, {ap_rcpt2, To, Body}) end,
+relay_loop(#{server := Server, mine := Mine, out := Out, names := Names, ref := Ref,
+             asked := Asked, due := Due} = S) ->
+    Send = fun(Body) -> erlang:send(Out, {ap_rcpt2, Out, Body}) end,
+    Digest = fun() -> Send({digest, 1, 1, [{Name, 1, 1} || Name <- Names]}) end,
+    %% Every 200 ms (a deadline: Member's own messages come as often).
+    Wait = case Out =:= undefined orelse map_size(Asked) < length(Names) of
+               true -> max(0, Due - now_ms());
+               false -> infinity
+           end,
     receive
         {ap_rcpt2_hello, X, member} ->
             %% Member's probe: welcome it, and say hello back until it
             %% welcomes us.
             Server ! {ap_rcpt2, X, {welcome, Mine}},
             Out =:= undefined andalso (Server ! {ap_rcpt2_hello, Mine, member}),
-            relay_loop(Server, Mine, Out, Names, Ref);
+            relay_loop(S);
         {ap_rcpt2, Mine, {welcome, W}} when Out =:= undefined ->
-            Send(W, {state, 1, 1, []}),
-            Send(W, {digest, 1, 1, [{Name, 1, 1} || Name <- Names]}),
-            relay_loop(Server, Mine, W, Names, Ref);
-        {ap_rcpt2, Mine, ask} ->
-            Send(Out, {state, 1, 1, []}),
-            relay_loop(Server, Mine, Out, Names, Ref);
-        {ap_rcpt2, Mine, {want_origin, Name}} ->
-            Send(Out, {origin_state, Name, 1, 1, [{<<"relay.", Name/binary>>, Ref}]}),
-            relay_loop(Server, Mine, Out, Names, Ref);
+            erlang:send(W, {ap_rcpt2, W, {state, 1, 1, []}}),
+            relay_loop(S#{out := W});
+        {ap_rcpt2, Mine, ask} when Out =/= undefined ->
+            Send({state, 1, 1, []}),
+            relay_loop(S);
+        {ap_rcpt2, Mine, {want_origin, Name}} when Out =/= undefined ->
+            Send({origin_state, Name, 1, 1, [{<<"relay.", Name/binary>>, Ref}]}),
+            relay_loop(S#{asked := Asked#{Name => true}});
         _ ->
-            relay_loop(Server, Mine, Out, Names, Ref)
-    after case Out of undefined -> 200; _ -> infinity end ->
-        %% Not welcomed yet (Member may have probed this node before this
-        %% process had its name): say hello.
-        Server ! {ap_rcpt2_hello, Mine, member},
-        relay_loop(Server, Mine, Out, Names, Ref)
+            relay_loop(S)
+    after Wait ->
+        case Out of
+            %% Not welcomed yet (Member may have probed this node before
+            %% this process had its name): say hello.
+            undefined -> Server ! {ap_rcpt2_hello, Mine, member};
+            _ -> Digest()
+        end,
+        relay_loop(S#{due := now_ms() + 200})
     end.
+
+now_ms() ->
+    erlang:monotonic_time(millisecond).
 
 %% ===================================================================
 %% Helpers
