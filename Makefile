@@ -45,11 +45,13 @@ eunit: epmd
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run (scripts/sanitizer-reports: it waits for late writers and names each report).
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_bad_reply_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_handshake_flood_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_sandbox_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src test-bins build/actor_pool_node_asan build/actor_receptionist_node_asan \
 	  build/actor_echo_node_asan build/dp_client
 	rm -rf $(ASAN_LOG_DIR) && mkdir -p $(ASAN_LOG_DIR)
+	@# Sandboxed worker processes write their reports as uid 65534 (root runs).
+	chmod 1777 $(ASAN_LOG_DIR)
 	@rc=0; ACTOR_POOL_NODE_EXE=$(CURDIR)/c_src/build/actor_pool_node_asan \
 	  ACTOR_RECEPTIONIST_NODE_EXE=$(CURDIR)/c_src/build/actor_receptionist_node_asan \
 	  ACTOR_POOL_ECHO_EXE=$(CURDIR)/c_src/build/actor_echo_node_asan \

@@ -92,8 +92,10 @@
 %% start, so they are bounded: `handshake_timeout_ms' for a whole handshake
 %% (default 5000, below the BEAM's `net_setuptime'), `max_handshakes' pending
 %% at once (default 256) and `max_handshakes_per_source' from one address
-%% (default 64); at a cap the oldest pending one is dropped. `notify' names a process
-%% (a pid, or a registered name looked up at each event) that gets
+%% (default 64); at the overall cap the oldest pending one of the address
+%% holding the most is dropped, at the per-address cap that address's
+%% oldest. `notify' names a process (a pid, or a registered name looked up
+%% at each event) that gets
 %% `{actor_cnode, Owner, Node, up | down}' whenever an incarnation becomes
 %% ready or is gone; a name that is not registered at that moment gets
 %% nothing.

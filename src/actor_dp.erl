@@ -34,6 +34,7 @@
 -export([await/2, await/3]).
 -export([drain/2, deliver_for/2]).
 -export([cancel/2]).
+-export([admit_atoms/2]).
 -export([mark/2]).
 -export([consumed/2]).
 -export([close/2]).
@@ -44,6 +45,11 @@
 -export_type([seg/0, ticket/0, mark/0, ask_id/0, ask_tag/0, open_opts/0, open_error/0, info/0]).
 
 -on_load(init/0).
+
+%% open/3's `new_atoms': as many atoms as 64 pools could make at the
+%% default max_reply_atoms (1024); what a pool node that ignores its pools'
+%% budgets can make this VM keep, per segment.
+-define(NEW_ATOMS, 65536).
 
 -opaque seg() :: reference().
 %% A segment (a NIF resource).
@@ -66,13 +72,16 @@
                        rep_bytes => pos_integer(),
                        owner => pid(),
                        node => atom(),
-                       timeout => non_neg_integer()}.
+                       timeout => non_neg_integer(),
+                       new_atoms => 1..1073741824}.
 %% `req_rings' (default: the number of schedulers) request rings of
 %% `req_bytes' (a power of two, default 1 MiB) each; `rep_rings' (default
 %% 2) reply rings of `rep_bytes' (default 4 MiB); `owner' (default the
 %% caller) gets `{actor_dp, Seg, down, Reason}' and its exit closes the
 %% segment; `node' (default `undefined') is the pool node, for the
-%% `{nodedown, Node}' answers; `timeout' bounds the attach (default 2000 ms).
+%% `{nodedown, Node}' answers; `timeout' bounds the attach (default 2000 ms);
+%% `new_atoms' (default 65536) is how many atoms the segment's answers may
+%% make in this VM (see {@link admit_atoms/2}).
 
 -type open_error() :: econnrefused | enoent | etimedout | eperm | eproto | econnreset | enomem
                     | einval | emfile | noproc | {refused, atom() | {errno, integer()}}
@@ -97,6 +106,8 @@
                   passed_on := non_neg_integer(),
                   sched_delivered := non_neg_integer(),
                   timeouts := non_neg_integer(),
+                  unsafe_decodes := non_neg_integer(),
+                  new_atoms := non_neg_integer(),
                   pending := non_neg_integer(),
                   req_rings := pos_integer(),
                   rep_rings := pos_integer(),
@@ -111,7 +122,9 @@
 %% `await_missed' (waits that ended without one), `passed_on' (others'
 %% answers an awaiting asker sent on), `sched_delivered' (answers
 %% deliverer processes sent), `timeouts' (asks answered `{error, timeout}'
-%% by the NIF at their deadline), `pending' asks now; and the geometry.
+%% by the NIF at their deadline), `unsafe_decodes' (answers decoded with
+%% new atoms allowed, see {@link admit_atoms/2}) and `new_atoms' (the atom
+%% names admitted for them), `pending' asks now; and the geometry.
 
 %% ===================================================================
 %% API
@@ -130,7 +143,7 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
                 maps:get(rep_bytes, Opts, 4 bsl 20)},
     open_nif(Socket, Token, atom_to_binary(node(), utf8), Geometry,
              maps:get(owner, Opts, self()), maps:get(node, Opts, undefined),
-             maps:get(timeout, Opts, 2000)).
+             maps:get(timeout, Opts, 2000), maps:get(new_atoms, Opts, ?NEW_ATOMS)).
 
 %% @doc Writes one request into this scheduler's request ring (or another
 %% free one) and rings the pool node. `Dest' is the pool's registered name
@@ -154,7 +167,8 @@ open(Socket, Token, Opts) when is_binary(Socket), is_binary(Token), is_map(Opts)
 %% closed. An ask is answered exactly once, unless cancelled. An answer
 %% that holds a map of more than 32 keys, or whose bytes the NIF's walk
 %% does not vouch for, comes as `{Ref, {'$actor_dp_ext', ExternalBytes}}'
-%% (decode it with `binary_to_term/1'): the reply thread cannot decode
+%% (decode it with `binary_to_term(Bytes, [safe])', and without `safe' only
+%% when {@link admit_atoms/2} says so): the reply thread cannot decode
 %% such maps on OTP before 27.3 (erlang/otp#8208). An ask that
 %% is the segment's only pending one, and follows no other process's ask
 %% within 1 ms, gets `{ok, Ticket, AskId, await}': worth a call of
@@ -242,6 +256,19 @@ drain(_Seg, _Ring) ->
 deliver_for(_Index, _Count) ->
     erlang:nif_error(not_loaded).
 
+%% @doc Whether an answer's external bytes (from `{'$actor_dp_ext', Bytes}')
+%% that `binary_to_term(Bytes, [safe])' refused may be decoded with new
+%% atoms: `true' when each atom in it exists already or fits in the
+%% segment's allowance (the `new_atoms' option of {@link open/3}; the
+%% admitted names count against it from then on), `false' otherwise (also
+%% for bytes that are no term the pool node's check takes). Answers the NIF
+%% decodes itself go by the same rule: one that is refused is
+%% `{error, bad_reply}'. A pool node checks its pools' replies against their
+%% `max_reply_atoms' first; this is the bound for one that does not.
+-spec admit_atoms(Seg :: seg(), Bytes :: binary()) -> boolean().
+admit_atoms(_Seg, _Bytes) ->
+    erlang:nif_error(not_loaded).
+
 %% @doc Forgets a pending ask: `true' if it was still pending (no answer
 %% will ever be sent), `false' if its answer was already sent (it is in the
 %% asker's mailbox: flush it) or the id is unknown.
@@ -290,8 +317,8 @@ loaded() ->
 
 -spec open_nif(binary(), binary(), binary(),
                {pos_integer(), pos_integer(), pos_integer(), pos_integer()},
-               pid(), atom(), non_neg_integer()) -> {ok, seg()} | {error, open_error()}.
-open_nif(_Socket, _Token, _Name, _Geometry, _Owner, _Node, _Timeout) ->
+               pid(), atom(), non_neg_integer(), pos_integer()) -> {ok, seg()} | {error, open_error()}.
+open_nif(_Socket, _Token, _Name, _Geometry, _Owner, _Node, _Timeout, _NewAtoms) ->
     erlang:nif_error(not_loaded).
 
 %% @private

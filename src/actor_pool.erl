@@ -49,7 +49,7 @@
 -export([oversized/0]).
 -export([node_stats/1]).
 
--export_type([pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
+-export_type([sandbox/0, sandbox_stats/0, pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
               isolation/0, stats/0, worker_stats/0]).
 
 -type name() :: atom().
@@ -90,10 +90,30 @@
                   isolation => isolation(),
                   handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
                   max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
+                  max_reply_atoms => 1..?AP_POOL_MAX_REPLY_ATOMS,
+                  sandbox => sandbox(),
                   node => node(),
                   fast_path => boolean(),
                   service_key => actor_receptionist:key() | actor_receptionist:id()}.
 %% Options of {@link start_pool/3}; see its doc for the defaults.
+
+-type sandbox() :: off | #{read => [file:filename_all()],
+                           write => [file:filename_all()],
+                           network => boolean(),
+                           fork => boolean(),
+                           uid => 1..16#fffffffe,
+                           gid => 1..16#fffffffe}.
+%% What a worker process may touch (docs/stateless-workers.md, "Sandbox").
+
+-type sandbox_stats() :: off | #{layers := [nodump | exec | no_new_privs | uid | landlock | seccomp | pidns
+                                            | cgroup],
+                                 missing := [nodump | landlock | seccomp | pidns | memory_cgroup],
+                                 landlock_abi := non_neg_integer(),
+                                 uid := non_neg_integer() | inherited,
+                                 memory := cgroup | rlimit | infinity,
+                                 fork := boolean(),
+                                 network := boolean(),
+                                 paths := {[binary()], [binary()]}}.
 
 -type worker_stats() :: #{id := non_neg_integer(),
                           alive := boolean(),
@@ -120,6 +140,10 @@
                    isolation => isolation(),
                    handler_timeout_ms => pos_integer() | infinity,
                    max_memory_mb => pos_integer() | infinity,
+                   max_reply_atoms => pos_integer(),
+                   reply_atoms => non_neg_integer(),
+                   bad_replies => non_neg_integer(),
+                   sandbox => sandbox_stats(),
                    restarts := non_neg_integer(),
                    overloaded := non_neg_integer(),
                    dropped_tells := non_neg_integer(),
@@ -162,9 +186,23 @@
 %%     message that runs longer is answered `{error, handler_timeout}'; in
 %%     process mode the worker is killed and replaced, in thread mode it is
 %%     marked `hung' (routing skips it) until the handler returns.</li>
-%% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the address
-%%     space limit of each worker process (`process' isolation only; given
-%%     for a `thread' pool it is `{error, {badarg, {max_memory_mb, V}}}').</li>
+%% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the data
+%%     limit of each worker process, and where a memory cgroup can be made,
+%%     of the worker and its children together (`process' isolation only;
+%%     given for a `thread' pool it is `{error, {badarg, {max_memory_mb,
+%%     V}}}').</li>
+%% <li>`sandbox' (`process' isolation only): what a worker process may
+%%     touch, `#{read => Paths, write => Paths, network => false, fork =>
+%%     false}' by default (no file but its plugin, the system's libraries and
+%%     these paths, no network, no child process; as root, uid 65534), or
+%%     `off'. A layer the kernel lacks is warned about once and listed in
+%%     {@link stats/1}'s `sandbox'; see docs/stateless-workers.md,
+%%     "Sandbox".</li>
+%% <li>`max_reply_atoms' (1..1048576, default 1024): how many distinct atoms
+%%     the pool's replies may carry, over its life. An atom is never freed,
+%%     and a BEAM whose atom table fills up aborts: a reply with an atom past
+%%     the budget is answered `{error, bad_reply}' instead (stats
+%%     `reply_atoms', `bad_replies').</li>
 %% <li>`node': the pool node to start it on; default {@link pool_node/0}.</li>
 %% <li>`fast_path' (boolean, default `true'): `false' makes the calls from
 %%     this BEAM to this pool (tell, ask, stats) use distribution even when
@@ -184,6 +222,8 @@
 %% `{error, {badarg, {Key, Value}}}'. The pool node answers `{error,
 %% already_started}' for a name in use, `{error, {abi_mismatch, Got, Want}}'
 %% or `{error, {plugin_load_failed, Path, Why}}' for a plugin it cannot use,
+%% `{error, {sandbox_failed, Layer, Why}}' when a worker process cannot
+%% apply a layer of its sandbox (a `read' path that does not exist, say),
 %% `{error, {handler_init_failed, Code}}', or `{error, stopped}' when
 %% {@link stop_pool/1} (from another process, by name) stopped the pool
 %% before its workers were up. `{error, noproc}': no pool node
@@ -317,7 +357,10 @@ ask(Pool, Msg) ->
 %% `Cause' is the signal as a lower-case atom such as `sigsegv' or
 %% `sigkill', or its number when it has no name here, or `{exit, Code}');
 %% `handler_timeout' (the handler ran longer than the pool's
-%% `handler_timeout_ms'); `stopped' (the pool stopped first);
+%% `handler_timeout_ms'); `bad_reply' (the handler's reply was one this
+%% node would refuse, such as a NaN float, an atom of over 255 characters or
+%% a map with a duplicate key, or it carried an atom past the pool's
+%% `max_reply_atoms'; see docs/handlers.md); `stopped' (the pool stopped first);
 %% `noproc' (no such pool); `{nodedown, PoolNode}' (the connection to the
 %% pool node was lost: the message may or may not have been handled);
 %% `timeout' (a reply that comes later is dropped, never left in the
@@ -347,7 +390,9 @@ ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
 
 %% @doc The pool's metrics: size and routing, `isolation',
-%% `handler_timeout_ms', `max_memory_mb', counters (`processed', `errors',
+%% `handler_timeout_ms', `max_memory_mb', `max_reply_atoms' and the distinct
+%% atoms its replies carried so far (`reply_atoms'), counters (`processed',
+%% `errors', `bad_replies' (replies refused: see {@link ask/3}),
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
 %% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
 %% (messages per second over the last 10 s, up to the call), `uptime_ms', and per

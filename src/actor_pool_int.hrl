@@ -77,7 +77,10 @@
 -define(AP_POOL_MAX_MEMORY_MB, 1048576).
 -define(AP_POOL_MAX_RING_POLL_US, 100000).
 -define(AP_POOL_MAX_RING_NAP_US, 10000).
+-define(AP_POOL_MAX_REPLY_ATOMS, 1048576).
 -define(AP_POOL_MAX_PATH, 4095).
+-define(AP_POOL_MAX_SANDBOX_PATHS, 32).
+-define(AP_POOL_MAX_SANDBOX_BYTES, 8192).
 
 %% The application setting ring_poll_us's default (the pool node's own,
 %% AP_DP_POLL_US_DEFAULT in c_src/pool/ring_ingress.h, is the same).

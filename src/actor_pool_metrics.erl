@@ -8,9 +8,10 @@
 %% Headers = [{"content-type", actor_pool_metrics:content_type()}]
 %% '''
 %% With the application setting `metrics_port' (an integer; off by default)
-%% the application also serves `GET /metrics' itself, on OTP's own inets
-%% httpd, bound to `metrics_ip' (default `{127,0,0,1}': the numbers are not
-%% for the world unless you say so). Every metric and its labels are listed
+%% the application also serves `GET /metrics' itself (a small gen_tcp
+%% server with fixed limits: actor_pool_metrics_http), bound to `metrics_ip'
+%% (default `{127,0,0,1}': the numbers are not for the world unless you say
+%% so). Every metric and its labels, and the endpoint's limits, are listed
 %% in docs/operations.md ("Metrics").
 %%
 %% Each scrape reads the same sources as `actor_pool:stats/1',
@@ -24,13 +25,7 @@
 -export([start_link/0]).
 -export([port/0]).
 
-%% inets httpd callback.
--export([do/1]).
-
--include_lib("inets/include/httpd.hrl").
-
 -define(CALL_TIMEOUT, 2000).
--define(PROFILE, actor_pool_metrics).
 
 -type family() :: {Name :: string(), counter | gauge, Help :: string(),
                    [{[{string(), term()}], number()}]}.
@@ -58,21 +53,8 @@ start_link() ->
         Port when is_integer(Port), Port >= 0, Port =< 65535 ->
             Ip = application:get_env(actor_pool, metrics_ip, {127, 0, 0, 1}),
             case inet:parse_address(ip_string(Ip)) of
-                {ok, Addr} ->
-                    %% httpd wants a server root and a document root to
-                    %% exist; it writes and serves nothing there (no
-                    %% logs configured, do/1 answers every request).
-                    Dir = case code:priv_dir(actor_pool) of
-                              D when is_list(D) -> D;
-                              _ -> "/"
-                          end,
-                    inets:start(httpd, [{port, Port}, {bind_address, Addr},
-                                        {server_name, "actor_pool_metrics"},
-                                        {server_root, Dir}, {document_root, Dir},
-                                        {profile, ?PROFILE},
-                                        {modules, [?MODULE]}], stand_alone);
-                {error, _} ->
-                    {error, {badarg, {metrics_ip, Ip}}}
+                {ok, Addr} -> actor_pool_metrics_http:start_link(Addr, Port);
+                {error, _} -> {error, {badarg, {metrics_ip, Ip}}}
             end;
         undefined ->
             ignore;
@@ -84,49 +66,7 @@ start_link() ->
 %% `metrics_port' is 0).
 -spec port() -> {ok, inet:port_number()} | {error, not_started}.
 port() ->
-    Sup = whereis(actor_pool_sup),
-    Running = [P || is_pid(Sup),
-                    {actor_pool_metrics, P, _, _} <- safe_children(Sup),
-                    is_pid(P)],
-    case {Running, application:get_env(actor_pool, metrics_port, undefined)} of
-        {[_], 0} ->
-            %% httpd names its processes after the port it bound:
-            %% httpd_instance_sup__<address>__<port><profile>.
-            Suffix = atom_to_list(?PROFILE),
-            Ports = [list_to_integer(P)
-                     || Name <- registered(),
-                        {match, [P]} <- [re:run(atom_to_list(Name),
-                                                "^httpd_instance_sup__.*__([0-9]+)" ++ Suffix ++ "$",
-                                                [{capture, all_but_first, list}])]],
-            case Ports of
-                [Port] -> {ok, Port};
-                _ -> {error, not_started}
-            end;
-        {[_], Port} when is_integer(Port) ->
-            {ok, Port};
-        _ ->
-            {error, not_started}
-    end.
-
-%% @private inets httpd callback: `GET /metrics', nothing else.
--spec do(#mod{}) -> {proceed, list()}.
-do(#mod{method = "GET", request_uri = Uri}) when Uri =:= "/metrics";
-                                                  Uri =:= "/metrics/" ->
-    Body = iolist_to_binary(render()),
-    {proceed, [{response, {response, [{code, 200}, {content_type, content_type()},
-                                      {content_length, integer_to_list(byte_size(Body))}],
-                           Body}}]};
-do(#mod{method = "GET"}) ->
-    not_found();
-do(#mod{}) ->
-    {proceed, [{response, {response, [{code, 405}, {content_type, "text/plain"},
-                                      {content_length, "19"}, {allow, "GET"}],
-                           <<"method not allowed\n">>}}]}.
-
-not_found() ->
-    {proceed, [{response, {response, [{code, 404}, {content_type, "text/plain"},
-                                      {content_length, "35"}],
-                           <<"not found: metrics are at /metrics\n">>}}]}.
+    actor_pool_metrics_http:port().
 
 ip_string(Ip) when is_tuple(Ip) -> inet:ntoa(Ip);
 ip_string(Ip) when is_list(Ip) -> Ip;
@@ -168,6 +108,9 @@ pool_families(Pools) ->
       "Asks answered {error, overloaded}: every mailbox was full.", C(overloaded)},
      {"actor_pool_dropped_tells_total", counter,
       "Tells dropped because every mailbox was full.", C(dropped_tells)},
+     {"actor_pool_bad_replies_total", counter,
+      "Asks answered {error, bad_reply}: the handler's reply was one the caller's node would "
+      "refuse, or carried an atom past max_reply_atoms.", C(bad_replies)},
      {"actor_pool_ran_on_loop_total", counter,
       "Messages a sleeping worker's state handled on the pool node's event loop "
       "(short messages of the built-in handlers: no wake-up).", C(ran_on_loop)},

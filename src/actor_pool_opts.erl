@@ -73,9 +73,22 @@ isolation(Handler, Opts) ->
     case Full of
         #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
             {error, {badarg, {max_memory_mb, Mb}}};
+        #{isolation := thread, sandbox := Sb} ->
+            %% A thread runs inside the pool node: nothing to sandbox.
+            {error, {badarg, {sandbox, Sb}}};
+        #{isolation := process, sandbox := _} ->
+            {ok, Full};
+        #{isolation := process} ->
+            {ok, Full#{sandbox => sandbox_defaults()}};
         _ ->
             {ok, Full}
     end.
+
+%% What a worker process may touch by default: its plugin, the system's
+%% libraries, its own /proc entry; no network, no processes of its own
+%% (c_src/pool/sandbox.h).
+sandbox_defaults() ->
+    #{read => [], write => [], network => false, fork => false}.
 
 defaults() ->
     #{workers => 0,
@@ -84,7 +97,8 @@ defaults() ->
       backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
       stable_ms => 10000,
       handler_timeout_ms => infinity,
-      max_memory_mb => infinity}.
+      max_memory_mb => infinity,
+      max_reply_atoms => 1024}.
 
 options([], Acc) ->
     {ok, Acc};
@@ -112,6 +126,10 @@ option(max_memory_mb, infinity) ->
     {ok, infinity};
 option(max_memory_mb, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_MEMORY_MB ->
     {ok, N};
+%% No infinity: the atoms a handler's replies make in this BEAM are never
+%% freed, and a full atom table aborts it.
+option(max_reply_atoms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_REPLY_ATOMS ->
+    {ok, N};
 option(backoff, #{} = B) ->
     Merged = maps:merge(#{min_ms => 50, max_ms => 5000, jitter => 0.2}, B),
     case Merged of
@@ -129,6 +147,10 @@ option(service_key, Key) ->
         {ok, Id} -> {ok, Id};
         error -> error
     end;
+option(sandbox, off) ->
+    {ok, off};
+option(sandbox, #{} = Sb) ->
+    sandbox(maps:to_list(Sb), sandbox_defaults(), {0, 0});
 option(fast_path, B) when is_boolean(B) ->
     {ok, B};
 option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
@@ -137,6 +159,45 @@ option(node, Node) when is_atom(Node), Node =/= nonode@nohost ->
         false -> error
     end;
 option(_Key, _Value) ->
+    error.
+
+%% The sandbox's keys: read and write (absolute paths, at most
+%% ?AP_POOL_MAX_SANDBOX_PATHS of ?AP_POOL_MAX_SANDBOX_BYTES with a NUL
+%% each, in all), network and fork (booleans), uid and gid (what a root
+%% pool node's workers run as, never 0).
+sandbox([], Acc, {N, Bytes}) when N =< ?AP_POOL_MAX_SANDBOX_PATHS, Bytes =< ?AP_POOL_MAX_SANDBOX_BYTES ->
+    {ok, Acc};
+sandbox([{K, L} | Rest], Acc, {N, Bytes}) when K =:= read; K =:= write ->
+    case sandbox_paths(L, []) of
+        {ok, Abs} ->
+            Sum = lists:sum([byte_size(B) + 1 || B <- Abs]),
+            sandbox(Rest, Acc#{K := Abs}, {N + length(Abs), Bytes + Sum});
+        error ->
+            error
+    end;
+sandbox([{K, B} | Rest], Acc, Paths) when (K =:= network orelse K =:= fork), is_boolean(B) ->
+    sandbox(Rest, Acc#{K := B}, Paths);
+sandbox([{K, Id} | Rest], Acc, Paths)
+  when (K =:= uid orelse K =:= gid), is_integer(Id), Id >= 1, Id =< 16#fffffffe ->
+    sandbox(Rest, Acc#{K => Id}, Paths);
+sandbox(_, _Acc, _Paths) ->
+    error.
+
+sandbox_paths([], Acc) ->
+    {ok, lists:reverse(Acc)};
+sandbox_paths([P | Rest], Acc) when is_list(P); is_binary(P) ->
+    try unicode:characters_to_binary(P) of
+        <<"/", _/binary>> = B when byte_size(B) =< ?AP_POOL_MAX_PATH ->
+            case binary:match(B, <<0>>) of
+                nomatch -> sandbox_paths(Rest, [B | Acc]);
+                _ -> error
+            end;
+        _ ->
+            error
+    catch
+        error:_ -> error
+    end;
+sandbox_paths(_, _Acc) ->
     error.
 
 handler(echo, _PoolNode) ->

@@ -167,14 +167,14 @@ init([]) ->
                 shutdown => infinity,
                 type => supervisor,
                 modules => [actor_receptionist_sup]},
-    %% The metrics endpoint (inets httpd, stand alone): only with
-    %% metrics_port set; its start_link answers ignore otherwise.
+    %% The metrics endpoint: only with metrics_port set; its start_link
+    %% answers ignore otherwise.
     Metrics = #{id => actor_pool_metrics,
                 start => {actor_pool_metrics, start_link, []},
                 restart => permanent,
-                shutdown => infinity,
-                type => supervisor,
-                modules => [actor_pool_metrics]},
+                shutdown => 5000,
+                type => worker,
+                modules => [actor_pool_metrics, actor_pool_metrics_http]},
     Enabled = fun(Key) -> application:get_env(actor_pool, Key, true) =/= false end,
     Children = [CnodeSup]
         ++ [Keeper || Enabled(pool_node)]

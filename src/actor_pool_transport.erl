@@ -440,14 +440,14 @@ ring_request(Seg, Node, Dest, Kind, {Msg, Est}, Timeout) ->
 %% sent) and a reply that raced it is taken.
 ring_receive(Seg, AskId, Ref, Timeout) ->
     receive
-        {Ref, Reply} -> ring_answer(Reply)
+        {Ref, Reply} -> ring_answer(Seg, Reply)
     after Timeout ->
         case actor_dp:cancel(Seg, AskId) of
             true ->
                 {error, timeout};
             false ->
                 receive
-                    {Ref, Reply} -> ring_answer(Reply)
+                    {Ref, Reply} -> ring_answer(Seg, Reply)
                 after ?LATE_REPLY_MS ->
                     {error, timeout}
                 end
@@ -456,14 +456,33 @@ ring_receive(Seg, AskId, Ref, Timeout) ->
 
 %% An answer that may hold a map of more than 32 keys comes as its external
 %% bytes: the NIF's reply thread cannot decode those on OTP before 27.3
-%% (erlang/otp#8208), this process can.
-ring_answer({'$actor_dp_ext', Bin}) ->
-    %% One whole term, as the NIF's own decode requires (binary_to_term/1
-    %% ignores bytes after the term).
-    try binary_to_term(Bin, [used]) of
-        {T, Used} when Used =:= byte_size(Bin) -> T;
-        _ -> {error, bad_reply}
-    catch error:badarg -> {error, bad_reply}
+%% (erlang/otp#8208), this process can. As the NIF decodes the others:
+%% with no new atom, or with new ones only when the segment admits them
+%% (actor_dp:admit_atoms/2, its bound on the atoms a pool node can make
+%% this VM keep).
+ring_answer(Seg, {'$actor_dp_ext', Bin}) ->
+    case whole_term(Bin, [safe]) of
+        {ok, T} ->
+            T;
+        error ->
+            case actor_dp:admit_atoms(Seg, Bin) of
+                true ->
+                    case whole_term(Bin, []) of
+                        {ok, T} -> T;
+                        error -> {error, bad_reply}
+                    end;
+                false ->
+                    {error, bad_reply}
+            end
     end;
-ring_answer(Reply) ->
+ring_answer(_Seg, Reply) ->
     Reply.
+
+%% One whole term, as the NIF's own decode requires (binary_to_term/1
+%% ignores bytes after the term).
+whole_term(Bin, Opts) ->
+    try binary_to_term(Bin, [used | Opts]) of
+        {T, Used} when Used =:= byte_size(Bin) -> {ok, T};
+        _ -> error
+    catch error:badarg -> error
+    end.

@@ -12,7 +12,7 @@
 %% ACTOR_POOL_IO (uring | epoll) selects the I/O backend of the C nodes.
 -module(actor_cnode_handshake_tests).
 
--import(ap_test_util, [alive/1]).
+-import(ap_test_util, [alive/1, name_packet/1]).
 -import(ap_support, [wait_until/2, epmd_names/0, os_pid_alive/1]).
 
 -include_lib("eunit/include/eunit.hrl").
@@ -414,17 +414,11 @@ idle_client(Port) ->
     {ok, S} = gen_tcp:connect({127, 0, 0, 1}, Port, [binary, {active, false}]),
     S.
 
-%% A well-formed OTP 23+ name packet ('N', flags, creation, name) with the
-%% flags ei requires, then nothing.
+%% A well-formed name packet (ap_test_util:name_packet/1), then nothing.
 name_then_stall(Port, I) ->
     {ok, S} = gen_tcp:connect({127, 0, 0, 1}, Port, [binary, {active, true}]),
     ok = gen_tcp:send(S, name_packet("stall" ++ integer_to_list(I))),
     S.
-
-name_packet(Alive) ->
-    Name = list_to_binary(Alive ++ "@localhost"),
-    Body = <<$N, 16#17FFFFFFF:64, 7:32, (byte_size(Name)):16, Name/binary>>,
-    <<(byte_size(Body)):16, Body/binary>>.
 
 %% A process sending one byte every GapMs (the slow client itself, not a
 %% wait in the test) until told to stop or the socket fails.

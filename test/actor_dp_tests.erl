@@ -29,6 +29,7 @@
          close_answers_every_pending_ask_at_once/1,
          peer_killed_answers_pending_asks_promptly/1,
          bad_replies_are_errors_not_crashes/1,
+         new_atoms_in_answers_stop_at_the_segments_allowance/1,
          scribbled_reply_ring_closes_with_bad_segment/1,
          scribbling_anywhere_never_crashes/1,
          full_ring_and_too_large/1,
@@ -73,6 +74,7 @@ actor_dp_peer_test_() ->
                   close_answers_every_pending_ask_at_once,
                   peer_killed_answers_pending_asks_promptly,
                   bad_replies_are_errors_not_crashes,
+                  new_atoms_in_answers_stop_at_the_segments_allowance,
                   scribbled_reply_ring_closes_with_bad_segment,
                   scribbling_anywhere_never_crashes,
                   full_ring_and_too_large,
@@ -543,6 +545,61 @@ bad_replies_are_errors_not_crashes(P) ->
     {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, again, Ref3, undefined)),
     receive {Ref3, R3} -> ?assertEqual({ok, again}, R3) after ?T -> error(no_reply) end,
     #{state := open} = actor_dp:info(Seg),
+    ok = actor_dp:close(Seg, done).
+
+%% A pool node that checks nothing (the peer's raw mode: the ask's binary
+%% is the answer's term) answers each ask with an atom this VM never saw:
+%% the NIF makes at most the segment's allowance (new_atoms) of them, by
+%% its reply thread and by await/2 alike; the rest are {error, bad_reply}.
+%% Atoms it knows cost nothing. An answer left to the asker (a hash map)
+%% goes by the same allowance through admit_atoms/2.
+new_atoms_in_answers_stop_at_the_segments_allowance(P) ->
+    Allowance = 100,
+    Seg = open(P, #{new_atoms => Allowance}),
+    cmd(P, "mode raw"),
+    Prefix = "dpfresh" ++ integer_to_list(erlang:unique_integer([positive])) ++ "_",
+    Atom = fun(I) -> N = list_to_binary(Prefix ++ integer_to_list(I)), <<119, (byte_size(N)), N/binary>> end,
+    Before = erlang:system_info(atom_count),
+    Answers = [begin
+                   Ref = make_ref(),
+                   Msg = <<104, 2, 119, 2, "ok", (Atom(I))/binary>>,
+                   case actor_dp:submit(Seg, ask, echo, Msg, Ref, undefined) of
+                       {ok, _, Id, await} when I rem 2 =:= 0 ->
+                           case actor_dp:await(Seg, Id) of
+                               {reply, R} -> R;
+                               none -> receive {Ref, R} -> R after ?T -> error(no_reply) end
+                           end;
+                       {ok, _, _, _} ->
+                           receive {Ref, R} -> R after ?T -> error(no_reply) end;
+                       {ok, _, _} ->
+                           receive {Ref, R} -> R after ?T -> error(no_reply) end
+                   end
+               end || I <- lists:seq(1, 3 * Allowance)],
+    Grew = erlang:system_info(atom_count) - Before,
+    Made = [A || {ok, A} <- Answers],
+    ?assertEqual(Allowance, length(Made)),
+    ?assertEqual(2 * Allowance, length([x || {error, bad_reply} <- Answers])),
+    ?assert(Grew =< Allowance + 8),
+    ?assertMatch(#{new_atoms := Allowance}, actor_dp:info(Seg)),
+    %% Known atoms pass, the allowance spent or not.
+    Ref1 = make_ref(),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, <<104, 2, 119, 2, "ok", 119, 4, "true">>, Ref1, undefined)),
+    receive {Ref1, R1} -> ?assertEqual({ok, true}, R1) after ?T -> error(no_reply) end,
+    %% A hash map of new atoms comes as its bytes; admit_atoms/2 refuses
+    %% them now, and takes a map of known ones.
+    Map = fun(Keys) -> <<116, (length(Keys)):32, (iolist_to_binary([[K, 106] || K <- Keys]))/binary>> end,
+    Ref2 = make_ref(),
+    {ok, _, _} = asked(actor_dp:submit(Seg, ask, echo, Map([Atom(I) || I <- lists:seq(1000, 1040)]), Ref2, undefined)),
+    receive
+        {Ref2, {'$actor_dp_ext', Bytes}} ->
+            ?assertError(badarg, binary_to_term(Bytes, [safe])),
+            ?assertNot(actor_dp:admit_atoms(Seg, Bytes))
+    after ?T -> error(no_reply)
+    end,
+    Names = lists:sublist(lists:usort([atom_to_binary(F) || {F, _} <- erlang:module_info(exports)]), 40),
+    Known = Map([<<119, (byte_size(N)), N/binary>> || N <- Names]),
+    ?assert(actor_dp:admit_atoms(Seg, <<131, Known/binary>>)),
+    ?assert(erlang:system_info(atom_count) - Before =< Allowance + 8),
     ok = actor_dp:close(Seg, done).
 
 scribbled_reply_ring_closes_with_bad_segment(P) ->

@@ -63,6 +63,7 @@ render_passes_promtool(#{pool := Pool}) ->
      || F <- ["actor_pool_processed_total", "actor_pool_errors_total",
               "actor_pool_crashes_total", "actor_pool_restarts_total",
               "actor_pool_overloaded_total", "actor_pool_dropped_tells_total",
+              "actor_pool_bad_replies_total",
               "actor_pool_ran_on_loop_total", "actor_pool_messages_total", "actor_pool_worker_mailbox_depth",
               "actor_pool_worker_processed_total", "actor_pool_batcher_queued",
               "actor_receptionist_keys", "actor_receptionist_refs",

@@ -6,7 +6,7 @@
 -module(ap_test_util).
 
 -export([with_pool/4, with_env/4, crash_plugin/0, abs_exe/1]).
--export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3]).
+-export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3, name_packet/1]).
 -export([pool_setup/0, pool_cleanup/1]).
 -export([temp_dir/1, start_app/0, stop_app/1,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
@@ -235,3 +235,12 @@ reg_send_frame(Self, ToName, Msg) ->
     Ctrl = <<131, 104, 4, 97, 6, (ext_pid(Self))/binary, (ext_atom(''))/binary, (ext_atom(ToName))/binary>>,
     Body = <<$p, Ctrl/binary, Msg/binary>>,
     <<(byte_size(Body)):32, Body/binary>>.
+
+%% A well-formed OTP 23+ handshake name packet ('N', flags, creation, name
+%% Alive@localhost) with the flags ei requires, with its 2-byte length: it
+%% needs no cookie, and a C node answers it with its challenge.
+-spec name_packet(string()) -> binary().
+name_packet(Alive) ->
+    Name = list_to_binary(Alive ++ "@localhost"),
+    Body = <<$N, 16#17FFFFFFF:64, 7:32, (byte_size(Name)):16, Name/binary>>,
+    <<(byte_size(Body)):16, Body/binary>>.

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "ap_log.h"
@@ -243,6 +244,11 @@ int ap_cnode_main(int argc, char **argv, const char *service, ap_service_init in
 {
 	struct settings s = { 0 };
 	int port_mode = argc == 2 && !strcmp(argv[1], "--port");
+	/* Not dumpable, before the cookie is read: a process of our uid (a
+	 * plugin's worker process among them) can then open neither our
+	 * memory (the cookie) nor our fds (every data-plane segment) in
+	 * /proc, nor ptrace us. Its cost: no core dumps. */
+	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 	ei_init();
 	if (port_mode) {
 		ap_log_set_port_fd(STDOUT_FILENO);

@@ -54,6 +54,7 @@
 
 #include <erl_nif.h>
 
+#include "ap_atomset.h"
 #include "ap_skip.h"
 #include "ap_time.h"
 #include "ap_term.h"
@@ -197,6 +198,11 @@ struct dp {
 	atomic_uint_fast64_t n_sched; /* answers deliverer processes sent */
 	atomic_uint_fast64_t n_encoded; /* records of submit_encoded/6 */
 	atomic_uint_fast64_t n_timeouts; /* asks answered {error, timeout} here */
+	/* Answers decoded with new atoms allowed (decode_answer): the names
+	 * they may make, at most new_atoms_cap, made on the first need. */
+	uint32_t new_atoms_cap;
+	ap_atomset *_Atomic new_atoms;
+	atomic_uint_fast64_t n_unsafe;
 };
 
 static ErlNifResourceType *g_dp_type;
@@ -229,7 +235,7 @@ static ERL_NIF_TERM a_ok, a_error, a_true, a_false, a_undefined, a_tell, a_ask, 
 	a_state, a_tells, a_asks, a_replies, a_late, a_bad_records, a_pending, a_req_rings, a_rep_rings,
 	a_req_bytes, a_rep_bytes, a_size, a_refused, a_errno, a_econnrefused, a_etimedout, a_eperm, a_eproto,
 	a_econnreset, a_enomem, a_einval, a_emfile, a_enoent, a_noproc, a_none, a_reply, a_actor_dp_drain, a_sched_delivered, a_awaited, a_await_missed,
-	a_await, a_passed_on, a_ext, a_timeout, a_timeouts;
+	a_await, a_passed_on, a_ext, a_timeout, a_timeouts, a_new_atoms, a_unsafe_decodes;
 static ERL_NIF_TERM a_encode, a_encoded;
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -475,6 +481,82 @@ static void dp_unkeep(struct dp *s)
 
 /* ---- the reply thread ----------------------------------------------------------- */
 
+/* ---- atoms in answers ------------------------------------------------------------
+ * An answer may carry atoms this VM does not have yet, as one by
+ * distribution may; but each new atom is kept for ever, and a VM whose atom
+ * table fills up aborts. The pool node refuses replies past its pools'
+ * budgets (max_reply_atoms), and this is the bound for a pool node that
+ * does not: an answer is decoded with ERL_NIF_BIN2TERM_SAFE (no new atom);
+ * when that fails, its atoms are walked (ap_term_check, the pool node's own
+ * check) and the unknown ones admitted to the segment's set of at most
+ * new_atoms_cap names; only an answer whose atoms all fit is decoded again
+ * with new atoms allowed. So one segment makes at most new_atoms_cap atoms,
+ * whatever its pool node writes. An atom with a name in ASCII is looked up
+ * first (enif_make_existing_atom_len is Latin-1 only on OTP 25): a known
+ * one costs nothing; any other counts as new. */
+
+struct admit_ctx {
+	struct dp *s;
+	ErlNifEnv *env;
+};
+
+static ap_atomset *new_atoms_set(struct dp *s)
+{
+	ap_atomset *set = atomic_load(&s->new_atoms), *mine;
+
+	if (set)
+		return set;
+	mine = ap_atomset_new(s->new_atoms_cap);
+	if (!mine)
+		return NULL;
+	if (atomic_compare_exchange_strong(&s->new_atoms, &set, mine))
+		return mine;
+	free(mine); /* another thread made it first */
+	return set;
+}
+
+static int admit_atom(void *arg, const uint8_t *name, size_t len)
+{
+	struct admit_ctx *c = arg;
+	ERL_NIF_TERM atom;
+	ap_atomset *set;
+	size_t k;
+
+	for (k = 0; k < len && name[k] < 0x80; k++)
+		;
+	if (k == len && enif_make_existing_atom_len(c->env, (const char *)name, len, &atom, ERL_NIF_LATIN1))
+		return 0;
+	set = new_atoms_set(c->s);
+	return set && ap_atomset_admit(set, name, len) ? 0 : -1;
+}
+
+/* Whether the answer term (with its 131 byte) may be decoded with new
+ * atoms: every atom in it known here, or admitted to the segment's set. */
+static int admit_atoms(struct dp *s, ErlNifEnv *env, const uint8_t *term, size_t len)
+{
+	struct admit_ctx c = { s, env };
+	ap_term_strict st;
+	int idx = 1, ok;
+
+	memset(&st, 0, sizeof st);
+	st.atom = admit_atom;
+	st.arg = &c;
+	ok = len > 1 && ap_term_check((const char *)term, len, &idx, &st) == 0 && (size_t)idx == len;
+	ap_term_strict_free(&st);
+	return ok;
+}
+
+/* The answer term[0, len) (with its 131 byte) decoded in e; 0, or -1. */
+static int decode_answer(struct dp *s, ErlNifEnv *e, const uint8_t *term, size_t len, ERL_NIF_TERM *ans)
+{
+	if (enif_binary_to_term(e, term, len, ans, ERL_NIF_BIN2TERM_SAFE) == len)
+		return 0;
+	if (!admit_atoms(s, e, term, len))
+		return -1;
+	cnt(&s->n_unsafe);
+	return enif_binary_to_term(e, term, len, ans, 0) == len ? 0 : -1;
+}
+
 /* Whether an answer may hold a map of more than 32 keys (a hash map):
  * OTP before 27.3 (and its maintenance fixes, erlang/otp#8208) crashes
  * decoding those on a thread that is no scheduler, such as the reply
@@ -553,10 +635,10 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 	 * allocator instance of unmanaged threads, and each free of one was
 	 * handed to the BEAM's aux thread.
 	 *
-	 * Not ERL_NIF_BIN2TERM_SAFE: answers may carry new atoms, as they
-	 * may over distribution. The whole copy must be one term. An answer
-	 * that may hold a hash map goes as its bytes, decoded by the asker
-	 * (actor_pool), not on this thread (may_hold_hash_map). */
+	 * New atoms within the segment's allowance (decode_answer). The whole
+	 * copy must be one term. An answer that may hold a hash map goes as
+	 * its bytes, decoded by the asker (actor_pool, which asks admit/2
+	 * before it allows new atoms), not on this thread (may_hold_hash_map). */
 	e = a->env;
 	if (may_hold_hash_map(term, len)) {
 		ERL_NIF_TERM bin;
@@ -567,7 +649,7 @@ static void deliver(void *arg, uint64_t id, const uint8_t *term, size_t len)
 		} else {
 			ans = error_tuple(e, a_enomem);
 		}
-	} else if (enif_binary_to_term(e, term, len, &ans, 0) != len) {
+	} else if (decode_answer(s, e, term, len, &ans)) {
 		ans = error_tuple(e, a_bad_reply);
 	}
 	/* The send takes the env's terms (it is left empty, ask_free clears
@@ -910,6 +992,7 @@ static void dp_dtor(ErlNifEnv *env, void *obj)
 		close(s->sock);
 	if (s->bell_fd >= 0)
 		close(s->bell_fd);
+	free(atomic_load(&s->new_atoms));
 	if (s->tab) {
 		for (uint32_t i = 0; i <= s->tab_mask; i++) {
 			struct ask *a, *next;
@@ -973,12 +1056,13 @@ static int get_u64(ErlNifEnv *env, ERL_NIF_TERM t, uint64_t *v)
 }
 
 /* open_nif(Socket, Token, NodeName, {NReq, ReqBytes, NRep, RepBytes},
- *          Owner, Node, TimeoutMs) */
+ *          Owner, Node, TimeoutMs, NewAtoms) */
 static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	ErlNifBinary sock_name, token, name;
 	const ERL_NIF_TERM *geo;
 	int arity, timeout, rc, sock;
+	unsigned new_atoms;
 	uint64_t n_req, req_cap, n_rep, rep_cap;
 	ErlNifPid owner;
 	size_t size;
@@ -991,7 +1075,8 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	    !enif_get_tuple(env, argv[3], &arity, &geo) || arity != 4 || !get_u64(env, geo[0], &n_req) ||
 	    !get_u64(env, geo[1], &req_cap) || !get_u64(env, geo[2], &n_rep) || !get_u64(env, geo[3], &rep_cap) ||
 	    !enif_get_local_pid(env, argv[4], &owner) || !enif_is_atom(env, argv[5]) ||
-	    !enif_get_int(env, argv[6], &timeout) || timeout < 0 || n_req > UINT32_MAX || n_rep > UINT32_MAX)
+	    !enif_get_int(env, argv[6], &timeout) || timeout < 0 || n_req > UINT32_MAX || n_rep > UINT32_MAX ||
+	    !enif_get_uint(env, argv[7], &new_atoms) || new_atoms < 1 || new_atoms > (1u << 30))
 		return enif_make_badarg(env);
 	if (dp_geom((uint32_t)n_req, req_cap, (uint32_t)n_rep, rep_cap, &size))
 		return error_tuple(env, a_einval);
@@ -1004,6 +1089,7 @@ static ERL_NIF_TERM nif_open(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	s->bell_fd = -1;
 	s->map.fd = -1;
 	s->owner = owner;
+	s->new_atoms_cap = new_atoms;
 	s->mu_ok = mu_init(&s->mu);
 	s->tenv = enif_alloc_env();
 	s->penv = enif_alloc_env();
@@ -1691,7 +1777,7 @@ static void deliver_here(void *arg, uint64_t id, const uint8_t *term, size_t len
 
 	if (!a)
 		return;
-	if (enif_binary_to_term(e, term, len, &ans, 0) != len)
+	if (decode_answer(s, e, term, len, &ans))
 		ans = error_tuple(e, a_bad_reply);
 	if (mine) {
 		c->ans = ans;
@@ -1973,7 +2059,7 @@ static ERL_NIF_TERM nif_close(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[
 static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
 {
 	struct dp *s;
-	ERL_NIF_TERM k[24], v[24], map;
+	ERL_NIF_TERM k[26], v[26], map;
 	unsigned n = 0;
 	uint32_t pending;
 
@@ -2000,6 +2086,11 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	KV(a_passed_on, C(n_passed_on));
 	KV(a_sched_delivered, C(n_sched));
 	KV(a_timeouts, C(n_timeouts));
+	KV(a_unsafe_decodes, C(n_unsafe));
+	{
+		ap_atomset *set = atomic_load(&s->new_atoms);
+		KV(a_new_atoms, enif_make_uint(env, set ? ap_atomset_count(set) : 0));
+	}
 	KV(a_pending, enif_make_uint(env, pending));
 	KV(a_req_rings, enif_make_uint(env, s->seg.n_req));
 	KV(a_rep_rings, enif_make_uint(env, s->seg.n_rep));
@@ -2011,6 +2102,23 @@ static ERL_NIF_TERM nif_info(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[]
 	if (!enif_make_map_from_arrays(env, k, v, n, &map))
 		return enif_make_badarg(env);
 	return map;
+}
+
+/* admit_atoms(Seg, Bin): whether an answer sent as its bytes (a hash map,
+ * decoded by its asker) may be decoded with new atoms, as decode_answer
+ * lets one; true admits its atoms to the segment's set. */
+static ERL_NIF_TERM nif_admit_atoms(ErlNifEnv *env, int argc, const ERL_NIF_TERM argv[])
+{
+	struct dp *s;
+	ErlNifBinary b;
+
+	(void)argc;
+	if (!get_dp(env, argv[0], &s) || !enif_inspect_binary(env, argv[1], &b))
+		return enif_make_badarg(env);
+	if (!admit_atoms(s, env, b.data, b.size))
+		return a_false;
+	cnt(&s->n_unsafe);
+	return a_true;
 }
 
 /* A test hook: writes bytes into the live segment, as a hostile or
@@ -2068,6 +2176,8 @@ static int load(ErlNifEnv *env, void **priv, ERL_NIF_TERM info)
 	ATOM(await);
 	ATOM(passed_on);
 	a_ext = enif_make_atom(env, "$actor_dp_ext");
+	a_new_atoms = enif_make_atom(env, "new_atoms");
+	a_unsafe_decodes = enif_make_atom(env, "unsafe_decodes");
 	ATOM(timeout);
 	ATOM(timeouts);
 	ATOM(reply);
@@ -2132,7 +2242,9 @@ static int upgrade(ErlNifEnv *env, void **priv, void **old_priv, ERL_NIF_TERM in
 }
 
 static ErlNifFunc funcs[] = {
-	{"open_nif", 7, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
+	{"open_nif", 8, nif_open, ERL_NIF_DIRTY_JOB_IO_BOUND},
+	/* A walk of up to a reply ring's largest record: not on a scheduler. */
+	{"admit_atoms", 2, nif_admit_atoms, ERL_NIF_DIRTY_JOB_CPU_BOUND},
 	{"submit", 6, nif_submit, 0},
 	{"submit", 7, nif_submit, 0},
 	{"submit_encoded", 6, nif_submit_encoded, 0},

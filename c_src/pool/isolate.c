@@ -92,6 +92,10 @@ typedef struct ap_iso {
 	int loop_held;
 	int killed;         /* we sent SIGKILL */
 	int handler_crash;  /* the child reported AP_HANDLER_CRASH and exits on its own */
+	/* The slot's sandbox (sandbox.h): its cgroups, made at slot init and
+	 * kept, and the layers each of its children must apply. */
+	struct ap_sb_cgroup cg;
+	uint32_t sb_layers;
 } ap_iso;
 
 enum { WANT_NONE, WANT_ANY, WANT_ASK };
@@ -106,9 +110,11 @@ int ap_iso_slot_init(ap_worker *w)
 	size_t spec_len = strlen(p->spec) + 1;
 	size_t req = ap_ring_size(ISO_REQ_CAP), rsp = ap_ring_size(ISO_RSP_CAP);
 	size_t spec_off = ISO_CTL_SIZE, cfg_off = round_up(spec_off + spec_len, 64);
+	size_t sb_off = round_up(cfg_off + p->config_len, 64);
+	size_t sb_len = sizeof(struct iso_sandbox) + p->o.sandbox.paths_len;
 	/* The request ring's data starts on a page: the child maps it
 	 * read-only (ap_iso_child_main). */
-	size_t req_off = round_up(cfg_off + p->config_len + AP_RING_HDR_SIZE, 4096) - AP_RING_HDR_SIZE;
+	size_t req_off = round_up(sb_off + sb_len + AP_RING_HDR_SIZE, 4096) - AP_RING_HDR_SIZE;
 	size_t rsp_off = round_up(req_off + req, 4096);
 	size_t size = round_up(rsp_off + rsp, 4096);
 	ap_iso *s = calloc(1, sizeof *s);
@@ -155,6 +161,17 @@ int ap_iso_slot_init(ap_worker *w)
 	l->layout_timeout = p->o.handler_timeout_ms > 0;
 	l->worker = (uint32_t)w->id;
 	l->workers = (uint32_t)p->o.workers;
+	l->sb_off = (uint32_t)sb_off;
+	l->sb_len = (uint32_t)sb_len;
+#ifdef ISO_ASAN
+	/* ASan's own limits stand in for the worker's (child_env): a memory
+	 * cgroup would kill it before they fail an allocation. Its children
+	 * (fork => true) have no such limits: for them it stays. */
+	ap_sb_cgroup_make(&s->cg, &p->o.sandbox, p->o.sandbox.fork ? p->o.max_memory_mb : 0);
+#else
+	ap_sb_cgroup_make(&s->cg, &p->o.sandbox, p->o.max_memory_mb);
+#endif
+	s->sb_layers = ap_sb_layers(&p->o.sandbox, &s->cg);
 	atomic_init(&s->pidfd, -1);
 	pthread_mutex_init(&s->send_mu, NULL);
 	w->iso = s;
@@ -170,11 +187,16 @@ void ap_iso_slot_free(ap_worker *w)
 	if (fd >= 0)
 		close(fd);
 	ap_ring_map_close(&s->map);
+	ap_sb_cgroup_free(&s->cg);
 	pthread_mutex_destroy(&s->send_mu);
 	free(s->bare);
 	free(s);
 	w->iso = NULL;
 }
+
+/* The first slot's layers (every slot of a pool has the same, unless a
+ * cgroup could be made for one and not another): stats/1. */
+uint32_t ap_iso_sb_layers(ap_worker *w) { return w->iso ? w->iso->sb_layers : 0; }
 
 /* ---- doorbells ------------------------------------------------------------- */
 
@@ -324,7 +346,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 		w->reply.len = chunk;
 		w->reply.kind = (actor_pool_reply_kind)h.b;
 		/* Published with the loop's own answers at the end of its read. */
-		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply) == -EAGAIN)
+		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0) == -EAGAIN)
 			return 0;
 	} else if (j->seg) {
 		ap_dp_seg_put(j->seg);
@@ -512,6 +534,9 @@ void ap_iso_reap(ap_worker *w)
 		return;
 	s->how = si.si_code;
 	s->code = si.si_status;
+	/* Whatever it left in its cgroup goes with it (a pid namespace has
+	 * taken its descendants already, where there is one). */
+	ap_sb_cgroup_kill(&s->cg);
 	atomic_store(&s->dead, 1);
 	ap_iso_bell(s->ctl, 1);
 }
@@ -533,15 +558,21 @@ static void iso_kill(ap_iso *s)
 /* ---- starting a child (proxy thread) --------------------------------------- */
 
 
-/* The environment of a worker process. Under ASan, a crash must stay the
- * crash (not ASan's report and exit 1), and ASan's shadow memory rules out
- * RLIMIT_DATA, so its own limits stand in for max_memory_mb: the soft RSS
- * one, past which malloc returns NULL as it does under RLIMIT_DATA (the hard
- * one exits 1 instead, a different crash from the same handler), and the
- * largest single allocation, which RLIMIT_DATA refuses at once where the
- * RSS limit is only checked now and then. */
+/* The environment of a worker process: none of the pool node's (its
+ * variables may name files, hold tokens), unless sandbox => off. Under
+ * ASan, a crash must stay the crash (not ASan's report and exit 1), and
+ * ASan's shadow memory rules out RLIMIT_DATA, so its own limits stand in
+ * for max_memory_mb: the soft RSS one, past which malloc returns NULL as it
+ * does under RLIMIT_DATA (the hard one exits 1 instead, a different crash
+ * from the same handler), and the largest single allocation, which
+ * RLIMIT_DATA refuses at once where the RSS limit is only checked now and
+ * then. The sanitizers' options pass, and their log directories are
+ * writable in the sandbox (sandbox_child.c). */
+static char *no_env[] = { NULL };
+
 static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 {
+	int keep_all = w->pool->o.sandbox.off;
 #ifdef ISO_ASAN
 	size_t n = 0;
 	while (environ[n])
@@ -554,7 +585,7 @@ static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 	for (size_t i = 0; i < n; i++) {
 		if (!strncmp(environ[i], "ASAN_OPTIONS=", 13))
 			old = environ[i] + 13;
-		else
+		else if (keep_all || !strncmp(environ[i], "UBSAN_OPTIONS=", 14))
 			env[k++] = environ[i];
 	}
 	int mb = w->pool->o.max_memory_mb;
@@ -566,10 +597,9 @@ static char **child_env(ap_worker *w, char *asan, size_t asan_len)
 	env[k] = NULL;
 	return env;
 #else
-	(void)w;
 	(void)asan;
 	(void)asan_len;
-	return environ;
+	return keep_all ? environ : no_env;
 #endif
 }
 
@@ -605,6 +635,18 @@ static int iso_spawn(ap_worker *w)
 	s->killed = s->handler_crash = 0;
 	s->how = s->code = 0;
 	atomic_store(&s->dead, 0);
+	/* A plugin, opened here for a sandboxed child (sandbox.h,
+	 * AP_SB_FD_PLUGIN); if it cannot be, the child tries its path and
+	 * says why that fails. */
+	int plugin_fd = -1;
+	if (!p->o.sandbox.off && !ap_builtin_handler(p->spec))
+		plugin_fd = ap_sb_fd_above(open(p->spec, O_RDONLY | O_CLOEXEC));
+	if (ap_sb_write(&p->o.sandbox, s->sb_layers, plugin_fd >= 0, (struct iso_sandbox *)(mem + l->sb_off),
+			(char *)mem + l->sb_off + sizeof(struct iso_sandbox), l->sb_len - sizeof(struct iso_sandbox))) {
+		if (plugin_fd >= 0)
+			close(plugin_fd);
+		return -EPROTO;
+	}
 
 	char ppid[24], asan[1024];
 	snprintf(ppid, sizeof ppid, "%d", (int)getpid());
@@ -621,6 +663,13 @@ static int iso_spawn(ap_worker *w)
 	sigaddset(&def, SIGHUP);
 	posix_spawn_file_actions_init(&fa);
 	posix_spawn_file_actions_adddup2(&fa, s->map.fd, ISO_FD);
+	/* Its cgroups' cgroup.procs: it joins them itself, first thing. */
+	if (s->cg.v2_procs >= 0)
+		posix_spawn_file_actions_adddup2(&fa, s->cg.v2_procs, AP_SB_FD_CG_V2);
+	if (s->cg.v1_procs >= 0)
+		posix_spawn_file_actions_adddup2(&fa, s->cg.v1_procs, AP_SB_FD_CG_V1);
+	if (plugin_fd >= 0)
+		posix_spawn_file_actions_adddup2(&fa, plugin_fd, AP_SB_FD_PLUGIN);
 	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
 	/* Our stdout may be the port to the BEAM ({packet, 4}): a plugin's
 	 * printf there would corrupt it. Its output goes to our stderr. */
@@ -632,10 +681,12 @@ static int iso_spawn(ap_worker *w)
 	char **env = child_env(w, asan, sizeof asan);
 	pid_t pid = 0;
 	int r = env ? posix_spawn(&pid, "/proc/self/exe", &fa, &at, argv, env) : ENOMEM;
-	if (env && env != environ)
+	if (env && env != environ && env != no_env)
 		free(env);
 	posix_spawn_file_actions_destroy(&fa);
 	posix_spawnattr_destroy(&at);
+	if (plugin_fd >= 0)
+		close(plugin_fd);
 	if (r)
 		return -r;
 	/* Nobody reaps it before we hold its pidfd: the loop only waits on
@@ -657,7 +708,7 @@ static int iso_spawn(ap_worker *w)
 /* ---- the proxy: results ---------------------------------------------------- */
 
 /* {worker_crashed, Cause} or handler_timeout as the reply, for
- * ap_pool_send_result(..., "error", ...). */
+ * ap_pool_send_own(..., "error", ...). */
 static void set_death_reply(ap_worker *w, int timeout)
 {
 	ap_iso *s = w->iso;
@@ -1044,7 +1095,7 @@ static void on_death(ap_worker *w)
 			s->front_seq++;
 			if (j->is_ask) {
 				set_death_reply(w, timeout);
-				ap_pool_send_result(w, j, "error", &w->reply);
+				ap_pool_send_own(w, j, "error", &w->reply);
 			} else if (j->seg) {
 				ap_dp_seg_put(j->seg);
 			}
@@ -1110,6 +1161,25 @@ static void on_stop(ap_worker *w)
 		proxy_sleep(w, 100000, ready_dead);
 }
 
+/* What the child said of its failed start, bounded (a plugin's code may
+ * have run: believe it as words only). */
+static void take_fail(ap_worker *w, const struct iso_ctl *c)
+{
+	struct ap_init_fail *f = &w->init_fail;
+	f->kind = (int)c->fail_kind;
+	f->num = c->fail_num;
+	memcpy(f->layer, c->fail_layer, sizeof f->layer);
+	f->layer[sizeof f->layer - 1] = 0;
+	memcpy(f->why, c->fail_why, sizeof f->why);
+	f->why[sizeof f->why - 1] = 0;
+	if (f->kind == ISO_FAIL_SANDBOX)
+		ap_log(AP_LOG_ERROR, "pool %s: worker %d's process cannot apply its sandbox (%s): %s", w->pool->name,
+		       w->id, f->layer, f->why);
+	else if (f->kind == ISO_FAIL_LOAD || f->kind == ISO_FAIL_ABI)
+		ap_log(AP_LOG_ERROR, "pool %s: worker %d's process cannot load %s: %s", w->pool->name, w->id,
+		       w->pool->spec, f->why);
+}
+
 void *ap_iso_proxy_main(void *arg)
 {
 	ap_worker *w = arg;
@@ -1133,6 +1203,8 @@ void *ap_iso_proxy_main(void *arg)
 		proxy_sleep(w, ISO_IDLE_MS * 1000, ready_init);
 	if (atomic_load(&c->init_state) != 1) {
 		w->init_rc = atomic_load(&c->init_state) == 2 ? c->init_rc : -ECHILD;
+		if (atomic_load(&c->init_state) == 2)
+			take_fail(w, c);
 		if (atomic_load(&s->dead) && atomic_load(&c->init_state) == 0)
 			ap_log(AP_LOG_WARNING, "pool %s: worker %d's process died in its init", p->name, w->id);
 		wait_reaped(w, 1);

@@ -53,7 +53,8 @@ struct iso_ctl {
 	uint32_t worker;
 	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
 	uint32_t workers;        /* the pool's worker count (isolate_child.c, follow_loop) */
-	uint8_t pad0[64 - 60];
+	uint32_t sb_off, sb_len; /* the sandbox section (sandbox.h, struct iso_sandbox, then its paths) */
+	uint8_t pad0[128 - 68];
 	/* the child's */
 	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
 	int32_t init_rc;
@@ -90,6 +91,14 @@ struct iso_ctl {
 	 * (loop_looks), -1 before: a child whose asks are quick moves there
 	 * (isolate_child.c, follow_loop). Only the child believes it. */
 	_Atomic int32_t loop_cpu;
+	/* The child's, before init_state 2: what failed (ISO_FAIL_* of
+	 * sandbox.h), a number (init's code, the ABI found), the sandbox
+	 * layer, and why, in words. A report only: the pool node bounds it
+	 * and believes nothing else of it. */
+	uint32_t fail_kind;
+	int32_t fail_num;
+	char fail_layer[16];
+	char fail_why[256];
 };
 
 
@@ -98,6 +107,8 @@ struct ap_worker;
 /* Loop thread, once per slot before its first start: the slot's channel.
  * 0 or -errno. */
 int ap_iso_slot_init(struct ap_worker *w);
+/* The layers of w's sandbox (sandbox.h, AP_SBL_*); 0 in thread mode. */
+uint32_t ap_iso_sb_layers(struct ap_worker *w);
 /* Loop thread: unmap the slot's channel (its proxy is joined). */
 void ap_iso_slot_free(struct ap_worker *w);
 /* The proxy thread's function (pthread_create). */

@@ -24,6 +24,10 @@
 #include "handlers.h"
 #include "isolate_int.h"
 #include "pool_int.h"
+#include "sandbox.h"
+
+#define AP_STR_(x) #x
+#define AP_STR(x) AP_STR_(x)
 
 static struct iso_ctl *cc;
 
@@ -199,6 +203,67 @@ static void ask_wait_woken(struct ask_wait *a)
 	a->wake_us64 += (took * 64 - a->wake_us64) / 64;
 }
 
+/* Our start failed: say why (sandbox.h, ISO_FAIL_*) and go. */
+__attribute__((noreturn)) static void init_failed(uint32_t kind, int32_t num, int rc)
+{
+	cc->fail_kind = kind;
+	cc->fail_num = num;
+	cc->init_rc = rc;
+	atomic_store(&cc->init_state, 2);
+	ap_iso_bell(cc, 1);
+	_exit(0);
+}
+
+/* dlerror names the file as it was opened: /proc/self/fd/N is the plugin's
+ * path to whoever reads why. */
+static void name_plugin(char *why, size_t cap, const char *opened, const char *path)
+{
+	size_t n = strlen(opened);
+	if (opened == path || strncmp(why, opened, n))
+		return;
+	char rest[256];
+	snprintf(rest, sizeof rest, "%s", why + n);
+	snprintf(why, cap, "%s%s", path, rest);
+}
+
+/* The sandbox, before anything is loaded (sandbox.h): each layer the pool
+ * node asks for, or we go, saying which failed. What to load the plugin
+ * (spec, NULL for a built-in) from: its path, or the file the pool node
+ * opened for us. */
+static const char *sandbox(uint8_t *mem, const char *spec)
+{
+	static const char by_fd[] = "/proc/self/fd/" AP_STR(AP_SB_FD_PLUGIN);
+	struct iso_sandbox sb;
+	memcpy(&sb, mem + cc->sb_off, sizeof sb);
+	for (int fd = AP_SB_FD_CG_V2; fd <= AP_SB_FD_LAST; fd++)
+		if ((fd == AP_SB_FD_CG_V2 && (sb.layers & AP_SBL_CG_V2)) ||
+		    (fd == AP_SB_FD_CG_V1 && (sb.layers & AP_SBL_CG_V1MEM)) ||
+		    (fd == AP_SB_FD_PLUGIN && sb.on && (sb.opts & AP_SBO_PLUGIN_FD)))
+			continue;
+		else
+			close(fd);
+	if (!sb.on)
+		return spec;
+	const char *plugin = spec && (sb.opts & AP_SBO_PLUGIN_FD) ? by_fd : spec;
+	/* Its paths: n_read + n_write strings, each ended inside paths_len. */
+	const char *paths = (const char *)mem + cc->sb_off + sizeof sb;
+	size_t room = cc->sb_len - sizeof sb, at = 0;
+	if (sb.paths_len > room)
+		_exit(71);
+	for (uint32_t i = 0; i < sb.n_read + sb.n_write; i++) {
+		const char *z = at < sb.paths_len ? memchr(paths + at, 0, sb.paths_len - at) : NULL;
+		if (!z)
+			_exit(71);
+		at = (size_t)(z - paths) + 1;
+	}
+	const char *layer = "sandbox";
+	if (ap_sb_apply(&sb, paths, plugin, &layer, cc->fail_why, sizeof cc->fail_why)) {
+		snprintf(cc->fail_layer, sizeof cc->fail_layer, "%s", layer);
+		init_failed(ISO_FAIL_SANDBOX, 0, -EPERM);
+	}
+	return plugin;
+}
+
 int ap_iso_child_main(int argc, char **argv)
 {
 	/* Die with the proxy thread that started us; if it is gone already,
@@ -206,11 +271,12 @@ int ap_iso_child_main(int argc, char **argv)
 	prctl(PR_SET_PDEATHSIG, SIGKILL);
 	if (argc < 3 || getppid() != (pid_t)atoi(argv[2]))
 		_exit(70);
-	/* Nothing of the pool node's but the channel (its sockets, epmd's). */
-	if (syscall(SYS_close_range, ISO_FD + 1, ~0U, 0)) {
+	/* Nothing of the pool node's but the channel and our cgroups (its
+	 * sockets, epmd's); they are closed-on-exec there, this makes sure. */
+	if (syscall(SYS_close_range, AP_SB_FD_LAST + 1, ~0U, 0)) {
 		/* Before Linux 5.9. */
 		long max = sysconf(_SC_OPEN_MAX);
-		for (int fd = ISO_FD + 1; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+		for (int fd = AP_SB_FD_LAST + 1; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
 			close(fd);
 	}
 	struct stat st;
@@ -224,8 +290,12 @@ int ap_iso_child_main(int argc, char **argv)
 	cc = (struct iso_ctl *)mem;
 	if (cc->magic != ISO_MAGIC || cc->size != size || cc->spec_off + (size_t)cc->spec_len > size ||
 	    cc->cfg_off + (size_t)cc->cfg_len > size || cc->req_off + (size_t)cc->req_size > size ||
-	    cc->rsp_off + (size_t)cc->rsp_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1])
+	    cc->rsp_off + (size_t)cc->rsp_size > size || cc->spec_len == 0 || mem[cc->spec_off + cc->spec_len - 1] ||
+	    cc->sb_len < sizeof(struct iso_sandbox) || cc->sb_off + (size_t)cc->sb_len > size)
 		_exit(71);
+	const char *spec = (const char *)mem + cc->spec_off;
+	const actor_pool_handler *h = ap_builtin_handler(spec);
+	const char *plugin = sandbox(mem, h ? NULL : spec);
 	struct ap_ring req, rsp;
 	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->req_size) ||
 	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->rsp_size))
@@ -246,27 +316,22 @@ int ap_iso_child_main(int argc, char **argv)
 	}
 #endif
 
-	const char *spec = (const char *)mem + cc->spec_off;
-	const actor_pool_handler *h = ap_builtin_handler(spec);
 	void *dl = NULL;
 	if (!h) {
-		char why[256];
-		if (ap_plugin_load(spec, &h, &dl, NULL, why, sizeof why)) {
-			ap_log(AP_LOG_ERROR, "worker process: cannot load %s: %s", spec, why);
-			cc->init_rc = -1;
-			atomic_store(&cc->init_state, 2);
-			ap_iso_bell(cc, 1);
-			_exit(0);
+		/* Sandboxed already: a plugin's constructors run inside. */
+		uint32_t got = 0;
+		int lr = ap_plugin_load(plugin, &h, &dl, &got, cc->fail_why, sizeof cc->fail_why);
+		if (plugin != spec)
+			close(AP_SB_FD_PLUGIN);
+		if (lr) {
+			name_plugin(cc->fail_why, sizeof cc->fail_why, plugin, spec);
+			init_failed(lr == -2 ? ISO_FAIL_ABI : ISO_FAIL_LOAD, (int32_t)got, -1);
 		}
 	}
 	void *state = NULL;
 	int rc = h->init ? h->init(&state, cc->cfg_len ? mem + cc->cfg_off : NULL, cc->cfg_len) : 0;
-	if (rc) {
-		cc->init_rc = rc;
-		atomic_store(&cc->init_state, 2);
-		ap_iso_bell(cc, 1);
-		_exit(0);
-	}
+	if (rc)
+		init_failed(ISO_FAIL_INIT, rc, rc);
 	atomic_store(&cc->init_state, 1);
 	ap_iso_bell(cc, 1);
 

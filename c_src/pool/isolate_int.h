@@ -23,7 +23,7 @@
 #define ISO_REQ_CAP (512u << 10)
 #define ISO_RSP_CAP (128u << 10)
 #define ISO_MAX_MSG (1u << 30)     /* a reply, whole (a message is whatever the pool node took in) */
-#define ISO_FD 3                   /* where the child finds the channel */
+#define ISO_FD 3                   /* where the child finds the channel (its cgroups: sandbox.h) */
 #define ISO_SPIN 64                /* rounds before a side sleeps (2 cores: keep it short) */
 #define ISO_SPIN_INFLIGHT 2000     /* rounds a proxy with work at its child waits before it sleeps */
 #define ISO_RING_BATCH 32          /* tells the proxy holds back from a sleeping child at most */
@@ -48,6 +48,8 @@
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
 #define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
+
+_Static_assert(sizeof(struct iso_ctl) <= ISO_CTL_SIZE, "the channel's head outgrew its page");
 
 enum { REC_MSG = 1, REC_STOP = 2, REC_RESULT = 3 };
 

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ap_atomset.h"
 #include "ap_log.h"
 #include "ap_rand.h"
 #include "ap_time.h"
@@ -32,10 +33,18 @@ static uint64_t pools_gen = 1;
 
 uint64_t ap_pool_generation(void) { return pools_gen; }
 
+/* max_reply_atoms' default: far more names than any fixed reply
+ * vocabulary (ok, error, reasons, record tags) needs, and a thousand pools'
+ * worth of it still fits in the BEAM's default atom table (1048576), which
+ * never shrinks. */
+#define DEFAULT_REPLY_ATOMS 1024
+
 void ap_pool_opts_default(ap_pool_opts *o)
 {
 	*o = (ap_pool_opts){ .workers = 0, .routing = AP_ROUTE_ROUND_ROBIN, .mailbox_limit = 10000,
-			     .backoff_min_ms = 50, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 10000 };
+			     .backoff_min_ms = 50, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 10000,
+			     .max_reply_atoms = DEFAULT_REPLY_ATOMS };
+	ap_sb_opts_default(&o->sandbox);
 }
 
 /* ---- worker threads -------------------------------------------------------- */
@@ -110,7 +119,7 @@ void ap_pool_run_inline(ap_worker *w, ap_job *j)
 	} else {
 		count_done(w, st);
 	}
-	if (j->is_ask && ap_pool_send_result_nowait(w, j, status, &w->reply) == -EAGAIN)
+	if (j->is_ask && ap_pool_send_result_nowait(w, j, status, &w->reply, st == AP_HANDLER_CRASH) == -EAGAIN)
 		hand_answer_over(w, j);
 	j->free_next = w->job_cache;
 	w->job_cache = j;
@@ -256,9 +265,11 @@ static void pool_free(ap_pool *p)
 		ap_iso_slot_free(w);
 		free(w->reply.data);
 		ap_buf_free(&w->out);
+		ap_term_strict_free(&w->check);
 	}
 	if (p->dl)
 		ap_plugin_unload(p->dl);
+	free(p->atoms);
 	free(p->w);
 	free(p->wake_list);
 	free(p->config);
@@ -518,8 +529,10 @@ void ap_pool_worker_exited(ap_node *n, void *arg)
 		ap_iso_rehydrate(w);
 
 	if (w->exit_reason == EXIT_INIT_FAILED && w->gen == 0) {
-		if (!p->init_failed)
+		if (!p->init_failed) {
 			p->init_failed = w->init_rc ? w->init_rc : -1;
+			p->init_fail = w->init_fail;
+		}
 		first_init_reported(p);
 		maybe_free(p);
 		return;
@@ -579,7 +592,9 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	p->config_len = config_len;
 	if (p->o.isolation == AP_ISO_PROCESS)
 		p->spec = strdup(spec);
-	if (!p->w || !p->wake_list || (config_len && !p->config) || (p->o.isolation == AP_ISO_PROCESS && !p->spec))
+	p->atoms = ap_atomset_new(p->o.max_reply_atoms);
+	if (!p->w || !p->wake_list || (config_len && !p->config) || (p->o.isolation == AP_ISO_PROCESS && !p->spec) ||
+	    !p->atoms)
 		goto nomem;
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
@@ -590,6 +605,8 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 		if (p->o.isolation == AP_ISO_PROCESS && ap_iso_slot_init(w))
 			goto nomem;
 	}
+	if (p->o.isolation == AP_ISO_PROCESS)
+		ap_sb_warn(p->name, &p->o.sandbox, p->o.max_memory_mb, ap_iso_sb_layers(&p->w[0]));
 	p->proc = ap_proc_spawn(n, name, ap_pool_process, p);
 	if (!p->proc)
 		goto nomem;
@@ -631,6 +648,7 @@ nomem:
 	free(p->wake_list);
 	free(p->config);
 	free(p->spec);
+	free(p->atoms);
 	free(p);
 	return -ENOMEM;
 }

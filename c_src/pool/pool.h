@@ -10,6 +10,7 @@
 
 #include "actor_pool_handler.h"
 #include "ap_node.h"
+#include "sandbox.h"
 
 typedef enum { AP_ROUTE_ROUND_ROBIN, AP_ROUTE_SMALLEST_MAILBOX, AP_ROUTE_RANDOM } ap_routing;
 /* Where a worker runs its handler: a thread of the pool node, or a child
@@ -25,7 +26,9 @@ typedef struct ap_pool_opts {
 	int stable_ms;           /* a replacement alive this long resets the backoff */
 	ap_isolation isolation;
 	int handler_timeout_ms;  /* 0: none; else a message running longer is answered {error, handler_timeout} */
-	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process; 0: none */
+	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process (and its cgroup's limit); 0: none */
+	ap_sandbox_opts sandbox; /* process mode: what a worker process may do (sandbox.h) */
+	uint32_t max_reply_atoms; /* distinct atoms the pool's replies may carry (reply.c) */
 } ap_pool_opts;
 
 typedef struct ap_pool ap_pool;

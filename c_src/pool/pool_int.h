@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ap_term.h"
 #include "pool.h"
 #include "pool_limits.h"
 
@@ -98,6 +99,15 @@ enum exit_reason { EXIT_STOP, EXIT_CRASH, EXIT_INIT_FAILED };
 enum ap_crash_cause { AP_CRASH_SIGNAL, AP_CRASH_EXIT, AP_CRASH_TIMEOUT, AP_CRASH_HANDLER, AP_CRASH_CAUSES };
 
 struct ap_iso;
+struct ap_atomset;
+
+/* Why a worker process could not serve (sandbox.h, ISO_FAIL_*): the start's
+ * error ({plugin_load_failed, Path, Why}, {abi_mismatch, Got, Want},
+ * {sandbox_failed, Layer, Why}, else {handler_init_failed, Code}). */
+struct ap_init_fail {
+	int kind, num;
+	char layer[16], why[256];
+};
 
 typedef struct ap_worker {
 	ap_pool *pool;
@@ -130,6 +140,7 @@ typedef struct ap_worker {
 	_Atomic int hung;
 	enum exit_reason exit_reason;
 	int init_rc;
+	struct ap_init_fail init_fail; /* process mode: what its process said of a failed start */
 	/* loop thread only */
 	uint64_t restarts;
 	int streak;                /* crashes since the slot was last stable */
@@ -141,6 +152,9 @@ typedef struct ap_worker {
 	ap_buf out;
 	void *state;               /* the handler's, from init */
 	_Atomic int crash_pending; /* an inline run crashed: the thread exits as if it had */
+	/* reply.c's check of the handler's terms (as reply and out); last:
+	 * over a kilobyte, touched by term and atom replies only. */
+	ap_term_strict check;
 } ap_worker;
 
 /* throughput_10s's window, seconds (its name says it). */
@@ -168,6 +182,7 @@ struct ap_pool {
 	int timers;                /* restart timers not yet fired */
 	int starting;              /* workers whose first init has not reported */
 	int init_failed;           /* the first failing init code, 0 if none */
+	struct ap_init_fail init_fail; /* ... and what its worker process said of it */
 	ap_pending_reply *start_reply;
 	int64_t started_ms;
 	/* processed, sampled once a second (ap_pool_tick): the last
@@ -182,6 +197,12 @@ struct ap_pool {
 	uint64_t inline_runs;      /* ... and so many did */
 	int *wake_list;            /* workers with jobs pushed but not yet woken */
 	int nwake;
+	/* reply.c, any thread that answers: the atoms the pool's replies
+	 * carried (max_reply_atoms), the replies refused, whether one was
+	 * logged. */
+	struct ap_atomset *atoms;
+	_Atomic uint64_t bad_replies;
+	_Atomic int bad_reply_logged;
 	struct ap_pool *next;
 };
 
@@ -292,15 +313,20 @@ ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
 
 /* ---- reply.c: every reply frame a pool builds ---------------------------- */
-/* Worker thread: the handler's reply buffer, and the answer to the ask j. */
+/* Worker thread: the handler's reply buffer, and the answer to the ask j:
+ * the handler's reply r (checked: a reply the receiving node would refuse,
+ * or past the pool's atom budget, becomes {error, bad_reply}), or the
+ * pool's own (send_own, send_error: not checked). */
 int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
 void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
+void ap_pool_send_own(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
 void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
-/* Loop thread, an inline ring ask: as ap_pool_send_result, but never
- * waits for room; -EAGAIN when the reply ring is full (the answer is in
- * w->out then, the job's segment reference still held). */
-int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
+/* Loop thread, an inline ring ask: as ap_pool_send_result (own: as
+ * ap_pool_send_own), but never waits for room; -EAGAIN when the reply
+ * ring is full (the answer is in w->out then, the job's segment reference
+ * still held). */
+int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int own);
 /* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
 void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
 /* Loop thread: answer the start request once every worker ran its init. */
@@ -313,6 +339,8 @@ void ap_pool_answer_start(ap_pool *p, int ok);
  * segment drops them. */
 void ap_dp_seg_get(struct ap_dp_seg *s);
 void ap_dp_seg_put(struct ap_dp_seg *s);
+/* The node name the segment's BEAM gave when it attached (any thread). */
+const char *ap_dp_seg_peer(const struct ap_dp_seg *s);
 /* Worker thread (ring = its index): the answer term (no 131 byte) to
  * ask_id; waits up to 1 s for room in a full reply ring, then drops it
  * with a log line. An answer over the ring's largest record becomes

@@ -28,7 +28,15 @@
 /* The application settings ring_nap_us (--ring-nap-us) and ring_ask_nap_us
  * (--ring-ask-nap-us), microseconds. */
 #define AP_POOL_MAX_RING_NAP_US 10000
+/* max_reply_atoms: the distinct atoms a pool's replies may carry. The
+ * BEAM's own atom table holds 1048576 by default; the pool keeps a set of
+ * twice this many 8-byte slots. */
+#define AP_POOL_MAX_REPLY_ATOMS 1048576
 /* A plugin's path, in bytes, without its NUL. */
 #define AP_POOL_MAX_PATH 4095
+/* The sandbox's read and write paths: how many in all, and their bytes
+ * with a NUL each. */
+#define AP_POOL_MAX_SANDBOX_PATHS 32
+#define AP_POOL_MAX_SANDBOX_BYTES 8192
 
 #endif

@@ -127,6 +127,80 @@ static int parse_backoff(const char *b, size_t len, int *i, ap_pool_opts *o, str
 	return 0;
 }
 
+/* A list of absolute paths (binaries, no NUL) appended to buf at *len,
+ * each with its NUL; *count of them. */
+static int parse_paths(const char *b, int *i, char *buf, uint32_t *len, uint32_t *count)
+{
+	int n, type, size;
+	if (ei_decode_list_header(b, i, &n) || n < 0)
+		return -1;
+	for (int k = 0; k < n; k++) {
+		if (ei_get_type(b, i, &type, &size) || type != ERL_BINARY_EXT || size < 1 || size > AP_POOL_MAX_PATH ||
+		    *count >= AP_SB_MAX_PATHS || *len + (uint32_t)size + 1 > AP_SB_PATHS_BYTES)
+			return -1;
+		long got;
+		char *dst = buf + *len;
+		if (ei_decode_binary(b, i, dst, &got) || got != size || dst[0] != '/' || memchr(dst, 0, (size_t)got))
+			return -1;
+		dst[got] = 0;
+		*len += (uint32_t)got + 1;
+		(*count)++;
+	}
+	if (n && (ei_decode_list_header(b, i, &n) || n != 0))
+		return -1; /* a proper list's tail: [] */
+	return 0;
+}
+
+/* sandbox => off | #{read, write, network, fork, uid, gid} (sandbox.h). */
+static int parse_sandbox(const char *b, int *i, ap_sandbox_opts *o)
+{
+	char a[16];
+	int n, i0 = *i;
+	if (ap_get_atom(b, i, a, sizeof a) == 0) {
+		o->off = !strcmp(a, "off");
+		return o->off ? 0 : -1;
+	}
+	*i = i0;
+	if (ei_decode_map_header(b, i, &n))
+		return -1;
+	char wr[AP_SB_PATHS_BYTES];
+	uint32_t wlen = 0, nw = 0, total = 0;
+	o->paths_len = o->n_read = 0;
+	for (int k = 0; k < n; k++) {
+		char key[16];
+		long long l;
+		if (ap_get_atom(b, i, key, sizeof key))
+			return -1;
+		if (!strcmp(key, "read")) {
+			if (parse_paths(b, i, o->paths, &o->paths_len, &total))
+				return -1;
+			o->n_read = total - nw;
+		} else if (!strcmp(key, "write")) {
+			uint32_t before = total;
+			if (parse_paths(b, i, wr, &wlen, &total))
+				return -1;
+			nw = total - before;
+		} else if (!strcmp(key, "network") || !strcmp(key, "fork")) {
+			if (ap_get_atom(b, i, a, sizeof a) || (strcmp(a, "true") && strcmp(a, "false")))
+				return -1;
+			*(key[0] == 'n' ? &o->network : &o->fork) = a[0] == 't';
+		} else if (!strcmp(key, "uid") || !strcmp(key, "gid")) {
+			/* Unprivileged ids only: 0 would be no drop at all. */
+			if (get_long(b, i, &l) || l < 1 || l > 4294967294LL)
+				return -1;
+			*(key[0] == 'u' ? &o->uid : &o->gid) = l;
+		} else {
+			return -1;
+		}
+	}
+	if (o->paths_len + wlen > AP_SB_PATHS_BYTES)
+		return -1;
+	memcpy(o->paths + o->paths_len, wr, wlen);
+	o->paths_len += wlen;
+	o->n_write = nw;
+	return 0;
+}
+
 /* 1..max, or infinity (0: no limit). */
 static int get_limit(const char *b, int *i, long long max, int *out)
 {
@@ -148,7 +222,7 @@ static int get_limit(const char *b, int *i, long long max, int *out)
 
 static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
-	int n, v0 = *i, mem_vs = 0;
+	int n, v0 = *i, mem_vs = 0, sb_vs = 0;
 	if (ei_decode_map_header(b, i, &n))
 		return bad(ba, "options", b, len, v0);
 	for (int k = 0; k < n; k++) {
@@ -190,10 +264,20 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 		} else if (!strcmp(key, "handler_timeout_ms")) {
 			if (get_limit(b, i, AP_POOL_MAX_HANDLER_TIMEOUT_MS, &o->handler_timeout_ms))
 				return bad(ba, "handler_timeout_ms", b, len, vs);
+		} else if (!strcmp(key, "sandbox")) {
+			sb_vs = vs;
+			if (parse_sandbox(b, i, &o->sandbox))
+				return bad(ba, "sandbox", b, len, vs);
 		} else if (!strcmp(key, "max_memory_mb")) {
 			mem_vs = vs;
 			if (get_limit(b, i, AP_POOL_MAX_MEMORY_MB, &o->max_memory_mb))
 				return bad(ba, "max_memory_mb", b, len, vs);
+		} else if (!strcmp(key, "max_reply_atoms")) {
+			/* No infinity: without a bound a handler could fill
+			 * the caller's atom table, which aborts the BEAM. */
+			if (get_long(b, i, &l) || l < 1 || l > AP_POOL_MAX_REPLY_ATOMS)
+				return bad(ba, "max_reply_atoms", b, len, vs);
+			o->max_reply_atoms = (uint32_t)l;
 		} else {
 			/* Options the Erlang side keeps for itself (node, ...). */
 			if (ap_term_skip(b, len, i))
@@ -203,13 +287,16 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 	/* A thread cannot be given a memory limit of its own. */
 	if (o->max_memory_mb && o->isolation != AP_ISO_PROCESS)
 		return bad(ba, "max_memory_mb", b, len, mem_vs);
+	/* ... nor a sandbox: the pool node's own threads would be in it. */
+	if (sb_vs && o->isolation != AP_ISO_PROCESS)
+		return bad(ba, "sandbox", b, len, sb_vs);
 	return 0;
 }
 
 /* Handler: echo | json_validate | {plugin, Path} | {plugin, Path, Config}.
  * Returns 0, or an error term appended to err. */
-static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_handler **h, void **dl, const char **config,
-			   int *config_len, char *desc, char *spec, ei_x_buff *err)
+static int resolve_handler(const char *b, size_t blen, int *i, int process, const actor_pool_handler **h, void **dl,
+			   const char **config, int *config_len, char *desc, char *spec, ei_x_buff *err)
 {
 	int v0 = *i, arity, type, size;
 	char a[32];
@@ -239,7 +326,10 @@ static int resolve_handler(const char *b, size_t blen, int *i, const actor_pool_
 			*i = ce;
 		}
 		uint32_t got = 0;
-		int r = ap_plugin_load(path, h, dl, &got, why, sizeof why);
+		/* A worker process loads it in its sandbox and says why it
+		 * cannot (isolate_child.c): loading runs its code, which is
+		 * not to run here. */
+		int r = process ? (*h = NULL, 0) : ap_plugin_load(path, h, dl, &got, why, sizeof why);
 		if (r == 0) {
 			const char *base = strrchr(path, '/');
 			snprintf(desc, HANDLER_DESC, "plugin:%.55s", base ? base + 1 : path);
@@ -339,7 +429,8 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 	}
 	i = hstart;
 	char spec[SPEC_MAX];
-	if (resolve_handler(b, (size_t)m->len, &i, &h, &dl, &config, &config_len, desc, spec, &err))
+	if (resolve_handler(b, (size_t)m->len, &i, o.isolation == AP_ISO_PROCESS, &h, &dl, &config, &config_len, desc,
+			    spec, &err))
 		goto fail;
 
 	ap_pending_reply *pr = calloc(1, sizeof *pr);

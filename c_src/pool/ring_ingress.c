@@ -187,6 +187,9 @@ void ap_dp_seg_put(struct ap_dp_seg *sg)
 	}
 }
 
+/* Set before the segment is registered, never changed after. */
+const char *ap_dp_seg_peer(const struct ap_dp_seg *sg) { return sg->peer; }
+
 /* ---- replies ----------------------------------------------------------------- */
 
 static void rep_broken(ap_node *n, void *arg)

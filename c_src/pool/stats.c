@@ -2,7 +2,10 @@
  * sliding window. */
 #include <string.h>
 
+#include "isolate.h"
+#include "ap_atomset.h"
 #include "pool_int.h"
+#include "sandbox.h"
 
 static const char *routing_name(ap_routing r)
 {
@@ -40,7 +43,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	for (int i = 0; i < p->o.workers; i++)
 		for (int c = 0; c < AP_CRASH_CAUSES; c++)
 			by[c] += atomic_load(&p->w[i].crash_by[c]);
-	ei_x_encode_map_header(x, 20);
+	ei_x_encode_map_header(x, 24);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -63,6 +66,14 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
 	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
 	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
+	ei_x_encode_atom(x, "sandbox");
+	ap_sb_encode_stats(x, &p->o.sandbox, p->o.isolation == AP_ISO_PROCESS, p->o.max_memory_mb,
+			   p->o.workers ? ap_iso_sb_layers(&p->w[0]) : 0);
+	/* reply.c: replies refused, and the atoms replies carried against
+	 * their budget. */
+	kv_u64(x, "bad_replies", atomic_load_explicit(&p->bad_replies, memory_order_relaxed));
+	kv_u64(x, "reply_atoms", ap_atomset_count(p->atoms));
+	kv_u64(x, "max_reply_atoms", p->o.max_reply_atoms);
 	ei_x_encode_atom(x, "crash_causes");
 	ei_x_encode_map_header(x, AP_CRASH_CAUSES);
 	kv_u64(x, "signal", by[AP_CRASH_SIGNAL]);

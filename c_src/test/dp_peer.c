@@ -11,7 +11,9 @@
  * reading the request rings), "mode M" (how asks are answered:
  * echo {ok, Msg}; bad_term: bytes that are no term; bad_len: a header
  * that lies about its length; twice: the answer twice; silent: none;
- * compressed: a compressed term claiming 4 GiB inflated),
+ * compressed: a compressed term claiming 4 GiB inflated; raw: the ask's
+ * message, a binary, is the answer's term, its bytes unchecked, as a pool
+ * node that checks nothing would send its plugin's reply),
  * "refuse" (the next attach gets status EPERM), "quit".
  * Asks to a name other than "echo" are answered {error, noproc}; STATS
  * with #{tells => N, asks => M}. Fences are not followed (one request
@@ -27,7 +29,7 @@
 #include "dp_core.h"
 #include "t_dp_peer.h"
 
-enum mode { M_ECHO, M_BAD_TERM, M_BAD_LEN, M_TWICE, M_SILENT, M_COMPRESSED };
+enum mode { M_ECHO, M_BAD_TERM, M_BAD_LEN, M_TWICE, M_SILENT, M_COMPRESSED, M_RAW };
 
 static struct t_dp_peer peer;
 static int attached, paused, refuse;
@@ -124,6 +126,12 @@ static void handle(uint32_t ring, const uint8_t *p, size_t len)
 	case M_COMPRESSED:
 		reply(h.ask_id, (const uint8_t *)"\x50\xff\xff\xff\xf0\x78\x9c\x03\x00", 9, 9);
 		break;
+	case M_RAW:
+		/* BINARY_EXT: its 5-byte head, then the bytes */
+		if (h.msg_len < 5 || msg[0] != 109)
+			goto bad;
+		reply(h.ask_id, msg + 5, h.msg_len - 5, h.msg_len - 5);
+		break;
 	}
 	return;
 bad:
@@ -180,6 +188,8 @@ static void command(const char *c)
 		mode = M_SILENT;
 	else if (!strcmp(c, "mode compressed"))
 		mode = M_COMPRESSED;
+	else if (!strcmp(c, "mode raw"))
+		mode = M_RAW;
 	printf("ok %s\n", c);
 }
 

@@ -7,7 +7,10 @@
  * past it), and whatever the decoder vouches for is checked: a send's message
  * validates whole, a reason is one term, and ei, which takes no length, ends
  * both exactly where the walk did. ap_term_skip and ap_term_validate_msg also
- * run on the raw input, and ei must agree with whatever they accept.
+ * run on the raw input, and ei must agree with whatever they accept; so
+ * does the strict reply check (ap_term_check), which must take only what
+ * the walk takes, and end where it ends (bit 0 of byte 0: its atom
+ * callback refuses from the fourth atom on).
  * With bit 3 of byte 0 set, frames over T_MAX_FRAME are passed over instead
  * (ap_frame_rx_on_oversize, a head of T_HEAD bytes), and every head, like
  * a prefix of every frame, goes through ap_ctrl_decode_head.
@@ -132,6 +135,46 @@ static int t_on_frame(void *arg, const uint8_t *f, size_t len)
 	return 0;
 }
 
+/* The strict check's atom callback: every name one it vouched for (at
+ * most 255 characters of UTF-8, 1020 bytes); refusing from the fourth on
+ * when asked to. */
+static int t_atoms_left;
+
+static int t_atom(void *arg, const uint8_t *name, size_t len)
+{
+	(void)arg;
+	t_check(len <= 1020 && name != NULL);
+	if (t_atoms_left == 0)
+		return -1;
+	if (t_atoms_left > 0)
+		t_atoms_left--;
+	return 0;
+}
+
+/* The strict check on an exact-size copy of data[0, size). */
+static void t_strict(const uint8_t *data, size_t size, int refuse)
+{
+	uint8_t *d = malloc(size);
+	if (!d)
+		return;
+	memcpy(d, data, size);
+	ap_term_strict st;
+	memset(&st, 0, sizeof st);
+	st.self_node = "a@b";
+	st.self_node_len = 3;
+	st.atom = t_atom;
+	t_atoms_left = refuse ? 3 : -1;
+	int idx = 0, sidx = 0;
+	if (ap_term_check((const char *)d, size, &idx, &st) == 0) {
+		t_check(ap_term_skip((const char *)d, size, &sidx) == 0 && sidx == idx);
+		t_ei_agrees((const char *)d, idx, 0, idx);
+	} else {
+		t_check(idx == 0 && st.why != NULL);
+	}
+	ap_term_strict_free(&st);
+	free(d);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -158,6 +201,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 	if (ap_term_validate_msg((const char *)data, size) == 0)
 		t_ei_agrees((const char *)data, (int)size, 1, (int)size);
+	t_strict(data, size, data[0] & 1);
 
 	/* The input as a socket stream. */
 	size_t k = data[0] % 8;

@@ -210,10 +210,18 @@ void ap_dp_seg_put(struct ap_dp_seg *s)
 	t_check(0);
 }
 
+const char *ap_dp_seg_peer(const struct ap_dp_seg *s)
+{
+	(void)s;
+	t_check(0);
+	return "";
+}
+
 void ap_pool_opts_default(ap_pool_opts *o)
 {
 	*o = (ap_pool_opts){ .workers = 0, .routing = AP_ROUTE_ROUND_ROBIN, .mailbox_limit = 10000,
-			     .backoff_min_ms = 10, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 5000 };
+			     .backoff_min_ms = 10, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 5000,
+			     .max_reply_atoms = 1024 };
 }
 
 ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid)

@@ -246,7 +246,7 @@ static void deadline_covers_the_whole_handshake(void **state)
 }
 
 /* At the per-source cap the oldest of that source goes; at the overall
- * cap the oldest of all. Newcomers always get in. */
+ * cap, all from one source, the oldest of all. Newcomers always get in. */
 static void caps_drop_the_oldest(void **state)
 {
 	(void)state;
@@ -274,6 +274,41 @@ static void caps_drop_the_oldest(void **state)
 	assert_true(t_open_after(c[1], 50) && t_open_after(c[2], 50));
 	for (int i = 0; i < 3; i++)
 		close(c[i]);
+	t_stop(&t);
+}
+
+/* At the overall cap the newcomer's room comes from the source holding the
+ * most (its own when it holds as many), never from a lone older one: a
+ * churning flood from other addresses cannot push a node's connection out. */
+static void overall_cap_drops_from_the_source_holding_the_most(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 5000, .max_pending = 4, .max_per_source = 100 });
+	int lone = t_client_from(&t, "127.0.0.1"); /* the oldest of all */
+	int f[5];
+	for (int i = 0; i < 3; i++)
+		f[i] = t_client_from(&t, "127.0.0.3");
+	f[3] = t_client_from(&t, "127.0.0.3"); /* its own oldest goes */
+	f[4] = t_client_from(&t, "127.0.0.4"); /* the oldest of 127.0.0.3 goes */
+	ap_setup_stats st = T_WAIT_STAT(&t, capped, 2);
+	assert_int_equal(st.pending, 4);
+	assert_true(t_closed_in(f[0], NULL) >= 0);
+	assert_true(t_closed_in(f[1], NULL) >= 0);
+	assert_true(t_open_after(lone, 50));
+	for (int i = 2; i < 5; i++)
+		assert_true(t_open_after(f[i], 0));
+	/* 127.0.0.3 still holds the most (two): a newcomer from a source of
+	 * its own takes its oldest, not the lone one's older entry. */
+	int g = t_client_from(&t, "127.0.0.5");
+	assert_true(t_closed_in(f[2], NULL) >= 0);
+	assert_true(t_open_after(g, 50) && t_open_after(lone, 0) && t_open_after(f[4], 0));
+	st = T_WAIT_STAT(&t, capped, 3);
+	assert_int_equal(st.pending, 4);
+	close(lone);
+	close(g);
+	for (int i = 0; i < 5; i++)
+		close(f[i]);
 	t_stop(&t);
 }
 
@@ -389,6 +424,37 @@ static void threads_go_to_the_least_served_source_oldest_first(void **state)
 	close(a);
 	close(b);
 	close(c);
+	t_stop(&t);
+}
+
+/* One thread, held by a stalled peer from 127.0.0.3. Ready next: two
+ * stalled peers from 127.0.0.4, then a node from 127.0.0.1. After the
+ * grace the node goes first (its source holds the fewest pending), not the
+ * oldest: however many addresses a flood comes from, each holding many
+ * cannot keep a node behind them. */
+static void threads_go_first_to_the_source_holding_the_fewest(void **state)
+{
+	(void)state;
+	struct t_setup t;
+	t_start(&t, &(ap_setup_cfg){ .handshake_ms = 10000, .threads = 1, .grace_ms = 300 });
+	int a = t_client_from(&t, "127.0.0.3");
+	t_send_name(a);
+	assert_true(t_answered_in(a, WAIT_MS) >= 0);
+	int b[2];
+	for (int i = 0; i < 2; i++) {
+		b[i] = t_client_from(&t, "127.0.0.4");
+		t_send_name(b[i]);
+	}
+	int n = t_client_from(&t, "127.0.0.1");
+	t_send_name(n);
+	int64_t ms = t_answered_in(n, WAIT_MS);
+	assert_true(ms >= 0 && ms < 2000);
+	assert_true(t_answered_in(b[0], 0) < 0); /* not before n */
+	assert_true(t_answered_in(b[0], WAIT_MS) >= 0);
+	close(a);
+	close(b[0]);
+	close(b[1]);
+	close(n);
 	t_stop(&t);
 }
 
@@ -545,10 +611,12 @@ int main(void)
 		cmocka_unit_test(oversized_first_packet_is_refused_at_once),
 		cmocka_unit_test(deadline_covers_the_whole_handshake),
 		cmocka_unit_test(caps_drop_the_oldest),
+		cmocka_unit_test(overall_cap_drops_from_the_source_holding_the_most),
 		cmocka_unit_test(stalled_handshake_is_evicted_for_a_ready_one),
 		cmocka_unit_test(connect_does_not_wait_behind_incoming_handshakes),
 		cmocka_unit_test(a_flooding_source_leaves_a_thread_for_other_sources),
 		cmocka_unit_test(threads_go_to_the_least_served_source_oldest_first),
+		cmocka_unit_test(threads_go_first_to_the_source_holding_the_fewest),
 		cmocka_unit_test(two_ready_at_once_with_one_thread_are_both_served),
 		cmocka_unit_test(eviction_never_takes_from_a_source_holding_no_more),
 		cmocka_unit_test(a_bare_connect_never_cuts_a_running_handshake_short),

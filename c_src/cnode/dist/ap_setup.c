@@ -41,13 +41,23 @@
  * shutdown() it, under s->mu, only while it is >= 0. */
 enum pend_state { P_GATE, P_READY, P_RUN };
 
+/* One peer address with pending handshakes: what the caps and the
+ * fairness rules count. Lives while a pend points at it. */
+struct src {
+	struct src *next;
+	int refs;                  /* pends pointing here, dropped ones too */
+	int npend;                 /* of them, not dropped */
+	int nrun;                  /* of them, running and not dropped */
+	uint8_t addr[16];
+	uint8_t len;               /* 4, 16, or 0: unknown (all unknown are one) */
+};
+
 struct pend {
 	struct pend *prev, *next;  /* every pending handshake, oldest first */
 	int fd;
 	enum pend_state st;
 	int dropped;               /* capped, evicted or stopping: no longer counted */
-	uint8_t src[16];           /* the peer's address */
-	uint8_t srclen;
+	struct src *src;           /* the peer's address */
 	int64_t deadline, t_run;
 	uint32_t need;             /* the first packet with its 2-byte header, once known */
 	uint32_t got;              /* bytes of it read by the gate */
@@ -70,12 +80,12 @@ struct ap_setup {
 	pthread_cond_t ready_cv;   /* handshake threads: a P_READY entry, or stop */
 	pthread_cond_t conn_cv;    /* connect thread: a job, or stop */
 	struct pend *head, *tail;
+	struct src *srcs;          /* the addresses of the entries */
 	int npend;                 /* entries not dropped */
 	int nready;                /* P_READY entries not dropped */
 	int nrun;                  /* P_RUN entries, dropped too: each holds a thread */
 	int nevict;                /* P_RUN entries dropped, their thread not yet back */
 	int run_cap;               /* running handshakes per source address */
-	struct pend **runbuf;      /* scratch under mu: the running entries not dropped */
 	int wake_fd;               /* eventfd: wakes the gate */
 	int conn_fd;               /* the socket of the connect in progress, or -1 */
 	struct cjob *cj_head, *cj_tail;
@@ -409,30 +419,62 @@ static void drop(ap_setup *s, struct pend *p, unsigned long long *counter)
 		return;
 	p->dropped = 1;
 	s->npend--;
-	if (p->st == P_READY)
+	p->src->npend--;
+	if (p->st == P_READY) {
 		s->nready--;
-	else if (p->st == P_RUN)
+	} else if (p->st == P_RUN) {
 		s->nevict++;
+		p->src->nrun--;
+	}
 	if (p->fd >= 0)
 		shutdown(p->fd, SHUT_RDWR);
 	(*counter)++;
 }
 
-static int same_source(const struct pend *a, const struct pend *b)
+/* Under s->mu: the source record of addr (new if none), one more
+ * reference; NULL if out of memory. */
+static struct src *src_get(ap_setup *s, const uint8_t *addr, uint8_t len)
 {
-	return a->srclen == b->srclen && !memcmp(a->src, b->src, a->srclen);
+	struct src *x = s->srcs;
+	while (x && !(x->len == len && !memcmp(x->addr, addr, len)))
+		x = x->next;
+	if (!x) {
+		x = calloc(1, sizeof *x);
+		if (!x)
+			return NULL;
+		memcpy(x->addr, addr, len);
+		x->len = len;
+		x->next = s->srcs;
+		s->srcs = x;
+	}
+	x->refs++;
+	return x;
 }
 
-/* Under s->mu: the entry to drop for room, of p's source (or of any source
- * when all is set): the oldest not yet on a handshake thread (those that
- * sent their name are likelier to be nodes, and stalled ones are evicted
- * by the grace rule), else the oldest running one that has had its grace;
- * NULL if none: a handshake under way is never cut short at once. */
-static struct pend *oldest(ap_setup *s, const struct pend *p, int all, int64_t now)
+/* Under s->mu: p's reference to its source goes, then p. */
+static void pend_free(ap_setup *s, struct pend *p)
+{
+	struct src *x = p->src;
+	if (x && --x->refs == 0) {
+		struct src **pp = &s->srcs;
+		while (*pp != x)
+			pp = &(*pp)->next;
+		*pp = x->next;
+		free(x);
+	}
+	free(p);
+}
+
+/* Under s->mu: the entry of source x to drop for room: its oldest not yet
+ * on a handshake thread (those that sent their name are likelier to be
+ * nodes, and stalled ones are evicted by the grace rule), else its oldest
+ * running one that has had its grace; NULL if none: a handshake under way
+ * is never cut short at once. */
+static struct pend *oldest_of(ap_setup *s, const struct src *x, int64_t now)
 {
 	struct pend *run = NULL;
 	for (struct pend *o = s->head; o; o = o->next) {
-		if (o->dropped || (!all && !same_source(o, p)))
+		if (o->dropped || o->src != x)
 			continue;
 		if (o->st != P_RUN)
 			return o;
@@ -442,24 +484,27 @@ static struct pend *oldest(ap_setup *s, const struct pend *p, int all, int64_t n
 	return run;
 }
 
-/* Under s->mu: the running handshakes not dropped, into s->runbuf (at most
- * one a thread); returns how many. */
-static int live_running(ap_setup *s)
+/* Under s->mu, at the pending cap: the entry to drop for newcomer p. It
+ * comes from the source holding the most pending handshakes, p counted:
+ * p's own when it holds as many, else (or when p's own has nothing that
+ * may go) the other that holds the most, the one with the oldest entry of
+ * those holding as many. Never from a source holding fewer than p's: a
+ * churning flood from many addresses only recycles its own slots, and an
+ * address holding its fair share (max_pending / addresses) or less keeps
+ * it. NULL: refuse p. */
+static struct pend *cap_victim(ap_setup *s, const struct pend *p, int64_t now)
 {
-	int n = 0;
-	for (struct pend *p = s->head; p && n < s->nworkers; p = p->next)
-		if (p->st == P_RUN && !p->dropped)
-			s->runbuf[n++] = p;
-	return n;
-}
-
-/* How many of the nr entries in s->runbuf come from p's source. */
-static int running_of(ap_setup *s, int nr, const struct pend *p)
-{
-	int c = 0;
-	for (int i = 0; i < nr; i++)
-		c += same_source(s->runbuf[i], p);
-	return c;
+	const struct src *most = NULL;
+	for (struct pend *o = s->head; o; o = o->next)
+		if (!o->dropped && o->src != p->src && (!most || o->src->npend > most->npend))
+			most = o->src;
+	int n = p->src->npend + 1;
+	struct pend *v = NULL;
+	if (!most || n >= most->npend)
+		v = oldest_of(s, p->src, now);
+	if (!v && most && most->npend >= n)
+		v = oldest_of(s, most, now);
+	return v;
 }
 
 static void source_of(int fd, uint8_t *src, uint8_t *srclen)
@@ -487,27 +532,25 @@ void ap_setup_accept(ap_setup *s, int fd)
 	}
 	p->fd = fd;
 	p->st = P_GATE;
-	source_of(fd, p->src, &p->srclen);
+	uint8_t addr[16];
+	uint8_t alen;
+	source_of(fd, addr, &alen);
 	pthread_mutex_lock(&s->mu);
 	s->st.accepted++;
 	int64_t now = ap_mono_ms();
 	p->deadline = now + s->cfg.handshake_ms;
+	p->src = src_get(s, addr, alen);
 	/* At a cap with nothing that may go, the newcomer is refused. */
-	int refuse = 0;
-	if (p->srclen) {
-		int same = 0;
-		for (struct pend *o = s->head; o; o = o->next)
-			same += !o->dropped && same_source(o, p);
-		if (same >= s->cfg.max_per_source) {
-			struct pend *o = oldest(s, p, 0, now);
-			if (o)
-				drop(s, o, &s->st.capped);
-			else
-				refuse = 1;
-		}
+	int refuse = !p->src;
+	if (!refuse && p->src->npend >= s->cfg.max_per_source) {
+		struct pend *o = oldest_of(s, p->src, now);
+		if (o)
+			drop(s, o, &s->st.capped);
+		else
+			refuse = 1;
 	}
 	if (!refuse && s->npend >= s->cfg.max_pending) {
-		struct pend *o = oldest(s, p, 1, now);
+		struct pend *o = cap_victim(s, p, now);
 		if (o)
 			drop(s, o, &s->st.capped);
 		else
@@ -515,9 +558,9 @@ void ap_setup_accept(ap_setup *s, int fd)
 	}
 	if (refuse) {
 		s->st.capped++;
+		pend_free(s, p);
 		pthread_mutex_unlock(&s->mu);
 		close(fd);
-		free(p);
 		wake_gate(s); /* for its summary line */
 		return;
 	}
@@ -528,6 +571,7 @@ void ap_setup_accept(ap_setup *s, int fd)
 		s->head = p;
 	s->tail = p;
 	s->npend++;
+	p->src->npend++;
 	pthread_mutex_unlock(&s->mu);
 	wake_gate(s);
 }
@@ -569,40 +613,38 @@ static void gate_reap(ap_setup *s)
 			unlink_pend(s, p);
 			if (p->fd >= 0)
 				close(p->fd);
-			free(p);
+			pend_free(s, p);
 		}
 		p = next;
 	}
 }
 
-/* The running handshake of p's source (of the nr in s->runbuf) that has
- * run longest, or NULL. */
-static struct pend *oldest_running_of(ap_setup *s, int nr, const struct pend *p)
+/* Under s->mu: the running handshake of source x that has run longest, or
+ * NULL. */
+static struct pend *oldest_running_of(ap_setup *s, const struct src *x)
 {
 	struct pend *o = NULL;
-	for (int i = 0; i < nr; i++)
-		if (same_source(s->runbuf[i], p) && (!o || s->runbuf[i]->t_run < o->t_run))
-			o = s->runbuf[i];
+	for (struct pend *p = s->head; p; p = p->next)
+		if (p->st == P_RUN && !p->dropped && p->src == x && (!o || p->t_run < o->t_run))
+			o = p;
 	return o;
 }
 
-/* Under s->mu: the ready socket a free thread takes: of the source with
- * the fewest running handshakes, below its cap, the oldest of that source.
- * Never the newest: a flood from one address then only competes with
- * itself, and a node from another address goes first. */
+/* Under s->mu: the ready socket a free thread takes: of the sources below
+ * their thread cap, the one running the fewest handshakes, then the one
+ * holding the fewest pending, then the oldest of that source. Never by age
+ * alone: a node's socket from an address of its own goes before the older
+ * ones of addresses that hold many, however many addresses the flood
+ * comes from. */
 static struct pend *take_ready(ap_setup *s)
 {
-	int nr = live_running(s);
 	struct pend *best = NULL;
-	int bestc = s->run_cap;
-	for (struct pend *p = s->head; p && bestc > 0; p = p->next) {
-		if (p->st != P_READY || p->dropped)
+	for (struct pend *p = s->head; p; p = p->next) {
+		if (p->st != P_READY || p->dropped || p->src->nrun >= s->run_cap)
 			continue;
-		int c = running_of(s, nr, p);
-		if (c < bestc) {
+		if (!best || p->src->nrun < best->src->nrun ||
+		    (p->src->nrun == best->src->nrun && p->src->npend < best->src->npend))
 			best = p;
-			bestc = c;
-		}
 	}
 	return best;
 }
@@ -620,13 +662,12 @@ static struct pend *take_ready(ap_setup *s)
 static int64_t gate_evict(ap_setup *s, int64_t now)
 {
 	while (s->nready) {
-		int nr = live_running(s);
 		int want = 0;
 		struct pend *capped = NULL; /* the oldest ready one at its source's cap */
 		for (struct pend *p = s->head; p; p = p->next) {
 			if (p->st != P_READY || p->dropped)
 				continue;
-			if (running_of(s, nr, p) < s->run_cap)
+			if (p->src->nrun < s->run_cap)
 				want++;
 			else if (!capped)
 				capped = p;
@@ -637,18 +678,20 @@ static int64_t gate_evict(ap_setup *s, int64_t now)
 			/* For the one a thread would take next, from a source that
 			 * holds more than its own; else one of its own source's. */
 			struct pend *r = take_ready(s);
-			int most = running_of(s, nr, r);
-			for (int i = 0; i < nr; i++) {
-				int c = running_of(s, nr, s->runbuf[i]);
-				if (c > most || (c == most && victim && s->runbuf[i]->t_run < victim->t_run)) {
-					victim = s->runbuf[i];
+			int most = r->src->nrun;
+			for (struct pend *p = s->head; p; p = p->next) {
+				if (p->st != P_RUN || p->dropped)
+					continue;
+				int c = p->src->nrun;
+				if (c > most || (c == most && victim && p->t_run < victim->t_run)) {
+					victim = p;
 					most = c;
 				}
 			}
 			if (!victim)
-				victim = oldest_running_of(s, nr, r);
+				victim = oldest_running_of(s, r->src);
 		} else if (!want && capped && !s->nevict) {
-			victim = oldest_running_of(s, nr, capped);
+			victim = oldest_running_of(s, capped->src);
 		}
 		if (!victim)
 			return INT64_MAX;
@@ -837,6 +880,8 @@ static void run_accept(ap_setup *s, struct pend *p)
 	int dropped = p->dropped;
 	if (!dropped) {
 		s->npend--;
+		p->src->npend--;
+		p->src->nrun--;
 		if (fd >= 0)
 			s->st.handed_over++;
 		else if (err == ETIMEDOUT)
@@ -848,8 +893,8 @@ static void run_accept(ap_setup *s, struct pend *p)
 	s->nrun--;
 	if (dropped)
 		s->nevict--;
+	pend_free(s, p);
 	pthread_mutex_unlock(&s->mu);
-	free(p);
 	if (fd < 0) {
 		if (!dropped)
 			wake_gate(s); /* for its summary line */
@@ -883,6 +928,7 @@ static void *worker_main(void *arg)
 		p->t_run = ap_mono_ms();
 		s->nready--;
 		s->nrun++;
+		p->src->nrun++;
 		pthread_mutex_unlock(&s->mu);
 		run_accept(s, p);
 		pthread_mutex_lock(&s->mu);
@@ -1057,6 +1103,8 @@ static void stop_threads(ap_setup *s, int gate, int connector, int nworkers)
 			/* Not refused, only cut short: counted nowhere. */
 			p->dropped = 1;
 			s->npend--;
+			p->src->npend--;
+			p->src->nrun--;
 			s->nevict++;
 			if (p->fd >= 0)
 				shutdown(p->fd, SHUT_RDWR);
@@ -1082,7 +1130,7 @@ static void destroy(ap_setup *s)
 		unlink_pend(s, p);
 		if (p->fd >= 0)
 			close(p->fd);
-		free(p);
+		pend_free(s, p);
 	}
 	while (s->cj_head) {
 		struct cjob *j = s->cj_head;
@@ -1095,7 +1143,6 @@ static void destroy(ap_setup *s)
 	pthread_cond_destroy(&s->ready_cv);
 	pthread_cond_destroy(&s->conn_cv);
 	free(s->workers);
-	free(s->runbuf);
 	free(s);
 }
 
@@ -1130,8 +1177,7 @@ ap_setup *ap_setup_start(ei_cnode *ec, ap_sendq *q, const ap_setup_cfg *cfg)
 	pthread_cond_init(&s->conn_cv, NULL);
 	s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	s->workers = calloc((size_t)s->cfg.threads, sizeof *s->workers);
-	s->runbuf = calloc((size_t)s->cfg.threads, sizeof *s->runbuf);
-	if (s->wake_fd < 0 || !s->workers || !s->runbuf) {
+	if (s->wake_fd < 0 || !s->workers) {
 		destroy(s);
 		return NULL;
 	}

@@ -9,17 +9,25 @@
  * each accepted socket and refuses one that announces more than a name
  * packet needs; only a socket whose whole first packet arrived goes to the
  * small pool of handshake threads. The pending handshakes are capped overall
- * and per source address: a new one makes room by dropping the oldest (a
- * running one only after the grace below; else the new one is refused).
- * Threads are shared fairly by source address: a free thread takes the
- * oldest ready socket of the source running the fewest handshakes, and one
- * source holds at most threads - 1. A handshake that sent its name and
- * stalls is dropped after a short grace when a ready one waits for a
- * thread, taken from the source holding the most threads. Many source
- * addresses together can still hold every thread and the pending cap: the
- * bounds are per address, not per identity. Outgoing connects run on a
- * thread of their own and look the peer up in epmd themselves, so that a
- * stop never waits on them. */
+ * and per source address. At the per-address cap a new one makes room by
+ * dropping its address's oldest; at the overall cap, the oldest of the
+ * address holding the most (its own when it holds as many), so an address
+ * holding no more than its fair share (max_pending / addresses) keeps what
+ * it holds. A running handshake goes only after the grace below; with
+ * nothing that may go, the new one is refused. Threads are shared fairly by
+ * source address: a free thread takes a ready socket of the address
+ * running the fewest handshakes, of those the address holding the fewest
+ * pending, its oldest; one address holds at most threads - 1. A handshake
+ * that sent its name and stalls is dropped after a short grace when a ready
+ * one waits for a thread, taken from the address holding the most threads.
+ * So a flood from other addresses, each holding more than a node's one
+ * connection, neither pushes that connection out nor queues ahead of it:
+ * the node waits one grace at most. The bounds are per address, not per
+ * identity: addresses that each hold a single stalled handshake queue
+ * ahead of a node (a grace per thread round), and as many of them as the
+ * overall cap push it out. Outgoing connects run on a thread of their own
+ * and look the peer up in epmd themselves, so that a stop never waits on
+ * them. */
 #ifndef AP_SETUP_H
 #define AP_SETUP_H
 
