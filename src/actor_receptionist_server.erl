@@ -208,9 +208,9 @@ flush_if_idle(#state{flushing = true} = State) ->
 flush_if_idle(State) ->
     State.
 
-%% One request: a caller's, a member's or a follower's (casts), or one this
-%% server makes itself (a follower's registration, a subscription held for
-%% a complete view, the registrations of a node that left). Every request
+%% One request: a caller's (casts), or one this server makes itself (a
+%% follower's registration, a subscription held for a complete view, the
+%% registrations of a node that left). Every request
 %% goes through here once; the change itself, the same on a member and a
 %% follower, is record_op/2's.
 %%
@@ -218,26 +218,15 @@ flush_if_idle(State) ->
 %% (journal, C node: this node's own lookups see it at once) and also made
 %% on every member it follows, so the cluster has it; each member holds it
 %% for as long as this node's connection to it lasts, and gets the whole
-%% journal again whenever it (re)syncs with this node.
-apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
+%% journal again whenever it (re)syncs with this node. A member takes a
+%% follower's registrations over its channel with that follower only (the
+%% gossip core's `followed' effects).
+apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
-    State1 = record_op(Msg, State),
-    _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
-         || M <- actor_receptionist_gossip:follows(G)],
-    State1;
+    #state{gossip = G} = State1 = record_op(Msg, State),
+    State1#state{gossip = actor_receptionist_gossip:forward(Op, Id, Ref, G)};
 apply_op({Op, _Id, _Ref, _ReplyTo} = Msg, State) when Op =:= register; Op =:= deregister ->
     record_op(Msg, State);
-%% (On a member) a follower's registration: ours while its connection lasts.
-apply_op({forwarded, Op, Id, Ref, Follower}, State)
-  when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
-    followed(Op, Follower, Id, Ref, State);
-apply_op({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
-    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
-    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
-    State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
-                       sets:subtract(Old, New)),
-    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
-              sets:subtract(New, Old));
 apply_op({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
     case actor_receptionist_gossip:hold(Id, Pid, G) of
         {true, G1} -> apply_op({subscribe, Id, Pid}, State#state{gossip = G1});
@@ -400,10 +389,10 @@ effect({drop_origin, Origin}, #state{remote = R} = State) ->
             flush(remote(Dropped, State))
     end;
 effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R, gossip = G} = State) ->
-    %% A member relays Origin through us: the rows, exactly version Ver
-    %% (applied in this process as they came).
+    %% A member or follower has Origin relayed through us: the rows,
+    %% exactly version Ver (applied in this process as they came).
     Regs = actor_receptionist_remote:rows(Origin, R),
-    Msg = {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs},
+    Msg = actor_receptionist_gossip:origin_state(To, Origin, Inc, Ver, Regs),
     case erlang:send(To, Msg, [noconnect, nosuspend]) of
         ok -> State#state{gossip = actor_receptionist_gossip:sent(Msg, G)};
         _ -> State
@@ -415,10 +404,21 @@ effect({drop_refs_on, Node}, State) ->
                          State, actor_receptionist_journal:followed(Node)),
     lists:foldl(fun({Id, Ref}, S) -> apply_op({deregister, Id, Ref, undefined}, S) end,
                 State1, actor_receptionist_journal:refs_on(Node));
-effect({synced_with, Member}, State) ->
-    %% A member we follow (re)synced: it gets all of our registrations.
-    ok = gen_server:cast({?RCPT_SERVER, Member},
-                         {forwarded_sync, node(), actor_receptionist_journal:regs()}),
+effect({followed, Follower, Op, Id, Ref}, State) ->
+    %% A follower's registration: ours while its connection lasts.
+    followed(Op, Follower, Id, Ref, State);
+effect({followed_sync, Follower, Regs}, State) ->
+    %% A follower's whole journal: what it no longer has goes.
+    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
+    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
+    State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
+                       sets:subtract(Old, New)),
+    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
+              sets:subtract(New, Old));
+effect({old_protocol, Node}, State) ->
+    logger:notice("actor_receptionist: gossip of an older version, naming the receptionist "
+                  "of ~ts, dropped: receptionists of different versions share no "
+                  "registrations (said once per node)", [Node]),
     State;
 effect({subscribe, Id, Pid}, State) ->
     apply_op({subscribe, Id, Pid}, State).
