@@ -168,8 +168,9 @@ owned_start(Name, Handler, Opts, Owner) ->
             end
     end.
 
-%% A pool of this name whose owner died: its 'DOWN' may be queued behind
-%% this start (the supervisor restarted the owner at once).
+%% A pool of this name whose owner died, its 'DOWN' not handled yet: Erlang
+%% orders signals per sender only, so the call of the owner's replacement
+%% may overtake that 'DOWN' (on one node it comes first in practice).
 stop_if_owner_dead(Name) ->
     case ets:lookup(?POOLS_KEPT, Name) of
         [{Name, _, _, _, Old}] when is_pid(Old) ->
