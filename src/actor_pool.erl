@@ -30,13 +30,18 @@
 %%   actor_pool_manager    pool_node/0, starting and stopping pools
 %%   actor_pool_keys       service-key registration of pools, pick by key
 %%   actor_pool_transport  distribution or ring, ordering, frame sizes
-%%   actor_pool_keeper     pools started again after a pool node restart
+%%   actor_pool_keeper     pools started again after a pool node restart,
+%%                         owned pools stopped when their owner dies
+%%   actor_pool_owner      the process of start_link/3: a pool's owner in
+%%                         the user's supervision tree
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
 
 %% API.
 -export([start_pool/3]).
+-export([start_link/3]).
+-export([child_spec/3]).
 -export([stop_pool/1]).
 -export([tell/2]).
 -export([ask/2]).
@@ -242,6 +247,53 @@ start_pool(Name, Handler, Opts) ->
         {error, _} = Error ->
             Error
     end.
+
+%% @doc Starts a pool as part of the caller's supervision tree: a small
+%% process on this node that owns the pool, linked to the caller, which
+%% {@link child_spec/3} describes for a supervisor.
+%%
+%% The pool is started (on this node's pool node, with {@link
+%% start_pool/3}'s arguments and errors) before `start_link' returns, and
+%% stopped when the owner terminates: when its supervisor terminates it, or
+%% the process that started it exits. If the owner is killed (no chance to
+%% stop the pool itself), the application stops the pool, and a new owner
+%% of the same name (its supervisor's restart) gets a new pool, never
+%% `{error, already_started}'. If the pool node restarts, the pool is
+%% started again (see {@link start_pool/3}) and the owner stays up. If the
+%% actor_pool application stops, the owner exits `{shutdown,
+%% {actor_pool_down, Why}}'. A pool whose owner is killed while the pool
+%% is still starting is stopped as soon as it runs. See
+%% docs/stateless-workers.md,
+%% "Pools in a supervision tree".
+%%
+%% `{ok, Owner}' is the owner's pid, not the pool's: refer to the pool by
+%% `Name' (or `{Name, pool_node()}', or its `service_key'). A start that
+%% fails returns `{error, Reason}' and does not exit the caller. The `node'
+%% option, if given, must be {@link pool_node/0} (`{error, {badarg, {node,
+%% Node}}}' otherwise): a pool node of another BEAM keeps its own pools.
+%% `{error, noproc}' when the application does not run here, or runs with
+%% `{pool_node, false}'.
+%%
+%% {@link stop_pool/1} on such a pool stops it for good (it is not started
+%% again, the owner stays up and stops nothing when it terminates); to stop
+%% it with its owner, stop the owner, `supervisor:terminate_child/2'.
+-spec start_link(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
+start_link(Name, Handler, Opts) ->
+    actor_pool_owner:start_link(Name, Handler, Opts).
+
+%% @doc A child specification for a supervisor that starts the pool with
+%% {@link start_link/3}: id `{actor_pool, Name}', `permanent', a shutdown
+%% of 5000 ms (the owner stops its pool in it), a `worker'. Nothing is
+%% checked until the supervisor starts it. Override what you like, as in
+%% any child spec map (in Elixir, with `Supervisor.child_spec/2').
+-spec child_spec(name(), handler(), opts()) -> supervisor:child_spec().
+child_spec(Name, Handler, Opts) ->
+    #{id => {actor_pool, Name},
+      start => {?MODULE, start_link, [Name, Handler, Opts]},
+      restart => permanent,
+      shutdown => 5000,
+      type => worker,
+      modules => [actor_pool_owner]}.
 
 %% A stopped pool of this node's pool node is not started again after a
 %% restart of it.

@@ -29,7 +29,9 @@
 -define(POOL_KEYS, actor_pool_keys).
 %% ETS (public set, owned by actor_pool_sup): the pools actor_pool_keeper
 %% starts again after a restart of this node's pool node,
-%% {Name, Handler, Opts, Pid}.
+%% {Name, Handler, Opts, Pid, Owner}, Owner the actor_pool_owner process of
+%% a pool in a user's supervision tree (the keeper stops the pool when it
+%% dies), or none.
 -define(POOLS_KEPT, actor_pool_kept).
 %% persistent_term key of the counter of tells to a key with no pool.
 -define(NO_POOL_TELLS, {actor_pool, no_pool_tells}).
