@@ -19,7 +19,9 @@
 %%     ref twice changes nothing.</li>
 %% <li>Registered refs are not watched: a registration lives until {@link
 %%     deregister/2}, even when its process has died. Guard against stale
-%%     refs (monitor the ref for high-value work).</li>
+%%     refs (monitor the ref for high-value work). Opt in with {@link
+%%     register/4} and `#{watch => true}': the registration then goes, on
+%%     every member, when its process dies.</li>
 %% <li>Subscribers are watched: one that dies frees its slot. Subscriptions
 %%     are bounded (`max_subscribers_per_key', `max_subscribers_total' in the
 %%     application environment); a subscribe over a limit gets
@@ -41,7 +43,7 @@
 
 %% API.
 -export([service_key/1]).
--export([register/2, register/3]).
+-export([register/2, register/3, register/4]).
 -export([deregister/2, deregister/3]).
 -export([find/2]).
 -export([subscribe/2, subscribe/3]).
@@ -54,7 +56,7 @@
 %% Internal: also used by the server and tests.
 -export([id/1]).
 
--export_type([key/0, id/0, listing/0]).
+-export_type([key/0, id/0, listing/0, register_opts/0]).
 
 -type key() :: {service_key, binary()}.
 %% What {@link service_key/1} returns; the key in every message.
@@ -63,6 +65,9 @@
 %% A key's id as given by users: normalised to a binary of 1..1024 bytes.
 
 -type listing() :: {listing, key(), [pid()]}.
+
+-type register_opts() :: #{watch => boolean()}.
+%% Options of {@link register/4}.
 
 -define(CALL_TIMEOUT, 5000).
 
@@ -95,6 +100,30 @@ register(Key, Ref, ReplyTo) when is_pid(ReplyTo) ->
     reg(register, Key, Ref, ReplyTo);
 register(_Key, _Ref, ReplyTo) ->
     {error, {badarg, {reply_to, ReplyTo}}}.
+
+%% @doc As {@link register/3}, with options; `ReplyTo' may be `undefined'
+%% (no acknowledgement). `#{}' is register/3. `#{watch => true}': this
+%% node's receptionist monitors `Ref' and, when it dies, deregisters it,
+%% which reaches every member as any deregistration does (a `Ref' on
+%% another node is monitored across; when that node goes, its refs go
+%% anyway). A registration is watched from the first register that asks
+%% (`watch => false' does not undo it) until it is deregistered; the watch
+%% outlives a restart of the receptionist's server and of its C node.
+%% Other options: `{error, {badarg, {opts, Opts}}}'.
+-spec register(key() | id(), pid(), pid() | undefined, register_opts()) ->
+          ok | {error, {badarg, term()} | noproc}.
+register(Key, Ref, ReplyTo, Opts) ->
+    case watch_opt(Opts) of
+        error -> {error, {badarg, {opts, Opts}}};
+        _ when not (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+            {error, {badarg, {reply_to, ReplyTo}}};
+        {ok, false} -> reg(register, Key, Ref, ReplyTo);
+        {ok, true} -> reg(register_watched, Key, Ref, ReplyTo)
+    end.
+
+watch_opt(Opts) when Opts =:= #{} -> {ok, false};
+watch_opt(#{watch := Watch} = Opts) when map_size(Opts) =:= 1, is_boolean(Watch) -> {ok, Watch};
+watch_opt(_) -> error.
 
 %% @doc Removes the registration of `Ref' under `Key' (nothing happens if
 %% there is none).
@@ -186,7 +215,8 @@ receptionist_node() ->
 
 %% @doc Counters of the receptionist C node (keys, refs, subscriptions,
 %% listings sent, the snapshot's state and size) and of the BEAM side
-%% (`local_registrations', `local_subscriptions', `status').
+%% (`local_registrations', `watched_registrations' of them,
+%% `local_subscriptions', `status').
 -spec stats() -> map() | {error, noproc | timeout}.
 stats() ->
     case whereis(?RCPT_SERVER) of

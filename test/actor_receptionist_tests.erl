@@ -43,6 +43,10 @@
          single_node_mode_needs_no_cluster/1,
          bad_start_options_are_badarg/1,
          the_model_property_holds/1,
+         a_watched_registration_goes_when_its_process_dies/1,
+         register_options_are_checked_and_empty_is_register_3/1,
+         deregister_ends_a_watch_and_the_first_watch_sticks/1,
+         a_watch_survives_a_server_restart/1,
          receptionist_crash_is_replayed/1,
          requests_while_down_are_applied_once_back/1,
          server_crash_restarts_the_node_and_keeps_the_journal/1,
@@ -86,7 +90,12 @@ actor_receptionist_test_() ->
                  single_node_mode_needs_no_cluster,
                  bad_start_options_are_badarg,
                  the_model_property_holds,
-                 %% these kill or cut off the receptionist C node
+                 %% opt-in beyond the seed: watched refs
+                 a_watched_registration_goes_when_its_process_dies,
+                 register_options_are_checked_and_empty_is_register_3,
+                 deregister_ends_a_watch_and_the_first_watch_sticks,
+                 %% these kill or cut off the receptionist C node (or its server)
+                 a_watch_survives_a_server_restart,
                  receptionist_crash_is_replayed,
                  requests_while_down_are_applied_once_back,
                  server_crash_restarts_the_node_and_keeps_the_journal,
@@ -421,6 +430,90 @@ the_model_property_holds(_Ctx) ->
                               [{numtests, 60}, {to_file, user}, noshrink])).
 
 %% ===================================================================
+%% Beyond the seed (opt-in): watched registrations
+%% ===================================================================
+
+a_watched_registration_goes_when_its_process_dies(_Ctx) ->
+    K = key(?FUNCTION_NAME), Plain = key({?FUNCTION_NAME, plain}),
+    W0 = watched(),
+    S = spawn_collector(),
+    ok = actor_receptionist:subscribe(K, S),
+    P = spawn_idle(),
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    ?assertEqual({registered, K, P}, next()),
+    %% The same process under another key, not watched: the seed's rule.
+    ok = actor_receptionist:register(Plain, P, self()),
+    ?assertEqual({registered, Plain, P}, next()),
+    ?assertEqual([P], actor_receptionist:lookup(K)),
+    ?assertEqual(W0 + 1, watched()),
+    stop_all([P]),
+    %% Deregistered by the receptionist: a smaller listing, gone from
+    %% lookup and find, and no longer watched.
+    wait_until(fun() -> collected(S) =:= [{listing, K, []}, {listing, K, [P]}, {listing, K, []}] end,
+               ?WAIT_MS),
+    ?assertEqual([], actor_receptionist:lookup(K)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, []}, next()),
+    ?assertEqual(W0, watched()),
+    %% The unwatched registration of the same dead process stays.
+    ok = actor_receptionist:find(Plain, self()),
+    ?assertEqual({listing, Plain, [P]}, next()),
+    ok = actor_receptionist:deregister(Plain, P),
+    stop_all([S]).
+
+register_options_are_checked_and_empty_is_register_3(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    P = spawn_idle(), Q = spawn_idle(),
+    [?assertEqual({error, {badarg, {opts, O}}}, actor_receptionist:register(K, P, self(), O))
+     || O <- [#{watch => yes}, #{bogus => 1}, #{watch => true, bogus => 1}, [{watch, true}], watch]],
+    ?assertEqual({error, {badarg, {reply_to, x}}}, actor_receptionist:register(K, P, x, #{})),
+    ?assertEqual({error, {badarg, {key, 42}}},
+                 actor_receptionist:register(42, P, self(), #{watch => true})),
+    ?assertEqual({error, {badarg, {ref, x}}},
+                 actor_receptionist:register(K, x, self(), #{watch => true})),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, []}, next()),
+    %% #{} and watch => false are register/3 (and undefined: no reply).
+    ok = actor_receptionist:register(K, P, self(), #{}),
+    ?assertEqual({registered, K, P}, next()),
+    ok = actor_receptionist:register(K, Q, undefined, #{watch => false}),
+    stop_all([P, Q]),
+    %% A watched one that dies after them: once it is gone, the server has
+    %% seen all three deaths, and kept the two unwatched refs.
+    W = spawn_idle(),
+    ok = actor_receptionist:register(K, W, self(), #{watch => true}),
+    ?assertEqual({registered, K, W}, next()),
+    stop_all([W]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P, Q] end, ?WAIT_MS),
+    barrier(),
+    ?assertEqual([], drain()),
+    [ok = actor_receptionist:deregister(K, R) || R <- [P, Q]].
+
+deregister_ends_a_watch_and_the_first_watch_sticks(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    W0 = watched(),
+    P = spawn_idle(), Q = spawn_idle(),
+    %% P: watched, deregistered, registered again without: not watched.
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, P})),
+    ok = actor_receptionist:deregister(K, P, self()),
+    ?assertEqual(W0, watched_after({deregistered, K, P})),
+    ok = actor_receptionist:register(K, P, self()),
+    ?assertEqual(W0, watched_after({registered, K, P})),
+    %% Q: registered, then again with watch (now watched), then again
+    %% with watch => false (still watched).
+    ok = actor_receptionist:register(K, Q, self()),
+    ?assertEqual(W0, watched_after({registered, K, Q})),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => true}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, Q})),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => false}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, Q})),
+    stop_all([P, Q]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P] end, ?WAIT_MS),
+    ?assertEqual(W0, watched()),
+    ok = actor_receptionist:deregister(K, P).
+
+%% ===================================================================
 %% Durability
 %% ===================================================================
 
@@ -522,6 +615,33 @@ server_crash_restarts_the_node_and_keeps_the_journal(_Ctx) ->
     stop_all([S]),
     wait_until(fun() -> maps:get(local_subscriptions, actor_receptionist:stats()) =:= 0 end, ?WAIT_MS),
     stop_all([A]).
+
+%% The watches are in the journal: a restarted server watches again, and a
+%% watched process that died while no server ran goes at the restart.
+a_watch_survives_a_server_restart(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    P = spawn_idle(), Q = spawn_idle(),
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    {registered, K, P} = next(),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => true}),
+    {registered, K, Q} = next(),
+    #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    %% The supervisor, suspended, restarts the server only once Q is dead.
+    ok = sys:suspend(actor_receptionist_sup),
+    Server = whereis(actor_receptionist_server),
+    try
+        Mref = monitor(process, Server),
+        exit(Server, kill),
+        receive {'DOWN', Mref, _, _, _} -> ok end,
+        stop_all([Q])
+    after
+        ok = sys:resume(actor_receptionist_sup)
+    end,
+    wait_until(fun() -> is_pid(whereis(actor_receptionist_server)) end, ?WAIT_MS),
+    wait_restarted(R0),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P] end, ?WAIT_MS),
+    stop_all([P]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS).
 
 lost_connection_restarts_the_node_and_keeps_the_journal(#{rcpt_node := Node}) ->
     K = key(?FUNCTION_NAME),
@@ -828,6 +948,16 @@ barrier() ->
 
 spawn_idle() ->
     spawn(fun() -> receive stop -> ok end end).
+
+%% How many registrations of this node are watched.
+watched() ->
+    #{watched_registrations := N} = actor_receptionist:stats(),
+    N.
+
+%% Once Reply (the acknowledgement of this process's last request) came.
+watched_after(Reply) ->
+    ?assertEqual(Reply, next()),
+    watched().
 
 %% The receptionist C node is up again, one incarnation after R0.
 wait_restarted(R0) ->
