@@ -6,12 +6,16 @@
 %% writes (they are public only because their owner is another process).
 %% Five tables, one `{A, B}' key per pair:
 %% <ul>
-%% <li>`actor_receptionist_regs' (set): `{{Id, Ref}, Seq}', this node's
-%%     registrations. Seq (a monotonic integer) keeps the registration
-%%     order, so that a replay lists the refs of a key in that order.</li>
+%% <li>`actor_receptionist_regs' (ordered_set): `{{Id, Ref}, Seq}', this
+%%     node's registrations. Seq (a monotonic integer) keeps the
+%%     registration order, so that a replay lists the refs of a key in that
+%%     order; ordered by pair, so that the refs of one key are found by
+%%     that prefix (whether a `{via, actor_receptionist, Name}' name is
+%%     taken).</li>
 %% <li>`actor_receptionist_watched' (ordered_set): `{{Ref, Id}}', the
-%%     registrations that are watched (`register/4' with `watch'): each is
-%%     also in the registrations, found by ref for its death.</li>
+%%     registrations that are watched (`register/4' with `watch', or a
+%%     `via' name): each is also in the registrations, found by ref for its
+%%     death.</li>
 %% <li>`actor_receptionist_subs' (ordered_set): `{{Pid, Id}}', this node's
 %%     subscriptions, found by subscriber for its death.</li>
 %% <li>`actor_receptionist_followed' (ordered_set): `{{Follower, {Id, Ref}}}',
@@ -51,6 +55,7 @@
 -export([regs/0]).
 -export([regs_count/0]).
 -export([refs_on/1]).
+-export([refs/1]).
 
 %% Watched registrations.
 -export([watch/2]).
@@ -84,7 +89,7 @@
 -spec new() -> ok.
 new() ->
     Tab = [public, named_table, {write_concurrency, false}],
-    ?REGS = ets:new(?REGS, [set | Tab]),
+    ?REGS = ets:new(?REGS, [ordered_set | Tab]),
     ?SUBS = ets:new(?SUBS, [ordered_set | Tab]),
     ?FOLLOWED = ets:new(?FOLLOWED, [ordered_set | Tab]),
     ?WATCHED = ets:new(?WATCHED, [ordered_set | Tab]),
@@ -132,6 +137,11 @@ regs_count() ->
 -spec refs_on(node()) -> [{binary(), pid()}].
 refs_on(Node) ->
     pairs_of(?BYNODE, Node).
+
+%% @doc The refs registered under Id (in term order).
+-spec refs(binary()) -> [pid()].
+refs(Id) ->
+    ets:select(?REGS, [{{{Id, '$1'}, '_'}, [], ['$1']}]).
 
 %% ===================================================================
 %% Watched registrations

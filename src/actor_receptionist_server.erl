@@ -12,10 +12,13 @@
 %%     answering from the old snapshot meanwhile;</li>
 %% <li>monitors subscribers and tells the C node when one dies;</li>
 %% <li>monitors the refs of watched registrations (`register/4' with
-%%     `watch') and deregisters them when they die, which replicates as
-%%     any deregistration does; the watches are in the journal, so a
-%%     restarted server monitors them again (a ref that died meanwhile is
-%%     reported at once);</li>
+%%     `watch', `{via, actor_receptionist, Name}' names) and deregisters
+%%     them when they die, which replicates as any deregistration does;
+%%     the watches are in the journal, so a restarted server monitors them
+%%     again (a ref that died meanwhile is reported at once);</li>
+%% <li>answers `register_name' (a `via' name) from what it holds, so that
+%%     one member never gives one name twice, and replies once the C node
+%%     has the registration in its snapshot;</li>
 %% <li>enforces the subscriber limits (every local subscription passes
 %%     here, so the counts are exact) and sends the rejections;</li>
 %% <li>forwards everything else to the C node in arrival order, coalescing
@@ -91,6 +94,8 @@
     monitors = #{} :: #{pid() => reference()},
     %% one monitor per watched ref
     watches = #{} :: #{pid() => reference()},
+    %% register_name and unregister_name calls waiting for the C node
+    named = #{} :: #{pos_integer() => {gen_server:from(), yes | ok}},
     incarnations = 0 :: non_neg_integer(),
     %% the cluster half (membership, versions, deltas)
     gossip :: actor_receptionist_gossip:state(),
@@ -172,7 +177,8 @@ init(Node, Owner, PerKey, Total, {Interval, Fanout}) ->
             {ok, State}
     end.
 
--spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
+-spec handle_call(term(), gen_server:from(), #state{}) ->
+          {reply, term(), #state{}} | {noreply, #state{}}.
 handle_call(stats, _From, State) ->
     Own = #{status => case State#state.up of true -> up; false -> down end,
             local_registrations => actor_receptionist_journal:regs_count(),
@@ -204,8 +210,36 @@ handle_call(sync, _From, State0) ->
                 false -> {error, down}
             end,
     {reply, Reply, State};
+handle_call({register_name, Id, Pid}, From, State) when ?IS_ID(Id), is_pid(Pid) ->
+    %% A name is taken while a ref is registered under its key, by this
+    %% node or another member as far as we know, unless it is a process of
+    %% this node that is dead (as whereis_name/1 has it): a watched one's
+    %% DOWN may still be on its way to us while the supervisor that got its
+    %% EXIT starts the next one.
+    Holders = actor_receptionist_journal:refs(Id) ++
+        actor_receptionist_remote:refs(Id, State#state.remote),
+    case [H || H <- Holders, node(H) =/= node() orelse is_process_alive(H)] of
+        [] -> {noreply, named(From, yes, apply_op({register_watched, Id, Pid, undefined}, State))};
+        _ -> {reply, no, State}
+    end;
+handle_call({unregister_name, Id}, From, State0) when ?IS_ID(Id) ->
+    %% This node's watched registrations under the key; another member's
+    %% are its own to remove.
+    State = lists:foldl(fun(Ref, S) -> apply_op({deregister, Id, Ref, undefined}, S) end, State0,
+                        [Ref || Ref <- actor_receptionist_journal:refs(Id),
+                                actor_receptionist_journal:watched(Ref, Id)]),
+    {noreply, named(From, ok, State)};
 handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
+
+%% Reply to a register_name or unregister_name once the C node has applied
+%% what came before: its confirmation comes after its snapshot write, so a
+%% whereis_name/1 (a lookup) right after the reply sees the change. Through
+%% the C node like any reply, so it is sent again after a replay if that
+%% incarnation died first (a second one finds no caller and is dropped).
+named(From, Reply, #state{named = Named} = State) ->
+    N = erlang:unique_integer([positive]),
+    out({send, self(), {rcpt_named, N}}, State#state{named = Named#{N => {From, Reply}}}).
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
 handle_cast(Msg, State) ->
@@ -358,6 +392,14 @@ handle_info({'DOWN', Mref, process, Pid, _} = Msg,
             {noreply, watched_down(Pid, State0)};
         _ ->
             cluster(Msg, State0)
+    end;
+handle_info({rcpt_named, N}, #state{named = Named} = State) ->
+    case maps:take(N, Named) of
+        {{From, Reply}, Named1} ->
+            gen_server:reply(From, Reply),
+            {noreply, State#state{named = Named1}};
+        error ->
+            {noreply, State}
     end;
 handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node, up = true, pid = Pid} = State) ->
     %% Seen already (init/1 replayed into it) unless the pid changed.

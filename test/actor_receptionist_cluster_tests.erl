@@ -37,7 +37,8 @@
          origins_that_are_no_members_cost_nothing/0,
          origin_slots_of_members_that_left_are_reused/0,
          registrations_cost_the_same_with_many_origins/0,
-         a_watched_registration_goes_from_every_member/0]).
+         a_watched_registration_goes_from_every_member/0,
+         a_gen_server_named_on_one_member_is_called_from_another/0]).
 %% Run on the peers.
 -export([forge_member/6, forge_origins/4, footprint/0, fake_relay/2]).
 
@@ -66,7 +67,8 @@ actor_receptionist_cluster_test_() ->
                   origins_that_are_no_members_cost_nothing,
                   origin_slots_of_members_that_left_are_reused,
                   registrations_cost_the_same_with_many_origins,
-                  a_watched_registration_goes_from_every_member]]}.
+                  a_watched_registration_goes_from_every_member,
+                  a_gen_server_named_on_one_member_is_called_from_another]]}.
 
 setup() ->
     %% peer needs this node alive only for names; the cluster is the peers'.
@@ -843,6 +845,42 @@ a_watched_registration_goes_from_every_member() ->
         [wait_listing(M, S, K, [Unwatched]) || {M, S} <- Subs],
         [?assertEqual(no_repeats, repeats(listings(M, S, K))) || {M, S} <- Subs],
         ok = call(A, actor_receptionist, deregister, [K, Unwatched]),
+        converge(Ms, K, [])
+    end).
+
+%% {via, actor_receptionist, Name}: a gen_server started under a name on
+%% one member is called by that name from another; the name is taken on
+%% every member, and free on every member once it stops; with two holders
+%% every member picks the same one.
+a_gen_server_named_on_one_member_is_called_from_another() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        Name = {cluster_named, ?FUNCTION_NAME},
+        Via = {via, actor_receptionist, Name},
+        K = actor_receptionist:name_key(Name),
+        Start = fun(M) -> call(M, gen_server, start_link, [Via, ap_named_server, ok, []]) end,
+        {ok, P} = Start(A),
+        converge(Ms, K, [P]),
+        ?assertEqual({P, node_of(A)}, call(B, gen_server, call, [Via, whoami])),
+        [?assertEqual(P, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertEqual({error, {already_started, P}}, Start(C)),
+        ?assertEqual({error, {already_started, P}}, Start(A)),
+        ?assertEqual(no, call(C, actor_receptionist, register_name, [Name, ref(C)])),
+        ok = call(A, gen_server, stop, [P]),
+        converge(Ms, K, []),
+        [?assertEqual(undefined, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertExit({noproc, _}, call(B, gen_server, call, [Via, whoami])),
+        {ok, P2} = Start(C),
+        converge(Ms, K, [P2]),
+        ?assertEqual({P2, node_of(C)}, call(B, gen_server, call, [Via, whoami])),
+        %% A second holder (as two register_name calls on two members within
+        %% the gossip lag would make): the same pick everywhere.
+        Q = ref(A),
+        ok = call(A, actor_receptionist, register, [K, Q]),
+        converge(Ms, K, [P2, Q]),
+        Picks = [call(M, actor_receptionist, whereis_name, [Name]) || M <- Ms],
+        ?assertEqual([lists:min([P2, Q])], lists:usort(Picks)),
+        ok = call(A, actor_receptionist, deregister, [K, Q]),
+        ok = call(C, gen_server, stop, [P2]),
         converge(Ms, K, [])
     end).
 
