@@ -45,6 +45,7 @@
 -export([replace/3]).
 -export([drop/2]).
 -export([rows/2]).
+-export([refs/2]).
 -export([replay/1]).
 -export([local_added/3]).
 -export([let_go/3]).
@@ -131,6 +132,14 @@ rows(Origin, #remote{tabs = Tabs}) ->
         {ok, Tab} -> [E || {E} <- ets:tab2list(Tab)];
         error -> []
     end.
+
+%% @doc The refs the other members hold under Id: a range of the holders'
+%% index.
+-spec refs(binary(), state()) -> [pid()].
+refs(Id, #remote{owners = Owners}) ->
+    lists:usort([Ref || {Ref, T} <- ets:select(?HOLDERS, [{{{{Id, '$1'}, '$2'}}, [],
+                                                           [{{'$1', '$2'}}]}]),
+                        maps:is_key(T, Owners)]).
 
 %% @doc Everything we hold, for a new incarnation of the C node.
 -spec replay(state()) -> [cmsg()].

@@ -36,7 +36,9 @@
          forged_gossip_changes_nothing/0,
          origins_that_are_no_members_cost_nothing/0,
          origin_slots_of_members_that_left_are_reused/0,
-         registrations_cost_the_same_with_many_origins/0]).
+         registrations_cost_the_same_with_many_origins/0,
+         a_watched_registration_goes_from_every_member/0,
+         a_gen_server_named_on_one_member_is_called_from_another/0]).
 %% Run on the peers.
 -export([forge_member/6, forge_origins/4, footprint/0, fake_relay/2]).
 
@@ -64,7 +66,9 @@ actor_receptionist_cluster_test_() ->
                   forged_gossip_changes_nothing,
                   origins_that_are_no_members_cost_nothing,
                   origin_slots_of_members_that_left_are_reused,
-                  registrations_cost_the_same_with_many_origins]]}.
+                  registrations_cost_the_same_with_many_origins,
+                  a_watched_registration_goes_from_every_member,
+                  a_gen_server_named_on_one_member_is_called_from_another]]}.
 
 setup() ->
     %% peer needs this node alive only for names; the cluster is the peers'.
@@ -818,6 +822,68 @@ registrations_cost_the_same_with_many_origins() ->
         end
     end).
 
+%% Opt-in: a watched registration goes from every member when its process
+%% dies, a process on this member or another one; an unwatched one stays
+%% (the seed's default), on every member.
+a_watched_registration_goes_from_every_member() ->
+    with_members(3, fun([A, B, _C] = Ms) ->
+        K = key(watched),
+        Subs = [{M, subscriber(M, K)} || M <- Ms],
+        Watched = ref(A), Unwatched = ref(A), OnB = ref(B),
+        ok = call(A, actor_receptionist, register, [K, Watched, undefined, #{watch => true}]),
+        ok = call(A, actor_receptionist, register, [K, Unwatched]),
+        %% A process of another member, watched from A.
+        ok = call(A, actor_receptionist, register, [K, OnB, undefined, #{watch => true}]),
+        converge(Ms, K, [Watched, Unwatched, OnB]),
+        %% The unwatched one dies first: by the time the watched one's
+        %% death has gone round, A's receptionist has long seen nothing.
+        kill(A, Unwatched),
+        kill(A, Watched),
+        converge(Ms, K, [Unwatched, OnB]),
+        kill(B, OnB),
+        converge(Ms, K, [Unwatched]),
+        [wait_listing(M, S, K, [Unwatched]) || {M, S} <- Subs],
+        [?assertEqual(no_repeats, repeats(listings(M, S, K))) || {M, S} <- Subs],
+        ok = call(A, actor_receptionist, deregister, [K, Unwatched]),
+        converge(Ms, K, [])
+    end).
+
+%% {via, actor_receptionist, Name}: a gen_server started under a name on
+%% one member is called by that name from another; the name is taken on
+%% every member, and free on every member once it stops; with two holders
+%% every member picks the same one.
+a_gen_server_named_on_one_member_is_called_from_another() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        Name = {cluster_named, ?FUNCTION_NAME},
+        Via = {via, actor_receptionist, Name},
+        K = actor_receptionist:name_key(Name),
+        Start = fun(M) -> call(M, gen_server, start_link, [Via, ap_named_server, ok, []]) end,
+        {ok, P} = Start(A),
+        converge(Ms, K, [P]),
+        ?assertEqual({P, node_of(A)}, call(B, gen_server, call, [Via, whoami])),
+        [?assertEqual(P, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertEqual({error, {already_started, P}}, Start(C)),
+        ?assertEqual({error, {already_started, P}}, Start(A)),
+        ?assertEqual(no, call(C, actor_receptionist, register_name, [Name, ref(C)])),
+        ok = call(A, gen_server, stop, [P]),
+        converge(Ms, K, []),
+        [?assertEqual(undefined, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertExit({noproc, _}, call(B, gen_server, call, [Via, whoami])),
+        {ok, P2} = Start(C),
+        converge(Ms, K, [P2]),
+        ?assertEqual({P2, node_of(C)}, call(B, gen_server, call, [Via, whoami])),
+        %% A second holder (as two register_name calls on two members within
+        %% the gossip lag would make): the same pick everywhere.
+        Q = ref(A),
+        ok = call(A, actor_receptionist, register, [K, Q]),
+        converge(Ms, K, [P2, Q]),
+        Picks = [call(M, actor_receptionist, whereis_name, [Name]) || M <- Ms],
+        ?assertEqual([lists:min([P2, Q])], lists:usort(Picks)),
+        ok = call(A, actor_receptionist, deregister, [K, Q]),
+        ok = call(C, gen_server, stop, [P2]),
+        converge(Ms, K, [])
+    end).
+
 %% (On a peer) The messages of forged_gossip_changes_nothing/0, to the
 %% servers of Targets; once each has handled them, how many of them come
 %% on made-up aliases (each is counted as rejected).
@@ -962,6 +1028,11 @@ node_of(Peer) ->
 %% A long-lived process on the member: a ref to register.
 ref(Peer) ->
     call(Peer, erlang, spawn, [timer, sleep, [infinity]]).
+
+%% Kills process Pid of the member, and waits until it is dead.
+kill(Peer, Pid) ->
+    true = call(Peer, erlang, exit, [Pid, kill]),
+    wait_until(fun() -> not call(Peer, erlang, is_process_alive, [Pid]) end, ?WAIT_MS).
 
 subscriber(Peer, K) ->
     S = call(Peer, ap_test_util, spawn_collector, []),
