@@ -51,8 +51,12 @@
 %% members' registrations reach a follower as relayed origins. A follower's
 %% own registrations are made on a member it follows (see
 %% actor_receptionist_server), so they live as long as its connection to
-%% that member. A node that never answers a probe (a C node, a BEAM without
-%% the application) stops being waited for after three gossip rounds.
+%% that member. A BEAM without the application answers a probe at once
+%% (the monitor's `DOWN') and is probed again every ten rounds, as its
+%% application may start later. A C node (a pool node the follower calls)
+%% cannot answer: it takes no monitor of a name. Its probe stops being
+%% waited for after three gossip rounds, and it is not probed again while
+%% its connection lasts (it never turns into a member).
 %%
 %% <h3>Removal</h3>
 %% On `nodedown' of any node (hidden ones too) the server deregisters its
@@ -162,8 +166,9 @@
     hidden = false :: boolean(),
     %% (on a member) the hidden nodes that follow us
     followers = #{} :: #{node() => #peer{}},
-    %% (on a follower) connected nodes that answered no probe: rounds until
-    %% they are probed again (a member's receptionist may start later)
+    %% (on a follower) connected nodes whose probe came back `DOWN' (a BEAM
+    %% with no receptionist): rounds until they are probed again (its
+    %% receptionist may start later)
     nonmembers = #{} :: #{node() => non_neg_integer()},
     %% origins held: {Inc, Ver, direct | ViaNode}
     origins = #{} :: #{node() => {non_neg_integer(), non_neg_integer(), direct | node()}},
@@ -314,15 +319,14 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
     ok = io_timer(Interval, {?MODULE, tick}, G0),
     %% Sends may be dropped (nosuspend): a hello or a state that never came
     %% is asked for again, once per round. A probe unanswered for three
-    %% rounds (no DOWN either: a C node) is not waited for any more.
-    Expired = [N || {N, {_, 0}} <- maps:to_list(Pr0)],
+    %% rounds, with no DOWN either, went to a node that takes no monitor of
+    %% a name, a C node: it is not waited for any more, nor probed again
+    %% (every probe would make the view incomplete for three rounds again).
     Pr = maps:filtermap(fun(_, {Mref, 0}) -> io_demonitor(Mref, G0), false;
                            (_, {Mref, N}) -> {true, {Mref, N - 1}}
                         end, Pr0),
-    G1 = reprobe(lists:foldl(fun nonmember/2,
-                             G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers),
-                                  probing = Pr},
-                             Expired)),
+    G1 = reprobe(G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers),
+                      probing = Pr}),
     G2 = maps:fold(fun(Node, _, S) -> out({?RCPT_SERVER, Node}, hello(S), S) end, G1, Pr),
     %% A member whose state never came, or whose version seen elsewhere we
     %% still lack, is asked again here: its own digests reach us only now
@@ -490,8 +494,9 @@ probe(Node, #g{probing = Pr, peers = Peers} = G) ->
             G1#g{probing = Pr#{Node => {Mref, 3}}}
     end.
 
-%% (follower) A connected node that answered no probe is probed again
-%% after ten rounds; a member's is not waited for meanwhile.
+%% (follower) A connected node whose probe came back DOWN (it runs no
+%% receptionist) is probed again after ten rounds; a member's is not
+%% waited for meanwhile.
 nonmember(Node, #g{hidden = true, nonmembers = NMs} = G) ->
     G#g{nonmembers = NMs#{Node => 10}};
 nonmember(_Node, G) ->
