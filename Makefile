@@ -78,7 +78,10 @@ eunit-asan-dp: epmd
 	  $(REBAR) eunit --module=actor_dp_tests,actor_pool_ring_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
 	  scripts/sanitizer-reports $(ASAN_DP_LOG_DIR) "the data plane NIF" && exit $$rc
 
-dep-test:
+# README's "Getting it", as written: its rebar3 and mix git lines against a
+# local bare clone, a _checkouts/ copy of the package's files (the .app.src's
+# `files'), and a release of the rebar3 project.
+dep-test: epmd
 	bash test/dep_project/run
 
 # examples/elixir_app: actor_pool as a mix dependency (path, manager: :rebar3),

@@ -221,12 +221,15 @@
 %%     recorded; if it cannot be (no receptionist), the pool is stopped again
 %%     and the error returned.</li>
 %% </ul>
-%% Everything is checked before the pool node is asked: a bad name gives
-%% `{error, {badarg, {name, Name}}}', a bad handler (or a plugin file that
-%% does not exist) `{error, {badarg, {handler, Handler}}}', a bad option
-%% `{error, {badarg, {Key, Value}}}'. The pool node answers `{error,
-%% already_started}' for a name in use, `{error, {abi_mismatch, Got, Want}}'
-%% or `{error, {plugin_load_failed, Path, Why}}' for a plugin it cannot use,
+%% The arguments are checked before the pool node is asked: a bad name gives
+%% `{error, {badarg, {name, Name}}}', a bad handler `{error, {badarg,
+%% {handler, Handler}}}', a bad option `{error, {badarg, {Key, Value}}}'. A
+%% plugin's relative path is made absolute here, from this BEAM's working
+%% directory. The pool node answers `{error, already_started}' for a name in
+%% use, `{error, {abi_mismatch, Got, Want}}' or `{error, {plugin_load_failed,
+%% Path, Why}}' for a plugin it cannot use (`Why' a binary that says why:
+%% `<<"/x.so: No such file or directory">>' for a missing file, the dynamic
+%% loader's message for one that does not load),
 %% `{error, {sandbox_failed, Layer, Why}}' when a worker process cannot
 %% apply a layer of its sandbox (a `read' path that does not exist, say),
 %% `{error, {handler_init_failed, Code}}', or `{error, stopped}' when

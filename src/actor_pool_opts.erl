@@ -7,9 +7,12 @@
 %% argument gets one clear `{error, {badarg, {Key, Value}}}' whatever pool
 %% node it was meant for. The pool node checks the same options again (any
 %% peer can reach it); the numeric limits are the pool node's
-%% (c_src/pool/pool_limits.h, seen here through actor_pool_int.hrl).
-%% Pure apart from the plugin file's existence check and
-%% actor_receptionist:id/1: it calls no other module of the pool side.
+%% (c_src/pool/pool_limits.h, seen here through actor_pool_int.hrl). A
+%% plugin's file is the pool node's to open, on its own host: whether it is
+%% there and loads is its answer (`{plugin_load_failed, Path, Why}'), the
+%% same for a pool node on this host as elsewhere.
+%% Pure apart from actor_receptionist:id/1: it calls no other module of the
+%% pool side.
 -module(actor_pool_opts).
 
 -include("actor_pool_int.hrl").
@@ -46,7 +49,7 @@ validate(_Name, Handler, Opts, DefaultNode) ->
                 undefined ->
                     {error, noproc};
                 _ ->
-                    case handler(Handler, PoolNode) of
+                    case handler(Handler) of
                         {ok, Handler1} ->
                             case isolation(Handler1, Full1) of
                                 {ok, Full} -> {ok, PoolNode, Handler1, Full};
@@ -200,36 +203,31 @@ sandbox_paths([P | Rest], Acc) when is_list(P); is_binary(P) ->
 sandbox_paths(_, _Acc) ->
     error.
 
-handler(echo, _PoolNode) ->
+handler(echo) ->
     {ok, echo};
-handler(json_validate, _PoolNode) ->
+handler(json_validate) ->
     {ok, json_validate};
-handler({plugin, Path}, PoolNode) ->
-    case plugin_path(Path, PoolNode) of
+handler({plugin, Path}) ->
+    case plugin_path(Path) of
         {ok, Abs} -> {ok, {plugin, Abs}};
         error -> error
     end;
-handler({plugin, Path, Config}, PoolNode) ->
-    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) =/= false of
-        true ->
-            {ok, Abs} = plugin_path(Path, PoolNode),
-            {ok, {plugin, Abs, Config}};
-        false ->
-            error
+handler({plugin, Path, Config}) ->
+    case {plugin_path(Path), sendable(Config)} of
+        {{ok, Abs}, Size} when is_integer(Size) -> {ok, {plugin, Abs, Config}};
+        _ -> error
     end;
-handler(_, _PoolNode) ->
+handler(_) ->
     error.
 
-%% An absolute binary path. The file must exist when the pool node runs on
-%% this host (a pool node elsewhere checks on its own host and answers
-%% {plugin_load_failed, Path, Why}).
-plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
+%% An absolute binary path: a relative one is taken from this BEAM's
+%% working directory (the pool node's may differ, and may be on another
+%% host).
+plugin_path(Path) when is_list(Path); is_binary(Path) ->
     try unicode:characters_to_binary(Path) of
         Bin when is_binary(Bin), byte_size(Bin) > 0 ->
             Abs = filename:absname(Bin),
-            case byte_size(Abs) =< ?AP_POOL_MAX_PATH
-                andalso binary:match(Abs, <<0>>) =:= nomatch
-                andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
+            case byte_size(Abs) =< ?AP_POOL_MAX_PATH andalso binary:match(Abs, <<0>>) =:= nomatch of
                 true -> {ok, Abs};
                 false -> error
             end;
@@ -238,11 +236,8 @@ plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
     catch
         error:_ -> error
     end;
-plugin_path(_, _PoolNode) ->
+plugin_path(_) ->
     error.
-
-same_host(PoolNode) ->
-    host(PoolNode) =:= host(node()).
 
 %% @doc The host part of a node name (`""' for none).
 -spec host(node()) -> string().

@@ -98,9 +98,12 @@
 %% relayed origins. A follower's own registrations are made on the members
 %% it follows, over the same channels (`forwarded', and its whole journal
 %% each time a member's state reaches it), so they live as long as its
-%% connection to one of them. A node that never answers a probe (a C node,
-%% a BEAM without the application) stops being waited for after three
-%% gossip rounds.
+%% connection to one of them. A BEAM without the application answers a
+%% probe at once (the monitor's `DOWN') and is probed again every ten
+%% rounds, as its application may start later. A C node (a pool node the
+%% follower calls) cannot answer: it takes no monitor of a name. Its probe
+%% stops being waited for after three gossip rounds, and it is not probed
+%% again while its connection lasts (it never turns into a member).
 %%
 %% <h3>Removal</h3>
 %% On `nodedown' of any node (hidden ones too) the server deregisters its
@@ -239,8 +242,9 @@
     hidden = false :: boolean(),
     %% (on a member) the hidden nodes that follow us
     followers = #{} :: #{node() => #peer{}},
-    %% (on a follower) connected nodes that answered no probe: rounds until
-    %% they are probed again (a member's receptionist may start later)
+    %% (on a follower) connected nodes whose probe came back `DOWN' (a BEAM
+    %% with no receptionist): rounds until they are probed again (its
+    %% receptionist may start later)
     nonmembers = #{} :: #{node() => non_neg_integer()},
     %% origins held: {Inc, Ver, direct | ViaNode}
     origins = #{} :: #{node() => {non_neg_integer(), non_neg_integer(), direct | node()}},
@@ -406,11 +410,12 @@ handle1({?MODULE, tick}, _Env, #g{interval = Interval, peers = Peers, probing = 
     %% rounds (no DOWN either: a C node, a mute server) is not waited for
     %% any more. A member keeps saying hello to it every round (its answer
     %% may just have been lost, and the other side may hold a channel to
-    %% us that only our hello repairs); a follower gives up and probes the
-    %% node again ten rounds later.
+    %% us that only our hello repairs); a follower gives up on it for the
+    %% connection's life (a C node never turns into a member, and every
+    %% probe would make the view incomplete for three rounds again).
     {Expired, Live} = lists:partition(fun({_, #probe{rounds = R}}) -> R =:= 0 andalso G0#g.hidden end,
                                       maps:to_list(Pr0)),
-    G1 = lists:foldl(fun({Node, #probe{in = In}}, S) -> nonmember(Node, close(In, S)) end,
+    G1 = lists:foldl(fun({_Node, #probe{in = In}}, S) -> close(In, S) end,
                      G0#g{peers = maps:map(fun(_, P) -> P#peer{asked = false} end, Peers),
                           probing = maps:from_list([{N, P#probe{rounds = max(0, R - 1)}}
                                                     || {N, #probe{rounds = R} = P} <- Live])},
@@ -748,8 +753,9 @@ down(Node, In, #g{probing = Pr, peers = Peers} = G0) ->
             forget_follower(Node, G)
     end.
 
-%% (follower) A connected node that answered no probe is probed again
-%% after ten rounds; a member's is not waited for meanwhile.
+%% (follower) A connected node whose probe came back DOWN (it runs no
+%% receptionist) is probed again after ten rounds; a member's is not
+%% waited for meanwhile.
 nonmember(Node, #g{hidden = true, nonmembers = NMs} = G) ->
     G#g{nonmembers = NMs#{Node => 10}};
 nonmember(_Node, G) ->
