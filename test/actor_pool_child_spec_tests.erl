@@ -159,11 +159,13 @@ bad_arguments_are_badarg_and_start_nothing(#{pool_node := PoolNode}) ->
            {cs_bad, echo, #{workers => 0}, {workers, 0}},
            {cs_bad, echo, #{nope => 1}, {nope, 1}},
            {cs_bad, echo, not_a_map, {opts, not_a_map}},
-           {cs_bad, Missing, #{}, {handler, Missing}},
            {cs_bad, echo, #{node => Other}, {node, Other}}],
     [?assertEqual({Name, Opts, {error, {badarg, Why}}},
                   {Name, Opts, actor_pool:start_link(Name, Handler, Opts)})
      || {Name, Handler, Opts, Why} <- Bad],
+    %% A plugin that is not there: the pool node's answer, as start_pool's.
+    MissingPath = <<"/nonexistent/actor_pool_plugin.so">>,
+    ?assertMatch({error, {plugin_load_failed, MissingPath, _}}, actor_pool:start_link(cs_bad, Missing, #{})),
     %% Under a supervisor, the same reason from start_child (which adds
     %% the child, as for any failed start).
     Sup = start_sup([]),
@@ -171,6 +173,8 @@ bad_arguments_are_badarg_and_start_nothing(#{pool_node := PoolNode}) ->
         [?assertMatch({Why, {error, {{badarg, Why}, _}}},
                       {Why, supervisor:start_child(Sup, actor_pool:child_spec(Name, Handler, Opts))})
          || {Name, Handler, Opts, Why} <- Bad],
+        ?assertMatch({error, {{plugin_load_failed, MissingPath, _}, _}},
+                     supervisor:start_child(Sup, actor_pool:child_spec(cs_bad, Missing, #{}))),
         ?assertEqual([], supervisor:which_children(Sup))
     after
         stop_sup(Sup)
