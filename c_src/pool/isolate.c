@@ -1142,7 +1142,9 @@ static void on_stop(ap_worker *w)
 	ap_iso *s = w->iso;
 	int progress;
 	/* A process, unlike a thread, can be made to let go: what it still
-	 * runs after the grace is killed and answered stopped. */
+	 * runs after the grace is killed and answered stopped. A short grace:
+	 * a stop is what a user does to a pool that misbehaves, and a worker
+	 * that burns a CPU for seconds after it was meant to go is the bug. */
 	int64_t grace = ap_mono_ms() + ISO_STOP_GRACE_MS;
 	atomic_store(&s->ctl->stopping, 1);
 	ring_held(s); /* it hands back what it has not started */
@@ -1181,7 +1183,9 @@ static void on_stop(ap_worker *w)
 		memcpy(rec, &h, sizeof h);
 		ap_ring_commit(&s->req);
 	}
-	int64_t end = ap_mono_ms() + 1000;
+	/* Its terminate, then it is killed (by our caller): gone within
+	 * ISO_STOP_GRACE_MS + ISO_TERMINATE_MS of the stop. */
+	int64_t end = ap_mono_ms() + ISO_TERMINATE_MS;
 	while (!atomic_load(&s->dead) && ap_mono_ms() < end)
 		proxy_sleep(w, 100000, ready_dead);
 }
