@@ -94,6 +94,7 @@
                   stable_ms => 0..?AP_POOL_MAX_STABLE_MS,
                   isolation => isolation(),
                   handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
+                  stall_ms => 1..?AP_POOL_MAX_STALL_MS | infinity,
                   max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
                   max_reply_atoms => 1..?AP_POOL_MAX_REPLY_ATOMS,
                   sandbox => sandbox(),
@@ -128,7 +129,8 @@
                           crashes := non_neg_integer(),
                           next_restart_ms := non_neg_integer(),
                           os_pid => non_neg_integer() | undefined,
-                          state => running | hung | restarting}.
+                          state => running | stalled | hung | restarting,
+                          busy_ms => non_neg_integer()}.
 
 -type stats() :: #{name := name(),
                    size := pos_integer(),
@@ -144,6 +146,8 @@
                                      handler := non_neg_integer()},
                    isolation => isolation(),
                    handler_timeout_ms => pos_integer() | infinity,
+                   stall_ms => pos_integer() | infinity,
+                   stalls => non_neg_integer(),
                    max_memory_mb => pos_integer() | infinity,
                    max_reply_atoms => pos_integer(),
                    reply_atoms => non_neg_integer(),
@@ -187,10 +191,17 @@
 %%     replaced under `backoff'). `thread' (the default for `echo' and
 %%     `json_validate') runs it in a thread of the pool node: cheaper, but
 %%     such a crash takes the pool node and every pool on it down.</li>
-%% <li>`handler_timeout_ms' (1..86400000 or `infinity', the default): a
-%%     message that runs longer is answered `{error, handler_timeout}'; in
-%%     process mode the worker is killed and replaced, in thread mode it is
-%%     marked `hung' (routing skips it) until the handler returns.</li>
+%% <li>`stall_ms' (1..86400000 or `infinity', default 1000): a worker busy
+%%     on one message this long is `stalled': routing skips it until that
+%%     message is done, and the messages queued behind it (in process mode
+%%     also those its process was sent and had not started) move to the
+%%     other workers. One warning is logged; {@link stats/1} shows it.</li>
+%% <li>`handler_timeout_ms' (1..86400000 or `infinity'; default 5000 for
+%%     `process' isolation, `infinity' for `thread'): a message that runs
+%%     longer is answered `{error, handler_timeout}'; in process mode the
+%%     worker is killed and replaced, in thread mode it is marked `hung'
+%%     (routing skips it) until the handler returns, since a thread cannot
+%%     be killed.</li>
 %% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the data
 %%     limit of each worker process, and where a memory cgroup can be made,
 %%     of the worker and its children together (`process' isolation only;
@@ -350,7 +361,12 @@ node_stats(PoolNode) when is_atom(PoolNode) ->
 
 %% @doc Stops a pool: every worker stops, the name is free again, and asks
 %% still queued in it get `{error, stopped}'. `{error, noproc}' if there is no
-%% such pool (or its pool node is gone).
+%% such pool (or its pool node is gone). Returns at once: a worker process
+%% gets 0.5 s to finish the message it runs (its ask is answered
+%% `{error, stopped}' otherwise) and 0.5 s for its handler's `terminate',
+%% then it is killed, so none outlives the call by more than about a
+%% second. A worker thread cannot be killed: one busy in its handler
+%% finishes it first.
 -spec stop_pool(pool()) -> ok | {error, noproc | timeout}.
 stop_pool(Pool) ->
     {PoolNode, Target} = case Pool of
@@ -445,13 +461,16 @@ ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
 
 %% @doc The pool's metrics: size and routing, `isolation',
-%% `handler_timeout_ms', `max_memory_mb', `max_reply_atoms' and the distinct
+%% `handler_timeout_ms', `stall_ms', `max_memory_mb', `max_reply_atoms' and the distinct
 %% atoms its replies carried so far (`reply_atoms'), counters (`processed',
 %% `errors', `bad_replies' (replies refused: see {@link ask/3}),
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
-%% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
+%% `handler'), `stalls' (workers found stalled), `restarts', `overloaded',
+%% `dropped_tells'), `throughput_10s'
 %% (messages per second over the last 10 s, up to the call), `uptime_ms', and per
-%% worker `id', `alive', `state' (`running', `hung', `restarting'),
+%% worker `id', `alive', `state' (`running', `stalled', `hung',
+%% `restarting') and `busy_ms' (how long a stalled or hung one has been on
+%% its message, else 0),
 %% `os_pid' (a process-isolated worker's; `undefined' otherwise), `mailbox'
 %% (depth gauge), `processed', `restarts', `crashes', `next_restart_ms'. See
 %% docs/stateless-workers.md.

@@ -26,6 +26,10 @@
 %% in three more ({'$ap_batch', [{ask, ...}]}).
 -define(MAX_DEPTH, 1000).
 
+%% handler_timeout_ms of a process-mode pool unless given: what a stuck
+%% worker process costs at most (docs/stateless-workers.md, "Stalls").
+-define(PROCESS_TIMEOUT_MS, 5000).
+
 %% @doc The arguments of actor_pool:start_pool/3 checked, and the defaults
 %% filled in: `{ok, PoolNode, Handler, Options}' with the handler's plugin
 %% path made absolute, or `{error, noproc}' (no pool node given, and
@@ -64,15 +68,23 @@ validate(_Name, Handler, Opts, DefaultNode) ->
     end.
 
 %% The isolation mode filled in (process for a plugin, thread for a
-%% built-in: those cannot crash, and a thread costs less); a memory limit
-%% needs a process to set it on.
+%% built-in: those cannot crash, and a thread costs less), and the handler
+%% deadline that goes with it: a worker process stuck on one message is
+%% killed after ?PROCESS_TIMEOUT_MS, a thread cannot be (c_src/pool/pool.h,
+%% AP_POOL_DEFAULT_PROCESS_TIMEOUT_MS, the pool node's own default); a
+%% memory limit needs a process to set it on.
 isolation(Handler, Opts) ->
     Default = case Handler of
                   {plugin, _} -> process;
                   {plugin, _, _} -> process;
                   _ -> thread
               end,
-    Full = maps:merge(#{isolation => Default}, Opts),
+    Full0 = maps:merge(#{isolation => Default}, Opts),
+    Full = case Full0 of
+               #{handler_timeout_ms := _} -> Full0;
+               #{isolation := process} -> Full0#{handler_timeout_ms => ?PROCESS_TIMEOUT_MS};
+               _ -> Full0#{handler_timeout_ms => infinity}
+           end,
     case Full of
         #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
             {error, {badarg, {max_memory_mb, Mb}}};
@@ -93,13 +105,15 @@ isolation(Handler, Opts) ->
 sandbox_defaults() ->
     #{read => [], write => [], network => false, fork => false}.
 
+%% stall_ms: c_src/pool/pool.h, AP_POOL_DEFAULT_STALL_MS (the pool node's
+%% own default).
 defaults() ->
     #{workers => 0,
       routing => round_robin,
       mailbox_limit => 10000,
       backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
       stable_ms => 10000,
-      handler_timeout_ms => infinity,
+      stall_ms => 1000,
       max_memory_mb => infinity,
       max_reply_atoms => 1024}.
 
@@ -124,6 +138,10 @@ option(isolation, I) when I =:= thread; I =:= process ->
 option(handler_timeout_ms, infinity) ->
     {ok, infinity};
 option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_HANDLER_TIMEOUT_MS ->
+    {ok, N};
+option(stall_ms, infinity) ->
+    {ok, infinity};
+option(stall_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_STALL_MS ->
     {ok, N};
 option(max_memory_mb, infinity) ->
     {ok, infinity};

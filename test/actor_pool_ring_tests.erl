@@ -793,7 +793,8 @@ answers_go_out_from_deliverers_and_survive_their_deaths(#{pool_node := N}) ->
 %% Node}} or {error, noproc} promptly: none hangs, none waits out its
 %% timeout.
 killed_pool_node_answers_64_waiting_askers_promptly(#{pool_node := N}) ->
-    {ok, P} = actor_pool:start_pool(ring_kill, crash_plugin(), #{workers => 2}),
+    %% The workers hold the asks until the node dies: no deadline kills them first.
+    {ok, P} = actor_pool:start_pool(ring_kill, crash_plugin(), #{workers => 2, handler_timeout_ms => infinity}),
     ?assertEqual({ok, <<"up">>}, actor_pool:ask(P, <<"up">>)),
     #{os_pid := OsPid} = actor_cnode:info(actor_pool_node_owner),
     #{lane := Old} = lane_info(N),

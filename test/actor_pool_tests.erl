@@ -156,7 +156,10 @@ smallest_mailbox_sends_more_to_lighter_workers(_Ctx) ->
 
 %% {quick tells queued behind the busy worker, quick tells the others handled}
 uneven_load(Name, Routing) ->
-    with_pool(Name, crash_plugin(), #{workers => 4, routing => Routing}, fun(P) ->
+    %% The busy worker keeps its queue and gets no deadline: routing alone
+    %% is measured (a stall would move the queue after stall_ms).
+    with_pool(Name, crash_plugin(), #{workers => 4, routing => Routing, stall_ms => infinity,
+                                      handler_timeout_ms => infinity}, fun(P) ->
         %% A direct send: on the wire before the tells below.
         %% Long enough to outlast the 50 paced rounds even on a slow
         %% (sanitizer) build of the pool node.

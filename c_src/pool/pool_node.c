@@ -222,7 +222,7 @@ static int get_limit(const char *b, int *i, long long max, int *out)
 
 static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
-	int n, v0 = *i, mem_vs = 0, sb_vs = 0;
+	int n, v0 = *i, mem_vs = 0, sb_vs = 0, tmo_given = 0;
 	if (ei_decode_map_header(b, i, &n))
 		return bad(ba, "options", b, len, v0);
 	for (int k = 0; k < n; k++) {
@@ -264,6 +264,10 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 		} else if (!strcmp(key, "handler_timeout_ms")) {
 			if (get_limit(b, i, AP_POOL_MAX_HANDLER_TIMEOUT_MS, &o->handler_timeout_ms))
 				return bad(ba, "handler_timeout_ms", b, len, vs);
+			tmo_given = 1;
+		} else if (!strcmp(key, "stall_ms")) {
+			if (get_limit(b, i, AP_POOL_MAX_STALL_MS, &o->stall_ms))
+				return bad(ba, "stall_ms", b, len, vs);
 		} else if (!strcmp(key, "sandbox")) {
 			sb_vs = vs;
 			if (parse_sandbox(b, i, &o->sandbox))
@@ -290,6 +294,9 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 	/* ... nor a sandbox: the pool node's own threads would be in it. */
 	if (sb_vs && o->isolation != AP_ISO_PROCESS)
 		return bad(ba, "sandbox", b, len, sb_vs);
+	/* A worker process can be killed: a stuck one is, by default. */
+	if (!tmo_given && o->isolation == AP_ISO_PROCESS)
+		o->handler_timeout_ms = AP_POOL_DEFAULT_PROCESS_TIMEOUT_MS;
 	return 0;
 }
 

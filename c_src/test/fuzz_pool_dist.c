@@ -251,6 +251,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	t_check(spec && memchr(spec, 0, SPEC_MAX) != NULL);
 	t_check(o->isolation == AP_ISO_THREAD || o->isolation == AP_ISO_PROCESS);
 	t_check(o->handler_timeout_ms >= 0 && o->handler_timeout_ms <= 86400000);
+	t_check(o->stall_ms >= 0 && o->stall_ms <= 86400000);
 	t_check(o->max_memory_mb >= 0 && o->max_memory_mb <= 1048576);
 	t_check(o->max_memory_mb == 0 || o->isolation == AP_ISO_PROCESS);
 	t_check(o->workers >= 0 && o->workers <= MAX_WORKERS);
