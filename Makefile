@@ -45,7 +45,7 @@ eunit: epmd
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run (scripts/sanitizer-reports: it waits for late writers and names each report).
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_bad_reply_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_handshake_flood_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_sandbox_tests,actor_pool_drops_tests,actor_pool_histogram_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_bad_reply_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_handshake_flood_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_sandbox_tests,actor_pool_child_spec_tests,actor_pool_stall_tests,actor_pool_drops_tests,actor_pool_histogram_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src test-bins build/actor_pool_node_asan build/actor_receptionist_node_asan \
 	  build/actor_echo_node_asan build/dp_client
@@ -78,7 +78,10 @@ eunit-asan-dp: epmd
 	  $(REBAR) eunit --module=actor_dp_tests,actor_pool_ring_tests --sname ap_eunit_asan_dp_$$$$ || rc=$$?; \
 	  scripts/sanitizer-reports $(ASAN_DP_LOG_DIR) "the data plane NIF" && exit $$rc
 
-dep-test:
+# README's "Getting it", as written: its rebar3 and mix git lines against a
+# local bare clone, a _checkouts/ copy of the package's files (the .app.src's
+# `files'), and a release of the rebar3 project.
+dep-test: epmd
 	bash test/dep_project/run
 
 # examples/elixir_app: actor_pool as a mix dependency (path, manager: :rebar3),

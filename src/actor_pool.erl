@@ -30,13 +30,18 @@
 %%   actor_pool_manager    pool_node/0, starting and stopping pools
 %%   actor_pool_keys       service-key registration of pools, pick by key
 %%   actor_pool_transport  distribution or ring, ordering, frame sizes
-%%   actor_pool_keeper     pools started again after a pool node restart
+%%   actor_pool_keeper     pools started again after a pool node restart,
+%%                         owned pools stopped when their owner dies
+%%   actor_pool_owner      the process of start_link/3: a pool's owner in
+%%                         the user's supervision tree
 -module(actor_pool).
 
 -include("actor_pool_int.hrl").
 
 %% API.
 -export([start_pool/3]).
+-export([start_link/3]).
+-export([child_spec/3]).
 -export([stop_pool/1]).
 -export([tell/2]).
 -export([ask/2]).
@@ -89,6 +94,7 @@
                   stable_ms => 0..?AP_POOL_MAX_STABLE_MS,
                   isolation => isolation(),
                   handler_timeout_ms => 1..?AP_POOL_MAX_HANDLER_TIMEOUT_MS | infinity,
+                  stall_ms => 1..?AP_POOL_MAX_STALL_MS | infinity,
                   max_memory_mb => 1..?AP_POOL_MAX_MEMORY_MB | infinity,
                   max_reply_atoms => 1..?AP_POOL_MAX_REPLY_ATOMS,
                   sandbox => sandbox(),
@@ -123,7 +129,8 @@
                           crashes := non_neg_integer(),
                           next_restart_ms := non_neg_integer(),
                           os_pid => non_neg_integer() | undefined,
-                          state => running | hung | restarting}.
+                          state => running | stalled | hung | restarting,
+                          busy_ms => non_neg_integer()}.
 
 -type stats() :: #{name := name(),
                    size := pos_integer(),
@@ -139,6 +146,8 @@
                                      handler := non_neg_integer()},
                    isolation => isolation(),
                    handler_timeout_ms => pos_integer() | infinity,
+                   stall_ms => pos_integer() | infinity,
+                   stalls => non_neg_integer(),
                    max_memory_mb => pos_integer() | infinity,
                    max_reply_atoms => pos_integer(),
                    reply_atoms => non_neg_integer(),
@@ -185,10 +194,17 @@
 %%     replaced under `backoff'). `thread' (the default for `echo' and
 %%     `json_validate') runs it in a thread of the pool node: cheaper, but
 %%     such a crash takes the pool node and every pool on it down.</li>
-%% <li>`handler_timeout_ms' (1..86400000 or `infinity', the default): a
-%%     message that runs longer is answered `{error, handler_timeout}'; in
-%%     process mode the worker is killed and replaced, in thread mode it is
-%%     marked `hung' (routing skips it) until the handler returns.</li>
+%% <li>`stall_ms' (1..86400000 or `infinity', default 1000): a worker busy
+%%     on one message this long is `stalled': routing skips it until that
+%%     message is done, and the messages queued behind it (in process mode
+%%     also those its process was sent and had not started) move to the
+%%     other workers. One warning is logged; {@link stats/1} shows it.</li>
+%% <li>`handler_timeout_ms' (1..86400000 or `infinity'; default 5000 for
+%%     `process' isolation, `infinity' for `thread'): a message that runs
+%%     longer is answered `{error, handler_timeout}'; in process mode the
+%%     worker is killed and replaced, in thread mode it is marked `hung'
+%%     (routing skips it) until the handler returns, since a thread cannot
+%%     be killed.</li>
 %% <li>`max_memory_mb' (1..1048576 or `infinity', the default): the data
 %%     limit of each worker process, and where a memory cgroup can be made,
 %%     of the worker and its children together (`process' isolation only;
@@ -219,12 +235,15 @@
 %%     recorded; if it cannot be (no receptionist), the pool is stopped again
 %%     and the error returned.</li>
 %% </ul>
-%% Everything is checked before the pool node is asked: a bad name gives
-%% `{error, {badarg, {name, Name}}}', a bad handler (or a plugin file that
-%% does not exist) `{error, {badarg, {handler, Handler}}}', a bad option
-%% `{error, {badarg, {Key, Value}}}'. The pool node answers `{error,
-%% already_started}' for a name in use, `{error, {abi_mismatch, Got, Want}}'
-%% or `{error, {plugin_load_failed, Path, Why}}' for a plugin it cannot use,
+%% The arguments are checked before the pool node is asked: a bad name gives
+%% `{error, {badarg, {name, Name}}}', a bad handler `{error, {badarg,
+%% {handler, Handler}}}', a bad option `{error, {badarg, {Key, Value}}}'. A
+%% plugin's relative path is made absolute here, from this BEAM's working
+%% directory. The pool node answers `{error, already_started}' for a name in
+%% use, `{error, {abi_mismatch, Got, Want}}' or `{error, {plugin_load_failed,
+%% Path, Why}}' for a plugin it cannot use (`Why' a binary that says why:
+%% `<<"/x.so: No such file or directory">>' for a missing file, the dynamic
+%% loader's message for one that does not load),
 %% `{error, {sandbox_failed, Layer, Why}}' when a worker process cannot
 %% apply a layer of its sandbox (a `read' path that does not exist, say),
 %% `{error, {handler_init_failed, Code}}', or `{error, stopped}' when
@@ -245,6 +264,53 @@ start_pool(Name, Handler, Opts) ->
         {error, _} = Error ->
             Error
     end.
+
+%% @doc Starts a pool as part of the caller's supervision tree: a small
+%% process on this node that owns the pool, linked to the caller, which
+%% {@link child_spec/3} describes for a supervisor.
+%%
+%% The pool is started (on this node's pool node, with {@link
+%% start_pool/3}'s arguments and errors) before `start_link' returns, and
+%% stopped when the owner terminates: when its supervisor terminates it, or
+%% the process that started it exits. If the owner is killed (no chance to
+%% stop the pool itself), the application stops the pool, and a new owner
+%% of the same name (its supervisor's restart) gets a new pool, never
+%% `{error, already_started}'. If the pool node restarts, the pool is
+%% started again (see {@link start_pool/3}) and the owner stays up. If the
+%% actor_pool application stops, the owner exits `{shutdown,
+%% {actor_pool_down, Why}}'. A pool whose owner is killed while the pool
+%% is still starting is stopped as soon as it runs. See
+%% docs/stateless-workers.md,
+%% "Pools in a supervision tree".
+%%
+%% `{ok, Owner}' is the owner's pid, not the pool's: refer to the pool by
+%% `Name' (or `{Name, pool_node()}', or its `service_key'). A start that
+%% fails returns `{error, Reason}' and does not exit the caller. The `node'
+%% option, if given, must be {@link pool_node/0} (`{error, {badarg, {node,
+%% Node}}}' otherwise): a pool node of another BEAM keeps its own pools.
+%% `{error, noproc}' when the application does not run here, or runs with
+%% `{pool_node, false}'.
+%%
+%% {@link stop_pool/1} on such a pool stops it for good (it is not started
+%% again, the owner stays up and stops nothing when it terminates); to stop
+%% it with its owner, stop the owner, `supervisor:terminate_child/2'.
+-spec start_link(name(), handler(), opts()) -> {ok, pid()} | {error, term()}.
+start_link(Name, Handler, Opts) ->
+    actor_pool_owner:start_link(Name, Handler, Opts).
+
+%% @doc A child specification for a supervisor that starts the pool with
+%% {@link start_link/3}: id `{actor_pool, Name}', `permanent', a shutdown
+%% of 5000 ms (the owner stops its pool in it), a `worker'. Nothing is
+%% checked until the supervisor starts it. Override what you like, as in
+%% any child spec map (in Elixir, with `Supervisor.child_spec/2').
+-spec child_spec(name(), handler(), opts()) -> supervisor:child_spec().
+child_spec(Name, Handler, Opts) ->
+    #{id => {actor_pool, Name},
+      start => {?MODULE, start_link, [Name, Handler, Opts]},
+      restart => permanent,
+      shutdown => 5000,
+      type => worker,
+      modules => [actor_pool_owner]}.
 
 %% A stopped pool of this node's pool node is not started again after a
 %% restart of it.
@@ -307,7 +373,12 @@ node_stats(PoolNode) when is_atom(PoolNode) ->
 
 %% @doc Stops a pool: every worker stops, the name is free again, and asks
 %% still queued in it get `{error, stopped}'. `{error, noproc}' if there is no
-%% such pool (or its pool node is gone).
+%% such pool (or its pool node is gone). Returns at once: a worker process
+%% gets 0.5 s to finish the message it runs (its ask is answered
+%% `{error, stopped}' otherwise) and 0.5 s for its handler's `terminate',
+%% then it is killed, so none outlives the call by more than about a
+%% second. A worker thread cannot be killed: one busy in its handler
+%% finishes it first.
 -spec stop_pool(pool()) -> ok | {error, noproc | timeout}.
 stop_pool(Pool) ->
     {PoolNode, Target} = case Pool of
@@ -417,16 +488,18 @@ ask(Pool, Msg, Timeout) ->
     erlang:error(badarg, [Pool, Msg, Timeout]).
 
 %% @doc The pool's metrics: size and routing, `isolation',
-%% `handler_timeout_ms', `max_memory_mb', `max_reply_atoms' and the distinct
+%% `handler_timeout_ms', `stall_ms', `max_memory_mb', `max_reply_atoms' and the distinct
 %% atoms its replies carried so far (`reply_atoms'), counters (`processed',
 %% `errors', `bad_replies' (replies refused: see {@link ask/3}),
 %% `crashes' and by cause `crash_causes' (`signal', `exit', `timeout',
-%% `handler'), `restarts', `overloaded', `dropped_tells'), `throughput_10s'
-%% (messages per second over the last 10 s, up to the call), `uptime_ms',
-%% `handler_time' (how long the handler's calls took, timed around each call
-%% on the pool node: `counts' per bucket, not cumulative, of the upper
-%% `bounds_ns' and one past the last, and `sum_ns'), and per
-%% worker `id', `alive', `state' (`running', `hung', `restarting'),
+%% `handler'), `stalls' (workers found stalled), `restarts', `overloaded',
+%% `dropped_tells'), `throughput_10s' (messages per second over the last
+%% 10 s, up to the call), `uptime_ms', `handler_time' (how long the
+%% handler's calls took, timed around each call on the pool node: `counts'
+%% per bucket, not cumulative, of the upper `bounds_ns' and one past the
+%% last, and `sum_ns'), and per worker `id', `alive', `state' (`running',
+%% `stalled', `hung', `restarting') and `busy_ms' (how long a stalled or
+%% hung one has been on its message, else 0),
 %% `os_pid' (a process-isolated worker's; `undefined' otherwise), `mailbox'
 %% (depth gauge), `processed', `restarts', `crashes', `next_restart_ms'. See
 %% docs/stateless-workers.md.

@@ -29,7 +29,9 @@
 -define(POOL_KEYS, actor_pool_keys).
 %% ETS (public set, owned by actor_pool_sup): the pools actor_pool_keeper
 %% starts again after a restart of this node's pool node,
-%% {Name, Handler, Opts, Pid}.
+%% {Name, Handler, Opts, Pid, Owner}, Owner the actor_pool_owner process of
+%% a pool in a user's supervision tree (the keeper stops the pool when it
+%% dies), or none.
 -define(POOLS_KEPT, actor_pool_kept).
 %% persistent_term key: {Counters, Atomics} of tells that found no pool on
 %% this node (a service key with no pool, a name and no pool node): the
@@ -83,6 +85,7 @@
 -define(AP_POOL_MAX_BACKOFF_MS, 3600000).
 -define(AP_POOL_MAX_STABLE_MS, 86400000).
 -define(AP_POOL_MAX_HANDLER_TIMEOUT_MS, 86400000).
+-define(AP_POOL_MAX_STALL_MS, 86400000).
 -define(AP_POOL_MAX_MEMORY_MB, 1048576).
 -define(AP_POOL_MAX_RING_POLL_US, 100000).
 -define(AP_POOL_MAX_RING_NAP_US, 10000).

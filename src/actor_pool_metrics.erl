@@ -284,7 +284,11 @@ gossip_families(G) ->
       [{[], V} || V <- [maps:get(full_syncs, G, undefined)], is_integer(V)]},
      {"actor_receptionist_member_drops_total", counter,
       "Members that left (nodedown, or their receptionist stopped).",
-      [{[], V} || V <- [maps:get(member_drops, G, undefined)], is_integer(V)]}].
+      [{[], V} || V <- [maps:get(member_drops, G, undefined)], is_integer(V)]},
+     {"actor_receptionist_gossip_rejected_total", counter,
+      "Gossip messages dropped unread: not on the channel of the receptionist they claim to "
+      "come from (made up, of a channel closed since, or of an older version).",
+      [{[], V} || V <- [maps:get(rejected, G, undefined)], is_integer(V)]}].
 
 %% [{Role, Pid}] of the C-node owners of this BEAM.
 cnodes() ->

@@ -7,9 +7,12 @@
 %% argument gets one clear `{error, {badarg, {Key, Value}}}' whatever pool
 %% node it was meant for. The pool node checks the same options again (any
 %% peer can reach it); the numeric limits are the pool node's
-%% (c_src/pool/pool_limits.h, seen here through actor_pool_int.hrl).
-%% Pure apart from the plugin file's existence check and
-%% actor_receptionist:id/1: it calls no other module of the pool side.
+%% (c_src/pool/pool_limits.h, seen here through actor_pool_int.hrl). A
+%% plugin's file is the pool node's to open, on its own host: whether it is
+%% there and loads is its answer (`{plugin_load_failed, Path, Why}'), the
+%% same for a pool node on this host as elsewhere.
+%% Pure apart from actor_receptionist:id/1: it calls no other module of the
+%% pool side.
 -module(actor_pool_opts).
 
 -include("actor_pool_int.hrl").
@@ -22,6 +25,10 @@
 %% (AP_TERM_MAX_DEPTH in c_src/cnode/dist/ap_term.h), and a batch wraps a message
 %% in three more ({'$ap_batch', [{ask, ...}]}).
 -define(MAX_DEPTH, 1000).
+
+%% handler_timeout_ms of a process-mode pool unless given: what a stuck
+%% worker process costs at most (docs/stateless-workers.md, "Stalls").
+-define(PROCESS_TIMEOUT_MS, 5000).
 
 %% @doc The arguments of actor_pool:start_pool/3 checked, and the defaults
 %% filled in: `{ok, PoolNode, Handler, Options}' with the handler's plugin
@@ -46,7 +53,7 @@ validate(_Name, Handler, Opts, DefaultNode) ->
                 undefined ->
                     {error, noproc};
                 _ ->
-                    case handler(Handler, PoolNode) of
+                    case handler(Handler) of
                         {ok, Handler1} ->
                             case isolation(Handler1, Full1) of
                                 {ok, Full} -> {ok, PoolNode, Handler1, Full};
@@ -61,15 +68,23 @@ validate(_Name, Handler, Opts, DefaultNode) ->
     end.
 
 %% The isolation mode filled in (process for a plugin, thread for a
-%% built-in: those cannot crash, and a thread costs less); a memory limit
-%% needs a process to set it on.
+%% built-in: those cannot crash, and a thread costs less), and the handler
+%% deadline that goes with it: a worker process stuck on one message is
+%% killed after ?PROCESS_TIMEOUT_MS, a thread cannot be (c_src/pool/pool.h,
+%% AP_POOL_DEFAULT_PROCESS_TIMEOUT_MS, the pool node's own default); a
+%% memory limit needs a process to set it on.
 isolation(Handler, Opts) ->
     Default = case Handler of
                   {plugin, _} -> process;
                   {plugin, _, _} -> process;
                   _ -> thread
               end,
-    Full = maps:merge(#{isolation => Default}, Opts),
+    Full0 = maps:merge(#{isolation => Default}, Opts),
+    Full = case Full0 of
+               #{handler_timeout_ms := _} -> Full0;
+               #{isolation := process} -> Full0#{handler_timeout_ms => ?PROCESS_TIMEOUT_MS};
+               _ -> Full0#{handler_timeout_ms => infinity}
+           end,
     case Full of
         #{isolation := thread, max_memory_mb := Mb} when Mb =/= infinity ->
             {error, {badarg, {max_memory_mb, Mb}}};
@@ -90,13 +105,15 @@ isolation(Handler, Opts) ->
 sandbox_defaults() ->
     #{read => [], write => [], network => false, fork => false}.
 
+%% stall_ms: c_src/pool/pool.h, AP_POOL_DEFAULT_STALL_MS (the pool node's
+%% own default).
 defaults() ->
     #{workers => 0,
       routing => round_robin,
       mailbox_limit => 10000,
       backoff => #{min_ms => 50, max_ms => 5000, jitter => 0.2},
       stable_ms => 10000,
-      handler_timeout_ms => infinity,
+      stall_ms => 1000,
       max_memory_mb => infinity,
       max_reply_atoms => 1024}.
 
@@ -121,6 +138,10 @@ option(isolation, I) when I =:= thread; I =:= process ->
 option(handler_timeout_ms, infinity) ->
     {ok, infinity};
 option(handler_timeout_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_HANDLER_TIMEOUT_MS ->
+    {ok, N};
+option(stall_ms, infinity) ->
+    {ok, infinity};
+option(stall_ms, N) when is_integer(N), N >= 1, N =< ?AP_POOL_MAX_STALL_MS ->
     {ok, N};
 option(max_memory_mb, infinity) ->
     {ok, infinity};
@@ -200,36 +221,31 @@ sandbox_paths([P | Rest], Acc) when is_list(P); is_binary(P) ->
 sandbox_paths(_, _Acc) ->
     error.
 
-handler(echo, _PoolNode) ->
+handler(echo) ->
     {ok, echo};
-handler(json_validate, _PoolNode) ->
+handler(json_validate) ->
     {ok, json_validate};
-handler({plugin, Path}, PoolNode) ->
-    case plugin_path(Path, PoolNode) of
+handler({plugin, Path}) ->
+    case plugin_path(Path) of
         {ok, Abs} -> {ok, {plugin, Abs}};
         error -> error
     end;
-handler({plugin, Path, Config}, PoolNode) ->
-    case plugin_path(Path, PoolNode) =/= error andalso sendable(Config) =/= false of
-        true ->
-            {ok, Abs} = plugin_path(Path, PoolNode),
-            {ok, {plugin, Abs, Config}};
-        false ->
-            error
+handler({plugin, Path, Config}) ->
+    case {plugin_path(Path), sendable(Config)} of
+        {{ok, Abs}, Size} when is_integer(Size) -> {ok, {plugin, Abs, Config}};
+        _ -> error
     end;
-handler(_, _PoolNode) ->
+handler(_) ->
     error.
 
-%% An absolute binary path. The file must exist when the pool node runs on
-%% this host (a pool node elsewhere checks on its own host and answers
-%% {plugin_load_failed, Path, Why}).
-plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
+%% An absolute binary path: a relative one is taken from this BEAM's
+%% working directory (the pool node's may differ, and may be on another
+%% host).
+plugin_path(Path) when is_list(Path); is_binary(Path) ->
     try unicode:characters_to_binary(Path) of
         Bin when is_binary(Bin), byte_size(Bin) > 0 ->
             Abs = filename:absname(Bin),
-            case byte_size(Abs) =< ?AP_POOL_MAX_PATH
-                andalso binary:match(Abs, <<0>>) =:= nomatch
-                andalso (not same_host(PoolNode) orelse filelib:is_regular(Abs)) of
+            case byte_size(Abs) =< ?AP_POOL_MAX_PATH andalso binary:match(Abs, <<0>>) =:= nomatch of
                 true -> {ok, Abs};
                 false -> error
             end;
@@ -238,11 +254,8 @@ plugin_path(Path, PoolNode) when is_list(Path); is_binary(Path) ->
     catch
         error:_ -> error
     end;
-plugin_path(_, _PoolNode) ->
+plugin_path(_) ->
     error.
-
-same_host(PoolNode) ->
-    host(PoolNode) =:= host(node()).
 
 %% @doc The host part of a node name (`""' for none).
 -spec host(node()) -> string().

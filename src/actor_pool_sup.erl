@@ -6,7 +6,8 @@
 %%     time;</li>
 %% <li>{@link actor_pool_keeper}, which starts the pools of this node's pool
 %%     C node again when the owner reports a new incarnation of it (before
-%%     the owner, so that it is there for the first report), unless the
+%%     the owner, so that it is there for the first report), and starts
+%%     and stops the pools of {@link actor_pool:start_link/3}, unless the
 %%     application environment says `{pool_node, false}';</li>
 %% <li>`actor_pool_node', the {@link actor_cnode} owner (registered
 %%     `actor_pool_node_owner') of this node's pool C node,
@@ -27,8 +28,9 @@
 %%     set.</li>
 %% </ol>
 %% The owner restarts its C node when it dies; the pools that were started on
-%% it through {@link actor_pool:start_pool/3} are started again by the keeper,
-%% with new pids (and registered again under their service keys). The tables
+%% it through {@link actor_pool:start_pool/3} or {@link
+%% actor_pool:start_link/3} are started again by the keeper, with new pids
+%% (and registered again under their service keys). The tables
 %% of service keys and of kept pools belong to this supervisor, so that they
 %% outlive a crash of the processes that use them.
 -module(actor_pool_sup).

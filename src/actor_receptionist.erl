@@ -19,7 +19,13 @@
 %%     ref twice changes nothing.</li>
 %% <li>Registered refs are not watched: a registration lives until {@link
 %%     deregister/2}, even when its process has died. Guard against stale
-%%     refs (monitor the ref for high-value work).</li>
+%%     refs (monitor the ref for high-value work). Opt in with {@link
+%%     register/4} and `#{watch => true}': the registration then goes, on
+%%     every member, when its process dies.</li>
+%% <li>`{via, actor_receptionist, Name}' names a gen_server (or any OTP
+%%     process): {@link register_name/2}, {@link whereis_name/1}, {@link
+%%     send/2}, {@link unregister_name/1}. The name is the key {@link
+%%     name_key/1} gives; its registration is watched.</li>
 %% <li>Subscribers are watched: one that dies frees its slot. Subscriptions
 %%     are bounded (`max_subscribers_per_key', `max_subscribers_total' in the
 %%     application environment); a subscribe over a limit gets
@@ -41,7 +47,7 @@
 
 %% API.
 -export([service_key/1]).
--export([register/2, register/3]).
+-export([register/2, register/3, register/4]).
 -export([deregister/2, deregister/3]).
 -export([find/2]).
 -export([subscribe/2, subscribe/3]).
@@ -51,10 +57,17 @@
 -export([receptionist_node/0]).
 -export([stats/0]).
 
+%% {via, actor_receptionist, Name}.
+-export([register_name/2]).
+-export([unregister_name/1]).
+-export([whereis_name/1]).
+-export([send/2]).
+-export([name_key/1]).
+
 %% Internal: also used by the server and tests.
 -export([id/1]).
 
--export_type([key/0, id/0, listing/0]).
+-export_type([key/0, id/0, listing/0, register_opts/0]).
 
 -type key() :: {service_key, binary()}.
 %% What {@link service_key/1} returns; the key in every message.
@@ -64,7 +77,13 @@
 
 -type listing() :: {listing, key(), [pid()]}.
 
+-type register_opts() :: #{watch => boolean()}.
+%% Options of {@link register/4}.
+
 -define(CALL_TIMEOUT, 5000).
+%% register_name/2 and unregister_name/1 wait for the C node to apply the
+%% change: through a restart of it, if need be.
+-define(NAME_TIMEOUT, 15000).
 
 %% ===================================================================
 %% API
@@ -95,6 +114,30 @@ register(Key, Ref, ReplyTo) when is_pid(ReplyTo) ->
     reg(register, Key, Ref, ReplyTo);
 register(_Key, _Ref, ReplyTo) ->
     {error, {badarg, {reply_to, ReplyTo}}}.
+
+%% @doc As {@link register/3}, with options; `ReplyTo' may be `undefined'
+%% (no acknowledgement). `#{}' is register/3. `#{watch => true}': this
+%% node's receptionist monitors `Ref' and, when it dies, deregisters it,
+%% which reaches every member as any deregistration does (a `Ref' on
+%% another node is monitored across; when that node goes, its refs go
+%% anyway). A registration is watched from the first register that asks
+%% (`watch => false' does not undo it) until it is deregistered; the watch
+%% outlives a restart of the receptionist's server and of its C node.
+%% Other options: `{error, {badarg, {opts, Opts}}}'.
+-spec register(key() | id(), pid(), pid() | undefined, register_opts()) ->
+          ok | {error, {badarg, term()} | noproc}.
+register(Key, Ref, ReplyTo, Opts) ->
+    case watch_opt(Opts) of
+        error -> {error, {badarg, {opts, Opts}}};
+        _ when not (is_pid(ReplyTo) orelse ReplyTo =:= undefined) ->
+            {error, {badarg, {reply_to, ReplyTo}}};
+        {ok, false} -> reg(register, Key, Ref, ReplyTo);
+        {ok, true} -> reg(register_watched, Key, Ref, ReplyTo)
+    end.
+
+watch_opt(Opts) when Opts =:= #{} -> {ok, false};
+watch_opt(#{watch := Watch} = Opts) when map_size(Opts) =:= 1, is_boolean(Watch) -> {ok, Watch};
+watch_opt(_) -> error.
 
 %% @doc Removes the registration of `Ref' under `Key' (nothing happens if
 %% there is none).
@@ -186,7 +229,8 @@ receptionist_node() ->
 
 %% @doc Counters of the receptionist C node (keys, refs, subscriptions,
 %% listings sent, the snapshot's state and size) and of the BEAM side
-%% (`local_registrations', `local_subscriptions', `status').
+%% (`local_registrations', `watched_registrations' of them,
+%% `local_subscriptions', `status').
 -spec stats() -> map() | {error, noproc | timeout}.
 stats() ->
     case whereis(?RCPT_SERVER) of
@@ -195,8 +239,111 @@ stats() ->
     end.
 
 %% ===================================================================
+%% {via, actor_receptionist, Name}: OTP's contract for a process registry
+%% (gen_server, gen_statem, supervisor, Elixir's GenServer, ...)
+%% ===================================================================
+
+%% @doc The key that `{via, actor_receptionist, Name}' registers under. A
+%% key or an id ({@link service_key/1}: a binary, atom or string) is that
+%% key, so `{via, actor_receptionist, <<"billing">>}' is found under
+%% `service_key(<<"billing">>)'; any other term is the key whose id is its
+%% external term format (`term_to_binary(Name, [deterministic,
+%% {minor_version, 2}])': the same on every node of one OTP release, and
+%% never equal to a UTF-8 id). Raises `badarg' when that is over 1024
+%% bytes.
+-spec name_key(term()) -> key().
+name_key(Name) ->
+    case name_id(Name) of
+        {ok, Id} -> {service_key, Id};
+        error -> erlang:error(badarg, [Name])
+    end.
+
+%% @doc Registers `Pid' under `Name' (see {@link name_key/1}), watched, if
+%% no ref is registered under its key as far as this node knows (this
+%% node's registrations and the other members' it has learnt; a dead
+%% process of this node does not count): `yes', and {@link whereis_name/1}
+%% on this node sees it at once; `no' otherwise (`gen_server:start_link'
+%% then returns `{error, {already_started, Holder}}').
+%%
+%% One member never gives a name twice: this node's receptionist answers
+%% the calls one at a time. Two members can, to two calls made within the
+%% time it takes a registration to reach the other (a message between the
+%% two nodes; during a partition, until it heals): both answer `yes', and
+%% the name has two holders until one of them stops (or
+%% unregisters). {@link whereis_name/1} then picks the same one of them on
+%% every member. For a lock on a name cluster-wide, use `global'.
+-spec register_name(term(), pid()) -> yes | no.
+register_name(Name, Pid) when is_pid(Pid) ->
+    case name_id(Name) of
+        {ok, Id} -> gen_server:call(?RCPT_SERVER, {register_name, Id, Pid}, ?NAME_TIMEOUT);
+        error -> erlang:error(badarg, [Name, Pid])
+    end;
+register_name(Name, Pid) ->
+    erlang:error(badarg, [Name, Pid]).
+
+%% @doc Removes the registrations under `Name' that this node made through
+%% {@link register_name/2} (or {@link register/4} with `watch'), and
+%% returns once {@link whereis_name/1} here no longer sees them. Another
+%% member's registrations under it stay (each member removes its own).
+-spec unregister_name(term()) -> ok.
+unregister_name(Name) ->
+    case {name_id(Name), whereis(?RCPT_SERVER)} of
+        {{ok, Id}, Server} when is_pid(Server) ->
+            gen_server:call(Server, {unregister_name, Id}, ?NAME_TIMEOUT);
+        _ ->
+            ok
+    end.
+
+%% @doc The holder of `Name': of the refs {@link lookup/1} lists under its
+%% key, less the processes of this node that are not alive, the least in
+%% Erlang's term order (the same on every node), so every member whose
+%% view is the same picks the same one; `undefined' when there is none.
+%% Like `global', it can name a process of another node that has just
+%% died: a call to it then fails with `noproc'.
+-spec whereis_name(term()) -> pid() | undefined.
+whereis_name(Name) ->
+    case name_id(Name) of
+        {ok, Id} ->
+            %% A dead process here is never the holder (its DOWN may not
+            %% have reached the receptionist yet), so that gen:start/6,
+            %% which asks this first, starts the next one at once
+            %% (register_name/2 does not count it either).
+            case [R || R <- fast_lookup(Id), node(R) =/= node() orelse is_process_alive(R)] of
+                [] -> undefined;
+                Refs -> lists:min(Refs)
+            end;
+        error ->
+            undefined
+    end.
+
+%% @doc Sends `Msg' to the holder of `Name' ({@link whereis_name/1}) and
+%% returns its pid; exits with `{badarg, {Name, Msg}}' when there is none.
+-spec send(term(), term()) -> pid().
+send(Name, Msg) ->
+    case whereis_name(Name) of
+        undefined ->
+            exit({badarg, {Name, Msg}});
+        Pid ->
+            Pid ! Msg,
+            Pid
+    end.
+
+%% ===================================================================
 %% Internals
 %% ===================================================================
+
+%% A via name's key id: the id itself, or the external term format.
+name_id(Name) ->
+    case id(Name) of
+        {ok, _} = Ok ->
+            Ok;
+        error ->
+            Bin = term_to_binary(Name, [deterministic, {minor_version, 2}]),
+            case ?IS_ID(Bin) of
+                true -> {ok, Bin};
+                false -> error
+            end
+    end.
 
 %% @private
 %% @doc The binary id of a key or id; `error' if it is not one.

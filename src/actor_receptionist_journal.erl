@@ -4,11 +4,18 @@
 %%
 %% Not a process: ETS tables that {@link actor_receptionist_server} alone
 %% writes (they are public only because their owner is another process).
-%% Four tables, one `{A, B}' key per pair:
+%% Five tables, one `{A, B}' key per pair:
 %% <ul>
-%% <li>`actor_receptionist_regs' (set): `{{Id, Ref}, Seq}', this node's
-%%     registrations. Seq (a monotonic integer) keeps the registration
-%%     order, so that a replay lists the refs of a key in that order.</li>
+%% <li>`actor_receptionist_regs' (ordered_set): `{{Id, Ref}, Seq}', this
+%%     node's registrations. Seq (a monotonic integer) keeps the
+%%     registration order, so that a replay lists the refs of a key in that
+%%     order; ordered by pair, so that the refs of one key are found by
+%%     that prefix (whether a `{via, actor_receptionist, Name}' name is
+%%     taken).</li>
+%% <li>`actor_receptionist_watched' (ordered_set): `{{Ref, Id}}', the
+%%     registrations that are watched (`register/4' with `watch', or a
+%%     `via' name): each is also in the registrations, found by ref for its
+%%     death.</li>
 %% <li>`actor_receptionist_subs' (ordered_set): `{{Pid, Id}}', this node's
 %%     subscriptions, found by subscriber for its death.</li>
 %% <li>`actor_receptionist_followed' (ordered_set): `{{Follower, {Id, Ref}}}',
@@ -18,9 +25,10 @@
 %%     index of the registrations whose ref lives on another node, so that
 %%     a `nodedown' removes them without a scan.</li>
 %% </ul>
-%% The first three are owned by {@link actor_receptionist_sup} and survive a
-%% crash of the server (new/0); the index is the server's own, rebuilt from
-%% the registrations at each of its starts (index/0).
+%% All but the last are owned by {@link actor_receptionist_sup} and survive
+%% a crash of the server (new/0), the watches too: a new server monitors
+%% the watched refs again (prune_watched/0); the index is the server's own,
+%% rebuilt from the registrations at each of its starts (index/0).
 %%
 %% Why one key per pair: insert, delete and membership are O(1) (a set) or
 %% O(log n) (an ordered_set), however many pairs share A. A bag keyed on A
@@ -34,6 +42,7 @@
 -define(SUBS, actor_receptionist_subs).
 -define(FOLLOWED, actor_receptionist_followed).
 -define(BYNODE, actor_receptionist_bynode).
+-define(WATCHED, actor_receptionist_watched).
 
 %% Tables.
 -export([new/0]).
@@ -46,6 +55,17 @@
 -export([regs/0]).
 -export([regs_count/0]).
 -export([refs_on/1]).
+-export([refs/1]).
+
+%% Watched registrations.
+-export([watch/2]).
+-export([unwatch/2]).
+-export([watched/2]).
+-export([is_watched/1]).
+-export([watched_ids/1]).
+-export([unwatch_all/1]).
+-export([watched_count/0]).
+-export([prune_watched/0]).
 
 %% Subscriptions.
 -export([subscribed/2]).
@@ -69,9 +89,10 @@
 -spec new() -> ok.
 new() ->
     Tab = [public, named_table, {write_concurrency, false}],
-    ?REGS = ets:new(?REGS, [set | Tab]),
+    ?REGS = ets:new(?REGS, [ordered_set | Tab]),
     ?SUBS = ets:new(?SUBS, [ordered_set | Tab]),
     ?FOLLOWED = ets:new(?FOLLOWED, [ordered_set | Tab]),
+    ?WATCHED = ets:new(?WATCHED, [ordered_set | Tab]),
     ok.
 
 %% @doc Creates the by-node index, owned by the caller, from the
@@ -116,6 +137,62 @@ regs_count() ->
 -spec refs_on(node()) -> [{binary(), pid()}].
 refs_on(Node) ->
     pairs_of(?BYNODE, Node).
+
+%% @doc The refs registered under Id (in term order).
+-spec refs(binary()) -> [pid()].
+refs(Id) ->
+    ets:select(?REGS, [{{{Id, '$1'}, '_'}, [], ['$1']}]).
+
+%% ===================================================================
+%% Watched registrations
+%% ===================================================================
+
+%% @doc The registration of Ref under Id is watched (it must be in the
+%% registrations).
+-spec watch(pid(), binary()) -> ok.
+watch(Ref, Id) ->
+    true = ets:insert(?WATCHED, {{Ref, Id}}),
+    ok.
+
+-spec unwatch(pid(), binary()) -> ok.
+unwatch(Ref, Id) ->
+    true = ets:delete(?WATCHED, {Ref, Id}),
+    ok.
+
+-spec watched(pid(), binary()) -> boolean().
+watched(Ref, Id) ->
+    ets:member(?WATCHED, {Ref, Id}).
+
+%% @doc Some registration of Ref is watched (one step of the table).
+-spec is_watched(pid()) -> boolean().
+is_watched(Ref) ->
+    case ets:select(?WATCHED, [{{{Ref, '_'}}, [], [true]}], 1) of
+        {[true], _} -> true;
+        '$end_of_table' -> false
+    end.
+
+%% @doc The ids under which Ref's registration is watched.
+-spec watched_ids(pid()) -> [binary()].
+watched_ids(Ref) ->
+    pairs_of(?WATCHED, Ref).
+
+-spec unwatch_all(pid()) -> ok.
+unwatch_all(Ref) ->
+    true = ets:match_delete(?WATCHED, {{Ref, '_'}}),
+    ok.
+
+-spec watched_count() -> non_neg_integer().
+watched_count() ->
+    ets:info(?WATCHED, size).
+
+%% @doc The watched refs, for a new server to monitor. A watch whose
+%% registration is gone (a server that died between the two deletes) goes
+%% too.
+-spec prune_watched() -> [pid()].
+prune_watched() ->
+    {Live, Stale} = lists:partition(fun({Ref, Id}) -> registered(Id, Ref) end, pairs(?WATCHED)),
+    _ = [unwatch(Ref, Id) || {Ref, Id} <- Stale],
+    lists:usort([Ref || {Ref, _} <- Live]).
 
 %% ===================================================================
 %% Subscriptions

@@ -24,16 +24,28 @@
 %% re-tagged (`retag', no listing) instead of removed; before a member is
 %% dropped, its shared refs are re-tagged to a remaining holder. A pair not
 %% in the shared table has exactly one holder.
+%%
+%% Who holds a pair is asked at every registration (is it shared?), so it
+%% is an index, not a look into every origin's table: the ordered_set
+%% `actor_receptionist_holders' has `{{{Id, Ref}, Tab}}' for each origin
+%% table Tab that holds the pair, found by that key prefix in O(log n)
+%% however many origins there are. Its rows name the table, not the
+%% origin, so that the reaper of a member's table deletes that table's rows
+%% too (the index is public for it), while the server, which forgets the
+%% table when the member leaves, skips them meanwhile; the same member
+%% back (a new table) has rows of its own.
 -module(actor_receptionist_remote).
 
-%% The shared table's name: this module alone uses it.
+%% The tables' names: this module alone uses them.
 -define(SHARED, actor_receptionist_shared).
+-define(HOLDERS, actor_receptionist_holders).
 
 -export([new/0]).
 -export([ops/3]).
 -export([replace/3]).
 -export([drop/2]).
 -export([rows/2]).
+-export([refs/2]).
 -export([replay/1]).
 -export([local_added/3]).
 -export([let_go/3]).
@@ -44,6 +56,8 @@
 -record(remote, {
     %% per origin, the set table of its {{Id, Ref}}
     tabs = #{} :: #{node() => ets:tid()},
+    %% and back: the origin of each table held
+    owners = #{} :: #{ets:tid() => node()},
     %% tables of members that left, deleted at the next reap/1
     reap = [] :: [ets:tid()]
 }).
@@ -59,11 +73,12 @@
 %% API
 %% ===================================================================
 
-%% @doc No member's registrations yet; creates the shared table, owned by
-%% the caller.
+%% @doc No member's registrations yet; creates the shared table and the
+%% holders' index, owned by the caller.
 -spec new() -> state().
 new() ->
     ?SHARED = ets:new(?SHARED, [named_table, set, protected]),
+    ?HOLDERS = ets:new(?HOLDERS, [named_table, ordered_set, public]),
     #remote{}.
 
 %% @doc A delta of Origin: `{reg | dereg, Id, Ref}' in order.
@@ -92,15 +107,18 @@ replace(Origin, Regs0, R) ->
 %% C node drops the rest of its refs at once (O(its refs), in C). `[]' when
 %% nothing of it is held.
 -spec drop(node(), state()) -> {state(), [cmsg()]}.
-drop(Origin, #remote{tabs = Tabs, reap = Reap} = R0) ->
+drop(Origin, #remote{tabs = Tabs, owners = Owners, reap = Reap} = R0) ->
     case maps:take(Origin, Tabs) of
         error ->
             {R0, []};
         {Tab, Tabs1} ->
-            R1 = R0#remote{tabs = Tabs1},
-            Retags = [Retag || {{Id, Ref}} <- ets:tab2list(?SHARED),
-                               ets:member(Tab, {Id, Ref}),
-                               {keep, Retag} <- [let_go(Id, Ref, R1)]],
+            R1 = R0#remote{tabs = Tabs1, owners = maps:remove(Tab, Owners)},
+            %% Its shared pairs: from the smaller of the two tables.
+            Shared = case ets:info(?SHARED, size) =< ets:info(Tab, size) of
+                         true -> [P || {P} <- ets:tab2list(?SHARED), ets:member(Tab, P)];
+                         false -> [P || {P} <- ets:tab2list(Tab), ets:member(?SHARED, P)]
+                     end,
+            Retags = [Retag || {Id, Ref} <- Shared, {keep, Retag} <- [let_go(Id, Ref, R1)]],
             %% Deleting a large table costs CPU the C node needs right now
             %% for the drop itself: it waits for the next reap/1 (the
             %% server's next gossip round).
@@ -114,6 +132,14 @@ rows(Origin, #remote{tabs = Tabs}) ->
         {ok, Tab} -> [E || {E} <- ets:tab2list(Tab)];
         error -> []
     end.
+
+%% @doc The refs the other members hold under Id: a range of the holders'
+%% index.
+-spec refs(binary(), state()) -> [pid()].
+refs(Id, #remote{owners = Owners}) ->
+    lists:usort([Ref || {Ref, T} <- ets:select(?HOLDERS, [{{{{Id, '$1'}, '$2'}}, [],
+                                                           [{{'$1', '$2'}}]}]),
+                        maps:is_key(T, Owners)]).
 
 %% @doc Everything we hold, for a new incarnation of the C node.
 -spec replay(state()) -> [cmsg()].
@@ -159,7 +185,16 @@ reaper(0) ->
     ok;
 reaper(N) ->
     receive
-        {'ETS-TRANSFER', T, _, reap} -> ets:delete(T), reaper(N - 1)
+        {'ETS-TRANSFER', T, _, reap} ->
+            %% Its rows of the holders' index first (gone with the server
+            %% that made it, if that ended: nothing left to delete then).
+            try
+                ets:foldl(fun({P}, ok) -> true = ets:delete(?HOLDERS, {P, T}), ok end, ok, T)
+            catch
+                error:badarg -> ok
+            end,
+            ets:delete(T),
+            reaper(N - 1)
     after 60000 ->
         ok
     end.
@@ -169,12 +204,12 @@ reaper(N) ->
 %% ===================================================================
 
 %% reg/4 and dereg/4 take and return {State, C node messages newest first}.
-reg(Origin, Id, Ref, {#remote{tabs = Tabs} = R0, Acc}) ->
+reg(Origin, Id, Ref, {#remote{tabs = Tabs, owners = Owners} = R0, Acc}) ->
     {Tab, R} = case maps:find(Origin, Tabs) of
                    {ok, T} -> {T, R0};
                    error ->
                        T = ets:new(actor_receptionist_remote, [set, protected]),
-                       {T, R0#remote{tabs = Tabs#{Origin => T}}}
+                       {T, R0#remote{tabs = Tabs#{Origin => T}, owners = Owners#{T => Origin}}}
                end,
     case ets:member(Tab, {Id, Ref}) of
         true ->
@@ -183,6 +218,7 @@ reg(Origin, Id, Ref, {#remote{tabs = Tabs} = R0, Acc}) ->
             Shared = actor_receptionist_journal:registered(Id, Ref)
                 orelse remote_holders(Id, Ref, R) =/= [],
             true = ets:insert(Tab, {{Id, Ref}}),
+            true = ets:insert(?HOLDERS, {{{Id, Ref}, Tab}}),
             case Shared of
                 true -> true = ets:insert(?SHARED, {{Id, Ref}}), {R, Acc};
                 false -> {R, [{rregister, Origin, Id, Ref} | Acc]}
@@ -195,6 +231,7 @@ dereg(Origin, Id, Ref, {#remote{tabs = Tabs} = R, Acc}) ->
             case ets:member(Tab, {Id, Ref}) of
                 true ->
                     true = ets:delete(Tab, {Id, Ref}),
+                    true = ets:delete(?HOLDERS, {{Id, Ref}, Tab}),
                     case let_go(Id, Ref, R) of
                         remove -> {R, [{rderegister, Origin, Id, Ref} | Acc]};
                         {keep, Retag} -> {R, [Retag | Acc]}
@@ -213,8 +250,11 @@ done({R, Acc}) ->
 holders(Id, Ref, R) ->
     [local || actor_receptionist_journal:registered(Id, Ref)] ++ remote_holders(Id, Ref, R).
 
-remote_holders(Id, Ref, #remote{tabs = Tabs}) ->
-    [O || {O, Tab} <- maps:to_list(Tabs), ets:member(Tab, {Id, Ref})].
+%% The origins whose tables hold it: a range of the index (rows of tables
+%% being reaped are skipped).
+remote_holders(Id, Ref, #remote{owners = Owners}) ->
+    [O || T <- ets:select(?HOLDERS, [{{{{Id, Ref}, '$1'}}, [], ['$1']}]),
+          {ok, O} <- [maps:find(T, Owners)]].
 
 c_origin(local) -> undefined;
 c_origin(Origin) -> Origin.

@@ -11,6 +11,14 @@
 %%     node, before the NIF is pointed at the new snapshot: lookups go on
 %%     answering from the old snapshot meanwhile;</li>
 %% <li>monitors subscribers and tells the C node when one dies;</li>
+%% <li>monitors the refs of watched registrations (`register/4' with
+%%     `watch', `{via, actor_receptionist, Name}' names) and deregisters
+%%     them when they die, which replicates as any deregistration does;
+%%     the watches are in the journal, so a restarted server monitors them
+%%     again (a ref that died meanwhile is reported at once);</li>
+%% <li>answers `register_name' (a `via' name) from what it holds, so that
+%%     one member never gives one name twice, and replies once the C node
+%%     has the registration in its snapshot;</li>
 %% <li>enforces the subscriber limits (every local subscription passes
 %%     here, so the counts are exact) and sends the rejections;</li>
 %% <li>forwards everything else to the C node in arrival order, coalescing
@@ -84,6 +92,10 @@
     total = 0 :: non_neg_integer(),
     %% one monitor per subscriber pid
     monitors = #{} :: #{pid() => reference()},
+    %% one monitor per watched ref
+    watches = #{} :: #{pid() => reference()},
+    %% register_name and unregister_name calls waiting for the C node
+    named = #{} :: #{pos_integer() => {gen_server:from(), yes | ok}},
     incarnations = 0 :: non_neg_integer(),
     %% the cluster half (membership, versions, deltas)
     gossip :: actor_receptionist_gossip:state(),
@@ -138,8 +150,13 @@ init(Node, Owner, PerKey, Total, {Interval, Fanout}) ->
                     batch_bytes = batch_bytes(Owner)},
     %% A restarted server takes the subscriptions over from the journal; a
     %% subscriber that died meanwhile is reported at once (noproc).
-    State = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
-                        actor_receptionist_journal:subs()),
+    State1 = lists:foldl(fun({Pid, Id}, S) -> count_sub(Pid, Id, S) end, State0,
+                         actor_receptionist_journal:subs()),
+    %% It takes the watches over too; a ref that died meanwhile is reported
+    %% at once (noproc) and deregistered.
+    State = State1#state{watches = maps:from_list(
+                                     [{Ref, erlang:monitor(process, Ref)}
+                                      || Ref <- actor_receptionist_journal:prune_watched()])},
     %% The owner notifies us of each new incarnation; the current one may
     %% have come up before we were registered. If it has served requests
     %% already, this server is a restarted one: the C node may hold changes
@@ -160,10 +177,12 @@ init(Node, Owner, PerKey, Total, {Interval, Fanout}) ->
             {ok, State}
     end.
 
--spec handle_call(term(), gen_server:from(), #state{}) -> {reply, term(), #state{}}.
+-spec handle_call(term(), gen_server:from(), #state{}) ->
+          {reply, term(), #state{}} | {noreply, #state{}}.
 handle_call(stats, _From, State) ->
     Own = #{status => case State#state.up of true -> up; false -> down end,
             local_registrations => actor_receptionist_journal:regs_count(),
+            watched_registrations => actor_receptionist_journal:watched_count(),
             local_subscriptions => State#state.total,
             incarnations => State#state.incarnations,
             queued => State#state.out_len},
@@ -191,8 +210,36 @@ handle_call(sync, _From, State0) ->
                 false -> {error, down}
             end,
     {reply, Reply, State};
+handle_call({register_name, Id, Pid}, From, State) when ?IS_ID(Id), is_pid(Pid) ->
+    %% A name is taken while a ref is registered under its key, by this
+    %% node or another member as far as we know, unless it is a process of
+    %% this node that is dead (as whereis_name/1 has it): a watched one's
+    %% DOWN may still be on its way to us while the supervisor that got its
+    %% EXIT starts the next one.
+    Holders = actor_receptionist_journal:refs(Id) ++
+        actor_receptionist_remote:refs(Id, State#state.remote),
+    case [H || H <- Holders, node(H) =/= node() orelse is_process_alive(H)] of
+        [] -> {noreply, named(From, yes, apply_op({register_watched, Id, Pid, undefined}, State))};
+        _ -> {reply, no, State}
+    end;
+handle_call({unregister_name, Id}, From, State0) when ?IS_ID(Id) ->
+    %% This node's watched registrations under the key; another member's
+    %% are its own to remove.
+    State = lists:foldl(fun(Ref, S) -> apply_op({deregister, Id, Ref, undefined}, S) end, State0,
+                        [Ref || Ref <- actor_receptionist_journal:refs(Id),
+                                actor_receptionist_journal:watched(Ref, Id)]),
+    {noreply, named(From, ok, State)};
 handle_call(Request, _From, State) ->
     {reply, {error, {unknown_call, Request}}, State}.
+
+%% Reply to a register_name or unregister_name once the C node has applied
+%% what came before: its confirmation comes after its snapshot write, so a
+%% whereis_name/1 (a lookup) right after the reply sees the change. Through
+%% the C node like any reply, so it is sent again after a replay if that
+%% incarnation died first (a second one finds no caller and is dropped).
+named(From, Reply, #state{named = Named} = State) ->
+    N = erlang:unique_integer([positive]),
+    out({send, self(), {rcpt_named, N}}, State#state{named = Named#{N => {From, Reply}}}).
 
 -spec handle_cast(term(), #state{}) -> {noreply, #state{}}.
 handle_cast(Msg, State) ->
@@ -208,9 +255,9 @@ flush_if_idle(#state{flushing = true} = State) ->
 flush_if_idle(State) ->
     State.
 
-%% One request: a caller's, a member's or a follower's (casts), or one this
-%% server makes itself (a follower's registration, a subscription held for
-%% a complete view, the registrations of a node that left). Every request
+%% One request: a caller's (casts), or one this server makes itself (a
+%% follower's registration, a subscription held for a complete view, the
+%% registrations of a node that left). Every request
 %% goes through here once; the change itself, the same on a member and a
 %% follower, is record_op/2's.
 %%
@@ -218,26 +265,23 @@ flush_if_idle(State) ->
 %% (journal, C node: this node's own lookups see it at once) and also made
 %% on every member it follows, so the cluster has it; each member holds it
 %% for as long as this node's connection to it lasts, and gets the whole
-%% journal again whenever it (re)syncs with this node.
-apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true, gossip = G} = State)
+%% journal again whenever it (re)syncs with this node. A member takes a
+%% follower's registrations over its channel with that follower only (the
+%% gossip core's `followed' effects).
+apply_op({Op, Id, Ref, _ReplyTo} = Msg, #state{follower = true} = State)
   when (Op =:= register orelse Op =:= deregister), is_binary(Id), is_pid(Ref) ->
-    State1 = record_op(Msg, State),
-    _ = [gen_server:cast({?RCPT_SERVER, M}, {forwarded, Op, Id, Ref, node()})
-         || M <- actor_receptionist_gossip:follows(G)],
-    State1;
+    #state{gossip = G} = State1 = record_op(Msg, State),
+    State1#state{gossip = actor_receptionist_gossip:forward(Op, Id, Ref, G)};
 apply_op({Op, _Id, _Ref, _ReplyTo} = Msg, State) when Op =:= register; Op =:= deregister ->
     record_op(Msg, State);
-%% (On a member) a follower's registration: ours while its connection lasts.
-apply_op({forwarded, Op, Id, Ref, Follower}, State)
-  when (Op =:= register orelse Op =:= deregister), ?IS_ID(Id), is_pid(Ref), is_atom(Follower) ->
-    followed(Op, Follower, Id, Ref, State);
-apply_op({forwarded_sync, Follower, Regs}, State) when is_atom(Follower), is_list(Regs) ->
-    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
-    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
-    State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
-                       sets:subtract(Old, New)),
-    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
-              sets:subtract(New, Old));
+apply_op({register_watched, Id, Ref, ReplyTo}, State) when ?IS_ID(Id), is_pid(Ref) ->
+    %% Registered as any other, then watched: from the first register that
+    %% asks, until deregister or death.
+    State1 = apply_op({register, Id, Ref, ReplyTo}, State),
+    case actor_receptionist_journal:registered(Id, Ref) of
+        true -> watch(Id, Ref, State1);
+        false -> State1
+    end;
 apply_op({subscribe_when_complete, Id, Pid}, #state{gossip = G} = State) ->
     case actor_receptionist_gossip:hold(Id, Pid, G) of
         {true, G1} -> apply_op({subscribe, Id, Pid}, State#state{gossip = G1});
@@ -305,7 +349,7 @@ record_op({deregister, Id, Ref, ReplyTo} = Msg, State)
     case actor_receptionist_journal:registered(Id, Ref) of
         true ->
             ok = actor_receptionist_journal:del(Id, Ref),
-            State1 = gossip(dereg, Id, Ref, State),
+            State1 = gossip(dereg, Id, Ref, unwatch(Id, Ref, State)),
             case actor_receptionist_remote:let_go(Id, Ref, State1#state.remote) of
                 remove -> out(Msg, State1);
                 {keep, Retag} -> lists:foldl(fun out/2, State1, [Retag | Ack])
@@ -334,16 +378,28 @@ handle_info({nodedown, Node}, #state{rcpt = Node, up = true, owner = Owner} = St
     {noreply, State#state{up = false, pid = undefined}};
 handle_info({nodedown, _Node}, State) ->
     {noreply, State};
-handle_info({'DOWN', Mref, process, Pid, _} = Msg, #state{monitors = Mons} = State0) ->
-    case maps:find(Pid, Mons) of
-        {ok, Mref} ->
+handle_info({'DOWN', Mref, process, Pid, _} = Msg,
+            #state{monitors = Mons, watches = Watches} = State0) ->
+    case {maps:find(Pid, Mons), maps:find(Pid, Watches)} of
+        {{ok, Mref}, _} ->
             Ids = actor_receptionist_journal:subs_of(Pid),
             ok = actor_receptionist_journal:del_subs_of(Pid),
             State1 = lists:foldl(fun(Id, S) -> uncount(Id, S) end, State0, Ids),
             State = State1#state{monitors = maps:remove(Pid, Mons)},
             {noreply, out({unsubscribe_all, Pid}, State)};
+        {_, {ok, Mref}} ->
+            %% A watched ref died (or its node went: noconnection).
+            {noreply, watched_down(Pid, State0)};
         _ ->
             cluster(Msg, State0)
+    end;
+handle_info({rcpt_named, N}, #state{named = Named} = State) ->
+    case maps:take(N, Named) of
+        {{From, Reply}, Named1} ->
+            gen_server:reply(From, Reply),
+            {noreply, State#state{named = Named1}};
+        error ->
+            {noreply, State}
     end;
 handle_info({actor_cnode, _Owner, Node, up}, #state{rcpt = Node, up = true, pid = Pid} = State) ->
     %% Seen already (init/1 replayed into it) unless the pid changed.
@@ -400,10 +456,10 @@ effect({drop_origin, Origin}, #state{remote = R} = State) ->
             flush(remote(Dropped, State))
     end;
 effect({origin_state, To, Origin, Inc, Ver}, #state{remote = R, gossip = G} = State) ->
-    %% A member relays Origin through us: the rows, exactly version Ver
-    %% (applied in this process as they came).
+    %% A member or follower has Origin relayed through us: the rows,
+    %% exactly version Ver (applied in this process as they came).
     Regs = actor_receptionist_remote:rows(Origin, R),
-    Msg = {ap_rcpt_origin_state, self(), Origin, Inc, Ver, Regs},
+    Msg = actor_receptionist_gossip:origin_state(To, Origin, Inc, Ver, Regs),
     case erlang:send(To, Msg, [noconnect, nosuspend]) of
         ok -> State#state{gossip = actor_receptionist_gossip:sent(Msg, G)};
         _ -> State
@@ -415,10 +471,21 @@ effect({drop_refs_on, Node}, State) ->
                          State, actor_receptionist_journal:followed(Node)),
     lists:foldl(fun({Id, Ref}, S) -> apply_op({deregister, Id, Ref, undefined}, S) end,
                 State1, actor_receptionist_journal:refs_on(Node));
-effect({synced_with, Member}, State) ->
-    %% A member we follow (re)synced: it gets all of our registrations.
-    ok = gen_server:cast({?RCPT_SERVER, Member},
-                         {forwarded_sync, node(), actor_receptionist_journal:regs()}),
+effect({followed, Follower, Op, Id, Ref}, State) ->
+    %% A follower's registration: ours while its connection lasts.
+    followed(Op, Follower, Id, Ref, State);
+effect({followed_sync, Follower, Regs}, State) ->
+    %% A follower's whole journal: what it no longer has goes.
+    Old = sets:from_list(actor_receptionist_journal:followed(Follower), [{version, 2}]),
+    New = sets:from_list([E || {Id, Ref} = E <- Regs, ?IS_ID(Id), is_pid(Ref)], [{version, 2}]),
+    State1 = sets:fold(fun({Id, Ref}, S) -> followed(deregister, Follower, Id, Ref, S) end, State,
+                       sets:subtract(Old, New)),
+    sets:fold(fun({Id, Ref}, S) -> followed(register, Follower, Id, Ref, S) end, State1,
+              sets:subtract(New, Old));
+effect({old_protocol, Node}, State) ->
+    logger:notice("actor_receptionist: gossip of an older version, naming the receptionist "
+                  "of ~ts, dropped: receptionists of different versions share no "
+                  "registrations (said once per node)", [Node]),
     State;
 effect({subscribe, Id, Pid}, State) ->
     apply_op({subscribe, Id, Pid}, State).
@@ -453,6 +520,39 @@ followed(deregister, Follower, Id, Ref, State) ->
 %% flush, which is on its way even while the C node is down.
 gossip(Op, Id, Ref, #state{gossip = G} = State) ->
     schedule_flush(State#state{gossip = actor_receptionist_gossip:local(Op, Id, Ref, G)}).
+
+%% Watch Ref (registered under Id): one monitor per ref, however many keys.
+watch(Id, Ref, #state{watches = Watches} = State) ->
+    ok = actor_receptionist_journal:watch(Ref, Id),
+    case maps:is_key(Ref, Watches) of
+        true -> State;
+        false -> State#state{watches = Watches#{Ref => erlang:monitor(process, Ref)}}
+    end.
+
+%% Ref's registration under Id goes: so does its watch, and the monitor
+%% with the last one.
+unwatch(Id, Ref, #state{watches = Watches} = State) ->
+    case maps:find(Ref, Watches) of
+        error ->
+            State;
+        {ok, Mref} ->
+            ok = actor_receptionist_journal:unwatch(Ref, Id),
+            case actor_receptionist_journal:is_watched(Ref) of
+                true ->
+                    State;
+                false ->
+                    true = erlang:demonitor(Mref, [flush]),
+                    State#state{watches = maps:remove(Ref, Watches)}
+            end
+    end.
+
+%% A watched ref is dead: every watched registration of it is deregistered
+%% (and replicated), as if it had asked.
+watched_down(Ref, #state{watches = Watches} = State) ->
+    Ids = actor_receptionist_journal:watched_ids(Ref),
+    ok = actor_receptionist_journal:unwatch_all(Ref),
+    lists:foldl(fun(Id, S) -> apply_op({deregister, Id, Ref, undefined}, S) end,
+                State#state{watches = maps:remove(Ref, Watches)}, Ids).
 
 limit(Id, #state{counts = Counts, per_key = PerKey, total = Total, total_limit = TotalLimit}) ->
     case maps:get(Id, Counts, 0) >= PerKey of

@@ -261,11 +261,13 @@ loop(End, #sim{queue = Q} = S) ->
             end
     end.
 
-event({deliver, From, FromC, To, ToC, Msg}, #sim{members = Ms} = S) ->
-    %% Sent on a connection that is gone since: lost with it.
+event({deliver, From, FromC, To, ToC, Dest, Msg}, #sim{members = Ms} = S) ->
+    %% Sent on a connection that is gone since: lost with it. To an alias
+    %% that is no longer active (its monitor gone): dropped, as the runtime
+    %% does.
     case {maps:get(From, Ms), maps:get(To, Ms)} of
         {#m{creation = FromC}, #m{creation = ToC, g = G}} when G =/= down ->
-            case linked(From, To, S) of
+            case linked(From, To, S) andalso alias_active(To, Dest) of
                 true -> step(To, Msg, S);
                 false -> S
             end;
@@ -311,22 +313,31 @@ up(#m{g = G}) ->
 start(I, #sim{members = Ms, opts = #{interval_ms := IMs, fanout := F, seed := Seed}} = S0) ->
     #m{creation = C0, g = G0} = M0 = maps:get(I, Ms),
     C = case G0 of undefined -> C0; _ -> C0 + 1 end,
-    Pid = pid(I, 1, C),
-    M = M0#m{creation = C, pid = Pid, journal = #{}, views = #{}, arrived = #{}, g = down,
-             started = S0#sim.now},
+    M = M0#m{creation = C, pid = pid(I, 1, C), journal = #{}, views = #{}, arrived = #{},
+             g = down, started = S0#sim.now},
     S1 = S0#sim{members = Ms#{I := M}},
     %% Asked in new_with_io/3 only (a member, not hidden): the members up on its side.
     Visible = [node_name(J) || J <- maps:keys(Ms), J =/= I, (maps:get(J, Ms))#m.g =/= down,
                                (maps:get(J, Ms))#m.g =/= undefined, same_side(I, J, S1)],
-    Io = #{self => Pid, node => M#m.node, hidden => false,
+    Io = #{node => M#m.node, hidden => false,
            send => fun(Dest, Msg) -> outbox({send, I, Dest, Msg}), ok end,
            monitor => fun(Target) -> monitor_(I, Target) end,
            demonitor => fun(Ref) -> erase({?MODULE, mon, Ref}), true end,
-           nodes => fun(_) -> Visible end,
+           %% At start, the members up on its side; later (a hello's
+           %% check), those linked to it now.
+           nodes => fun(_) ->
+                            case get({?MODULE, now}) of
+                                undefined -> Visible;
+                                #sim{members = Now} = SNow ->
+                                    [node_name(J) || J <- maps:keys(Now), J =/= I,
+                                                     linked(I, J, SNow)]
+                            end
+                    end,
            timer => fun(Ms1, Msg) -> outbox({timer, I, Ms1 * 1000, Msg}), ok end,
            incarnation => fun() -> (S0#sim.now + 1) bsl 16 + I end,
            seed => Seed * 1000003 + I,
            fanout => F},
+    erase({?MODULE, now}),
     G = actor_receptionist_gossip:new_with_io(IMs, [], Io),
     S2 = S1#sim{members = (S1#sim.members)#{I := M#m{g = G}}},
     %% The others see it come up (it probes them itself in new_with_io/3).
@@ -392,6 +403,7 @@ step(I, Msg, #sim{members = Ms} = S) ->
             S;
         #m{g = G, journal = J} = M ->
             Env = #{journal => fun() -> maps:keys(J) end, cnodes => []},
+            put({?MODULE, now}, S),
             case actor_receptionist_gossip:handle(Msg, Env, G) of
                 {ok, G1, Effects} ->
                     {M1, S1} = lists:foldl(fun effect/2, {M#m{g = G1}, S}, Effects),
@@ -413,15 +425,14 @@ effect({drop_origin, Origin}, {#m{views = V} = M, S}) ->
     {M#m{views = maps:remove(Origin, V)}, S};
 effect({origin_state, To, Origin, Inc, Ver}, {#m{views = V, g = G} = M, S}) ->
     %% As the server does: the rows of Origin we hold, sent by us.
-    Msg = {ap_rcpt_origin_state, M#m.pid, Origin, Inc, Ver, maps:keys(maps:get(Origin, V, #{}))},
+    Msg = actor_receptionist_gossip:origin_state(To, Origin, Inc, Ver,
+                                                 maps:keys(maps:get(Origin, V, #{}))),
     outbox({send, M#m.i, To, Msg}),
     {M#m{g = actor_receptionist_gossip:sent(Msg, G)}, S};
 effect({drop_refs_on, _Node}, Acc) ->
     %% Every ref of a simulated member lives on that member.
     Acc;
 effect({subscribe, _, _}, Acc) ->
-    Acc;
-effect({synced_with, _}, Acc) ->
     Acc.
 
 arrive(Ids, #m{arrived = A} = M, #sim{now = T, changes = Cs}) ->
@@ -445,10 +456,12 @@ get_list(K) ->
         L -> L
     end.
 
+%% A monitor of Target by member I; its reference is an alias of I's, so
+%% made on I's node.
 monitor_(I, Target) ->
     N = get({?MODULE, ref}) + 1,
     put({?MODULE, ref}, N),
-    Ref = ref(N),
+    Ref = ref(I, N),
     put({?MODULE, mon, Ref}, {I, Target}),
     %% By watcher and node, for a node's loss.
     Watch = {?MODULE, watch, I, target_node(Target)},
@@ -490,11 +503,19 @@ send({send, I, Dest, Msg}, #sim{index = Ix, now = T, members = Ms, opts = #{loss
             S1#sim{lost = S1#sim.lost + 1};
         true ->
             at(T + latency(I, J, S1), {deliver, I, (maps:get(I, Ms))#m.creation, J,
-                                       (maps:get(J, Ms))#m.creation, Msg}, S1)
+                                       (maps:get(J, Ms))#m.creation, Dest, Msg}, S1)
     end.
 
 target_node({_Name, Node}) -> Node;
-target_node(Pid) when is_pid(Pid) -> node(Pid).
+target_node(Dest) -> node(Dest).
+
+alias_active(I, Ref) when is_reference(Ref) ->
+    case get({?MODULE, mon, Ref}) of
+        {I, _} -> true;
+        _ -> false
+    end;
+alias_active(_I, _Dest) ->
+    true.
 
 %% Fixed per ordered pair: a link delivers in order.
 latency(I, J, #sim{opts = #{latency_us := {Min, Max}, seed := Seed}}) ->
@@ -534,9 +555,10 @@ pid(I, Id, Creation) ->
     Node = atom_to_binary(node_name(I)),
     binary_to_term(<<131, 88, 118, (byte_size(Node)):16, Node/binary, Id:32, 0:32, Creation:32>>).
 
-ref(N) ->
-    binary_to_term(<<131, 90, 3:16, 118, 7:16, "sim@sim", 1:32, (N band 16#3ffff):32,
-                     (N bsr 18):32, 0:32>>).
+ref(I, N) ->
+    Node = atom_to_binary(node_name(I)),
+    binary_to_term(<<131, 90, 3:16, 118, (byte_size(Node)):16, Node/binary, 1:32,
+                     (N band 16#3ffff):32, (N bsr 18):32, 0:32>>).
 
 %% ===================================================================
 %% Results

@@ -156,7 +156,8 @@ stats_show_isolation_limits_and_worker_processes(_Ctx) ->
     Zero = #{signal => 0, exit => 0, timeout => 0, handler => 0},
     with_pool(iso_stats_plugin, crash_plugin(), #{workers => 3}, fun(P) ->
         S = stats_when(P, fun all_running/1),
-        ?assertMatch(#{isolation := process, handler_timeout_ms := infinity,
+        %% A worker process gets a deadline by default (a thread does not).
+        ?assertMatch(#{isolation := process, handler_timeout_ms := 5000,
                        max_memory_mb := infinity, crashes := 0}, S),
         ?assertEqual(Zero, maps:get(crash_causes, S)),
         Pids = os_pids(S),
@@ -869,8 +870,11 @@ replacement_in_its_init_is_restarting_and_skipped_in_both_modes(_Ctx) ->
 killed_worker_process_hands_on_its_bare_tells(#{pool_node := N}) ->
     [begin
          Name = list_to_atom("bare_tells_" ++ integer_to_list(Workers)),
+         %% The sleeping worker keeps its bare tells until it is killed:
+         %% no stall moves them, no deadline kills it first.
          with_pool(Name, crash_plugin(), #{workers => Workers, routing => round_robin,
-                                           backoff => #{min_ms => 20, max_ms => 20}}, fun(P) ->
+                                           backoff => #{min_ms => 20, max_ms => 20},
+                                           stall_ms => infinity, handler_timeout_ms => infinity}, fun(P) ->
              S0 = stats_when(P, fun all_running/1),
              #{os_pid := Victim} = worker(0, S0),
              #{iso_bare_tells := B0, iso_bare_rehydrated := H0} = actor_pool:node_stats(N),

@@ -70,7 +70,8 @@ render_passes_promtool(#{pool := Pool}) ->
               "actor_receptionist_subscribers", "actor_receptionist_members",
               "actor_receptionist_view_complete", "actor_receptionist_gossip_messages_total",
               "actor_receptionist_gossip_bytes_total", "actor_receptionist_full_syncs_total",
-              "actor_receptionist_member_drops_total", "actor_pool_cnode_up",
+              "actor_receptionist_member_drops_total", "actor_receptionist_gossip_rejected_total",
+              "actor_pool_cnode_up",
               "actor_pool_cnode_restarts_total", "actor_pool_cnode_resident_memory_bytes",
               "actor_pool_cnode_uptime_seconds"]].
 

@@ -15,6 +15,7 @@
          a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node/1,
          a_standalone_pool_node_registers_its_keyed_pools/1,
          a_hidden_node_uses_pools_and_the_receptionist/1,
+         a_hidden_node_calling_a_pool_node_keeps_a_complete_view/1,
          three_peers_and_a_standalone_pool_node/1]).
 
 -define(WAIT_MS, 20000).
@@ -30,6 +31,7 @@ service_key_test_() ->
                           a_pool_on_another_node_is_called_by_key_and_leaves_with_its_node,
                           a_standalone_pool_node_registers_its_keyed_pools,
                           a_hidden_node_uses_pools_and_the_receptionist,
+                          a_hidden_node_calling_a_pool_node_keeps_a_complete_view,
                           three_peers_and_a_standalone_pool_node]]
      end}.
 
@@ -235,6 +237,55 @@ a_hidden_node_uses_pools_and_the_receptionist(_) ->
                    ?WAIT_MS),
         true = erlang:disconnect_node(HNode),
         wait_until(fun() -> actor_receptionist:lookup(K) =:= [Pool] end, ?WAIT_MS)
+    after
+        catch Call(application, stop, [actor_pool]),
+        catch peer:stop(Peer),
+        ok = actor_pool:stop_pool(Pool),
+        [Alive | _] = string:split(atom_to_list(HNode), "@"),
+        wait_until(fun() -> [N || N <- epmd_names(), lists:prefix(Alive, N)] =:= [] end, ?WAIT_MS)
+    end.
+
+%% A hidden node that calls a pool by pid connects to its pool node, a C
+%% node, and probes it as it probes every node it connects to: a C node
+%% cannot answer, so the view is incomplete until the probe is given up
+%% (three rounds). After that it stays complete: the C node is not probed
+%% again while connected (it was every fourteen rounds, each time making the
+%% view incomplete for four). Rounds of 100 ms here; 40 of them watched.
+a_hidden_node_calling_a_pool_node_keeps_a_complete_view(_) ->
+    {ok, Pool} = actor_pool:start_pool(sk_hidden_complete, echo, #{workers => 1}),
+    PoolNode = node(Pool),
+    Paths = lists:usort([filename:dirname(code:which(M)) || M <- [actor_pool, ?MODULE, ap_test_util]]),
+    {ok, Peer, HNode} =
+        peer:start(#{name => peer:random_name(sk_hidden_complete), connection => standard_io,
+                     args => ["-hidden", "-setcookie", atom_to_list(erlang:get_cookie()), "-pa" | Paths]}),
+    Call = fun(M, F, A) -> peer:call(Peer, M, F, A, 30000) end,
+    Complete = fun() -> maps:get(complete, Call(actor_receptionist, status, [])) end,
+    try
+        ok = Call(application, load, [actor_pool]),
+        ok = Call(application, set_env, [actor_pool, pool_node, false]),
+        ok = Call(application, set_env, [actor_pool, gossip_interval_ms, 100]),
+        {ok, _} = Call(application, ensure_all_started, [actor_pool]),
+        true = Call(net_kernel, connect_node, [node()]),
+        wait_until(Complete, ?WAIT_MS),
+        ?assertEqual({ok, <<"by pid">>}, Call(actor_pool, ask, [Pool, <<"by pid">>])),
+        ?assert(lists:member(PoolNode, Call(erlang, nodes, [hidden]))),
+        wait_until(Complete, ?WAIT_MS),
+        Until = erlang:monotonic_time(millisecond) + 4000,
+        Watch = fun W(Seen) ->
+                        case erlang:monotonic_time(millisecond) < Until of
+                            true ->
+                                receive after 20 -> ok end,
+                                W([Complete() | Seen]);
+                            false ->
+                                Seen
+                        end
+                end,
+        Seen = Watch([]),
+        ?assert(length(Seen) > 20),
+        ?assertEqual([], [false || false <- Seen]),
+        %% Still connected to it, still following this node.
+        ?assert(lists:member(PoolNode, Call(erlang, nodes, [hidden]))),
+        ?assertMatch(#{members := [_], syncing := []}, Call(actor_receptionist, status, []))
     after
         catch Call(application, stop, [actor_pool]),
         catch peer:stop(Peer),

@@ -40,6 +40,7 @@
          json_validate_accepts_valid_and_locates_errors/1,
          plugin_with_wrong_abi_is_refused/1,
          plugin_that_cannot_load_is_refused/1,
+         missing_plugin_file_is_plugin_load_failed_naming_why/1,
          bad_arguments_are_badarg_before_the_node_is_asked/1,
          taken_name_is_already_started/1,
          every_reference_form_reaches_the_pool/1,
@@ -86,6 +87,7 @@ actor_pool_test_() ->
                  json_validate_accepts_valid_and_locates_errors,
                  plugin_with_wrong_abi_is_refused,
                  plugin_that_cannot_load_is_refused,
+                 missing_plugin_file_is_plugin_load_failed_naming_why,
                  bad_arguments_are_badarg_before_the_node_is_asked,
                  taken_name_is_already_started,
                  every_reference_form_reaches_the_pool,
@@ -154,7 +156,10 @@ smallest_mailbox_sends_more_to_lighter_workers(_Ctx) ->
 
 %% {quick tells queued behind the busy worker, quick tells the others handled}
 uneven_load(Name, Routing) ->
-    with_pool(Name, crash_plugin(), #{workers => 4, routing => Routing}, fun(P) ->
+    %% The busy worker keeps its queue and gets no deadline: routing alone
+    %% is measured (a stall would move the queue after stall_ms).
+    with_pool(Name, crash_plugin(), #{workers => 4, routing => Routing, stall_ms => infinity,
+                                      handler_timeout_ms => infinity}, fun(P) ->
         %% A direct send: on the wire before the tells below.
         %% Long enough to outlast the 50 paced rounds even on a slow
         %% (sanitizer) build of the pool node.
@@ -453,14 +458,54 @@ plugin_that_cannot_load_is_refused(_Ctx) ->
         _ = file:del_dir_r(Dir)
     end.
 
+%% A plugin file that is not there (or is no file) is the pool node's
+%% answer, the same in both isolation modes, with or without a sandbox:
+%% plugin_load_failed with the path (a relative one made absolute from this
+%% BEAM's working directory) and why, which starts with that path. Nothing
+%% is left started.
+missing_plugin_file_is_plugin_load_failed_naming_why(_Ctx) ->
+    Before = actor_pool:which_pools(),
+    Dir = ap_test_util:temp_dir("actor_pool_tests"),
+    {ok, Cwd} = file:get_cwd(),
+    Rel = "no_such_plugin_" ++ integer_to_list(erlang:unique_integer([positive])) ++ ".so",
+    NoFile = <<"No such file or directory">>,
+    %% A long path (near the 4095-byte limit) still gets the whole reason.
+    Long = filename:join([Dir | lists:duplicate(18, lists:duplicate(200, $a))] ++ ["x.so"]),
+    Files = [{filename:join(Dir, "missing.so"), NoFile},
+             {Rel, NoFile},
+             {Long, NoFile},
+             {Dir, any}],                       % a directory
+    Modes = [#{isolation => thread}, #{isolation => process},
+             #{isolation => process, sandbox => off}],
+    try
+        [begin
+             Abs = iolist_to_binary(filename:absname(Path, Cwd)),
+             Got = actor_pool:start_pool(?FUNCTION_NAME, Handler, Mode#{workers => 2}),
+             ?assertMatch({_, _, {error, {plugin_load_failed, Abs, Why}}}
+                            when is_binary(Why) andalso byte_size(Why) > byte_size(Abs),
+                          {Handler, Mode, Got}),
+             {error, {plugin_load_failed, _, Why}} = Got,
+             ?assertEqual({Handler, Mode, Abs},
+                          {Handler, Mode, binary:part(Why, 0, byte_size(Abs))}),
+             case Expect of
+                 any -> ok;
+                 _ -> ?assertNotEqual({Handler, Mode, nomatch},
+                                      {Handler, Mode, binary:match(Why, Expect)})
+             end
+         end
+         || {Path, Expect} <- Files, Mode <- Modes,
+            Handler <- [{plugin, Path}, {plugin, Path, #{config => 1}}]],
+        ?assertEqual(Before, actor_pool:which_pools())
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
 bad_arguments_are_badarg_before_the_node_is_asked(_Ctx) ->
     Before = actor_pool:which_pools(),
-    Missing = "/nonexistent/actor_pool/plugin.so",
     Fun = fun() -> ok end,
     Bad = [{"name", echo, #{}, {name, "name"}},
            {{a}, echo, #{}, {name, {a}}},
            {n, nosuch_handler, #{}, {handler, nosuch_handler}},
-           {n, {plugin, Missing}, #{}, {handler, {plugin, Missing}}},
            {n, {plugin, 42}, #{}, {handler, {plugin, 42}}},
            {n, {plugin, ""}, #{}, {handler, {plugin, ""}}},
            {n, {plugin, crash_path(), Fun}, #{}, {handler, {plugin, crash_path(), Fun}}},

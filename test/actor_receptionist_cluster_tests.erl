@@ -32,7 +32,15 @@
          complete_view_holds_the_first_listing/0,
          a_held_subscription_waits_and_unsubscribe_cancels_it/0,
          bad_options_are_badarg/0,
-         cluster_property/0]).
+         cluster_property/0,
+         forged_gossip_changes_nothing/0,
+         origins_that_are_no_members_cost_nothing/0,
+         origin_slots_of_members_that_left_are_reused/0,
+         registrations_cost_the_same_with_many_origins/0,
+         a_watched_registration_goes_from_every_member/0,
+         a_gen_server_named_on_one_member_is_called_from_another/0]).
+%% Run on the peers.
+-export([forge_member/6, forge_origins/4, footprint/0, fake_relay/2]).
 
 -define(WAIT_MS, 20000).
 -define(GOSSIP_MS, 200).
@@ -54,7 +62,13 @@ actor_receptionist_cluster_test_() ->
                   complete_view_holds_the_first_listing,
                   a_held_subscription_waits_and_unsubscribe_cancels_it,
                   bad_options_are_badarg,
-                  cluster_property]]}.
+                  cluster_property,
+                  forged_gossip_changes_nothing,
+                  origins_that_are_no_members_cost_nothing,
+                  origin_slots_of_members_that_left_are_reused,
+                  registrations_cost_the_same_with_many_origins,
+                  a_watched_registration_goes_from_every_member,
+                  a_gen_server_named_on_one_member_is_called_from_another]]}.
 
 setup() ->
     %% peer needs this node alive only for names; the cluster is the peers'.
@@ -650,6 +664,352 @@ cluster_property() ->
     end).
 
 %% ===================================================================
+%% Gossip trusts only what it can check
+%% ===================================================================
+
+%% A process on a third node C (not a receptionist) sends A's server and
+%% its own node's messages that claim to be B's server's: the older
+%% protocol's, which name B's server by its pid (a state without B's
+%% registration, a delta that removes it, a hello, a digest), this
+%% protocol's on aliases it made up (a state, a delta, a digest, a
+%% welcome, an ask), and hellos that would have A or C welcome it. None
+%% changes what A or C holds of B: their subscribers see B's registration
+%% stay, then B's next real change; each message on a made-up alias is
+%% counted as rejected.
+forged_gossip_changes_nothing() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        K = key(forged),
+        {service_key, Id} = K,
+        RB = ref(B),
+        ok = call(B, actor_receptionist, register, [K, RB]),
+        converge(Ms, K, [RB]),
+        Watched = [{M, subscriber(M, K)} || M <- [A, C]],
+        [wait_listing(M, S, K, [RB]) || {M, S} <- Watched],
+        #{incarnation := Inc, version := Ver} = call(B, actor_receptionist, status, []),
+        PidB = call(B, erlang, whereis, [actor_receptionist_server]),
+        Rejected = fun(M) ->
+                           #{gossip := G} = call(M, actor_receptionist, status, []),
+                           maps:get(rejected, G, 0)
+                   end,
+        R0 = [Rejected(M) || M <- [A, C]],
+        %% Returns once each target's server has handled them all.
+        N = call(C, ?MODULE, forge_member, [[node_of(A), node_of(C)], PidB, Inc, Ver, Id, RB]),
+        [ok = call(M, ap_test_util, rcpt_barrier, []) || M <- [A, C]],
+        [?assertEqual([RB], lookup(M, K)) || M <- [A, C]],
+        %% B's own next change comes through as ever.
+        RB2 = ref(B),
+        ok = call(B, actor_receptionist, register, [K, RB2]),
+        converge(Ms, K, [RB, RB2]),
+        [begin
+             wait_listing(M, S, K, [RB, RB2]),
+             ?assertEqual([lists:sort([RB]), lists:sort([RB, RB2])], listings(M, S, K))
+         end || {M, S} <- Watched],
+        [?assert(Rejected(M) >= R + N) || {M, R} <- lists:zip([A, C], R0)]
+    end).
+
+%% States of made-up origins, "relayed" by member B (by its server's pid,
+%% older protocol) or on made-up aliases (this protocol, names as
+%% binaries), and digests that list them: A makes no table and no origin
+%% slot in its C node for any, holds none of them, and for the binaries no
+%% atom either. (An atom in any message is made by the runtime when it
+%% decodes the message, before any code sees it: the older protocol's
+%% names cost their atoms whoever takes them, which is why names travel as
+%% binaries now.)
+origins_that_are_no_members_cost_nothing() ->
+    with_members(2, fun([A, B]) ->
+        PidB = call(B, erlang, whereis, [actor_receptionist_server]),
+        F0 = call(A, ?MODULE, footprint, []),
+        N1 = call(B, ?MODULE, forge_origins, [node_of(A), PidB, old, 1000]),
+        F1 = call(A, ?MODULE, footprint, []),
+        N2 = call(B, ?MODULE, forge_origins, [node_of(A), PidB, new, 1000]),
+        F2 = call(A, ?MODULE, footprint, []),
+        [begin
+             ?assert(maps:get(tables, Fb) - maps:get(tables, Fa) < 10),
+             ?assertEqual(maps:get(cnode_origins, Fa), maps:get(cnode_origins, Fb)),
+             ?assertEqual(maps:get(origins, Fa), maps:get(origins, Fb))
+         end || {Fa, Fb} <- [{F0, F1}, {F1, F2}]],
+        ?assert(maps:get(atoms, F2) - maps:get(atoms, F1) < 10),
+        ?assert(maps:get(rejected, F2) >= maps:get(rejected, F0) + N1 + N2)
+    end).
+
+%% The C node's origin slots are those of the members it holds: one that
+%% leaves gives its slot back, and a member that comes later (another
+%% name) takes it.
+origin_slots_of_members_that_left_are_reused() ->
+    with_members(1, fun([A]) ->
+        K = key(slots),
+        ?assertMatch(#{origins := 0}, call(A, actor_receptionist, stats, [])),
+        [begin
+             {B, _} = start_member(),
+             try
+                 mesh([A, B]),
+                 RB = ref(B),
+                 ok = call(B, actor_receptionist, register, [K, RB]),
+                 converge([A], K, [RB]),
+                 ?assertMatch(#{origins := 1}, call(A, actor_receptionist, stats, []))
+             after
+                 stop_member(B)
+             end,
+             converge([A], K, []),
+             wait_until(fun() -> maps:get(origins, call(A, actor_receptionist, stats, [])) =:= 0 end,
+                        ?WAIT_MS)
+         end || _ <- [1, 2, 3]]
+    end).
+
+%% Member A holds 10,000 origins, relayed to it by member F (a plain BEAM
+%% whose receptionist server is the fake_relay/2 below: it speaks the
+%% protocol, and lists the origins as its direct ones), each with one
+%% registration, and member B's. A registration on A, and one of B's
+%% reaching A, cost A's server about what they cost with no origin: the
+%% work is counted in reductions, under a bound that a walk over the
+%% origins per registration passes by ten times; the whole case also has a
+%% deadline a hundred times what it takes.
+registrations_cost_the_same_with_many_origins() ->
+    NOrigins = 10000, NRegs = 2000,
+    with_members(2, fun([A, B] = Ms) ->
+        Paths = [filename:dirname(code:which(M)) || M <- [?MODULE, ap_test_util]],
+        {ok, F, FNode} = peer:start(#{name => peer:random_name(rcpt_relay), connection => standard_io,
+                                      args => ["-setcookie", atom_to_list(erlang:get_cookie()),
+                                               "-connect_all", "false", "-pa" | Paths]}),
+        try
+            T0 = erlang:monotonic_time(millisecond),
+            Names = [iolist_to_binary(io_lib:format("relayed~b@nowhere", [I]))
+                     || I <- lists:seq(1, NOrigins)],
+            _ = call(F, erlang, spawn, [?MODULE, fake_relay, [node_of(A), Names]]),
+            true = call(F, net_kernel, connect_node, [node_of(A)]),
+            wait_until(fun() ->
+                               case call(A, actor_receptionist, status, []) of
+                                   #{origins := Os} -> map_size(Os) >= NOrigins + 2;
+                                   {error, timeout} -> false
+                               end
+                       end, 120000),
+            ?assertMatch(#{origins := NOrigins}, call(A, actor_receptionist, stats, [])),
+            ?assertEqual([call(F, erlang, whereis, [fake_relay_ref])],
+                         lookup(A, actor_receptionist:service_key(<<"relay.", (lists:last(Names))/binary>>))),
+            Server = call(A, erlang, whereis, [actor_receptionist_server]),
+            Reds = fun() -> {reductions, R} = call(A, erlang, process_info, [Server, reductions]), R end,
+            %% Local registrations on A.
+            R0 = Reds(),
+            ok = call(A, erlang, apply,
+                      [fun() ->
+                               Ref = spawn(timer, sleep, [infinity]),
+                               [ok = actor_receptionist:register(key({many_local, I}), Ref)
+                                || I <- lists:seq(1, NRegs)],
+                               %% (Applied by the server and its C node;
+                               %% the wait is the case's deadline.)
+                               gen_server:call(actor_receptionist_server, sync, 120000)
+                       end, []], 150000),
+            R1 = Reds(),
+            %% B's, through its deltas.
+            RB = ref(B),
+            ok = call(B, erlang, apply,
+                      [fun() ->
+                               [ok = actor_receptionist:register(key({many_remote, I}), RB)
+                                || I <- lists:seq(1, NRegs)],
+                               ok
+                       end, []]),
+            wait_until(fun() -> lookup(A, key({many_remote, NRegs})) =:= [RB] end, 120000),
+            R2 = Reds(),
+            io:format(user, "~nreductions per registration with ~b origins: local ~b, remote ~b~n",
+                      [NOrigins, (R1 - R0) div NRegs, (R2 - R1) div NRegs]),
+            ?assert((R1 - R0) div NRegs < 1000),
+            ?assert((R2 - R1) div NRegs < 1000),
+            converge(Ms, key({many_remote, 1}), [RB]),
+            ?assert(erlang:monotonic_time(millisecond) - T0 < 120000)
+        after
+            catch peer:stop(F),
+            wait_gone([FNode])
+        end
+    end).
+
+%% Opt-in: a watched registration goes from every member when its process
+%% dies, a process on this member or another one; an unwatched one stays
+%% (the seed's default), on every member.
+a_watched_registration_goes_from_every_member() ->
+    with_members(3, fun([A, B, _C] = Ms) ->
+        K = key(watched),
+        Subs = [{M, subscriber(M, K)} || M <- Ms],
+        Watched = ref(A), Unwatched = ref(A), OnB = ref(B),
+        ok = call(A, actor_receptionist, register, [K, Watched, undefined, #{watch => true}]),
+        ok = call(A, actor_receptionist, register, [K, Unwatched]),
+        %% A process of another member, watched from A.
+        ok = call(A, actor_receptionist, register, [K, OnB, undefined, #{watch => true}]),
+        converge(Ms, K, [Watched, Unwatched, OnB]),
+        %% The unwatched one dies first: by the time the watched one's
+        %% death has gone round, A's receptionist has long seen nothing.
+        kill(A, Unwatched),
+        kill(A, Watched),
+        converge(Ms, K, [Unwatched, OnB]),
+        kill(B, OnB),
+        converge(Ms, K, [Unwatched]),
+        [wait_listing(M, S, K, [Unwatched]) || {M, S} <- Subs],
+        [?assertEqual(no_repeats, repeats(listings(M, S, K))) || {M, S} <- Subs],
+        ok = call(A, actor_receptionist, deregister, [K, Unwatched]),
+        converge(Ms, K, [])
+    end).
+
+%% {via, actor_receptionist, Name}: a gen_server started under a name on
+%% one member is called by that name from another; the name is taken on
+%% every member, and free on every member once it stops; with two holders
+%% every member picks the same one.
+a_gen_server_named_on_one_member_is_called_from_another() ->
+    with_members(3, fun([A, B, C] = Ms) ->
+        Name = {cluster_named, ?FUNCTION_NAME},
+        Via = {via, actor_receptionist, Name},
+        K = actor_receptionist:name_key(Name),
+        Start = fun(M) -> call(M, gen_server, start_link, [Via, ap_named_server, ok, []]) end,
+        {ok, P} = Start(A),
+        converge(Ms, K, [P]),
+        ?assertEqual({P, node_of(A)}, call(B, gen_server, call, [Via, whoami])),
+        [?assertEqual(P, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertEqual({error, {already_started, P}}, Start(C)),
+        ?assertEqual({error, {already_started, P}}, Start(A)),
+        ?assertEqual(no, call(C, actor_receptionist, register_name, [Name, ref(C)])),
+        ok = call(A, gen_server, stop, [P]),
+        converge(Ms, K, []),
+        [?assertEqual(undefined, call(M, actor_receptionist, whereis_name, [Name])) || M <- Ms],
+        ?assertExit({noproc, _}, call(B, gen_server, call, [Via, whoami])),
+        {ok, P2} = Start(C),
+        converge(Ms, K, [P2]),
+        ?assertEqual({P2, node_of(C)}, call(B, gen_server, call, [Via, whoami])),
+        %% A second holder (as two register_name calls on two members within
+        %% the gossip lag would make): the same pick everywhere.
+        Q = ref(A),
+        ok = call(A, actor_receptionist, register, [K, Q]),
+        converge(Ms, K, [P2, Q]),
+        Picks = [call(M, actor_receptionist, whereis_name, [Name]) || M <- Ms],
+        ?assertEqual([lists:min([P2, Q])], lists:usort(Picks)),
+        ok = call(A, actor_receptionist, deregister, [K, Q]),
+        ok = call(C, gen_server, stop, [P2]),
+        converge(Ms, K, [])
+    end).
+
+%% (On a peer) The messages of forged_gossip_changes_nothing/0, to the
+%% servers of Targets; once each has handled them, how many of them come
+%% on made-up aliases (each is counted as rejected).
+forge_member(Targets, MemberPid, Inc, Ver, Id, Ref) ->
+    Member = node(MemberPid),
+    Old = [{ap_rcpt_state, MemberPid, Inc, Ver + 1000, []},
+           {ap_rcpt_delta, MemberPid, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
+           {ap_rcpt_hello, MemberPid, Inc},
+           {ap_rcpt_digest, MemberPid, Inc, Ver + 1000, []}],
+    Made = fun(Target) ->
+                   Aliases = [make_ref(), alias(), made_up_ref(Target), made_up_ref(Member)],
+                   [{ap_rcpt2, Alias, Body}
+                    || Alias <- Aliases,
+                       Body <- [{state, Inc, Ver + 1000, []},
+                                {delta, Inc, Ver, Ver + 1, [{dereg, Id, Ref}]},
+                                {digest, Inc, Ver + 1000, []}, {welcome, alias()}, ask]]
+           end,
+    Hellos = [{ap_rcpt2_hello, alias(), member}, {ap_rcpt2_hello, made_up_ref(Member), member},
+              {ap_rcpt2_hello, made_up_ref(Member), follower}],
+    lists:foreach(fun(Target) ->
+                          Dest = {actor_receptionist_server, Target},
+                          [Dest ! M || M <- Old ++ Made(Target) ++ Hellos],
+                          #{} = gen_server:call(Dest, status)
+                  end, Targets),
+    length(Old) + length(Made(hd(Targets))).
+
+%% (On a peer) N states of made-up origins (and digests listing them) to
+%% Target's server, in the older protocol (`old': relayed by MemberPid,
+%% names as atoms) or this one (`new': on made-up aliases, names as
+%% binaries); once it has handled them, how many messages.
+forge_origins(Target, MemberPid, Format, N) ->
+    Dest = {actor_receptionist_server, Target},
+    Names = [iolist_to_binary(io_lib:format("forged_~s_~b@nowhere", [Format, I]))
+             || I <- lists:seq(1, N)],
+    Regs = fun(Name) -> [{<<"forged.", Name/binary>>, self()}] end,
+    Msgs = case Format of
+               old ->
+                   [{ap_rcpt_origin_state, MemberPid, binary_to_atom(Name), 1, 1, Regs(Name)}
+                    || Name <- Names]
+                       ++ [{ap_rcpt_digest, MemberPid, 1, 1, [{binary_to_atom(Name), 1, 1}
+                                                                 || Name <- Names]}];
+               new ->
+                   Alias = made_up_ref(Target),
+                   Digest = [{Name, 1, 1} || Name <- Names],
+                   [{ap_rcpt2, A, {origin_state, Name, 1, 1, Regs(Name)}}
+                    || A <- [Alias, make_ref()], Name <- Names]
+                       ++ [{ap_rcpt2, A, {digest, 1, 1, Digest}} || A <- [Alias, make_ref()]]
+           end,
+    [Dest ! M || M <- Msgs],
+    #{} = gen_server:call(Dest, status),
+    length(Msgs).
+
+%% A reference of Node that nobody made (the external term format lets
+%% anyone write one).
+made_up_ref(Node) ->
+    Name = atom_to_binary(Node),
+    binary_to_term(<<131, 90, 3:16, 119, (byte_size(Name)):8, Name/binary, 7:32,
+                     (rand:uniform(16#3ffff)):32, (rand:uniform(1 bsl 30)):32,
+                     (rand:uniform(1 bsl 30)):32>>).
+
+%% (On the node of test A) What a forged origin would cost: atoms, ETS
+%% tables, the C node's origin slots, the origins held, gossip rejected.
+footprint() ->
+    #{origins := Os, gossip := G} = actor_receptionist:status(),
+    #{origins := CnodeOrigins} = actor_receptionist:stats(),
+    #{atoms => erlang:system_info(atom_count), tables => length(ets:all()),
+      cnode_origins => CnodeOrigins, origins => lists:sort(maps:keys(Os)),
+      rejected => maps:get(rejected, G, 0)}.
+
+%% (On a plain peer) A receptionist server as far as member Member can
+%% tell: it opens a channel with Member, and lists Names as the origins it
+%% reaches directly, each with one registration (key `relay.Name', a
+%% process of this node registered as fake_relay_ref). It sends its digest
+%% every 200 ms until Member has asked for every name (Member sends its
+%% requests without waiting on a busy connection: some may be lost, as a
+%% real relay's next round would mend), then no more, and answers none of
+%% Member's: Member keeps what it holds through it and spends nothing on
+%% its digests while measured.
+fake_relay(Member, Names) ->
+    true = register(actor_receptionist_server, self()),
+    Ref = spawn(timer, sleep, [infinity]),
+    true = register(fake_relay_ref, Ref),
+    relay_loop(#{server => {actor_receptionist_server, Member}, mine => alias(), out => undefined,
+                 names => Names, ref => Ref, asked => #{}, due => now_ms()}).
+
+relay_loop(#{server := Server, mine := Mine, out := Out, names := Names, ref := Ref,
+             asked := Asked, due := Due} = S) ->
+    Send = fun(Body) -> erlang:send(Out, {ap_rcpt2, Out, Body}) end,
+    Digest = fun() -> Send({digest, 1, 1, [{Name, 1, 1} || Name <- Names]}) end,
+    %% Every 200 ms (a deadline: Member's own messages come as often).
+    Wait = case Out =:= undefined orelse map_size(Asked) < length(Names) of
+               true -> max(0, Due - now_ms());
+               false -> infinity
+           end,
+    receive
+        {ap_rcpt2_hello, X, member} ->
+            %% Member's probe: welcome it, and say hello back until it
+            %% welcomes us.
+            Server ! {ap_rcpt2, X, {welcome, Mine}},
+            Out =:= undefined andalso (Server ! {ap_rcpt2_hello, Mine, member}),
+            relay_loop(S);
+        {ap_rcpt2, Mine, {welcome, W}} when Out =:= undefined ->
+            erlang:send(W, {ap_rcpt2, W, {state, 1, 1, []}}),
+            relay_loop(S#{out := W});
+        {ap_rcpt2, Mine, ask} when Out =/= undefined ->
+            Send({state, 1, 1, []}),
+            relay_loop(S);
+        {ap_rcpt2, Mine, {want_origin, Name}} when Out =/= undefined ->
+            Send({origin_state, Name, 1, 1, [{<<"relay.", Name/binary>>, Ref}]}),
+            relay_loop(S#{asked := Asked#{Name => true}});
+        _ ->
+            relay_loop(S)
+    after Wait ->
+        case Out of
+            %% Not welcomed yet (Member may have probed this node before
+            %% this process had its name): say hello.
+            undefined -> Server ! {ap_rcpt2_hello, Mine, member};
+            _ -> Digest()
+        end,
+        relay_loop(S#{due := now_ms() + 200})
+    end.
+
+now_ms() ->
+    erlang:monotonic_time(millisecond).
+
+%% ===================================================================
 %% Helpers
 %% ===================================================================
 
@@ -657,7 +1017,10 @@ key(Name) ->
     actor_receptionist:service_key(iolist_to_binary(io_lib:format("cluster.~0p", [Name]))).
 
 call(Peer, M, F, A) ->
-    peer:call(Peer, M, F, A, 30000).
+    call(Peer, M, F, A, 30000).
+
+call(Peer, M, F, A, Timeout) ->
+    peer:call(Peer, M, F, A, Timeout).
 
 node_of(Peer) ->
     call(Peer, erlang, node, []).
@@ -665,6 +1028,11 @@ node_of(Peer) ->
 %% A long-lived process on the member: a ref to register.
 ref(Peer) ->
     call(Peer, erlang, spawn, [timer, sleep, [infinity]]).
+
+%% Kills process Pid of the member, and waits until it is dead.
+kill(Peer, Pid) ->
+    true = call(Peer, erlang, exit, [Pid, kill]),
+    wait_until(fun() -> not call(Peer, erlang, is_process_alive, [Pid]) end, ?WAIT_MS).
 
 subscriber(Peer, K) ->
     S = call(Peer, ap_test_util, spawn_collector, []),

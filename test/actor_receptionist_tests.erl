@@ -43,6 +43,14 @@
          single_node_mode_needs_no_cluster/1,
          bad_start_options_are_badarg/1,
          the_model_property_holds/1,
+         a_watched_registration_goes_when_its_process_dies/1,
+         register_options_are_checked_and_empty_is_register_3/1,
+         deregister_ends_a_watch_and_the_first_watch_sticks/1,
+         a_gen_server_is_named_through_the_receptionist/1,
+         via_names_are_keys_and_one_member_gives_a_name_once/1,
+         a_supervisor_restarts_a_named_child_under_its_name/1,
+         a_dead_holder_frees_its_name_before_its_down_arrives/1,
+         a_watch_survives_a_server_restart/1,
          receptionist_crash_is_replayed/1,
          requests_while_down_are_applied_once_back/1,
          server_crash_restarts_the_node_and_keeps_the_journal/1,
@@ -86,7 +94,16 @@ actor_receptionist_test_() ->
                  single_node_mode_needs_no_cluster,
                  bad_start_options_are_badarg,
                  the_model_property_holds,
-                 %% these kill or cut off the receptionist C node
+                 %% opt-in beyond the seed: watched refs, via names
+                 a_watched_registration_goes_when_its_process_dies,
+                 register_options_are_checked_and_empty_is_register_3,
+                 deregister_ends_a_watch_and_the_first_watch_sticks,
+                 a_gen_server_is_named_through_the_receptionist,
+                 via_names_are_keys_and_one_member_gives_a_name_once,
+                 a_supervisor_restarts_a_named_child_under_its_name,
+                 a_dead_holder_frees_its_name_before_its_down_arrives,
+                 %% these kill or cut off the receptionist C node (or its server)
+                 a_watch_survives_a_server_restart,
                  receptionist_crash_is_replayed,
                  requests_while_down_are_applied_once_back,
                  server_crash_restarts_the_node_and_keeps_the_journal,
@@ -421,6 +438,238 @@ the_model_property_holds(_Ctx) ->
                               [{numtests, 60}, {to_file, user}, noshrink])).
 
 %% ===================================================================
+%% Beyond the seed (opt-in): watched registrations, via names
+%% ===================================================================
+
+a_watched_registration_goes_when_its_process_dies(_Ctx) ->
+    K = key(?FUNCTION_NAME), Plain = key({?FUNCTION_NAME, plain}),
+    W0 = watched(),
+    S = spawn_collector(),
+    ok = actor_receptionist:subscribe(K, S),
+    P = spawn_idle(),
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    ?assertEqual({registered, K, P}, next()),
+    %% The same process under another key, not watched: the seed's rule.
+    ok = actor_receptionist:register(Plain, P, self()),
+    ?assertEqual({registered, Plain, P}, next()),
+    ?assertEqual([P], actor_receptionist:lookup(K)),
+    ?assertEqual(W0 + 1, watched()),
+    stop_all([P]),
+    %% Deregistered by the receptionist: a smaller listing, gone from
+    %% lookup and find, and no longer watched.
+    wait_until(fun() -> collected(S) =:= [{listing, K, []}, {listing, K, [P]}, {listing, K, []}] end,
+               ?WAIT_MS),
+    ?assertEqual([], actor_receptionist:lookup(K)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, []}, next()),
+    ?assertEqual(W0, watched()),
+    %% The unwatched registration of the same dead process stays.
+    ok = actor_receptionist:find(Plain, self()),
+    ?assertEqual({listing, Plain, [P]}, next()),
+    ok = actor_receptionist:deregister(Plain, P),
+    stop_all([S]).
+
+register_options_are_checked_and_empty_is_register_3(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    P = spawn_idle(), Q = spawn_idle(),
+    [?assertEqual({error, {badarg, {opts, O}}}, actor_receptionist:register(K, P, self(), O))
+     || O <- [#{watch => yes}, #{bogus => 1}, #{watch => true, bogus => 1}, [{watch, true}], watch]],
+    ?assertEqual({error, {badarg, {reply_to, x}}}, actor_receptionist:register(K, P, x, #{})),
+    ?assertEqual({error, {badarg, {key, 42}}},
+                 actor_receptionist:register(42, P, self(), #{watch => true})),
+    ?assertEqual({error, {badarg, {ref, x}}},
+                 actor_receptionist:register(K, x, self(), #{watch => true})),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, []}, next()),
+    %% #{} and watch => false are register/3 (and undefined: no reply).
+    ok = actor_receptionist:register(K, P, self(), #{}),
+    ?assertEqual({registered, K, P}, next()),
+    ok = actor_receptionist:register(K, Q, undefined, #{watch => false}),
+    stop_all([P, Q]),
+    %% A watched one that dies after them: once it is gone, the server has
+    %% seen all three deaths, and kept the two unwatched refs.
+    W = spawn_idle(),
+    ok = actor_receptionist:register(K, W, self(), #{watch => true}),
+    ?assertEqual({registered, K, W}, next()),
+    stop_all([W]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P, Q] end, ?WAIT_MS),
+    barrier(),
+    ?assertEqual([], drain()),
+    [ok = actor_receptionist:deregister(K, R) || R <- [P, Q]].
+
+deregister_ends_a_watch_and_the_first_watch_sticks(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    W0 = watched(),
+    P = spawn_idle(), Q = spawn_idle(),
+    %% P: watched, deregistered, registered again without: not watched.
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, P})),
+    ok = actor_receptionist:deregister(K, P, self()),
+    ?assertEqual(W0, watched_after({deregistered, K, P})),
+    ok = actor_receptionist:register(K, P, self()),
+    ?assertEqual(W0, watched_after({registered, K, P})),
+    %% Q: registered, then again with watch (now watched), then again
+    %% with watch => false (still watched).
+    ok = actor_receptionist:register(K, Q, self()),
+    ?assertEqual(W0, watched_after({registered, K, Q})),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => true}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, Q})),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => false}),
+    ?assertEqual(W0 + 1, watched_after({registered, K, Q})),
+    stop_all([P, Q]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P] end, ?WAIT_MS),
+    ?assertEqual(W0, watched()),
+    ok = actor_receptionist:deregister(K, P).
+
+a_gen_server_is_named_through_the_receptionist(_Ctx) ->
+    %% Any term names one; this one is a tuple.
+    Name = {?FUNCTION_NAME, 1},
+    Via = {via, actor_receptionist, Name},
+    K = actor_receptionist:name_key(Name),
+    {ok, P} = gen_server:start_link(Via, ap_named_server, ok, []),
+    %% Seen at once, by whereis_name and lookup.
+    ?assertEqual(P, actor_receptionist:whereis_name(Name)),
+    ?assertEqual([P], actor_receptionist:lookup(K)),
+    ?assertEqual({P, node()}, gen_server:call(Via, whoami)),
+    ok = gen_server:cast(Via, {tell, self()}),
+    ?assertEqual({told, P}, next()),
+    ?assertEqual(P, actor_receptionist:send(Name, {'$gen_cast', {tell, self()}})),
+    ?assertEqual({told, P}, next()),
+    %% Taken.
+    ?assertEqual({error, {already_started, P}}, gen_server:start(Via, ap_named_server, ok, [])),
+    %% It stops: the next one gets the name at once (its old holder's DOWN
+    %% may not have reached the receptionist yet), and the old one goes.
+    ok = gen_server:stop(Via),
+    {ok, P2} = gen_server:start(Via, ap_named_server, ok, []),
+    ?assertEqual(P2, actor_receptionist:whereis_name(Name)),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P2] end, ?WAIT_MS),
+    %% And when it stops with nobody after it, the name frees.
+    ok = gen_server:stop(P2),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Name)),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS),
+    ?assertExit({noproc, _}, gen_server:call(Via, whoami)),
+    ok = gen_server:cast(Via, {tell, self()}),
+    ?assertExit({badarg, {Name, hello}}, actor_receptionist:send(Name, hello)),
+    %% An init that fails gives the name back before start returns.
+    ?assertEqual({error, normal}, gen_server:start(Via, ap_named_server, {stop, normal}, [])),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Name)),
+    ?assertEqual([], drain()).
+
+via_names_are_keys_and_one_member_gives_a_name_once(_Ctx) ->
+    Bin = atom_to_binary(?FUNCTION_NAME),
+    %% A key or an id is that key; other terms are their external format.
+    ?assertEqual(actor_receptionist:service_key(Bin), actor_receptionist:name_key(Bin)),
+    ?assertEqual(actor_receptionist:service_key(Bin), actor_receptionist:name_key(?FUNCTION_NAME)),
+    ?assertEqual(actor_receptionist:service_key(Bin),
+                 actor_receptionist:name_key(actor_receptionist:service_key(Bin))),
+    ?assertEqual({service_key, term_to_binary({x, 1}, [deterministic, {minor_version, 2}])},
+                 actor_receptionist:name_key({x, 1})),
+    TooLong = {binary:copy(<<"x">>, 1024)},
+    ?assertError(badarg, actor_receptionist:name_key(TooLong)),
+    ?assertError(badarg, actor_receptionist:register_name(TooLong, self())),
+    ?assertError(badarg, actor_receptionist:register_name(Bin, not_a_pid)),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(TooLong)),
+    ?assertEqual(ok, actor_receptionist:unregister_name(TooLong)),
+    K = actor_receptionist:service_key(Bin),
+    %% register_name: yes, then no for anyone (the holder too); the name is
+    %% found under its key at once, and watched.
+    W0 = watched(),
+    P = spawn_idle(), Q = spawn_idle(),
+    ?assertEqual(yes, actor_receptionist:register_name(Bin, P)),
+    ?assertEqual(P, actor_receptionist:whereis_name(Bin)),
+    ok = actor_receptionist:find(K, self()),
+    ?assertEqual({listing, K, [P]}, next()),
+    ?assertEqual(W0 + 1, watched()),
+    ?assertEqual(no, actor_receptionist:register_name(Bin, Q)),
+    ?assertEqual(no, actor_receptionist:register_name(Bin, P)),
+    %% unregister_name frees it before it returns.
+    ?assertEqual(ok, actor_receptionist:unregister_name(Bin)),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Bin)),
+    ?assertEqual(W0, watched()),
+    ?assertEqual(ok, actor_receptionist:unregister_name(Bin)),
+    %% A plain registration under the key holds the name too, and
+    %% unregister_name leaves it (it was not made as a name).
+    ok = actor_receptionist:register(K, Q, self()),
+    ?assertEqual({registered, K, Q}, next()),
+    ?assertEqual(no, actor_receptionist:register_name(Bin, P)),
+    ?assertEqual(Q, actor_receptionist:whereis_name(Bin)),
+    ?assertEqual(ok, actor_receptionist:unregister_name(Bin)),
+    ?assertEqual([Q], actor_receptionist:lookup(K)),
+    %% Several refs under the key: the least pid, whatever the order.
+    Rs = [spawn_idle() || _ <- lists:seq(1, 5)],
+    [ok = actor_receptionist:register(K, R) || R <- lists:reverse(Rs)],
+    barrier(),
+    ?assertEqual(lists:min([Q | Rs]), actor_receptionist:whereis_name(Bin)),
+    [ok = actor_receptionist:deregister(K, R) || R <- [Q | Rs]],
+    barrier(),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Bin)),
+    %% An unwatched registration of a dead process of this node stays, but
+    %% holds no name here.
+    stop_all([Q]),
+    ok = actor_receptionist:register(K, Q, self()),
+    ?assertEqual({registered, K, Q}, next()),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Bin)),
+    ?assertEqual(yes, actor_receptionist:register_name(Bin, P)),
+    ?assertEqual(P, actor_receptionist:whereis_name(Bin)),
+    ?assertEqual(lists:sort([Q, P]), lists:sort(actor_receptionist:lookup(K))),
+    ok = actor_receptionist:unregister_name(Bin),
+    ?assertEqual([Q], actor_receptionist:lookup(K)),
+    ok = actor_receptionist:deregister(K, Q),
+    stop_all([P | Rs]).
+
+a_supervisor_restarts_a_named_child_under_its_name(_Ctx) ->
+    Name = atom_to_binary(?FUNCTION_NAME),
+    {ok, Sup} = supervisor:start_link(ap_named_server, {sup, Name}),
+    [{named, P1, worker, _}] = supervisor:which_children(Sup),
+    ?assertEqual(P1, actor_receptionist:whereis_name(Name)),
+    exit(P1, kill),
+    wait_until(fun() ->
+                       case supervisor:which_children(Sup) of
+                           [{named, P, worker, _}] -> is_pid(P) andalso P =/= P1;
+                           _ -> false
+                       end
+               end, ?WAIT_MS),
+    [{named, P2, worker, _}] = supervisor:which_children(Sup),
+    ?assertEqual(P2, actor_receptionist:whereis_name(Name)),
+    wait_until(fun() -> actor_receptionist:lookup(Name) =:= [P2] end, ?WAIT_MS),
+    ok = gen_server:stop(Sup),
+    ?assertEqual(undefined, actor_receptionist:whereis_name(Name)),
+    wait_until(fun() -> actor_receptionist:lookup(Name) =:= [] end, ?WAIT_MS).
+
+%% The receptionist holds a watched registration of a process that has
+%% died, and handles a register_name for its key before that process's
+%% DOWN (a supervisor can restart a child before the receptionist hears of
+%% the old one's death): the name is free, and the dead one goes with its
+%% DOWN. Made deterministic by suspending the server: the registration of
+%% a dead process, then the call, queue up in that order, and the DOWN
+%% (noproc, from the monitor the registration sets) comes after both.
+a_dead_holder_frees_its_name_before_its_down_arrives(_Ctx) ->
+    Name = atom_to_binary(?FUNCTION_NAME),
+    Dead = spawn_idle(),
+    stop_all([Dead]),
+    New = spawn_idle(),
+    Server = whereis(actor_receptionist_server),
+    ok = sys:suspend(Server),
+    Self = self(),
+    try
+        ok = actor_receptionist:register(Name, Dead, undefined, #{watch => true}),
+        spawn_link(fun() -> Self ! {answer, actor_receptionist:register_name(Name, New)} end),
+        wait_until(fun() ->
+                           {messages, Msgs} = process_info(Server, messages),
+                           lists:any(fun({'$gen_call', _, {register_name, _, _}}) -> true;
+                                        (_) -> false
+                                     end, Msgs)
+                   end, ?WAIT_MS)
+    after
+        ok = sys:resume(Server)
+    end,
+    ?assertEqual({answer, yes}, next()),
+    ?assertEqual(New, actor_receptionist:whereis_name(Name)),
+    wait_until(fun() -> actor_receptionist:lookup(Name) =:= [New] end, ?WAIT_MS),
+    ok = actor_receptionist:unregister_name(Name),
+    stop_all([New]).
+
+%% ===================================================================
 %% Durability
 %% ===================================================================
 
@@ -522,6 +771,33 @@ server_crash_restarts_the_node_and_keeps_the_journal(_Ctx) ->
     stop_all([S]),
     wait_until(fun() -> maps:get(local_subscriptions, actor_receptionist:stats()) =:= 0 end, ?WAIT_MS),
     stop_all([A]).
+
+%% The watches are in the journal: a restarted server watches again, and a
+%% watched process that died while no server ran goes at the restart.
+a_watch_survives_a_server_restart(_Ctx) ->
+    K = key(?FUNCTION_NAME),
+    P = spawn_idle(), Q = spawn_idle(),
+    ok = actor_receptionist:register(K, P, self(), #{watch => true}),
+    {registered, K, P} = next(),
+    ok = actor_receptionist:register(K, Q, self(), #{watch => true}),
+    {registered, K, Q} = next(),
+    #{restarts := R0} = actor_cnode:info(actor_receptionist_owner),
+    %% The supervisor, suspended, restarts the server only once Q is dead.
+    ok = sys:suspend(actor_receptionist_sup),
+    Server = whereis(actor_receptionist_server),
+    try
+        Mref = monitor(process, Server),
+        exit(Server, kill),
+        receive {'DOWN', Mref, _, _, _} -> ok end,
+        stop_all([Q])
+    after
+        ok = sys:resume(actor_receptionist_sup)
+    end,
+    wait_until(fun() -> is_pid(whereis(actor_receptionist_server)) end, ?WAIT_MS),
+    wait_restarted(R0),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [P] end, ?WAIT_MS),
+    stop_all([P]),
+    wait_until(fun() -> actor_receptionist:lookup(K) =:= [] end, ?WAIT_MS).
 
 lost_connection_restarts_the_node_and_keeps_the_journal(#{rcpt_node := Node}) ->
     K = key(?FUNCTION_NAME),
@@ -828,6 +1104,16 @@ barrier() ->
 
 spawn_idle() ->
     spawn(fun() -> receive stop -> ok end end).
+
+%% How many registrations of this node are watched.
+watched() ->
+    #{watched_registrations := N} = actor_receptionist:stats(),
+    N.
+
+%% Once Reply (the acknowledgement of this process's last request) came.
+watched_after(Reply) ->
+    ?assertEqual(Reply, next()),
+    watched().
 
 %% The receptionist C node is up again, one incarnation after R0.
 wait_restarted(R0) ->

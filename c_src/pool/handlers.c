@@ -2,9 +2,13 @@
 #include "handlers.h"
 
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <ei.h>
 
@@ -638,6 +642,43 @@ int ap_plugin_load(const char *path, const actor_pool_handler **out, void **dl_h
 err:
 	dlclose(dl);
 	return -1;
+}
+
+int ap_plugin_check(const char *path, char *why, size_t why_len)
+{
+	char local[PATH_MAX];
+	const char *at = path;
+	struct stat st;
+
+	if (why_len)
+		why[0] = '\0';
+	if (!path || !*path) {
+		set_why(why, why_len, "empty path");
+		return -1;
+	}
+	/* As ap_plugin_load reads it: a name without '/' is a file here. */
+	if (!strchr(path, '/')) {
+		if ((size_t)snprintf(local, sizeof local, "./%s", path) >= sizeof local) {
+			set_why(why, why_len, "path too long");
+			return -1;
+		}
+		at = local;
+	}
+	/* O_NONBLOCK: a FIFO under that name must not hold up the caller. */
+	int fd = open(at, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+	if (fd < 0) {
+		if (why_len)
+			snprintf(why, why_len, "%s: %s", path, strerror(errno));
+		return -1;
+	}
+	int regular = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+	close(fd);
+	if (!regular) {
+		if (why_len)
+			snprintf(why, why_len, "%s: not a regular file", path);
+		return -1;
+	}
+	return 0;
 }
 
 void ap_plugin_unload(void *dl_handle)

@@ -93,4 +93,12 @@ int ap_plugin_load(const char *path, const actor_pool_handler **out, void **dl_h
 		   size_t why_len);
 void ap_plugin_unload(void *dl_handle);
 
+/* Whether `path` (read as ap_plugin_load reads it) names a regular file
+ * this process can open for reading, without loading it: what a pool whose
+ * workers load the plugin elsewhere (a worker process) checks first.
+ * Returns 0, or -1 with `why` ("<path>: <strerror>", "<path>: not a regular
+ * file", "empty path"; NUL-terminated when why_len > 0). Never blocks on a
+ * FIFO or a device. */
+int ap_plugin_check(const char *path, char *why, size_t why_len);
+
 #endif

@@ -74,12 +74,17 @@ typedef struct ap_iso {
 	uint64_t next_seq;  /* of the next job to send */
 	uint64_t front_seq; /* of the oldest job sent and not answered */
 	uint64_t ask_seq;   /* of the last ask sent whole; 0 when none */
-	int64_t front_since; /* since when the child has been on it, by our clock (handler_timeout_ms) */
 	/* Tells published and not rung (send_commit), since when. */
 	unsigned unrung;
 	int64_t unrung_since_us;
 	size_t got;         /* bytes of the current result assembled in w->reply */
-	uint64_t timed_out_seq;
+	/* The loop killed the child for handler_timeout_ms (ap_iso_timeout):
+	 * 1 + the mailbox's done count then, which names the message it was
+	 * on; 0 if not. */
+	_Atomic uint64_t timeout_deq;
+	/* What stalls revoked so far of this child's messages (ap_iso_revoke):
+	 * rev_from..rev_upto, the verdict now published; rev_upto 0: none. */
+	uint64_t rev_from, rev_upto;
 	/* Bare tells: tells the loop wrote straight into the request ring
 	 * (ap_iso_send_tell), with no job in the mailbox. Their seqs, in
 	 * order, and where their records are, for ap_iso_rehydrate: the
@@ -89,6 +94,7 @@ typedef struct ap_iso {
 	struct iso_bare {
 		uint64_t seq;
 		uint32_t rec_off, len; /* the record's offset in the ring's data, the message's bytes */
+		int revoked;           /* moved to another worker (ap_iso_revoke), out of the depth */
 	} *bare;
 	uint64_t bare_head, bare_tail;
 	unsigned bare_unpub;
@@ -164,7 +170,6 @@ int ap_iso_slot_init(ap_worker *w)
 	l->cfg_off = (uint32_t)cfg_off;
 	l->cfg_len = (uint32_t)p->config_len;
 	l->max_memory_mb = p->o.max_memory_mb;
-	l->layout_timeout = p->o.handler_timeout_ms > 0;
 	l->worker = (uint32_t)w->id;
 	l->workers = (uint32_t)p->o.workers;
 	l->sb_off = (uint32_t)sb_off;
@@ -275,9 +280,19 @@ static int front_bare(const ap_iso *s)
 static void take_bare(ap_worker *w)
 {
 	ap_iso *s = w->iso;
+	if (!s->bare[s->bare_head % ISO_BARE_MAX].revoked)
+		ap_mbox_done(&w->mb);
 	s->bare_head++;
 	s->front_seq++;
-	ap_mbox_done(&w->mb);
+}
+
+/* The oldest message out was revoked (its copy is another worker's). */
+static int front_revoked(const ap_iso *s, ap_worker *w)
+{
+	if (front_bare(s))
+		return s->bare[s->bare_head % ISO_BARE_MAX].revoked;
+	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
+	return j && j->revoked;
 }
 
 /* While the proxy sleeps, the loop takes the ok tells the child has
@@ -368,6 +383,9 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	/* The ok tells before it are done. */
 	if (h.seq > s->front_seq && take_done(w, h.seq - 1, &progress))
 		return 0;
+	/* Handed back after a stall: the proxy's. */
+	if (front_revoked(s, w))
+		return 0;
 	if (front_bare(s)) {
 		/* A bare tell refused: nothing to answer. */
 		take_bare(w);
@@ -390,8 +408,6 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	} else if (j->seg) {
 		ap_dp_seg_put(j->seg);
 	}
-	/* front_since is left alone: only a timed pool's proxy reads it,
-	 * and the loop takes no timed pool's results. */
 	(void)ap_mbox_pop(&w->mb);
 	ap_mbox_done(&w->mb);
 	s->front_seq++;
@@ -501,7 +517,7 @@ static int front_is_ask(ap_worker *w)
 	if (front_bare(w->iso))
 		return 0;
 	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
-	return j && j->is_ask;
+	return j && j->is_ask && !j->revoked;
 }
 
 static int ready_run(ap_worker *w);
@@ -671,9 +687,9 @@ static int iso_spawn(ap_worker *w)
 	s->next_seq = s->front_seq = 1;
 	s->ask_seq = 0;
 	s->unrung = 0;
-	s->front_since = 0;
 	s->got = 0;
-	s->timed_out_seq = 0;
+	atomic_store(&s->timeout_deq, 0);
+	s->rev_from = s->rev_upto = 0;
 	s->bare_head = s->bare_tail = 0; /* ap_iso_rehydrate made jobs of the last child's */
 	s->bare_unpub = 0;
 	s->killed = s->handler_crash = 0;
@@ -791,10 +807,10 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	ap_iso *s = w->iso;
 	if (front_bare(s)) {
 		/* A tell: no answer, whatever came of it. */
+		int revoked = s->bare[s->bare_head % ISO_BARE_MAX].revoked;
 		take_bare(w);
-		s->front_since = ap_mono_ms();
 		s->got = 0;
-		if (h->c)
+		if (h->c || revoked)
 			return 0;
 		if (h->a == AP_HANDLER_CRASH) {
 			ap_worker_count_crash(w, AP_CRASH_HANDLER);
@@ -806,10 +822,11 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	}
 	ap_job *j = ap_mbox_pop(&w->mb);
 	s->front_seq++;
-	s->front_since = ap_mono_ms(); /* the child is on the next one now, if any */
 	s->got = 0;
 	if (!j)
 		return 0; /* cannot be: the seq was checked against what was sent */
+	if (j->revoked)
+		return 0; /* its copy is answered elsewhere; out of the depth already */
 	ap_mbox_done(&w->mb);
 	if (h->c) {
 		if (j->is_ask)
@@ -850,24 +867,25 @@ static int take_done(ap_worker *w, uint64_t upto, int *progress)
 	uint64_t n = 0;
 	while (s->front_seq <= upto) {
 		if (front_bare(s)) {
+			n += !s->bare[s->bare_head % ISO_BARE_MAX].revoked;
 			take_bare(w);
-			n++;
 			continue;
 		}
 		/* Looked at before it leaves: an ask popped here would go
-		 * unanswered. */
+		 * unanswered (a revoked one is answered elsewhere). */
 		ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
-		if (!j || j->is_ask)
+		if (!j || (j->is_ask && !j->revoked))
 			return -1;
 		(void)ap_mbox_pop(&w->mb);
+		s->front_seq++;
+		if (j->revoked)
+			continue;
 		ap_mbox_done(&w->mb);
 		if (j->seg)
 			ap_dp_seg_put(j->seg);
-		s->front_seq++;
 		n++;
 	}
 	atomic_fetch_add_explicit(&w->processed, n, memory_order_relaxed);
-	s->front_since = ap_mono_ms();
 	*progress = 1;
 	return 0;
 }
@@ -1009,8 +1027,6 @@ static int send_jobs(ap_worker *w)
 		n++;
 		size_t total = j->msg_len;
 		const uint8_t *msg = j->data + j->head_len;
-		if (s->front_seq == s->next_seq && s->sent_off == 0)
-			s->front_since = ap_mono_ms(); /* an idle child starts on it now */
 		do {
 			size_t chunk = total - s->sent_off < room ? total - s->sent_off : room;
 			void *rec;
@@ -1118,10 +1134,12 @@ static void on_death(ap_worker *w)
 	int progress = 0;
 	(void)drain_results(w, &progress); /* what it finished before it died */
 	uint64_t running = atomic_load(&c->running_seq);
-	/* Killed for a timeout, and that message is still unanswered (it may
-	 * have finished between our look and the kill). */
-	int timeout = s->timed_out_seq && s->timed_out_seq == s->front_seq && front_out(s);
-	if (s->handler_crash && !s->killed)
+	/* Killed by the loop for a timeout, and that message is still
+	 * unanswered (it may have finished between the loop's look and the
+	 * kill): nothing done since. */
+	uint64_t tdeq = atomic_load(&s->timeout_deq);
+	int timeout = tdeq && tdeq - 1 == atomic_load(&w->mb.deq) && front_out(s) && !front_revoked(s, w);
+	if (s->handler_crash && !s->killed && !timeout)
 		return; /* counted with its result */
 	enum ap_crash_cause cause = timeout ? AP_CRASH_TIMEOUT
 				    : s->how == CLD_EXITED ? AP_CRASH_EXIT : AP_CRASH_SIGNAL;
@@ -1135,8 +1153,13 @@ static void on_death(ap_worker *w)
 		else
 			j = ap_mbox_pop(&w->mb);
 		if (j) {
-			ap_mbox_done(&w->mb);
 			s->front_seq++;
+			if (j->revoked)
+				j = NULL; /* its copy is another worker's */
+			else
+				ap_mbox_done(&w->mb);
+		}
+		if (j) {
 			if (j->is_ask) {
 				set_death_reply(w, timeout);
 				ap_pool_send_own(w, j, "error", &w->reply);
@@ -1163,7 +1186,9 @@ static void on_stop(ap_worker *w)
 	ap_iso *s = w->iso;
 	int progress;
 	/* A process, unlike a thread, can be made to let go: what it still
-	 * runs after the grace is killed and answered stopped. */
+	 * runs after the grace is killed and answered stopped. A short grace:
+	 * a stop is what a user does to a pool that misbehaves, and a worker
+	 * that burns a CPU for seconds after it was meant to go is the bug. */
 	int64_t grace = ap_mono_ms() + ISO_STOP_GRACE_MS;
 	atomic_store(&s->ctl->stopping, 1);
 	ring_held(s); /* it hands back what it has not started */
@@ -1188,6 +1213,8 @@ static void on_stop(ap_worker *w)
 	}
 	ap_job *j;
 	while ((j = ap_mbox_pop(&w->mb))) {
+		if (j->revoked)
+			continue;
 		if (j->is_ask)
 			ap_pool_send_error(w, j, "stopped");
 		else if (j->seg)
@@ -1200,7 +1227,9 @@ static void on_stop(ap_worker *w)
 		memcpy(rec, &h, sizeof h);
 		ap_ring_commit(&s->req);
 	}
-	int64_t end = ap_mono_ms() + 1000;
+	/* Its terminate, then it is killed (by our caller): gone within
+	 * ISO_STOP_GRACE_MS + ISO_TERMINATE_MS of the stop. */
+	int64_t end = ap_mono_ms() + ISO_TERMINATE_MS;
 	while (!atomic_load(&s->dead) && ap_mono_ms() < end)
 		proxy_sleep(w, 100000, ready_dead);
 }
@@ -1299,38 +1328,22 @@ void *ap_iso_proxy_main(void *arg)
 		}
 		if (progress || sent)
 			continue;
-		int wait = ISO_IDLE_MS;
-		int tmo = p->o.handler_timeout_ms;
-		/* Our own clock: the child's running_seq and running_since_ms
-		 * are its word, and a broken child could hide behind them. The
-		 * front job has been the child's since front_since (a little
-		 * later, when we take results late: never early). */
-		if (tmo && front_out(s) && !s->killed) {
-			int64_t left = s->front_since + tmo - ap_mono_ms();
-			if (left <= 0) {
-				s->timed_out_seq = s->front_seq;
-				iso_kill(s);
-				continue;
-			}
-			if (left < wait)
-				wait = (int)left + 1;
-		}
-		int64_t wait_us = (int64_t)wait * 1000, held = held_left(s);
+		/* A handler's deadline is the loop's (pool.c, the watchdog),
+		 * so we may sleep, and the loop may send asks meanwhile
+		 * (send_direct). */
+		int64_t wait_us = (int64_t)ISO_IDLE_MS * 1000, held = held_left(s);
 		if (held && next_need(s)) {
 			/* The ring is full: the child must drain it now. */
 			ring_held(s);
 			held = 0;
 		}
-		/* The loop may send asks while we sleep, unless a handler
-		 * deadline needs us awake to time the child. */
-		int direct = !tmo;
 		if (held) {
 			/* Nothing to send but tells held back: until their
 			 * time, unless an ask or a batch comes first. */
-			proxy_sleep_d(w, held < wait_us ? held : wait_us, ready_held, direct);
+			proxy_sleep_d(w, held < wait_us ? held : wait_us, ready_held, 1);
 			continue;
 		}
-		proxy_sleep_d(w, wait_us, ready_run, direct);
+		proxy_sleep_d(w, wait_us, ready_run, 1);
 	}
 done:
 	if (atomic_load(&s->pidfd) >= 0 && !atomic_load(&s->dead))
@@ -1351,6 +1364,150 @@ done:
 	return NULL;
 }
 
+/* ---- stalls and timeouts (loop thread) -------------------------------------- */
+
+static ap_job *bare_job(ap_worker *w, const struct iso_bare *b);
+
+int ap_iso_timeout(ap_worker *w, uint64_t deq)
+{
+	ap_iso *s = w->iso;
+	/* The loop reaps, and the proxy closes the pidfd only once reaped:
+	 * while `dead` is 0 the pidfd is this child's. */
+	int fd = atomic_load(&s->pidfd);
+	if (fd < 0 || atomic_load(&s->dead))
+		return 0;
+	atomic_store(&s->timeout_deq, deq + 1);
+	return syscall(SYS_pidfd_send_signal, fd, SIGKILL, NULL, 0) == 0;
+}
+
+/* A message the child was sent moves: a copy goes to another worker, the
+ * original stays in place, revoked, for the child to hand back. */
+static long long revoke_job(ap_worker *w, ap_job *j)
+{
+	(void)ap_pool_move_job(w->pool, w, j); /* the segment reference moves too */
+	j->seg = NULL;
+	j->revoked = 1;
+	return 1;
+}
+
+static long long revoke_bare(ap_worker *w, struct iso_bare *b)
+{
+	ap_job *j = bare_job(w, b);
+	b->revoked = 1;
+	if (!j)
+		return 1; /* its record was changed: lost, as ap_iso_rehydrate would lose it */
+	(void)ap_pool_move_job(w->pool, w, j);
+	j->free_next = w->job_cache;
+	w->job_cache = j;
+	return 1;
+}
+
+/* The child has been on the front message past stall_ms. What it has not
+ * started of what it was sent is revoked, with a handshake: the loop
+ * raises revoke_upto (with no verdict yet), runs a barrier on every
+ * worker process (membarrier), and reads how far the child got; the child
+ * stores running_seq before it reads revoke_upto, without a fence of its
+ * own, so either its start of a message was before the barrier (and is
+ * seen here) or it sees revoke_upto, waits for the verdict and hands the
+ * message back unrun if it lies past what was seen. The jobs queued and
+ * not sent are the loop's to take: the proxy sleeps (the loop holds the
+ * channel), and only the proxy moves the cursor. */
+long long ap_iso_revoke(ap_worker *w)
+{
+	ap_iso *s = w->iso;
+	struct iso_ctl *c = s->ctl;
+	ap_mbox *m = &w->mb;
+	if (!hold_channel(w))
+		return -1;
+	long long moved = 0;
+	uint64_t out = 0; /* jobs taken out of the depth */
+	/* The last message sent, whole or in part, and its job. */
+	uint64_t last = s->next_seq - 1 + (s->sent_off ? 1 : 0);
+	uint64_t started = last;
+	if (last > s->front_seq) {
+		atomic_store_explicit(&c->revoke_from, 0, memory_order_relaxed);
+		atomic_store_explicit(&c->revoke_upto, last, memory_order_release);
+		if (ap_pool_barrier_children() == 0) {
+			atomic_thread_fence(memory_order_seq_cst);
+			uint64_t r = atomic_load_explicit(&c->running_seq, memory_order_acquire);
+			uint64_t d = atomic_load_explicit(&c->done_seq, memory_order_acquire);
+			started = r > d ? r : d;
+			/* The front stays: it is the message the child is on
+			 * (whatever it says). Past the last sent: a lie. */
+			if (started < s->front_seq)
+				started = s->front_seq;
+			if (started > last)
+				started = last;
+			/* What an earlier stall revoked stays revoked, whatever
+			 * the child says of it now: it waits for this verdict
+			 * on it, or has handed it back. */
+			if (s->rev_upto && started >= s->rev_from && started <= s->rev_upto)
+				started = s->rev_from - 1;
+			s->rev_from = started + 1;
+			s->rev_upto = last;
+		} else {
+			/* No barrier (the kernel failed us now): nothing more is
+			 * revoked, and an earlier verdict stands. The child reads
+			 * the bound again after the verdict. */
+			started = last;
+			atomic_store_explicit(&c->revoke_upto, s->rev_upto, memory_order_relaxed);
+		}
+		atomic_store_explicit(&c->revoke_from, s->rev_upto ? s->rev_from : last + 1, memory_order_release);
+	}
+	/* Walk what was sent, in seq order: bare tells and jobs. */
+	ap_job *prev = m->head, *partial = NULL;
+	uint64_t bi = s->bare_head;
+	for (uint64_t seq = s->front_seq; seq <= last; seq++) {
+		if (bi != s->bare_tail && s->bare[bi % ISO_BARE_MAX].seq == seq) {
+			if (seq > started && !s->bare[bi % ISO_BARE_MAX].revoked) {
+				moved += revoke_bare(w, &s->bare[bi % ISO_BARE_MAX]);
+				out++;
+			}
+			bi++;
+			continue;
+		}
+		ap_job *j = atomic_load_explicit(&prev->next, memory_order_acquire);
+		if (!j)
+			break; /* cannot be: every seq sent has its job or its record */
+		if (seq == s->next_seq)
+			partial = j;
+		if (seq > started && !j->revoked) {
+			moved += revoke_job(w, j);
+			out++;
+		}
+		prev = j;
+	}
+	/* A job sent in part and revoked counts as sent: its other records
+	 * are not sent, and the child drops any it has. */
+	ap_job *keep = s->cursor;
+	if (partial && partial->revoked) {
+		s->cursor = partial;
+		s->sent_off = 0;
+		s->next_seq++;
+		keep = partial;
+	} else if (partial) {
+		keep = partial; /* the child takes it in: the rest of it is still to send */
+	}
+	if (s->ask_seq > started)
+		s->ask_seq = started; /* an ask may be out at most up to there */
+	/* What was never sent: off the mailbox, as a thread's queue. */
+	ap_job *j = atomic_load_explicit(&keep->next, memory_order_acquire);
+	atomic_store_explicit(&keep->next, NULL, memory_order_relaxed);
+	m->tail = keep;
+	while (j) {
+		ap_job *next = atomic_load_explicit(&j->next, memory_order_relaxed);
+		(void)ap_pool_move_job(w->pool, w, j);
+		free(j);
+		moved++;
+		out++;
+		j = next;
+	}
+	atomic_store_explicit(&m->enq, atomic_load_explicit(&m->enq, memory_order_relaxed) - out,
+			      memory_order_relaxed);
+	release_channel(s);
+	return moved;
+}
+
 /* ---- bare tells (loop thread) ---------------------------------------------- */
 
 /* Bare tells sent (node_stats `iso_bare_tells'), and those made jobs again
@@ -1366,7 +1523,7 @@ unsigned long long ap_iso_bare_rehydrated(void) { return __atomic_load_n(&bare_r
  * taking back were a fifth of the loop's time under a tell flood. Only
  * while everything queued before it has gone to the child (so the order
  * holds), the proxy sleeps (the loop holds its channel, as send_direct
- * does), no handler deadline is timed (the proxy times jobs), and it fits
+ * does), and it fits
  * one record in the room there is now; 0 otherwise, and the caller makes
  * a job as before. The record is then the pool node's only copy of the
  * message: the child maps the ring's data read-only, and if it dies
@@ -1377,8 +1534,7 @@ int ap_iso_send_tell(ap_worker *w, const char *msg, int msg_len, int is_binary)
 {
 	ap_iso *s = w->iso;
 	size_t body = ap_msg_body_len(msg_len, is_binary);
-	if (w->pool->o.handler_timeout_ms || body > ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec) ||
-	    !hold_channel(w))
+	if (body > ap_ring_max_payload(ISO_REQ_CAP) - sizeof(struct iso_rec) || !hold_channel(w))
 		return 0;
 	void *rec;
 	if (s->bare_tail - s->bare_head >= ISO_BARE_MAX || s->sent_off ||
@@ -1455,6 +1611,8 @@ void ap_iso_rehydrate(ap_worker *w)
 			continue;
 		}
 		s->bare_head++;
+		if (b->revoked)
+			continue; /* moved already (ap_iso_revoke), out of the depth */
 		ap_job *j = bare_job(w, b);
 		if (!j) {
 			ap_mbox_done(m); /* out of the depth: it is gone */

@@ -53,17 +53,17 @@ struct iso_ctl {
 	uint32_t spec_off, spec_len, cfg_off, cfg_len; /* the handler spec (NUL-terminated) and its config */
 	int32_t max_memory_mb;
 	uint32_t worker;
-	uint32_t layout_timeout; /* handler_timeout_ms is set: keep running_since_ms */
 	uint32_t workers;        /* the pool's worker count (isolate_child.c, follow_loop) */
 	uint32_t sb_off, sb_len; /* the sandbox section (sandbox.h, struct iso_sandbox, then its paths) */
-	uint8_t pad0[128 - 68];
+	uint8_t pad0[128 - 64];
 	/* the child's */
 	_Atomic uint32_t init_state; /* 0 starting, 1 ready, 2 init failed */
 	int32_t init_rc;
-	_Atomic uint64_t running_seq;     /* the message being handled, 0: none */
-	_Atomic int64_t running_since_ms; /* CLOCK_MONOTONIC */
+	/* The message being handled (0: none), stored when its first record
+	 * is read, before the child looks at revoke_upto. */
+	_Atomic uint64_t running_seq;
 	_Atomic uint32_t follows;         /* its moves to the loop's CPU (node_stats; the child's word for it) */
-	uint8_t pad1[64 - 28];
+	uint8_t pad1[64 - 20];
 	/* The last message finished. A tell that ran with status ok writes
 	 * no result record: this word says it is done (stored after the
 	 * records of every message before it were published). A line of its
@@ -77,6 +77,13 @@ struct iso_ctl {
 	 * back unrun (a RESULT with c = 1), to be answered stopped as the
 	 * queue of a thread is */
 	_Atomic uint32_t stopping;
+	/* The loop's, when the worker stalls (isolate.c, ap_iso_revoke):
+	 * messages up to revoke_upto that the child had not started by the
+	 * loop's barrier it hands back unrun (c = 1); they went to other
+	 * workers. revoke_from is the verdict: from there on they were not
+	 * started (0 while the loop works it out: a child that meets a
+	 * message up to revoke_upto waits for it). */
+	_Atomic uint64_t revoke_upto, revoke_from;
 	/* the loop's: 1 while it looks at this channel's results itself on
 	 * each pass (it is busy with ring traffic and the proxy sleeps), so
 	 * the child need not wake the proxy for them (isolate.c,
@@ -153,6 +160,17 @@ unsigned ap_iso_follows(struct ap_worker *w);
  * process's request ring, with no job (1), or 0: make a job as before. The
  * caller puts w on its wake list, whose pass publishes it. */
 int ap_iso_send_tell(struct ap_worker *w, const char *msg, int msg_len, int is_binary);
+
+/* Loop thread, w stalled (pool.c, the watchdog) and skipped by routing:
+ * the jobs queued behind the message its child is on move to the other
+ * workers (ap_pool_move_job), and so do those the child was sent and has
+ * not started, which it then hands back unrun. How many moved, or -1 when
+ * the proxy is awake (try again later). */
+long long ap_iso_revoke(struct ap_worker *w);
+/* Loop thread: w's child has been on one message, the one after `deq`
+ * done, past handler_timeout_ms: kill it (its proxy answers that message
+ * handler_timeout). 1 if a kill was sent. */
+int ap_iso_timeout(struct ap_worker *w, uint64_t deq);
 
 /* Loop thread, once w's proxy has exited: the bare tells its child had not
  * finished become jobs in w's mailbox, in order. */

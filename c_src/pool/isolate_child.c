@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <linux/membarrier.h>
 
 #include "ap_log.h"
 #include "ap_ring.h"
@@ -32,6 +33,30 @@
 static struct iso_ctl *cc;
 
 static void child_die(int code) { _exit(code); }
+
+/* Without membarrier(2) registration: a full fence where the pool node's
+ * barrier would have stood in for one. */
+static int fence_each = 1;
+
+/* A message up to revoke_upto, just started (running_seq stored): whether
+ * it moved to another worker while we were stalled (isolate.c,
+ * ap_iso_revoke). Our running_seq store and this load need no fence
+ * between them: the pool node runs a barrier on us (membarrier) between
+ * its store of revoke_upto and its look at running_seq. */
+static int revoked(uint64_t seq)
+{
+	if (fence_each)
+		atomic_thread_fence(memory_order_seq_cst);
+	else
+		atomic_signal_fence(memory_order_seq_cst);
+	if (seq > atomic_load_explicit(&cc->revoke_upto, memory_order_acquire))
+		return 0;
+	uint64_t from;
+	while (!(from = atomic_load_explicit(&cc->revoke_from, memory_order_acquire)))
+		sched_yield(); /* the loop's verdict comes microseconds after its barrier */
+	/* Again: a loop whose barrier failed puts the bound back. */
+	return seq >= from && seq <= atomic_load_explicit(&cc->revoke_upto, memory_order_acquire);
+}
 
 /* Writes one result (the reply in chunks), waiting for room. */
 static void child_result(struct ap_ring *rsp, uint64_t seq, int status, const actor_pool_reply *reply, int send_reply,
@@ -78,10 +103,9 @@ static void tell_proxy(struct untold *u)
 	/* The pool node's loop looks at our results on its own passes while
 	 * it is busy (ap_iso_take_direct): no wake-up. The fence pairs with
 	 * the loop's when it stops looking: it then sees what we published,
-	 * or we see the flag down. A timed pool's proxy times the front
-	 * message: it hears of every batch. */
+	 * or we see the flag down. */
 	atomic_thread_fence(memory_order_seq_cst);
-	if (!cc->layout_timeout && atomic_load(&cc->loop_looks))
+	if (atomic_load(&cc->loop_looks))
 		return;
 	ap_iso_bell(cc, 0);
 }
@@ -296,6 +320,10 @@ int ap_iso_child_main(int argc, char **argv)
 	const char *spec = (const char *)mem + cc->spec_off;
 	const actor_pool_handler *h = ap_builtin_handler(spec);
 	const char *plugin = sandbox(mem, h ? NULL : spec);
+	/* Here, in the process that runs the handler (the sandbox may have
+	 * forked it), and allowed by its seccomp filter: the pool node's
+	 * barrier reaches us (revoked). */
+	fence_each = syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) != 0;
 	struct ap_ring req, rsp;
 	if (ap_ring_attach_consumer(&req, mem + cc->req_off, cc->req_size) ||
 	    ap_ring_attach_producer(&rsp, mem + cc->rsp_off, cc->rsp_size))
@@ -341,6 +369,7 @@ int ap_iso_child_main(int argc, char **argv)
 	size_t big_got = 0;
 	uint64_t big_seq = 0;
 	unsigned unreleased = 0; /* messages read and not given back to the ring */
+	uint64_t skip_seq = 0;   /* a message handed back unrun, whose other records are dropped */
 	struct ask_wait aw = { 0 };
 	struct follow fl = { 0 };
 	follow_init(&fl);
@@ -391,18 +420,35 @@ int ap_iso_child_main(int argc, char **argv)
 			_exit(0);
 		}
 		size_t chunk = len - sizeof m;
+		if (m.kind == REC_MSG && m.off && m.seq == skip_seq) {
+			/* The rest of a message handed back unrun. */
+			ap_iso_release_every(&req, &unreleased, ISO_RELEASE_BATCH);
+			continue;
+		}
 		if (m.kind != REC_MSG || chunk > m.total - (size_t)m.off ||
 		    (m.off && (m.seq != big_seq || m.off != big_got)))
 			_exit(73);
 		const uint8_t *data = (const uint8_t *)p + sizeof m;
 		if (m.off == 0) {
 			/* Ours from its first byte: dying while taking it in
-			 * (no memory for it) is dying on it. */
-			if (cc->layout_timeout)
-				atomic_store(&cc->running_since_ms, ap_mono_ms());
-			/* A hint, read after our death: no locked store (a
-			 * full fence) per message for it. */
+			 * (no memory for it) is dying on it. No locked store
+			 * (a full fence) per message for it: read after our
+			 * death, or by the pool node's loop after its barrier
+			 * (revoked). */
 			atomic_store_explicit(&cc->running_seq, m.seq, memory_order_release);
+			if (revoked(m.seq)) {
+				/* Stalled behind a message, and moved to another
+				 * worker meanwhile: handed back unrun. */
+				skip_seq = m.seq;
+				child_result(&rsp, m.seq, AP_HANDLER_OK, &reply, 0, 1);
+				ap_ring_publish(&rsp);
+				atomic_store_explicit(&cc->done_seq, m.seq, memory_order_release);
+				atomic_store_explicit(&cc->running_seq, 0, memory_order_release);
+				ap_iso_release_every(&req, &unreleased, ISO_RELEASE_BATCH);
+				if (++u.results >= ISO_RESULT_BATCH)
+					tell_proxy(&u);
+				continue;
+			}
 		}
 		if (m.off == 0 && chunk < m.total) {
 			free(big);
@@ -479,9 +525,8 @@ int ap_iso_child_main(int argc, char **argv)
 		/* An ok tell counts less: while the proxy sleeps, the pool
 		 * node's loop takes finished tells as it sends the next ones
 		 * (send_direct), so they ring only in larger batches, or when
-		 * no message follows them (above). In a timed pool the proxy
-		 * times the front message and must hear of them as before. */
-		if (recorded || cc->layout_timeout)
+		 * no message follows them (above). */
+		if (recorded)
 			u.results++;
 		else
 			u.ok_tells++;

@@ -47,7 +47,8 @@
 #define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
-#define ISO_STOP_GRACE_MS 5000     /* at stop, how long a child may finish what it was handed */
+#define ISO_STOP_GRACE_MS 500      /* at stop, how long a child may finish the message it runs, */
+#define ISO_TERMINATE_MS 500       /* and then run its terminate, before it is killed */
 
 _Static_assert(sizeof(struct iso_ctl) <= ISO_CTL_SIZE, "the channel's head outgrew its page");
 

@@ -95,7 +95,7 @@ ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need)
 		if (*cache)
 			__builtin_prefetch(*cache, 1);
 		if (j->cap >= need) {
-			j->is_answer = 0;
+			j->is_answer = j->revoked = 0;
 			return j;
 		}
 		free(j);
@@ -104,9 +104,9 @@ ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need)
 	j = malloc(sizeof *j + cap);
 	if (j) {
 		j->cap = (uint32_t)cap;
-		/* The one flag not every maker sets (only answers handed over
-		 * do): never a recycled job's or the heap's byte. */
-		j->is_answer = 0;
+		/* The flags not every maker sets (answers handed over, jobs
+		 * revoked): never a recycled job's or the heap's byte. */
+		j->is_answer = j->revoked = 0;
 	}
 	return j;
 }

@@ -11,7 +11,9 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <linux/membarrier.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <signal.h>
 #include <string.h>
@@ -43,20 +45,13 @@ void ap_pool_opts_default(ap_pool_opts *o)
 {
 	*o = (ap_pool_opts){ .workers = 0, .routing = AP_ROUTE_ROUND_ROBIN, .mailbox_limit = 10000,
 			     .backoff_min_ms = 50, .backoff_max_ms = 5000, .jitter = 0.2, .stable_ms = 10000,
-			     .max_reply_atoms = DEFAULT_REPLY_ATOMS };
+			     .stall_ms = AP_POOL_DEFAULT_STALL_MS, .max_reply_atoms = DEFAULT_REPLY_ATOMS };
 	ap_sb_opts_default(&o->sandbox);
 }
 
 /* ---- worker threads -------------------------------------------------------- */
 
-/* The low bits of ap_worker.run. */
-#define RUN_IDLE 0u
-#define RUN_BUSY 1u    /* the worker runs a message */
-#define RUN_CLAIMED 2u /* the watchdog took it over: it answers, then moves the queue */
-#define RUN_MOVED 3u   /* done: the worker may touch its mailbox again */
-
-static void rejoin(ap_node *n, void *arg);
-
+static int end_of_message(ap_worker *w);
 
 /* The handler's view of j, and w's reply buffer made ready for it. */
 static actor_pool_request job_request(ap_worker *w, const ap_job *j)
@@ -150,62 +145,49 @@ static void *worker_main(void *arg)
 	ap_node_call_on_loop_sure(p->n, ap_pool_worker_ready, w);
 
 	w->exit_reason = EXIT_STOP;
+	uint64_t popped = atomic_load(&w->popped);
 	ap_job *j;
 	while ((j = ap_worker_next_job(w))) {
+		/* After the pop: the loop that sees the count sees the pop. */
+		atomic_store_explicit(&w->popped, ++popped, memory_order_release);
+		/* Each message leaves the mailbox's depth (ap_mbox_done) and
+		 * meets the loop's claim (end_of_message) before its answer is
+		 * sent (the job stays valid until the next pop): a caller that
+		 * has the answer and asks again must find room again, even with
+		 * mailbox_limit 1. */
 		if (j->is_answer) {
 			/* An inline run's answer that found its reply ring full. */
+			ap_mbox_done(&w->mb);
+			(void)end_of_message(w);
 			ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len);
 			ap_dp_seg_put(j->seg);
-			ap_mbox_done(&w->mb);
 			continue;
 		}
 		if (atomic_load(&w->stop)) {
 			/* Stopping: everything still queued is answered, not run. */
+			ap_mbox_done(&w->mb);
+			(void)end_of_message(w);
 			if (j->is_ask)
 				ap_pool_send_error(w, j, "stopped");
-			ap_mbox_done(&w->mb);
 			continue;
 		}
 		actor_pool_request req = job_request(w, j);
-		uint64_t running = 0;
-		if (p->o.handler_timeout_ms) {
-			running = ((atomic_load(&w->run) >> 2) + 1) << 2 | RUN_BUSY;
-			atomic_store(&w->busy_since_ms, ap_mono_ms());
-			atomic_store(&w->cur_job, j);
-			atomic_store(&w->run, running);
-		}
 		int64_t t0 = ap_mono_ns();
 		actor_pool_status st = p->h->handle(state, &req, &w->reply);
-		/* Every call that returns, one past handler_timeout_ms too. */
+		/* Every call that returns, one the watchdog answered too. */
 		ap_hist_add_1w(&w->run_ns, (uint64_t)(ap_mono_ns() - t0));
-		if (running && !atomic_compare_exchange_strong(&w->run, &running, running & ~(uint64_t)3)) {
-			/* The watchdog answered it and moved our queue: wait
-			 * until it is done with the mailbox, drop the answer,
-			 * and rejoin. */
-			while ((atomic_load(&w->run) & 3) != RUN_MOVED)
-				sched_yield();
-			ap_mbox_done(&w->mb);
-			atomic_store(&w->run, running & ~(uint64_t)3);
-			ap_node_call_on_loop_sure(p->n, rejoin, w);
-			if (st == AP_HANDLER_CRASH) {
-				ap_worker_count_crash(w, AP_CRASH_HANDLER);
-				w->exit_reason = EXIT_CRASH;
-				break;
-			}
-			continue;
-		}
-		/* The message leaves the mailbox's depth before its answer is
-		 * sent (the job stays valid until the next pop): a caller that
-		 * has the answer and asks again must find room again, even with
-		 * mailbox_limit 1. */
 		ap_mbox_done(&w->mb);
+		/* The watchdog answered it (handler_timeout_ms): ours is dropped. */
+		int answered = end_of_message(w);
 		if (st == AP_HANDLER_CRASH) {
 			ap_worker_count_crash(w, AP_CRASH_HANDLER);
-			if (j->is_ask)
+			if (j->is_ask && !answered)
 				ap_pool_send_error(w, j, "worker_crashed");
 			w->exit_reason = EXIT_CRASH;
 			break;
 		}
+		if (answered)
+			continue;
 		count_done(w, st);
 		if (j->is_ask)
 			ap_pool_send_result(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply);
@@ -222,6 +204,10 @@ static int worker_start(ap_worker *w)
 {
 	atomic_store(&w->stop, 0);
 	atomic_store(&w->crash_pending, 0);
+	atomic_store(&w->claim, 0);
+	/* Whatever the loop took off the mailbox since (a dead worker's
+	 * queue): the count goes on from what is done. */
+	atomic_store(&w->popped, atomic_load(&w->mb.deq));
 	/* Routed to once its init is done (ap_pool_worker_ready): a message
 	 * queued behind an init (a plugin's may take seconds) would wait for
 	 * it while other workers serve. */
@@ -249,6 +235,8 @@ static void pool_free(ap_pool *p)
 			/* A slot that never got its replacement: answer what waits. */
 			ap_job *j;
 			while ((j = ap_mbox_pop(&w->mb))) {
+				if (j->revoked)
+					continue; /* moved, and out of the depth */
 				if (j->is_answer) {
 					/* Made already: delivered if it fits now. */
 					if (ap_dp_reply_nowait(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len))
@@ -328,7 +316,7 @@ void ap_pool_worker_ready(ap_node *n, void *arg)
 	ap_pool *p = w->pool;
 	/* Posted before anything the worker posts after it (its exit): a
 	 * worker that is gone again is not taken back. */
-	if (w->thread_live && !p->stopping && !atomic_load(&w->stop) && !atomic_load(&w->hung))
+	if (w->thread_live && !p->stopping && !atomic_load(&w->stop) && w->wd_state == W_RUNNING)
 		atomic_store(&w->alive, 1);
 	if (w->gen == 0)
 		first_init_reported(p);
@@ -351,9 +339,7 @@ static void restart(ap_node *n, void *arg)
 		ap_log(AP_LOG_ERROR, "pool %s: cannot start a thread for worker %d", p->name, w->id);
 }
 
-/* A copy of j in the mailbox of a live worker other than `from`; 0, or -1
- * (no memory: j is lost, and its segment reference dropped). */
-static int move_job(ap_pool *p, ap_worker *from, const ap_job *j)
+int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j)
 {
 	ap_worker *w = ap_pool_route(p);
 	if (!w || w == from) {
@@ -385,7 +371,7 @@ static int move_job(ap_pool *p, ap_worker *from, const ap_job *j)
 	return 0;
 }
 
-static int others_alive(ap_pool *p, ap_worker *w)
+int ap_pool_others_alive(ap_pool *p, ap_worker *w)
 {
 	int others = 0;
 	for (int i = 0; i < p->o.workers; i++)
@@ -396,7 +382,7 @@ static int others_alive(ap_pool *p, ap_worker *w)
 /* Move the jobs of a dead worker to live ones; none is dropped silently. */
 static void redistribute(ap_pool *p, ap_worker *dead)
 {
-	if (!others_alive(p, dead))
+	if (!ap_pool_others_alive(p, dead))
 		return; /* they wait for the replacement */
 	ap_job *j;
 	uint64_t moved = 0;
@@ -404,8 +390,10 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		/* The loop is the consumer now: the worker thread is joined. A
 		 * popped job stays the dummy, so copy it before re-queueing. */
 		j = ap_mbox_pop(&dead->mb);
+		if (j->revoked)
+			continue; /* moved already, and out of the depth */
 		ap_mbox_done(&dead->mb);
-		if (move_job(p, dead, j))
+		if (ap_pool_move_job(p, dead, j))
 			break;
 		moved++;
 	}
@@ -415,15 +403,121 @@ static void redistribute(ap_pool *p, ap_worker *dead)
 		       (unsigned long long)moved, dead->id);
 }
 
-/* ---- the watchdog: thread mode's handler_timeout_ms ------------------------
- * A thread cannot be killed safely, so a handler over the deadline keeps
- * its thread: the loop answers its message {error, handler_timeout},
- * marks the worker hung (routing skips it), moves the jobs queued behind
- * it to the others and, when the handler returns at last, drops its
- * answer and takes the worker back. The worker's mailbox is touched by the
- * loop only between its claim (RUN_BUSY -> RUN_CLAIMED, a CAS the worker's
- * own end of the message races with) and RUN_MOVED, while the worker is
- * inside the handler or waiting for RUN_MOVED. */
+/* ---- the watchdog: stalls and handler_timeout_ms ---------------------------
+ * A pool with stall_ms or handler_timeout_ms has a timer on the loop that
+ * looks at each worker's mailbox counters. A worker whose done count
+ * (deq) has not moved while a message was in its mailbox has been on the
+ * message at its head since the first look that saw it so: the workers
+ * pay nothing per message for it (no clock read, no store), and a busy
+ * time is known to the timer's period (a quarter of the shorter limit, 10
+ * to 100 ms), late but never early.
+ *
+ * Past stall_ms the worker is stalled: routing skips it, and what is
+ * queued behind that message moves to the other workers (in process mode
+ * also what its process was sent and has not started: isolate.c,
+ * ap_iso_revoke). It serves again once the message is done. Past
+ * handler_timeout_ms the message is answered {error, handler_timeout}: a
+ * worker process is killed (isolate.c answers when it is gone), a thread
+ * cannot be, so it is marked hung and the loop answers for it.
+ *
+ * A thread reads its mailbox as it likes: the loop takes it over (claim)
+ * only while the worker is inside a message, and the worker meets the
+ * claim at the end of that message (end_of_message), before it touches
+ * the mailbox again. The worker stores its done count, then loads the
+ * claim, with no fence between them; the loop stores the claim, then
+ * loads the count after a membarrier(2), which runs a full barrier on
+ * every thread of the pool node: either the loop sees the count moved
+ * (the worker is out: it lets go) or the worker sees the claim. Where the
+ * kernel has no such barrier, each worker fences after each message
+ * instead (ap_pool_fence_each). */
+
+/* ap_worker.claim: none; the loop holds the mailbox (the worker waits);
+ * the loop moved the queue; ... and answered the message too. */
+enum { CLAIM_NONE, CLAIM_ASK, CLAIM_HELD, CLAIM_ANSWERED };
+
+int ap_pool_fence_each = 1; /* until membarrier is known to work (barriers_init) */
+static int mb_threads, mb_children;
+
+/* Loop thread, before the first worker starts. */
+static void barriers_init(void)
+{
+	long q = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+	mb_threads = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED) &&
+		     syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+	mb_children = q > 0 && (q & MEMBARRIER_CMD_GLOBAL_EXPEDITED);
+	ap_pool_fence_each = !mb_threads;
+	if (!mb_children)
+		ap_log(AP_LOG_NOTICE, "no membarrier(2) here: a stalled worker process keeps what it was sent");
+}
+
+int ap_pool_barrier_threads(void)
+{
+	if (mb_threads && syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0)
+		return 0;
+	atomic_thread_fence(memory_order_seq_cst);
+	/* The workers fence themselves then; if the kernel failed us only
+	 * now, they do not. */
+	return ap_pool_fence_each ? 0 : -1;
+}
+
+int ap_pool_barrier_children(void)
+{
+	return mb_children && syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) == 0 ? 0 : -1;
+}
+
+/* Worker thread: the end of a message (its done count stored), where the
+ * loop's claim is met. 1 if the loop answered the message itself (the
+ * worker's answer is dropped). */
+static int end_of_message(ap_worker *w)
+{
+	if (ap_pool_fence_each)
+		atomic_thread_fence(memory_order_seq_cst);
+	else
+		atomic_signal_fence(memory_order_seq_cst); /* the barrier is the loop's */
+	if (atomic_load_explicit(&w->claim, memory_order_relaxed) == CLAIM_NONE)
+		return 0;
+	for (;;) {
+		int c = atomic_load(&w->claim);
+		if (c == CLAIM_ASK) {
+			sched_yield(); /* the loop is at the mailbox: microseconds */
+			continue;
+		}
+		if (c == CLAIM_NONE)
+			return 0;
+		if (atomic_compare_exchange_strong(&w->claim, &c, CLAIM_NONE))
+			return c == CLAIM_ANSWERED;
+	}
+}
+
+/* Thread mode, loop: the mailbox of w, if its worker is still inside the
+ * message that was at its head when the watchdog looked (its done count
+ * wd_deq, and that message popped): the claim there was (>= 0; it is
+ * CLAIM_ASK now, until let_go), or -1 (the worker is out of it, or there
+ * is no barrier). A claim held from before only the worker takes back,
+ * with a CAS: taking it over needs no barrier. */
+static int claim(ap_worker *w)
+{
+	int c = atomic_load(&w->claim);
+	if (c == CLAIM_NONE) {
+		atomic_store(&w->claim, CLAIM_ASK);
+		if (ap_pool_barrier_threads()) {
+			atomic_store(&w->claim, CLAIM_NONE);
+			return -1;
+		}
+	} else if (c == CLAIM_ASK || !atomic_compare_exchange_strong(&w->claim, &c, CLAIM_ASK)) {
+		return -1;
+	}
+	uint64_t d = atomic_load(&w->mb.deq);
+	if (d == w->wd_deq && atomic_load(&w->popped) == d + 1)
+		return c;
+	atomic_store(&w->claim, c); /* the worker, out, may wait for it to change */
+	return -1;
+}
+
+static void let_go(ap_worker *w, int had, int answered)
+{
+	atomic_store(&w->claim, answered || had == CLAIM_ANSWERED ? CLAIM_ANSWERED : CLAIM_HELD);
+}
 
 static void answer_timeout(ap_pool *p, const ap_job *j)
 {
@@ -440,31 +534,172 @@ static void answer_timeout(ap_pool *p, const ap_job *j)
 		ap_pool_loop_error_reply(p, 0, (const char *)j->data + j->head_len + j->msg_len, "handler_timeout");
 }
 
-/* The worker is inside its handler (claimed): its mailbox's head is the
- * job it runs; everything after it moves. Counted out of enq (the loop's
- * counter): deq is the worker's, which it may be writing. */
-static void steal_queue(ap_pool *p, ap_worker *w)
+/* Thread mode, claimed: the mailbox's head is the job the worker runs;
+ * everything after it moves. Counted out of enq (the loop's counter):
+ * deq is the worker's. How many moved. */
+static uint64_t steal_queue(ap_pool *p, ap_worker *w)
 {
 	ap_mbox *m = &w->mb;
-	if (!others_alive(p, w))
-		return; /* they wait for it */
 	ap_job *j = atomic_load_explicit(&m->head->next, memory_order_acquire);
 	atomic_store_explicit(&m->head->next, NULL, memory_order_relaxed);
 	m->tail = m->head;
 	uint64_t moved = 0;
 	while (j) {
 		ap_job *next = atomic_load_explicit(&j->next, memory_order_relaxed);
-		move_job(p, w, j);
+		ap_pool_move_job(p, w, j);
 		free(j);
 		moved++;
 		j = next;
 	}
 	atomic_store_explicit(&m->enq, atomic_load_explicit(&m->enq, memory_order_relaxed) - moved,
 			      memory_order_relaxed);
+	return moved;
+}
+
+/* The jobs queued behind a stalled or hung worker's message, to the other
+ * workers, if any serves: how many moved, or -1 when that cannot be done
+ * now (tried again on the next look). */
+static long long move_queue(ap_pool *p, ap_worker *w)
+{
+	long long moved = 0;
+	w->wd_retry = 0;
+	if (ap_mbox_depth(&w->mb) > 1) {
+		if (!ap_pool_others_alive(p, w)) {
+			moved = -1; /* they wait for it, or for another to serve */
+		} else if (w->iso) {
+			moved = ap_iso_revoke(w);
+		} else {
+			int had = claim(w);
+			moved = had < 0 ? -1 : (long long)steal_queue(p, w);
+			if (had >= 0)
+				let_go(w, had, 0);
+		}
+		ap_pool_wake_pushed(p);
+	}
+	w->wd_retry = moved < 0;
+	w->wd_enq = atomic_load_explicit(&w->mb.enq, memory_order_relaxed);
+	return moved;
+}
+
+static void stall(ap_pool *p, ap_worker *w, int64_t busy)
+{
+	long long moved;
+	int had = -1;
+	/* A thread is claimed first: one that is out of the message after
+	 * all is not stalled. */
+	if (!w->iso && ap_mbox_depth(&w->mb) > 1 && ap_pool_others_alive(p, w) && (had = claim(w)) < 0)
+		return;
+	w->wd_state = W_STALLED;
+	w->stalls++;
+	atomic_store(&w->alive, 0);
+	if (had >= 0) {
+		moved = (long long)steal_queue(p, w);
+		let_go(w, had, 0);
+		w->wd_retry = 0;
+		w->wd_enq = atomic_load_explicit(&w->mb.enq, memory_order_relaxed);
+		ap_pool_wake_pushed(p);
+	} else {
+		moved = move_queue(p, w);
+	}
+	ap_log(AP_LOG_WARNING, "pool %s: worker %d has been busy on one message for %lld ms (stall_ms %d): it gets "
+	       "no new messages until that one is done; %lld queued behind it moved to the other workers", p->name,
+	       w->id, (long long)busy, p->o.stall_ms, moved < 0 ? 0LL : moved);
+}
+
+/* Thread mode: the handler is over handler_timeout_ms. */
+static void hang(ap_pool *p, ap_worker *w)
+{
+	int had = claim(w);
+	if (had < 0)
+		return;
+	ap_job *j = w->mb.head;
+	if (j->is_answer) {
+		/* Not a handler's run: its answer is being delivered. */
+		let_go(w, had, 0);
+		return;
+	}
+	ap_worker_count_crash(w, AP_CRASH_TIMEOUT);
+	if (w->wd_state == W_RUNNING)
+		w->stalls++;
+	w->wd_state = W_HUNG;
+	atomic_store(&w->alive, 0);
+	answer_timeout(p, j);
+	uint64_t moved = ap_pool_others_alive(p, w) ? steal_queue(p, w) : 0;
+	let_go(w, had, 1);
+	w->wd_retry = !moved && ap_mbox_depth(&w->mb) > 1;
+	w->wd_enq = atomic_load_explicit(&w->mb.enq, memory_order_relaxed);
 	ap_pool_wake_pushed(p);
-	if (moved)
-		ap_log(AP_LOG_INFO, "pool %s: moved %llu queued messages off hung worker %d", p->name,
-		       (unsigned long long)moved, w->id);
+	ap_log(AP_LOG_WARNING, "pool %s: worker %d's handler ran over %d ms; the worker is skipped until it returns",
+	       p->name, w->id, p->o.handler_timeout_ms);
+}
+
+/* The message a stalled, hung or killed worker was on is done. */
+static void back(ap_pool *p, ap_worker *w, int64_t now)
+{
+	int was = w->wd_state;
+	w->wd_state = W_RUNNING;
+	if (was == W_KILLED)
+		return; /* its process is gone: the slot is replaced */
+	if (!p->stopping && !atomic_load(&w->stop))
+		atomic_store(&w->alive, 1);
+	ap_log(AP_LOG_INFO, "pool %s: worker %d's message is done after about %lld ms; the worker serves again",
+	       p->name, w->id, (long long)(now - w->wd_since));
+}
+
+static void watch(ap_pool *p, ap_worker *w, int64_t now)
+{
+	/* A worker that serves, or that the watchdog holds back: not one in
+	 * its init or waiting for its replacement. */
+	if (!w->thread_live || (w->wd_state == W_RUNNING && !ap_worker_alive(w))) {
+		w->wd_since = 0;
+		return;
+	}
+	uint64_t d = atomic_load_explicit(&w->mb.deq, memory_order_acquire);
+	uint64_t e = atomic_load_explicit(&w->mb.enq, memory_order_relaxed);
+	if (d != w->wd_deq || e == d) {
+		if (w->wd_state != W_RUNNING)
+			back(p, w, now);
+		w->wd_deq = d;
+		w->wd_since = e != d ? now : 0;
+		return;
+	}
+	if (!w->wd_since) {
+		w->wd_since = now;
+		return;
+	}
+	int64_t busy = now - w->wd_since;
+	int tmo = p->o.handler_timeout_ms;
+	if (tmo && busy >= tmo && w->wd_state != W_HUNG && w->wd_state != W_KILLED) {
+		if (!w->iso) {
+			hang(p, w);
+		} else if (ap_iso_timeout(w, d)) {
+			/* Its process is killed: answered and counted as it dies. */
+			if (w->wd_state == W_RUNNING)
+				w->stalls++;
+			w->wd_state = W_KILLED;
+			atomic_store(&w->alive, 0);
+		}
+	} else if (p->o.stall_ms && busy >= p->o.stall_ms && w->wd_state == W_RUNNING) {
+		stall(p, w, busy);
+	} else if (w->wd_state == W_STALLED || w->wd_state == W_HUNG) {
+		/* More came behind it (routing queues to it when no worker
+		 * serves), or the last move could not be made. */
+		if (w->wd_retry || e != w->wd_enq) {
+			long long moved = move_queue(p, w);
+			if (moved > 0)
+				ap_log(AP_LOG_INFO, "pool %s: moved %lld queued messages off stalled worker %d", p->name,
+				       moved, w->id);
+		}
+	}
+}
+
+/* The watchdog's period: a quarter of the shorter limit, 10 to 100 ms. */
+static int watch_period(const ap_pool *p)
+{
+	int a = p->o.stall_ms, b = p->o.handler_timeout_ms;
+	int m = a && b ? (a < b ? a : b) : a ? a : b;
+	m /= 4;
+	return m < 10 ? 10 : m > 100 ? 100 : m;
 }
 
 static void watchdog(ap_node *n, void *arg)
@@ -476,37 +711,10 @@ static void watchdog(ap_node *n, void *arg)
 		return;
 	}
 	int64_t now = ap_mono_ms();
-	for (int i = 0; i < p->o.workers; i++) {
-		ap_worker *w = &p->w[i];
-		uint64_t r = atomic_load(&w->run);
-		if ((r & 3) != RUN_BUSY || now - atomic_load(&w->busy_since_ms) < p->o.handler_timeout_ms)
-			continue;
-		/* busy_since_ms may already be the next message's (later,
-		 * so never a false claim); the CAS fails if `run` moved on. */
-		if (!atomic_compare_exchange_strong(&w->run, &r, (r & ~(uint64_t)3) | RUN_CLAIMED))
-			continue;
-		ap_worker_count_crash(w, AP_CRASH_TIMEOUT);
-		atomic_store(&w->hung, 1);
-		atomic_store(&w->alive, 0);
-		answer_timeout(p, atomic_load(&w->cur_job));
-		steal_queue(p, w);
-		atomic_store(&w->run, (r & ~(uint64_t)3) | RUN_MOVED);
-		ap_log(AP_LOG_WARNING, "pool %s: worker %d's handler ran over %d ms; the worker is skipped until it returns",
-		       p->name, w->id, p->o.handler_timeout_ms);
-	}
-	int period = p->o.handler_timeout_ms / 4;
-	if (ap_node_timer(n, period < 10 ? 10 : period > 100 ? 100 : period, watchdog, p) == 0)
+	for (int i = 0; i < p->o.workers; i++)
+		watch(p, &p->w[i], now);
+	if (ap_node_timer(n, watch_period(p), watchdog, p) == 0)
 		p->timers++;
-}
-
-static void rejoin(ap_node *n, void *arg)
-{
-	(void)n;
-	ap_worker *w = arg;
-	atomic_store(&w->hung, 0);
-	if (!w->pool->stopping)
-		atomic_store(&w->alive, 1);
-	ap_log(AP_LOG_INFO, "pool %s: worker %d's handler returned; the worker serves again", w->pool->name, w->id);
 }
 
 static int backoff_ms(ap_pool *p, ap_worker *w)
@@ -529,6 +737,10 @@ void ap_pool_worker_exited(ap_node *n, void *arg)
 	w->thread_live = 0;
 	p->threads--;
 	atomic_store(&w->alive, 0);
+	/* Whatever the watchdog held it for went with it. */
+	w->wd_state = W_RUNNING;
+	w->wd_since = 0;
+	w->wd_retry = 0;
 	/* Before anything reads the mailbox: its child's bare tells join it. */
 	if (w->iso)
 		ap_iso_rehydrate(w);
@@ -639,7 +851,7 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 			p->init_failed = -EAGAIN;
 			first_init_reported(p);
 		}
-	if (p->o.isolation == AP_ISO_THREAD && p->o.handler_timeout_ms && ap_node_timer(n, 10, watchdog, p) == 0)
+	if ((p->o.stall_ms || p->o.handler_timeout_ms) && ap_node_timer(n, watch_period(p), watchdog, p) == 0)
 		p->timers++;
 	return 0;
 nomem:
@@ -730,6 +942,7 @@ static void on_sigchld(ap_node *n, void *arg)
 
 int ap_pool_watch_children(ap_node *n)
 {
+	barriers_init();
 	sigset_t m;
 	sigemptyset(&m);
 	sigaddset(&m, SIGCHLD);
@@ -752,14 +965,16 @@ int ap_pool_iso_take_all(int looks)
 	 * reads it from rseq, no syscall. */
 	int cpu = -2;
 	for (ap_pool *p = pools; p; p = p->next)
-		/* A timed pool's proxy times the front message: it takes its
-		 * results itself (its child always rings it). */
-		if (p->o.isolation == AP_ISO_PROCESS && !p->o.handler_timeout_ms)
+		if (p->o.isolation == AP_ISO_PROCESS)
 			for (int i = 0; i < p->o.workers; i++)
 				if (p->w[i].iso) {
 					if (cpu == -2)
 						cpu = looks ? sched_getcpu() : -1;
-					flags |= ap_iso_take_direct(&p->w[i], looks, cpu);
+					int f = ap_iso_take_direct(&p->w[i], looks, cpu);
+					/* A stalled worker's ask is not worth a wait. */
+					if (p->w[i].wd_state != W_RUNNING)
+						f &= ~AP_ISO_ASKS_OUT;
+					flags |= f;
 				}
 	return flags;
 }

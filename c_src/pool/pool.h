@@ -17,6 +17,12 @@ typedef enum { AP_ROUTE_ROUND_ROBIN, AP_ROUTE_SMALLEST_MAILBOX, AP_ROUTE_RANDOM 
  * process of it (isolate.h) that a crash takes down alone. */
 typedef enum { AP_ISO_THREAD, AP_ISO_PROCESS } ap_isolation;
 
+/* The defaults of stall_ms, and of handler_timeout_ms in process mode
+ * (thread mode's is 0: a thread cannot be killed, so a timeout frees no
+ * worker). actor_pool_opts fills in the same before it asks. */
+#define AP_POOL_DEFAULT_STALL_MS 1000
+#define AP_POOL_DEFAULT_PROCESS_TIMEOUT_MS 5000
+
 typedef struct ap_pool_opts {
 	int workers;             /* 1..1024; 0 = the host's online CPUs (4 if unknown) */
 	ap_routing routing;
@@ -26,6 +32,8 @@ typedef struct ap_pool_opts {
 	int stable_ms;           /* a replacement alive this long resets the backoff */
 	ap_isolation isolation;
 	int handler_timeout_ms;  /* 0: none; else a message running longer is answered {error, handler_timeout} */
+	int stall_ms;            /* 0: off; else a worker busy on one message this long is skipped by routing and
+				  * the messages queued behind it move to the others (pool.c, the watchdog) */
 	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process (and its cgroup's limit); 0: none */
 	ap_sandbox_opts sandbox; /* process mode: what a worker process may do (sandbox.h) */
 	uint32_t max_reply_atoms; /* distinct atoms the pool's replies may carry (reply.c) */

@@ -47,6 +47,11 @@ typedef struct ap_job {
 	 * full): data holds the term, msg_len bytes; the worker only
 	 * delivers it, waiting for room as it does for its own. */
 	uint8_t is_answer;
+	/* Process mode: a job its worker process was sent and will not run
+	 * (isolate.c, ap_iso_revoke): its message moved to another worker,
+	 * and it only waits in the mailbox, out of the depth, for the child
+	 * to hand it back. */
+	uint8_t revoked;
 	/* Asks that came by ring: the answer goes to this segment's reply
 	 * rings under ask_id (the job holds a reference), and head_len and
 	 * node_len are 0. NULL for distribution asks and every tell. */
@@ -99,6 +104,12 @@ enum exit_reason { EXIT_STOP, EXIT_CRASH, EXIT_INIT_FAILED };
  * returned AP_HANDLER_CRASH. */
 enum ap_crash_cause { AP_CRASH_SIGNAL, AP_CRASH_EXIT, AP_CRASH_TIMEOUT, AP_CRASH_HANDLER, AP_CRASH_CAUSES };
 
+/* The watchdog's verdict on a worker (pool.c; ap_worker.wd_state): it
+ * serves; stalled (over stall_ms: skipped by routing); hung (thread mode,
+ * over handler_timeout_ms: answered by the loop, skipped); killed
+ * (process mode, over handler_timeout_ms: its process was killed). */
+enum { W_RUNNING, W_STALLED, W_HUNG, W_KILLED };
+
 struct ap_iso;
 struct ap_atomset;
 
@@ -117,9 +128,13 @@ typedef struct ap_worker {
 	pthread_t th;
 	int thread_live;           /* started and not joined */
 	ap_mbox mb;
-	_Atomic int alive;         /* routing skips a slot waiting for its replacement or in its init */
+	_Atomic int alive;         /* routing skips a slot waiting for its replacement, in its init, or stalled */
 	_Atomic int sleeping;      /* its doorbell (a private futex): 1 while it may sleep */
 	_Atomic int stop;
+	/* Thread mode: the loop's hold on the mailbox of a worker busy in
+	 * its handler (pool.c, the watchdog), CLAIM_*. By stop: the worker
+	 * reads it after each message, from a line it reads anyway. */
+	_Atomic int claim;
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
 	int wake_ask;              /* loop: an ask among them (a coalescing proxy wakes for it) */
 	ap_job *job_cache;         /* loop: recycled jobs taken back, not yet reused */
@@ -136,18 +151,24 @@ typedef struct ap_worker {
 	 * pool_free, so the loop may always ring it; NULL in thread mode. */
 	struct ap_iso *iso;
 	_Atomic int os_pid;        /* the worker process; 0 when there is none */
-	/* Thread mode, handler_timeout_ms (pool.c, "the watchdog"): `run` is
-	 * (message count << 2) | RUN_*, so the loop's claim on a message
-	 * cannot hit the next one; busy_since_ms and cur_job belong to the
-	 * message `run` names. `hung` (loop only writes it) is for stats. */
-	_Atomic uint64_t run;
-	_Atomic int64_t busy_since_ms;
-	ap_job *_Atomic cur_job;
-	_Atomic int hung;
+	/* Thread mode: how many messages the worker took from its mailbox,
+	 * one more than its done count (the mailbox's deq) while it is on
+	 * one. Stored after the pop: the loop that sees it sees the pop
+	 * (pool.c, claim). */
+	_Atomic uint64_t popped;
 	enum exit_reason exit_reason;
 	int init_rc;
 	struct ap_init_fail init_fail; /* process mode: what its process said of a failed start */
 	/* loop thread only */
+	/* The watchdog (pool.c): the done count it saw last, since when
+	 * (ap_mono_ms) the worker has been on the message then at its head
+	 * (0: idle), its verdict (W_*), the worker's stalls, and the
+	 * mailbox's enq after the last move of a stalled worker's queue
+	 * (another is tried when more came, or when it could not be made). */
+	uint64_t wd_deq, wd_enq;
+	int64_t wd_since;
+	int wd_state, wd_retry;
+	uint64_t stalls;
 	uint64_t restarts;
 	int streak;                /* crashes since the slot was last stable */
 	int64_t started_ms;
@@ -318,6 +339,21 @@ void ap_pool_inline_reset(void);
 /* For moving jobs that are already made (a crashed worker's). */
 ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
+/* Loop thread: a copy of j in the mailbox of a live worker other than
+ * `from` (its segment reference moves with it); 0, or -1 (no memory: j is
+ * lost, and its segment reference dropped). */
+int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j);
+/* Loop thread: whether a worker other than w serves. */
+int ap_pool_others_alive(ap_pool *p, ap_worker *w);
+
+/* The watchdog's barriers (pool.c): a full memory barrier run on every
+ * thread of the pool node (threads), or on every worker process that
+ * registered for it (children: isolate_child.c), by membarrier(2). 0, or
+ * -1 where the kernel has none: the workers of that kind then fence after
+ * each message themselves (threads: ap_pool_fence_each). */
+int ap_pool_barrier_threads(void);
+int ap_pool_barrier_children(void);
+extern int ap_pool_fence_each;
 
 /* ---- reply.c: every reply frame a pool builds ---------------------------- */
 /* Worker thread: the handler's reply buffer, and the answer to the ask j:

@@ -22,6 +22,7 @@
 #define AP_POOL_MAX_BACKOFF_MS 3600000
 #define AP_POOL_MAX_STABLE_MS 86400000
 #define AP_POOL_MAX_HANDLER_TIMEOUT_MS 86400000
+#define AP_POOL_MAX_STALL_MS 86400000
 #define AP_POOL_MAX_MEMORY_MB 1048576
 /* The application setting ring_poll_us (--ring-poll-us), microseconds. */
 #define AP_POOL_MAX_RING_POLL_US 100000

@@ -222,7 +222,7 @@ static int get_limit(const char *b, int *i, long long max, int *out)
 
 static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct badarg *ba)
 {
-	int n, v0 = *i, mem_vs = 0, sb_vs = 0;
+	int n, v0 = *i, mem_vs = 0, sb_vs = 0, tmo_given = 0;
 	if (ei_decode_map_header(b, i, &n))
 		return bad(ba, "options", b, len, v0);
 	for (int k = 0; k < n; k++) {
@@ -264,6 +264,10 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 		} else if (!strcmp(key, "handler_timeout_ms")) {
 			if (get_limit(b, i, AP_POOL_MAX_HANDLER_TIMEOUT_MS, &o->handler_timeout_ms))
 				return bad(ba, "handler_timeout_ms", b, len, vs);
+			tmo_given = 1;
+		} else if (!strcmp(key, "stall_ms")) {
+			if (get_limit(b, i, AP_POOL_MAX_STALL_MS, &o->stall_ms))
+				return bad(ba, "stall_ms", b, len, vs);
 		} else if (!strcmp(key, "sandbox")) {
 			sb_vs = vs;
 			if (parse_sandbox(b, i, &o->sandbox))
@@ -290,6 +294,9 @@ static int parse_opts(const char *b, size_t len, int *i, ap_pool_opts *o, struct
 	/* ... nor a sandbox: the pool node's own threads would be in it. */
 	if (sb_vs && o->isolation != AP_ISO_PROCESS)
 		return bad(ba, "sandbox", b, len, sb_vs);
+	/* A worker process can be killed: a stuck one is, by default. */
+	if (!tmo_given && o->isolation == AP_ISO_PROCESS)
+		o->handler_timeout_ms = AP_POOL_DEFAULT_PROCESS_TIMEOUT_MS;
 	return 0;
 }
 
@@ -313,7 +320,8 @@ static int resolve_handler(const char *b, size_t blen, int *i, int process, cons
 	} else if (ei_decode_tuple_header(b, i, &arity) == 0 && (arity == 2 || arity == 3) &&
 		   ap_get_atom(b, i, a, sizeof a) == 0 && !strcmp(a, "plugin") && ei_get_type(b, i, &type, &size) == 0 &&
 		   type == ERL_BINARY_EXT && size > 0 && size <= AP_POOL_MAX_PATH) {
-		char path[AP_POOL_MAX_PATH + 1], why[256];
+		/* why: the loader's message or ours, after the whole path */
+		char path[AP_POOL_MAX_PATH + 1], why[AP_POOL_MAX_PATH + 256];
 		long len;
 		ei_decode_binary(b, i, path, &len);
 		path[len] = 0;
@@ -326,10 +334,17 @@ static int resolve_handler(const char *b, size_t blen, int *i, int process, cons
 			*i = ce;
 		}
 		uint32_t got = 0;
-		/* A worker process loads it in its sandbox and says why it
-		 * cannot (isolate_child.c): loading runs its code, which is
-		 * not to run here. */
-		int r = process ? (*h = NULL, 0) : ap_plugin_load(path, h, dl, &got, why, sizeof why);
+		/* First that the file is there to be opened, the same in both
+		 * modes: a missing one is plugin_load_failed naming why (in
+		 * process mode it would otherwise be a sandbox layer failing
+		 * in each worker), and a FIFO never holds up the loop in
+		 * dlopen. Then a worker process loads it in its sandbox and
+		 * says why it cannot (isolate_child.c): loading runs its
+		 * code, which is not to run here; a thread's is loaded here. */
+		*h = NULL;
+		int r = ap_plugin_check(path, why, sizeof why);
+		if (r == 0 && !process)
+			r = ap_plugin_load(path, h, dl, &got, why, sizeof why);
 		if (r == 0) {
 			const char *base = strrchr(path, '/');
 			snprintf(desc, HANDLER_DESC, "plugin:%.55s", base ? base + 1 : path);

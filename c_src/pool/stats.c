@@ -2,6 +2,7 @@
  * sliding window. */
 #include <string.h>
 
+#include "ap_time.h"
 #include "isolate.h"
 #include "ap_atomset.h"
 #include "pool_int.h"
@@ -43,6 +44,9 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	for (int i = 0; i < p->o.workers; i++)
 		for (int c = 0; c < AP_CRASH_CAUSES; c++)
 			by[c] += atomic_load(&p->w[i].crash_by[c]);
+	uint64_t stalls = 0;
+	for (int i = 0; i < p->o.workers; i++)
+		stalls += p->w[i].stalls;
 	/* The buckets, then the sum (ns). */
 	uint64_t run[AP_HIST_BUCKETS + 1] = { 0 };
 	for (int i = 0; i < p->o.workers; i++) {
@@ -50,7 +54,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 		ap_hist_sum_into(run, &p->w[i].run_ns);
 	}
 	ap_hist_sum_into(run, &p->inline_ns);
-	ei_x_encode_map_header(x, 25);
+	ei_x_encode_map_header(x, 27);
 	ei_x_encode_atom(x, "name");
 	ei_x_encode_atom(x, p->name);
 	kv_u64(x, "size", (uint64_t)p->o.workers);
@@ -72,6 +76,9 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_atom(x, "isolation");
 	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
 	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
+	kv_limit(x, "stall_ms", p->o.stall_ms);
+	/* The watchdog's (pool.c): workers held back for one message. */
+	kv_u64(x, "stalls", stalls);
 	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
 	ei_x_encode_atom(x, "sandbox");
 	ap_sb_encode_stats(x, &p->o.sandbox, p->o.isolation == AP_ISO_PROCESS, p->o.max_memory_mb,
@@ -110,9 +117,10 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	kv_u64(x, "ring", p->by_ring);
 	ei_x_encode_atom(x, "workers");
 	ei_x_encode_list_header(x, p->o.workers);
+	int64_t now = ap_mono_ms();
 	for (int i = 0; i < p->o.workers; i++) {
 		ap_worker *w = &p->w[i];
-		ei_x_encode_map_header(x, 9);
+		ei_x_encode_map_header(x, 10);
 		kv_u64(x, "id", (uint64_t)i);
 		ei_x_encode_atom(x, "alive");
 		ei_x_encode_atom(x, ap_worker_alive(w) ? "true" : "false");
@@ -127,8 +135,15 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 			ei_x_encode_ulong(x, (unsigned long)pid);
 		else
 			ei_x_encode_atom(x, "undefined");
+		/* The watchdog's verdict first: a stalled worker is not alive. */
 		ei_x_encode_atom(x, "state");
-		ei_x_encode_atom(x, atomic_load(&w->hung) ? "hung" : !ap_worker_alive(w) ? "restarting" : "running");
+		ei_x_encode_atom(x, w->wd_state == W_HUNG	       ? "hung"
+				    : w->wd_state != W_RUNNING ? "stalled"
+				    : !ap_worker_alive(w)      ? "restarting"
+							       : "running");
+		/* How long it has been on the message it is held back for, as
+		 * the watchdog saw it (up to its period short). */
+		kv_u64(x, "busy_ms", w->wd_state != W_RUNNING && w->wd_since ? (uint64_t)(now - w->wd_since) : 0);
 	}
 	ei_x_encode_empty_list(x);
 }

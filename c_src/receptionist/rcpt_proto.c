@@ -16,7 +16,7 @@
  *               a registration made on the receptionist of node Origin (an
  *               atom), learnt by gossip; no reply (the origin acknowledged
  *               it). Refused (logged) like a register past the limit;
- *               malformed once MAX_ORIGINS origins are known.
+ *               malformed while MAX_ORIGINS other origins are held.
  *             {rderegister, Origin, Key, Ref}
  *               Ref leaves Key whatever its origin; no reply.
  *             {retag, Key, Ref, Origin | undefined}
@@ -26,7 +26,8 @@
  *               what it shows is unchanged.
  *             {drop_origin, Origin}
  *               Origin left the cluster: every ref learnt from it goes,
- *               each changed key reported once.
+ *               each changed key reported once, and its origin id is free
+ *               for the next origin.
  *             {find, Key, ReplyTo}       ReplyTo ! {listing, {service_key, Key}, Refs}
  *             {subscribe, Key, Pid}      Pid ! the listing now, and on every change
  *             {unsubscribe, Key, Pid}
@@ -54,13 +55,14 @@
 
 #include "ap_shm.h"
 #include "ap_term.h"
+#include "origins.h"
 #include "rcpt_log.h"
 #include "rcpt_snap.h"
 #include "registry.h"
 
 #define PROC_NAME "actor_receptionist"
 #define MAX_BATCH_DEPTH 4 /* a batch inside a batch: fine; deeper: malformed */
-/* Distinct origin nodes a receptionist keeps ids for. */
+/* Origin nodes a receptionist holds ids for at once. */
 #define MAX_ORIGINS 65536u
 
 _Static_assert(REGISTRY_MAX_KEY == AP_SHM_MAX_KEY, "key limits differ");
@@ -73,11 +75,10 @@ struct rcpt {
 	uint64_t registers, deregisters, finds, subscribes, unsubscribes, malformed, refused, remote_ops,
 		origin_drops;
 	/* Origins learnt by gossip: node names, interned to registry origin
-	 * ids (index + 1; REGISTRY_ORIGIN_LOCAL is 0). A cluster has few
-	 * members, so a linear search is enough; the slot of a dropped origin
-	 * is kept (its id stays that node's). */
-	char (*origins)[MAXATOMLEN_UTF8];
-	uint32_t norigins, cap_origins;
+	 * ids (REGISTRY_ORIGIN_LOCAL is 0). Every rregister looks one up, so
+	 * in a hash table: its cost does not grow with the origins; a dropped
+	 * origin's id is reused. */
+	origins *origins;
 	size_t max_listing;
 	int depth; /* batches around the message being handled */
 };
@@ -217,27 +218,12 @@ static void do_register(const char *b, size_t len, int i, int reg)
 	}
 }
 
-/* The registry origin id of node `name`, interned on first use; 0 when the
- * table cannot grow (the message is then refused as malformed). */
+/* The registry origin id of node `name`, interned on first use if add; 0
+ * when it is not held (add 0) or cannot be (MAX_ORIGINS held, no memory):
+ * the message is then refused as malformed. */
 static uint32_t origin_id(const char *name, int add)
 {
-	for (uint32_t k = 0; k < st.norigins; k++)
-		if (!strcmp(st.origins[k], name))
-			return k + 1;
-	if (!add)
-		return 0;
-	if (st.norigins == st.cap_origins) {
-		uint32_t cap = st.cap_origins ? st.cap_origins * 2 : 16;
-		if (cap > MAX_ORIGINS)
-			return 0;
-		void *o = realloc(st.origins, (size_t)cap * sizeof *st.origins);
-		if (!o)
-			return 0;
-		st.origins = o;
-		st.cap_origins = cap;
-	}
-	snprintf(st.origins[st.norigins], sizeof st.origins[0], "%s", name);
-	return ++st.norigins;
+	return origins_get(st.origins, name, add);
 }
 
 /* {rregister | rderegister, OriginNode, Key, Ref}: a change made on another
@@ -383,6 +369,9 @@ static void do_drop_origin(const char *b, size_t len, int i, int unused)
 		registry_defer(st.reg, 0);
 		rcpt_snap_drop_origin(id);
 		registry_defer(st.reg, deferring);
+		/* No ref holds the id now: the next origin may have it. */
+		if (!registry_origin_refs(st.reg, id))
+			origins_release(st.origins, id);
 	}
 }
 
@@ -505,7 +494,7 @@ static void reply_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	x_counter("refused", st.refused);
 	x_counter("remote_ops", st.remote_ops);
 	x_counter("origin_drops", st.origin_drops);
-	x_counter("origins", st.norigins);
+	x_counter("origins", origins_count(st.origins));
 	x_counter("oversized", ap_node_get_stats(n)->oversized);
 	x_counter("entries", rs.entries);
 	x_counter("nodes", rs.nodes);
@@ -617,7 +606,8 @@ ap_proc *rcpt_proto_start(ap_node *n, size_t max_listing)
 {
 	st.n = n;
 	st.max_listing = max_listing;
-	if (ei_x_new(&st.x) || !(st.reg = registry_new(&rcpt_snap_ops, NULL, max_listing)))
+	if (ei_x_new(&st.x) || !(st.reg = registry_new(&rcpt_snap_ops, NULL, max_listing)) ||
+	    !(st.origins = origins_new(MAX_ORIGINS)))
 		return NULL;
 	st.self = ap_proc_spawn(n, PROC_NAME, rcpt_fn, &st);
 	if (!st.self)
@@ -629,7 +619,7 @@ ap_proc *rcpt_proto_start(ap_node *n, size_t max_listing)
 void rcpt_proto_free(void)
 {
 	registry_free(st.reg);
-	free(st.origins);
+	origins_free(st.origins);
 	st.reg = NULL;
 	st.origins = NULL;
 	ei_x_free(&st.x);

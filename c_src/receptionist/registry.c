@@ -21,6 +21,9 @@
  *             each ref names its group. A group keeps the set of keys that
  *             hold its refs (with a count per key), so dropping an origin or
  *             a node visits only the keys concerned.
+ *   origins   per origin (rorig, by origin), the list of its groups: dropping
+ *             an origin, or counting its refs, visits its groups only, not
+ *             every group (as many as origins, or more).
  *   subs      subscribers (rsub) by pid; subns the (key, subscriber) pairs
  *             (rsubn), each in two lists: its key's and its subscriber's.
  */
@@ -97,10 +100,19 @@ struct kslot {
 struct rgroup {
 	uint64_t hash;
 	uint32_t id, origin, node;
+	uint32_t oprev, onext; /* its origin's other groups (ids; NO_GROUP ends) */
 	uint32_t draining; /* its key set is being walked: leave it alone */
 	uint64_t nrefs;
 	struct kslot *ks;
 	uint32_t kcap, kn;
+};
+
+#define NO_GROUP UINT32_MAX
+
+struct rorig {
+	uint64_t hash;
+	uint32_t origin;
+	uint32_t head; /* its first group (a group of an origin holds refs) */
 };
 
 struct rsub {
@@ -122,7 +134,7 @@ struct registry {
 	void *arg;
 	size_t max_value;
 	uint64_t k0, k1, seed;
-	ptab keys, subs, subns, node_tab, group_tab;
+	ptab keys, subs, subns, node_tab, group_tab, orig_tab;
 	idvec nodes, groups;
 	uint32_t last_node, last_group; /* lookup caches (ids, checked before use) */
 	uint8_t *buf;
@@ -279,6 +291,49 @@ static inline uint64_t group_hash(const registry *r, uint32_t origin, uint32_t n
 	return mix64(((uint64_t)origin << 32 | node) ^ r->seed ^ 0x5bd1e995u);
 }
 
+static inline uint64_t orig_hash(const registry *r, uint32_t origin)
+{
+	return mix64((uint64_t)origin ^ r->seed ^ 0x9e3779b97f4a7c15ull);
+}
+
+static struct rorig *orig_find(const registry *r, uint32_t origin)
+{
+	if (!r->orig_tab.cap)
+		return NULL;
+	uint64_t h = orig_hash(r, origin);
+	size_t m = r->orig_tab.cap - 1;
+	for (size_t j = h & m; r->orig_tab.s[j].e; j = (j + 1) & m) {
+		struct rorig *o = r->orig_tab.s[j].e;
+		if (r->orig_tab.s[j].h == h && o->origin == origin)
+			return o;
+	}
+	return NULL;
+}
+
+/* Origin's entry, made (with no group yet) if need be; NULL without memory. */
+static struct rorig *orig_get(registry *r, uint32_t origin)
+{
+	struct rorig *o = orig_find(r, origin);
+	if (o)
+		return o;
+	if (ptab_reserve(&r->mem, &r->orig_tab) || !(o = rcalloc(r, 1, sizeof *o)))
+		return NULL;
+	o->hash = orig_hash(r, origin);
+	o->origin = origin;
+	o->head = NO_GROUP;
+	ptab_put(&r->orig_tab, o->hash, o);
+	return o;
+}
+
+/* Free o if it has no group left. */
+static void orig_gc(registry *r, struct rorig *o)
+{
+	if (o->head != NO_GROUP)
+		return;
+	ptab_del(&r->mem, &r->orig_tab, o->hash, o);
+	rfree(r, o, sizeof *o);
+}
+
 static struct rgroup *group_get(registry *r, uint32_t origin, uint32_t node, int create)
 {
 	struct rgroup *g = r->last_group < r->groups.n ? GROUP(r, r->last_group) : NULL;
@@ -297,18 +352,30 @@ static struct rgroup *group_get(registry *r, uint32_t origin, uint32_t node, int
 	}
 	if (!create || ptab_reserve(&r->mem, &r->group_tab))
 		return NULL;
+	struct rorig *o = orig_get(r, origin);
+	if (!o)
+		return NULL;
 	uint32_t id;
 	g = rcalloc(r, 1, sizeof *g);
-	if (!g)
+	if (!g) {
+		orig_gc(r, o);
 		return NULL;
+	}
 	if (idvec_alloc(&r->mem, &r->groups, &id)) {
 		rfree(r, g, sizeof *g);
+		orig_gc(r, o);
 		return NULL;
 	}
 	g->hash = h;
 	g->id = id;
 	g->origin = origin;
 	g->node = node;
+	/* First in its origin's list. */
+	g->oprev = NO_GROUP;
+	g->onext = o->head;
+	if (o->head != NO_GROUP)
+		GROUP(r, o->head)->oprev = id;
+	o->head = id;
 	r->groups.v[id] = g;
 	ptab_put(&r->group_tab, h, g);
 	NODE(r, node)->refs++;
@@ -322,6 +389,15 @@ static void group_gc(registry *r, struct rgroup *g)
 	if (g->nrefs || g->draining)
 		return;
 	uint32_t node = g->node;
+	/* Out of its origin's list. */
+	struct rorig *o = orig_find(r, g->origin);
+	if (g->oprev != NO_GROUP)
+		GROUP(r, g->oprev)->onext = g->onext;
+	else
+		o->head = g->onext;
+	if (g->onext != NO_GROUP)
+		GROUP(r, g->onext)->oprev = g->oprev;
+	orig_gc(r, o);
 	ptab_del(&r->mem, &r->group_tab, g->hash, g);
 	idvec_release(&r->groups, g->id);
 	rfree(r, g->ks, g->kcap * sizeof *g->ks);
@@ -826,6 +902,9 @@ void registry_free(registry *r)
 	ptab_free(&r->mem, &r->subns);
 	ptab_free(&r->mem, &r->node_tab);
 	ptab_free(&r->mem, &r->group_tab);
+	for (size_t i = 0; i < r->orig_tab.cap; i++)
+		free(r->orig_tab.s[i].e);
+	ptab_free(&r->mem, &r->orig_tab);
 	for (size_t i = 0; i < r->ndirty; i++)
 		free(r->dirty[i].was);
 	free(r->dirty);
@@ -1007,10 +1086,13 @@ static size_t drain(registry *r, struct rgroup *g, int by_node, uint32_t what)
 size_t registry_drop_origin(registry *r, uint32_t origin)
 {
 	size_t total = 0;
-	for (uint32_t id = 0; id < r->groups.n; id++) {
-		struct rgroup *g = GROUP(r, id);
-		if (g && g->origin == origin)
-			total += drain(r, g, 0, origin);
+	/* Each drain takes its group out of the list (and maybe others of the
+	 * origin with it): drain the first until none is left. */
+	for (struct rorig *o; (o = orig_find(r, origin));) {
+		uint32_t first = o->head;
+		total += drain(r, GROUP(r, first), 0, origin);
+		if ((o = orig_find(r, origin)) && o->head == first)
+			break; /* cannot be: a drained group has no ref left */
 	}
 	return total;
 }
@@ -1018,11 +1100,9 @@ size_t registry_drop_origin(registry *r, uint32_t origin)
 size_t registry_origin_refs(const registry *r, uint32_t origin)
 {
 	size_t total = 0;
-	for (uint32_t id = 0; id < r->groups.n; id++) {
-		const struct rgroup *g = GROUP(r, id);
-		if (g && g->origin == origin)
-			total += g->nrefs;
-	}
+	const struct rorig *o = orig_find(r, origin);
+	for (uint32_t id = o ? o->head : NO_GROUP; id != NO_GROUP; id = GROUP(r, id)->onext)
+		total += GROUP(r, id)->nrefs;
 	return total;
 }
 
@@ -1381,6 +1461,26 @@ int registry_check(const registry *r, char *why, size_t cap)
 		nrefs[g->node]++;
 	}
 	CHECK(ngroups == r->group_tab.n, "groups: %zu by id, %zu by pair", ngroups, r->group_tab.n);
+	/* Each group in its origin's list once, each list of that origin's
+	 * groups only, and no origin without a group. */
+	CHECK(ptab_count(&r->orig_tab) == r->orig_tab.n, "origin table count");
+	size_t listed = 0;
+	for (size_t i = 0; i < r->orig_tab.cap; i++) {
+		const struct rorig *o = r->orig_tab.s[i].e;
+		if (!o)
+			continue;
+		CHECK(o->head != NO_GROUP && ptab_has(&r->orig_tab, o->hash, o) && orig_find(r, o->origin) == o,
+		      "origin %u: empty or badly indexed", o->origin);
+		uint32_t prev = NO_GROUP;
+		for (uint32_t id = o->head; id != NO_GROUP; id = GROUP(r, id)->onext) {
+			CHECK(id < r->groups.n && GROUP(r, id), "origin %u lists a dead group", o->origin);
+			CHECK(GROUP(r, id)->origin == o->origin && GROUP(r, id)->oprev == prev,
+			      "origin %u: group %u misplaced or badly linked", o->origin, id);
+			CHECK(++listed <= ngroups, "origin lists too long");
+			prev = id;
+		}
+	}
+	CHECK(listed == ngroups, "origin lists hold %zu of %zu groups", listed, ngroups);
 	uint64_t subns2 = 0;
 	for (size_t i = 0; i < r->subs.cap; i++) {
 		const struct rsub *s = r->subs.s[i].e;

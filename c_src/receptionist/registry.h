@@ -11,7 +11,9 @@
  * (its value is re-encoded for the snapshot and the listings), never
  * O(all registrations). unsubscribe_all is O(keys of that subscriber);
  * drop_origin / drop_node are O(refs of the keys holding refs of that
- * origin / node), through a per-(origin, node) index of keys.
+ * origin / node), through a per-(origin, node) index of keys; drop_origin
+ * finds that origin's (origin, node) pairs through a list per origin, so
+ * it costs nothing more with many origins (drop_node visits every pair).
  *
  * Storage: a ref is 16 bytes (its group: the (origin, node) pair, interned,
  * and the pid's num, serial and creation); a key with one ref holds it
@@ -112,7 +114,7 @@ size_t registry_unsubscribe_all(registry *r, const erlang_pid *sub);
  * each changed key is reported once. Return the number of refs removed.
  * They allocate nothing, so they cannot fail. */
 size_t registry_drop_origin(registry *r, uint32_t origin);
-/* Refs of that origin (O(groups), no walk over the refs). */
+/* Refs of that origin (O(its (origin, node) pairs), no walk over the refs). */
 size_t registry_origin_refs(const registry *r, uint32_t origin);
 size_t registry_drop_node(registry *r, const char *node);
 

@@ -607,6 +607,55 @@ static void test_plugin_why_is_cut_to_fit(void **state)
 	assert_int_equal(ap_plugin_load("/nonexistent/plugin.so", &h, &dl, NULL, NULL, 0), -1);
 }
 
+/* ap_plugin_check: a file there to be opened, and why not, without
+ * loading anything (a worker process loads it). */
+static void test_plugin_check_names_a_missing_file_and_loads_nothing(void **state)
+{
+	char why[256], cwd[4096], fifo[] = "/tmp/t_handlers_fifoXXXXXX";
+	const char *missing = "/nonexistent/dir/plugin.so";
+
+	(void)state;
+	/* A plugin that would not load is still a file that opens: the check
+	 * is about the file, the load is the worker's. */
+	assert_int_equal(ap_plugin_check(T_BUILD_DIR "/plugin_nosym.so", why, sizeof why), 0);
+	assert_int_equal(ap_plugin_check(T_BUILD_DIR "/plugin_ok.so", why, sizeof why), 0);
+
+	memset(why, 'x', sizeof why);
+	assert_int_equal(ap_plugin_check(missing, why, sizeof why), -1);
+	assert_true(strlen(why) < sizeof why);
+	assert_int_equal(strncmp(why, missing, strlen(missing)), 0);
+	assert_non_null(strstr(why, "No such file or directory"));
+
+	assert_int_equal(ap_plugin_check(T_BUILD_DIR, why, sizeof why), -1);
+	assert_non_null(strstr(why, "not a regular file"));
+
+	/* A FIFO is refused at once, not waited on for a writer. */
+	assert_non_null(mkdtemp(fifo));
+	char path[sizeof fifo + 8];
+	snprintf(path, sizeof path, "%s/p.so", fifo);
+	assert_int_equal(mkfifo(path, 0600), 0);
+	assert_int_equal(ap_plugin_check(path, why, sizeof why), -1);
+	assert_non_null(strstr(why, "not a regular file"));
+	unlink(path);
+	rmdir(fifo);
+
+	/* A bare name is a file here, as for ap_plugin_load. */
+	assert_non_null(getcwd(cwd, sizeof cwd));
+	assert_int_equal(chdir(T_BUILD_DIR), 0);
+	int here = ap_plugin_check("plugin_ok.so", why, sizeof why);
+	assert_int_equal(chdir(cwd), 0);
+	assert_int_equal(here, 0);
+	assert_int_equal(ap_plugin_check("libc.so.6", why, sizeof why), -1);
+
+	assert_int_equal(ap_plugin_check("", why, sizeof why), -1);
+	assert_int_equal(ap_plugin_check(NULL, why, sizeof why), -1);
+	/* why is cut to fit, or not written at all. */
+	char small[8];
+	assert_int_equal(ap_plugin_check(missing, small, sizeof small), -1);
+	assert_int_equal(strlen(small), sizeof small - 1);
+	assert_int_equal(ap_plugin_check(missing, NULL, 0), -1);
+}
+
 /* plugin_crash: what the Erlang tests rely on. */
 static void test_plugin_crash_does_what_its_requests_say(void **state)
 {
@@ -679,6 +728,7 @@ int main(void)
 		cmocka_unit_test(test_plugin_wrong_abi_is_minus_2_with_the_version),
 		cmocka_unit_test(test_plugin_bad_files_are_minus_1_and_never_crash),
 		cmocka_unit_test(test_plugin_why_is_cut_to_fit),
+		cmocka_unit_test(test_plugin_check_names_a_missing_file_and_loads_nothing),
 		cmocka_unit_test(test_plugin_crash_does_what_its_requests_say),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

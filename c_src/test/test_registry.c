@@ -1,9 +1,11 @@
 /* test_registry: the receptionist's registry core: order, idempotency,
  * listings only on change, subscriptions, drops by origin and node, and a
- * snapshot (a real ap_shm writer over memory) that always equals it. */
+ * snapshot (a real ap_shm writer over memory) that always equals it; and
+ * its interned origin names (origins.c). */
 #include "t_helpers.h"
 
 #include "ap_shm.h"
+#include "origins.h"
 #include "registry.h"
 
 /* ---- what the callbacks saw ----------------------------------------------- */
@@ -1187,6 +1189,152 @@ static void test_cost_of_a_register_with_its_snapshot_put(void **state)
 	free(seg);
 }
 
+/* Many origins, each with refs on several nodes (a group per pair) under
+ * shared keys, retagged now and then, dropped in random order: each drop
+ * takes exactly that origin's refs (its count beforehand), the others'
+ * stay, and the index of groups by origin stays whole (t_check). */
+static void test_many_origins_drop_one_by_one(void **state)
+{
+	(void)state;
+	enum { ORIGINS = 300, NODES = 4, KEYS = 40, PER = 6 };
+	struct t_rec rec = { 0 };
+	registry *r = registry_new(&t_ops, &rec, 0);
+	char key[32], node[32];
+	uint64_t held[ORIGINS + 1] = { 0 };
+	t_rng rng;
+	t_rng_seed(&rng, 6);
+	unsigned num = 1;
+	for (uint32_t o = 1; o <= ORIGINS; o++)
+		for (unsigned j = 0; j < PER; j++) {
+			snprintf(key, sizeof key, "k%u", (unsigned)(t_rand64(&rng) % KEYS));
+			snprintf(node, sizeof node, "n%u@host", (unsigned)(t_rand64(&rng) % NODES));
+			erlang_pid p = t_pid(node, num++, 0, 7);
+			assert_int_equal(registry_register(r, K(key), &p, o), 1);
+			held[o]++;
+			if (j == 0 && o > 1) {
+				/* Held for the origin before it from now on. */
+				assert_int_equal(registry_set_origin(r, K(key), &p, o - 1), 1);
+				held[o]--;
+				held[o - 1]++;
+			}
+		}
+	t_check(r);
+	uint32_t order[ORIGINS];
+	for (uint32_t i = 0; i < ORIGINS; i++)
+		order[i] = i + 1;
+	for (uint32_t i = ORIGINS - 1; i > 0; i--) {
+		uint32_t j = (uint32_t)(t_rand64(&rng) % (i + 1)), x = order[i];
+		order[i] = order[j];
+		order[j] = x;
+	}
+	registry_stats st;
+	for (uint32_t i = 0; i < ORIGINS; i++) {
+		uint32_t o = order[i];
+		registry_get_stats(r, &st);
+		uint64_t before = st.refs;
+		assert_int_equal(registry_origin_refs(r, o), held[o]);
+		assert_int_equal(registry_drop_origin(r, o), held[o]);
+		assert_int_equal(registry_origin_refs(r, o), 0);
+		assert_int_equal(registry_drop_origin(r, o), 0);
+		registry_get_stats(r, &st);
+		assert_int_equal(st.refs, before - held[o]);
+		if (i % 37 == 0)
+			t_check(r);
+	}
+	registry_get_stats(r, &st);
+	assert_int_equal(st.refs, 0);
+	assert_int_equal(st.groups, 0);
+	t_check(r);
+	registry_free(r);
+	t_rec_free(&rec);
+}
+
+/* ---- origins ------------------------------------------------------------------ */
+
+/* Names get ids 1, 2, ...; a name is found again, not interned twice; a
+ * released id goes to the next new name; the cap and bad names give 0. */
+static void test_origins_intern_find_release_reuse(void **state)
+{
+	(void)state;
+	origins *o = origins_new(3);
+	assert_non_null(o);
+	assert_int_equal(origins_get(o, "a@h", 0), 0);
+	assert_int_equal(origins_get(o, "a@h", 1), 1);
+	assert_int_equal(origins_get(o, "b@h", 1), 2);
+	assert_int_equal(origins_get(o, "a@h", 1), 1);
+	assert_int_equal(origins_get(o, "a@h", 0), 1);
+	assert_string_equal(origins_name(o, 2), "b@h");
+	assert_null(origins_name(o, 3));
+	assert_null(origins_name(o, 0));
+	assert_int_equal(origins_count(o), 2);
+	origins_release(o, 1);
+	origins_release(o, 1); /* not held: nothing */
+	origins_release(o, 77);
+	assert_int_equal(origins_count(o), 1);
+	assert_int_equal(origins_get(o, "a@h", 0), 0);
+	assert_null(origins_name(o, 1));
+	assert_int_equal(origins_get(o, "c@h", 1), 1);
+	assert_string_equal(origins_name(o, 1), "c@h");
+	assert_int_equal(origins_get(o, "d@h", 1), 3);
+	assert_int_equal(origins_get(o, "e@h", 1), 0); /* 3 held: the cap */
+	assert_int_equal(origins_get(o, "b@h", 1), 2);
+	char longname[MAXATOMLEN_UTF8 + 8];
+	memset(longname, 'x', sizeof longname - 1);
+	longname[sizeof longname - 1] = 0;
+	origins_release(o, 3);
+	assert_int_equal(origins_get(o, longname, 1), 0);
+	assert_int_equal(origins_count(o), 2);
+	origins_free(o);
+}
+
+/* A lookup visits a few slots of the table however many origins are held
+ * (a walk over them, as before, visited half of them on average), and
+ * origins that come and go keep the ids dense: never more ids in use than
+ * origins held. Work is counted, not timed. */
+static void test_origins_lookup_work_does_not_grow_and_ids_are_reused(void **state)
+{
+	(void)state;
+	enum { N = 60000, CHURN = 200000 };
+	origins *o = origins_new(65536);
+	char name[64];
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "member%u@host%u", i, i % 7);
+		assert_int_equal(origins_get(o, name, 1), i + 1);
+	}
+	uint64_t p0 = origins_probes(o);
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "member%u@host%u", i, i % 7);
+		assert_int_equal(origins_get(o, name, 0), i + 1);
+	}
+	uint64_t per = (origins_probes(o) - p0) / N;
+	print_message("[ info     ] %u origins: %llu slots visited per lookup\n", N, (unsigned long long)per);
+	assert_true(per <= 4);
+	/* Misses cost as little. */
+	p0 = origins_probes(o);
+	for (unsigned i = 0; i < N; i++) {
+		snprintf(name, sizeof name, "stranger%u@host", i);
+		assert_int_equal(origins_get(o, name, 0), 0);
+	}
+	assert_true((origins_probes(o) - p0) / N <= 8);
+	/* Churn: one leaves, a new one comes, many times over. */
+	t_rng rng;
+	t_rng_seed(&rng, 45);
+	for (unsigned k = 0; k < CHURN; k++) {
+		uint32_t id = 1 + (uint32_t)(t_rand64(&rng) % N);
+		origins_release(o, id);
+		snprintf(name, sizeof name, "late%u@host", k);
+		assert_int_equal(origins_get(o, name, 1), id);
+	}
+	assert_int_equal(origins_count(o), N);
+	p0 = origins_probes(o);
+	for (unsigned k = CHURN - 1000; k < CHURN; k++) {
+		snprintf(name, sizeof name, "late%u@host", k);
+		origins_get(o, name, 0);
+	}
+	assert_true((origins_probes(o) - p0) / 1000 <= 8);
+	origins_free(o);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1202,12 +1350,15 @@ int main(void)
 		cmocka_unit_test(test_drop_origin_removes_its_refs_and_reports_each_key_once),
 		cmocka_unit_test(test_set_origin_moves_a_ref_to_another_origin_silently),
 		cmocka_unit_test(test_drop_node_removes_refs_on_that_node_from_every_origin),
+		cmocka_unit_test(test_many_origins_drop_one_by_one),
 		cmocka_unit_test(test_deferred_changes_are_reported_once_per_key_at_the_flush),
 		cmocka_unit_test(test_100k_keys),
 		cmocka_unit_test(test_10k_refs_in_one_key),
 		cmocka_unit_test(test_snapshot_equals_registry_after_random_operations),
 		cmocka_unit_test(test_rebuild_from_the_registry_reproduces_it),
 		cmocka_unit_test(test_cost_of_a_register_with_its_snapshot_put),
+		cmocka_unit_test(test_origins_intern_find_release_reuse),
+		cmocka_unit_test(test_origins_lookup_work_does_not_grow_and_ids_are_reused),
 	};
 	ei_init();
 	return cmocka_run_group_tests(tests, NULL, NULL);
