@@ -495,7 +495,7 @@ ask(Pool, Msg, Timeout) ->
 %% `handler'), `stalls' (workers found stalled), `restarts', `overloaded',
 %% `dropped_tells'), `throughput_10s' (messages per second over the last
 %% 10 s, up to the call), `uptime_ms', `handler_time' (how long the
-%% handler's calls took, timed around each call on the pool node: `counts'
+%% handler took on asks, timed around each call on the pool node: `counts'
 %% per bucket, not cumulative, of the upper `bounds_ns' and one past the
 %% last, and `sum_ns'), and per worker `id', `alive', `state' (`running',
 %% `stalled', `hung', `restarting') and `busy_ms' (how long a stalled or

@@ -151,8 +151,8 @@ pool_families(Pools) ->
         case maps:get(state, W, running) of running -> 1; _ -> 0 end}
        || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},
      {"actor_pool_handler_duration_seconds", histogram,
-      "Time the pool's handler took per message, measured on the pool node around each "
-      "call (in a worker process, by that process).",
+      "Time the pool's handler took per ask (tells are not timed), measured on the pool "
+      "node around each call (in a worker process, by that process).",
       [{L(N, Nd), H} || {N, Nd, S} <- Pools, H <- [histogram(maps:get(handler_time, S, none))],
                         H =/= none]}].
 

@@ -1,6 +1,6 @@
 /* ap_hist: a latency histogram with fixed buckets, kept in relaxed atomics.
  *
- * The pool node times each handler call with it (per worker: the worker
+ * The pool node times each ask's handler call with it (per worker: the worker
  * thread, or the loop running a message inline, or a worker process in its
  * channel page) and the stats map carries the sum over a pool's workers
  * (stats.c). The bounds are 1, 2.5 and 5 per decade from 1 us to 10 s,

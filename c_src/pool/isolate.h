@@ -108,7 +108,7 @@ struct iso_ctl {
 	int32_t fail_num;
 	char fail_layer[16];
 	char fail_why[256];
-	/* The child's, one writer: how long its handler calls took. The
+	/* The child's, one writer: how long its handler took on asks. The
 	 * pool node takes only its growth (isolate.c, ap_iso_harvest). */
 	ap_hist run_ns;
 };

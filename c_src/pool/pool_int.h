@@ -141,7 +141,7 @@ typedef struct ap_worker {
 	/* The worker's per-message counters: off the loop's line above. */
 	alignas(64) _Atomic uint64_t processed, errors, crashes;
 	_Atomic uint64_t crash_by[AP_CRASH_CAUSES];
-	/* How long its handler calls took (stats' handler_time): added by its
+	/* How long its handler took on asks (stats' handler_time): added by its
 	 * worker thread alone (one writer: no locked add); in process mode,
 	 * what its worker processes counted, taken from their channel by
 	 * ap_iso_harvest (under the slot's lock: one writer too). */

@@ -94,7 +94,9 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	kv_u64(x, "exit", by[AP_CRASH_EXIT]);
 	kv_u64(x, "timeout", by[AP_CRASH_TIMEOUT]);
 	kv_u64(x, "handler", by[AP_CRASH_HANDLER]);
-	/* How long handler calls took: the upper bounds, the count per
+	/* How long the handler took on asks (a tell is not timed: two
+	 * clock reads cost as much as a whole tell of a flood): the upper
+	 * bounds, the count per
 	 * bucket (not cumulative; one more, past the last bound), the sum. */
 	ei_x_encode_atom(x, "handler_time");
 	ei_x_encode_map_header(x, 3);
