@@ -145,8 +145,11 @@ pool_families(Pools) ->
      {"actor_pool_worker_processed_total", counter, "Messages a worker handled.",
       [{L(N, Nd) ++ [{"worker", maps:get(id, W)}], maps:get(processed, W, 0)}
        || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},
+     {"actor_pool_stalls_total", counter,
+      "Workers found busy on one message past stall_ms (their queue moved to the others).",
+      C(stalls)},
      {"actor_pool_worker_up", gauge,
-      "1 when the worker is running, 0 when it is hung or waiting to be replaced.",
+      "1 when the worker is running, 0 when it is stalled, hung or waiting to be replaced.",
       [{L(N, Nd) ++ [{"worker", maps:get(id, W)}],
         case maps:get(state, W, running) of running -> 1; _ -> 0 end}
        || {N, Nd, S} <- Pools, W <- maps:get(workers, S, [])]},

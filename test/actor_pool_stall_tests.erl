@@ -173,6 +173,11 @@ stats_show_a_stalled_worker_and_for_how_long(_Ctx) ->
          ?assertMatch({V, #{alive := false, mailbox := 1}}, {V, W1}),
          ?assert(B1 >= 1000),
          ?assertMatch(#{stall_ms := 1000, stalls := 1}, S1),
+         %% The metrics say so too: the stall counted.
+         Line = io_lib:format("actor_pool_stalls_total{pool=\"~s\",node=\"~s\"} 1\n",
+                              [name(?FUNCTION_NAME, V), node(P)]),
+         Text = iolist_to_binary(actor_pool_metrics:render()),
+         ?assertNotEqual(nomatch, binary:match(Text, iolist_to_binary(Line))),
          [?assertMatch(#{state := running, alive := true, busy_ms := 0}, W)
           || #{id := Id} = W <- workers(S1), Id =/= Stuck],
          S2 = stats_when(P, fun(S) -> maps:get(busy_ms, worker(Stuck, S)) > B1 end),
