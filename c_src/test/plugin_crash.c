@@ -18,9 +18,12 @@
  *   anything else    echoed: a binary as a binary, a term as the same term
  *
  * Config {init_sleep, Ms}: each worker's init sleeps Ms milliseconds first
- * (a pool that is still starting, for a test to stop).
+ * (a pool that is still starting, for a test to stop). Config {delay_us, Us}:
+ * every message (ask or tell) waits Us microseconds before it is handled as
+ * above (a slow host among fast ones, for the routing tests and bench).
  */
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -33,6 +36,14 @@
 static void sleep_ms(long ms)
 {
 	struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L };
+
+	while (nanosleep(&ts, &ts) && errno == EINTR)
+		;
+}
+
+static void sleep_us(long us)
+{
+	struct timespec ts = { .tv_sec = us / 1000000, .tv_nsec = (us % 1000000) * 1000L };
 
 	while (nanosleep(&ts, &ts) && errno == EINTR)
 		;
@@ -108,7 +119,9 @@ static actor_pool_status crash_handle(void *state, const actor_pool_request *req
 	int idx = 0, ver, arity, type, size;
 	long ms;
 
-	(void)state;
+	/* The state is the delay itself (see crash_init): nothing to free. */
+	if (state)
+		sleep_us((long)(intptr_t)state);
 	if (req->is_binary) {
 		if (req->len == 5 && !memcmp(req->data, "crash", 5))
 			return AP_HANDLER_CRASH;
@@ -192,8 +205,12 @@ static int crash_init(void **state, const uint8_t *config, size_t config_len)
 	*state = NULL;
 	if (config_len && !ei_decode_version(d, &idx, &ver) && !ei_decode_tuple_header(d, &idx, &arity) &&
 	    arity == 2 && !ei_decode_atom_as(d, &idx, tag, sizeof tag, ERLANG_UTF8, NULL, NULL) &&
-	    !strcmp(tag, "init_sleep") && !ei_decode_long(d, &idx, &ms) && ms >= 0)
-		sleep_ms(ms);
+	    !ei_decode_long(d, &idx, &ms) && ms >= 0) {
+		if (!strcmp(tag, "init_sleep"))
+			sleep_ms(ms);
+		else if (!strcmp(tag, "delay_us") && ms <= 60000000)
+			*state = (void *)(intptr_t)ms;
+	}
 	return 0;
 }
 
