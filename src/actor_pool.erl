@@ -28,7 +28,8 @@
 %% references; none of the others calls it):
 %%   actor_pool_opts       the checks of start arguments and of messages
 %%   actor_pool_manager    pool_node/0, starting and stopping pools
-%%   actor_pool_keys       service-key registration of pools, pick by key
+%%   actor_pool_keys       service-key registration of pools
+%%   actor_pool_route      calls by key: which pool under the key takes each
 %%   actor_pool_transport  distribution or ring, ordering, frame sizes
 %%   actor_pool_keeper     pools started again after a pool node restart,
 %%                         owned pools stopped when their owner dies
@@ -46,6 +47,8 @@
 -export([tell/2]).
 -export([ask/2]).
 -export([ask/3]).
+-export([ask/4]).
+-export([key_stats/1]).
 -export([stats/1]).
 -export([which_pools/0]).
 -export([which_pools/1]).
@@ -55,13 +58,19 @@
 -export([node_stats/1]).
 
 -export_type([sandbox/0, sandbox_stats/0, pool/0, name/0, handler/0, routing/0, opts/0, backoff/0,
-              isolation/0, stats/0, worker_stats/0]).
+              isolation/0, stats/0, worker_stats/0, ask_opts/0, key_pool_stats/0]).
 
 -type name() :: atom().
 -type pool() :: pid() | name() | {name(), node()} | actor_receptionist:key().
 %% A pool's pid, its name on this node's pool node, `{Name, PoolNode}', or
 %% (for tell and ask) a service key that pools are registered under: the
-%% call goes to one of the pools listed (see {@link ask/3}).
+%% call goes to one of the pools listed (see {@link ask/4}).
+
+-type ask_opts() :: #{idempotent => boolean()}.
+%% Options of {@link ask/4}.
+
+-type key_pool_stats() :: actor_pool_route:key_pool_stats().
+%% One pool under a service key, as this node sees it ({@link key_stats/1}).
 
 -type handler() :: echo
                  | json_validate
@@ -423,8 +432,12 @@ tell(Pool, Msg) ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
                     actor_pool_transport:tell(Node, Dest, Msg, Est);
+                {key, Key} ->
+                    case actor_pool_route:tell(Key, Msg, Est) of
+                        ok -> ok;
+                        no_pool -> actor_pool_keys:count_no_pool(Pool, no_registration)
+                    end;
                 undefined -> actor_pool_keys:count_no_pool(Pool, no_pool_node);
-                no_pool -> actor_pool_keys:count_no_pool(Pool, no_registration);
                 badarg -> erlang:error(badarg, [Pool, Msg])
             end
     end.
@@ -434,7 +447,16 @@ tell(Pool, Msg) ->
 ask(Pool, Msg) ->
     ask(Pool, Msg, ?DEFAULT_TIMEOUT).
 
-%% @doc Sends `Msg' to one worker of the pool and waits for its reply.
+%% @equiv ask(Pool, Msg, Timeout, #{})
+-spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
+ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
+                             Timeout =:= infinity ->
+    ask_(Pool, Msg, Timeout, false);
+ask(Pool, Msg, Timeout) ->
+    erlang:error(badarg, [Pool, Msg, Timeout]).
+
+%% @doc Sends `Msg' to one worker of the pool and waits for its reply, at
+%% most `Timeout' ms.
 %%
 %% `{ok, Reply}': a binary when the handler replied bytes, else the term it
 %% encoded. `{error, Reason}': the handler refused the message (`Reason' is
@@ -453,39 +475,82 @@ ask(Pool, Msg) ->
 %% `timeout' (a reply that comes later is dropped, never left in the
 %% caller's mailbox); `{too_large, Size, Max}' (the message, of external
 %% size `Size', does not fit in a frame of the pool node, nor in a ring
-%% record: nothing was sent; see {@link tell/2}). Raises `badarg' for a
-%% message that holds a closure (see {@link tell/2}).
--spec ask(pool(), term(), timeout()) -> {ok, term()} | {error, term()}.
-ask(Pool, Msg, Timeout) when (is_integer(Timeout) andalso Timeout >= 0);
-                             Timeout =:= infinity ->
+%% record: nothing was sent; see {@link tell/2}); `no_pool' (a service key
+%% no pool is registered under). Raises `badarg' for a message that holds
+%% a closure (see {@link tell/2}), or a bad `Timeout'.
+%%
+%% By service key, one of the pools listed under it takes the ask: of two
+%% drawn at random (those on this host when there are any), the one with
+%% fewer of this node's asks in flight, weighed by how quickly it has been
+%% answering them; a pool whose ask timed out is set aside for half that
+%% timeout (at most 0.5 s), then one ask is let through to see if it
+%% answers (docs/stateless-workers.md, "Pools by key"). An ask answered
+%% `overloaded' was not run: it is sent to another pool under the key, each
+%% pool tried once, for as long as `Timeout' lasts (the whole ask never
+%% takes longer); when none is left, `overloaded' is the answer. Nothing
+%% else is sent again, unless `Opts' says `#{idempotent => true}': then an
+%% ask answered `{nodedown, _}' (the message may have run), `noproc' or
+%% `stopped' goes on to another pool under the key in the same way. Say so
+%% only for work that may run twice. Options are checked whatever `Pool'
+%% is (they change nothing but asks by key): an unknown key or a bad value
+%% is `{error, {badarg, {Key, Value}}}', a non-map `{error, {badarg, {opts,
+%% Opts}}}', and nothing is sent.
+-spec ask(pool(), term(), timeout(), ask_opts()) -> {ok, term()} | {error, term()}.
+ask(Pool, Msg, Timeout, Opts) when (is_integer(Timeout) andalso Timeout >= 0);
+                                   Timeout =:= infinity ->
+    case ask_opts(Opts) of
+        {ok, Idempotent} -> ask_(Pool, Msg, Timeout, Idempotent);
+        {error, _} = Error -> Error
+    end;
+ask(Pool, Msg, Timeout, Opts) ->
+    erlang:error(badarg, [Pool, Msg, Timeout, Opts]).
+
+ask_(Pool, Msg, Timeout, Idempotent) ->
     case actor_pool_opts:sendable(Msg) of
         false ->
             erlang:error(badarg, [Pool, Msg, Timeout]);
         Est ->
             case dest(Pool) of
                 {ok, Dest, Node} ->
-                    %% The round trip goes into the pool's histogram
-                    %% (actor_pool_latency), timed by the transport; a
-                    %% pool with none yet is timed here, and gets one.
-                    case actor_pool_latency:hist(Dest) of
-                        none ->
-                            T0 = os:perf_counter(),
-                            Reply = actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout, none),
-                            ok = actor_pool_latency:unmeasured(Dest, Reply, T0),
-                            Reply;
-                        Hist ->
-                            actor_pool_transport:ask(Node, Dest, Msg, Est, Timeout, Hist)
-                    end;
+                    actor_pool_latency:ask(Node, Dest, Msg, Est, Timeout);
+                {key, Key} ->
+                    actor_pool_route:ask(Key, Msg, Est, Timeout, Idempotent);
                 undefined ->
                     {error, noproc};
-                no_pool ->
-                    {error, no_pool};
                 badarg ->
                     erlang:error(badarg, [Pool, Msg, Timeout])
             end
-    end;
-ask(Pool, Msg, Timeout) ->
-    erlang:error(badarg, [Pool, Msg, Timeout]).
+    end.
+
+ask_opts(Opts) when is_map(Opts) ->
+    maps:fold(fun(idempotent, V, {ok, _}) when is_boolean(V) -> {ok, V};
+                 (_, _, {error, _} = E) -> E;
+                 (K, V, _) -> {error, {badarg, {K, V}}}
+              end, {ok, false}, Opts);
+ask_opts(Opts) ->
+    {error, {badarg, {opts, Opts}}}.
+
+%% @doc The pools listed under service key `Key' now, with what this node
+%% knows of each from its own calls by key (counted since the application
+%% started, or since this node first reached the pool): `in_flight' (asks
+%% sent and not answered yet), `asks' and `tells' (sent to it by key),
+%% `timeouts' (asks it did not answer in time), `set_asides' (times it was
+%% set aside for a timeout or a lost connection), `set_aside' (whether it
+%% is now), `spills' (asks it answered `overloaded', or with `idempotent'
+%% failed, that went on to another pool), `weight_us' (how long each ask in
+%% flight has recently held it up, in us: what the choice weighs `in_flight'
+%% by; 0.0 not known), `local' (its pool node is on this host), `name' (its
+%% name on its pool node; `undefined' until that node has said) and
+%% `node'. A pool not reached by key from this node has every count 0.
+%% The metrics show the same per pool (`actor_pool_key_*',
+%% docs/operations.md). `Key' may be the id alone; raises `badarg' for what
+%% is neither.
+-spec key_stats(actor_receptionist:key() | actor_receptionist:id()) -> [key_pool_stats()].
+key_stats(Key) ->
+    case actor_receptionist:id(Key) of
+        {ok, Id} -> actor_pool_route:key_stats({service_key, Id});
+        error -> erlang:error(badarg, [Key])
+    end.
 
 %% @doc The pool's metrics: size and routing, `isolation',
 %% `handler_timeout_ms', `stall_ms', `max_memory_mb', `max_reply_atoms' and the distinct
@@ -506,6 +571,11 @@ ask(Pool, Msg, Timeout) ->
 -spec stats(pool()) -> stats() | {error, noproc | timeout}.
 stats(Pool) ->
     case dest(Pool) of
+        {key, Key} ->
+            case actor_pool_route:any(Key) of
+                none -> {error, noproc};
+                Pid -> stats(Pid)
+            end;
         {ok, Dest, Node} ->
             case actor_pool_transport:stats(Node, Dest, ?DEFAULT_TIMEOUT) of
                 #{} = Stats -> Stats;
@@ -548,9 +618,9 @@ pool_node() ->
 %% Pool references
 %% ===================================================================
 
-%% Where a pool reference points: {ok, Dest, PoolNode}, or undefined (a
-%% name, and no pool node here), no_pool (a key no pool is registered
-%% under) or badarg.
+%% Where a pool reference points: {ok, Dest, PoolNode}, {key, Key} (a
+%% service key, its id a binary), undefined (a name, and no pool node
+%% here) or badarg.
 dest(Pid) when is_pid(Pid) ->
     {ok, Pid, node(Pid)};
 dest(Name) when is_atom(Name) ->
@@ -559,12 +629,12 @@ dest(Name) when is_atom(Name) ->
         Node -> {ok, {Name, Node}, Node}
     end;
 dest({service_key, Id} = Key) when is_binary(Id) ->
-    actor_pool_keys:pick(Key);
+    {key, Key};
 dest({service_key, Id}) ->
     %% A key is a key, whatever its id (no pool can be reached as
     %% {service_key, Node}).
     case actor_receptionist:id(Id) of
-        {ok, Bin} -> actor_pool_keys:pick({service_key, Bin});
+        {ok, Bin} -> {key, {service_key, Bin}};
         error -> badarg
     end;
 dest({Name, Node} = Dest) when is_atom(Name), is_atom(Node) ->

@@ -1,5 +1,6 @@
 %% @doc The service keys of pools: what actor_pool registers its pools
-%% under with this node's receptionist, and how a call by key picks a pool.
+%% under with this node's receptionist (a call by key picks one of them in
+%% actor_pool_route).
 %%
 %% A pool started with `service_key' is registered (its pid, under
 %% `{service_key, Id}') before start_pool returns, and deregistered by
@@ -16,7 +17,6 @@
 
 -export([register/3]).
 -export([deregister/3]).
--export([pick/1]).
 -export([count_no_pool/2]).
 -export([no_pool_tells/0]).
 
@@ -80,25 +80,6 @@ rcpt_sync(Op, Id, Pid) ->
         exit(Relay, kill),
         erlang:demonitor(Mref, [flush]),
         {error, timeout}
-    end.
-
-%% @doc One of the pools registered under `Key' (a NIF read of the
-%% receptionist's snapshot, no message): those on this host first, one of
-%% them at random (rand's per-process state: no shared counter to contend
-%% on). `no_pool' when none is.
--spec pick(actor_receptionist:key()) -> {ok, pid(), node()} | no_pool.
-pick(Key) ->
-    case actor_receptionist:lookup(Key) of
-        [] -> no_pool;
-        [Pid] -> {ok, Pid, node(Pid)};
-        Pids ->
-            Host = actor_pool_opts:host(node()),
-            Pick = case [P || P <- Pids, actor_pool_opts:host(node(P)) =:= Host] of
-                       [] -> Pids;
-                       Local -> Local
-                   end,
-            Pid = lists:nth(rand:uniform(length(Pick)), Pick),
-            {ok, Pid, node(Pid)}
     end.
 
 %% @doc Counts a tell that found no pool (it was dropped): to `Target', a

@@ -42,6 +42,8 @@
 %% API.
 -export([start_link/0]).
 -export([hist/1]).
+-export([ask/5]).
+-export([totals/1]).
 -export([observe/2]).
 -export([unmeasured/3]).
 -export([bounds_ns/0]).
@@ -100,6 +102,27 @@ hist(Dest) ->
         #{Dest := H} -> H;
         #{} -> none
     end.
+
+%% @doc An ask to `Dest' on `PoolNode' (actor_pool_transport:ask/6), its
+%% round trip added to the pool's histogram; a pool with none yet is timed
+%% here, and gets one on `{ok, _}' ({@link unmeasured/3}).
+-spec ask(node(), pid() | {atom(), node()}, term(), non_neg_integer(), timeout()) -> term().
+ask(PoolNode, Dest, Msg, Est, Timeout) ->
+    case hist(Dest) of
+        none ->
+            T0 = os:perf_counter(),
+            Reply = actor_pool_transport:ask(PoolNode, Dest, Msg, Est, Timeout, none),
+            ok = unmeasured(Dest, Reply, T0),
+            Reply;
+        Hist ->
+            actor_pool_transport:ask(PoolNode, Dest, Msg, Est, Timeout, Hist)
+    end.
+
+%% @doc How many round trips `Hist' holds, and their sum in ns.
+-spec totals(hist()) -> {non_neg_integer(), non_neg_integer()}.
+totals(Hist) ->
+    {Counts, Sum} = read(Hist),
+    {lists:sum(Counts), Sum}.
 
 %% @doc Adds a round trip that began at `T0' (`os:perf_counter()') to
 %% `Hist'.

@@ -94,8 +94,8 @@ families() ->
                  L when is_list(L) -> L;
                  undefined -> []
              end,
-    pool_families(pool_stats(Listed)) ++ ask_families(Local, LocalPools) ++ batcher_families()
-        ++ receptionist_families() ++ cnode_families().
+    pool_families(pool_stats(Listed)) ++ ask_families(Local, LocalPools) ++ key_families()
+        ++ batcher_families() ++ receptionist_families() ++ cnode_families().
 
 %% [{PoolName, PoolNode, Stats}] of every pool this node lists.
 pool_stats(Listed) ->
@@ -225,6 +225,35 @@ ask_families(Local, LocalPools) ->
               #{Nd := A} -> lists:keymember(N, 1, A);
               #{} -> true
           end]}].
+
+%% Calls by service key from this node, per pool reached by key
+%% (actor_pool_route; actor_pool:key_stats/1 shows the same).
+key_families() ->
+    Pools = safe(fun() -> actor_pool_route:pools() end),
+    Rows = case Pools of
+               L when is_list(L) -> L;
+               _ -> []
+           end,
+    Ls = fun({service_key, Id}, Name, Node) -> [{"key", Id}, {"pool", Name}, {"node", Node}] end,
+    C = fun(K) -> [{Ls(Key, N, Nd), maps:get(K, S)} || {Key, N, Nd, S} <- Rows] end,
+    [{"actor_pool_key_asks_in_flight", gauge,
+      "Asks by service key this node sent to the pool and has no answer to yet.", C(in_flight)},
+     {"actor_pool_key_asks_total", counter, "Asks by service key this node sent to the pool.",
+      C(asks)},
+     {"actor_pool_key_tells_total", counter, "Tells by service key this node sent to the pool.",
+      C(tells)},
+     {"actor_pool_key_timeouts_total", counter,
+      "Asks by service key to the pool that got no answer within their timeout.", C(timeouts)},
+     {"actor_pool_key_set_asides_total", counter,
+      "Times this node set the pool aside (an ask by key to it timed out, or its connection "
+      "was lost): no call by key goes to it until one probe ask is answered.", C(set_asides)},
+     {"actor_pool_key_set_aside", gauge, "1 while this node keeps the pool set aside.",
+      [{Ls(Key, N, Nd), case maps:get(set_aside, S) of true -> 1; false -> 0 end}
+       || {Key, N, Nd, S} <- Rows]},
+     {"actor_pool_key_spills_total", counter,
+      "Asks by service key the pool answered overloaded (not run) that went on to another pool "
+      "under the key (with idempotent, also those it failed with nodedown, noproc or stopped).",
+      C(spills)}].
 
 %% The pools of a pool node, `[{Name, Pid}]', or undefined when it does
 %% not answer.

@@ -24,6 +24,8 @@
 %% <li>{@link actor_pool_batch_sup}, the batchers of {@link actor_pool};</li>
 %% <li>{@link actor_pool_latency}, the keeper of the ask round-trip
 %%     histograms (per pool, for the metrics);</li>
+%% <li>{@link actor_pool_route}, the keeper of what calls by service key
+%%     choose a pool by (after the histograms it weighs pools with);</li>
 %% <li>`actor_pool_metrics', the metrics endpoint, when `metrics_port' is
 %%     set.</li>
 %% </ol>
@@ -175,6 +177,12 @@ init([]) ->
                 shutdown => 5000,
                 type => worker,
                 modules => [actor_pool_latency]},
+    Route = #{id => actor_pool_route,
+              start => {actor_pool_route, start_link, []},
+              restart => permanent,
+              shutdown => 5000,
+              type => worker,
+              modules => [actor_pool_route]},
     RcptSup = #{id => actor_receptionist_sup,
                 start => {actor_receptionist_sup, start_link, []},
                 restart => permanent,
@@ -194,5 +202,5 @@ init([]) ->
         ++ [Keeper || Enabled(pool_node)]
         ++ [PoolNode || Enabled(pool_node)]
         ++ [RcptSup || Enabled(receptionist)]
-        ++ Deliverers ++ [Dp, BatchSup, Latency, Metrics],
+        ++ Deliverers ++ [Dp, BatchSup, Latency, Route, Metrics],
     {ok, {Flags, Children}}.
