@@ -631,6 +631,7 @@ flip(Now, #st{gen = Gen, pools = Pools} = St) ->
 %% The names of a pool node's pools, asked by a process of its own (a
 %% frozen node must not hold this server up); its exit reason carries the
 %% answer.
+-dialyzer({nowarn_function, resolve/2}).
 resolve(Node, #st{resolving = R} = St) ->
     case R of
         #{Node := _} ->
