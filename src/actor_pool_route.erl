@@ -8,7 +8,8 @@
 %% at random; the one with the lower cost, `(in flight + 1) x weight', where
 %% "in flight" is this BEAM's asks by key to that pool not answered yet and
 %% the weight is how long, per ask in flight, the pool recently took to
-%% answer (below). A pool set aside (an ask to it timed out, found it full
+%% answer (below); costs within a quarter of each other count as equal,
+%% and then the one with fewer in flight is taken. A pool set aside (an ask to it timed out, found it full
 %% or gone, or lost its connection) is passed over while it is; when its
 %% time is up one ask is let through (the probe), and its answer puts the
 %% pool back. An ask answered `overloaded' was not run:
@@ -348,19 +349,18 @@ open({_, A}, Tmo) ->
             end
     end.
 
+%% The one of lower cost, (in flight + 1) x weight, when it is lower by
+%% more than a quarter; else (costs that close are the same but for noise,
+%% or a weight is not known) the one with fewer asks in flight; on a tie
+%% the first, itself drawn at random.
 lighter({_, A1} = C1, {_, A2} = C2) ->
     F1 = in_flight(A1),
     F2 = in_flight(A2),
     case {weight(A1), weight(A2)} of
-        {W1, W2} when W1 > 0, W2 > 0 ->
-            case (F1 + 1) * W1 =< (F2 + 1) * W2 of
-                true -> C1;
-                false -> C2
-            end;
-        _ when F1 =< F2 ->
-            C1;
-        _ ->
-            C2
+        {W1, W2} when W1 > 0, W2 > 0, 4 * (F1 + 1) * W1 < 3 * (F2 + 1) * W2 -> C1;
+        {W1, W2} when W1 > 0, W2 > 0, 4 * (F2 + 1) * W2 < 3 * (F1 + 1) * W1 -> C2;
+        _ when F1 =< F2 -> C1;
+        _ -> C2
     end.
 
 in_flight(none) -> 0;
