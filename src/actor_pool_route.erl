@@ -106,6 +106,7 @@
 -define(SWEEP_MS, 1000).
 -define(GEN_MS, 60000).
 -define(NAMES_TIMEOUT, 2000).
+-define(PUBLISH_MS, 100).
 
 -record(pool, {
     %% the key it was first reached by (the sweep looks it up)
@@ -124,6 +125,10 @@
     gen :: atomics:atomics_ref(),
     pools = #{} :: #{pid() => #pool{}},
     last_tick :: integer(),
+    %% when the map was last published (monotonic ms), and whether the
+    %% pools changed since
+    published :: integer(),
+    dirty = false :: boolean(),
     next_sweep :: integer(),
     next_flip :: integer(),
     %% a name resolver per pool node, while it runs
@@ -239,15 +244,17 @@ choose(Key, Tried, Tmo) ->
             end
     end.
 
-%% Pools met here for the first time: this server adds them (a call, once
-%% per pool, so that this call is counted too), and the choice is made
-%% again; past ?MAX_POOLS they are taken with no counts.
+%% Pools met here for the first time: this server adds them (a call, so
+%% that this call is counted too; once per pool but for the calls that meet
+%% it in the ?PUBLISH_MS before the map is published), and the choice is
+%% made again; past ?MAX_POOLS they are taken with no counts.
 choose_new(Pids, Key, New, Tmo) ->
-    Map = case whereis(?MODULE) of
-              undefined -> #{};
-              _ -> try gen_server:call(?MODULE, {new, New, Key}, 5000) catch exit:_ -> #{} end
-          end,
-    case near(Pids, Map#{?FULL => true}, [], [], []) of
+    Added = case whereis(?MODULE) of
+                undefined -> #{};
+                _ -> try gen_server:call(?MODULE, {new, New, Key}, 5000) catch exit:_ -> #{} end
+            end,
+    {_, Map} = state(),
+    case near(Pids, maps:merge(Map#{?FULL => true}, Added), [], [], []) of
         {[], []} -> none;
         {[One], []} -> One;
         {Cands, []} -> two(Cands, Tmo)
@@ -496,7 +503,8 @@ init([]) ->
     Gen = atomics:new(1, []),
     persistent_term:put(?KEY, {Gen, #{}}),
     Now = erlang:monotonic_time(millisecond),
-    {ok, #st{gen = Gen, last_tick = Now, next_sweep = Now + ?SWEEP_MS, next_flip = Now + ?GEN_MS,
+    {ok, #st{gen = Gen, last_tick = Now, published = Now - ?PUBLISH_MS,
+             next_sweep = Now + ?SWEEP_MS, next_flip = Now + ?GEN_MS,
              timer = {erlang:send_after(?IDLE_TICK_MS, self(), tick), true}}}.
 
 %% @private
@@ -505,8 +513,9 @@ handle_call({names, Pids}, _From, #st{pools = Pools} = St) ->
     {reply, maps:from_list([{P, N} || P <- Pids, #{P := #pool{name = N}} <- [Pools],
                                       N =/= undefined]), St};
 handle_call({new, Pids, Key}, _From, St) ->
-    #st{pools = Pools} = St1 = publish(lists:foldl(fun(P, S) -> add(P, Key, S) end, St, Pids)),
-    {reply, maps:map(fun(_, #pool{atomics = A, local = L}) -> {A, L} end, Pools), busy(St1)};
+    #st{pools = Pools} = St1 = lists:foldl(fun(P, S) -> add(P, Key, S) end, St, Pids),
+    Reply = maps:map(fun(_, #pool{atomics = A, local = L}) -> {A, L} end, maps:with(Pids, Pools)),
+    {reply, Reply, busy(publish_soon(St1))};
 handle_call(named, _From, #st{pools = Pools} = St) ->
     {reply, lists:sort([{P, K, N} || {P, #pool{key = K, name = N}} <- maps:to_list(Pools),
                                      N =/= undefined]), St};
@@ -545,18 +554,28 @@ add(Pid, Key, #st{pools = Pools} = St) when is_pid(Pid) ->
             Local = actor_pool_opts:host(node(Pid)) =:= actor_pool_opts:host(node()),
             P = #pool{key = Key, atomics = atomics:new(?SLOTS, [{signed, true}]), local = Local,
                       since = erlang:monotonic_time(millisecond)},
-            resolve(node(Pid), St#st{pools = Pools#{Pid => P}})
+            resolve(node(Pid), St#st{pools = Pools#{Pid => P}, dirty = true})
     end.
 
 %% The map callers read. A put makes the runtime look through every process
-%% for the old term: once per pool that comes or goes, not per call.
+%% for the old term: it is made for pools that come or go, at most every
+%% ?PUBLISH_MS (pools that come meanwhile are handed to their callers by
+%% the call that adds them; the next tick publishes them).
+publish_soon(#st{dirty = false} = St) ->
+    St;
+publish_soon(#st{published = Then} = St) ->
+    case erlang:monotonic_time(millisecond) - Then >= ?PUBLISH_MS of
+        true -> publish(St);
+        false -> St
+    end.
+
 publish(#st{gen = Gen, pools = Pools} = St) ->
     Map = maps:map(fun(_, #pool{atomics = A, local = L}) -> {A, L} end, Pools),
     persistent_term:put(?KEY, {Gen, case map_size(Pools) >= ?MAX_POOLS of
                                         true -> Map#{?FULL => true};
                                         false -> Map
                                     end}),
-    St.
+    St#st{published = erlang:monotonic_time(millisecond), dirty = false}.
 
 tick(#st{pools = Pools, last_tick = Last} = St) ->
     Now = erlang:monotonic_time(millisecond),
@@ -565,7 +584,7 @@ tick(#st{pools = Pools, last_tick = Last} = St) ->
                                         {P1, M1} = weigh(Pid, P, Now, WindowNs),
                                         {Acc#{Pid => P1}, M orelse M1}
                                 end, {#{}, false}, Pools),
-    St1 = flip(Now, sweep(Now, St#st{pools = Pools1, last_tick = Now})),
+    St1 = publish_soon(flip(Now, sweep(Now, St#st{pools = Pools1, last_tick = Now}))),
     St1#st{timer = case Moved of
                        true -> {erlang:send_after(?TICK_MS, self(), tick), false};
                        false -> {erlang:send_after(?IDLE_TICK_MS, self(), tick), true}
@@ -614,7 +633,7 @@ sweep(Now, #st{pools = Pools} = St) ->
                             Listed <- [actor_receptionist:lookup(K)]]),
     St1 = case Gone of
               [] -> St;
-              _ -> publish(St#st{pools = maps:without(Gone, Pools)})
+              _ -> St#st{pools = maps:without(Gone, Pools), dirty = true}
           end,
     Unnamed = lists:usort([node(Pid) || {Pid, #pool{name = undefined}} <- maps:to_list(St1#st.pools)]),
     lists:foldl(fun resolve/2, St1#st{next_sweep = Now + ?SWEEP_MS}, Unnamed).
