@@ -189,16 +189,14 @@ any(Key) ->
 -spec key_stats(actor_receptionist:key()) -> [key_pool_stats()].
 key_stats(Key) ->
     Pids = actor_receptionist:lookup(Key),
-    {_, Map} = state(),
-    Names = names(Pids),
+    Known = entries(Pids),
     Host = actor_pool_opts:host(node()),
-    [begin
-         Local = case Map of
-                     #{P := {_, L}} -> L;
-                     #{} -> actor_pool_opts:host(node(P)) =:= Host
-                 end,
-         (counts(maps:get(P, Map, none)))#{pool => P, name => maps:get(P, Names, undefined),
-                                           node => node(P), local => Local}
+    [case Known of
+         #{P := {A, Local, Name}} ->
+             (counts(A))#{pool => P, name => Name, node => node(P), local => Local};
+         #{} ->
+             (counts(none))#{pool => P, name => undefined, node => node(P),
+                             local => actor_pool_opts:host(node(P)) =:= Host}
      end || P <- Pids].
 
 %% @doc Every pool this BEAM reached by key whose name is known, with its
@@ -210,10 +208,9 @@ pools() ->
             [];
         _ ->
             Named = try gen_server:call(?MODULE, named, 5000) catch exit:_ -> [] end,
-            {_, Map} = state(),
-            [{Key, Name, node(P), (counts(maps:get(P, Map, none)))#{pool => P, name => Name,
-                                                                    node => node(P)}}
-             || {P, Key, Name} <- Named]
+            [{Key, Name, node(P), (counts(A))#{pool => P, name => Name, node => node(P),
+                                               local => Local}}
+             || {P, Key, Name, A, Local} <- Named]
     end.
 
 %% ===================================================================
@@ -475,7 +472,7 @@ set_aside(A, Tmo) ->
 counts(none) ->
     #{in_flight => 0, asks => 0, tells => 0, timeouts => 0, set_asides => 0, spills => 0,
       set_aside => false, weight_us => 0.0};
-counts({A, _Local}) ->
+counts(A) ->
     Until = atomics:get(A, ?UNTIL),
     #{in_flight => in_flight(A),
       asks => atomics:get(A, ?ASKS),
@@ -486,10 +483,12 @@ counts({A, _Local}) ->
       set_aside => Until =/= 0 andalso now_ms() < Until,
       weight_us => atomics:get(A, ?WEIGHT) / 1000}.
 
-names(Pids) ->
+%% #{Pid => {Atomics, Local, Name}} of those of Pids this server keeps
+%% (asked of it: the map callers read may not have them yet).
+entries(Pids) ->
     case whereis(?MODULE) of
         undefined -> #{};
-        _ -> try gen_server:call(?MODULE, {names, Pids}, 5000) catch exit:_ -> #{} end
+        _ -> try gen_server:call(?MODULE, {entries, Pids}, 5000) catch exit:_ -> #{} end
     end.
 
 %% ===================================================================
@@ -509,16 +508,19 @@ init([]) ->
 
 %% @private
 -spec handle_call(term(), gen_server:from(), #st{}) -> {reply, term(), #st{}}.
-handle_call({names, Pids}, _From, #st{pools = Pools} = St) ->
-    {reply, maps:from_list([{P, N} || P <- Pids, #{P := #pool{name = N}} <- [Pools],
-                                      N =/= undefined]), St};
+handle_call({entries, Pids}, _From, #st{pools = Pools} = St) ->
+    {reply, maps:from_list([{P, {A, L, N}} || P <- Pids,
+                                              #{P := #pool{atomics = A, local = L, name = N}}
+                                                  <- [Pools]]), St};
 handle_call({new, Pids, Key}, _From, St) ->
     #st{pools = Pools} = St1 = lists:foldl(fun(P, S) -> add(P, Key, S) end, St, Pids),
     Reply = maps:map(fun(_, #pool{atomics = A, local = L}) -> {A, L} end, maps:with(Pids, Pools)),
     {reply, Reply, busy(publish_soon(St1))};
 handle_call(named, _From, #st{pools = Pools} = St) ->
-    {reply, lists:sort([{P, K, N} || {P, #pool{key = K, name = N}} <- maps:to_list(Pools),
-                                     N =/= undefined]), St};
+    {reply, lists:sort([{P, K, N, A, L}
+                        || {P, #pool{key = K, name = N, atomics = A, local = L}}
+                               <- maps:to_list(Pools),
+                           N =/= undefined]), St};
 handle_call(_Other, _From, St) ->
     {reply, {error, badarg}, St}.
 
