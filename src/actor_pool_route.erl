@@ -9,11 +9,12 @@
 %% "in flight" is this BEAM's asks by key to that pool not answered yet and
 %% the weight is how long, per ask in flight, the pool recently took to
 %% answer (below); costs within a quarter of each other count as equal,
-%% and then the one with fewer in flight is taken. A pool set aside (an ask to it timed out, found it full
-%% or gone, or lost its connection) is passed over while it is; when its
-%% time is up one ask is let through (the probe), and its answer puts the
-%% pool back. An ask answered `overloaded' was not run:
-%% it goes to another pool under the key within the caller's timeout.
+%% and then the one with fewer in flight is taken. A pool set aside (an
+%% ask to it timed out, found it full or gone, or lost its connection) is
+%% passed over while it is; when its time is up one ask is let through
+%% (the probe), and its answer puts the pool back. An ask answered
+%% `overloaded' was not run: it goes to another pool under the key within
+%% the caller's timeout.
 %%
 %% Per pool, an `atomics' array (the slots below) that callers update with
 %% no message and no lock: one add when an ask leaves, one sub when it is
@@ -113,8 +114,11 @@
     key :: actor_receptionist:key(),
     atomics :: atomics:atomics_ref(),
     local :: boolean(),
-    %% its name on its pool node, once that node said
+    %% its name on its pool node, once that node said; whether it answered
+    %% (a pid it does not list as a pool keeps no name, and is not asked
+    %% about again)
     name = undefined :: atom(),
+    asked = false :: boolean(),
     %% its histogram's count and sum at the last tick
     seen = {0, 0} :: {non_neg_integer(), non_neg_integer()},
     %% when it last answered, or had nothing in flight (monotonic ms)
@@ -554,8 +558,13 @@ add(Pid, Key, #st{pools = Pools} = St) when is_pid(Pid) ->
             St;
         #{} ->
             Local = actor_pool_opts:host(node(Pid)) =:= actor_pool_opts:host(node()),
+            %% Round trips timed before (asks by pid) are not this window's.
+            Seen = case actor_pool_latency:hist(Pid) of
+                       none -> {0, 0};
+                       H -> actor_pool_latency:totals(H)
+                   end,
             P = #pool{key = Key, atomics = atomics:new(?SLOTS, [{signed, true}]), local = Local,
-                      since = erlang:monotonic_time(millisecond)},
+                      seen = Seen, since = erlang:monotonic_time(millisecond)},
             resolve(node(Pid), St#st{pools = Pools#{Pid => P}, dirty = true})
     end.
 
@@ -637,7 +646,7 @@ sweep(Now, #st{pools = Pools} = St) ->
               [] -> St;
               _ -> St#st{pools = maps:without(Gone, Pools), dirty = true}
           end,
-    Unnamed = lists:usort([node(Pid) || {Pid, #pool{name = undefined}} <- maps:to_list(St1#st.pools)]),
+    Unnamed = lists:usort([node(Pid) || {Pid, #pool{asked = false}} <- maps:to_list(St1#st.pools)]),
     lists:foldl(fun resolve/2, St1#st{next_sweep = Now + ?SWEEP_MS}, Unnamed).
 
 %% A new generation of in-flight counts (see the module doc).
@@ -669,8 +678,8 @@ resolve(Node, #st{resolving = R} = St) ->
 
 named(Node, {which_pools, Listed}, #st{pools = Pools} = St) when is_list(Listed) ->
     Names = maps:from_list([{Pid, Name} || {Name, Pid} <- Listed, is_pid(Pid), is_atom(Name)]),
-    St#st{pools = maps:map(fun(Pid, #pool{name = undefined} = P) when node(Pid) =:= Node ->
-                                   P#pool{name = maps:get(Pid, Names, undefined)};
+    St#st{pools = maps:map(fun(Pid, #pool{asked = false} = P) when node(Pid) =:= Node ->
+                                   P#pool{name = maps:get(Pid, Names, undefined), asked = true};
                               (_, P) ->
                                    P
                            end, Pools)};
