@@ -5,16 +5,18 @@
 %%
 %% The choice, per call: the pools the receptionist's snapshot lists under
 %% the key (a NIF read), those on this host if there are any; two of them
-%% at random; the one with the lower cost, `(in flight + 1) x weight', where
-%% "in flight" is this BEAM's asks by key to that pool not answered yet and
-%% the weight is how long, per ask in flight, the pool recently took to
-%% answer (below); costs within a quarter of each other count as equal,
-%% and then the one with fewer in flight is taken. A pool set aside (an
-%% ask to it timed out, found it full or gone, or lost its connection) is
-%% passed over while it is; when its time is up one ask is let through
-%% (the probe), and its answer puts the pool back. An ask answered
-%% `overloaded' was not run: it goes to another pool under the key within
-%% the caller's timeout.
+%% at random; the one with fewer asks in flight ("in flight": this BEAM's
+%% asks by key to that pool not answered yet), unless the other's cost,
+%% `(in flight + 1) x weight', is lower by more than a quarter, the weight
+%% being how long, per ask in flight, the pool recently took to answer
+%% (below); lighter/2 says when a pool with more in flight may win so. A
+%% pool with asks in flight that has not answered for much longer than its
+%% answers come apart is stalled, and loses to one that is not. A pool set
+%% aside (an ask to it timed out, found it full or gone, or lost its
+%% connection) is passed over while it is; when its time is up one ask is
+%% let through (the probe), and its answer puts the pool back. An ask
+%% answered `overloaded' was not run: it goes to another pool under the key
+%% within the caller's timeout.
 %%
 %% Per pool, an `atomics' array (the slots below) that callers update with
 %% no message and no lock: one add when an ask leaves, one sub when it is
@@ -37,7 +39,9 @@
 %% the answers in the window and their total time give the mean round trip
 %% `L' and, by Little's law, the mean asks in flight `N' (total time over
 %% the window); the weight is `L / (N + 1)', how long each ask ahead of a new
-%% one holds it up. A pool with asks in flight and no answer since T ms
+%% one holds it up (smoothed: see smooth/2). The server runs at high
+%% priority: its ticks must keep time while callers keep the schedulers
+%% busy. A pool with asks in flight and no answer since T ms
 %% weighs at least `T / (in flight + 1)' (a frozen node gets costlier by
 %% the tick, well before any timeout); one with nothing in flight and no
 %% answer loses three quarters of its weight per tick, so that a pool that
@@ -94,12 +98,23 @@
 -define(SPILLS, 7).       % asks it answered overloaded that went on to another pool
 -define(UNTIL, 8).        % set aside until (now_ms/0); 0: in service
 -define(WEIGHT, 9).       % ns per ask in flight; 0: not known
--define(SLOTS, 9).
+-define(LAST, 10).        % when it last answered, or was sent an ask with none in flight (monotonic us)
+-define(SLOTS, 10).
 
 %% A pool whose ask timed out is set aside for half that ask's timeout, at
 %% most this long; a probe holds it aside for the probe's timeout, at most
 %% ?PROBE_HOLD_MS.
 -define(SET_ASIDE_MAX_MS, 500).
+%% A pool with asks in flight and no answer for eight times its weight
+%% (answers come about one weight apart while it has asks), at least
+%% ?STALL_MIN_US, or for ?STALL_US while its weight is not known, is
+%% stalled: it loses to any pool that is not.
+-define(STALL_MIN_US, 1000).
+-define(STALL_US, 20000).
+%% A pool with more asks in flight than the other is taken for its lower
+%% weight only if it answered within this long (or twice its weight):
+%% else its weight may be stale (it froze since), and fewer in flight wins.
+-define(FRESH_US, 1000).
 -define(PROBE_HOLD_MS, 5000).
 -define(TICK_MS, 100).
 %% Between ticks when nothing moved.
@@ -357,19 +372,52 @@ open({_, A}, Tmo) ->
             end
     end.
 
-%% The one of lower cost, (in flight + 1) x weight, when it is lower by
-%% more than a quarter; else (costs that close are the same but for noise,
-%% or a weight is not known) the one with fewer asks in flight; on a tie
-%% the first, itself drawn at random.
+%% The one with fewer asks in flight, unless the other's cost, (in flight +
+%% 1) x weight, is lower by more than a quarter (costs that close are the
+%% same but for noise) and, if it has more in flight, it answered just now:
+%% the weight may send more asks to a faster pool than to a slower one, but
+%% a pool that stopped answering must not draw callers onto itself on the
+%% strength of a weight from before (they would all be stuck there). A
+%% stalled pool loses to one that is not. On a tie, the first, itself drawn
+%% at random.
 lighter({_, A1} = C1, {_, A2} = C2) ->
     F1 = in_flight(A1),
     F2 = in_flight(A2),
-    case {weight(A1), weight(A2)} of
-        {W1, W2} when W1 > 0, W2 > 0, 4 * (F1 + 1) * W1 < 3 * (F2 + 1) * W2 -> C1;
-        {W1, W2} when W1 > 0, W2 > 0, 4 * (F2 + 1) * W2 < 3 * (F1 + 1) * W1 -> C2;
-        _ when F1 =< F2 -> C1;
-        _ -> C2
+    Now = case F1 + F2 of
+              0 -> 0;
+              _ -> erlang:monotonic_time(microsecond)
+          end,
+    W1 = weight(A1),
+    W2 = weight(A2),
+    case {stalled(A1, F1, W1, Now), stalled(A2, F2, W2, Now)} of
+        {false, true} -> C1;
+        {true, false} -> C2;
+        _ when F1 =< F2 -> by_weight(C1, F1, W1, C2, F2, W2, Now);
+        _ -> by_weight(C2, F2, W2, C1, F1, W1, Now)
     end.
+
+%% Lo has no more in flight than Hi.
+by_weight(Lo, FLo, WLo, {_, AHi} = Hi, FHi, WHi, Now)
+  when WLo > 0, WHi > 0, 4 * (FHi + 1) * WHi < 3 * (FLo + 1) * WLo ->
+    case FHi =:= FLo orelse Now - atomics:get(AHi, ?LAST) =< max(?FRESH_US, WHi div 500) of
+        true -> Hi;
+        false -> Lo
+    end;
+by_weight(Lo, _FLo, _WLo, _Hi, _FHi, _WHi, _Now) ->
+    Lo.
+
+%% Asks in flight and no answer for much longer than answers come apart (a
+%% frozen node, found without waiting for a tick of the server: callers
+%% that leave the other pools would pile up on it meanwhile, since its
+%% count of asks in flight never goes down).
+stalled(_A, 0, _W, _Now) ->
+    false;
+stalled(none, _F, _W, _Now) ->
+    false;
+stalled(A, _F, 0, Now) ->
+    Now - atomics:get(A, ?LAST) > ?STALL_US;
+stalled(A, _F, W, Now) ->
+    Now - atomics:get(A, ?LAST) > max(?STALL_MIN_US, W div 125).
 
 in_flight(none) -> 0;
 in_flight(A) -> max(0, atomics:get(A, ?IN0) + atomics:get(A, ?IN0 + 1)).
@@ -418,7 +466,9 @@ send_ask(Pid, none, Msg, Est, Tmo) ->
     actor_pool_latency:ask(node(Pid), Pid, Msg, Est, Tmo);
 send_ask(Pid, A, Msg, Est, Tmo) ->
     Slot = ?IN0 + gen(),
-    atomics:add(A, Slot, 1),
+    %% A pool that had nothing to answer is not late from before.
+    _ = atomics:add_get(A, Slot, 1) =:= 1
+        andalso atomics:put(A, ?LAST, erlang:monotonic_time(microsecond)),
     atomics:add(A, ?ASKS, 1),
     Reply = try
                 actor_pool_latency:ask(node(Pid), Pid, Msg, Est, Tmo)
@@ -452,6 +502,7 @@ answered(A, {error, {nodedown, _}}, Tmo) ->
 answered(A, {error, Why}, Tmo) when Why =:= overloaded; Why =:= noproc; Why =:= stopped ->
     set_aside(A, Tmo);
 answered(A, _Reply, _Tmo) ->
+    atomics:put(A, ?LAST, erlang:monotonic_time(microsecond)),
     case atomics:get(A, ?UNTIL) of
         0 -> ok;
         _ -> atomics:put(A, ?UNTIL, 0)
@@ -502,6 +553,9 @@ entries(Pids) ->
 %% @private
 -spec init([]) -> {ok, #st{}}.
 init([]) ->
+    %% Its ticks must keep time while callers keep the schedulers busy (a
+    %% tick is a few us per pool).
+    process_flag(priority, high),
     %% An earlier incarnation's pools: their counts start again here.
     Gen = atomics:new(1, []),
     persistent_term:put(?KEY, {Gen, #{}}),
@@ -563,7 +617,9 @@ add(Pid, Key, #st{pools = Pools} = St) when is_pid(Pid) ->
                        none -> {0, 0};
                        H -> actor_pool_latency:totals(H)
                    end,
-            P = #pool{key = Key, atomics = atomics:new(?SLOTS, [{signed, true}]), local = Local,
+            A = atomics:new(?SLOTS, [{signed, true}]),
+            atomics:put(A, ?LAST, erlang:monotonic_time(microsecond)),
+            P = #pool{key = Key, atomics = A, local = Local,
                       seen = Seen, since = erlang:monotonic_time(millisecond)},
             resolve(node(Pid), St#st{pools = Pools#{Pid => P}, dirty = true})
     end.
@@ -623,7 +679,7 @@ weigh(Pid, #pool{atomics = A, seen = {C0, S0}, since = Since} = P, Now, WindowNs
                       C > C0 ->
                           Mean = (S - S0) / (C - C0),
                           N = (S - S0) / WindowNs,
-                          {round(Mean / (N + 1)), Now};
+                          {smooth(W0, round(Mean / (N + 1))), Now};
                       InFlight > 0 ->
                           {max(W0, (Now - Since) * 1000000 div (InFlight + 1)), Since};
                       true ->
@@ -631,6 +687,14 @@ weigh(Pid, #pool{atomics = A, seen = {C0, S0}, since = Since} = P, Now, WindowNs
                   end,
     _ = W =:= W0 orelse atomics:put(A, ?WEIGHT, W),
     {P#pool{seen = {C, S}, since = Since1}, C > C0 orelse InFlight > 0 orelse W > 0}.
+
+%% A window's weight moves the pool's an eighth of the way: two equal
+%% pools must not differ by one window's noise (a pool made to look
+%% cheaper than it is draws callers onto itself, all of them stuck if it
+%% freezes then). A slower node is seen within a few ticks; a stalled one
+%% at once, a thawed one by the decay (weigh/4).
+smooth(0, W) -> W;
+smooth(W0, W) -> (7 * W0 + W) div 8.
 
 %% Pools no longer listed under their key are forgotten (an ask still in
 %% flight to one gives its count back to an array no one reads); names not
