@@ -39,7 +39,10 @@
 %% the answers in the window and their total time give the mean round trip
 %% `L' and, by Little's law, the mean asks in flight `N' (total time over
 %% the window); the weight is `L / (N + 1)', how long each ask ahead of a new
-%% one holds it up (smoothed: see smooth/2). The server runs at high
+%% one holds it up, with N at least 1: below that the pool is not busy and
+%% L is what an ask takes (else a pool that got fewer asks in the window
+%% would weigh more for it, and get fewer still). Smoothed (smooth/2), from
+%% windows of ?MIN_ANSWERS answers or more. The server runs at high
 %% priority: its ticks must keep time while callers keep the schedulers
 %% busy. A pool with asks in flight and no answer since T ms
 %% weighs at least `T / (in flight + 1)' (a frozen node gets costlier by
@@ -107,9 +110,10 @@
 -define(SET_ASIDE_MAX_MS, 500).
 %% A pool with asks in flight and no answer for eight times its weight
 %% (answers come about one weight apart while it has asks), at least
-%% ?STALL_MIN_US, or for ?STALL_US while its weight is not known, is
+%% ?STALL_MIN_US (a shorter pause of this BEAM would make every pool look
+%% stalled), or for ?STALL_US while its weight is not known, is
 %% stalled: it loses to any pool that is not.
--define(STALL_MIN_US, 1000).
+-define(STALL_MIN_US, 10000).
 -define(STALL_US, 20000).
 %% A pool with more asks in flight than the other is taken for its lower
 %% weight only if it answered within this long (or twice its weight):
@@ -123,6 +127,8 @@
 -define(GEN_MS, 60000).
 -define(NAMES_TIMEOUT, 2000).
 -define(PUBLISH_MS, 100).
+%% A window with fewer answers leaves the weight as it was.
+-define(MIN_ANSWERS, 8).
 
 -record(pool, {
     %% the key it was first reached by (the sweep looks it up)
@@ -372,14 +378,16 @@ open({_, A}, Tmo) ->
             end
     end.
 
-%% The one with fewer asks in flight, unless the other's cost, (in flight +
-%% 1) x weight, is lower by more than a quarter (costs that close are the
-%% same but for noise) and, if it has more in flight, it answered just now:
-%% the weight may send more asks to a faster pool than to a slower one, but
-%% a pool that stopped answering must not draw callers onto itself on the
-%% strength of a weight from before (they would all be stuck there). A
-%% stalled pool loses to one that is not. On a tie, the first, itself drawn
-%% at random.
+%% The one with fewer asks in flight, counting those it should have
+%% answered by now and has not (time since its last answer over its
+%% weight: answers come about one weight apart), unless the other's cost,
+%% (that + 1) x weight, is lower by more than a quarter (costs that close
+%% are the same but for noise) and, if it counts more, it answered just
+%% now: the weight may send more asks to a faster pool than to a slower
+%% one, but a pool that stopped answering must not draw callers onto
+%% itself on the strength of a weight from before (they would all be stuck
+%% there). A stalled pool loses to one that is not. On a tie, the first,
+%% itself drawn at random.
 lighter({_, A1} = C1, {_, A2} = C2) ->
     F1 = in_flight(A1),
     F2 = in_flight(A2),
@@ -390,26 +398,40 @@ lighter({_, A1} = C1, {_, A2} = C2) ->
     W1 = weight(A1),
     W2 = weight(A2),
     case {stalled(A1, F1, W1, Now), stalled(A2, F2, W2, Now)} of
-        {false, true} -> C1;
-        {true, false} -> C2;
-        _ when F1 =< F2 -> by_weight(C1, F1, W1, C2, F2, W2, Now);
-        _ -> by_weight(C2, F2, W2, C1, F1, W1, Now)
+        {false, true} ->
+            C1;
+        {true, false} ->
+            C2;
+        _ ->
+            case {owed(A1, F1, W1, Now), owed(A2, F2, W2, Now)} of
+                {E1, E2} when E1 =< E2 -> by_weight(C1, E1, W1, C2, E2, W2, Now);
+                {E1, E2} -> by_weight(C2, E2, W2, C1, E1, W1, Now)
+            end
     end.
 
-%% Lo has no more in flight than Hi.
-by_weight(Lo, FLo, WLo, {_, AHi} = Hi, FHi, WHi, Now)
-  when WLo > 0, WHi > 0, 4 * (FHi + 1) * WHi < 3 * (FLo + 1) * WLo ->
-    case FHi =:= FLo orelse Now - atomics:get(AHi, ?LAST) =< max(?FRESH_US, WHi div 500) of
+%% Asks in flight, and those of them that should have been answered since
+%% the last answer came.
+owed(_A, 0, _W, _Now) -> 0;
+owed(_A, F, 0, _Now) -> F;
+owed(A, F, W, Now) -> F + max(0, Now - atomics:get(A, ?LAST)) * 1000 div W.
+
+%% Lo counts no more than Hi. With nothing in flight to either (a lone
+%% caller, light load) the weights must differ by half: one window's noise
+%% must not send every call to one of two equal pools.
+by_weight(Lo, 0, WLo, _Hi, 0, WHi, _Now) when WLo > 0, WHi > 0, 2 * WHi >= WLo ->
+    Lo;
+by_weight(Lo, ELo, WLo, {_, AHi} = Hi, EHi, WHi, Now)
+  when WLo > 0, WHi > 0, 4 * (EHi + 1) * WHi < 3 * (ELo + 1) * WLo ->
+    case EHi =:= ELo orelse Now - atomics:get(AHi, ?LAST) =< max(?FRESH_US, WHi div 500) of
         true -> Hi;
         false -> Lo
     end;
-by_weight(Lo, _FLo, _WLo, _Hi, _FHi, _WHi, _Now) ->
+by_weight(Lo, _ELo, _WLo, _Hi, _EHi, _WHi, _Now) ->
     Lo.
 
-%% Asks in flight and no answer for much longer than answers come apart (a
-%% frozen node, found without waiting for a tick of the server: callers
-%% that leave the other pools would pile up on it meanwhile, since its
-%% count of asks in flight never goes down).
+%% Asks in flight and no answer for much longer than answers come apart,
+%% and for at least ?STALL_MIN_US (a frozen node, found without waiting
+%% for a tick of the server).
 stalled(_A, 0, _W, _Now) ->
     false;
 stalled(none, _F, _W, _Now) ->
@@ -676,10 +698,13 @@ weigh(Pid, #pool{atomics = A, seen = {C0, S0}, since = Since} = P, Now, WindowNs
     InFlight = in_flight(A),
     W0 = atomics:get(A, ?WEIGHT),
     {W, Since1} = if
-                      C > C0 ->
+                      C - C0 >= ?MIN_ANSWERS ->
                           Mean = (S - S0) / (C - C0),
-                          N = (S - S0) / WindowNs,
+                          N = max(1.0, (S - S0) / WindowNs),
                           {smooth(W0, round(Mean / (N + 1))), Now};
+                      C > C0 ->
+                          %% Too few to weigh; but it answers.
+                          {W0, Now};
                       InFlight > 0 ->
                           {max(W0, (Now - Since) * 1000000 div (InFlight + 1)), Since};
                       true ->
