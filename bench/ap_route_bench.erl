@@ -27,8 +27,10 @@
 %%     the 1.5 s before it (the first 0.5 s of the round left out), the
 %%     longest ask of the round, and how long after SIGCONT the thawed
 %%     node was sent an ask by key again (actor_pool:key_stats/1, polled
-%%     every 5 ms). Targets: >= 60% of before; longest ask <= the timeout
-%%     plus 10% (5.5 s); sent asks again within 1 s;</li>
+%%     every 5 ms), and (no target) how many callers were waiting on the
+%%     frozen node when it thawed (its asks in flight by key). Targets:
+%%     >= 60% of before; longest ask <= the timeout plus 10% (5.5 s); sent
+%%     asks again within 1 s;</li>
 %% <li>one node slower: rounds of BENCH_ROUTE_ROUND_MS on the equal pools
 %%     and on the slow ones, by key and at random; p99 of the asks that
 %%     began after the round's first 0.5 s. Target: by key with one node
@@ -150,6 +152,7 @@ run() ->
           {le, ?TIMEOUT_MS, 1.1, "<= timeout + 10%"}},
          {"thawed node sent asks again after (ms)", maps:get(take_ms, FK), [],
           {lt_abs, 1000, "< 1 s"}},
+         {"callers on the frozen node at thaw", maps:get(waiting, FK), [], none},
          {"ask by key p99 (ms), 1 node 10x slower", P99({key, slow}),
           [{"by key p99, 3 equal nodes", P99({key, equal})},
            {"random choice p99, 1 slower", P99({random, slow})},
@@ -262,19 +265,19 @@ collect(Ms, Deadline, Lats, Longest) ->
 %% the first ask by key sent to the thawed node; random: undefined)}.
 freeze_round(Kind, K, NC, FreezeMs, [{Node, OsPid} | _]) ->
     Thawed = fun() -> [P || P <- actor_receptionist:lookup(K), node(P) =:= Node] end,
-    Sent = fun() ->
-                   case Thawed() of
-                       [P] -> maps:get(asks, hd([S || #{pool := P1} = S <- actor_pool:key_stats(K),
-                                                      P1 =:= P]));
-                       _ -> fail("~p no longer lists a pool on ~p", [K, Node])
-                   end
-           end,
+    Stats = fun() ->
+                    case Thawed() of
+                        [P] -> hd([S || #{pool := P1} = S <- actor_pool:key_stats(K), P1 =:= P]);
+                        _ -> fail("~p no longer lists a pool on ~p", [K, Node])
+                    end
+            end,
+    Sent = fun() -> maps:get(asks, Stats()) end,
     Signals = fun(Start) ->
                       sleep_until(Start + ?BEFORE_MS),
                       TStop = erlang:monotonic_time(millisecond),
                       signal(OsPid, "STOP"),
                       sleep_until(TStop + FreezeMs),
-                      Asks0 = Sent(),
+                      #{asks := Asks0, in_flight := Waiting} = Stats(),
                       TCont = erlang:monotonic_time(millisecond),
                       signal(OsPid, "CONT"),
                       Take = case Kind of
@@ -287,10 +290,11 @@ freeze_round(Kind, K, NC, FreezeMs, [{Node, OsPid} | _]) ->
                                  random ->
                                      undefined
                              end,
-                      {TStop, TCont, Take}
+                      {TStop, TCont, Take, case Kind of key -> Waiting; random -> undefined end}
               end,
     R = round_(Kind, K, NC, ?BEFORE_MS + FreezeMs + ?AFTER_MS, Signals),
-    #{buckets := B, start := Start, extra := {TStop, TCont, Take}, longest_ms := Longest} = R,
+    #{buckets := B, start := Start, extra := {TStop, TCont, Take, Waiting},
+      longest_ms := Longest} = R,
     Rate = fun(From, To) ->
                    I0 = (From - Start) div ?BUCKET_MS + 1,
                    I1 = (To - Start) div ?BUCKET_MS,
@@ -298,7 +302,7 @@ freeze_round(Kind, K, NC, FreezeMs, [{Node, OsPid} | _]) ->
                        / ((I1 - I0 + 1) * ?BUCKET_MS / 1000)
            end,
     #{before => Rate(Start + ?SETTLE_MS, TStop), frozen => Rate(TStop, TCont),
-      longest_ms => Longest, take_ms => Take}.
+      longest_ms => Longest, take_ms => Take, waiting => Waiting}.
 
 sleep_until(T) ->
     receive after max(0, T - erlang:monotonic_time(millisecond)) -> ok end.
