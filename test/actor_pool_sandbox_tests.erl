@@ -197,12 +197,29 @@ a_plugin_cannot_fork_or_exec_by_default() ->
 kids() ->
     length(kid_pids()).
 
+%% Those of another pool node (a suite run beside this one on the host) are
+%% not ours; one that left our pool node (reparented to init) still is.
 kid_pids() ->
+    Ours = pool_node_os_pid(),
     [Pid || Pid <- filelib:wildcard("/proc/[0-9]*"),
             case file:read_file(Pid ++ "/stat") of
                 {ok, Stat} -> re:run(Stat, "^[0-9]+ \\(ap_escape_[a-z]+\\) [^Z]", [{capture, none}]) =:= match;
                 _ -> false
-            end].
+            end,
+            not under_another_pool_node(Pid, Ours)].
+
+under_another_pool_node(ProcDir, Ours) ->
+    case file:read_file(ProcDir ++ "/status") of
+        {ok, S} ->
+            case re:run(S, "PPid:\\s+([0-9]+)", [{capture, all_but_first, list}]) of
+                {match, [P]} when P =:= "0"; P =:= "1"; P =:= Ours -> false;
+                {match, [P]} ->
+                    comm("/proc/" ++ P) =:= <<"actor_pool_node">>
+                        orelse under_another_pool_node("/proc/" ++ P, Ours);
+                nomatch -> false
+            end;
+        _ -> false
+    end.
 
 no_kids_left() ->
     ok = wait_until(fun() -> kids() =:= 0 end, ?WAIT_MS).
