@@ -77,8 +77,6 @@ io_names_test_() ->
              [{timeout, 60, {Name, Case}}
               || {Name, Case} <- [{"app key io and its old name decide over the OS variable",
                                    fun app_key_io_and_its_old_name_decide_over_the_os_variable/0},
-                                  {"io option decides over the application keys",
-                                   fun io_option_decides_over_the_application_keys/0},
                                   {"bad io values are badarg", fun bad_io_values_are_badarg/0}]]
      end}.
 
@@ -98,11 +96,8 @@ app_key_io_and_its_old_name_decide_over_the_os_variable() ->
     with_os_io("epoll", fun() ->
         ?assertEqual(epoll, started_io(#{})),
         Uring = with_env([{io, uring}], fun() -> started_io(#{}) end),
-        ?assertEqual(Uring, with_env([{io_backend, uring}], fun() -> started_io(#{}) end))
-    end).
-
-io_option_decides_over_the_application_keys() ->
-    with_os_io("uring", fun() ->
+        ?assertEqual(Uring, with_env([{io_backend, uring}], fun() -> started_io(#{}) end)),
+        %% actor_cnode's io option decides over both keys.
         ?assertEqual(epoll, with_env([{io, uring}], fun() -> started_io(#{io => epoll}) end))
     end).
 
@@ -254,8 +249,8 @@ reads(M, Forms) ->
     %% A read whose key is neither literal nor a wrapper's parameter cannot
     %% be checked: read keys by name.
     Resolved = [L || {resolved, L} <- Wrapped],
-    Unresolved = [line(Key) || {get_env, Key, _} <- Calls, element(1, Key) =/= atom,
-                               not lists:member(line(Key), Resolved)],
+    Unresolved = [{line, line(Key)} || {get_env, Key, _} <- Calls, element(1, Key) =/= atom,
+                               not lists:member({line, line(Key)}, Resolved)],
     ?assertEqual({M, unresolved_keys_at_lines, []}, {M, unresolved_keys_at_lines, Unresolved}),
     Direct ++ [R || {read, R} <- Wrapped].
 
@@ -278,7 +273,7 @@ wrapper_reads(M, W, Params, Body, F, Forms) ->
     %% A wrapper passed on is called where this cannot follow it.
     _ = [error({M, W, key_reader_passed_on}) || Inner =/= [], passed_on(W, Scope, length(Uses))],
     lists:append(
-      [[{resolved, Line}
+      [[{resolved, {line, Line}}
         | [{read, {key(M, lists:nth(pos(KeyVar, Names), Args)), arg_default(Default, Names, Args), M}}
            || Args <- Uses]]
        || {KeyVar, Default, Line} <- Inner]).
