@@ -21,7 +21,7 @@
 defaults() ->
     Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
     #{name => undefined,
-      io => Env(io_backend, auto),
+      io => io_default(),
       max_frame => Env(max_frame, 67108864),
       idle_timeout_ms => Env(idle_timeout_ms, 60000),
       handshake_timeout_ms => Env(handshake_timeout_ms, 5000),
@@ -34,6 +34,14 @@ defaults() ->
       register => undefined,
       notify => undefined,
       shm => false}.
+
+%% The application key `io'; `io_backend', its old name, still counts
+%% while `io' is auto, so an old sys.config keeps working.
+io_default() ->
+    case application:get_env(actor_pool, io, auto) of
+        auto -> application:get_env(actor_pool, io_backend, auto);
+        Io -> Io
+    end.
 
 %% The C node listens where this node's distribution does, unless told.
 %% C nodes speak IPv4 only: an IPv6 distribution interface cannot be
