@@ -13,10 +13,7 @@
 -export([node_name/1]).
 -export([io_request/1]).
 
-%% The smallest max_frame accepted: below it, ordinary control messages and
-%% the library's own batches (which are capped to fit, see
-%% actor_pool_batcher) would be dropped as oversized.
--define(MIN_MAX_FRAME, 65536).
+-include("actor_pool_int.hrl").
 
 defaults() ->
     Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
