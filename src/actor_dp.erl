@@ -357,15 +357,7 @@ open_nif(_Socket, _Token, _Name, _Geometry, _Owner, _Node, _Timeout, _NewAtoms) 
 -spec init() -> ok.
 init() ->
     Path = nif_path(),
-    case erlang:load_nif(Path, 0) of
-        ok ->
-            ok;
-        {error, {Reason, Text}} ->
-            logger:warning("actor_dp: cannot load ~ts: ~0p: ~ts; "
-                           "the same-host fast path is disabled",
-                           [Path, Reason, Text]),
-            ok
-    end.
+    actor_pool_priv:nif_loaded(?MODULE, Path, erlang:load_nif(Path, 0), "the same-host fast path is disabled").
 
 -spec nif_path() -> file:filename().
 nif_path() ->
@@ -373,14 +365,5 @@ nif_path() ->
         Path when is_list(Path), Path =/= "" ->
             filename:rootname(Path, ".so");
         _ ->
-            case code:priv_dir(actor_pool) of
-                {error, bad_name} ->
-                    Ebin = case code:which(?MODULE) of
-                               Beam when is_list(Beam) -> filename:dirname(Beam);
-                               _ -> "."
-                           end,
-                    filename:join([Ebin, "..", "priv", "actor_dp"]);
-                Priv ->
-                    filename:join(Priv, "actor_dp")
-            end
+            filename:join(actor_pool_priv:dir(), "actor_dp")
     end.

@@ -54,7 +54,9 @@
 -define(BATCH_TAB, actor_pool_batchers).
 
 %% Frame sizes. A C node refuses no max_frame at or above MIN_MAX_FRAME
-%% (actor_cnode refuses a smaller one); DEFAULT_MAX_FRAME is the C node's
+%% (actor_cnode refuses a smaller one: below it, ordinary control messages
+%% and the library's own batches, capped to fit by actor_pool_batcher,
+%% would be dropped as oversized); DEFAULT_MAX_FRAME is the C node's
 %% own default. FRAME_ENVELOPE is what a distribution frame holds besides the
 %% messages in it: the control message (two pids or a pid and a name, node
 %% names up to 255 characters), and a message's or a batch's wrapper with

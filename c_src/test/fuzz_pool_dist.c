@@ -6,7 +6,7 @@
  * The input is one frame as the node reads it after the 4-byte length: the
  * pass-through byte, the control tuple, the message. It goes the node's
  * way: ap_ctrl_decode, then a SEND or REG_SEND to the process it names
- * (ap_node.c's deliver: ap_node_classify, then the process's function, or
+ * (ap_node_recv.c's deliver: ap_node_classify, then the process's function, or
  * the dead-letter hook when nobody has the name or pid). A REG_SEND to
  * actor_pool_node reaches the manager, to p (or a SEND to a pid whose
  * number is below 1000, as a live pool's pid) the pool process; any other
