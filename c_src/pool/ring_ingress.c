@@ -49,6 +49,7 @@
 #include "ap_log.h"
 #include "ap_seg.h"
 #include "ap_skip.h"
+#include "ap_spin.h"
 #include "ap_term.h"
 #include "ap_time.h"
 #include "pool_int.h"
@@ -58,9 +59,9 @@
 #define DP_MAX_SEGS 256      /* segments attached at once */
 #define DP_WAIT_MS 1000      /* a bell wait's timeout: a hostile peer may never ring */
 #define DP_REPLY_WAIT_MS 1000 /* a worker waits this long for room in a full reply ring */
-#define DP_SPIN 200          /* at most this many pause rounds over the segments before the loop sleeps */
-#define DP_SPIN_HOT_MS 2     /* ... only while records came this recently */
-#define DP_SPIN_MIN 8        /* the adaptive spin's first step up */
+#define DP_IDLE_SPIN_MAX_ROUNDS 200 /* at most this many pause rounds over the segments before the loop sleeps */
+#define DP_IDLE_SPIN_HOT_MS 2       /* ... only while records came this recently */
+#define DP_IDLE_SPIN_MIN_ROUNDS 8   /* the adaptive spin's first step up (ap_spin.h) */
 #define DP_BUDGET 4096       /* records per ring per drain: distribution is not starved */
 #define DP_PREFETCH 512      /* bytes of the records ahead fetched while one is handled */
 #define DP_ISO_WAIT_US 60    /* how long the loop waits, yielding, for worker processes' answers before a nap */
@@ -119,7 +120,7 @@ static struct {
 	struct ap_dp_seg *segs[DP_MAX_SEGS];
 	int n_live;
 	int top;  /* slots at and above this are empty: the idle spin scans below it */
-	int spin; /* the idle spin's rounds now (adaptive, 0..DP_SPIN) */
+	struct ap_spin spin; /* the idle spin (dp_idle) */
 	int64_t hot_until_ms;
 	/* The yield instead of sleep (dp_idle): how long after records, when
 	 * the last records came, and the gap before them. */
@@ -158,7 +159,8 @@ static struct {
 		uint8_t kind;
 		uint8_t bytes[DP_DEST_CACHE_MAX];
 	} last;
-} dp = { .lfd = -1, .efd = -1, .bell_fd = -1, .bell_tx = -1 };
+} dp = { .lfd = -1, .efd = -1, .bell_fd = -1, .bell_tx = -1,
+	  .spin = { .min_rounds = DP_IDLE_SPIN_MIN_ROUNDS, .max_rounds = DP_IDLE_SPIN_MAX_ROUNDS } };
 
 static void detach(struct ap_dp_seg *sg, const char *why);
 
@@ -743,7 +745,7 @@ static int drain_seg_ref(struct ap_dp_seg *sg)
 	}
 	if (total) {
 		int64_t now = ap_mono_us();
-		dp.hot_until_ms = ap_node_now_ms(dp.n) + DP_SPIN_HOT_MS;
+		dp.hot_until_ms = ap_node_now_ms(dp.n) + DP_IDLE_SPIN_HOT_MS;
 		dp.gap_us = now - dp.found_us;
 		dp.found_us = now;
 		lone_read(sg, now);
@@ -974,19 +976,19 @@ static int dp_idle(ap_node *n, void *arg)
 		if (drain_pending())
 			return 1;
 	}
-	int spin = ap_node_now_ms(n) < dp.hot_until_ms ? dp.spin : 0;
-	for (int k = 0; k <= spin; k++) {
+	unsigned spin = ap_node_now_ms(n) < dp.hot_until_ms ? dp.spin.rounds : 0;
+	for (unsigned k = 0; k <= spin; k++) {
 		if (drain_pending()) {
 			if (k > 0)
-				dp.spin = dp.spin * 2 > DP_SPIN ? DP_SPIN : dp.spin * 2;
-			else if (dp.spin < DP_SPIN_MIN)
-				dp.spin = DP_SPIN_MIN;
+				ap_spin_found(&dp.spin);
+			else
+				ap_spin_again(&dp.spin);
 			return 1;
 		}
 		if (k < spin)
 			ap_ring_cpu_relax();
 	}
-	dp.spin /= 2;
+	ap_spin_missed(&dp.spin);
 	/* Records came within poll_us, and the gap before them was as short:
 	 * more are likely soon. Give the CPU away instead of sleeping, so
 	 * the BEAM rings no bell for the next record (its futex wake or pipe
