@@ -138,28 +138,18 @@ void ap_pool_wake_pushed(ap_pool *p)
 	p->nwake = 0;
 }
 
-/* The loop's own answer to an ask no worker will see. */
-static void loop_error(ap_pool *p, const ap_request *rq, size_t head_start, const char *reason)
-{
-	if (rq->seg)
-		ap_dp_reply_error_loop(rq->seg, rq->ask_id, reason);
-	else
-		ap_pool_loop_error_reply(p, head_start, rq->caller->node, reason);
-}
-
-/* Route one message. rq->msg: a term without its 131 byte. For a
- * distribution ask, the reply head is in p->scratch from head_start. */
-static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
+/* Route one message. rq->msg: a term without its 131 byte. An ask's hold
+ * on its route goes to its job, or is released by the loop's answer. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
 	const char *msg = rq->msg;
 	int msg_len = rq->msg_len;
 	int is_ask = rq->kind == AP_REQ_ASK;
-	int by_dist = is_ask && !rq->seg;
 	ap_worker *w = ap_pool_route(p);
 	if (!w) {
 		if (is_ask) {
 			p->overloaded++;
-			loop_error(p, rq, head_start, "overloaded");
+			ap_answer_loop(p, &rq->route, rq->head, rq->head_len, rq->addr, "overloaded");
 		} else {
 			p->dropped_tells++;
 		}
@@ -167,67 +157,41 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	}
 	int is_binary = msg_len >= 5 && (uint8_t)msg[0] == 109;
 	size_t body = ap_msg_body_len(msg_len, is_binary);
-	size_t head = by_dist ? p->scratch.len - head_start : 0;
-	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
-	/* A ring tell to a worker process may need no job (isolate.c, bare
-	 * tells); its wake pass publishes it. */
-	if (rq->seg && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
+	size_t head = is_ask ? rq->head_len : 0;
+	size_t addr = is_ask ? rq->addr_len : 0;
+	int batched = rq->route.ops->batched;
+	/* A batched tell to a worker process may need no job (isolate.c,
+	 * bare tells); its wake pass publishes it. */
+	if (batched && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
 		ap_pool_wake_later(w, 0);
 		return;
 	}
-	/* Ring messages only: the budget is per ring drain (reset at its
-	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
-	 * through the loop's own queue, not from the loop itself. */
-	int inline_ok = rq->seg && ap_pool_can_inline(p, w, msg_len);
-	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
+	/* Batched messages only: the budget is per batch (reset at its end,
+	 * ap_pool_wake_all_pushed), and other asks are answered through the
+	 * loop's own queue, not from the loop itself. */
+	int inline_ok = batched && ap_pool_can_inline(p, w, msg_len);
+	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + addr);
 	if (!j) {
 		if (is_ask)
-			loop_error(p, rq, head_start, "enomem");
+			ap_answer_loop(p, &rq->route, rq->head, rq->head_len, rq->addr, "enomem");
 		return;
 	}
 	j->is_ask = (uint8_t)is_ask;
 	j->is_binary = (uint8_t)is_binary;
-	j->seg = NULL;
-	j->ask_id = 0;
-	if (is_ask && rq->seg) {
-		j->seg = rq->seg;
-		j->ask_id = rq->ask_id;
-		ap_dp_seg_get(rq->seg);
-	}
+	j->route = is_ask ? rq->route : (ap_route){ 0 };
 	j->head_len = (uint32_t)head;
 	j->msg_len = (uint32_t)body;
-	j->node_len = (uint32_t)nodelen;
+	j->addr_len = (uint32_t)addr;
 	uint8_t *d = j->data;
 	if (head)
-		memcpy(d, p->scratch.data + head_start, head);
+		memcpy(d, rq->head, head);
 	d += head;
 	ap_msg_body_copy(d, msg, msg_len, is_binary);
 	d += body;
-	if (nodelen)
-		memcpy(d, rq->caller->node, nodelen);
+	if (addr)
+		memcpy(d, rq->addr, addr);
 	if (inline_ok)
 		ap_pool_run_inline(w, j);
 	else
 		ap_pool_push(w, j);
-}
-
-void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
-{
-	if (rq->seg) {
-		p->by_ring++;
-	} else {
-		p->by_dist++;
-		ap_dp_poll_cancel();
-	}
-	if (rq->kind == AP_REQ_TELL || rq->seg) {
-		queue(p, rq, 0);
-		return;
-	}
-	/* The reply's head is made here, once: the worker only appends the
-	 * result, and the loop answers overload with the same head. */
-	p->scratch.len = 0;
-	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, rq->caller, rq->tag, rq->tag_len);
-	if (st == (size_t)-1)
-		return;
-	queue(p, rq, st);
 }

@@ -1,14 +1,17 @@
 /* dist_ingress: the pool process, what a pool receives by distribution
  * ('$gen_call', '$gen_cast', '$ap_batch', plain messages) turned into
- * dispatched requests; and the answers for a batch to a pool that is gone. */
+ * dispatched requests, and the distribution route their answers go back
+ * by; and the answers for a batch to a pool that is gone. */
 #include <string.h>
 
+#include "ap_ctrl.h"
 #include "ap_dec.h"
 #include "ap_log.h"
 #include "ap_rand.h"
 #include "ap_siphash.h"
 #include "ap_term.h"
 #include "pool_int.h"
+#include "ring_ingress.h"
 
 /* The end of the term at b[i] in a message of len bytes, by the walk: what
  * dispatch copies and what a reply carries never reach past what the walk
@@ -18,16 +21,66 @@ static int term_end(const char *b, int len, int i)
 	return len < 0 ? -1 : ap_term_end(b, (size_t)len, i);
 }
 
-static void tell(ap_pool *p, const char *msg, int msg_len)
+/* ---- the distribution route ---------------------------------------------------
+ * An ask's answer is {Tag, Reply} to its caller (by ALIAS_SEND when the tag
+ * is [alias | Ref]), a frame for the loop to send: the job's head is the
+ * frame's head (ap_encode_reply_head), its address the caller's node, the
+ * route's context the node. It holds nothing, and never waits: the loop's
+ * send queue takes the frame at once. */
+
+static int dist_send(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker,
+		     ap_send_mode mode)
 {
-	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = msg_len });
+	(void)worker;
+	(void)mode;
+	ap_buf f = { .data = b, .len = len, .cap = len };
+	if (ap_frame_end(&f, 0))
+		return 0;
+	ap_node_post(r->ctx, addr, b, len);
+	return 0;
 }
 
+static void dist_drop(const ap_route *r) { (void)r; }
+
+static const char *dist_peer(const ap_route *r, const char *addr)
+{
+	(void)r;
+	return addr;
+}
+
+static const ap_route_ops dist_route = { .send = dist_send, .drop = dist_drop, .peer = dist_peer };
+
+/* A message came by distribution: the ring ingress stops yielding for
+ * records (ap_dp_poll_cancel) before the loop sleeps. */
+static void tell(ap_pool *p, const char *msg, int msg_len)
+{
+	p->by_dist++;
+	ap_dp_poll_cancel();
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .route = { &dist_route, p->n, 0 }, .msg = msg,
+					   .msg_len = msg_len });
+}
+
+/* The head of the answer to the ask being dispatched (loop thread): made
+ * here, once; the worker only appends the result, and the loop answers
+ * overload with the same head. */
+static ap_buf ask_head;
+
+/* tag: the reply tag, copied verbatim into {Tag, Reply}; like msg, a term
+ * without its 131 byte that the walk vouched for. */
 static void ask(ap_pool *p, const erlang_pid *caller, const char *tag, int tag_len, const char *msg, int msg_len)
 {
-	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .caller = caller, .tag = tag, .tag_len = tag_len,
+	p->by_dist++;
+	ap_dp_poll_cancel();
+	ask_head.len = 0;
+	if (ap_encode_reply_head(&ask_head, &p->pid, caller, tag, tag_len) == (size_t)-1)
+		return;
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .route = { &dist_route, p->n, 0 },
+					   .head = (const char *)ask_head.data, .head_len = (uint32_t)ask_head.len,
+					   .addr = caller->node, .addr_len = (uint32_t)strlen(caller->node) + 1,
 					   .msg = msg, .msg_len = msg_len });
 }
+
+/* ---- the pool process ------------------------------------------------------------ */
 
 /* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} in b[0..len) */
 static int batch(ap_pool *p, const char *b, int len, int i)

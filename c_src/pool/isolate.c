@@ -365,10 +365,11 @@ static int send_direct(ap_worker *w, int send)
 }
 
 /* One result record the loop answers itself, or 0 to leave it (unread)
- * to the proxy: anything but a whole result to a ring ask or a refused
- * tell (a crash, a stop, a large answer in chunks, an answer to a
- * distribution caller, a full reply ring), and anything the proxy's own
- * checks (drain_results) would refuse: it finds it again and kills. */
+ * to the proxy: anything but a whole result to an ask of a batched route
+ * (the rings') or a refused tell (a crash, a stop, a large answer in
+ * chunks, an answer by another route, a route with no room), and anything
+ * the proxy's own checks (drain_results) would refuse: it finds it again
+ * and kills. */
 static int take_one_direct(ap_worker *w, const void *p, size_t len)
 {
 	ap_iso *s = w->iso;
@@ -393,7 +394,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 		return 1;
 	}
 	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
-	if (!j || (j->is_ask && !j->seg))
+	if (!j || (j->is_ask && !j->route.ops->batched))
 		return 0;
 	if (j->is_ask) {
 		w->reply.len = 0;
@@ -403,10 +404,8 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 		w->reply.len = chunk;
 		w->reply.kind = (actor_pool_reply_kind)h.b;
 		/* Published with the loop's own answers at the end of its read. */
-		if (ap_pool_send_result_nowait(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0) == -EAGAIN)
+		if (ap_answer(w, j, h.a == AP_HANDLER_OK ? "ok" : "error", &w->reply, AP_ANSWER_NOWAIT) == -EAGAIN)
 			return 0;
-	} else if (j->seg) {
-		ap_dp_seg_put(j->seg);
 	}
 	(void)ap_mbox_pop(&w->mb);
 	ap_mbox_done(&w->mb);
@@ -768,7 +767,7 @@ static int iso_spawn(ap_worker *w)
 /* ---- the proxy: results ---------------------------------------------------- */
 
 /* {worker_crashed, Cause} or handler_timeout as the reply, for
- * ap_pool_send_own(..., "error", ...). */
+ * ap_answer(..., "error", ..., AP_ANSWER_OWN). */
 static void set_death_reply(ap_worker *w, int timeout)
 {
 	ap_iso *s = w->iso;
@@ -830,26 +829,20 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 	ap_mbox_done(&w->mb);
 	if (h->c) {
 		if (j->is_ask)
-			ap_pool_send_error(w, j, "stopped");
-		else if (j->seg)
-			ap_dp_seg_put(j->seg);
+			ap_answer_error(w, j, "stopped");
 		return 0;
 	}
 	if (h->a == AP_HANDLER_CRASH) {
 		ap_worker_count_crash(w, AP_CRASH_HANDLER);
 		s->handler_crash = 1;
 		if (j->is_ask)
-			ap_pool_send_error(w, j, "worker_crashed");
-		else if (j->seg)
-			ap_dp_seg_put(j->seg);
+			ap_answer_error(w, j, "worker_crashed");
 		return 1;
 	}
 	count_result(w, h->a);
 	if (j->is_ask) {
 		w->reply.kind = (actor_pool_reply_kind)h->b;
-		ap_pool_send_result(w, j, h->a == AP_HANDLER_OK ? "ok" : "error", &w->reply);
-	} else if (j->seg) {
-		ap_dp_seg_put(j->seg);
+		ap_answer(w, j, h->a == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0);
 	}
 	return 0;
 }
@@ -881,8 +874,6 @@ static int take_done(ap_worker *w, uint64_t upto, int *progress)
 		if (j->revoked)
 			continue;
 		ap_mbox_done(&w->mb);
-		if (j->seg)
-			ap_dp_seg_put(j->seg);
 		n++;
 	}
 	atomic_fetch_add_explicit(&w->processed, n, memory_order_relaxed);
@@ -1162,9 +1153,7 @@ static void on_death(ap_worker *w)
 		if (j) {
 			if (j->is_ask) {
 				set_death_reply(w, timeout);
-				ap_pool_send_own(w, j, "error", &w->reply);
-			} else if (j->seg) {
-				ap_dp_seg_put(j->seg);
+				ap_answer(w, j, "error", &w->reply, AP_ANSWER_OWN);
 			}
 		}
 	}
@@ -1216,9 +1205,7 @@ static void on_stop(ap_worker *w)
 		if (j->revoked)
 			continue;
 		if (j->is_ask)
-			ap_pool_send_error(w, j, "stopped");
-		else if (j->seg)
-			ap_dp_seg_put(j->seg);
+			ap_answer_error(w, j, "stopped");
 		ap_mbox_done(&w->mb);
 	}
 	void *rec;
@@ -1384,8 +1371,8 @@ int ap_iso_timeout(ap_worker *w, uint64_t deq)
  * original stays in place, revoked, for the child to hand back. */
 static long long revoke_job(ap_worker *w, ap_job *j)
 {
-	(void)ap_pool_move_job(w->pool, w, j); /* the segment reference moves too */
-	j->seg = NULL;
+	(void)ap_pool_move_job(w->pool, w, j); /* the route's hold moves too */
+	j->route = (ap_route){ 0 };
 	j->revoked = 1;
 	return 1;
 }
@@ -1518,14 +1505,13 @@ unsigned long long ap_iso_bare_tells(void) { return __atomic_load_n(&bare_sent, 
 
 unsigned long long ap_iso_bare_rehydrated(void) { return __atomic_load_n(&bare_rehydrated, __ATOMIC_RELAXED); }
 
-/* A tell from a same-host ring written straight into the worker process's
- * request ring, with no job: the job's making, queueing, sending and
- * taking back were a fifth of the loop's time under a tell flood. Only
- * while everything queued before it has gone to the child (so the order
- * holds), the proxy sleeps (the loop holds its channel, as send_direct
- * does), and it fits
- * one record in the room there is now; 0 otherwise, and the caller makes
- * a job as before. The record is then the pool node's only copy of the
+/* A tell of a batched route (the same-host rings) written straight into
+ * the worker process's request ring, with no job: the job's making,
+ * queueing, sending and taking back were a fifth of the loop's time under
+ * a tell flood. Only while everything queued before it has gone to the
+ * child (so the order holds), the proxy sleeps (the loop holds its
+ * channel, as send_direct does), and it fits one record in the room there
+ * is now; 0 otherwise, and the caller makes a job as before. The record is then the pool node's only copy of the
  * message: the child maps the ring's data read-only, and if it dies
  * first, ap_iso_rehydrate makes jobs of the tells it had not started.
  * Published at the read's wake pass (send_direct), which the caller's
@@ -1580,9 +1566,8 @@ static ap_job *bare_job(ap_worker *w, const struct iso_bare *b)
 		return NULL;
 	j->is_ask = 0;
 	j->is_binary = h.b;
-	j->seg = NULL;
-	j->ask_id = 0;
-	j->head_len = j->node_len = 0;
+	j->route = (ap_route){ 0 };
+	j->head_len = j->addr_len = 0;
 	j->msg_len = b->len;
 	memcpy(j->data, rec + sizeof h, b->len);
 	return j;

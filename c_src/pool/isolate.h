@@ -20,12 +20,13 @@
  * no result record: the child's done_seq covers it, and it leaves the
  * mailbox in the proxy's pass or, while the proxy sleeps, in the loop's
  * (take_done_direct: as it sends, or routes to a full mailbox).
- * One exception: a tell from a same-host ring that finds everything before
- * it already sent, while the proxy sleeps, is written by the loop straight
- * into the request ring with no job (a bare tell, ap_iso_send_tell). Its
- * record is then the only copy, so the child maps the ring's data
- * read-only, and after a death the bare tells it had not started become
- * jobs in the mailbox again (ap_iso_rehydrate) before anything moves them.
+ * One exception: a tell of a batched route (a same-host ring's) that finds
+ * everything before it already sent, while the proxy sleeps, is written
+ * by the loop straight into the request ring with no job (a bare tell,
+ * ap_iso_send_tell). Its record is then the only copy, so the child maps
+ * the ring's data read-only, and after a death the bare tells it had not
+ * started become jobs in the mailbox again (ap_iso_rehydrate) before
+ * anything moves them.
  *
  * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
  * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
@@ -135,11 +136,11 @@ void ap_iso_wake(struct ap_worker *w, int always, int ask);
  * wait there for the next send, which a full mailbox holds off). */
 void ap_iso_reclaim(struct ap_worker *w);
 /* Loop thread: while `looks` is 1, the loop takes the results of this
- * slot's child itself when its proxy sleeps (answers to ring asks,
- * published with the loop's own at the end of its read), so neither the
- * child nor the proxy wakes for them; whatever it cannot take without
- * waiting (a crash, a large or distribution answer, a full reply ring) it
- * leaves to the proxy and rings it. With `looks` 0 (the loop is about to
+ * slot's child itself when its proxy sleeps (answers to asks of batched
+ * routes, the rings', published with the loop's own at the end of its
+ * read), so neither the child nor the proxy wakes for them; whatever it
+ * cannot take without waiting (a crash, a large answer, one by another
+ * route, a route with no room) it leaves to the proxy and rings it. With `looks` 0 (the loop is about to
  * sleep) it takes what is there once more after lowering the flag.
  * AP_ISO_TOOK if it answered anything, AP_ISO_ASKS_OUT if the child still
  * holds an ask the loop sent it (the loop may wait for it: iso_await in
@@ -156,7 +157,7 @@ unsigned long long ap_iso_loop_results(void);
  * (isolate_child.c, follow_loop); 0 without one. */
 unsigned ap_iso_follows(struct ap_worker *w);
 
-/* Loop thread: a tell from a same-host ring straight into w's worker
+/* Loop thread: a tell of a batched route straight into w's worker
  * process's request ring, with no job (1), or 0: make a job as before. The
  * caller puts w on its wake list, whose pass publishes it. */
 int ap_iso_send_tell(struct ap_worker *w, const char *msg, int msg_len, int is_binary);

@@ -74,25 +74,27 @@ static void count_done(ap_worker *w, actor_pool_status st)
 		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
 }
 
-/* The inline answer did not fit its reply ring: the worker delivers it
- * (it may wait for room; the loop may not). The job's segment reference
- * passes to the new job. */
+/* The inline answer found its route with no room: the worker delivers it
+ * (it may wait for room; the loop may not). The answer (w->out: the
+ * route's head, then the term) and the route's address go to a new job,
+ * and the route's hold with them. */
 static void hand_answer_over(ap_worker *w, const ap_job *j)
 {
-	ap_job *a = ap_job_alloc(&w->mb, &w->job_cache, w->out.len);
+	ap_job *a = ap_job_alloc(&w->mb, &w->job_cache, w->out.len + j->addr_len);
 	if (!a) {
 		ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: no memory to queue it", w->pool->name);
-		ap_dp_seg_put(j->seg);
+		ap_route_drop(&j->route);
 		return;
 	}
 	a->is_ask = 1;
 	a->is_binary = 0;
 	a->is_answer = 1;
-	a->seg = j->seg;
-	a->ask_id = j->ask_id;
-	a->head_len = a->node_len = 0;
-	a->msg_len = (uint32_t)w->out.len;
+	a->route = j->route;
+	a->head_len = j->head_len;
+	a->msg_len = (uint32_t)(w->out.len - j->head_len);
+	a->addr_len = j->addr_len;
 	memcpy(a->data, w->out.data, w->out.len);
+	memcpy(a->data + w->out.len, ap_job_addr(j), j->addr_len);
 	ap_pool_push(w, a);
 }
 
@@ -119,7 +121,8 @@ void ap_pool_run_inline(ap_worker *w, ap_job *j)
 	} else {
 		count_done(w, st);
 	}
-	if (j->is_ask && ap_pool_send_result_nowait(w, j, status, &w->reply, st == AP_HANDLER_CRASH) == -EAGAIN)
+	if (j->is_ask && ap_answer(w, j, status, &w->reply,
+				   AP_ANSWER_NOWAIT | (st == AP_HANDLER_CRASH ? AP_ANSWER_OWN : 0)) == -EAGAIN)
 		hand_answer_over(w, j);
 	j->free_next = w->job_cache;
 	w->job_cache = j;
@@ -159,11 +162,10 @@ static void *worker_main(void *arg)
 		 * has the answer and asks again must find room again, even with
 		 * mailbox_limit 1. */
 		if (j->is_answer) {
-			/* An inline run's answer that found its reply ring full. */
+			/* An inline run's answer that found its route with no room. */
 			ap_mbox_done(&w->mb);
 			(void)end_of_message(w);
-			ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len);
-			ap_dp_seg_put(j->seg);
+			(void)ap_answer_made(w, j, AP_SEND_WAIT);
 			continue;
 		}
 		if (atomic_load(&w->stop)) {
@@ -171,7 +173,7 @@ static void *worker_main(void *arg)
 			ap_mbox_done(&w->mb);
 			(void)end_of_message(w);
 			if (j->is_ask)
-				ap_pool_send_error(w, j, "stopped");
+				ap_answer_error(w, j, "stopped");
 			continue;
 		}
 		actor_pool_request req = job_request(w, j);
@@ -187,7 +189,7 @@ static void *worker_main(void *arg)
 		if (st == AP_HANDLER_CRASH) {
 			ap_worker_count_crash(w, AP_CRASH_HANDLER);
 			if (j->is_ask && !answered)
-				ap_pool_send_error(w, j, "worker_crashed");
+				ap_answer_error(w, j, "worker_crashed");
 			w->exit_reason = EXIT_CRASH;
 			break;
 		}
@@ -195,7 +197,7 @@ static void *worker_main(void *arg)
 			continue;
 		count_done(w, st);
 		if (j->is_ask)
-			ap_pool_send_result(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply);
+			ap_answer(w, j, st == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0);
 	}
 	if (atomic_load(&w->crash_pending))
 		w->exit_reason = EXIT_CRASH;
@@ -244,17 +246,16 @@ static void pool_free(ap_pool *p)
 					continue; /* moved, and out of the depth */
 				if (j->is_answer) {
 					/* Made already: delivered if it fits now. */
-					if (ap_dp_reply_nowait(j->seg, (unsigned)w->id, j->ask_id, j->data, j->msg_len))
-						ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: its reply ring is full",
+					if (ap_answer_made(w, j, AP_SEND_NOWAIT) == -EAGAIN) {
+						ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: its route has no room",
 						       p->name);
-					ap_dp_seg_put(j->seg);
-				} else if (j->is_ask && j->seg) {
+						ap_route_drop(&j->route);
+					}
+				} else if (j->is_ask) {
 					/* The loop thread: never the worker's path,
-					 * which waits for room in a full reply ring. */
-					ap_dp_reply_error_loop(j->seg, j->ask_id, "stopped");
-					ap_dp_seg_put(j->seg);
-				} else if (j->is_ask)
-					ap_pool_send_error(w, j, "stopped");
+					 * which may wait for room. */
+					ap_answer_loop_job(p, j, "stopped");
+				}
 				ap_mbox_done(&w->mb);
 			}
 			ap_mbox_destroy(&w->mb);
@@ -356,21 +357,19 @@ int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j)
 				break;
 			}
 	}
-	size_t need = (size_t)j->head_len + j->msg_len + j->node_len;
+	size_t need = (size_t)j->head_len + j->msg_len + j->addr_len;
 	ap_job *c = w ? ap_job_alloc(&w->mb, &w->job_cache, need) : NULL;
 	if (!c) {
-		if (j->seg)
-			ap_dp_seg_put(j->seg); /* lost with its job: the segment must still go */
+		ap_route_drop(&j->route); /* lost with its job: the route's hold must still go */
 		return -1;
 	}
 	c->is_ask = j->is_ask;
 	c->is_binary = j->is_binary;
 	c->is_answer = j->is_answer;
-	c->seg = j->seg; /* the reference moves with the job */
-	c->ask_id = j->ask_id;
+	c->route = j->route; /* the hold moves with the job */
 	c->head_len = j->head_len;
 	c->msg_len = j->msg_len;
-	c->node_len = j->node_len;
+	c->addr_len = j->addr_len;
 	memcpy(c->data, j->data, need);
 	ap_pool_push(w, c);
 	return 0;
@@ -526,17 +525,8 @@ static void let_go(ap_worker *w, int had, int answered)
 
 static void answer_timeout(ap_pool *p, const ap_job *j)
 {
-	if (!j->is_ask)
-		return;
-	if (j->seg) {
-		ap_dp_reply_error_loop(j->seg, j->ask_id, "handler_timeout");
-		ap_dp_seg_put(j->seg);
-		return;
-	}
-	ap_buf *b = &p->scratch;
-	b->len = 0;
-	if (ap_buf_append(b, j->data, j->head_len) == 0)
-		ap_pool_loop_error_reply(p, 0, (const char *)j->data + j->head_len + j->msg_len, "handler_timeout");
+	if (j->is_ask)
+		ap_answer_loop_job(p, j, "handler_timeout");
 }
 
 /* Thread mode, claimed: the mailbox's head is the job the worker runs;

@@ -1,12 +1,18 @@
 /* pool_int.h: what the files of a pool share, inside the pool node only.
  *
  *   pool.c          a pool's life: start, stop, worker threads, restarts
- *   dist_ingress.c  the pool process: distribution messages -> requests
+ *   dist_ingress.c  the pool process: distribution messages -> requests,
+ *                   and the distribution route (answers as frames)
  *   dispatch.c      routing, and a request's way into a worker's mailbox
  *   mailbox.c       the per-worker queue of jobs, and its doorbell
- *   reply.c         the reply frames a pool builds
+ *   reply.c         answers: the handler's checked, sent by each job's route
  *   stats.c         counters and the stats map
- *   ring_ingress.c  the same-host rings: attach, ring -> requests, ring replies
+ *   ring_ingress.c  the same-host rings: attach, ring -> requests, and the
+ *                   ring route (answers into reply rings)
+ *
+ * The core (all but the two ingresses) never asks which way a message
+ * came: an ingress gives each request its route (below), and every answer
+ * leaves by it.
  *
  * Threads: the loop thread owns every pool and is the only producer into
  * every mailbox; each worker thread is the only consumer of its own. So a
@@ -34,34 +40,90 @@
 #define MAX_WORKERS AP_POOL_MAX_WORKERS
 #define ROUTE_TRIES 3 /* full mailboxes the router tries past before answering overloaded */
 
-/* ---- mailbox: SPSC intrusive queue (Vyukov) ----------------------------- */
+/* ---- routes: an answer's way back -----------------------------------------
+ * The ingress that takes a request in gives it its route: the functions
+ * that send its answer back the way it came (distribution: a frame to the
+ * caller's node, dist_ingress.c; ring: a record in a reply ring of the
+ * caller's segment, ring_ingress.c), and what they need. An ask's route
+ * may hold something of its ingress (ring: a reference on the segment),
+ * taken by the ingress before it dispatches: whoever answers the ask, or
+ * drops it unanswered, releases it, once. The core sends every answer
+ * through ops->send (reply.c, ap_answer and its siblings), and never asks
+ * which route it is. */
+typedef struct ap_route ap_route;
 
-struct ap_dp_seg;
+/* How a sender meets a route with no room for the answer now: a worker's
+ * thread may wait (a while: the route bounds it); the loop running a job
+ * itself hears -EAGAIN (the route keeps its hold; the worker delivers the
+ * answer later); the loop's own answers (errors) never wait. */
+typedef enum { AP_SEND_WAIT, AP_SEND_NOWAIT, AP_SEND_LOOP } ap_send_mode;
+
+typedef struct ap_route_ops {
+	/* The answer b[0, len): the route's head bytes (the job's head_len),
+	 * then the answer term without its 131 byte; the route may write
+	 * into the head (a frame's length). addr: the route's address bytes
+	 * (the job's addr_len). worker: the id of the worker answering (the
+	 * loop's own answers: any). Releases the route's hold, unless
+	 * -EAGAIN (AP_SEND_NOWAIT only); 0 otherwise, sent or dropped (the
+	 * route logs what it drops). */
+	int (*send)(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker, ap_send_mode mode);
+	/* The route's hold released with no answer. */
+	void (*drop)(const ap_route *r);
+	/* The node the answer goes to (reply.c checks a handler's term as
+	 * that node will take it). */
+	const char *(*peer)(const ap_route *r, const char *addr);
+	/* Its ingress reads requests in batches and ends each with
+	 * ap_pool_wake_all_pushed: the loop may run their messages itself
+	 * (inline runs, within a budget per batch), write their tells
+	 * straight into a worker process's ring, and answer them with
+	 * AP_SEND_NOWAIT (the answers go out with the batch's). */
+	int batched;
+} ap_route_ops;
+
+struct ap_route {
+	const ap_route_ops *ops; /* NULL on a tell's job: nothing to answer */
+	void *ctx;               /* the ingress's (distribution: the node; ring: the segment) */
+	uint64_t id;             /* the ingress's (ring: the ask's id) */
+};
+
+/* An ask's route let go unanswered; nothing for a job with no route. */
+static inline void ap_route_drop(const ap_route *r)
+{
+	if (r->ops)
+		r->ops->drop(r);
+}
+
+/* ---- mailbox: SPSC intrusive queue (Vyukov) ----------------------------- */
 
 typedef struct ap_job {
 	struct ap_job *_Atomic next;
 	struct ap_job *free_next;  /* on the recycle stack */
 	uint32_t cap;              /* bytes of data[] allocated */
 	uint8_t is_ask, is_binary;
-	/* An answer made already (ap_pool_run_inline found its reply ring
-	 * full): data holds the term, msg_len bytes; the worker only
-	 * delivers it, waiting for room as it does for its own. */
+	/* An answer made already (ap_pool_run_inline found its route with
+	 * no room): data holds the route's head and the answer term, in
+	 * head_len + msg_len bytes; the worker only delivers it, waiting
+	 * for room as it does for its own. */
 	uint8_t is_answer;
 	/* Process mode: a job its worker process was sent and will not run
 	 * (isolate.c, ap_iso_revoke): its message moved to another worker,
 	 * and it only waits in the mailbox, out of the depth, for the child
 	 * to hand it back. */
 	uint8_t revoked;
-	/* Asks that came by ring: the answer goes to this segment's reply
-	 * rings under ask_id (the job holds a reference), and head_len and
-	 * node_len are 0. NULL for distribution asks and every tell. */
-	struct ap_dp_seg *seg;
-	uint64_t ask_id;
-	uint32_t head_len; /* distribution asks: the reply head (ap_encode_reply_head) */
+	/* An ask's: where its answer goes (it holds the route's hold until
+	 * it is answered). A tell's: none. */
+	ap_route route;
+	uint32_t head_len; /* asks: the route's head bytes (distribution: the reply frame's, ap_encode_reply_head) */
 	uint32_t msg_len;  /* the message: a binary's bytes, or 131 + term */
-	uint32_t node_len; /* asks: the caller's node, NUL included */
-	uint8_t data[];    /* head, message, node */
+	uint32_t addr_len; /* asks: the route's address bytes (distribution: the caller's node, NUL included) */
+	uint8_t data[];    /* head, message, address */
 } ap_job;
+
+/* An ask's route address (see ap_route_ops). */
+static inline const char *ap_job_addr(const ap_job *j)
+{
+	return (const char *)j->data + j->head_len + j->msg_len;
+}
 
 /* The producer's fields and the consumer's are on cache lines of their
  * own: on one line, every push and every pop took it from the other core
@@ -262,31 +324,33 @@ ap_job *ap_worker_next_job(ap_worker *w);
 void ap_worker_wake(ap_worker *w, int always, int ask);
 
 /* ---- dispatch.c: the one way from an ingress to a worker -----------------
- * An ingress (distribution: dist_ingress.c; same-host rings next) decodes
- * what it receives into ap_requests, passes each to ap_pool_dispatch, and
- * calls ap_pool_wake_pushed once it has dispatched all it holds (a message,
- * a batch, a drained ring), so a worker is woken once per batch, not per
+ * An ingress (distribution: dist_ingress.c; same-host rings:
+ * ring_ingress.c) decodes what it receives into ap_requests, counts them
+ * (by_dist, by_ring), passes each to ap_pool_dispatch, and calls
+ * ap_pool_wake_pushed once it has dispatched all it holds (a message, a
+ * batch, a drained ring), so a worker is woken once per batch, not per
  * job. Loop thread only. Routing, overload (an ask answered
  * {error, overloaded}, a tell counted in dropped_tells) and the copy into
- * the worker's job happen here, the same for every ingress. The reply to
- * a distribution ask goes by distribution to the caller ({Tag, Reply}, by
- * ALIAS_SEND when the tag is [alias | Ref]); the reply to a ring ask
- * (seg set) goes into a reply ring of that segment, under ask_id. */
+ * the worker's job happen here, the same for every ingress; the answer
+ * goes back by the request's route. */
 typedef enum { AP_REQ_TELL, AP_REQ_ASK } ap_req_kind;
 
 typedef struct ap_request {
 	ap_req_kind kind;
-	struct ap_dp_seg *seg;    /* came by ring: its segment (counted as ring); NULL: distribution */
-	uint64_t ask_id;          /* ring ask: the id the answer carries */
-	const erlang_pid *caller; /* distribution ask: who gets the reply; its node carries it */
-	const char *tag;          /* distribution ask: the reply tag, copied verbatim into {Tag, Reply} */
-	int tag_len;
+	/* Its ingress's route: ops always (a tell's for batched); an ask's
+	 * answer goes by it, with its hold (the job keeps it, or the loop's
+	 * answer releases it). */
+	ap_route route;
+	const char *head;         /* ask: the route's head bytes, copied into the job */
+	uint32_t head_len;
+	const char *addr;         /* ask: the route's address bytes, copied into the job */
+	uint32_t addr_len;
 	const char *msg;          /* what the handler gets */
 	int msg_len;
 } ap_request;
-/* tag and msg are encoded terms without the 131 byte, each validated whole
- * by the ingress (the ap_term walk) over bytes it bounds: nothing here
- * checks them again. */
+/* msg is an encoded term without the 131 byte, validated whole by the
+ * ingress (the ap_term walk) over bytes it bounds: nothing here checks it
+ * again. */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq);
 /* A message as a handler gets it, from a request's msg (a term without
  * its 131 byte): a binary's own bytes, after its 5-byte head, or 131 and
@@ -340,8 +404,8 @@ void ap_pool_inline_reset(void);
 ap_worker *ap_pool_route(ap_pool *p);
 void ap_pool_push(ap_worker *w, ap_job *j);
 /* Loop thread: a copy of j in the mailbox of a live worker other than
- * `from` (its segment reference moves with it); 0, or -1 (no memory: j is
- * lost, and its segment reference dropped). */
+ * `from` (its route's hold moves with it); 0, or -1 (no memory: j is
+ * lost, and its route dropped). */
 int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j);
 /* Loop thread: whether a worker other than w serves. */
 int ap_pool_others_alive(ap_pool *p, ap_worker *w);
@@ -355,52 +419,34 @@ int ap_pool_barrier_threads(void);
 int ap_pool_barrier_children(void);
 extern int ap_pool_fence_each;
 
-/* ---- reply.c: every reply frame a pool builds ---------------------------- */
-/* Worker thread: the handler's reply buffer, and the answer to the ask j:
- * the handler's reply r (checked: a reply the receiving node would refuse,
- * or past the pool's atom budget, becomes {error, bad_reply}), or the
- * pool's own (send_own, send_error: not checked). */
+/* ---- reply.c: answers ------------------------------------------------------
+ * Every answer a pool makes leaves here, by its job's route. */
 int ap_pool_reply_reserve(actor_pool_reply *r, size_t more);
 void ap_pool_set_atom_reply(actor_pool_reply *r, const char *atom);
-void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
-void ap_pool_send_own(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r);
-void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason);
-/* Loop thread, an inline ring ask: as ap_pool_send_result (own: as
- * ap_pool_send_own), but never waits for room; -EAGAIN when the reply
- * ring is full (the answer is in w->out then, the job's segment reference
- * still held). */
-int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int own);
-/* Loop thread: {error, Reason} for an ask whose head is in p->scratch. */
-void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason);
+/* The answer to the ask j: {Status, r}, from w's thread, or (AP_ANSWER_NOWAIT)
+ * from the loop running j itself: -EAGAIN when its route has no room now
+ * (the answer is in w->out then, j's hold still held); 0 otherwise, j's
+ * hold released. r is the handler's: checked (a reply the receiving node
+ * would refuse, or past the pool's atom budget, becomes {error,
+ * bad_reply}); with AP_ANSWER_OWN the pool's own, not checked. */
+enum { AP_ANSWER_OWN = 1, AP_ANSWER_NOWAIT = 2 };
+int ap_answer(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int how);
+/* {error, Reason}, the pool's own, from w's thread. */
+void ap_answer_error(ap_worker *w, const ap_job *j, const char *reason);
+/* An answer made already (an is_answer job), by w or the loop: as
+ * ap_answer's send. */
+int ap_answer_made(ap_worker *w, ap_job *j, ap_send_mode mode);
+/* Loop thread: {error, Reason} without a worker, never waiting, to a route
+ * (its head and address bytes): of a request no job was made for, or of a
+ * job. The route's hold is released. */
+void ap_answer_loop(ap_pool *p, const ap_route *r, const void *head, size_t head_len, const char *addr,
+		    const char *reason);
+static inline void ap_answer_loop_job(ap_pool *p, const ap_job *j, const char *reason)
+{
+	ap_answer_loop(p, &j->route, j->data, j->head_len, ap_job_addr(j), reason);
+}
 /* Loop thread: answer the start request once every worker ran its init. */
 void ap_pool_answer_start(ap_pool *p, int ok);
-
-/* ---- ring_ingress.c: the same-host data plane (c_src/ring/ap_seg.h) -------
- * Segment references: the registry (loop), the attach thread's socket,
- * a wait armed in the loop (io_uring), and every ring ask queued
- * (its job). The last one unmaps. Replies: any thread; a detached
- * segment drops them. */
-void ap_dp_seg_get(struct ap_dp_seg *s);
-void ap_dp_seg_put(struct ap_dp_seg *s);
-/* The node name the segment's BEAM gave when it attached (any thread). */
-const char *ap_dp_seg_peer(const struct ap_dp_seg *s);
-/* Worker thread (ring = its index): the answer term (no 131 byte) to
- * ask_id; waits up to 1 s for room in a full reply ring, then drops it
- * with a log line. An answer over the ring's largest record becomes
- * {error, reply_too_large}. */
-void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
-/* Loop thread (an inline run's answer): as ap_dp_reply, but -EAGAIN at
- * once when the ring has no room (nothing logged, nothing dropped); 0
- * otherwise (written, or dropped for a dead or broken segment, as
- * ap_dp_reply drops it). Written answers are published per 16 and at
- * the end of the ring read being dispatched (ring_ingress.c). */
-int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len);
-/* Loop thread: a message came by distribution, so the loop stops yielding
- * for ring records (ring_poll_us) until the next ones come: a loop that
- * spins takes the CPU a distribution round trip on this host needs. */
-void ap_dp_poll_cancel(void);
-/* Loop thread: {error, Reason} to ask_id; never waits (a full ring drops it). */
-void ap_dp_reply_error_loop(struct ap_dp_seg *s, uint64_t ask_id, const char *reason);
 
 /* dist_ingress.c: the pool process's function (ap_proc_spawn). */
 void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);

@@ -21,7 +21,8 @@
  *
  * A segment is reference counted (ap_dp_seg_get/put): the registry, the
  * attach thread's socket, an armed wait (uring), each call posted to the
- * loop, and each ring ask in a mailbox. Detached (peer EOF, a broken
+ * loop, and each ring ask's route (handle takes it; the ask's answer, or
+ * its drop, releases it: ring_send, ring_drop). Detached (peer EOF, a broken
  * ring, the peer's closed bit) means: out of the registry, no more reads,
  * replies dropped; the memory goes with the last reference, so an armed
  * io_uring wait is cancelled and reaped first.
@@ -166,7 +167,7 @@ static void detach(struct ap_dp_seg *sg, const char *why);
 
 /* ---- references ------------------------------------------------------------ */
 
-void ap_dp_seg_get(struct ap_dp_seg *sg) { atomic_fetch_add_explicit(&sg->refs, 1, memory_order_relaxed); }
+static void ap_dp_seg_get(struct ap_dp_seg *sg) { atomic_fetch_add_explicit(&sg->refs, 1, memory_order_relaxed); }
 
 static void seg_free(struct ap_dp_seg *sg)
 {
@@ -181,16 +182,13 @@ static void seg_free(struct ap_dp_seg *sg)
 	free(sg);
 }
 
-void ap_dp_seg_put(struct ap_dp_seg *sg)
+static void ap_dp_seg_put(struct ap_dp_seg *sg)
 {
 	if (atomic_fetch_sub_explicit(&sg->refs, 1, memory_order_acq_rel) == 1) {
 		atomic_fetch_sub(&dp.nsegs, 1);
 		seg_free(sg);
 	}
 }
-
-/* Set before the segment is registered, never changed after. */
-const char *ap_dp_seg_peer(const struct ap_dp_seg *sg) { return sg->peer; }
 
 /* ---- replies ----------------------------------------------------------------- */
 
@@ -445,22 +443,50 @@ static int reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const voi
 	return 0;
 }
 
-void ap_dp_reply(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len)
-{
-	reply(sg, ring, ask_id, term, len, REP_WORKER);
-}
-
-int ap_dp_reply_nowait(struct ap_dp_seg *sg, unsigned ring, uint64_t ask_id, const void *term, size_t len)
-{
-	return reply(sg, ring, ask_id, term, len, REP_NOWAIT);
-}
-
-void ap_dp_reply_error_loop(struct ap_dp_seg *sg, uint64_t ask_id, const char *reason)
+/* Loop thread: {error, Reason} to ask_id; never waits (a full ring drops it). */
+static void ap_dp_reply_error_loop(struct ap_dp_seg *sg, uint64_t ask_id, const char *reason)
 {
 	char tmp[AP_ERROR_TERM_MAX];
 	size_t len = ap_enc_error_term(tmp, reason);
 	reply(sg, (unsigned)(ask_id % sg->s.n_rep), ask_id, tmp, len, REP_LOOP);
 }
+
+/* ---- the ring route ----------------------------------------------------------
+ * An ask's answer is a record in a reply ring of its segment, under its
+ * ask id: a worker's in its own ring (ring = the worker's id, so workers
+ * rarely share a ring's lock), the loop's own errors in the ask's (ask_id
+ * mod the rings). The route holds a reference on the segment (taken by
+ * handle before it dispatches), dropped as the ask is answered. An answer
+ * over the ring's largest record becomes {error, reply_too_large}. A
+ * worker waits up to DP_REPLY_WAIT_MS for room in a full ring, then drops
+ * the answer with a log line; the loop running a job itself hears -EAGAIN
+ * (its answers are published at the end of the read, or per
+ * DP_DEFER_ANSWERS). A detached or broken segment drops answers. */
+
+static int ring_send(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker,
+		     ap_send_mode mode)
+{
+	(void)addr;
+	struct ap_dp_seg *sg = r->ctx;
+	if (mode == AP_SEND_LOOP)
+		(void)reply(sg, (unsigned)(r->id % sg->s.n_rep), r->id, b, len, REP_LOOP);
+	else if (reply(sg, worker, r->id, b, len, mode == AP_SEND_NOWAIT ? REP_NOWAIT : REP_WORKER) == -EAGAIN)
+		return -EAGAIN; /* the hold stays with the answer, for its worker to deliver */
+	ap_dp_seg_put(sg);
+	return 0;
+}
+
+static void ring_drop(const ap_route *r) { ap_dp_seg_put(r->ctx); }
+
+/* The node name the segment's BEAM gave when it attached: set before the
+ * segment is registered, never changed after. */
+static const char *ring_peer(const ap_route *r, const char *addr)
+{
+	(void)addr;
+	return ((const struct ap_dp_seg *)r->ctx)->peer;
+}
+
+static const ap_route_ops ring_route = { .send = ring_send, .drop = ring_drop, .peer = ring_peer, .batched = 1 };
 
 /* ---- the ingress: records -> requests (loop thread) -------------------------- */
 
@@ -604,8 +630,15 @@ static void handle(struct ap_dp_seg *sg, uint32_t ring, const uint8_t *p, size_t
 			no_pool_tell(sg, &h, dest); /* dropped, as distribution drops it: counted, logged */
 		return;
 	}
-	ap_pool_dispatch(pool, &(ap_request){ .kind = h.kind == AP_DP_ASK ? AP_REQ_ASK : AP_REQ_TELL, .seg = sg,
-					      .ask_id = h.ask_id, .msg = msg, .msg_len = (int)h.msg_len });
+	pool->by_ring++;
+	if (h.kind == AP_DP_ASK) {
+		ap_dp_seg_get(sg); /* the route's hold: its job's, or the loop's answer's */
+		ap_pool_dispatch(pool, &(ap_request){ .kind = AP_REQ_ASK, .route = { &ring_route, sg, h.ask_id },
+						      .msg = msg, .msg_len = (int)h.msg_len });
+	} else {
+		ap_pool_dispatch(pool, &(ap_request){ .kind = AP_REQ_TELL, .route = { &ring_route, NULL, 0 },
+						      .msg = msg, .msg_len = (int)h.msg_len });
+	}
 }
 
 /* Reads ring `ring` while its read position is before upto, at most

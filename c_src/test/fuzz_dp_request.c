@@ -34,7 +34,7 @@
 #define T_REP_CAP_SMALL 256u
 #define T_REP_CAP 4096u
 
-static int t_pool; /* its address is the one pool */
+static ap_pool t_pool; /* the one pool */
 static int64_t t_now;
 static volatile unsigned t_sink;
 
@@ -117,12 +117,14 @@ ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid)
  * above answered for a destination, which is always the same answer. */
 uint64_t ap_pool_generation(void) { return 1; }
 
-/* What the ingress hands on: one whole term, inside the copy it made. */
+/* What the ingress hands on: one whole term, inside the copy it made, by
+ * the ring route; an ask's route holds a reference on its segment. */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
 	t_check(p == (ap_pool *)&t_pool);
 	t_check(rq->kind == AP_REQ_TELL || rq->kind == AP_REQ_ASK);
-	t_check(rq->seg && rq->msg_len > 0);
+	t_check(rq->route.ops == &ring_route && rq->msg_len > 0);
+	t_check(rq->kind == AP_REQ_TELL || (rq->route.ctx == dp.segs[0] && atomic_load(&dp.segs[0]->refs) >= 2));
 	t_check((const uint8_t *)rq->msg >= dp.copy.data &&
 		(const uint8_t *)rq->msg + rq->msg_len <= dp.copy.data + dp.copy.len);
 	t_check(ap_term_end(rq->msg, (size_t)rq->msg_len, 0) == rq->msg_len);
@@ -130,10 +132,13 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	for (int i = 0; i < rq->msg_len; i++)
 		s += (uint8_t)rq->msg[i];
 	t_sink += s;
-	if (rq->kind == AP_REQ_ASK)
-		/* 'ok', as a worker answers; never waiting for room (nobody
-		 * reads the reply rings while the drain runs). */
-		reply(rq->seg, 0, rq->ask_id, "\x64\x00\x02ok", 5, 1);
+	if (rq->kind == AP_REQ_ASK) {
+		/* 'ok', as a worker answers, by the route (which drops the
+		 * reference); never waiting for room (nobody reads the reply
+		 * rings while the drain runs). */
+		uint8_t ok[] = { 0x64, 0x00, 0x02, 'o', 'k' };
+		t_check(rq->route.ops->send(&rq->route, NULL, ok, sizeof ok, 0, AP_SEND_LOOP) == 0);
+	}
 }
 
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
