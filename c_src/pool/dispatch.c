@@ -1,9 +1,12 @@
 /* dispatch: routing (round robin, smallest mailbox, random), and a
- * message's way into the mailbox of the worker chosen. */
+ * message's way into the mailbox of the worker chosen, or onto the loop
+ * itself (inline runs); jobs moved off a worker to another. Workers are
+ * reached only through their kind (w->ops). */
+#include <errno.h>
 #include <string.h>
 
+#include "ap_log.h"
 #include "ap_time.h"
-#include "isolate.h"
 #include "pool_int.h"
 
 /* This drain's inline budget: its end (0 before the first inline run, -1
@@ -49,6 +52,60 @@ int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len)
 	return inline_budget_left(msg_len);
 }
 
+/* The inline answer found its route with no room: the worker delivers it
+ * (it may wait for room; the loop may not). The answer (w->out: the
+ * route's head, then the term) and the route's address go to a new job,
+ * and the route's hold with them. */
+static void hand_answer_over(ap_worker *w, const ap_job *j)
+{
+	ap_job *a = ap_job_alloc(&w->mb, &w->job_cache, w->out.len + j->addr_len);
+	if (!a) {
+		ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: no memory to queue it", w->pool->name);
+		ap_route_drop(&j->route);
+		return;
+	}
+	a->is_ask = 1;
+	a->is_binary = 0;
+	a->is_answer = 1;
+	a->route = j->route;
+	a->head_len = j->head_len;
+	a->msg_len = (uint32_t)(w->out.len - j->head_len);
+	a->addr_len = j->addr_len;
+	memcpy(a->data, w->out.data, w->out.len);
+	memcpy(a->data + w->out.len, ap_job_addr(j), j->addr_len);
+	ap_pool_push(w, a);
+}
+
+/* Loop thread: j, on w's state, while w sleeps (ap_pool_can_inline said
+ * so); then j goes back to w's job cache. A crash status is the worker's
+ * crash: answered, counted, and its thread exits as if it had crashed. */
+void ap_pool_run_inline(ap_worker *w, ap_job *j)
+{
+	ap_pool *p = w->pool;
+	actor_pool_request req = ap_job_request(w, j);
+	p->inline_runs++;
+	/* Asks only (see handler_time in stats.c): two clock reads were
+	 * as much as a whole tell costs the loop. */
+	int64_t t0 = j->is_ask ? ap_mono_ns() : 0;
+	actor_pool_status st = p->h->handle(w->state, &req, &w->reply);
+	if (t0)
+		ap_hist_add_1w(&p->inline_ns, (uint64_t)(ap_mono_ns() - t0));
+	const char *status = st == AP_HANDLER_OK ? "ok" : "error";
+	if (st == AP_HANDLER_CRASH) {
+		ap_worker_count_crash(w, AP_CRASH_HANDLER);
+		ap_pool_set_atom_reply(&w->reply, "worker_crashed");
+		atomic_store(&w->crash_pending, 1);
+		ap_worker_wake(w, 1, 0);
+	} else {
+		ap_worker_count_done(w, st);
+	}
+	if (j->is_ask && ap_answer(w, j, status, &w->reply,
+				   AP_ANSWER_NOWAIT | (st == AP_HANDLER_CRASH ? AP_ANSWER_OWN : 0)) == -EAGAIN)
+		hand_answer_over(w, j);
+	j->free_next = w->job_cache;
+	w->job_cache = j;
+}
+
 /* Room for one more: in process mode, ok tells its child finished may
  * still sit in the mailbox (they leave it when the next message is sent,
  * which a full mailbox holds off), so a full one is looked at again. */
@@ -56,9 +113,9 @@ static int has_room(ap_pool *p, ap_worker *w)
 {
 	if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
 		return 1;
-	if (!w->iso)
+	if (!w->ops->reclaim)
 		return 0;
-	ap_iso_reclaim(w);
+	w->ops->reclaim(w);
 	return ap_mbox_depth(&w->mb) < p->o.mailbox_limit;
 }
 
@@ -138,6 +195,44 @@ void ap_pool_wake_pushed(ap_pool *p)
 	p->nwake = 0;
 }
 
+int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j)
+{
+	ap_worker *w = ap_pool_route(p);
+	if (!w || w == from) {
+		/* Everyone is full: over the limit rather than lost. */
+		w = NULL;
+		for (int i = 0; i < p->o.workers; i++)
+			if (&p->w[i] != from && ap_worker_alive(&p->w[i])) {
+				w = &p->w[i];
+				break;
+			}
+	}
+	size_t need = (size_t)j->head_len + j->msg_len + j->addr_len;
+	ap_job *c = w ? ap_job_alloc(&w->mb, &w->job_cache, need) : NULL;
+	if (!c) {
+		ap_route_drop(&j->route); /* lost with its job: the route's hold must still go */
+		return -1;
+	}
+	c->is_ask = j->is_ask;
+	c->is_binary = j->is_binary;
+	c->is_answer = j->is_answer;
+	c->route = j->route; /* the hold moves with the job */
+	c->head_len = j->head_len;
+	c->msg_len = j->msg_len;
+	c->addr_len = j->addr_len;
+	memcpy(c->data, j->data, need);
+	ap_pool_push(w, c);
+	return 0;
+}
+
+int ap_pool_others_alive(ap_pool *p, ap_worker *w)
+{
+	int others = 0;
+	for (int i = 0; i < p->o.workers; i++)
+		others += &p->w[i] != w && ap_worker_alive(&p->w[i]);
+	return others;
+}
+
 /* Route one message. rq->msg: a term without its 131 byte. An ask's hold
  * on its route goes to its job, or is released by the loop's answer. */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
@@ -162,7 +257,7 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	int batched = rq->route.ops->batched;
 	/* A batched tell to a worker process may need no job (isolate.c,
 	 * bare tells); its wake pass publishes it. */
-	if (batched && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
+	if (batched && !is_ask && w->ops->post_tell && w->ops->post_tell(w, msg, msg_len, is_binary)) {
 		ap_pool_wake_later(w, 0);
 		return;
 	}

@@ -26,6 +26,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -261,14 +262,6 @@ static int result_bad(const ap_iso *s, const struct iso_rec *h, size_t chunk)
 	       h->c > 1 || (h->c && h->total);
 }
 
-/* A message the handler ran: processed, and an error if it refused. */
-static void count_result(ap_worker *w, unsigned status)
-{
-	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
-	if (status != AP_HANDLER_OK)
-		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
-}
-
 /* The oldest message out is a bare tell (no job in the mailbox). */
 static int front_bare(const ap_iso *s)
 {
@@ -390,7 +383,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	if (front_bare(s)) {
 		/* A bare tell refused: nothing to answer. */
 		take_bare(w);
-		count_result(w, h.a);
+		ap_worker_count_done(w, (actor_pool_status)h.a);
 		return 1;
 	}
 	ap_job *j = atomic_load_explicit(&w->mb.head->next, memory_order_acquire);
@@ -410,7 +403,7 @@ static int take_one_direct(ap_worker *w, const void *p, size_t len)
 	(void)ap_mbox_pop(&w->mb);
 	ap_mbox_done(&w->mb);
 	s->front_seq++;
-	count_result(w, h.a);
+	ap_worker_count_done(w, (actor_pool_status)h.a);
 	return 1;
 }
 
@@ -816,7 +809,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 			s->handler_crash = 1;
 			return 1;
 		}
-		count_result(w, h->a);
+		ap_worker_count_done(w, (actor_pool_status)h->a);
 		return 0;
 	}
 	ap_job *j = ap_mbox_pop(&w->mb);
@@ -839,7 +832,7 @@ static int take_result(ap_worker *w, const struct iso_rec *h)
 			ap_answer_error(w, j, "worker_crashed");
 		return 1;
 	}
-	count_result(w, h->a);
+	ap_worker_count_done(w, (actor_pool_status)h->a);
 	if (j->is_ask) {
 		w->reply.kind = (actor_pool_reply_kind)h->b;
 		ap_answer(w, j, h->a == AP_HANDLER_OK ? "ok" : "error", &w->reply, 0);
@@ -1622,3 +1615,107 @@ void ap_iso_rehydrate(ap_worker *w)
 		ap_log(AP_LOG_ERROR, "pool %s: %llu tells worker %d's process had not run were lost: their records "
 		       "in its request ring were changed", w->pool->name, (unsigned long long)lost, w->id);
 }
+
+/* ---- every worker process (loop thread) ------------------------------------ */
+
+static int sigchld_fd = -1;
+
+static void on_sigchld(ap_node *n, void *arg)
+{
+	(void)n;
+	(void)arg;
+	struct signalfd_siginfo si;
+	/* Coalesced: one read may stand for many exits, so every slot with
+	 * a process is asked (waitid on its pidfd, WNOHANG). */
+	while (read(sigchld_fd, &si, sizeof si) == (ssize_t)sizeof si)
+		;
+	for (ap_pool *p = ap_pool_all(); p; p = p->next)
+		for (int i = 0; i < p->o.workers; i++)
+			if (p->w[i].iso)
+				ap_iso_reap(&p->w[i]);
+}
+
+int ap_iso_watch_children(ap_node *n)
+{
+	sigset_t m;
+	sigemptyset(&m);
+	sigaddset(&m, SIGCHLD);
+	sigchld_fd = signalfd(-1, &m, SFD_NONBLOCK | SFD_CLOEXEC);
+	if (sigchld_fd < 0)
+		return -errno;
+	int r = ap_node_add_reader(n, sigchld_fd, on_sigchld, NULL);
+	if (r) {
+		close(sigchld_fd);
+		sigchld_fd = -1;
+	}
+	return r;
+}
+
+int ap_iso_take_all(int looks)
+{
+	int flags = 0;
+	/* Where the loop runs, for children that follow it (isolate.h,
+	 * loop_cpu), read once per pass and only with such a pool: glibc
+	 * reads it from rseq, no syscall. */
+	int cpu = -2;
+	for (ap_pool *p = ap_pool_all(); p; p = p->next)
+		if (p->o.isolation == AP_ISO_PROCESS)
+			for (int i = 0; i < p->o.workers; i++)
+				if (p->w[i].iso) {
+					if (cpu == -2)
+						cpu = looks ? sched_getcpu() : -1;
+					int f = ap_iso_take_direct(&p->w[i], looks, cpu);
+					/* A stalled worker's ask is not worth a wait. */
+					if (p->w[i].wd_state != W_RUNNING)
+						f &= ~AP_ISO_ASKS_OUT;
+					flags |= f;
+				}
+	return flags;
+}
+
+unsigned long long ap_iso_follows_all(void)
+{
+	unsigned long long n = 0;
+	for (ap_pool *p = ap_pool_all(); p; p = p->next)
+		for (int i = 0; i < p->o.workers; i++)
+			if (p->w[i].iso)
+				n += ap_iso_follows(&p->w[i]);
+	return n;
+}
+
+/* ---- the kind ------------------------------------------------------------------- */
+
+/* Past stall_ms: the proxy cannot be claimed as a thread is; what the
+ * child was sent and has not started is revoked (ap_iso_revoke). */
+static long long iso_stall(ap_worker *w)
+{
+	ap_wd_stalled(w);
+	return ap_wd_move_queue(w->pool, w);
+}
+
+/* Past handler_timeout_ms: the child is killed, its message answered and
+ * counted as it dies (on_death). */
+static void iso_overtime(ap_worker *w, uint64_t deq)
+{
+	if (!ap_iso_timeout(w, deq))
+		return;
+	if (w->wd_state == W_RUNNING)
+		w->stalls++;
+	w->wd_state = W_KILLED;
+	atomic_store(&w->alive, 0);
+}
+
+const ap_worker_ops ap_worker_processes = {
+	.slot_init = ap_iso_slot_init,
+	.slot_free = ap_iso_slot_free,
+	.main = ap_iso_proxy_main,
+	.exited = ap_iso_rehydrate,
+	.wake = ap_iso_wake,
+	.post_tell = ap_iso_send_tell,
+	.reclaim = ap_iso_reclaim,
+	.stall = iso_stall,
+	.move_queue = ap_iso_revoke,
+	.overtime = iso_overtime,
+	.harvest = ap_iso_harvest,
+	.sb_layers = ap_iso_sb_layers,
+};

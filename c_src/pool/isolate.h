@@ -145,7 +145,7 @@ void ap_iso_reclaim(struct ap_worker *w);
  * AP_ISO_TOOK if it answered anything, AP_ISO_ASKS_OUT if the child still
  * holds an ask the loop sent it (the loop may wait for it: iso_await in
  * ring_ingress.c), AP_ISO_PROXY if the proxy is awake or was left
- * something to send; the flags are pool_int.h's. */
+ * something to send (the flags: below). */
 int ap_iso_take_direct(struct ap_worker *w, int looks, int cpu);
 /* Any thread: what w's worker processes added to their handler-time
  * histogram since the last call, into w->run_ns (stats). No-op in thread
@@ -156,6 +156,23 @@ unsigned long long ap_iso_loop_results(void);
 /* Loop thread: how often w's live worker process moved to the loop's CPU
  * (isolate_child.c, follow_loop); 0 without one. */
 unsigned ap_iso_follows(struct ap_worker *w);
+
+/* ---- every worker process of every pool (loop thread) ---------------------- */
+
+/* ap_iso_take_direct's flags: it answered something; a child still holds
+ * an ask the loop sent it; a proxy is awake or was left an answer. */
+enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2, AP_ISO_PROXY = 4 };
+/* ap_iso_take_direct for every worker process of every pool: its flags,
+ * or-ed (a stalled worker's asks out not among them). */
+int ap_iso_take_all(int looks);
+/* The moves of every live worker process to the loop's CPU (node_stats
+ * `iso_follows'). */
+unsigned long long ap_iso_follows_all(void);
+/* Once, before the first pool starts: watch for worker processes that
+ * exit (a signalfd in the loop, whose reads reap them). SIGCHLD must be
+ * blocked in every thread already (main does it). 0 or -errno. */
+struct ap_node;
+int ap_iso_watch_children(struct ap_node *n);
 
 /* Loop thread: a tell of a batched route straight into w's worker
  * process's request ring, with no job (1), or 0: make a job as before. The

@@ -1,18 +1,23 @@
 /* pool_int.h: what the files of a pool share, inside the pool node only.
  *
- *   pool.c          a pool's life: start, stop, worker threads, restarts
+ *   pool.c          a pool's life: start, stop, its workers' threads, restarts
  *   dist_ingress.c  the pool process: distribution messages -> requests,
  *                   and the distribution route (answers as frames)
  *   dispatch.c      routing, and a request's way into a worker's mailbox
- *   mailbox.c       the per-worker queue of jobs, and its doorbell
+ *                   (or onto the loop: inline runs)
+ *   mailbox.c       the per-worker queue of jobs
  *   reply.c         answers: the handler's checked, sent by each job's route
  *   stats.c         counters and the stats map
+ *   watchdog.c      stalls and handler timeouts
+ *   worker_thread.c workers that are threads (the default)
+ *   isolate*.c      workers that are processes (isolate.h)
  *   ring_ingress.c  the same-host rings: attach, ring -> requests, and the
  *                   ring route (answers into reply rings)
  *
  * The core (all but the two ingresses) never asks which way a message
  * came: an ingress gives each request its route (below), and every answer
- * leaves by it.
+ * leaves by it. Nor does it call into a kind of worker: each worker has
+ * its kind's functions (ap_worker_ops, below).
  *
  * Threads: the loop thread owns every pool and is the only producer into
  * every mailbox; each worker thread is the only consumer of its own. So a
@@ -166,7 +171,7 @@ enum exit_reason { EXIT_STOP, EXIT_CRASH, EXIT_INIT_FAILED };
  * returned AP_HANDLER_CRASH. */
 enum ap_crash_cause { AP_CRASH_SIGNAL, AP_CRASH_EXIT, AP_CRASH_TIMEOUT, AP_CRASH_HANDLER, AP_CRASH_CAUSES };
 
-/* The watchdog's verdict on a worker (pool.c; ap_worker.wd_state): it
+/* The watchdog's verdict on a worker (watchdog.c; ap_worker.wd_state): it
  * serves; stalled (over stall_ms: skipped by routing); hung (thread mode,
  * over handler_timeout_ms: answered by the loop, skipped); killed
  * (process mode, over handler_timeout_ms: its process was killed). */
@@ -174,6 +179,7 @@ enum { W_RUNNING, W_STALLED, W_HUNG, W_KILLED };
 
 struct ap_iso;
 struct ap_atomset;
+typedef struct ap_worker ap_worker;
 
 /* Why a worker process could not serve (sandbox.h, ISO_FAIL_*): the start's
  * error ({plugin_load_failed, Path, Why}, {abi_mismatch, Got, Want},
@@ -183,8 +189,9 @@ struct ap_init_fail {
 	char layer[16], why[256];
 };
 
-typedef struct ap_worker {
+struct ap_worker {
 	ap_pool *pool;
+	const ap_worker_ops *ops;  /* its kind (below) */
 	int id;
 	int gen;                   /* incarnation of this slot: names its thread */
 	pthread_t th;
@@ -194,7 +201,7 @@ typedef struct ap_worker {
 	_Atomic int sleeping;      /* its doorbell (a private futex): 1 while it may sleep */
 	_Atomic int stop;
 	/* Thread mode: the loop's hold on the mailbox of a worker busy in
-	 * its handler (pool.c, the watchdog), CLAIM_*. By stop: the worker
+	 * its handler (worker_thread.c, the watchdog's claim), CLAIM_*. By stop: the worker
 	 * reads it after each message, from a line it reads anyway. */
 	_Atomic int claim;
 	int wake_pending;          /* loop: jobs pushed since the last wake pass */
@@ -216,13 +223,13 @@ typedef struct ap_worker {
 	/* Thread mode: how many messages the worker took from its mailbox,
 	 * one more than its done count (the mailbox's deq) while it is on
 	 * one. Stored after the pop: the loop that sees it sees the pop
-	 * (pool.c, claim). */
+	 * (worker_thread.c, claim). */
 	_Atomic uint64_t popped;
 	enum exit_reason exit_reason;
 	int init_rc;
 	struct ap_init_fail init_fail; /* process mode: what its process said of a failed start */
 	/* loop thread only */
-	/* The watchdog (pool.c): the done count it saw last, since when
+	/* The watchdog (watchdog.c): the done count it saw last, since when
 	 * (ap_mono_ms) the worker has been on the message then at its head
 	 * (0: idle), its verdict (W_*), the worker's stalls, and the
 	 * mailbox's enq after the last move of a stalled worker's queue
@@ -244,7 +251,7 @@ typedef struct ap_worker {
 	/* reply.c's check of the handler's terms (as reply and out); last:
 	 * over a kilobyte, touched by term and atom replies only. */
 	ap_term_strict check;
-} ap_worker;
+};
 
 /* throughput_10s's window, seconds (its name says it). */
 #define AP_TP_WINDOW_S 10
@@ -319,9 +326,51 @@ static inline void ap_worker_count_crash(ap_worker *w, enum ap_crash_cause c)
 void ap_pool_worker_ready(ap_node *n, void *arg);
 void ap_pool_worker_exited(ap_node *n, void *arg);
 
-/* mailbox.c, the doorbell: a worker sleeps when its mailbox is empty. */
+/* ---- worker kinds -----------------------------------------------------------
+ * Where a slot's handler runs: in a thread of the pool node
+ * (ap_worker_threads, worker_thread.c), or in a worker process that a
+ * proxy thread drives (ap_worker_processes, isolate*.c). The kind is
+ * chosen when the pool starts (pool.h); the rest of the pool reaches a
+ * worker only through it, never a kind by name. Loop thread, unless said;
+ * NULL where a kind has nothing to do. */
+struct ap_worker_ops {
+	/* The slot made, once before its first start, and freed with its
+	 * pool; the slot's thread (pthread_create's function: it reports
+	 * ready and exited through ap_node_call_on_loop); that thread
+	 * joined, before anything else reads the mailbox. */
+	int (*slot_init)(ap_worker *w);
+	void (*slot_free)(ap_worker *w);
+	void *(*main)(void *w);
+	void (*exited)(ap_worker *w);
+	/* The doorbell, any thread: jobs were pushed (`ask`: an ask among
+	 * them), or `always` (a stop). A batched route's tell handed to the
+	 * worker with no job (1), or 0: a job is made as for any. Room made
+	 * in a full mailbox, if the kind can. */
+	void (*wake)(ap_worker *w, int always, int ask);
+	int (*post_tell)(ap_worker *w, const char *msg, int msg_len, int is_binary);
+	void (*reclaim)(ap_worker *w);
+	/* The watchdog (watchdog.c): w has been on one message past stall_ms
+	 * (it is stalled, ap_wd_stalled, and what is queued behind that
+	 * message moves to the others: how many moved, -1 if that must wait,
+	 * AP_WD_NOT_STALLED if w is out of it after all); what is queued
+	 * behind a stalled or hung worker's message moves (how many, or -1:
+	 * not now); w has been on the message after `deq` done past
+	 * handler_timeout_ms. */
+	long long (*stall)(ap_worker *w);
+	long long (*move_queue)(ap_worker *w);
+	void (*overtime)(ap_worker *w, uint64_t deq);
+	/* Stats, any thread: what the worker counted elsewhere (a worker
+	 * process's handler times) taken into w; the sandbox layers its
+	 * worker runs in (sandbox.h, AP_SBL_*). */
+	void (*harvest)(ap_worker *w);
+	uint32_t (*sb_layers)(ap_worker *w);
+};
+
+/* worker_thread.c, the thread's doorbell: it sleeps when its mailbox is
+ * empty (any push wakes it: ap_worker_wake). */
 ap_job *ap_worker_next_job(ap_worker *w);
-void ap_worker_wake(ap_worker *w, int always, int ask);
+
+static inline void ap_worker_wake(ap_worker *w, int always, int ask) { w->ops->wake(w, always, ask); }
 
 /* ---- dispatch.c: the one way from an ingress to a worker -----------------
  * An ingress (distribution: dist_ingress.c; same-host rings:
@@ -376,14 +425,11 @@ void ap_pool_wake_later(ap_worker *w, int ask);
 void ap_pool_wake_pushed(ap_pool *p);
 /* ap_pool_wake_pushed for every pool with jobs pushed (pool.c). */
 void ap_pool_wake_all_pushed(void);
-/* ap_iso_take_direct's flags: it answered something; a child still holds
- * an ask the loop sent it; a proxy is awake or was left an answer. */
-enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2, AP_ISO_PROXY = 4 };
-/* ap_iso_take_direct for every worker process of every pool (pool.c):
- * its flags, or-ed. */
-int ap_pool_iso_take_all(int looks);
+/* pool.c: every pool, in start order (p->next), the stopped ones among
+ * them until they are freed. Loop thread. */
+ap_pool *ap_pool_all(void);
 
-/* Inline runs (pool.c): in thread mode, a built-in handler's message
+/* Inline runs (dispatch.c): in thread mode, a built-in handler's message
  * (echo, json_validate: short, never blocking, never crashing the node),
  * routed to a worker that sleeps with an empty mailbox, runs on the loop
  * itself, on that worker's state, counted as that worker's: the worker
@@ -410,14 +456,25 @@ int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j);
 /* Loop thread: whether a worker other than w serves. */
 int ap_pool_others_alive(ap_pool *p, ap_worker *w);
 
-/* The watchdog's barriers (pool.c): a full memory barrier run on every
- * thread of the pool node (threads), or on every worker process that
- * registered for it (children: isolate_child.c), by membarrier(2). 0, or
- * -1 where the kernel has none: the workers of that kind then fence after
- * each message themselves (threads: ap_pool_fence_each). */
+/* ---- watchdog.c ---------------------------------------------------------------
+ * The watchdog's barriers: a full memory barrier run on every thread of
+ * the pool node (threads), or on every worker process that registered for
+ * it (children: isolate_child.c), by membarrier(2). 0, or -1 where the
+ * kernel has none: the workers of that kind then fence after each message
+ * themselves (threads: ap_pool_fence_each). Their init:
+ * ap_pool_barriers_init (pool.h). */
 int ap_pool_barrier_threads(void);
 int ap_pool_barrier_children(void);
 extern int ap_pool_fence_each;
+/* Loop thread: one look at w (pool.c's timer, every ap_wd_period ms). */
+void ap_wd_watch(ap_pool *p, ap_worker *w, int64_t now);
+int ap_wd_period(const ap_pool *p);
+/* For the kinds' stall and move_queue: w is stalled (routing skips it
+ * until its message is done); what is queued behind its message moves
+ * through its kind (ops->move_queue), if another worker serves. */
+#define AP_WD_NOT_STALLED (-2LL)
+void ap_wd_stalled(ap_worker *w);
+long long ap_wd_move_queue(ap_pool *p, ap_worker *w);
 
 /* ---- reply.c: answers ------------------------------------------------------
  * Every answer a pool makes leaves here, by its job's route. */
@@ -448,8 +505,28 @@ static inline void ap_answer_loop_job(ap_pool *p, const ap_job *j, const char *r
 /* Loop thread: answer the start request once every worker ran its init. */
 void ap_pool_answer_start(ap_pool *p, int ok);
 
-/* dist_ingress.c: the pool process's function (ap_proc_spawn). */
-void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m);
+/* A message as a handler sees it (j's), and w's reply buffer made ready
+ * for its answer. */
+static inline actor_pool_request ap_job_request(ap_worker *w, const ap_job *j)
+{
+	w->reply.len = 0;
+	ap_pool_set_atom_reply(&w->reply, "ok");
+	return (actor_pool_request){
+		.data = j->data + j->head_len,
+		.len = j->msg_len,
+		.is_binary = j->is_binary,
+		.is_ask = j->is_ask,
+		.worker = (uint32_t)w->id,
+	};
+}
+
+/* A message the handler ran: processed, and an error if it refused. */
+static inline void ap_worker_count_done(ap_worker *w, actor_pool_status st)
+{
+	atomic_fetch_add_explicit(&w->processed, 1, memory_order_relaxed);
+	if (st != AP_HANDLER_OK)
+		atomic_fetch_add_explicit(&w->errors, 1, memory_order_relaxed);
+}
 
 /* stats.c: the map that '$ap_stats' answers; the throughput sample, once a second. */
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x);

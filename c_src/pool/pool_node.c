@@ -470,7 +470,8 @@ static void start_pool(ap_node *n, ap_proc *self, const ap_msg *m, const char *b
 			memcpy(cfg + 1, config, (size_t)config_len);
 		}
 	}
-	int r = ap_pool_start(n, name, desc, spec, h, dl, cfg, cfg ? (size_t)config_len + 1 : 0, &o, pr);
+	int r = ap_pool_start(n, name, desc, spec, h, dl, cfg, cfg ? (size_t)config_len + 1 : 0, &o,
+			      o.isolation == AP_ISO_PROCESS ? &ap_worker_processes : &ap_worker_threads, ap_pool_process, pr);
 	free(cfg);
 	if (r) {
 		ap_buf_free(&pr->head);
@@ -550,7 +551,7 @@ static void reply_node_stats(ap_node *n, ap_proc *self, const ap_msg *m)
 	ei_x_encode_atom(&x, "iso_loop_waits_missed");
 	ei_x_encode_ulonglong(&x, ap_dp_iso_waits_missed());
 	ei_x_encode_atom(&x, "iso_follows");
-	ei_x_encode_ulonglong(&x, ap_pool_iso_follows());
+	ei_x_encode_ulonglong(&x, ap_iso_follows_all());
 	ap_reply(n, self, m, x.buff, x.index);
 	ei_x_free(&x);
 }
@@ -748,7 +749,7 @@ static int start_spec(ap_node *n, const char *spec)
 			return -1;
 		}
 	}
-	if (ap_pool_start(n, name, desc, handler, h, dl, NULL, 0, &o, NULL)) {
+	if (ap_pool_start(n, name, desc, handler, h, dl, NULL, 0, &o, &ap_worker_threads, ap_pool_process, NULL)) {
 		if (dl)
 			ap_plugin_unload(dl);
 		ap_log(AP_LOG_ERROR, "--pool '%s': cannot start (name taken?)", spec);
@@ -785,7 +786,8 @@ static int pool_node_init(ap_node *n, int argc, char **argv)
 	ap_node_on_parent_up(n, parent_up, NULL);
 	ap_node_set_dead_letter(n, ap_pool_dead_letter);
 	ap_node_timer(n, 1000, ap_pool_tick, NULL);
-	if (ap_pool_watch_children(n))
+	ap_pool_barriers_init();
+	if (ap_iso_watch_children(n))
 		return 1;
 	int fast_path = 1, poll_us = AP_DP_POLL_US_DEFAULT, lone_us = AP_DP_LONE_US_DEFAULT,
 	    nap_us = AP_DP_NAP_US_DEFAULT, ask_nap_us = AP_DP_ASK_NAP_US_DEFAULT;

@@ -53,6 +53,7 @@
 #include "ap_spin.h"
 #include "ap_term.h"
 #include "ap_time.h"
+#include "isolate.h"
 #include "pool_int.h"
 #include "ring_ingress.h"
 
@@ -358,7 +359,7 @@ static int iso_pass(int looks)
 	dp.iso_looking = looks;
 	int reading = deferred.reading;
 	deferred.reading = 1;
-	int flags = ap_pool_iso_take_all(looks);
+	int flags = ap_iso_take_all(looks);
 	if (!reading)
 		end_read();
 	return flags;

@@ -153,7 +153,7 @@ void ap_pool_wake_all_pushed(void)
 {
 }
 
-int ap_pool_iso_take_all(int looks)
+int ap_iso_take_all(int looks)
 {
 	(void)looks;
 	return 0;

@@ -200,7 +200,11 @@ unsigned long long ap_dp_iso_waits_missed(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
 unsigned long long ap_iso_bare_tells(void) { return 0; }
 unsigned long long ap_iso_bare_rehydrated(void) { return 0; }
-unsigned long long ap_pool_iso_follows(void) { return 0; }
+unsigned long long ap_iso_follows_all(void) { return 0; }
+
+/* The kinds of workers: never run here (the start stub below checks
+ * which one the manager picked). */
+const ap_worker_ops ap_worker_threads, ap_worker_processes;
 
 void ap_dp_encode_info(ei_x_buff *x)
 {
@@ -238,9 +242,11 @@ void ap_pool_stop(ap_node *n, ap_pool *p)
  * for the caller. Nothing starts; the pending reply is freed here. */
 int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const char *spec,
 		  const actor_pool_handler *h, void *dl, const uint8_t *config, size_t config_len, const ap_pool_opts *o,
-		  ap_pending_reply *reply)
+		  const ap_worker_ops *kind, ap_proc_fn ingress, ap_pending_reply *reply)
 {
 	t_check(n == t_node && h == &t_handler && dl == NULL);
+	t_check(kind == (o->isolation == AP_ISO_PROCESS ? &ap_worker_processes : &ap_worker_threads));
+	t_check(ingress == ap_pool_process);
 	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, HANDLER_DESC) != NULL);
 	t_check(spec && memchr(spec, 0, SPEC_MAX) != NULL);
 	t_check(o->isolation == AP_ISO_THREAD || o->isolation == AP_ISO_PROCESS);
@@ -284,7 +290,11 @@ void ap_pool_tick(ap_node *n, void *arg)
 	(void)n, (void)arg;
 }
 
-int ap_pool_watch_children(ap_node *n)
+void ap_pool_barriers_init(void)
+{
+}
+
+int ap_iso_watch_children(struct ap_node *n)
 {
 	(void)n;
 	return 0;

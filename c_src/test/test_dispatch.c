@@ -43,6 +43,7 @@ static t_pool *t_pool_new(ap_node *n, int workers, ap_routing routing, uint32_t 
 		ap_worker *w = &t->w[i];
 		w->pool = p;
 		w->id = i;
+		w->ops = &ap_worker_threads;
 		assert_int_equal(ap_mbox_init(&w->mb), 0);
 		atomic_store(&w->alive, 1);
 	}
@@ -95,6 +96,7 @@ static const char *t_peer(const ap_route *r, const char *addr)
 }
 
 static const ap_route_ops t_route = { .send = t_send, .drop = t_drop, .peer = t_peer };
+static const ap_route_ops t_route_batched = { .send = t_send, .drop = t_drop, .peer = t_peer, .batched = 1 };
 
 /* An ask by the test's route: its head and address bytes as an ingress
  * would give them (opaque to the core). */
@@ -277,6 +279,78 @@ static void test_a_moved_job_keeps_its_route_and_a_lost_one_drops_it(void **stat
 	t_pool_free(t);
 }
 
+/* A kind of worker of the test's own: what dispatch asks of its workers,
+ * and room made in a full mailbox by taking its oldest job. */
+static struct {
+	int wakes, wake_asks, posted, reclaims;
+} t_klog;
+
+static void t_kwake(ap_worker *w, int always, int ask)
+{
+	(void)w, (void)always;
+	t_klog.wakes++;
+	t_klog.wake_asks += ask;
+}
+
+static int t_kpost(ap_worker *w, const char *msg, int len, int is_binary)
+{
+	(void)w, (void)msg, (void)len, (void)is_binary;
+	t_klog.posted++;
+	return 1;
+}
+
+static void t_kreclaim(ap_worker *w)
+{
+	t_klog.reclaims++;
+	if (ap_mbox_pop(&w->mb))
+		ap_mbox_done(&w->mb);
+}
+
+static const ap_worker_ops t_kind = { .wake = t_kwake, .post_tell = t_kpost, .reclaim = t_kreclaim };
+
+/* Dispatch reaches a worker through its kind alone: a wake pass rings
+ * each worker with jobs once (an ask among them said), a full mailbox
+ * asks the kind for room before the message is refused, and only a
+ * batched route's tell is offered to the kind without a job. */
+static void test_dispatch_reaches_a_worker_only_through_its_kind(void **state)
+{
+	(void)state;
+	memset(&t_klog, 0, sizeof t_klog);
+	memset(&t_log, 0, sizeof t_log);
+	t_pool *t = t_pool_new(NULL, 1, AP_ROUTE_ROUND_ROBIN, 1);
+	ap_worker *w = &t->w[0];
+	w->ops = &t_kind;
+	char m[16];
+	int len = t_int(m, 3);
+	tell(&t->p, m, len); /* not batched: a job */
+	assert_int_equal(ap_mbox_depth(&w->mb), 1);
+	assert_int_equal(t_klog.posted + t_klog.reclaims + t_klog.wakes, 0);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 1);
+	assert_int_equal(t_klog.wake_asks, 0);
+
+	/* Full: the kind makes room; a batched tell is then the kind's. */
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_TELL, .route = { &t_route_batched, NULL, 0 },
+					       .msg = m, .msg_len = len });
+	assert_int_equal(t_klog.reclaims, 1);
+	assert_int_equal(t_klog.posted, 1);
+	assert_int_equal(ap_mbox_depth(&w->mb), 0);
+	assert_int_equal(t->p.dropped_tells, 0);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 2);
+
+	/* An ask is a job whatever its route, and its wake says so. */
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .route = { &t_route_batched, &t_log, 1 },
+					       .msg = m, .msg_len = len });
+	assert_int_equal(t_klog.posted, 1);
+	assert_int_equal(ap_mbox_depth(&w->mb), 1);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 3);
+	assert_int_equal(t_klog.wake_asks, 1);
+	assert_int_equal(t_log.sent + t_log.dropped, 0);
+	t_pool_free(t);
+}
+
 /* With two workers the two slots compared are always both: the lighter
  * one gets the message. */
 static void test_smallest_mailbox_sends_to_the_lighter_worker(void **state)
@@ -447,6 +521,7 @@ int main(void)
 		cmocka_unit_test(test_an_ask_carries_its_route_head_and_address),
 		cmocka_unit_test(test_full_mailboxes_drop_tells_and_refuse_asks),
 		cmocka_unit_test(test_a_moved_job_keeps_its_route_and_a_lost_one_drops_it),
+		cmocka_unit_test(test_dispatch_reaches_a_worker_only_through_its_kind),
 		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
 		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
 		cmocka_unit_test(test_a_sleeping_worker_is_woken_by_every_push),
