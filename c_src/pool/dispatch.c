@@ -255,7 +255,7 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	size_t head = is_ask ? rq->head_len : 0;
 	size_t addr = is_ask ? rq->addr_len : 0;
 	int batched = rq->route.ops->batched;
-	/* A batched tell to a worker process may need no job (isolate.c,
+	/* A batched tell to a worker process may need no job (isolate_loop.c,
 	 * bare tells); its wake pass publishes it. */
 	if (batched && !is_ask && w->ops->post_tell && w->ops->post_tell(w, msg, msg_len, is_binary)) {
 		ap_pool_wake_later(w, 0);

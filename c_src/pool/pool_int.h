@@ -111,7 +111,7 @@ typedef struct ap_job {
 	 * for room as it does for its own. */
 	uint8_t is_answer;
 	/* Process mode: a job its worker process was sent and will not run
-	 * (isolate.c, ap_iso_revoke): its message moved to another worker,
+	 * (isolate_loop.c, ap_iso_revoke): its message moved to another worker,
 	 * and it only waits in the mailbox, out of the depth, for the child
 	 * to hand it back. */
 	uint8_t revoked;

@@ -10,10 +10,10 @@
  *
  * Past stall_ms the worker is stalled: routing skips it, and what is
  * queued behind that message moves to the other workers (in process mode
- * also what its process was sent and has not started: isolate.c,
+ * also what its process was sent and has not started: isolate_loop.c,
  * ap_iso_revoke). It serves again once the message is done. Past
  * handler_timeout_ms the message is answered {error, handler_timeout}: a
- * worker process is killed (isolate.c answers when it is gone), a thread
+ * worker process is killed (isolate_proxy.c answers when it is gone), a thread
  * cannot be, so it is marked hung and the loop answers for it
  * (worker_thread.c). What is done to a worker is its kind's (its ops:
  * stall, move_queue, overtime); when, and the states, are this file's. */
