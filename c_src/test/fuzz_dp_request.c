@@ -1,5 +1,5 @@
 /* fuzz_dp_request: libFuzzer target over the pool node's ring ingress
- * (pool/ring_ingress.c: drain_seg, drain_ring, handle, resolve, fences,
+ * (dataplane/node/ring_ingress.c: drain_seg, drain_ring, handle, resolve, fences,
  * error replies), which reads request records a BEAM writes into shared
  * memory, so it must survive any record there.
  *
@@ -20,7 +20,7 @@
  * every reply record it wrote is read back: each must be a 16-byte header
  * whose length covers exactly one whole term.
  */
-#include "../pool/ring_ingress.c"
+#include "../dataplane/node/ring_ingress.c"
 
 #define t_check(cond)                                                        \
 	do {                                                                 \
