@@ -515,7 +515,7 @@ void *ap_iso_proxy_main(void *arg)
 		}
 		if (progress || sent)
 			continue;
-		/* A handler's deadline is the loop's (pool.c, the watchdog),
+		/* A handler's deadline is the loop's (watchdog.c),
 		 * so we may sleep, and the loop may send asks meanwhile
 		 * (send_direct). */
 		int64_t wait_us = (int64_t)ISO_IDLE_MS * 1000, held = held_left(s);

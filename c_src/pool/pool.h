@@ -33,7 +33,7 @@ typedef struct ap_pool_opts {
 	ap_isolation isolation;
 	int handler_timeout_ms;  /* 0: none; else a message running longer is answered {error, handler_timeout} */
 	int stall_ms;            /* 0: off; else a worker busy on one message this long is skipped by routing and
-				  * the messages queued behind it move to the others (pool.c, the watchdog) */
+				  * the messages queued behind it move to the others (watchdog.c) */
 	int max_memory_mb;       /* process mode: RLIMIT_DATA of each worker process (and its cgroup's limit); 0: none */
 	ap_sandbox_opts sandbox; /* process mode: what a worker process may do (sandbox.h) */
 	uint32_t max_reply_atoms; /* distinct atoms the pool's replies may carry (reply.c) */

@@ -77,7 +77,7 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
 	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
 	kv_limit(x, "stall_ms", p->o.stall_ms);
-	/* The watchdog's (pool.c): workers held back for one message. */
+	/* The watchdog's (watchdog.c): workers held back for one message. */
 	kv_u64(x, "stalls", stalls);
 	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
 	ei_x_encode_atom(x, "sandbox");

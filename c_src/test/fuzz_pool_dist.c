@@ -14,8 +14,8 @@
  * ap_pool_dead_letter.
  *
  * pool_node.c is compiled into this file (its manager is static), with its
- * main renamed; dist_ingress.c, reply.c and the runtime are linked as they
- * are. The node is a real one (ap_node_new, no listener, no connection).
+ * main renamed; pool_opts.c, dist_ingress.c, no_pool.c, reply.c and the
+ * runtime are linked as they are. The node is a real one (ap_node_new, no listener, no connection).
  * The rest of the pool is stubbed below: one pool, found as p or a pid
  * below 1000;
  * dispatch, start and stop check what they are handed; no plugin is ever
@@ -247,8 +247,8 @@ int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const 
 	t_check(n == t_node && h == &t_handler && dl == NULL);
 	t_check(kind == (o->isolation == AP_ISO_PROCESS ? &ap_worker_processes : &ap_worker_threads));
 	t_check(ingress == ap_pool_process);
-	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, HANDLER_DESC) != NULL);
-	t_check(spec && memchr(spec, 0, SPEC_MAX) != NULL);
+	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, AP_POOL_HANDLER_DESC) != NULL);
+	t_check(spec && memchr(spec, 0, AP_POOL_SPEC_MAX) != NULL);
 	t_check(o->isolation == AP_ISO_THREAD || o->isolation == AP_ISO_PROCESS);
 	t_check(o->handler_timeout_ms >= 0 && o->handler_timeout_ms <= 86400000);
 	t_check(o->stall_ms >= 0 && o->stall_ms <= 86400000);

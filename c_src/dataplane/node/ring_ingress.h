@@ -1,5 +1,5 @@
 /* ring_ingress.h: what the pool node's main (pool_node.c) needs of the
- * same-host data plane (ring_ingress.c). */
+ * same-host data plane (dataplane/node/). */
 #ifndef AP_RING_INGRESS_H
 #define AP_RING_INGRESS_H
 
