@@ -44,7 +44,7 @@ void ap_pool_opts_default(ap_pool_opts *o)
 
 ap_pool *ap_pool_all(void) { return pools; }
 
-/* ---- worker threads -------------------------------------------------------- */
+/* ---- a worker's thread (of its kind) ------------------------------------------ */
 
 static int worker_start(ap_worker *w)
 {

@@ -1,18 +1,23 @@
 /* pool_int.h: what the files of a pool share, inside the pool node only.
+ * Each file calls only those listed before it: the core reaches the kinds
+ * of workers through their tables (ap_worker_ops) and the ingresses
+ * through the routes they give requests (ap_route), never by name.
  *
- *   pool.c          a pool's life: start, stop, its workers' threads, restarts
- *   dist_ingress.c  the pool process: distribution messages -> requests,
- *                   and the distribution route (answers as frames)
- *   dispatch.c      routing, and a request's way into a worker's mailbox
- *                   (or onto the loop: inline runs)
- *   mailbox.c       the per-worker queue of jobs
- *   reply.c         answers: the handler's checked, sent by each job's route
- *   stats.c         counters and the stats map
- *   watchdog.c      stalls and handler timeouts
- *   worker_thread.c workers that are threads (the default)
- *   isolate*.c      workers that are processes (isolate.h)
- *   ring_ingress.c  the same-host rings: attach, ring -> requests, and the
- *                   ring route (answers into reply rings)
+ *   mailbox.c        the per-worker queue of jobs
+ *   reply.c          answers: the handler's checked, sent by each job's route
+ *   stats.c          counters and the stats map
+ *   no_pool.c        tells that find no pool
+ *   dispatch.c       routing, a request's way into a worker's mailbox (or
+ *                    onto the loop: inline runs), jobs moved between workers
+ *   watchdog.c       stalls and handler timeouts
+ *   pool.c           a pool's life: start, stop, its workers' threads, restarts
+ *   worker_thread.c  workers that are threads (the default)
+ *   isolate*.c       workers that are processes (isolate.h)
+ *   dist_ingress.c   the pool process: distribution messages -> requests,
+ *                    and the distribution route (answers as frames)
+ *   dataplane/node/  the same-host rings: attach, ring -> requests, and the
+ *                    ring route (answers into reply rings)
+ *   pool_opts.c, pool_node.c  the manager and main
  *
  * The core (all but the two ingresses) never asks which way a message
  * came: an ingress gives each request its route (below), and every answer
@@ -23,8 +28,9 @@
  * every mailbox; each worker thread is the only consumer of its own. So a
  * mailbox is a single-producer single-consumer linked queue with no lock,
  * and its depth is two counters the loop can read at any time. Workers
- * reply straight to the asker: they encode the reply frame themselves and
- * hand it to the loop (the one writer of sockets) through ap_node_post.
+ * answer straight to the asker, by the job's route: a frame they encode
+ * themselves and hand to the loop (the one writer of sockets) through
+ * ap_node_post, or a record they write into a reply ring themselves.
  * Workers tell the loop about their life (init done, exit) with
  * ap_node_call_on_loop, so all pool state changes on the loop thread.
  */
@@ -49,7 +55,7 @@
  * The ingress that takes a request in gives it its route: the functions
  * that send its answer back the way it came (distribution: a frame to the
  * caller's node, dist_ingress.c; ring: a record in a reply ring of the
- * caller's segment, ring_ingress.c), and what they need. An ask's route
+ * caller's segment, dataplane/node/ring_seg.c), and what they need. An ask's route
  * may hold something of its ingress (ring: a reference on the segment),
  * taken by the ingress before it dispatches: whoever answers the ask, or
  * drops it unanswered, releases it, once. The core sends every answer
@@ -374,8 +380,9 @@ static inline void ap_worker_wake(ap_worker *w, int always, int ask) { w->ops->w
 
 /* ---- dispatch.c: the one way from an ingress to a worker -----------------
  * An ingress (distribution: dist_ingress.c; same-host rings:
- * ring_ingress.c) decodes what it receives into ap_requests, counts them
- * (by_dist, by_ring), passes each to ap_pool_dispatch, and calls
+ * dataplane/node/ring_ingress.c) decodes what it receives into
+ * ap_requests, counts them (by_dist, by_ring), passes each to
+ * ap_pool_dispatch, and calls
  * ap_pool_wake_pushed once it has dispatched all it holds (a message, a
  * batch, a drained ring), so a worker is woken once per batch, not per
  * job. Loop thread only. Routing, overload (an ask answered
@@ -443,7 +450,8 @@ ap_pool *ap_pool_all(void);
 #define AP_INLINE_BUDGET_US 200
 int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len);
 void ap_pool_run_inline(ap_worker *w, ap_job *j);
-/* The end of a ring drain: the next inline run starts a new budget. */
+/* The end of a batched route's batch (ap_pool_wake_all_pushed): the next
+ * inline run starts a new budget. */
 void ap_pool_inline_reset(void);
 
 /* For moving jobs that are already made (a crashed worker's). */
