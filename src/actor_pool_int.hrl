@@ -95,7 +95,7 @@
 -define(AP_POOL_MAX_SANDBOX_BYTES, 8192).
 
 %% The application setting ring_poll_us's default (the pool node's own,
-%% AP_DP_POLL_US_DEFAULT in c_src/dataplane/node/ring_ingress.h, is the same).
+%% AP_DP_POLL_US_DEFAULT in c_src/pool/ring_ingress.h, is the same).
 -define(RING_POLL_US_DEFAULT, 300).
 %% ring_lone_poll_us's, likewise (AP_DP_LONE_US_DEFAULT).
 -define(RING_LONE_POLL_US_DEFAULT, 1000).
