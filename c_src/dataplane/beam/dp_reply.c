@@ -5,11 +5,12 @@
 #include <string.h>
 
 #include "actor_dp_int.h"
+#include "ap_spin.h"
 #include "ap_term.h"
 #include "ap_time.h"
 
-#define DP_SPIN 100u       /* at most this many pause rounds before it sleeps (small: 2-core hosts) */
-#define DP_SPIN_MIN 8u     /* the adaptive spin's first step up */
+#define DP_REPLY_SPIN_MAX_ROUNDS 100u /* at most this many pause rounds before it sleeps (small: 2-core hosts) */
+#define DP_REPLY_SPIN_MIN_ROUNDS 8u   /* the adaptive spin's first step up (ap_spin.h) */
 
 _Thread_local uint32_t tl_ring;
 
@@ -373,23 +374,24 @@ static int thread_ready(void *arg)
  * next reply is a whole round trip away, so its spin drops to none
  * instead of taking, after every delivery, the CPU that the woken asker's
  * scheduler and the pool node need on a small host. 1 if a reply came. */
-static int spin_for_reply(struct dp *s, unsigned *spin)
+static int spin_for_reply(struct dp *s, struct ap_spin *spin)
 {
-	for (unsigned k = 0; k < *spin; k++) {
+	for (unsigned k = 0; k < spin->rounds; k++) {
 		if (rep_ready(s) > 0) {
-			*spin = *spin * 2 > DP_SPIN ? DP_SPIN : *spin * 2;
+			ap_spin_found(spin);
 			return 1;
 		}
 		ap_ring_cpu_relax();
 	}
-	*spin /= 2;
+	ap_spin_missed(spin);
 	return 0;
 }
 
 void *reply_thread(void *arg)
 {
 	struct dp *s = arg;
-	unsigned spin = DP_SPIN;
+	struct ap_spin spin = { .rounds = DP_REPLY_SPIN_MAX_ROUNDS, .min_rounds = DP_REPLY_SPIN_MIN_ROUNDS,
+				.max_rounds = DP_REPLY_SPIN_MAX_ROUNDS };
 
 	while (!atomic_load(&s->stop) && !atomic_load(&s->closed)) {
 		int total, rc;
@@ -424,8 +426,7 @@ void *reply_thread(void *arg)
 					 wake > now ? (int)(wake - now) : 0);
 			atomic_store(&s->wake_ms, INT64_MAX);
 			/* Woken: the next spin is worth a try again. */
-			if (spin < DP_SPIN_MIN)
-				spin = DP_SPIN_MIN;
+			ap_spin_again(&spin);
 		}
 		/* The peer's EOF: on every timeout, and at least every
 		 * DP_WAIT_MS however busy (or however often a hostile peer

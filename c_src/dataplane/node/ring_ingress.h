@@ -1,5 +1,5 @@
 /* ring_ingress.h: what the pool node's main (pool_node.c) needs of the
- * same-host data plane (ring_ingress.c). */
+ * same-host data plane (dataplane/node/). */
 #ifndef AP_RING_INGRESS_H
 #define AP_RING_INGRESS_H
 
@@ -42,6 +42,11 @@ unsigned long long ap_dp_lone_windows(void);
  * (node_stats). */
 unsigned long long ap_dp_iso_waits(void);
 unsigned long long ap_dp_iso_waits_missed(void);
+/* Loop thread: a message came by distribution (dist_ingress.c), so the
+ * loop stops yielding for ring records (ring_poll_us) until the next ones
+ * come: a loop that spins takes the CPU a distribution round trip on this
+ * host needs. */
+void ap_dp_poll_cancel(void);
 /* The answer to the manager's dp_info: {ok, #{socket => <<0, Name/binary>>,
  * token => <<_:16/binary>>}} or {error, disabled}. */
 void ap_dp_encode_info(ei_x_buff *x);
