@@ -159,9 +159,10 @@ fuzz: deps
 
 # Not part of `make test`: three BEAM peers and a standalone pool node under
 # a steady load while a seeded chaos process injects faults; prints a table
-# and fails on a lost registration, tell or answer, memory growth or a leak.
-# SOAK_S seconds (default 600), SOAK_SEED to repeat a run. See
-# docs/operations.md, "The soak".
+# and fails on a lost registration, tell or answer, a wrong, raising or late
+# answer, a tell pool's counters going back unexplained, memory growth or a
+# leak. SOAK_S seconds (default 600), SOAK_SEED to repeat a run,
+# SOAK_INJECT to see a rule fail. See docs/operations.md, "The soak".
 SOAK_S ?= 600
 soak: deps
 	SOAK_S=$(SOAK_S) bash soak/run
