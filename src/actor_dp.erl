@@ -1,4 +1,5 @@
-%% @doc The BEAM's end of the same-host data plane (issue 13), in a NIF.
+%% @doc The BEAM's end of the same-host data plane, in a NIF
+%% (`c_src/dataplane/beam/').
 %%
 %% A segment ({@link seg()}) joins this BEAM to one pool node on the same
 %% host: request rings this module writes (one per scheduler), reply rings
@@ -9,8 +10,9 @@
 %% 64 KiB, the thread sends it itself with `enif_send'. The layout and the
 %% attach handshake are `c_src/ring/ap_seg.h''s;
 %% `docs/same-host-transport.md' has the design.
-%% This module is thin: routing, lanes and ordering across transports are
-%% `actor_pool''s.
+%% This module is thin: lanes are `actor_pool_dp''s; the choice of ring or
+%% distribution per call, and ordering across the two, are
+%% `actor_pool_transport''s.
 %%
 %% The pool node is not trusted: whatever it writes in the segment yields
 %% errors (`bad_records' counted, the segment closed with `bad_segment'),
