@@ -4,7 +4,7 @@
 REBAR ?= rebar3
 EPMD  ?= epmd
 
-.PHONY: all compile deps epmd test eunit eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
+.PHONY: all compile deps epmd test eunit eunit-dist eunit-asan eunit-asan-dp dep-test elixir-test dialyzer demo bench bench-run \
         fuzz soak clean docs bench-report bench-scale bench-scale-report bench-sim
 
 all: compile
@@ -38,14 +38,27 @@ eunit: epmd
 	$(MAKE) -C c_src test-bins build/dp_client
 	ACTOR_POOL_IO=uring $(REBAR) eunit --sname ap_eunit_uring_$$$$
 	ACTOR_POOL_IO=epoll $(REBAR) eunit --sname ap_eunit_epoll_$$$$
+	$(MAKE) eunit-dist
 	$(MAKE) eunit-asan
+
+# The pool suites once more with every call of the test BEAM to a pool node
+# by distribution, the path of every caller on another host
+# (ACTOR_POOL_TEST_FAST_PATH=false: the application setting fast_path false,
+# test/ap_test_util.erl; a run that opened a ring fails). Not here: the
+# suites that run both transports already, and those about the rings
+# themselves. One I/O backend: what differs is the BEAM's side.
+DIST_EUNIT_MODULES = actor_pool_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_service_key_tests,actor_pool_child_spec_tests,actor_pool_sandbox_tests
+eunit-dist: epmd
+	$(MAKE) -C c_src test-bins build/dp_client
+	ACTOR_POOL_TEST_FAST_PATH=false ACTOR_POOL_IO=uring $(REBAR) eunit --module=$(DIST_EUNIT_MODULES) \
+	  --sname ap_eunit_dist_$$$$
 
 # The pool and receptionist suites (the cluster one too: its peers inherit
 # the variables) and the C-node abuse suite once more against ASan+UBSan
 # builds of their C nodes; any sanitizer report (written under ASAN_LOG_DIR) fails the
 # run (scripts/sanitizer-reports: it waits for late writers and names each report).
 ASAN_LOG_DIR = _build/asan-logs
-ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_bad_reply_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_handshake_flood_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_sandbox_tests,actor_pool_child_spec_tests,actor_pool_stall_tests,actor_pool_drops_tests,actor_pool_histogram_tests,actor_pool_key_route_tests
+ASAN_EUNIT_MODULES = actor_pool_tests,actor_pool_bad_reply_tests,actor_cnode_tests,actor_pool_ring_tests,actor_pool_ring_node_tests,actor_receptionist_tests,actor_receptionist_cluster_tests,actor_security_term_tests,actor_cnode_handshake_tests,actor_cnode_handshake_flood_tests,actor_cnode_abuse_tests,actor_cnode_oversize_tests,actor_pool_oversize_tests,actor_cnode_parent_tests,actor_pool_isolation_tests,actor_pool_isolation_abuse_tests,actor_pool_sandbox_tests,actor_pool_child_spec_tests,actor_pool_stall_tests,actor_pool_drops_tests,actor_pool_histogram_tests,actor_pool_key_route_tests,actor_pool_env_tests
 eunit-asan: epmd
 	$(MAKE) -C c_src test-bins build/actor_pool_node_asan build/actor_receptionist_node_asan \
 	  build/actor_echo_node_asan build/dp_client
@@ -146,9 +159,10 @@ fuzz: deps
 
 # Not part of `make test`: three BEAM peers and a standalone pool node under
 # a steady load while a seeded chaos process injects faults; prints a table
-# and fails on a lost registration, tell or answer, memory growth or a leak.
-# SOAK_S seconds (default 600), SOAK_SEED to repeat a run. See
-# docs/operations.md, "The soak".
+# and fails on a lost registration, tell or answer, a wrong, raising or late
+# answer, a tell pool's counters going back unexplained, memory growth or a
+# leak. SOAK_S seconds (default 600), SOAK_SEED to repeat a run,
+# SOAK_INJECT to see a rule fail. See docs/operations.md, "The soak".
 SOAK_S ?= 600
 soak: deps
 	SOAK_S=$(SOAK_S) bash soak/run

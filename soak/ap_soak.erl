@@ -13,10 +13,22 @@
 %% finishes its operation: an ask that never returns shows as a worker
 %% that never pauses) and the tells each tell pool processed are compared
 %% with the tells sent to it, on every pool node that no fault touched in
-%% that epoch. At the end: registrations converge to the ledger, every
+%% that epoch; so are the asks answered in it (none with another
+%% message's payload, none raising, none later than its timeout and a
+%% margin). At the end: registrations converge to the ledger, every
 %% subscriber's last listing agrees, memory did not grow, and nothing (OS
 %% process, /dev/shm segment, epmd name) is left. It prints a table and
 %% halts with 1 on any failure.
+%%
+%% SOAK_INJECT makes the first peer (the witness) misbehave in one way,
+%% so that a run shows the rule that must catch it failing: `wrong_reply'
+%% (its soak_ask_dist pool runs c_src/test/plugin_misecho.c, which answers
+%% every 50th ask of a worker with the message before it), `raise' (its
+%% worker's every 100th ask carries a closure: actor_pool:ask raises
+%% badarg), `late' (that pool's every 50th ask of a worker is answered
+%% after 3.5 s, and the worker asks it with a timeout long enough to get
+%% it), `reset' (its soak_tell pool is stopped and started again in each
+%% epoch after the first, with no fault recorded).
 %%
 %% Over 700 lines on purpose: the load, the chaos and the checks share one
 %% ledger and one epoch clock, and a reader follows one run top to bottom.
@@ -24,13 +36,17 @@
 
 -export([main/1]).
 %% Run on the peers.
--export([peer_setup/1, worker/3, settled_memory/2, leaker/0]).
+-export([peer_setup/1, worker/4, settled_memory/2, leaker/0]).
 
 -define(KEYS, [<<"soak.k1">>, <<"soak.k2">>, <<"soak.k3">>, <<"soak.k4">>]).
 -define(ASK_KEY, <<"soak.ask">>).
 -define(ASK_TIMEOUT, 2000).
 %% An ask must end within its timeout plus this.
 -define(ASK_MARGIN, 1000).
+%% A pool's uptime grows with the driver's clock: less by this much than
+%% the time from one stats call's end to a later one's start, it was
+%% started again.
+-define(UPTIME_SLACK_MS, 2000).
 -define(REG_TIMEOUT, 5000).
 -define(PACE_MS, 4).
 -define(MAX_FRAME, 1048576).
@@ -60,6 +76,10 @@ main(Args) ->
                        [S, Sd] -> {list_to_integer(S), list_to_integer(Sd)}
                    end,
     io:format("soak: ~b s, seed ~b (SOAK_SEED=~b to repeat)~n", [Secs, Seed, Seed]),
+    case inject() of
+        none -> ok;
+        How -> io:format("soak: SOAK_INJECT=~s: the witness misbehaves; this run must fail~n", [How])
+    end,
     rand:seed(exsss, Seed),
     Code = try run(Secs, Seed)
            catch C:R:St ->
@@ -131,10 +151,12 @@ start_peer(I, #{prefix := Prefix, ledger := Ledger, incarnation := Inc0} = S) ->
                                              "-kernel", "logger_level", "warning"]
                                         ++ Tags ++ ["-pa" | Paths]}),
     unlink(Peer),
-    Info = peer:call(Peer, ?MODULE, peer_setup, [#{max_frame => ?MAX_FRAME, driver => node()}], 60000),
+    Inject = case I of ?WITNESS -> inject(); _ -> none end,
+    Info = peer:call(Peer, ?MODULE, peer_setup, [#{max_frame => ?MAX_FRAME, driver => node(), inject => Inject}],
+                     60000),
     Inc = Inc0 + 1,
     Me = {I, Inc},
-    W = peer:call(Peer, erlang, spawn, [?MODULE, worker, [Ledger, Me, rand:uniform(1 bsl 40)]]),
+    W = peer:call(Peer, erlang, spawn, [?MODULE, worker, [Ledger, Me, rand:uniform(1 bsl 40), Inject]]),
     P = Info#{peer => Peer, node => Node, worker => W, me => Me, index => I},
     [put({os_pid, OP}, true) || OP <- os_pids(P)],
     ledger_cast(S, {alive, Me}),
@@ -157,8 +179,8 @@ mesh(#{peers := Peers}) ->
                 end, ?WAIT_MS) || #{peer := P, node := Self} <- Ps],
     ok.
 
--spec peer_setup(#{max_frame := pos_integer(), driver := node()}) -> map().
-peer_setup(#{max_frame := MF, driver := Driver}) ->
+-spec peer_setup(#{max_frame := pos_integer(), driver := node(), inject := inject()}) -> map().
+peer_setup(#{max_frame := MF, driver := Driver, inject := Inject}) ->
     true = net_kernel:connect_node(Driver),
     ok = application:load(actor_pool),
     ok = application:set_env(actor_pool, gossip_interval_ms, 200),
@@ -170,7 +192,12 @@ peer_setup(#{max_frame := MF, driver := Driver}) ->
     {ok, _} = actor_pool:start_pool(soak_ask, echo,
                                     #{workers => 2,
                                       service_key => actor_receptionist:service_key(?ASK_KEY)}),
-    {ok, _} = actor_pool:start_pool(soak_ask_dist, echo, #{workers => 1, fast_path => false}),
+    AskDist = case Inject of
+                  wrong_reply -> {plugin, ap_support:test_bin("plugin_misecho.so"), wrong};
+                  late -> {plugin, ap_support:test_bin("plugin_misecho.so"), late};
+                  _ -> echo
+              end,
+    {ok, _} = actor_pool:start_pool(soak_ask_dist, AskDist, #{workers => 1, fast_path => false}),
     #{os_pid := PO} = actor_cnode:info(actor_pool_node_owner),
     #{os_pid := RO} = actor_cnode:info(actor_receptionist_owner),
     #{pool_node => actor_pool:pool_node(), rcpt_node => actor_receptionist:receptionist_node(),
@@ -225,10 +252,10 @@ epoch(E, EpochS, Start, _T1, S0) ->
     S1 = case E of
              1 -> chaos(E, EpochEnd, [F || {_, F} <- lists:sort([{rand:uniform(), F} || {F, _} <- ?FAULTS])],
                         S0#{faults := #{}});
-             _ -> chaos(E, EpochEnd, [], S0#{faults := #{}})
+             _ -> chaos(E, EpochEnd, [inject_reset || inject() =:= reset], S0#{faults := #{}})
          end,
     S2 = pause(E, S1),
-    S3 = tell_check(E, S2),
+    S3 = ask_check(E, tell_check(E, S2)),
     Elapsed = (now_ms() - Start) div 1000,
     M = sample_memory(S3#{epoch => E}),
     S3a = S3#{mem_curve => [{Elapsed, M} | maps:get(mem_curve, S3, [])]},
@@ -267,22 +294,53 @@ tell_check(E, S) ->
                   false ->
                       rebase(T, Sent, Acc);
                   true ->
-                      {Sent0, Proc0, Drop0} = maps:get(T, Base),
+                      {Sent0, Proc0, Drop0, Up0} = maps:get(T, Base),
                       Want = maps:get(T, Sent, 0) - Sent0,
-                      case wait_processed(Acc, T, Proc0, Drop0, Want) of
-                          {ok, Got, Drop} ->
+                      case wait_processed(Acc, T, {Proc0, Drop0, Up0}, Want) of
+                          {ok, Got, Drop, Up} ->
                               Acc1 = count(count(Acc, tells_checked, Want), tells_dropped_counted, Drop),
-                              set_base(T, {maps:get(T, Sent, 0), Proc0 + Got, Drop0 + Drop}, Acc1);
+                              set_base(T, {maps:get(T, Sent, 0), Proc0 + Got, Drop0 + Drop, Up}, Acc1);
                           {lost, Got, Drop} ->
                               Acc1 = fail(Acc, "epoch ~b: ~p lost ~b tells: ~b sent, ~b processed, "
                                           "~b counted as dropped, no fault on its node",
                                           [E, T, Want - Got - Drop, Want, Got, Drop]),
                               rebase(T, Sent, Acc1);
-                          error ->
-                              rebase(T, Sent, Acc)
+                          {went_back, P, D, {UpNow, _, _}} ->
+                              %% Only a fault starts a pool again, and none
+                              %% touched its node: its tells are not
+                              %% accounted for.
+                              Acc1 = fail(Acc, "epoch ~b: ~p started again or its counters went back "
+                                          "(uptime ~b ms, ~b ms after it was ~b; processed ~b -> ~b, "
+                                          "dropped ~b -> ~b), no fault on its node",
+                                          [E, T, UpNow, now_ms() - element(3, Up0), element(1, Up0),
+                                           Proc0, P, Drop0, D]),
+                              rebase(T, Sent, Acc1);
+                          unreadable ->
+                              Acc1 = fail(Acc, "epoch ~b: ~p's stats could not be read, no fault on its node",
+                                          [E, T]),
+                              rebase(T, Sent, Acc1)
                       end
               end
       end, S, tell_pools(S)).
+
+%% Asks answered this epoch (a paused worker has reported all of its own):
+%% none may bring back another message's payload, raise, or end later than
+%% its timeout plus ?ASK_MARGIN, faults or not.
+ask_check(E, S) ->
+    #{counts := Counts, examples := Ex} = ledger_call(S, bad_asks),
+    Seen = maps:get(bad_asks_seen, S, #{}),
+    S1 = lists:foldl(
+           fun({Kind, What}, Acc) ->
+                   N = maps:get(Kind, Counts, 0) - maps:get(Kind, Seen, 0),
+                   case N > 0 of
+                       true -> fail(Acc, "epoch ~b: ~b ask(s) ~s; the last (path, what): ~0p",
+                                    [E, N, What, lists:sublist(maps:get(Kind, Ex, []), min(N, 3))]);
+                       false -> Acc
+                   end
+           end, S, [{wrong_reply, "answered with another message's payload"},
+                    {raised, "raised an exception"},
+                    {late, io_lib:format("ended over ~b ms after they were made", [?ASK_TIMEOUT + ?ASK_MARGIN])}]),
+    S1#{bad_asks_seen => Counts}.
 
 baseline(S) ->
     Sent = ledger_call(S, tells),
@@ -290,58 +348,63 @@ baseline(S) ->
 
 rebase(T, Sent, S) ->
     case settled_stats(S, T) of
-        {ok, P, D} -> set_base(T, {maps:get(T, Sent, 0), P, D}, S);
+        {ok, P, D, Up} -> set_base(T, {maps:get(T, Sent, 0), P, D, Up}, S);
         error -> S#{tell_base => maps:remove(T, maps:get(tell_base, S, #{}))}
     end.
 
 set_base(T, V, S) ->
     S#{tell_base => maps:put(T, V, maps:get(tell_base, S, #{}))}.
 
-%% Processed and dropped_tells once two reads 200 ms apart agree.
+%% Processed and dropped_tells once two reads 200 ms apart agree, and the
+%% pool's uptime then ({UptimeMs, before, after the call that read it}).
 settled_stats(S, T) ->
     settled_stats(S, T, undefined, 15).
 
 settled_stats(_S, _T, _Prev, 0) -> error;
 settled_stats(S, T, Prev, N) ->
     case pool_stats(S, T) of
-        {ok, P, D} when {P, D} =:= Prev -> {ok, P, D};
-        {ok, P, D} -> receive after 200 -> ok end, settled_stats(S, T, {P, D}, N - 1);
+        {ok, P, D, Up} when {P, D} =:= Prev -> {ok, P, D, Up};
+        {ok, P, D, _} -> receive after 200 -> ok end, settled_stats(S, T, {P, D}, N - 1);
         error -> receive after 200 -> ok end, settled_stats(S, T, Prev, N - 1)
     end.
 
-wait_processed(S, T, Proc0, Drop0, Want) ->
-    wait_processed(S, T, Proc0, Drop0, Want, now_ms() + 10000, undefined).
+%% Until the pool has processed or dropped Want tells since the base: a
+%% pool started again (its uptime grew less than the time since the base,
+%% or a counter went back) is not that.
+wait_processed(S, T, Base, Want) ->
+    wait_processed(S, T, Base, Want, now_ms() + 10000, undefined).
 
-wait_processed(S, T, Proc0, Drop0, Want, Deadline, Last) ->
+wait_processed(S, T, {Proc0, Drop0, Up0} = Base, Want, Deadline, Last) ->
     case pool_stats(S, T) of
-        {ok, P, D} when P - Proc0 + D - Drop0 >= Want -> {ok, P - Proc0, D - Drop0};
-        {ok, P, D} when P < Proc0 -> error_if_restarted(P, D);
+        {ok, P, D, Up} when P < Proc0; D < Drop0 -> {went_back, P, D, Up};
+        {ok, P, D, {UpMs, Before, _} = Up}
+          when UpMs + ?UPTIME_SLACK_MS < element(1, Up0) + Before - element(3, Up0) ->
+            {went_back, P, D, Up};
+        {ok, P, D, Up} when P - Proc0 + D - Drop0 >= Want -> {ok, P - Proc0, D - Drop0, Up};
         R ->
             case now_ms() >= Deadline of
                 true ->
                     case R of
-                        {ok, P, D} -> {lost, P - Proc0, D - Drop0};
+                        {ok, P, D, _} -> {lost, P - Proc0, D - Drop0};
                         error when Last =/= undefined -> {lost, element(1, Last) - Proc0,
                                                           element(2, Last) - Drop0};
-                        error -> error
+                        error -> unreadable
                     end;
                 false ->
                     receive after 100 -> ok end,
-                    Last1 = case R of {ok, P, D} -> {P, D}; error -> Last end,
-                    wait_processed(S, T, Proc0, Drop0, Want, Deadline, Last1)
+                    Last1 = case R of {ok, P, D, _} -> {P, D}; error -> Last end,
+                    wait_processed(S, T, Base, Want, Deadline, Last1)
             end
     end.
-
-%% Counters went back: the pool was started again, which only a fault does.
-error_if_restarted(_P, _D) -> error.
 
 pool_stats(#{peers := Peers}, {_, PN} = T) ->
     Via = case [P || #{pool_node := N, peer := P} <- maps:values(Peers), N =:= PN] of
               [Owner] -> Owner;
               [] -> maps:get(peer, hd(maps:values(Peers)))
           end,
+    Before = now_ms(),
     case catch peer:call(Via, actor_pool, stats, [T], 10000) of
-        #{processed := Proc, dropped_tells := D} -> {ok, Proc, D};
+        #{processed := Proc, dropped_tells := D, uptime_ms := Up} -> {ok, Proc, D, {Up, Before, now_ms()}};
         _ -> error
     end.
 
@@ -391,6 +454,12 @@ random_victim(#{peers := Peers} = S) ->
 
 touched(Who, S) -> S#{faults := maps:put(Who, true, maps:get(faults, S))}.
 
+%% SOAK_INJECT=reset: the witness's soak_tell pool starts again (its
+%% counters from 0), and nothing says so: the tell check must fail.
+fault(inject_reset, #{peers := #{?WITNESS := #{peer := P}}} = S) ->
+    ok = peer:call(P, actor_pool, stop_pool, [soak_tell], 30000),
+    {ok, _} = peer:call(P, actor_pool, start_pool, [soak_tell, echo, #{workers => 2}], 30000),
+    S;
 fault(kill_pool_cnode, S0) ->
     {I, #{peer := P} = Pe} = random_victim(S0),
     Old = maps:get(pool_os_pid, Pe),
@@ -710,13 +779,13 @@ flush_port(Port) ->
 %% ===================================================================
 
 %% The load of one peer: one operation every few ms while resumed.
--spec worker(pid(), {pos_integer(), pos_integer()}, integer()) -> no_return().
-worker(Ledger, Me, Seed) ->
+-spec worker(pid(), {pos_integer(), pos_integer()}, integer(), inject()) -> no_return().
+worker(Ledger, Me, Seed, Inject) ->
     rand:seed(exsss, Seed),
     Refs = [spawn(timer, sleep, [infinity]) || _ <- lists:seq(1, 6)],
     Sub = spawn(fun() -> subscriber(#{}) end),
     [ok = actor_receptionist:subscribe(K, Sub) || K <- keys()],
-    paused(#{ledger => Ledger, me => Me, refs => Refs, sub => Sub, regs => #{}, n => 0}).
+    paused(#{ledger => Ledger, me => Me, refs => Refs, sub => Sub, regs => #{}, n => 0, inject => Inject}).
 
 paused(W) ->
     receive
@@ -743,11 +812,11 @@ op(tell, #{t := #{tells := Ts}, ledger := L, me := Me} = W) ->
     ok = actor_pool:tell(T, <<"t">>),
     L ! {tell, Me, T},
     W;
-op(ask, #{t := #{asks := As}, ledger := L, me := Me, n := N} = W) ->
+op(ask, #{t := #{asks := As}, ledger := L, me := Me, n := N, inject := Inject} = W) ->
     T = case pick(As) of {service_key, Id} -> actor_receptionist:service_key(Id); X -> X end,
-    Msg = {soak, N},
+    {Msg, Timeout} = injected(Inject, T, N),
     T0 = erlang:monotonic_time(millisecond),
-    R = try actor_pool:ask(T, Msg, ?ASK_TIMEOUT)
+    R = try actor_pool:ask(T, Msg, Timeout)
         catch C:E -> {raised, C, E}
         end,
     D = erlang:monotonic_time(millisecond) - T0,
@@ -760,7 +829,7 @@ op(ask, #{t := #{asks := As}, ledger := L, me := Me, n := N} = W) ->
                {error, _} -> other_error;
                _ -> raised
            end,
-    L ! {ask, Me, path(T), Kind, D},
+    L ! {ask, Me, path(T), Kind, D, {Msg, R}},
     W#{n := N + 1};
 op(reg, #{refs := Refs, regs := Regs, ledger := L, me := Me} = W) ->
     K = pick(keys()), R = pick(Refs),
@@ -815,6 +884,27 @@ path({soak_ask, N}) ->
 
 keys() -> [actor_receptionist:service_key(K) || K <- ?KEYS].
 
+%% The message and timeout of the worker's Nth ask to T: {soak, N} within
+%% ?ASK_TIMEOUT, unless SOAK_INJECT says otherwise for the witness.
+injected(raise, _T, N) when N rem 100 =:= 99 ->
+    {{soak, N, fun() -> N end}, ?ASK_TIMEOUT};
+injected(late, {soak_ask_dist, _}, N) ->
+    {{soak, N}, 4 * ?ASK_TIMEOUT};
+injected(_, _T, N) ->
+    {{soak, N}, ?ASK_TIMEOUT}.
+
+%% SOAK_INJECT (see the top), checked when the run starts.
+-type inject() :: none | wrong_reply | raise | late | reset.
+inject() ->
+    case os:getenv("SOAK_INJECT", "") of
+        "" -> none;
+        "wrong_reply" -> wrong_reply;
+        "raise" -> raise;
+        "late" -> late;
+        "reset" -> reset;
+        Other -> error({bad_soak_inject, Other, "want wrong_reply, raise, late or reset"})
+    end.
+
 pick(L) -> lists:nth(rand:uniform(length(L)), L).
 
 subscriber(Last) ->
@@ -831,12 +921,17 @@ subscriber(Last) ->
 ledger(L) ->
     receive
         {tell, Me, T} -> ledger(live(Me, L, fun(L1) -> incr(L1, {tell, T}, 1) end));
-        {ask, Me, Path, Kind, D} ->
+        {ask, Me, Path, Kind, D, Detail} ->
             ledger(live(Me, L, fun(L1) ->
                                        L2 = incr(L1, {ask, Path, Kind}, 1),
+                                       L3 = case Kind of
+                                                wrong_reply -> bad_ask(L2, wrong_reply, {Path, Detail});
+                                                raised -> bad_ask(L2, raised, {Path, Detail});
+                                                _ -> L2
+                                            end,
                                        case D > ?ASK_TIMEOUT + ?ASK_MARGIN of
-                                           true -> incr(L2, {late_ask, D}, 1);
-                                           false -> L2
+                                           true -> bad_ask(incr(L3, {late_ask, Path}, 1), late, {Path, D});
+                                           false -> L3
                                        end
                                end));
         {reg, Me, K, R, Res} ->
@@ -868,9 +963,16 @@ model(L, KR, V) -> L#{regs => maps:put(KR, V, maps:get(regs, L, #{}))}.
 
 incr(L, K, N) -> L#{counts => maps:update_with(K, fun(V) -> V + N end, N, maps:get(counts, L, #{}))}.
 
+%% An ask the checks fail on: counted by kind, the last few kept.
+bad_ask(L, Kind, Example) ->
+    #{counts := C, examples := Ex} = Bad = maps:get(bad_asks, L, #{counts => #{}, examples => #{}}),
+    L#{bad_asks => Bad#{counts := maps:update_with(Kind, fun(V) -> V + 1 end, 1, C),
+                        examples := Ex#{Kind => lists:sublist([Example | maps:get(Kind, Ex, [])], 3)}}}.
+
 get(tells, L) -> maps:from_list([{T, N} || {{tell, T}, N} <- maps:to_list(maps:get(counts, L, #{}))]);
 get(counts, L) -> maps:get(counts, L, #{});
-get(regs, L) -> maps:get(regs, L, #{}).
+get(regs, L) -> maps:get(regs, L, #{});
+get(bad_asks, L) -> maps:get(bad_asks, L, #{counts => #{}, examples => #{}}).
 
 ledger_call(#{ledger := L}, What) ->
     Tag = make_ref(),
@@ -1283,7 +1385,8 @@ table(S) ->
     row("tells checked (fault-free windows)", maps:get(tells_checked, Mine, 0)),
     row("tells counted as dropped there", maps:get(tells_dropped_counted, Mine, 0)),
     [row(io_lib:format("ask ~p: ~p", [P, K]), N) || {{ask, P, K}, N} <- lists:sort(maps:to_list(Counts))],
-    row("asks late (> timeout + margin)", lists:sum([N || {{late_ask, _}, N} <- maps:to_list(Counts)])),
+    [row(io_lib:format("asks late (> timeout + margin): ~p", [P]), N)
+     || {{late_ask, P}, N} <- lists:sort(maps:to_list(Counts))],
     [row(io_lib:format("register ~p", [R]), N) || {{reg, R}, N} <- lists:sort(maps:to_list(Counts))],
     [row(io_lib:format("deregister ~p", [R]), N) || {{dereg, R}, N} <- lists:sort(maps:to_list(Counts))],
     row("subscribe", maps:get(sub, Counts, 0)),

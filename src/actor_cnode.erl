@@ -1,3 +1,8 @@
+%% Over 700 lines, kept whole: one gen_server that owns one OS process
+%% through its incarnations (start, the port's packets, exits, backoff); the
+%% option checks (actor_cnode_opts) and the OS-process probes
+%% (actor_cnode_os) are modules of their own.
+
 %% @doc Owner of one C node: starts it, watches it, restarts it, stops it.
 %%
 %% A C node is an OS process from `priv/' that speaks the Erlang distribution

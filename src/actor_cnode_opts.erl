@@ -13,15 +13,12 @@
 -export([node_name/1]).
 -export([io_request/1]).
 
-%% The smallest max_frame accepted: below it, ordinary control messages and
-%% the library's own batches (which are capped to fit, see
-%% actor_pool_batcher) would be dropped as oversized.
--define(MIN_MAX_FRAME, 65536).
+-include("actor_pool_int.hrl").
 
 defaults() ->
     Env = fun(Key, Default) -> application:get_env(actor_pool, Key, Default) end,
     #{name => undefined,
-      io => Env(io_backend, auto),
+      io => io_default(),
       max_frame => Env(max_frame, 67108864),
       idle_timeout_ms => Env(idle_timeout_ms, 60000),
       handshake_timeout_ms => Env(handshake_timeout_ms, 5000),
@@ -34,6 +31,14 @@ defaults() ->
       register => undefined,
       notify => undefined,
       shm => false}.
+
+%% The application key `io'; `io_backend', its old name, still counts
+%% while `io' is auto, so an old sys.config keeps working.
+io_default() ->
+    case application:get_env(actor_pool, io, auto) of
+        auto -> application:get_env(actor_pool, io_backend, auto);
+        Io -> Io
+    end.
 
 %% The C node listens where this node's distribution does, unless told.
 %% C nodes speak IPv4 only: an IPv6 distribution interface cannot be
@@ -165,28 +170,7 @@ alive_char(C) ->
 executable(Exe) ->
     case filename:pathtype(Exe) of
         absolute -> Exe;
-        _ -> filename:join(priv_dir(), Exe)
-    end.
-
-%% code:priv_dir/1 works when the application is in a lib dir; an escript or
-%% a bare -pa of the ebin dir falls back to ../priv beside the beam.
-priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) ->
-            case filelib:is_dir(Dir) of
-                true -> Dir;
-                false -> beam_priv_dir()
-            end;
-        {error, _} ->
-            beam_priv_dir()
-    end.
-
-beam_priv_dir() ->
-    case code:which(?MODULE) of
-        Beam when is_list(Beam) ->
-            filename:join(filename:dirname(filename:dirname(Beam)), "priv");
-        _ ->
-            "priv"
+        _ -> filename:join(actor_pool_priv:dir(), Exe)
     end.
 
 %% @doc The C node's name, Alive_Suffix@Host unless given: Suffix is the

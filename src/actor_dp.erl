@@ -1,4 +1,5 @@
-%% @doc The BEAM's end of the same-host data plane (issue 13), in a NIF.
+%% @doc The BEAM's end of the same-host data plane, in a NIF
+%% (`c_src/dataplane/beam/').
 %%
 %% A segment ({@link seg()}) joins this BEAM to one pool node on the same
 %% host: request rings this module writes (one per scheduler), reply rings
@@ -9,8 +10,9 @@
 %% 64 KiB, the thread sends it itself with `enif_send'. The layout and the
 %% attach handshake are `c_src/ring/ap_seg.h''s;
 %% `docs/same-host-transport.md' has the design.
-%% This module is thin: routing, lanes and ordering across transports are
-%% `actor_pool''s.
+%% This module is thin: lanes are `actor_pool_dp''s; the choice of ring or
+%% distribution per call, and ordering across the two, are
+%% `actor_pool_transport''s.
 %%
 %% The pool node is not trusted: whatever it writes in the segment yields
 %% errors (`bad_records' counted, the segment closed with `bad_segment'),
@@ -357,15 +359,7 @@ open_nif(_Socket, _Token, _Name, _Geometry, _Owner, _Node, _Timeout, _NewAtoms) 
 -spec init() -> ok.
 init() ->
     Path = nif_path(),
-    case erlang:load_nif(Path, 0) of
-        ok ->
-            ok;
-        {error, {Reason, Text}} ->
-            logger:warning("actor_dp: cannot load ~ts: ~0p: ~ts; "
-                           "the same-host fast path is disabled",
-                           [Path, Reason, Text]),
-            ok
-    end.
+    actor_pool_priv:nif_loaded(?MODULE, Path, erlang:load_nif(Path, 0), "the same-host fast path is disabled").
 
 -spec nif_path() -> file:filename().
 nif_path() ->
@@ -373,14 +367,5 @@ nif_path() ->
         Path when is_list(Path), Path =/= "" ->
             filename:rootname(Path, ".so");
         _ ->
-            case code:priv_dir(actor_pool) of
-                {error, bad_name} ->
-                    Ebin = case code:which(?MODULE) of
-                               Beam when is_list(Beam) -> filename:dirname(Beam);
-                               _ -> "."
-                           end,
-                    filename:join([Ebin, "..", "priv", "actor_dp"]);
-                Priv ->
-                    filename:join(Priv, "actor_dp")
-            end
+            filename:join(actor_pool_priv:dir(), "actor_dp")
     end.

@@ -9,7 +9,7 @@
 %% reply ring with answers to a deliverer (one message per batch), and the
 %% deliverer sends them from its scheduler ({@link actor_dp:drain/2}).
 %% Several of them, so that the answers of one pool node's rings go out on
-%% more than one scheduler at once. docs/same-host-transport.md has the
+%% more than one scheduler at once. docs/journal/same-host-transport.md has the
 %% measurements.
 %%
 %% A deliverer runs at priority `high': its work is short (at most 512

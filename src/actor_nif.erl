@@ -122,26 +122,5 @@ loaded() ->
 %% @private
 -spec init() -> ok.
 init() ->
-    Path = nif_path(),
-    case erlang:load_nif(Path, 0) of
-        ok ->
-            ok;
-        {error, {Reason, Text}} ->
-            logger:warning("actor_nif: cannot load ~ts: ~0p: ~ts; "
-                           "snapshot lookups are disabled",
-                           [Path, Reason, Text]),
-            ok
-    end.
-
--spec nif_path() -> file:filename().
-nif_path() ->
-    case code:priv_dir(actor_pool) of
-        {error, bad_name} ->
-            Ebin = case code:which(?MODULE) of
-                       Beam when is_list(Beam) -> filename:dirname(Beam);
-                       _ -> "."
-                   end,
-            filename:join([Ebin, "..", "priv", "actor_nif"]);
-        Priv ->
-            filename:join(Priv, "actor_nif")
-    end.
+    Path = filename:join(actor_pool_priv:dir(), "actor_nif"),
+    actor_pool_priv:nif_loaded(?MODULE, Path, erlang:load_nif(Path, 0), "snapshot lookups are disabled").

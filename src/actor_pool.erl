@@ -360,11 +360,10 @@ oversized() ->
 %% and each name logged once), `bad_frames',
 %% `dropped', `oversized' (frames over its `max_frame' it passed over, from
 %% any peer), `connections', `io', `max_frame', `ring_naps' (how often
-%% its loop slept between dense reads of same-host rings: the application
-%% setting `ring_nap_us'), `ring_ask_naps' (those of them after a read with
-%% asks: `ring_ask_nap_us'), `ring_lone_windows' (reads that found a lone
-%% caller's ask, after which the loop stays awake for the application
-%% setting `ring_lone_poll_us'), `iso_loop_results' (results of worker
+%% its loop slept between dense reads of same-host rings),
+%% `ring_ask_naps' (those of them after a read with asks),
+%% `ring_lone_windows' (reads that found a lone caller's ask, after which
+%% the loop stays awake a while), `iso_loop_results' (results of worker
 %% processes that its loop answered itself, waking no proxy thread: see
 %% docs/stateless-workers.md, "Isolation"), `iso_bare_tells' (tells its
 %% loop wrote straight into a worker process's request ring, with no job)

@@ -54,7 +54,9 @@
 -define(BATCH_TAB, actor_pool_batchers).
 
 %% Frame sizes. A C node refuses no max_frame at or above MIN_MAX_FRAME
-%% (actor_cnode refuses a smaller one); DEFAULT_MAX_FRAME is the C node's
+%% (actor_cnode refuses a smaller one: below it, ordinary control messages
+%% and the library's own batches, capped to fit by actor_pool_batcher,
+%% would be dropped as oversized); DEFAULT_MAX_FRAME is the C node's
 %% own default. FRAME_ENVELOPE is what a distribution frame holds besides the
 %% messages in it: the control message (two pids or a pid and a name, node
 %% names up to 255 characters), and a message's or a batch's wrapper with
@@ -87,19 +89,7 @@
 -define(AP_POOL_MAX_HANDLER_TIMEOUT_MS, 86400000).
 -define(AP_POOL_MAX_STALL_MS, 86400000).
 -define(AP_POOL_MAX_MEMORY_MB, 1048576).
--define(AP_POOL_MAX_RING_POLL_US, 100000).
--define(AP_POOL_MAX_RING_NAP_US, 10000).
 -define(AP_POOL_MAX_REPLY_ATOMS, 1048576).
 -define(AP_POOL_MAX_PATH, 4095).
 -define(AP_POOL_MAX_SANDBOX_PATHS, 32).
 -define(AP_POOL_MAX_SANDBOX_BYTES, 8192).
-
-%% The application setting ring_poll_us's default (the pool node's own,
-%% AP_DP_POLL_US_DEFAULT in c_src/pool/ring_ingress.h, is the same).
--define(RING_POLL_US_DEFAULT, 300).
-%% ring_lone_poll_us's, likewise (AP_DP_LONE_US_DEFAULT).
--define(RING_LONE_POLL_US_DEFAULT, 1000).
-%% ring_nap_us's, likewise (AP_DP_NAP_US_DEFAULT).
--define(RING_NAP_US_DEFAULT, 100).
-%% ring_ask_nap_us's, likewise (AP_DP_ASK_NAP_US_DEFAULT).
--define(RING_ASK_NAP_US_DEFAULT, 20).

@@ -3,6 +3,11 @@
 %% tell and ask, from what this BEAM sees of their load (docs/
 %% stateless-workers.md, "Pools by key").
 %%
+%% Over 700 lines because the callers' side (the choice, run in each
+%% caller) and the server's (the pool map and the generations) share one
+%% slot layout and its comments; split, each half would export the other's
+%% internals.
+%%
 %% The choice, per call: the pools the receptionist's snapshot lists under
 %% the key (a NIF read), those on this host if there are any; two of them
 %% at random; the one with fewer asks in flight ("in flight": this BEAM's

@@ -64,42 +64,14 @@ start_pool_node() ->
     %% ACTOR_POOL_NODE_EXE (an absolute path) swaps the executable, so the
     %% test suite can run against a sanitizer build of the pool node.
     Exe = os:getenv("ACTOR_POOL_NODE_EXE", "actor_pool_node"),
-    case ring_args() of
-        {ok, PollArgs} ->
-            Args = maps:get(args, Extra, []),
-            Opts = maps:merge(Extra, #{exe => Exe,
-                                       args => PollArgs ++ Args,
-                                       register => ?POOL_NODE_OWNER,
-                                       %% new incarnations get their pools back
-                                       notify => actor_pool_keeper}),
-            start_pool_node(Opts);
-        {error, _} = Error ->
-            Error
-    end.
-
-%% The application settings ring_poll_us (how long the pool node's loop
-%% yields instead of sleeping after same-host ring records),
-%% ring_lone_poll_us (the same after a lone caller's ask), ring_nap_us
-%% (how long it sleeps between dense reads of them) and ring_ask_nap_us
-%% (the same after a read with asks); see
-%% docs/same-host-transport.md. Checked here so a bad value is one clear
-%% error, not a pool node that will not start.
-ring_args() ->
-    ring_args([{ring_poll_us, "--ring-poll-us", ?RING_POLL_US_DEFAULT, ?AP_POOL_MAX_RING_POLL_US},
-               {ring_lone_poll_us, "--ring-lone-poll-us", ?RING_LONE_POLL_US_DEFAULT,
-                ?AP_POOL_MAX_RING_POLL_US},
-               {ring_nap_us, "--ring-nap-us", ?RING_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US},
-               {ring_ask_nap_us, "--ring-ask-nap-us", ?RING_ASK_NAP_US_DEFAULT, ?AP_POOL_MAX_RING_NAP_US}], []).
-
-ring_args([], Acc) ->
-    {ok, Acc};
-ring_args([{Key, Flag, Default, Max} | Rest], Acc) ->
-    case application:get_env(actor_pool, Key, Default) of
-        N when is_integer(N), N >= 0, N =< Max ->
-            ring_args(Rest, Acc ++ [Flag, integer_to_list(N)]);
-        Other ->
-            {error, {badarg, {Key, Other}}}
-    end.
+    %% The pool node's loop tunes its own idling (ring_ingress.h's
+    %% defaults): no application key. Its flags (--ring-poll-us and the
+    %% like, pool_node.c) can still be given in pool_node_opts' args for an
+    %% experiment.
+    start_pool_node(maps:merge(Extra, #{exe => Exe,
+                                        register => ?POOL_NODE_OWNER,
+                                        %% new incarnations get their pools back
+                                        notify => actor_pool_keeper})).
 
 start_pool_node(Opts) ->
     case actor_cnode:start_link(Opts) of

@@ -1,3 +1,8 @@
+%% Over 700 lines, kept whole: one gen_server whose every message changes the
+%% journal, the C node's batch and the gossip state in one step (see below);
+%% the journal, the members' registrations and the cluster's rules are
+%% modules of their own.
+
 %% @doc The BEAM-side front of this node's receptionist C node.
 %%
 %% Why a front at all: a C node cannot monitor a BEAM process, must never be

@@ -44,15 +44,10 @@ epmd_names() ->
 %% ===================================================================
 
 %% The application's priv directory, also when it is not in a lib directory
-%% (rebar3 eunit: priv/ beside ebin/).
+%% (the library's own lookup).
 -spec priv_dir() -> file:filename().
 priv_dir() ->
-    case code:priv_dir(actor_pool) of
-        Dir when is_list(Dir) -> Dir;
-        {error, bad_name} ->
-            Ebin = filename:dirname(code:which(actor_cnode)),
-            filename:join(filename:dirname(Ebin), "priv")
-    end.
+    actor_pool_priv:dir().
 
 %% The checkout: priv/'s parent (rebar3 links _build/*/lib/actor_pool/priv
 %% to it).

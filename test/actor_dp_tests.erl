@@ -24,7 +24,6 @@
          cancel_racing_the_reply_thread_leaves_nothing_behind/1,
          cancel_racing_a_deliverer_leaves_nothing_behind/1,
          timeouts_kept_by_the_nif_answer_once_never_early/1,
-         a_short_timeout_is_kept_while_the_reply_thread_sleeps/1,
          an_ask_whose_caller_died_is_dropped_at_its_timeout/1,
          close_answers_every_pending_ask_at_once/1,
          peer_killed_answers_pending_asks_promptly/1,
@@ -41,7 +40,6 @@
          bad_arguments_are_badarg/1,
          many_answers_in_a_row_arrive_whole/1,
          await_takes_a_lone_asks_answer_once/1,
-         await_leaves_the_reply_thread_wakeable/1,
          await_is_none_unless_the_ask_is_alone/1,
          await_after_close_or_cancel_is_none/1,
          await_answers_bad_replies_as_errors/1,
@@ -69,7 +67,6 @@ actor_dp_peer_test_() ->
                   cancel_racing_the_reply_thread_leaves_nothing_behind,
                   cancel_racing_a_deliverer_leaves_nothing_behind,
                   timeouts_kept_by_the_nif_answer_once_never_early,
-                  a_short_timeout_is_kept_while_the_reply_thread_sleeps,
                   an_ask_whose_caller_died_is_dropped_at_its_timeout,
                   close_answers_every_pending_ask_at_once,
                   peer_killed_answers_pending_asks_promptly,
@@ -86,7 +83,6 @@ actor_dp_peer_test_() ->
                   bad_arguments_are_badarg,
                   many_answers_in_a_row_arrive_whole,
                   await_takes_a_lone_asks_answer_once,
-                  await_leaves_the_reply_thread_wakeable,
                   await_is_none_unless_the_ask_is_alone,
                   await_after_close_or_cancel_is_none,
                   await_answers_bad_replies_as_errors,
@@ -335,26 +331,6 @@ timeouts_kept_by_the_nif_answer_once_never_early(P) ->
     [?assertError(badarg, asked(actor_dp:submit(Seg, ask, echo, hi, Bad, undefined)))
      || Bad <- [{make_ref(), 0}, {make_ref(), -1}, {make_ref(), 1 bsl 32}, {not_a_ref, 5},
                 {make_ref(), 5, x}]],
-    ok = actor_dp:close(Seg, done).
-
-%% The reply thread sleeps up to 50 ms when nothing happens; an ask whose
-%% timeout falls sooner wakes it, so the timeout is kept on time rather
-%% than at the end of that sleep (a median over asks, as the host may
-%% hold up any one of them).
-a_short_timeout_is_kept_while_the_reply_thread_sleeps(P) ->
-    Seg = open(P, #{}),
-    cmd(P, "mode silent"),
-    Us = [begin
-              {Ref, T0} = timed_ask(Seg, K, 2),
-              receive {Ref, {error, timeout}} -> ok after ?T -> error({no_timeout, K}) end,
-              Waited = erlang:monotonic_time(microsecond) - T0,
-              %% idle again: the reply thread goes back to its long sleep
-              receive after 60 -> ok end,
-              Waited
-          end || K <- lists:seq(1, 9)],
-    Median = lists:nth(5, lists:sort(Us)),
-    ?assert(Median < 20000, {median_us, Median, Us}),
-    ?assertMatch(#{timeouts := 9, pending := 0}, actor_dp:info(Seg)),
     ok = actor_dp:close(Seg, done).
 
 %% An ask of Msg whose timeout of T ms the NIF keeps: {Ref, when it was
@@ -852,26 +828,6 @@ await_takes_a_lone_asks_answer_once(P) ->
     #{awaited := Awaited, replies := 300, late := 0, pending := 0} = actor_dp:info(Seg),
     ?assertMatch({awaited, {ok, last}}, lone_asks_until_one_is_awaited(Seg, last, 10000)),
     receive {R, _} = Stray when is_reference(R) -> error({stray, Stray}) after 0 -> ok end,
-    ok = actor_dp:close(Seg, done).
-
-%% An asker in await/2 takes the sleeping reply thread's flag down (the
-%% reply it waits for then rings nobody) and must raise it again: an
-%% answer that comes after, to an ask nobody awaits, wakes the reply thread
-%% at once, not at the end of its 50 ms sleep (a lost flag makes that wait
-%% 0-50 ms, median 25).
-await_leaves_the_reply_thread_wakeable(P) ->
-    Seg = open(P, #{}),
-    Us = [begin
-              {awaited, {ok, K}} = lone_asks_until_one_is_awaited(Seg, K, 10000),
-              Ref = make_ref(),
-              T0 = erlang:monotonic_time(microsecond),
-              true = element(1, actor_dp:submit(Seg, ask, echo, K, Ref, undefined)) =:= ok,
-              receive {Ref, {ok, K}} -> ok after ?T -> error({no_reply, K}) end,
-              erlang:monotonic_time(microsecond) - T0
-          end || K <- lists:seq(1, 21)],
-    Median = lists:nth(11, lists:sort(Us)),
-    ?assert(Median < 10000, {median_us, Median, Us}),
-    #{late := 0, pending := 0} = actor_dp:info(Seg),
     ok = actor_dp:close(Seg, done).
 
 %% One ask, its answer by Await(Id, Marked) or as the message: {awaited |

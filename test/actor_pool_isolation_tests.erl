@@ -101,7 +101,19 @@ actor_pool_isolation_test_() ->
      end}.
 
 case_(Name, Ctx) ->
-    {atom_to_list(Name), {timeout, 120, fun() -> ?MODULE:Name(Ctx) end}}.
+    Run = case lists:member(Name, ring_cases()) of
+              true -> fun() -> ap_test_util:on_rings(fun() -> ?MODULE:Name(Ctx) end) end;
+              false -> fun() -> ?MODULE:Name(Ctx) end
+          end,
+    {atom_to_list(Name), {timeout, 120, Run}}.
+
+%% Cases about what the pool node's loop does with ring traffic: they take
+%% the rings in a run on distribution only too (ap_test_util:on_rings/1).
+ring_cases() ->
+    [loop_answers_worker_processes_under_ring_traffic,
+     loop_waits_for_worker_process_answers_before_it_naps,
+     worker_processes_with_quick_asks_follow_the_loop,
+     killed_worker_process_hands_on_its_bare_tells].
 
 setup() -> ap_test_util:pool_setup().
 

@@ -1,5 +1,5 @@
 %% The pool node's side of the same-host data plane (c_src/ring/ap_seg.h,
-%% c_src/pool/ring_ingress.c) against the real pool node the application
+%% c_src/dataplane/node/) against the real pool node the application
 %% starts, driven by c_src/build/dp_client: a C program that plays the
 %% BEAM's side with the real ring library (it creates and formats the
 %% segment, attaches over the node's abstract socket with the token that

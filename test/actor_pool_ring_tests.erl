@@ -23,7 +23,6 @@
 -export([same_host_pool_node_gets_a_ring_lane/1,
          lone_asks_take_their_answers_on_their_scheduler/1,
          messages_to_idle_workers_count_for_the_worker_routed/1,
-         ring_settings_are_validated/1,
          dense_tells_and_asks_are_read_in_naps_and_lone_asks_never_nap/1,
          lone_asks_keep_the_loop_awake/1,
          restarted_lane_server_replaces_every_lane/1,
@@ -60,7 +59,6 @@ ring_test_() ->
                  same_host_pool_node_gets_a_ring_lane,
                  lone_asks_take_their_answers_on_their_scheduler,
                  messages_to_idle_workers_count_for_the_worker_routed,
-                 ring_settings_are_validated,
                  dense_tells_and_asks_are_read_in_naps_and_lone_asks_never_nap,
                  lone_asks_keep_the_loop_awake,
                  restarted_lane_server_replaces_every_lane,
@@ -144,17 +142,6 @@ messages_to_idle_workers_count_for_the_worker_routed(_Ctx) ->
         %% The large one went to the worker.
         ?assertMatch(#{processed := 3, errors := 1, ran_on_loop := R} when R =< 2, actor_pool:stats(P))
     end).
-
-%% The application settings ring_poll_us, ring_lone_poll_us, ring_nap_us and
-%% ring_ask_nap_us are checked
-%% before a pool node is started with them: a bad value is one clear error,
-%% and nothing starts.
-ring_settings_are_validated(_Ctx) ->
-    [ap_test_util:with_env(actor_pool, Key, V, fun() ->
-         ?assertEqual({error, {badarg, {Key, V}}}, actor_pool_sup:start_pool_node())
-     end) || {Key, Max} <- [{ring_poll_us, 100000}, {ring_lone_poll_us, 100000}, {ring_nap_us, 10000},
-                             {ring_ask_nap_us, 10000}],
-             V <- [-1, Max + 1, 1.5, "300", infinity]].
 
 %% Tells from four senders at once come faster than the loop reads them one
 %% by one: it reads them in batches and naps between (node_stats'

@@ -14,7 +14,8 @@
 %% leaves a name in epmd.
 %%
 %% ACTOR_POOL_IO (uring | epoll) selects the I/O backend; `make eunit' runs
-%% this module once with each.
+%% this module once with each, and once more with every call by
+%% distribution (`make eunit-dist', ACTOR_POOL_TEST_FAST_PATH=false).
 -module(actor_pool_tests).
 
 -import(ap_test_util, [priv_dir/0, alive/1, with_pool/4, crash_plugin/0]).

@@ -5,10 +5,10 @@
 %% benchmarks and the demo).
 -module(ap_test_util).
 
--export([with_pool/4, with_env/4, crash_plugin/0, abs_exe/1]).
+-export([with_pool/4, with_env/4, on_rings/1, crash_plugin/0, abs_exe/1]).
 -export([ext_atom/1, ext_pid/1, fun_overrun/1, reg_send_frame/3, name_packet/1]).
 -export([pool_setup/0, pool_cleanup/1]).
--export([temp_dir/1, start_app/0, stop_app/1,
+-export([temp_dir/1, start_app/0, stop_app/1, distribution_only/0,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
 
@@ -31,13 +31,27 @@ temp_dir(Prefix) ->
     Dir.
 
 %% Starts distribution (if needed) and the application; whether the node
-%% was distributed before, for stop_app/1.
+%% was distributed before, for stop_app/1. With ACTOR_POOL_TEST_FAST_PATH
+%% set to false, the application setting fast_path is false first: every
+%% call of this BEAM to a pool node then goes by distribution, the path of
+%% a remote caller (make eunit-dist runs the pool suites so).
 -spec start_app() -> WasAlive :: boolean().
 start_app() ->
     WasAlive = is_alive(),
     ok = actor_dist:ensure_distributed(),
+    case distribution_only() of
+        true ->
+            _ = application:load(actor_pool),
+            ok = application:set_env(actor_pool, fast_path, false);
+        false -> ok
+    end,
     {ok, _} = application:ensure_all_started(actor_pool),
     WasAlive.
+
+%% Whether this run takes the distribution path only (start_app/0).
+-spec distribution_only() -> boolean().
+distribution_only() ->
+    os:getenv("ACTOR_POOL_TEST_FAST_PATH") =:= "false".
 
 %% The pool suites' fixture: the application started, its pool node
 %% known; the cleanup stops every pool left, then the application.
@@ -57,12 +71,23 @@ pool_cleanup(#{was_alive := WasAlive}) ->
 %% it; fails if a C node of this test node left a segment behind.
 -spec stop_app(WasAlive :: boolean()) -> ok.
 stop_app(WasAlive) ->
+    %% A run on distribution only took that path: no lane was opened.
+    Rings = case distribution_only() of
+                true -> [L || #{transport := ring} = L <- maps:get(lanes, actor_pool_dp:info())];
+                false -> []
+            end,
     ok = application:stop(actor_pool),
+    case distribution_only() of
+        true -> ok = application:unset_env(actor_pool, fast_path);
+        false -> ok
+    end,
     ok = no_segments_left(),
     case WasAlive of
         true -> ok;
         false -> ok = net_kernel:stop()
-    end.
+    end,
+    [] = Rings,
+    ok.
 
 %% Everything the receptionist sent before this call has been delivered: a
 %% find from this process is answered after it, over the same connection.
@@ -161,6 +186,22 @@ no_segments_left() ->
     case ap_support:poll(fun own_segments/0, fun(Left) -> Left =:= [] end, ?SEGMENT_WAIT_MS) of
         {ok, []} -> ok;
         {timeout, Left} -> error({segments_left_behind, Left})
+    end.
+
+%% Fun() with this BEAM's calls to pool nodes on the same-host rings, for
+%% a case about the rings themselves: in a run on distribution only
+%% (distribution_only/0) the setting fast_path is true for its length.
+-spec on_rings(fun(() -> T)) -> T.
+on_rings(Fun) ->
+    case distribution_only() of
+        false ->
+            Fun();
+        true ->
+            try
+                with_env(actor_pool, fast_path, true, fun() -> ok = actor_pool_dp:refresh(), Fun() end)
+            after
+                ok = actor_pool_dp:refresh()
+            end
     end.
 
 %% Runs Fun(Pid) with a pool started for it, and stops the pool after.

@@ -71,17 +71,6 @@ static inline int ap_buf_append(ap_buf *b, const void *src, size_t n)
 	return 0;
 }
 
-/* Drop the first n bytes (n <= len). */
-static inline void ap_buf_consume(ap_buf *b, size_t n)
-{
-	if (n >= b->len) {
-		b->len = 0;
-		return;
-	}
-	memmove(b->data, b->data + n, b->len - n);
-	b->len -= n;
-}
-
 static inline void ap_buf_free(ap_buf *b)
 {
 	free(b->data);

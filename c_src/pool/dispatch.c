@@ -1,9 +1,12 @@
 /* dispatch: routing (round robin, smallest mailbox, random), and a
- * message's way into the mailbox of the worker chosen. */
+ * message's way into the mailbox of the worker chosen, or onto the loop
+ * itself (inline runs); jobs moved off a worker to another. Workers are
+ * reached only through their kind (w->ops). */
+#include <errno.h>
 #include <string.h>
 
+#include "ap_log.h"
 #include "ap_time.h"
-#include "isolate.h"
 #include "pool_int.h"
 
 /* This drain's inline budget: its end (0 before the first inline run, -1
@@ -49,6 +52,60 @@ int ap_pool_can_inline(ap_pool *p, ap_worker *w, int msg_len)
 	return inline_budget_left(msg_len);
 }
 
+/* The inline answer found its route with no room: the worker delivers it
+ * (it may wait for room; the loop may not). The answer (w->out: the
+ * route's head, then the term) and the route's address go to a new job,
+ * and the route's hold with them. */
+static void hand_answer_over(ap_worker *w, const ap_job *j)
+{
+	ap_job *a = ap_job_alloc(&w->mb, &w->job_cache, w->out.len + j->addr_len);
+	if (!a) {
+		ap_log(AP_LOG_WARNING, "pool %s: an answer was dropped: no memory to queue it", w->pool->name);
+		ap_route_drop(&j->route);
+		return;
+	}
+	a->is_ask = 1;
+	a->is_binary = 0;
+	a->is_answer = 1;
+	a->route = j->route;
+	a->head_len = j->head_len;
+	a->msg_len = (uint32_t)(w->out.len - j->head_len);
+	a->addr_len = j->addr_len;
+	memcpy(a->data, w->out.data, w->out.len);
+	memcpy(a->data + w->out.len, ap_job_addr(j), j->addr_len);
+	ap_pool_push(w, a);
+}
+
+/* Loop thread: j, on w's state, while w sleeps (ap_pool_can_inline said
+ * so); then j goes back to w's job cache. A crash status is the worker's
+ * crash: answered, counted, and its thread exits as if it had crashed. */
+void ap_pool_run_inline(ap_worker *w, ap_job *j)
+{
+	ap_pool *p = w->pool;
+	actor_pool_request req = ap_job_request(w, j);
+	p->inline_runs++;
+	/* Asks only (see handler_time in stats.c): two clock reads were
+	 * as much as a whole tell costs the loop. */
+	int64_t t0 = j->is_ask ? ap_mono_ns() : 0;
+	actor_pool_status st = p->h->handle(w->state, &req, &w->reply);
+	if (t0)
+		ap_hist_add_1w(&p->inline_ns, (uint64_t)(ap_mono_ns() - t0));
+	const char *status = st == AP_HANDLER_OK ? "ok" : "error";
+	if (st == AP_HANDLER_CRASH) {
+		ap_worker_count_crash(w, AP_CRASH_HANDLER);
+		ap_pool_set_atom_reply(&w->reply, "worker_crashed");
+		atomic_store(&w->crash_pending, 1);
+		ap_worker_wake(w, 1, 0);
+	} else {
+		ap_worker_count_done(w, st);
+	}
+	if (j->is_ask && ap_answer(w, j, status, &w->reply,
+				   AP_ANSWER_NOWAIT | (st == AP_HANDLER_CRASH ? AP_ANSWER_OWN : 0)) == -EAGAIN)
+		hand_answer_over(w, j);
+	j->free_next = w->job_cache;
+	w->job_cache = j;
+}
+
 /* Room for one more: in process mode, ok tells its child finished may
  * still sit in the mailbox (they leave it when the next message is sent,
  * which a full mailbox holds off), so a full one is looked at again. */
@@ -56,9 +113,9 @@ static int has_room(ap_pool *p, ap_worker *w)
 {
 	if (ap_mbox_depth(&w->mb) < p->o.mailbox_limit)
 		return 1;
-	if (!w->iso)
+	if (!w->ops->reclaim)
 		return 0;
-	ap_iso_reclaim(w);
+	w->ops->reclaim(w);
 	return ap_mbox_depth(&w->mb) < p->o.mailbox_limit;
 }
 
@@ -138,28 +195,56 @@ void ap_pool_wake_pushed(ap_pool *p)
 	p->nwake = 0;
 }
 
-/* The loop's own answer to an ask no worker will see. */
-static void loop_error(ap_pool *p, const ap_request *rq, size_t head_start, const char *reason)
+int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j)
 {
-	if (rq->seg)
-		ap_dp_reply_error_loop(rq->seg, rq->ask_id, reason);
-	else
-		ap_pool_loop_error_reply(p, head_start, rq->caller->node, reason);
+	ap_worker *w = ap_pool_route(p);
+	if (!w || w == from) {
+		/* Everyone is full: over the limit rather than lost. */
+		w = NULL;
+		for (int i = 0; i < p->o.workers; i++)
+			if (&p->w[i] != from && ap_worker_alive(&p->w[i])) {
+				w = &p->w[i];
+				break;
+			}
+	}
+	size_t need = (size_t)j->head_len + j->msg_len + j->addr_len;
+	ap_job *c = w ? ap_job_alloc(&w->mb, &w->job_cache, need) : NULL;
+	if (!c) {
+		ap_route_drop(&j->route); /* lost with its job: the route's hold must still go */
+		return -1;
+	}
+	c->is_ask = j->is_ask;
+	c->is_binary = j->is_binary;
+	c->is_answer = j->is_answer;
+	c->route = j->route; /* the hold moves with the job */
+	c->head_len = j->head_len;
+	c->msg_len = j->msg_len;
+	c->addr_len = j->addr_len;
+	memcpy(c->data, j->data, need);
+	ap_pool_push(w, c);
+	return 0;
 }
 
-/* Route one message. rq->msg: a term without its 131 byte. For a
- * distribution ask, the reply head is in p->scratch from head_start. */
-static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
+int ap_pool_others_alive(ap_pool *p, ap_worker *w)
+{
+	int others = 0;
+	for (int i = 0; i < p->o.workers; i++)
+		others += &p->w[i] != w && ap_worker_alive(&p->w[i]);
+	return others;
+}
+
+/* Route one message. rq->msg: a term without its 131 byte. An ask's hold
+ * on its route goes to its job, or is released by the loop's answer. */
+void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
 	const char *msg = rq->msg;
 	int msg_len = rq->msg_len;
 	int is_ask = rq->kind == AP_REQ_ASK;
-	int by_dist = is_ask && !rq->seg;
 	ap_worker *w = ap_pool_route(p);
 	if (!w) {
 		if (is_ask) {
 			p->overloaded++;
-			loop_error(p, rq, head_start, "overloaded");
+			ap_answer_loop(p, &rq->route, rq->head, rq->head_len, rq->addr, "overloaded");
 		} else {
 			p->dropped_tells++;
 		}
@@ -167,67 +252,41 @@ static void queue(ap_pool *p, const ap_request *rq, size_t head_start)
 	}
 	int is_binary = msg_len >= 5 && (uint8_t)msg[0] == 109;
 	size_t body = ap_msg_body_len(msg_len, is_binary);
-	size_t head = by_dist ? p->scratch.len - head_start : 0;
-	size_t nodelen = by_dist ? strlen(rq->caller->node) + 1 : 0;
-	/* A ring tell to a worker process may need no job (isolate.c, bare
-	 * tells); its wake pass publishes it. */
-	if (rq->seg && !is_ask && w->iso && ap_iso_send_tell(w, msg, msg_len, is_binary)) {
+	size_t head = is_ask ? rq->head_len : 0;
+	size_t addr = is_ask ? rq->addr_len : 0;
+	int batched = rq->route.ops->batched;
+	/* A batched tell to a worker process may need no job (isolate_loop.c,
+	 * bare tells); its wake pass publishes it. */
+	if (batched && !is_ask && w->ops->post_tell && w->ops->post_tell(w, msg, msg_len, is_binary)) {
 		ap_pool_wake_later(w, 0);
 		return;
 	}
-	/* Ring messages only: the budget is per ring drain (reset at its
-	 * end, ap_pool_wake_all_pushed), and distribution asks are answered
-	 * through the loop's own queue, not from the loop itself. */
-	int inline_ok = rq->seg && ap_pool_can_inline(p, w, msg_len);
-	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + nodelen);
+	/* Batched messages only: the budget is per batch (reset at its end,
+	 * ap_pool_wake_all_pushed), and other asks are answered through the
+	 * loop's own queue, not from the loop itself. */
+	int inline_ok = batched && ap_pool_can_inline(p, w, msg_len);
+	ap_job *j = ap_job_alloc(&w->mb, &w->job_cache, head + body + addr);
 	if (!j) {
 		if (is_ask)
-			loop_error(p, rq, head_start, "enomem");
+			ap_answer_loop(p, &rq->route, rq->head, rq->head_len, rq->addr, "enomem");
 		return;
 	}
 	j->is_ask = (uint8_t)is_ask;
 	j->is_binary = (uint8_t)is_binary;
-	j->seg = NULL;
-	j->ask_id = 0;
-	if (is_ask && rq->seg) {
-		j->seg = rq->seg;
-		j->ask_id = rq->ask_id;
-		ap_dp_seg_get(rq->seg);
-	}
+	j->route = is_ask ? rq->route : (ap_route){ 0 };
 	j->head_len = (uint32_t)head;
 	j->msg_len = (uint32_t)body;
-	j->node_len = (uint32_t)nodelen;
+	j->addr_len = (uint32_t)addr;
 	uint8_t *d = j->data;
 	if (head)
-		memcpy(d, p->scratch.data + head_start, head);
+		memcpy(d, rq->head, head);
 	d += head;
 	ap_msg_body_copy(d, msg, msg_len, is_binary);
 	d += body;
-	if (nodelen)
-		memcpy(d, rq->caller->node, nodelen);
+	if (addr)
+		memcpy(d, rq->addr, addr);
 	if (inline_ok)
 		ap_pool_run_inline(w, j);
 	else
 		ap_pool_push(w, j);
-}
-
-void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
-{
-	if (rq->seg) {
-		p->by_ring++;
-	} else {
-		p->by_dist++;
-		ap_dp_poll_cancel();
-	}
-	if (rq->kind == AP_REQ_TELL || rq->seg) {
-		queue(p, rq, 0);
-		return;
-	}
-	/* The reply's head is made here, once: the worker only appends the
-	 * result, and the loop answers overload with the same head. */
-	p->scratch.len = 0;
-	size_t st = ap_encode_reply_head(&p->scratch, &p->pid, rq->caller, rq->tag, rq->tag_len);
-	if (st == (size_t)-1)
-		return;
-	queue(p, rq, st);
 }

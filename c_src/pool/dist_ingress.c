@@ -1,14 +1,14 @@
 /* dist_ingress: the pool process, what a pool receives by distribution
  * ('$gen_call', '$gen_cast', '$ap_batch', plain messages) turned into
- * dispatched requests; and the answers for a batch to a pool that is gone. */
+ * dispatched requests, and the distribution route their answers go back
+ * by; and the answers for a batch to a pool that is gone. */
 #include <string.h>
 
+#include "ap_ctrl.h"
 #include "ap_dec.h"
-#include "ap_log.h"
-#include "ap_rand.h"
-#include "ap_siphash.h"
 #include "ap_term.h"
 #include "pool_int.h"
+#include "ring_ingress.h"
 
 /* The end of the term at b[i] in a message of len bytes, by the walk: what
  * dispatch copies and what a reply carries never reach past what the walk
@@ -18,16 +18,66 @@ static int term_end(const char *b, int len, int i)
 	return len < 0 ? -1 : ap_term_end(b, (size_t)len, i);
 }
 
-static void tell(ap_pool *p, const char *msg, int msg_len)
+/* ---- the distribution route ---------------------------------------------------
+ * An ask's answer is {Tag, Reply} to its caller (by ALIAS_SEND when the tag
+ * is [alias | Ref]), a frame for the loop to send: the job's head is the
+ * frame's head (ap_encode_reply_head), its address the caller's node, the
+ * route's context the node. It holds nothing, and never waits: the loop's
+ * send queue takes the frame at once. */
+
+static int dist_send(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker,
+		     ap_send_mode mode)
 {
-	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = msg_len });
+	(void)worker;
+	(void)mode;
+	ap_buf f = { .data = b, .len = len, .cap = len };
+	if (ap_frame_end(&f, 0))
+		return 0;
+	ap_node_post(r->ctx, addr, b, len);
+	return 0;
 }
 
+static void dist_drop(const ap_route *r) { (void)r; }
+
+static const char *dist_peer(const ap_route *r, const char *addr)
+{
+	(void)r;
+	return addr;
+}
+
+static const ap_route_ops dist_route = { .send = dist_send, .drop = dist_drop, .peer = dist_peer };
+
+/* A message came by distribution: the ring ingress stops yielding for
+ * records (ap_dp_poll_cancel) before the loop sleeps. */
+static void tell(ap_pool *p, const char *msg, int msg_len)
+{
+	p->by_dist++;
+	ap_dp_poll_cancel();
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .route = { &dist_route, p->n, 0 }, .msg = msg,
+					   .msg_len = msg_len });
+}
+
+/* The head of the answer to the ask being dispatched (loop thread): made
+ * here, once; the worker only appends the result, and the loop answers
+ * overload with the same head. */
+static ap_buf ask_head;
+
+/* tag: the reply tag, copied verbatim into {Tag, Reply}; like msg, a term
+ * without its 131 byte that the walk vouched for. */
 static void ask(ap_pool *p, const erlang_pid *caller, const char *tag, int tag_len, const char *msg, int msg_len)
 {
-	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .caller = caller, .tag = tag, .tag_len = tag_len,
+	p->by_dist++;
+	ap_dp_poll_cancel();
+	ask_head.len = 0;
+	if (ap_encode_reply_head(&ask_head, &p->pid, caller, tag, tag_len) == (size_t)-1)
+		return;
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .route = { &dist_route, p->n, 0 },
+					   .head = (const char *)ask_head.data, .head_len = (uint32_t)ask_head.len,
+					   .addr = caller->node, .addr_len = (uint32_t)strlen(caller->node) + 1,
 					   .msg = msg, .msg_len = msg_len });
 }
+
+/* ---- the pool process ------------------------------------------------------------ */
 
 /* {'$ap_batch', [{tell, Msg} | {ask, Pid, Tag, Msg}]} in b[0..len) */
 static int batch(ap_pool *p, const char *b, int len, int i)
@@ -116,56 +166,6 @@ void ap_pool_process(ap_node *n, ap_proc *self, const ap_msg *m)
 		break;
 	}
 	ap_pool_wake_pushed(p);
-}
-
-/* ---- tells that find no pool ------------------------------------------------ */
-
-/* Tells, by either ingress, to a name or pid with no pool (node_stats
- * no_pool_tells). Loop thread, as both ingresses. */
-static uint64_t no_pool_tells;
-/* The names logged already, by keyed hash, one per slot: a misspelt name
- * is logged once, and a sender that misspells without end costs these
- * 8 KiB and no more (a name another pushed out of its slot is logged
- * again). The key is random: nobody picks names that share a slot. */
-#define NO_POOL_SEEN 1024
-static uint64_t seen[NO_POOL_SEEN], seen_k0, seen_k1;
-
-uint64_t ap_pool_no_pool_tells(void) { return no_pool_tells; }
-
-void ap_pool_no_pool(const char *peer, const char *name, size_t name_len, const erlang_pid *pid, uint64_t tells)
-{
-	if (!tells)
-		return;
-	no_pool_tells += tells;
-	char p[4 * MAXNODELEN + 8], esc[2 * MAXATOMLEN_UTF8];
-	if (!name) {
-		/* Pids are not remembered (a stopped pool's are endless): a
-		 * line per tell, which ap_log's rate limit thins out. */
-		if (pid)
-			ap_log(AP_LOG_WARNING, "tell from %s to pid <%u.%u> dropped: no pool has it (%llu tells to no pool so far)",
-			       ap_log_escape(p, sizeof p, peer), pid->num, pid->serial, (unsigned long long)no_pool_tells);
-		return;
-	}
-	if (!seen_k0 && !seen_k1) {
-		seen_k0 = ap_rand_seed(seen);
-		seen_k1 = ap_rand_seed(&seen_k1) | 1;
-	}
-	uint64_t h = ap_siphash13(seen_k0, seen_k1, name, name_len) | 1;
-	uint64_t *slot = &seen[(h >> 1) % NO_POOL_SEEN];
-	if (*slot == h)
-		return;
-	char cname[MAXATOMLEN_UTF8];
-	size_t l = name_len < sizeof cname ? name_len : sizeof cname - 1;
-	memcpy(cname, name, l);
-	cname[l] = 0;
-	/* Remembered once logged: a line ap_log's rate limit held back is
-	 * logged at a later tell to that name. */
-	if (ap_log(AP_LOG_WARNING,
-		   "tell from %s to unregistered name '%s' dropped: no pool has that name (each name "
-		   "is logged once; %llu tells to no pool so far)",
-		   ap_log_escape(p, sizeof p, peer), ap_log_escape(esc, sizeof esc, cname),
-		   (unsigned long long)no_pool_tells))
-		*slot = h;
 }
 
 /* A batch to a pool that is gone: its asks answered {error, noproc}; the

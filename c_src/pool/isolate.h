@@ -20,12 +20,13 @@
  * no result record: the child's done_seq covers it, and it leaves the
  * mailbox in the proxy's pass or, while the proxy sleeps, in the loop's
  * (take_done_direct: as it sends, or routes to a full mailbox).
- * One exception: a tell from a same-host ring that finds everything before
- * it already sent, while the proxy sleeps, is written by the loop straight
- * into the request ring with no job (a bare tell, ap_iso_send_tell). Its
- * record is then the only copy, so the child maps the ring's data
- * read-only, and after a death the bare tells it had not started become
- * jobs in the mailbox again (ap_iso_rehydrate) before anything moves them.
+ * One exception: a tell of a batched route (a same-host ring's) that finds
+ * everything before it already sent, while the proxy sleeps, is written
+ * by the loop straight into the request ring with no job (a bare tell,
+ * ap_iso_send_tell). Its record is then the only copy, so the child maps
+ * the ring's data read-only, and after a death the bare tells it had not
+ * started become jobs in the mailbox again (ap_iso_rehydrate) before
+ * anything moves them.
  *
  * Deaths are seen by the loop: SIGCHLD is blocked in every thread of the
  * pool node and read from a signalfd (ap_node_add_reader); the loop reaps
@@ -44,7 +45,7 @@
 
 /* The head of a slot's channel (4 KiB), then the handler spec and config,
  * then the request ring (proxy -> child) and the result ring. Here rather
- * than in isolate.c for the tests' hostile worker (c_src/test/
+ * than in isolate_node.h for the tests' hostile worker (c_src/test/
  * plugin_hostile.c), which scribbles on it as a broken plugin would. */
 /* Line-sized groups: the child writes one, the proxy the other. */
 struct iso_ctl {
@@ -77,7 +78,7 @@ struct iso_ctl {
 	 * back unrun (a RESULT with c = 1), to be answered stopped as the
 	 * queue of a thread is */
 	_Atomic uint32_t stopping;
-	/* The loop's, when the worker stalls (isolate.c, ap_iso_revoke):
+	/* The loop's, when the worker stalls (isolate_loop.c, ap_iso_revoke):
 	 * messages up to revoke_upto that the child had not started by the
 	 * loop's barrier it hands back unrun (c = 1); they went to other
 	 * workers. revoke_from is the verdict: from there on they were not
@@ -86,7 +87,7 @@ struct iso_ctl {
 	_Atomic uint64_t revoke_upto, revoke_from;
 	/* the loop's: 1 while it looks at this channel's results itself on
 	 * each pass (it is busy with ring traffic and the proxy sleeps), so
-	 * the child need not wake the proxy for them (isolate.c,
+	 * the child need not wake the proxy for them (isolate_loop.c,
 	 * ap_iso_take_direct). Its Dekker pair: the child publishes, fences,
 	 * loads this; the loop stores 0, fences, looks at the results. */
 	_Atomic uint32_t loop_looks;
@@ -114,69 +115,32 @@ struct iso_ctl {
 };
 
 
-struct ap_worker;
+/* ---- what the rest of the pool node sees of worker processes -------------- *
+ * The kind's table is ap_worker_processes (pool.h); the rest is the
+ * loop's, over every worker process of every pool, and node_stats'. */
 
-/* Loop thread, once per slot before its first start: the slot's channel.
- * 0 or -errno. */
-int ap_iso_slot_init(struct ap_worker *w);
-/* The layers of w's sandbox (sandbox.h, AP_SBL_*); 0 in thread mode. */
-uint32_t ap_iso_sb_layers(struct ap_worker *w);
-/* Loop thread: unmap the slot's channel (its proxy is joined). */
-void ap_iso_slot_free(struct ap_worker *w);
-/* The proxy thread's function (pthread_create). */
-void *ap_iso_proxy_main(void *arg);
-/* Loop thread: reap the slot's child if it has exited, and tell its proxy. */
-void ap_iso_reap(struct ap_worker *w);
-/* Any thread: wake the slot's proxy (jobs were pushed, `ask` among them;
- * stop). */
-void ap_iso_wake(struct ap_worker *w, int always, int ask);
-/* Loop thread, for a slot whose mailbox is at its limit: take the ok
- * tells its child has finished off the mailbox, if its proxy sleeps (they
- * wait there for the next send, which a full mailbox holds off). */
-void ap_iso_reclaim(struct ap_worker *w);
-/* Loop thread: while `looks` is 1, the loop takes the results of this
- * slot's child itself when its proxy sleeps (answers to ring asks,
- * published with the loop's own at the end of its read), so neither the
- * child nor the proxy wakes for them; whatever it cannot take without
- * waiting (a crash, a large or distribution answer, a full reply ring) it
- * leaves to the proxy and rings it. With `looks` 0 (the loop is about to
- * sleep) it takes what is there once more after lowering the flag.
- * AP_ISO_TOOK if it answered anything, AP_ISO_ASKS_OUT if the child still
- * holds an ask the loop sent it (the loop may wait for it: iso_await in
- * ring_ingress.c), AP_ISO_PROXY if the proxy is awake or was left
- * something to send; the flags are pool_int.h's. */
-int ap_iso_take_direct(struct ap_worker *w, int looks, int cpu);
-/* Any thread: what w's worker processes added to their handler-time
- * histogram since the last call, into w->run_ns (stats). No-op in thread
- * mode. */
-void ap_iso_harvest(struct ap_worker *w);
-/* How many results the loop answered so far (node_stats). */
+/* ap_iso_take_all's flags: it answered something; a child still holds an
+ * ask the loop sent it (the loop may wait for it: iso_await in
+ * ring_ingress.c); a proxy is awake or was left something to send. */
+enum { AP_ISO_TOOK = 1, AP_ISO_ASKS_OUT = 2, AP_ISO_PROXY = 4 };
+/* Loop thread, on every ring read (looks 1) and before it sleeps (0): the
+ * loop takes the results of worker processes whose proxies sleep itself
+ * (isolate_loop.c, ap_iso_take_direct): their flags, or-ed (a stalled
+ * worker's asks out not among them). */
+int ap_iso_take_all(int looks);
+/* The moves of every live worker process to the loop's CPU (node_stats
+ * `iso_follows'). Loop thread. */
+unsigned long long ap_iso_follows_all(void);
+/* Loop thread, once, before the first pool starts: watch for worker
+ * processes that exit (a signalfd in the loop, whose reads reap them).
+ * SIGCHLD must be blocked in every thread already (main does it). 0 or
+ * -errno. */
+struct ap_node;
+int ap_iso_watch_children(struct ap_node *n);
+
+/* node_stats: results the loop answered; bare tells sent, and made jobs
+ * again after a death. */
 unsigned long long ap_iso_loop_results(void);
-/* Loop thread: how often w's live worker process moved to the loop's CPU
- * (isolate_child.c, follow_loop); 0 without one. */
-unsigned ap_iso_follows(struct ap_worker *w);
-
-/* Loop thread: a tell from a same-host ring straight into w's worker
- * process's request ring, with no job (1), or 0: make a job as before. The
- * caller puts w on its wake list, whose pass publishes it. */
-int ap_iso_send_tell(struct ap_worker *w, const char *msg, int msg_len, int is_binary);
-
-/* Loop thread, w stalled (pool.c, the watchdog) and skipped by routing:
- * the jobs queued behind the message its child is on move to the other
- * workers (ap_pool_move_job), and so do those the child was sent and has
- * not started, which it then hands back unrun. How many moved, or -1 when
- * the proxy is awake (try again later). */
-long long ap_iso_revoke(struct ap_worker *w);
-/* Loop thread: w's child has been on one message, the one after `deq`
- * done, past handler_timeout_ms: kill it (its proxy answers that message
- * handler_timeout). 1 if a kill was sent. */
-int ap_iso_timeout(struct ap_worker *w, uint64_t deq);
-
-/* Loop thread, once w's proxy has exited: the bare tells its child had not
- * finished become jobs in w's mailbox, in order. */
-void ap_iso_rehydrate(struct ap_worker *w);
-
-/* node_stats: bare tells sent, and made jobs again after a death. */
 unsigned long long ap_iso_bare_tells(void);
 unsigned long long ap_iso_bare_rehydrated(void);
 /* main() of the child, before anything else runs: argv[1] is

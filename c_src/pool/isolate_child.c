@@ -39,7 +39,7 @@ static void child_die(int code) { _exit(code); }
 static int fence_each = 1;
 
 /* A message up to revoke_upto, just started (running_seq stored): whether
- * it moved to another worker while we were stalled (isolate.c,
+ * it moved to another worker while we were stalled (isolate_loop.c,
  * ap_iso_revoke). Our running_seq store and this load need no fence
  * between them: the pool node runs a barrier on us (membarrier) between
  * its store of revoke_upto and its look at running_seq. */
@@ -330,7 +330,7 @@ int ap_iso_child_main(int argc, char **argv)
 		_exit(71);
 	/* The request ring's records are read-only here (the pool node lays
 	 * them out on a page of their own): some are the pool node's only copy
-	 * of a tell (isolate.c, bare tells), which it hands to another worker
+	 * of a tell (isolate_loop.c, bare tells), which it hands to another worker
 	 * if we die first; a stray write of a handler must not change them. */
 	if (mprotect(mem + cc->req_off + AP_RING_HDR_SIZE, cc->req_size - AP_RING_HDR_SIZE, PROT_READ))
 		_exit(71);

@@ -1,5 +1,5 @@
 /* isolate_int: what the two ends of a worker's channel share, the pool
- * node's proxy (isolate.c) and the child process (isolate_child.c): the
+ * node's proxy (isolate*.c) and the child process (isolate_child.c): the
  * channel's constants, its record header, the proxy's doorbell. The head of
  * the channel itself (struct iso_ctl) is in isolate.h.
  */
@@ -30,11 +30,11 @@
 #define ISO_RESULT_BATCH 256       /* results a busy child writes between rings of the proxy's bell
 				    * (an ask's result rings at once when the child has caught up) */
 #define ISO_DONE_BATCH 4096        /* ok tells (no record) it finishes between rings: the loop takes
-				    * them while it sends (isolate.c, take_done_direct) */
+				    * them while it sends (isolate_loop.c, take_done_direct) */
 #define ISO_ASK_WAIT_US 20         /* an ask's answer waits at most this long (and the one message
 				    * then running) for the batch behind it; none if the ask took it */
 #define ISO_RELEASE_BATCH 32       /* messages the child reads before it gives their room back */
-#define ISO_BARE_MAX 4096          /* tells in a request ring without a job, at most (isolate.c,
+#define ISO_BARE_MAX 4096          /* tells in a request ring without a job, at most (isolate_loop.c,
 				    * ap_iso_send_tell): about what 512 KiB holds of short ones */
 #define ISO_DONE_WAIT_MS 1         /* an idle child rings for ok tells nobody took after this long */
 #define ISO_ASK_POLL_US 250        /* after an ask, a child yields this long for the next message before it sleeps */
@@ -44,7 +44,7 @@
 #define ISO_FOLLOW_WINDOW_US 10000 /* a child weighs its handlers' time over windows this long (follow_loop) */
 #define ISO_FOLLOW_MS 10           /* and moves to the loop's CPU at most this often, */
 #define ISO_FOLLOW_MAX_MS 1000     /* or this often while the scheduler keeps moving it away */
-#define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, send_commit) */
+#define ISO_HOLD_US 100            /* how long the proxy holds back tells (isolate.c, iso_send_commit) */
 #define ISO_IDLE_MS 1000           /* a sleeping proxy looks again this often, whatever happens */
 #define ISO_REAP_MS 5000           /* how long a proxy waits for its child's exit to be reaped */
 #define ISO_STOP_GRACE_MS 500      /* at stop, how long a child may finish the message it runs, */
@@ -86,7 +86,7 @@ static inline void ap_iso_release_every(struct ap_ring *r, unsigned *n, unsigned
 
 /* Rung by whoever has news for the proxy (the child, the loop): always, or
  * only when the proxy is about to sleep or sleeping (its Dekker pair is
- * proxy_sleep in isolate.c). */
+ * proxy_sleep in isolate_proxy.c). */
 static inline void ap_iso_bell(struct iso_ctl *c, int always)
 {
 	atomic_thread_fence(memory_order_seq_cst);

@@ -1,13 +1,7 @@
 /* mailbox: each worker's queue of jobs (single producer, the loop; single
- * consumer, the worker), recycled jobs, and the doorbell a worker sleeps on
- * when its queue is empty. */
-#include <linux/futex.h>
+ * consumer, the worker) and the jobs' recycling. */
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include "ap_ring.h"
-#include "isolate.h"
 #include "pool_int.h"
 
 int ap_mbox_init(ap_mbox *m)
@@ -109,63 +103,4 @@ ap_job *ap_job_alloc(ap_mbox *m, ap_job **cache, size_t need)
 		j->is_answer = j->revoked = 0;
 	}
 	return j;
-}
-
-/* The worker's doorbell is its `sleeping` word, a private futex: the
- * loop wakes it with one FUTEX_WAKE and no lock, so the woken worker never
- * blocks again on a mutex the waker still holds (a mutex and condvar cost
- * 5-6 syscalls and two switches per sleep). Before sleeping the worker
- * spins briefly, so a job that follows the last within a few microseconds
- * (64 callers) costs no sleep and no wake; the spin is short because on a
- * 2-core host it takes the CPU the loop needs to bring that job. */
-#define AP_WORKER_SPIN 64
-
-static void futex_wait_private(_Atomic int *w, int expected)
-{
-	(void)syscall(SYS_futex, (int *)w, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
-}
-
-static void futex_wake_private(_Atomic int *w)
-{
-	(void)syscall(SYS_futex, (int *)w, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-}
-
-ap_job *ap_worker_next_job(ap_worker *w)
-{
-	for (;;) {
-		if (atomic_load(&w->crash_pending))
-			return NULL; /* an inline run crashed on its behalf */
-		ap_job *j = ap_mbox_pop(&w->mb);
-		if (j || atomic_load(&w->stop))
-			return j;
-		for (int k = 0; k < AP_WORKER_SPIN && ap_mbox_empty(&w->mb) && !atomic_load(&w->stop); k++)
-			ap_ring_cpu_relax();
-		if (!ap_mbox_empty(&w->mb))
-			continue;
-		atomic_store(&w->sleeping, 1);
-		/* Checked after the flag (both seq_cst): a push we miss here
-		 * sees the flag, takes it down and wakes us; if that happened
-		 * already, the wait returns at once (the word is no longer 1). */
-		if (ap_mbox_empty(&w->mb) && !atomic_load(&w->stop) && !atomic_load(&w->crash_pending))
-			futex_wait_private(&w->sleeping, 1);
-		atomic_store(&w->sleeping, 0);
-	}
-}
-
-void ap_worker_wake(ap_worker *w, int always, int ask)
-{
-	if (w->iso) {
-		ap_iso_wake(w, always, ask);
-		return;
-	}
-	/* Orders the pushes before (release stores, ap_mbox_push) before
-	 * the look at the flag: the Dekker pair of the worker's raising it,
-	 * then its look at the mailbox (ap_worker_next_job). */
-	atomic_thread_fence(memory_order_seq_cst);
-	if (always) {
-		atomic_store(&w->sleeping, 0);
-		futex_wake_private(&w->sleeping);
-	} else if (atomic_load(&w->sleeping) && atomic_exchange(&w->sleeping, 0)) {
-		futex_wake_private(&w->sleeping);
-	}
 }

@@ -1,5 +1,6 @@
-/* reply: the reply frames a pool builds, by its workers (a handler's
- * result) and by the loop (an ask answered without a worker). */
+/* reply: a pool's answers, by its workers (a handler's result) and by the
+ * loop (an ask answered without a worker), each sent by its job's route
+ * (pool_int.h): the one place an answer leaves. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,12 +33,6 @@ int ap_pool_reply_reserve(actor_pool_reply *r, size_t more)
  * The pool's own replies (status atoms, error reasons) are not the
  * handler's and pass unchecked. */
 
-/* Where j's answer goes: the caller's node, or the BEAM of j's segment. */
-static const char *answer_node(const ap_job *j)
-{
-	return j->seg ? ap_dp_seg_peer(j->seg) : (const char *)j->data + j->head_len + j->msg_len;
-}
-
 static int admit_atom(void *arg, const uint8_t *name, size_t len)
 {
 	return ap_atomset_admit(arg, name, len) ? 0 : -1;
@@ -47,7 +42,7 @@ static int admit_atom(void *arg, const uint8_t *name, size_t len)
 static int check_term(ap_worker *w, const ap_job *j, const char *t, size_t len)
 {
 	ap_term_strict *st = &w->check;
-	const char *node = answer_node(j);
+	const char *node = j->route.ops->peer(&j->route, ap_job_addr(j));
 	int idx = 0;
 	st->self_node = node;
 	st->self_node_len = strlen(node);
@@ -170,61 +165,42 @@ static int enc_answer(ap_worker *w, const ap_job *j, const char *status, actor_p
 	return 0;
 }
 
-static void send_answer(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int own)
+/* The answer to the ask j (its head, then {Status, reply}), sent by its
+ * route: every ask is answered exactly once, here or by the loop, and its
+ * route's hold released with it. */
+int ap_answer(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int how)
 {
 	ap_buf *b = &w->out;
-	if (enc_answer(w, j, status, r, own))
-		goto out;
-	if (j->seg) {
-		ap_dp_reply(j->seg, (unsigned)w->id, j->ask_id, b->data, b->len);
-		goto out;
+	if (enc_answer(w, j, status, r, how & AP_ANSWER_OWN)) {
+		ap_route_drop(&j->route); /* nothing to send */
+		return 0;
 	}
-	if (ap_frame_end(b, 0))
-		return;
-	ap_node_post(w->pool->n, (const char *)j->data + j->head_len + j->msg_len, b->data, b->len);
-	return;
-out:
-	if (j->seg)
-		ap_dp_seg_put(j->seg);
+	return j->route.ops->send(&j->route, ap_job_addr(j), b->data, b->len, (unsigned)w->id,
+				  how & AP_ANSWER_NOWAIT ? AP_SEND_NOWAIT : AP_SEND_WAIT);
 }
 
-/* Worker thread: answer the ask j with {Status, reply}: a frame for the
- * loop to send, or, for an ask that came by ring, the term into a reply
- * ring of its segment (and the job's reference on it is dropped: every
- * ask is answered exactly once, here or by the loop). */
-void ap_pool_send_result(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
-{
-	send_answer(w, j, status, r, 0);
-}
-
-void ap_pool_send_own(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r)
-{
-	send_answer(w, j, status, r, 1);
-}
-
-int ap_pool_send_result_nowait(ap_worker *w, const ap_job *j, const char *status, actor_pool_reply *r, int own)
-{
-	if (enc_answer(w, j, status, r, own) == 0 &&
-	    ap_dp_reply_nowait(j->seg, (unsigned)w->id, j->ask_id, w->out.data, w->out.len) == -EAGAIN)
-		return -EAGAIN;
-	ap_dp_seg_put(j->seg);
-	return 0;
-}
-
-void ap_pool_send_error(ap_worker *w, const ap_job *j, const char *reason)
+void ap_answer_error(ap_worker *w, const ap_job *j, const char *reason)
 {
 	ap_pool_set_atom_reply(&w->reply, reason);
-	ap_pool_send_own(w, j, "error", &w->reply);
+	ap_answer(w, j, "error", &w->reply, AP_ANSWER_OWN);
 }
 
-/* Loop thread: answer an ask whose reply head is in p->scratch (from
- * head_start) with {error, Reason}, without a worker. */
-void ap_pool_loop_error_reply(ap_pool *p, size_t head_start, const char *node, const char *reason)
+int ap_answer_made(ap_worker *w, ap_job *j, ap_send_mode mode)
+{
+	return j->route.ops->send(&j->route, ap_job_addr(j), j->data, (size_t)j->head_len + j->msg_len,
+				  (unsigned)w->id, mode);
+}
+
+void ap_answer_loop(ap_pool *p, const ap_route *r, const void *head, size_t head_len, const char *addr,
+		    const char *reason)
 {
 	ap_buf *b = &p->scratch;
-	if (ap_enc_error(b, reason) || ap_frame_end(b, head_start))
+	b->len = 0;
+	if (ap_buf_append(b, head, head_len) || ap_enc_error(b, reason)) {
+		ap_route_drop(r);
 		return;
-	ap_node_post(p->n, node, b->data + head_start, b->len - head_start);
+	}
+	(void)r->ops->send(r, addr, b->data, b->len, 0, AP_SEND_LOOP);
 }
 
 /* Why a pool did not start: what its first failing worker process said

@@ -2,9 +2,8 @@
  * sliding window. */
 #include <string.h>
 
-#include "ap_time.h"
-#include "isolate.h"
 #include "ap_atomset.h"
+#include "ap_time.h"
 #include "pool_int.h"
 #include "sandbox.h"
 
@@ -50,7 +49,8 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	/* The buckets, then the sum (ns). */
 	uint64_t run[AP_HIST_BUCKETS + 1] = { 0 };
 	for (int i = 0; i < p->o.workers; i++) {
-		ap_iso_harvest(&p->w[i]);
+		if (p->w[i].ops->harvest)
+			p->w[i].ops->harvest(&p->w[i]);
 		ap_hist_sum_into(run, &p->w[i].run_ns);
 	}
 	ap_hist_sum_into(run, &p->inline_ns);
@@ -77,12 +77,12 @@ void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
 	ei_x_encode_atom(x, p->o.isolation == AP_ISO_PROCESS ? "process" : "thread");
 	kv_limit(x, "handler_timeout_ms", p->o.handler_timeout_ms);
 	kv_limit(x, "stall_ms", p->o.stall_ms);
-	/* The watchdog's (pool.c): workers held back for one message. */
+	/* The watchdog's (watchdog.c): workers held back for one message. */
 	kv_u64(x, "stalls", stalls);
 	kv_limit(x, "max_memory_mb", p->o.max_memory_mb);
 	ei_x_encode_atom(x, "sandbox");
 	ap_sb_encode_stats(x, &p->o.sandbox, p->o.isolation == AP_ISO_PROCESS, p->o.max_memory_mb,
-			   p->o.workers ? ap_iso_sb_layers(&p->w[0]) : 0);
+			   p->o.workers && p->w[0].ops->sb_layers ? p->w[0].ops->sb_layers(&p->w[0]) : 0);
 	/* reply.c: replies refused, and the atoms replies carried against
 	 * their budget. */
 	kv_u64(x, "bad_replies", atomic_load_explicit(&p->bad_replies, memory_order_relaxed));

@@ -61,7 +61,7 @@ uint32_t origins_get(origins *o, const char *name, int add)
 		for (size_t j = h & m; o->tab.s[j].e; j = (j + 1) & m) {
 			struct oname *e = o->tab.s[j].e;
 			o->probes++;
-			if (o->tab.s[j].h == h && e->len == len && !memcmp(e->name, name, len))
+			if (ptab_hit(&o->tab.s[j], h) && e->len == len && !memcmp(e->name, name, len))
 				return e->id + 1;
 		}
 	}

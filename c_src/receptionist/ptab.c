@@ -32,6 +32,8 @@ static void mem_free(size_t *mem, void *p, size_t n)
 
 int ptab_resize(size_t *mem, ptab *t, size_t cap)
 {
+	if (cap > (size_t)UINT32_MAX + 1)
+		return -1;
 	struct pslot *s = mem_calloc(mem, cap, sizeof *s);
 	if (!s)
 		return -1;
@@ -69,6 +71,7 @@ void ptab_del(size_t *mem, ptab *t, uint64_t h, const void *e)
 	}
 	t->s[i].e = NULL;
 	t->s[i].h = 0;
+	t->s[i].v = 0;
 	t->n--;
 	if (t->cap > PTAB_MIN && t->n * 8 < t->cap)
 		ptab_resize(mem, t, t->cap / 2); /* on failure it just stays larger */
@@ -81,7 +84,7 @@ int ptab_has(const ptab *t, uint64_t h, const void *e)
 	size_t m = t->cap - 1;
 	for (size_t j = h & m; t->s[j].e; j = (j + 1) & m)
 		if (t->s[j].e == e)
-			return t->s[j].h == h;
+			return ptab_hit(&t->s[j], h);
 	return 0;
 }
 

@@ -108,12 +108,15 @@ static int get_key(const char *b, size_t len, int *i, const char **key, size_t *
 	return ap_term_skip(b, len, i);
 }
 
+/* A pid, which must encode again: everything sent names pids, and ei
+ * takes a node name in that it cannot write back (not UTF-8), which would
+ * leave a reply cut short. */
 static int get_pid(const char *b, int *i, erlang_pid *p)
 {
-	int type, size;
-	if (ei_get_type(b, i, &type, &size) || type != ERL_PID_EXT)
+	int type, size, n = 0;
+	if (ei_get_type(b, i, &type, &size) || type != ERL_PID_EXT || ei_decode_pid(b, i, p))
 		return -1;
-	return ei_decode_pid(b, i, p) ? -1 : 0;
+	return ei_encode_pid(NULL, &n, p) ? -1 : 0;
 }
 
 /* A pid, or `undefined` (*has 0). */

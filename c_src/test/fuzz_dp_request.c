@@ -1,13 +1,14 @@
 /* fuzz_dp_request: libFuzzer target over the pool node's ring ingress
- * (pool/ring_ingress.c: drain_seg, drain_ring, handle, resolve, fences,
- * error replies), which reads request records a BEAM writes into shared
- * memory, so it must survive any record there.
+ * (dataplane/node/ring_ingress.c: drain_seg, drain_ring, handle, resolve,
+ * fences; ring_seg.c: error replies, the ring route), which reads request
+ * records a BEAM writes into shared memory, so it must survive any record
+ * there.
  *
- * ring_ingress.c is compiled into this file (its record handling is
- * static, on the loop thread, over its private segment struct); the rest
- * of the pool node is stubbed below: a pool is found by the name "p" or by
- * a pid whose number is 7, dispatch checks what it is handed, stats are a
- * small map. Nothing of ring_ingress.c is changed for the fuzzer.
+ * ring_ingress.c and ring_seg.c are compiled into this file (their record
+ * handling is static, on the loop thread, over the segment struct); the
+ * rest of the pool node is stubbed below: a pool is found by the name "p"
+ * or by a pid whose number is 7, dispatch checks what it is handed, stats
+ * are a small map. Nothing of either file is changed for the fuzzer.
  *
  * Input layout: byte 0 = geometry (bits 0-1: n_req - 1, bit 2: a small
  * reply ring that fills), then records: a byte choosing the request ring
@@ -20,7 +21,8 @@
  * every reply record it wrote is read back: each must be a 16-byte header
  * whose length covers exactly one whole term.
  */
-#include "../pool/ring_ingress.c"
+#include "../dataplane/node/ring_ingress.c"
+#include "../dataplane/node/ring_seg.c"
 
 #define t_check(cond)                                                        \
 	do {                                                                 \
@@ -34,7 +36,7 @@
 #define T_REP_CAP_SMALL 256u
 #define T_REP_CAP 4096u
 
-static int t_pool; /* its address is the one pool */
+static ap_pool t_pool; /* the one pool */
 static int64_t t_now;
 static volatile unsigned t_sink;
 
@@ -73,32 +75,9 @@ void ap_node_futex_cancel(ap_node *n, ap_io_futex *f)
 	t_check(0); /* never armed here */
 }
 
-int ap_node_futex_supported(const ap_node *n)
-{
-	(void)n;
-	return 0;
-}
-
 int ap_node_futex_wait(ap_node *n, ap_io_futex *f, uint32_t *word, uint32_t expected, int timeout_ms)
 {
 	(void)n, (void)f, (void)word, (void)expected, (void)timeout_ms;
-	return -ENOSYS;
-}
-
-const char *ap_node_name(const ap_node *n)
-{
-	(void)n;
-	return "fuzz@localhost";
-}
-
-void ap_node_set_idle(ap_node *n, ap_idle_fn fn, void *arg)
-{
-	(void)n, (void)fn, (void)arg;
-}
-
-int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg)
-{
-	(void)n, (void)fd, (void)fn, (void)arg;
 	return -ENOSYS;
 }
 
@@ -117,23 +96,28 @@ ap_pool *ap_pool_find(ap_node *n, const char *name, const erlang_pid *pid)
  * above answered for a destination, which is always the same answer. */
 uint64_t ap_pool_generation(void) { return 1; }
 
-/* What the ingress hands on: one whole term, inside the copy it made. */
+/* What the ingress hands on: one whole term, inside the copy it made, by
+ * the ring route; an ask's route holds a reference on its segment. */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
 	t_check(p == (ap_pool *)&t_pool);
 	t_check(rq->kind == AP_REQ_TELL || rq->kind == AP_REQ_ASK);
-	t_check(rq->seg && rq->msg_len > 0);
-	t_check((const uint8_t *)rq->msg >= dp.copy.data &&
-		(const uint8_t *)rq->msg + rq->msg_len <= dp.copy.data + dp.copy.len);
+	t_check(rq->route.ops == &dp_ring_route && rq->msg_len > 0);
+	t_check(rq->kind == AP_REQ_TELL || (rq->route.ctx == ap_dp.segs[0] && atomic_load(&ap_dp.segs[0]->refs) >= 2));
+	t_check((const uint8_t *)rq->msg >= ap_dp.copy.data &&
+		(const uint8_t *)rq->msg + rq->msg_len <= ap_dp.copy.data + ap_dp.copy.len);
 	t_check(ap_term_end(rq->msg, (size_t)rq->msg_len, 0) == rq->msg_len);
 	unsigned s = 0;
 	for (int i = 0; i < rq->msg_len; i++)
 		s += (uint8_t)rq->msg[i];
 	t_sink += s;
-	if (rq->kind == AP_REQ_ASK)
-		/* 'ok', as a worker answers; never waiting for room (nobody
-		 * reads the reply rings while the drain runs). */
-		reply(rq->seg, 0, rq->ask_id, "\x64\x00\x02ok", 5, 1);
+	if (rq->kind == AP_REQ_ASK) {
+		/* 'ok', as a worker answers, by the route (which drops the
+		 * reference); never waiting for room (nobody reads the reply
+		 * rings while the drain runs). */
+		uint8_t ok[] = { 0x64, 0x00, 0x02, 'o', 'k' };
+		t_check(rq->route.ops->send(&rq->route, NULL, ok, sizeof ok, 0, AP_SEND_LOOP) == 0);
+	}
 }
 
 void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
@@ -148,7 +132,7 @@ void ap_pool_wake_all_pushed(void)
 {
 }
 
-int ap_pool_iso_take_all(int looks)
+int ap_iso_take_all(int looks)
 {
 	(void)looks;
 	return 0;
@@ -189,12 +173,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 	snprintf(sg->peer, sizeof sg->peer, "beam@fuzz");
 	atomic_store(&sg->refs, 1); /* the registry's */
-	atomic_store(&dp.nsegs, 1);
-	dp.n = (ap_node *)&t_pool; /* never dereferenced: every ap_node_* is a stub */
-	dp.efd = -1;
-	dp.segs[0] = sg;
-	dp.n_live = 1;
-	dp.top = 1;
+	atomic_store(&ap_dp.nsegs, 1);
+	ap_dp.n = (ap_node *)&t_pool; /* never dereferenced: every ap_node_* is a stub */
+	ap_dp.efd = -1;
+	ap_dp.segs[0] = sg;
+	ap_dp.n_live = 1;
+	ap_dp.top = 1;
 	sg->slot = 0;
 
 	/* The BEAM's side: producer views of the request rings, consumer
@@ -245,10 +229,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 
 	if (sg->slot >= 0)
-		detach(sg, "the fuzz input ended"); /* drops the registry's reference: freed */
+		dp_detach(sg, "the fuzz input ended"); /* drops the registry's reference: freed */
 	else
-		t_check(atomic_load(&dp.nsegs) == 0); /* detached inside, and freed then */
-	t_check(dp.n_live == 0 && dp.top == 0);
+		t_check(atomic_load(&ap_dp.nsegs) == 0); /* detached inside, and freed then */
+	t_check(ap_dp.n_live == 0 && ap_dp.top == 0);
 	free(mem);
 	return 0;
 }

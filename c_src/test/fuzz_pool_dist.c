@@ -6,7 +6,7 @@
  * The input is one frame as the node reads it after the 4-byte length: the
  * pass-through byte, the control tuple, the message. It goes the node's
  * way: ap_ctrl_decode, then a SEND or REG_SEND to the process it names
- * (ap_node.c's deliver: ap_node_classify, then the process's function, or
+ * (ap_node_recv.c's deliver: ap_node_classify, then the process's function, or
  * the dead-letter hook when nobody has the name or pid). A REG_SEND to
  * actor_pool_node reaches the manager, to p (or a SEND to a pid whose
  * number is below 1000, as a live pool's pid) the pool process; any other
@@ -14,8 +14,8 @@
  * ap_pool_dead_letter.
  *
  * pool_node.c is compiled into this file (its manager is static), with its
- * main renamed; dist_ingress.c, reply.c and the runtime are linked as they
- * are. The node is a real one (ap_node_new, no listener, no connection).
+ * main renamed; pool_opts.c, dist_ingress.c, no_pool.c, reply.c and the
+ * runtime are linked as they are. The node is a real one (ap_node_new, no listener, no connection).
  * The rest of the pool is stubbed below: one pool, found as p or a pid
  * below 1000;
  * dispatch, start and stop check what they are handed; no plugin is ever
@@ -56,7 +56,7 @@
 
 #define T_LIVE_PIDS 1000u /* pids below this number are the pool's */
 
-static int t_pool;                  /* its address is the one pool */
+static ap_pool t_pool;              /* the one pool */
 static ap_node *t_node;
 static ap_proc *t_pool_proc, *t_dead; /* the pool process; the dead-letter hook's self */
 static const ap_msg *t_m;           /* the message being handled */
@@ -148,10 +148,26 @@ int __wrap_ap_reply_atom(ap_node *n, const ap_proc *self, const ap_msg *call, co
 	return __wrap_ap_reply(n, self, call, buf, i);
 }
 
-/* Only the dead-letter hook posts here (no worker runs): {error, noproc}
- * to an ask of the batch, whose tag is in the message. */
+/* The answer the dispatch stub sends by an ask's route, as the loop would
+ * when the pool is overloaded (see ap_pool_dispatch below), while on. */
+static struct {
+	int on;
+	const char *reply;
+	int reply_len;
+} t_answer;
+
+/* Posts come from the distribution route (an answer, t_answer) or from the
+ * dead-letter hook (no worker runs): {error, noproc} to an ask of the
+ * batch, whose tag is in the message. */
 int __wrap_ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
 {
+	if (t_answer.on) {
+		t_check(n == t_node && t_m);
+		t_check(memchr(node, 0, MAXATOMLEN_UTF8) != NULL);
+		t_frame(frame, len, &t_pool_proc->pid, node, NULL, 0, t_answer.reply, t_answer.reply_len);
+		t_answer.on = 0;
+		return 0;
+	}
 	char err[64];
 	int el = t_error_term(err, "noproc");
 	t_check(n == t_node && t_m && t_m->kind == AP_MSG_INFO);
@@ -184,37 +200,19 @@ unsigned long long ap_dp_iso_waits_missed(void) { return 0; }
 unsigned long long ap_iso_loop_results(void) { return 0; }
 unsigned long long ap_iso_bare_tells(void) { return 0; }
 unsigned long long ap_iso_bare_rehydrated(void) { return 0; }
-unsigned long long ap_pool_iso_follows(void) { return 0; }
+unsigned long long ap_iso_follows_all(void) { return 0; }
+
+/* The kinds of workers: never run here (the start stub below checks
+ * which one the manager picked). */
+const ap_worker_ops ap_worker_threads, ap_worker_processes;
 
 void ap_dp_encode_info(ei_x_buff *x)
 {
 	ei_x_encode_atom(x, "undefined");
 }
 
-void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len)
+void ap_dp_poll_cancel(void)
 {
-	(void)s, (void)ring, (void)ask_id, (void)term, (void)len;
-	t_check(0); /* no ring here */
-}
-
-int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len)
-{
-	(void)s, (void)ring, (void)ask_id, (void)term, (void)len;
-	t_check(0); /* no ring here */
-	return 0;
-}
-
-void ap_dp_seg_put(struct ap_dp_seg *s)
-{
-	(void)s;
-	t_check(0);
-}
-
-const char *ap_dp_seg_peer(const struct ap_dp_seg *s)
-{
-	(void)s;
-	t_check(0);
-	return "";
 }
 
 void ap_pool_opts_default(ap_pool_opts *o)
@@ -244,11 +242,13 @@ void ap_pool_stop(ap_node *n, ap_pool *p)
  * for the caller. Nothing starts; the pending reply is freed here. */
 int ap_pool_start(ap_node *n, const char *name, const char *handler_desc, const char *spec,
 		  const actor_pool_handler *h, void *dl, const uint8_t *config, size_t config_len, const ap_pool_opts *o,
-		  ap_pending_reply *reply)
+		  const ap_worker_ops *kind, ap_proc_fn ingress, ap_pending_reply *reply)
 {
 	t_check(n == t_node && h == &t_handler && dl == NULL);
-	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, HANDLER_DESC) != NULL);
-	t_check(spec && memchr(spec, 0, SPEC_MAX) != NULL);
+	t_check(kind == (o->isolation == AP_ISO_PROCESS ? &ap_worker_processes : &ap_worker_threads));
+	t_check(ingress == ap_pool_process);
+	t_check(memchr(name, 0, MAXATOMLEN_UTF8) != NULL && memchr(handler_desc, 0, AP_POOL_HANDLER_DESC) != NULL);
+	t_check(spec && memchr(spec, 0, AP_POOL_SPEC_MAX) != NULL);
 	t_check(o->isolation == AP_ISO_THREAD || o->isolation == AP_ISO_PROCESS);
 	t_check(o->handler_timeout_ms >= 0 && o->handler_timeout_ms <= 86400000);
 	t_check(o->stall_ms >= 0 && o->stall_ms <= 86400000);
@@ -290,7 +290,11 @@ void ap_pool_tick(ap_node *n, void *arg)
 	(void)n, (void)arg;
 }
 
-int ap_pool_watch_children(ap_node *n)
+void ap_pool_barriers_init(void)
+{
+}
+
+int ap_iso_watch_children(struct ap_node *n)
 {
 	(void)n;
 	return 0;
@@ -340,13 +344,16 @@ int ap_plugin_check(const char *path, char *why, size_t why_len)
 	return -1;
 }
 
-/* What an ingress hands on: one whole term inside the message; an ask's
- * tag too, and the error reply the loop would make to it is checked. */
+/* What an ingress hands on: one whole term inside the message, by the
+ * distribution route (its context the node); an ask's route head and
+ * address too: the error answer the loop would make to it (the head, then
+ * {error, overloaded}) goes by the route and is checked as a frame to the
+ * caller's node ({Tag, Reply}, the tag a whole term from the message). */
 void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 {
-	t_check(p == (ap_pool *)&t_pool);
+	t_check(p == &t_pool);
 	t_check(rq->kind == AP_REQ_TELL || rq->kind == AP_REQ_ASK);
-	t_check(rq->seg == NULL);
+	t_check(rq->route.ops && !rq->route.ops->batched && rq->route.ctx == t_node);
 	t_check(t_in_msg(rq->msg, rq->msg_len));
 	t_check(ap_term_end(rq->msg, (size_t)rq->msg_len, 0) == rq->msg_len);
 	unsigned s = 0;
@@ -355,14 +362,19 @@ void ap_pool_dispatch(ap_pool *p, const ap_request *rq)
 	t_sink += s;
 	if (rq->kind == AP_REQ_TELL)
 		return;
-	t_check(rq->caller && memchr(rq->caller->node, 0, sizeof rq->caller->node) != NULL);
-	t_check(t_in_msg(rq->tag, rq->tag_len));
-	t_check(ap_term_end(rq->tag, (size_t)rq->tag_len, 0) == rq->tag_len);
+	t_check(rq->addr_len >= 1 && rq->addr_len <= MAXATOMLEN_UTF8 && memchr(rq->addr, 0, rq->addr_len) ==
+								       rq->addr + rq->addr_len - 1);
+	t_check(rq->head && rq->head_len > 4);
 	char err[64];
 	int el = t_error_term(err, "overloaded");
 	ap_buf b = { 0 };
-	if (ap_enc_error_reply(&b, &t_pool_proc->pid, rq->caller, rq->tag, rq->tag_len, "overloaded") == 0)
-		t_frame(b.data, b.len, &t_pool_proc->pid, rq->caller->node, rq->tag, rq->tag_len, err, el);
+	if (ap_buf_append(&b, rq->head, rq->head_len) == 0 && ap_buf_append(&b, err, (size_t)el) == 0) {
+		t_answer.on = 1;
+		t_answer.reply = err;
+		t_answer.reply_len = el;
+		t_check(rq->route.ops->send(&rq->route, rq->addr, b.data, b.len, 0, AP_SEND_LOOP) == 0);
+		t_check(!t_answer.on); /* posted, and checked */
+	}
 	ap_buf_free(&b);
 }
 
@@ -398,6 +410,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	t_pool_proc = ap_proc_spawn(t_node, "p", ap_pool_process, &t_pool);
 	t_dead = ap_proc_spawn(t_node, "t_dead_letter", t_unreachable, NULL);
 	t_check(manager && t_pool_proc && t_dead);
+	t_pool.n = t_node;
+	t_pool.pid = t_pool_proc->pid;
 	return 0;
 }
 

@@ -1,7 +1,9 @@
 /* test_dispatch: ap_pool_dispatch, the one way from an ingress to a worker's
- * mailbox: routing, the job's bytes, overload; the handler-time buckets and
- * the count of tells that find no pool. No worker threads: the test is the
- * mailboxes' consumer. */
+ * mailbox: routing, the job's bytes and route, overload answered by the
+ * route; the handler-time buckets and the count of tells that find no
+ * pool. No worker threads: the test is the mailboxes' consumer, and its
+ * requests come by a route of its own that records what the core does
+ * with it, as an ingress's would carry the answer back. */
 #include "t_helpers.h"
 
 #include <fcntl.h>
@@ -41,6 +43,7 @@ static t_pool *t_pool_new(ap_node *n, int workers, ap_routing routing, uint32_t 
 		ap_worker *w = &t->w[i];
 		w->pool = p;
 		w->id = i;
+		w->ops = &ap_worker_threads;
 		assert_int_equal(ap_mbox_init(&w->mb), 0);
 		atomic_store(&w->alive, 1);
 	}
@@ -58,6 +61,53 @@ static void t_pool_free(t_pool *t)
 	free(t);
 }
 
+/* The test's route: the answers sent by it (the last one's bytes,
+ * address and mode) and the holds dropped. */
+static struct {
+	int sent, dropped;
+	ap_send_mode mode;
+	uint8_t bytes[256];
+	size_t len;
+	char addr[64];
+} t_log;
+
+static int t_send(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker, ap_send_mode mode)
+{
+	(void)r, (void)worker;
+	assert_true(len <= sizeof t_log.bytes);
+	t_log.sent++;
+	t_log.mode = mode;
+	memcpy(t_log.bytes, b, len);
+	t_log.len = len;
+	snprintf(t_log.addr, sizeof t_log.addr, "%s", addr);
+	return 0;
+}
+
+static void t_drop(const ap_route *r)
+{
+	(void)r;
+	t_log.dropped++;
+}
+
+static const char *t_peer(const ap_route *r, const char *addr)
+{
+	(void)r;
+	return addr;
+}
+
+static const ap_route_ops t_route = { .send = t_send, .drop = t_drop, .peer = t_peer };
+static const ap_route_ops t_route_batched = { .send = t_send, .drop = t_drop, .peer = t_peer, .batched = 1 };
+
+/* An ask by the test's route: its head and address bytes as an ingress
+ * would give them (opaque to the core). */
+static const char t_head[] = "HEAD:";
+static void t_ask(ap_pool *p, uint64_t id, const char *msg, int len)
+{
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_ASK, .route = { &t_route, &t_log, id }, .head = t_head,
+					   .head_len = sizeof t_head - 1, .addr = "caller@host",
+					   .addr_len = sizeof "caller@host", .msg = msg, .msg_len = len });
+}
+
 /* An integer term without its 131 byte. */
 static int t_int(char *buf, long v)
 {
@@ -68,7 +118,8 @@ static int t_int(char *buf, long v)
 
 static void tell(ap_pool *p, const char *msg, int len)
 {
-	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .msg = msg, .msg_len = len });
+	ap_pool_dispatch(p, &(ap_request){ .kind = AP_REQ_TELL, .route = { &t_route, NULL, 0 }, .msg = msg,
+					   .msg_len = len });
 }
 
 /* The next job of worker w must be the tell of integer v. */
@@ -80,8 +131,9 @@ static void expect_tell(ap_worker *w, long v)
 	assert_non_null(j);
 	assert_false(j->is_ask);
 	assert_false(j->is_binary);
+	assert_null(j->route.ops);
 	assert_int_equal(j->head_len, 0);
-	assert_int_equal(j->node_len, 0);
+	assert_int_equal(j->addr_len, 0);
 	assert_int_equal(j->msg_len, len + 1);
 	assert_int_equal(j->data[0], 131);
 	assert_memory_equal(j->data + 1, want, (size_t)len);
@@ -127,71 +179,176 @@ static void test_a_binary_reaches_the_worker_as_its_bytes(void **state)
 	t_pool_free(t);
 }
 
-/* An ask's job holds the head of its reply frame, as ap_encode_reply_head
- * makes it, then the message, then the caller's node for ap_node_post. */
-static void test_an_ask_carries_its_reply_head_and_the_callers_node(void **state)
+/* An ask's job holds its route (with the route's hold: nothing is
+ * dropped or sent), then the route's head bytes, the message and the
+ * route's address bytes, whatever the route is. */
+static void test_an_ask_carries_its_route_head_and_address(void **state)
 {
 	(void)state;
+	memset(&t_log, 0, sizeof t_log);
 	t_pool *t = t_pool_new(NULL, 2, AP_ROUTE_ROUND_ROBIN, 100);
-	erlang_pid caller = { .num = 42, .serial = 0, .creation = 3 };
-	snprintf(caller.node, sizeof caller.node, "caller@host");
-	char tag[32], m[16];
-	int tag_len = 0, len = t_int(m, 99);
-	ei_encode_tuple_header(tag, &tag_len, 2);
-	ei_encode_atom(tag, &tag_len, "t");
-	ei_encode_long(tag, &tag_len, 1);
-
-	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .caller = &caller, .tag = tag, .tag_len = tag_len,
-					       .msg = m, .msg_len = len });
-	ap_buf want = { 0 };
-	size_t st = ap_encode_reply_head(&want, &t->p.pid, &caller, tag, tag_len);
-	assert_int_equal(st, 0);
-
+	char m[16];
+	int len = t_int(m, 99);
+	t_ask(&t->p, 77, m, len);
 	ap_job *j = ap_mbox_pop(&t->w[0].mb);
 	assert_non_null(j);
 	assert_true(j->is_ask);
-	assert_int_equal(j->head_len, want.len);
-	assert_memory_equal(j->data, want.data, want.len);
+	assert_ptr_equal(j->route.ops, &t_route);
+	assert_ptr_equal(j->route.ctx, &t_log);
+	assert_int_equal(j->route.id, 77);
+	assert_int_equal(j->head_len, sizeof t_head - 1);
+	assert_memory_equal(j->data, t_head, sizeof t_head - 1);
 	assert_int_equal(j->msg_len, len + 1);
 	assert_int_equal(j->data[j->head_len], 131);
 	assert_memory_equal(j->data + j->head_len + 1, m, (size_t)len);
-	assert_int_equal(j->node_len, strlen("caller@host") + 1);
-	assert_string_equal((const char *)j->data + j->head_len + j->msg_len, "caller@host");
+	assert_int_equal(j->addr_len, sizeof "caller@host");
+	assert_string_equal(ap_job_addr(j), "caller@host");
+	assert_int_equal(t_log.sent + t_log.dropped, 0);
 	ap_mbox_done(&t->w[0].mb);
-	ap_buf_free(&want);
 	t_pool_free(t);
 }
 
-/* Every mailbox full: a tell is counted as dropped, an ask answered
- * overloaded; neither is queued past the limit. */
+/* Every mailbox full: a tell is counted as dropped; an ask is answered
+ * {error, overloaded} by its route, once, from the loop (never waiting),
+ * after the route's head, to its address; neither is queued past the
+ * limit. */
 static void test_full_mailboxes_drop_tells_and_refuse_asks(void **state)
 {
 	(void)state;
-	ap_node_cfg cfg = { .node = "t_dispatch@localhost", .cookie = "cookie", .creation = 1 };
-	ap_node *n = ap_node_new(&cfg);
-	assert_non_null(n);
-	t_pool *t = t_pool_new(n, 2, AP_ROUTE_ROUND_ROBIN, 1);
+	memset(&t_log, 0, sizeof t_log);
+	t_pool *t = t_pool_new(NULL, 2, AP_ROUTE_ROUND_ROBIN, 1);
 	char m[16];
 	int len = t_int(m, 1);
 	tell(&t->p, m, len);
 	tell(&t->p, m, len);
 	tell(&t->p, m, len);
 	assert_int_equal(t->p.dropped_tells, 1);
+	assert_int_equal(t_log.sent + t_log.dropped, 0);
 
-	erlang_pid caller = { .num = 42, .creation = 3 };
-	snprintf(caller.node, sizeof caller.node, "caller@host");
-	char tag[8];
-	int tag_len = 0;
-	ei_encode_long(tag, &tag_len, 5);
-	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .caller = &caller, .tag = tag, .tag_len = tag_len,
-					       .msg = m, .msg_len = len });
+	t_ask(&t->p, 5, m, len);
 	assert_int_equal(t->p.overloaded, 1);
 	assert_int_equal(t->p.dropped_tells, 1);
+	assert_int_equal(t_log.sent, 1);
+	assert_int_equal(t_log.dropped, 0);
+	assert_int_equal(t_log.mode, AP_SEND_LOOP);
+	char err[AP_ERROR_TERM_MAX];
+	size_t el = ap_enc_error_term(err, "overloaded");
+	assert_int_equal(t_log.len, sizeof t_head - 1 + el);
+	assert_memory_equal(t_log.bytes, t_head, sizeof t_head - 1);
+	assert_memory_equal(t_log.bytes + sizeof t_head - 1, err, el);
+	assert_string_equal(t_log.addr, "caller@host");
 	for (int i = 0; i < 2; i++)
 		assert_int_equal(ap_mbox_depth(&t->w[i].mb), 1);
 	ap_pool_wake_pushed(&t->p);
 	t_pool_free(t);
-	ap_node_free(n);
+}
+
+/* A job moved off a worker (a crashed or stalled one's queue) keeps its
+ * route and bytes, and the route's hold with them; one that cannot be
+ * moved (no other worker serves) is lost, and its route's hold dropped,
+ * once. */
+static void test_a_moved_job_keeps_its_route_and_a_lost_one_drops_it(void **state)
+{
+	(void)state;
+	memset(&t_log, 0, sizeof t_log);
+	t_pool *t = t_pool_new(NULL, 2, AP_ROUTE_ROUND_ROBIN, 100);
+	char m[16];
+	int len = t_int(m, 7);
+	t_ask(&t->p, 9, m, len);
+	ap_job *j = ap_mbox_pop(&t->w[0].mb);
+	assert_non_null(j);
+	ap_mbox_done(&t->w[0].mb);
+	assert_int_equal(ap_pool_move_job(&t->p, &t->w[0], j), 0);
+	ap_job *c = ap_mbox_pop(&t->w[1].mb);
+	assert_non_null(c);
+	assert_true(c->is_ask);
+	assert_ptr_equal(c->route.ops, &t_route);
+	assert_int_equal(c->route.id, 9);
+	assert_int_equal(c->head_len, j->head_len);
+	assert_int_equal(c->msg_len, j->msg_len);
+	assert_int_equal(c->addr_len, j->addr_len);
+	assert_memory_equal(c->data, j->data, (size_t)j->head_len + j->msg_len + j->addr_len);
+	ap_mbox_done(&t->w[1].mb);
+	assert_int_equal(t_log.sent + t_log.dropped, 0);
+
+	atomic_store(&t->w[0].alive, 0);
+	assert_int_equal(ap_pool_move_job(&t->p, &t->w[1], c), -1);
+	assert_int_equal(t_log.dropped, 1);
+	assert_int_equal(t_log.sent, 0);
+	ap_pool_wake_pushed(&t->p);
+	t_pool_free(t);
+}
+
+/* A kind of worker of the test's own: what dispatch asks of its workers,
+ * and room made in a full mailbox by taking its oldest job. */
+static struct {
+	int wakes, wake_asks, posted, reclaims;
+} t_klog;
+
+static void t_kwake(ap_worker *w, int always, int ask)
+{
+	(void)w, (void)always;
+	t_klog.wakes++;
+	t_klog.wake_asks += ask;
+}
+
+static int t_kpost(ap_worker *w, const char *msg, int len, int is_binary)
+{
+	(void)w, (void)msg, (void)len, (void)is_binary;
+	t_klog.posted++;
+	return 1;
+}
+
+static void t_kreclaim(ap_worker *w)
+{
+	t_klog.reclaims++;
+	if (ap_mbox_pop(&w->mb))
+		ap_mbox_done(&w->mb);
+}
+
+static const ap_worker_ops t_kind = { .wake = t_kwake, .post_tell = t_kpost, .reclaim = t_kreclaim };
+
+/* Dispatch reaches a worker through its kind alone: a wake pass rings
+ * each worker with jobs once (an ask among them said), a full mailbox
+ * asks the kind for room before the message is refused, and only a
+ * batched route's tell is offered to the kind without a job. */
+static void test_dispatch_reaches_a_worker_only_through_its_kind(void **state)
+{
+	(void)state;
+	memset(&t_klog, 0, sizeof t_klog);
+	memset(&t_log, 0, sizeof t_log);
+	t_pool *t = t_pool_new(NULL, 1, AP_ROUTE_ROUND_ROBIN, 1);
+	ap_worker *w = &t->w[0];
+	w->ops = &t_kind;
+	char m[16];
+	int len = t_int(m, 3);
+	tell(&t->p, m, len); /* not batched: a job */
+	assert_int_equal(ap_mbox_depth(&w->mb), 1);
+	assert_int_equal(t_klog.posted + t_klog.reclaims + t_klog.wakes, 0);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 1);
+	assert_int_equal(t_klog.wake_asks, 0);
+
+	/* Full: the kind makes room; a batched tell is then the kind's. */
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_TELL, .route = { &t_route_batched, NULL, 0 },
+					       .msg = m, .msg_len = len });
+	assert_int_equal(t_klog.reclaims, 1);
+	assert_int_equal(t_klog.posted, 1);
+	assert_int_equal(ap_mbox_depth(&w->mb), 0);
+	assert_int_equal(t->p.dropped_tells, 0);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 2);
+
+	/* An ask is a job whatever its route, and its wake says so. */
+	ap_pool_dispatch(&t->p, &(ap_request){ .kind = AP_REQ_ASK, .route = { &t_route_batched, &t_log, 1 },
+					       .msg = m, .msg_len = len });
+	assert_int_equal(t_klog.posted, 1);
+	assert_int_equal(ap_mbox_depth(&w->mb), 1);
+	ap_pool_wake_pushed(&t->p);
+	assert_int_equal(t_klog.wakes, 3);
+	assert_int_equal(t_klog.wake_asks, 1);
+	assert_int_equal(t_log.sent + t_log.dropped, 0);
+	t_pool_free(t);
 }
 
 /* With two workers the two slots compared are always both: the lighter
@@ -361,8 +518,10 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_tells_go_round_robin_in_order),
 		cmocka_unit_test(test_a_binary_reaches_the_worker_as_its_bytes),
-		cmocka_unit_test(test_an_ask_carries_its_reply_head_and_the_callers_node),
+		cmocka_unit_test(test_an_ask_carries_its_route_head_and_address),
 		cmocka_unit_test(test_full_mailboxes_drop_tells_and_refuse_asks),
+		cmocka_unit_test(test_a_moved_job_keeps_its_route_and_a_lost_one_drops_it),
+		cmocka_unit_test(test_dispatch_reaches_a_worker_only_through_its_kind),
 		cmocka_unit_test(test_smallest_mailbox_sends_to_the_lighter_worker),
 		cmocka_unit_test(test_a_slot_awaiting_its_replacement_is_skipped),
 		cmocka_unit_test(test_a_sleeping_worker_is_woken_by_every_push),

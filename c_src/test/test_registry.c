@@ -1,11 +1,12 @@
 /* test_registry: the receptionist's registry core: order, idempotency,
  * listings only on change, subscriptions, drops by origin and node, and a
- * snapshot (a real ap_shm writer over memory) that always equals it; and
- * its interned origin names (origins.c). */
+ * snapshot (a real ap_shm writer over memory) that always equals it; its
+ * interned origin names (origins.c) and its tables (ptab.c). */
 #include "t_helpers.h"
 
 #include "ap_shm.h"
 #include "origins.h"
+#include "ptab.h"
 #include "registry.h"
 
 /* ---- what the callbacks saw ----------------------------------------------- */
@@ -1335,6 +1336,57 @@ static void test_origins_lookup_work_does_not_grow_and_ids_are_reused(void **sta
 	origins_free(o);
 }
 
+/* A slot's value (a group's count of refs per key) stays with its entry
+ * while the table grows, shifts entries back over a deletion and shrinks;
+ * entries whose hashes differ only above the 32 bits kept, or share a home
+ * slot, are all found; the table gives back every byte it counted. */
+static void test_ptab_values_move_with_their_entries(void **state)
+{
+	(void)state;
+	enum { N = 5000 };
+	static int obj[N];
+	size_t mem = 0;
+	ptab t = { 0 };
+	/* Long probe runs: 64 home slots at most, and hashes that are equal
+	 * once cut to 32 bits. */
+	uint64_t h[N];
+	for (unsigned i = 0; i < N; i++) {
+		h[i] = (uint64_t)(i % 64) | (uint64_t)i << 40;
+		assert_int_equal(ptab_reserve(&mem, &t), 0);
+		struct pslot *s = ptab_put(&t, h[i], &obj[i]);
+		assert_ptr_equal(s->e, &obj[i]);
+		assert_int_equal(s->v, 0);
+		s->v = i * 7 + 1;
+	}
+	assert_int_equal(t.n, N);
+	for (int round = 0; round < 2; round++) {
+		/* Round 0: every third goes; round 1: all but every tenth of
+		 * those left, which shrinks the table. */
+		for (unsigned i = 0; i < N; i++) {
+			int gone = round == 0 ? i % 3 == 0 : i % 3 != 0 && i % 10 != 0;
+			if (gone)
+				ptab_del(&mem, &t, h[i], &obj[i]);
+		}
+		for (unsigned i = 0; i < N; i++) {
+			int kept = i % 3 != 0 && (round == 0 || i % 10 == 0);
+			assert_int_equal(ptab_has(&t, h[i], &obj[i]), kept);
+			if (!kept)
+				continue;
+			const struct pslot *found = NULL;
+			size_t m = t.cap - 1;
+			for (size_t j = h[i] & m; t.s[j].e; j = (j + 1) & m)
+				if (ptab_hit(&t.s[j], h[i]) && t.s[j].e == &obj[i])
+					found = &t.s[j];
+			assert_non_null(found);
+			assert_int_equal(found->v, i * 7 + 1);
+		}
+		assert_int_equal(ptab_count(&t), t.n);
+	}
+	assert_true(t.cap < 8192 && t.n * 8 >= t.cap / 2); /* shrunk as it emptied */
+	ptab_free(&mem, &t);
+	assert_int_equal(mem, 0);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1359,6 +1411,7 @@ int main(void)
 		cmocka_unit_test(test_cost_of_a_register_with_its_snapshot_put),
 		cmocka_unit_test(test_origins_intern_find_release_reuse),
 		cmocka_unit_test(test_origins_lookup_work_does_not_grow_and_ids_are_reused),
+		cmocka_unit_test(test_ptab_values_move_with_their_entries),
 	};
 	ei_init();
 	return cmocka_run_group_tests(tests, NULL, NULL);
