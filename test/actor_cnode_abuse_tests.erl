@@ -21,8 +21,6 @@
          the_owner_bounds_log_packets_from_its_child/1,
          announced_frame_lengths_reserve_no_memory/1,
          a_peer_that_stops_reading_is_cut_off_with_bounded_memory/1]).
-%% logger handler callback: counts the events of one C node.
--export([log/2]).
 
 -define(CALL_TIMEOUT, 5000).
 -define(WAIT_MS, 30000).
@@ -96,8 +94,7 @@ failed_handshakes_make_a_bounded_number_of_logger_events(_Ctx) ->
     HandlerId = list_to_atom(Alive ++ "_counter"),
     try
         #{node := N, port := DP} = actor_cnode:info(Owner),
-        ok = logger:add_handler(HandlerId, ?MODULE,
-                                #{level => all, config => #{pid => self(), node => N}}),
+        ok = ap_test_util:add_cnode_log_handler(HandlerId, N),
         [begin
              {ok, S} = gen_tcp:connect({127, 0, 0, 1}, DP, [binary, {active, false}], 5000),
              ok = gen_tcp:close(S)
@@ -131,8 +128,7 @@ the_owner_bounds_log_packets_from_its_child(#{dir := Dir}) ->
     [_, Host] = string:split(atom_to_list(node()), "@"),
     N = list_to_atom(Alive ++ "@" ++ Host),
     HandlerId = list_to_atom(Alive ++ "_counter"),
-    ok = logger:add_handler(HandlerId, ?MODULE,
-                            #{level => all, config => #{pid => self(), node => N}}),
+    ok = ap_test_util:add_cnode_log_handler(HandlerId, N),
     try
         ?assertEqual({error, {cnode_start_failed, timeout}},
                      actor_cnode:start(#{exe => Script, name => Alive,
@@ -201,15 +197,8 @@ a_peer_that_stops_reading_is_cut_off_with_bounded_memory(Ctx) ->
     end).
 
 %% ===================================================================
-%% logger handler
+%% C-node log events (ap_test_util:add_cnode_log_handler/2)
 %% ===================================================================
-
--spec log(logger:log_event(), logger:handler_config()) -> ok.
-log(#{meta := #{cnode := N}} = Event, #{config := #{pid := Pid, node := N}}) ->
-    Pid ! {cnode_log, N, Event},
-    ok;
-log(_Event, _Config) ->
-    ok.
 
 %% Events of N until the handshake failures they account for reach Want.
 await_accounted(N, Want, Deadline, Acc) ->

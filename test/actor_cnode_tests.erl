@@ -411,22 +411,10 @@ in_fresh_process(Fun) ->
 %% Runs actor_rawpeer (a test executable), which handshakes with Node, writes the bytes and
 %% reports whether Node closed the connection. Returns its last line.
 rawpeer(Node, Hex) ->
-    Dir = ap_test_util:temp_dir("actor_cnode_tests"),
-    CookieFile = filename:join(Dir, "cookie"),
-    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
-    ok = file:change_mode(CookieFile, 8#600),
-    try
-        Exe = ap_support:test_bin("actor_rawpeer"),
-        Port = open_port({spawn_executable, Exe},
-                         [{args, [atom_to_list(Node), CookieFile, Hex]},
-                          exit_status, binary, use_stdio]),
-        {Status, Out} = collect(Port, <<>>,
-                                erlang:monotonic_time(millisecond) + 15000),
-        ?assertEqual(0, Status),
-        lists:last(string:lexemes(binary_to_list(Out), "\r\n"))
-    after
-        _ = file:del_dir_r(Dir)
-    end.
+    {Status, Out} = ap_test_util:rawpeer("actor_cnode_tests", fun(Cookie) -> [atom_to_list(Node), Cookie, Hex] end,
+                                         15000),
+    ?assertEqual(0, Status),
+    lists:last(string:lexemes(binary_to_list(Out), "\r\n")).
 
 rawpeer_file(Node, Hex) ->
     Dir = ap_test_util:temp_dir("actor_cnode_tests_hex"),
@@ -438,17 +426,6 @@ rawpeer_file(Node, Hex) ->
         _ = file:del_dir_r(Dir)
     end.
 
-collect(Port, Acc, Deadline) ->
-    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
-    receive
-        {Port, {data, Data}} -> collect(Port, <<Acc/binary, Data/binary>>, Deadline);
-        {Port, {exit_status, Status}} -> {Status, Acc}
-    after Remaining ->
-        {os_pid, OsPid} = erlang:port_info(Port, os_pid),
-        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-        catch port_close(Port),
-        error({rawpeer_timeout, Acc})
-    end.
 
 %% net_adm:ping(Node) from a fresh BEAM peer holding Cookie.
 ping_from_peer(Node, Cookie) ->

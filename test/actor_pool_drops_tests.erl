@@ -43,20 +43,14 @@ drops_test_() ->
      end}.
 
 setup() ->
-    _ = application:load(actor_pool),
-    Old = [{K, application:get_env(actor_pool, K)} || {K, _} <- ?ENV],
-    [ok = application:set_env(actor_pool, K, V) || {K, V} <- ?ENV],
+    Old = ap_test_util:set_env(?ENV),
     Ctx = ap_test_util:pool_setup(),
     Ctx#{old => Old}.
 
 cleanup(#{old := Old} = Ctx) ->
     ok = application:set_env(actor_pool, fast_path, true),
     ap_test_util:pool_cleanup(Ctx),
-    [case V of
-         {ok, Value} -> application:set_env(actor_pool, K, Value);
-         undefined -> application:unset_env(actor_pool, K)
-     end || {K, V} <- Old],
-    ok.
+    ap_test_util:restore_env(Old).
 
 %% ===================================================================
 %% Cases

@@ -75,9 +75,7 @@ actor_pool_oversize_test_() ->
               {batch_idle_us, infinity}]).
 
 setup() ->
-    _ = application:load(actor_pool),
-    Old = [{K, application:get_env(actor_pool, K)} || {K, _} <- ?ENV],
-    [ok = application:set_env(actor_pool, K, V) || {K, V} <- ?ENV],
+    Old = ap_test_util:set_env(?ENV),
     WasAlive = ap_test_util:start_app(),
     ok = wait_until(fun() -> actor_pool:pool_node() =/= undefined
                                  andalso actor_receptionist:receptionist_node() =/= undefined
@@ -86,11 +84,7 @@ setup() ->
 
 cleanup(#{was_alive := WasAlive, old := Old}) ->
     ap_test_util:stop_app(WasAlive),
-    [case V of
-         {ok, Value} -> application:set_env(actor_pool, K, Value);
-         undefined -> application:unset_env(actor_pool, K)
-     end || {K, V} <- Old],
-    ok.
+    ap_test_util:restore_env(Old).
 
 %% ===================================================================
 %% Cases: refused before anything is sent

@@ -661,8 +661,10 @@ a_written_request_head_does_not_break_wake_ups(#{os_pid := OsPid} = Ctx) ->
 %% A worker waiting for room in a full reply ring does not hold the ring:
 %% the loop's own answer (noproc here, small enough to fit) is written
 %% meanwhile instead of dropped, and the worker's answer follows once the
-%% client reads.
-loop_answers_are_not_lost_while_a_worker_waits_for_room(Ctx) ->
+%% client reads. The client reads only once the loop has read the ask (a
+%% tell to no pool behind it is counted): read earlier, the worker's
+%% answer would go in first and leave the loop no room.
+loop_answers_are_not_lost_while_a_worker_waits_for_room(#{pool_node := PN} = Ctx) ->
     with_pool(ap_rn_room, echo, #{workers => 1}, fun(P) ->
         %% one 4 KiB reply ring; a Fill answer takes half of it
         with_client(Ctx, ["1", "1", "65536", "4096"], fun(C) ->
@@ -674,8 +676,11 @@ loop_answers_are_not_lost_while_a_worker_waits_for_room(Ctx) ->
             {ok, _} = cmd(C, ["ask 0 3 ", Dest, " ", Fill]),
             ok = publish(C, [0]),
             wait_stats(P, fun(#{processed := N}) -> N >= 3 end),
+            #{no_pool_tells := T0} = actor_pool:node_stats(PN),
             {ok, _} = cmd(C, ["ask 0 4 ", dest(ap_rn_nobody), " ", enc(x)]),
+            {ok, _} = cmd(C, ["tell 0 ", dest(ap_rn_nobody), " ", enc(x)]),
             ok = publish(C, [0]),
+            wait_until(fun() -> maps:get(no_pool_tells, actor_pool:node_stats(PN)) > T0 end, ?WAIT_MS),
             Got = lists:sort(gather(C, 4, [])),
             ?assertMatch([{1, {ok, x}}, {2, {ok, _}}, {3, {ok, _}}, {4, {error, noproc}}], Got)
         end)

@@ -16,7 +16,6 @@
 
 -include_lib("eunit/include/eunit.hrl").
 
--export([log/2]).
 
 -define(ASK_MS, 20000).
 -define(WAIT_MS, 20000).
@@ -368,7 +367,7 @@ a_layer_the_kernel_lacks_is_reported_and_warned_once() ->
     with_wrapped_node(
       "sbnoll", "--no-landlock",
       fun(N, _Info) ->
-              ok = logger:add_handler(?MODULE, ?MODULE, #{level => all, config => #{pid => self(), node => N}}),
+              ok = ap_test_util:add_cnode_log_handler(?MODULE, N),
               try
                   {ok, _} = actor_pool:start_pool(nolandlock, escape(),
                                                   #{node => N, workers => 2, fast_path => false}),
@@ -413,15 +412,8 @@ a_non_root_pool_node_keeps_its_memory_and_fds_from_its_plugin() ->
     ok.
 
 %% ===================================================================
-%% logger handler
+%% C-node log events (ap_test_util:add_cnode_log_handler/2)
 %% ===================================================================
-
--spec log(logger:log_event(), logger:handler_config()) -> ok.
-log(#{meta := #{cnode := N}} = Event, #{config := #{pid := Pid, node := N}}) ->
-    Pid ! {cnode_log, N, Event},
-    ok;
-log(_Event, _Config) ->
-    ok.
 
 flush_logs(N) ->
     receive

@@ -191,35 +191,14 @@ peer_name(Case) ->
 %% Runs actor_rawpeer (a test executable) as node Self against Node with the frame; returns
 %% {"closed" | "open", BytesReadBack, MarkerSeen}.
 rawpeer(Node, Self, Frame, Marker) ->
-    Dir = ap_test_util:temp_dir("actor_security_term_tests"),
-    CookieFile = filename:join(Dir, "cookie"),
-    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
-    ok = file:change_mode(CookieFile, 8#600),
-    try
-        Exe = ap_support:test_bin("actor_rawpeer"),
-        Port = open_port({spawn_executable, Exe},
-                         [{args, ["-N", Self, "-m", hex(Marker), atom_to_list(Node), CookieFile,
-                                  hex(Frame)]},
-                          exit_status, binary, use_stdio]),
-        {Status, Out} = collect(Port, <<>>, erlang:monotonic_time(millisecond) + 20000),
-        ?assertEqual({0, Out}, {Status, Out}),
-        Last = lists:last(string:lexemes(binary_to_list(Out), "\r\n")),
-        [State, Got, Seen] = string:lexemes(Last, " "),
-        {State, list_to_integer(Got), Seen =:= "1"}
-    after
-        _ = file:del_dir_r(Dir)
-    end.
+    {Status, Out} = ap_test_util:rawpeer("actor_security_term_tests",
+                                         fun(Cookie) -> ["-N", Self, "-m", hex(Marker), atom_to_list(Node), Cookie,
+                                                         hex(Frame)]
+                                         end, 20000),
+    ?assertEqual({0, Out}, {Status, Out}),
+    Last = lists:last(string:lexemes(binary_to_list(Out), "\r\n")),
+    [State, Got, Seen] = string:lexemes(Last, " "),
+    {State, list_to_integer(Got), Seen =:= "1"}.
 
 hex(Bin) -> binary_to_list(binary:encode_hex(Bin)).
 
-collect(Port, Acc, Deadline) ->
-    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
-    receive
-        {Port, {data, Data}} -> collect(Port, <<Acc/binary, Data/binary>>, Deadline);
-        {Port, {exit_status, Status}} -> {Status, Acc}
-    after Remaining ->
-        {os_pid, OsPid} = erlang:port_info(Port, os_pid),
-        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
-        catch port_close(Port),
-        error({rawpeer_timeout, Acc})
-    end.

@@ -11,6 +11,8 @@
 -export([temp_dir/1, start_app/0, stop_app/1, distribution_only/0,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
+-export([set_env/1, restore_env/1, rawpeer/3, add_cnode_log_handler/2]).
+-export([log/2]).
 
 %% How long an owner may take to notice its C node's exit and unlink the
 %% segment (the C node itself unlinks it on a clean stop).
@@ -285,3 +287,64 @@ name_packet(Alive) ->
     Name = list_to_binary(Alive ++ "@localhost"),
     Body = <<$N, 16#17FFFFFFF:64, 7:32, (byte_size(Name)):16, Name/binary>>,
     <<(byte_size(Body)):16, Body/binary>>.
+
+%% Sets the application's environment (loading it first); what was there
+%% before, for restore_env/1.
+-spec set_env([{atom(), term()}]) -> [{atom(), {ok, term()} | undefined}].
+set_env(Env) ->
+    _ = application:load(actor_pool),
+    Old = [{K, application:get_env(actor_pool, K)} || {K, _} <- Env],
+    [ok = application:set_env(actor_pool, K, V) || {K, V} <- Env],
+    Old.
+
+-spec restore_env([{atom(), {ok, term()} | undefined}]) -> ok.
+restore_env(Old) ->
+    [case V of
+         {ok, Value} -> application:set_env(actor_pool, K, Value);
+         undefined -> application:unset_env(actor_pool, K)
+     end || {K, V} <- Old],
+    ok.
+
+%% Runs actor_rawpeer (a test executable: a peer that handshakes with a
+%% node and writes raw bytes) with the arguments Args(CookieFile), the
+%% cookie this node's; {ExitStatus, Output}. Killed by its OS pid past
+%% TimeoutMs.
+-spec rawpeer(string(), fun((file:filename()) -> [string()]), pos_integer()) -> {integer(), binary()}.
+rawpeer(Prefix, Args, TimeoutMs) ->
+    Dir = temp_dir(Prefix),
+    CookieFile = filename:join(Dir, "cookie"),
+    ok = file:write_file(CookieFile, atom_to_list(erlang:get_cookie())),
+    ok = file:change_mode(CookieFile, 8#600),
+    try
+        Port = open_port({spawn_executable, ap_support:test_bin("actor_rawpeer")},
+                         [{args, Args(CookieFile)}, exit_status, binary, use_stdio]),
+        port_output(Port, <<>>, erlang:monotonic_time(millisecond) + TimeoutMs)
+    after
+        _ = file:del_dir_r(Dir)
+    end.
+
+port_output(Port, Acc, Deadline) ->
+    Remaining = max(0, Deadline - erlang:monotonic_time(millisecond)),
+    receive
+        {Port, {data, Data}} -> port_output(Port, <<Acc/binary, Data/binary>>, Deadline);
+        {Port, {exit_status, Status}} -> {Status, Acc}
+    after Remaining ->
+        {os_pid, OsPid} = erlang:port_info(Port, os_pid),
+        _ = os:cmd("kill -9 " ++ integer_to_list(OsPid)),
+        catch port_close(Port),
+        error({rawpeer_timeout, Acc})
+    end.
+
+%% A logger handler (Id) that sends this process {cnode_log, N, Event} for
+%% every event C node N logs (log/2); remove it with logger:remove_handler/1.
+-spec add_cnode_log_handler(logger:handler_id(), node()) -> ok.
+add_cnode_log_handler(Id, N) ->
+    ok = logger:add_handler(Id, ?MODULE, #{level => all, config => #{pid => self(), node => N}}).
+
+%% The handler of add_cnode_log_handler/2 (logger calls it).
+-spec log(logger:log_event(), logger:handler_config()) -> ok.
+log(#{meta := #{cnode := N}} = Event, #{config := #{pid := Pid, node := N}}) ->
+    Pid ! {cnode_log, N, Event},
+    ok;
+log(_Event, _Config) ->
+    ok.

@@ -574,6 +574,24 @@ static void set_why(char *why, size_t why_len, const char *s)
 		snprintf(why, why_len, "%s", s ? s : "unknown error");
 }
 
+/* The file a plugin's Path names, or NULL (why set): dlopen(NULL) is the
+ * program itself, and a bare name would be looked for in the library path,
+ * so a name without '/' is a file here. local: PATH_MAX bytes. */
+static const char *plugin_file(const char *path, char local[PATH_MAX], char *why, size_t why_len)
+{
+	if (!path || !*path) {
+		set_why(why, why_len, "empty path");
+		return NULL;
+	}
+	if (strchr(path, '/'))
+		return path;
+	if ((size_t)snprintf(local, PATH_MAX, "./%s", path) >= PATH_MAX) {
+		set_why(why, why_len, "path too long");
+		return NULL;
+	}
+	return local;
+}
+
 int ap_plugin_load(const char *path, const actor_pool_handler **out, void **dl_handle, uint32_t *got, char *why,
 		   size_t why_len)
 {
@@ -588,19 +606,9 @@ int ap_plugin_load(const char *path, const actor_pool_handler **out, void **dl_h
 		*got = 0;
 	if (why_len)
 		why[0] = '\0';
-	/* dlopen(NULL) is the program itself, and a bare name would be looked
-	 * for in the library path: Path is a file. */
-	if (!path || !*path) {
-		set_why(why, why_len, "empty path");
+	path = plugin_file(path, local, why, why_len);
+	if (!path)
 		return -1;
-	}
-	if (!strchr(path, '/')) {
-		if ((size_t)snprintf(local, sizeof local, "./%s", path) >= sizeof local) {
-			set_why(why, why_len, "path too long");
-			return -1;
-		}
-		path = local;
-	}
 	dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	if (!dl) {
 		set_why(why, why_len, dlerror());
@@ -647,23 +655,13 @@ err:
 int ap_plugin_check(const char *path, char *why, size_t why_len)
 {
 	char local[PATH_MAX];
-	const char *at = path;
 	struct stat st;
 
 	if (why_len)
 		why[0] = '\0';
-	if (!path || !*path) {
-		set_why(why, why_len, "empty path");
+	const char *at = plugin_file(path, local, why, why_len);
+	if (!at)
 		return -1;
-	}
-	/* As ap_plugin_load reads it: a name without '/' is a file here. */
-	if (!strchr(path, '/')) {
-		if ((size_t)snprintf(local, sizeof local, "./%s", path) >= sizeof local) {
-			set_why(why, why_len, "path too long");
-			return -1;
-		}
-		at = local;
-	}
 	/* O_NONBLOCK: a FIFO under that name must not hold up the caller. */
 	int fd = open(at, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
 	if (fd < 0) {

@@ -1,29 +1,43 @@
 /* fuzz_iso_channel: libFuzzer target over the pool node's side of a worker
- * process's channel (pool/isolate.c): what the proxy and the loop make of
- * everything a worker process can write, since a plugin runs there and may
- * write anything into the shared memory it maps.
+ * process's channel (pool/isolate.c, isolate_proxy.c, isolate_loop.c): what
+ * the proxy and the loop make of everything a worker process can write,
+ * since a plugin runs there and may write anything into the shared memory
+ * it maps.
  *
- * isolate.c is compiled into this file (the proxy's reading is static, on
- * its private slot struct); reply.c, mailbox.c, the ring and the term codec
- * are linked as they are. Nothing of them is changed for the fuzzer. The
- * rest of the pool node is stubbed below, and so is posix_spawn (-Wl,
+ * The three isolate files are compiled into this file (the proxy's and the
+ * loop's reading is static, on the slot's private struct, isolate_node.h);
+ * dispatch.c, dist_ingress.c, reply.c, mailbox.c, the ring and the term
+ * codec are linked as they are. Nothing of them is changed for the fuzzer.
+ * The rest of the pool node is stubbed below, and so is posix_spawn (-Wl,
  * --wrap): a slot's channel is made by ap_iso_slot_init and set up for
  * each input by iso_spawn itself, whose spawn then fails, so no process is
  * ever started; this file plays the worker process, on one thread with the
  * loop and the proxy.
  *
- * What is driven, all on a real channel: the loop's ap_iso_send_tell (bare
- * tells), ap_iso_take_direct, ap_iso_harvest and ap_iso_rehydrate; the
- * proxy's send_jobs, send_direct, drain_results, on_death and take_fail.
+ * Messages come in as the two ingresses hand them on: by distribution,
+ * a call or a cast to the pool process (dist_ingress.c, ap_pool_process,
+ * whose asks carry the real distribution route: a frame to the caller's
+ * node, ap_node_post below); by ring, ap_pool_dispatch with the test's
+ * ring route (t_ring_route below: batched as the rings' is, a hold per
+ * ask, -EAGAIN to the loop while the reply ring is full). Then the wake
+ * pass (ap_pool_wake_pushed), and the proxy, awake, sends what is left.
+ *
+ * What is driven, all on a real channel: dispatch's routing, overload
+ * answers and post_tell (ap_iso_send_tell, bare tells); the loop's wake
+ * pass (ap_iso_wake: send_direct, take_done_direct), ap_iso_reclaim,
+ * ap_iso_take_direct, ap_iso_harvest and ap_iso_rehydrate; the proxy's
+ * iso_send_jobs, drain_results, on_death and take_fail; every answer by
+ * reply.c (ap_answer, ap_answer_error, ap_answer_loop) and its route.
  *
  * Input: byte 0 = mode (bit 0: the loop takes the results while the proxy
  * sleeps, else the proxy; bit 1: reply rings are full, so the loop leaves
  * ring answers to the proxy; bit 2: the largest size is, once, a message over
- * one record), byte 1 = jobs (1..24), then a byte per job
+ * one record; bit 3: the mailbox holds T_SMALL_LIMIT, so dispatch finds it
+ * full and answers overloaded), byte 1 = jobs (1..24), then a byte per job
  * (bits 0-1: a tell or an ask, by distribution or by ring, a ring tell
  * going bare when the channel lets it; bit 2: a binary; the rest: its
- * size). They are pushed and sent; then ops until the input ends, a byte
- * each and its arguments:
+ * size). They are dispatched and sent; then ops until the input ends, a
+ * byte each and its arguments:
  *   0 a record of any header and bytes into the result ring;
  *   1 the next message the child read, run as a child runs it: a result
  *     record (status, reply kind, reply bytes), or for a tell run ok no
@@ -38,23 +52,28 @@
  *   7 one more job.
  * At the end the child dies (killed), the proxy answers what it died on
  * (on_death), the loop makes jobs of the bare tells it had not run
- * (ap_iso_rehydrate), and what is left in the mailbox is taken out.
+ * (ap_iso_rehydrate), and what is left in the mailbox is taken out, each
+ * ask's route dropped (as a job lost).
  *
  * Checked: no access out of bounds (ASan); every answer is one frame
- * (by distribution: SEND or ALIAS_SEND of {Tag, {Status, Reply}}) or one
+ * (by distribution: SEND of {Tag, {Status, Reply}} to the caller) or one
  * ring answer whose terms a BEAM takes (ap_term_check, the receiving
- * node's limits); an ask is answered at most once and a tell never; in
- * the end every ask was answered or is still in the mailbox, every
- * segment reference of a ring job was dropped once, the mailbox's depth
- * is 0; the pool's processed count is no more than the messages sent; the
- * run-time histogram only grows; the failure report is NUL-terminated.
+ * node's limits); an ask is answered at most once and a tell never; every
+ * ring ask's route hold is released once (answered or dropped), and no
+ * other; in the end every ask was answered or is still in the mailbox,
+ * every route hold was released, the mailbox's depth is 0; the pool's
+ * processed count is no more than the messages sent; the run-time
+ * histogram only grows; the failure report is NUL-terminated.
  */
 #include <spawn.h>
 
 #include "../pool/isolate.c"
+#include "../pool/isolate_loop.c"
+#include "../pool/isolate_proxy.c"
 
 #include "ap_atomset.h"
 #include "ap_ctrl.h"
+#include "ring_ingress.h"
 #include "sandbox.h"
 
 #define t_check(cond)                                                                                \
@@ -67,19 +86,21 @@
 
 #define T_MAX_JOBS 64
 #define T_NODE "beam@host"
-
-/* A ring job's segment: its references. */
-struct ap_dp_seg {
-	int refs;
-};
+#define T_SMALL_LIMIT 6 /* mailbox_limit with mode bit 3 */
 
 static ap_pool t_p;
 static ap_worker t_w;
-static struct ap_dp_seg t_seg;
+static ap_proc t_proc; /* the pool process, for dist_ingress.c */
+static int t_wake_list[1];
 static int t_full;              /* ring answers find no room (mode bit 1) */
 static int t_big;               /* size 31 is a message over a record (mode bit 2) */
 static unsigned t_jobs;         /* made this input: job ids are 1..t_jobs */
 static uint8_t t_is_ask[T_MAX_JOBS + 1], t_answered[T_MAX_JOBS + 1], t_ring[T_MAX_JOBS + 1];
+/* The ring route's holds: one per ring ask, released once (t_held[id]). */
+static struct {
+	int refs;
+} t_seg;
+static uint8_t t_held[T_MAX_JOBS + 1];
 static struct ap_ring t_creq, t_crsp; /* the child's ends */
 static erlang_pid t_caller;
 static ap_term_strict t_strict;
@@ -122,17 +143,61 @@ void ap_node_call_on_loop_sure(ap_node *n, ap_loop_fn fn, void *arg)
 	t_check(0); /* nothing here waits for a reap */
 }
 
+int ap_node_add_reader(ap_node *n, int fd, ap_loop_fn fn, void *arg)
+{
+	(void)n, (void)fd, (void)fn, (void)arg;
+	t_check(0); /* no SIGCHLD watch here */
+	return -1;
+}
+
+ap_pool *ap_pool_all(void)
+{
+	t_check(0); /* the loop's passes over every pool are not run here */
+	return NULL;
+}
+
 int ap_pool_barrier_children(void) { return -1; }
 
-int ap_pool_move_job(ap_pool *p, ap_worker *from, const ap_job *j)
+/* No stall or timeout here: the watchdog is not run. */
+void ap_wd_stalled(ap_worker *w)
 {
-	(void)p, (void)from, (void)j;
-	t_check(0); /* no stall is revoked here */
+	(void)w;
+	t_check(0);
+}
+
+long long ap_wd_move_queue(ap_pool *p, ap_worker *w)
+{
+	(void)p, (void)w;
+	t_check(0);
 	return -1;
 }
 
 void ap_pool_worker_ready(ap_node *n, void *arg) { (void)n, (void)arg; }
 void ap_pool_worker_exited(ap_node *n, void *arg) { (void)n, (void)arg; }
+
+/* What dist_ingress.c reaches besides a pool's messages: the ring
+ * ingress's poll (none here), '$ap_stats' and the dead letters (never
+ * sent here). */
+void ap_dp_poll_cancel(void) {}
+
+void ap_pool_encode_stats(ap_pool *p, ei_x_buff *x)
+{
+	(void)p, (void)x;
+	t_check(0);
+}
+
+int ap_reply(ap_node *n, const ap_proc *self, const ap_msg *call, const char *term, int len)
+{
+	(void)n, (void)self, (void)call, (void)term, (void)len;
+	t_check(0);
+	return -1;
+}
+
+void ap_pool_no_pool(const char *peer, const char *name, size_t name_len, const erlang_pid *pid, uint64_t tells)
+{
+	(void)peer, (void)name, (void)name_len, (void)pid, (void)tells;
+	t_check(0);
+}
 
 void ap_sb_cgroup_make(struct ap_sb_cgroup *cg, const ap_sandbox_opts *o, int max_memory_mb)
 {
@@ -182,37 +247,51 @@ static void t_result(const char *t, size_t len, const char *node)
 	t_check(ap_term_check(t, len, &idx, &t_strict) == 0 && (size_t)idx == len);
 }
 
-const char *ap_dp_seg_peer(const struct ap_dp_seg *s)
+/* The ring ask's route hold r, released: once. */
+static void t_release(const ap_route *r)
 {
-	t_check(s == &t_seg);
-	return T_NODE;
+	t_check(r->ctx == &t_seg && r->id >= 1 && r->id <= t_jobs && t_ring[r->id] && t_is_ask[r->id]);
+	t_check(t_held[r->id] && t_seg.refs > 0);
+	t_held[r->id] = 0;
+	t_seg.refs--;
 }
 
-void ap_dp_seg_put(struct ap_dp_seg *s)
+/* The test's ring route, for the same-host rings' (ring_seg.c's
+ * dp_ring_route): batched, an ask's id and a hold on its segment; no head
+ * and no address; the answer is {Status, Reply} alone. A full reply ring
+ * (mode bit 1) gives the loop -EAGAIN and keeps the hold; a worker waits
+ * for room, and the loop's own errors are written, so every answer given
+ * arrives. */
+static int t_ring_send(const ap_route *r, const char *addr, uint8_t *b, size_t len, unsigned worker,
+		       ap_send_mode mode)
 {
-	t_check(s == &t_seg && s->refs > 0);
-	s->refs--;
-}
-
-void ap_dp_reply(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len)
-{
-	t_check(s == &t_seg && ring == 0 && ask_id >= 1 && ask_id <= t_jobs && t_ring[ask_id]);
-	t_answer((unsigned)ask_id);
-	t_result(term, len, T_NODE);
-}
-
-int ap_dp_reply_nowait(struct ap_dp_seg *s, unsigned ring, uint64_t ask_id, const void *term, size_t len)
-{
-	if (t_full)
+	(void)addr;
+	t_check(worker == 0);
+	if (t_full && mode == AP_SEND_NOWAIT)
 		return -EAGAIN;
-	ap_dp_reply(s, ring, ask_id, term, len);
+	t_release(r);
+	t_answer((unsigned)r->id);
+	t_result((const char *)b, len, T_NODE);
 	return 0;
 }
 
-/* A distribution answer: a whole frame to the caller's node. */
+static void t_ring_drop(const ap_route *r) { t_release(r); }
+
+static const char *t_ring_peer(const ap_route *r, const char *addr)
+{
+	(void)addr;
+	t_check(r->ctx == &t_seg);
+	return T_NODE;
+}
+
+static const ap_route_ops t_ring_route = { .send = t_ring_send, .drop = t_ring_drop, .peer = t_ring_peer,
+					   .batched = 1 };
+
+/* A distribution answer (dist_ingress.c's route): a whole frame to the
+ * caller's node. */
 int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
 {
-	(void)n;
+	t_check(n == t_p.n);
 	t_check(strcmp(node, T_NODE) == 0);
 	t_check(len > 4 && ap_get32be(frame) == len - 4);
 	uint8_t *f = malloc(len - 4);
@@ -235,8 +314,11 @@ int ap_node_post(ap_node *n, const char *node, const uint8_t *frame, size_t len)
 
 /* ---- the loop's side --------------------------------------------------------------- */
 
-/* What the loop does with a message for this worker (dispatch.c's queue):
- * a bare tell if it may, else a job pushed and sent by the proxy. */
+/* A message for this worker as an ingress hands it on: by distribution,
+ * the pool process's call or cast (dist_ingress.c); by ring, a request
+ * with the test's ring route (a ring tell may go bare: ap_iso_send_tell,
+ * while the proxy sleeps and lets the loop hold the channel). Then the
+ * wake pass, and the proxy, awake, sends what is left. */
 static void t_job(uint8_t kind)
 {
 	if (t_jobs >= T_MAX_JOBS)
@@ -248,7 +330,7 @@ static void t_job(uint8_t kind)
 		size = 270000; /* over one record of the request ring: sent in two */
 		t_big = 0;     /* once per input: they are slow to make */
 	}
-	/* The message as an ingress hands it on: a term without 131. */
+	/* The message: a term without 131. */
 	uint8_t *msg = malloc(size + 16);
 	t_check(msg != NULL);
 	int msg_len;
@@ -268,47 +350,32 @@ static void t_job(uint8_t kind)
 	t_is_ask[id] = (uint8_t)ask;
 	t_ring[id] = (uint8_t)ring;
 	t_answered[id] = 0;
-	if (ring && !ask) {
+	t_held[id] = 0;
+	if (ring) {
+		/* The proxy sleeps in its main loop: the loop may hold its
+		 * channel (bare tells; the wake pass sends). */
 		atomic_store(&t_w.iso->direct_ok, 1);
-		int bare = ap_iso_send_tell(&t_w, (const char *)msg, msg_len, binary);
-		if (bare)
-			(void)send_direct(&t_w, 0); /* its wake pass publishes it */
-		atomic_store(&t_w.iso->direct_ok, 0);
-		if (bare) {
-			free(msg);
-			return;
+		if (ask) {
+			t_seg.refs++; /* the ring ingress's hold, before it dispatches */
+			t_held[id] = 1;
 		}
-	}
-	size_t body = ap_msg_body_len(msg_len, binary);
-	ap_buf head = { 0 };
-	if (ask && !ring) {
+		ap_pool_dispatch(&t_p, &(ap_request){ .kind = ask ? AP_REQ_ASK : AP_REQ_TELL,
+						      .route = { &t_ring_route, ask ? &t_seg : NULL, ask ? id : 0 },
+						      .msg = (const char *)msg, .msg_len = msg_len });
+		ap_pool_wake_pushed(&t_p);
+		atomic_store(&t_w.iso->direct_ok, 0);
+	} else {
 		char tag[16];
 		int tl = 0;
 		ei_encode_ulong(tag, &tl, id);
-		t_check(ap_encode_reply_head(&head, &t_p.pid, &t_caller, tag, tl) != (size_t)-1);
+		ap_msg m = { .kind = ask ? AP_MSG_CALL : AP_MSG_CAST, .buf = (const char *)msg, .len = msg_len,
+			     .from = t_caller, .tag = ask ? tag : NULL, .tag_len = ask ? tl : 0 };
+		ap_pool_process(t_p.n, &t_proc, &m); /* ends with its wake pass */
 	}
-	size_t nodelen = ask && !ring ? sizeof T_NODE : 0;
-	ap_job *j = ap_job_alloc(&t_w.mb, &t_w.job_cache, head.len + body + nodelen);
-	t_check(j != NULL);
-	j->is_ask = (uint8_t)ask;
-	j->is_binary = (uint8_t)binary;
-	j->seg = ring && ask ? &t_seg : NULL;
-	j->ask_id = ring && ask ? id : 0;
-	if (j->seg)
-		t_seg.refs++;
-	j->head_len = (uint32_t)head.len;
-	j->msg_len = (uint32_t)body;
-	j->node_len = (uint32_t)nodelen;
-	if (head.len)
-		memcpy(j->data, head.data, head.len);
-	ap_msg_body_copy(j->data + head.len, (const char *)msg, msg_len, binary);
-	memcpy(j->data + head.len + body, T_NODE, nodelen);
-	ap_buf_free(&head);
 	free(msg);
-	ap_mbox_push(&t_w.mb, j);
-	/* The proxy, awake, sends it. */
+	/* The proxy, awake, sends what is queued. */
 	pthread_mutex_lock(&t_w.iso->send_mu);
-	(void)send_jobs(&t_w);
+	(void)iso_send_jobs(&t_w);
 	pthread_mutex_unlock(&t_w.iso->send_mu);
 }
 
@@ -509,8 +576,15 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	t_check(t_p.atoms != NULL);
 	t_p.pid = (erlang_pid){ .node = "pool@host", .num = 3, .creation = 1 };
 	t_caller = (erlang_pid){ .node = T_NODE, .num = 77, .creation = 1 };
+	t_proc.pid = t_p.pid;
+	t_proc.state = &t_p;
 	t_w.pool = &t_p;
+	t_w.ops = &ap_worker_processes;
+	t_w.id = 0;
+	atomic_store(&t_w.alive, 1);
 	t_w.reply.reserve = ap_pool_reply_reserve;
+	t_p.w = &t_w;
+	t_p.wake_list = t_wake_list;
 	t_check(ap_mbox_init(&t_w.mb) == 0);
 	t_check(ap_iso_slot_init(&t_w) == 0);
 	return 0;
@@ -531,6 +605,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	unsigned mode = t_u8(&in), jobs = 1 + t_u8(&in) % 24;
 	t_full = mode & 2;
 	t_big = mode & 4;
+	t_p.o.mailbox_limit = mode & 8 ? T_SMALL_LIMIT : 10000;
 	t_jobs = t_nread = t_run = 0;
 	t_part_seq = 0;
 	atomic_store(&t_w.processed, 0);
@@ -568,15 +643,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	t_check(atomic_load(&t_w.processed) < s->next_seq); /* no more than were sent */
 	t_check(atomic_load(&t_w.errors) <= atomic_load(&t_w.processed));
 
-	/* What is left goes elsewhere (pool.c moves it): each job once. */
+	/* What is left goes elsewhere (pool.c moves it): each job once, an
+	 * ask's route hold with it (dropped here, as a job lost). */
 	unsigned left_asks = 0;
 	ap_job *j;
 	while ((j = ap_mbox_pop(&t_w.mb))) {
 		ap_mbox_done(&t_w.mb);
+		t_check(!j->revoked && !j->is_answer);
+		t_check(j->is_ask ? j->route.ops != NULL : j->route.ops == NULL);
 		if (j->is_ask)
 			left_asks++;
-		if (j->seg)
-			ap_dp_seg_put(j->seg);
+		ap_route_drop(&j->route);
 	}
 	t_check(ap_mbox_depth(&t_w.mb) == 0);
 	t_check(t_seg.refs == 0);
@@ -584,6 +661,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	for (unsigned id = 1; id <= t_jobs; id++) {
 		asks += t_is_ask[id];
 		answered += t_answered[id];
+		t_check(!t_held[id]);
 	}
 	t_check(answered + left_asks == asks);
 	return 0;

@@ -117,20 +117,28 @@ fail:
 	return st;
 }
 
+/* Reads into buf until a->got is n: 1 once it is, 0 to wait for more, -1
+ * refused (the peer closed). */
+static int fill(struct attaching *a, void *buf, size_t n)
+{
+	if (a->got < n) {
+		ssize_t k = recv(a->fd, (uint8_t *)buf + a->got, n - a->got, MSG_DONTWAIT);
+		if (k <= 0) {
+			if (k < 0 && (errno == EAGAIN || errno == EINTR))
+				return 0;
+			refuse(a, 0, "closed during the hello");
+			return -1;
+		}
+		a->got += (size_t)k;
+	}
+	return a->got == n;
+}
+
 /* One step of a handshake, when its socket is readable. */
 static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattached)
 {
-	ssize_t k;
 	if (a->stage == 0) {
-		k = recv(a->fd, (uint8_t *)&a->hello + a->got, sizeof a->hello - a->got, MSG_DONTWAIT);
-		if (k <= 0) {
-			if (k < 0 && (errno == EAGAIN || errno == EINTR))
-				return;
-			refuse(a, 0, "closed during the hello");
-			return;
-		}
-		a->got += (size_t)k;
-		if (a->got < sizeof a->hello)
+		if (fill(a, &a->hello, sizeof a->hello) <= 0)
 			return;
 		if (a->hello.magic != AP_SEG_HELLO_MAGIC || a->hello.version != AP_SEG_VERSION) {
 			refuse(a, EPROTO, "not a hello of this version");
@@ -149,18 +157,8 @@ static void step(struct attaching *a, struct ap_dp_seg **attached, int *nattache
 	}
 	if (a->stage == 1) {
 		/* Exactly name_len bytes: the fd rides on the next one. */
-		if (a->got < a->hello.name_len) {
-			k = recv(a->fd, a->name + a->got, a->hello.name_len - a->got, MSG_DONTWAIT);
-			if (k <= 0) {
-				if (k < 0 && (errno == EAGAIN || errno == EINTR))
-					return;
-				refuse(a, 0, "closed during the hello");
-				return;
-			}
-			a->got += (size_t)k;
-			if (a->got < a->hello.name_len)
-				return;
-		}
+		if (fill(a, a->name, a->hello.name_len) <= 0)
+			return;
 		a->name[a->hello.name_len] = 0;
 		a->stage = 2;
 	}
