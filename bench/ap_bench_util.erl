@@ -7,6 +7,7 @@
 
 -export([main/5]).
 -export([env_int/2, median/1, wait_until/3, gone/3, stop_peers/1]).
+-export([start_app/0, stop_app/1, node_name/1]).
 
 -export([print/1, fmt/1, ratio/2]).
 
@@ -150,3 +151,38 @@ fmt(undefined) -> "-";
 fmt(V) when V >= 100000 -> io_lib:format("~.1fK", [V / 1000]);
 fmt(V) when V >= 1000 -> integer_to_list(round(V));
 fmt(V) -> io_lib:format("~.1f", [float(V)]).
+
+%% Starts the actor_pool application in this node and records its C nodes
+%% (names, OS pids) for stop_app/1; fails the bench if it does not start.
+-spec start_app() -> ok.
+start_app() ->
+    case application:ensure_all_started(actor_pool) of
+        {ok, _} -> ok;
+        Err -> throw({bench_failed, "application:ensure_all_started(actor_pool): ~p", [Err]})
+    end,
+    put(app_started, true),
+    Own = [actor_cnode:info(O) || O <- [actor_pool_node_owner, actor_receptionist_owner]],
+    put(own_cnodes, #{names => [node_name(N) || #{node := N} <- Own],
+                      os_pids => [P || #{os_pid := P} <- Own, is_integer(P)]}),
+    ok.
+
+%% Stops what start_app/0 started, if it did, and waits (at most Ms) until
+%% its C nodes left epmd and exited.
+-spec stop_app(non_neg_integer()) -> ok.
+stop_app(Ms) ->
+    case erase(app_started) of
+        undefined -> ok;
+        true ->
+            case application:stop(actor_pool) of
+                ok -> ok;
+                Err -> throw({bench_failed, "application:stop(actor_pool): ~p", [Err]})
+            end,
+            #{names := Names, os_pids := OsPids} = erase(own_cnodes),
+            gone(Names, OsPids, Ms)
+    end.
+
+%% The name part of a node name, as epmd lists it.
+-spec node_name(node()) -> string().
+node_name(Node) ->
+    [Name, _Host] = string:split(atom_to_list(Node), "@"),
+    Name.

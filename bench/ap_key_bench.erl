@@ -204,14 +204,7 @@ run() ->
 %% The application on this node (its pool and receptionist C nodes) and the
 %% echo pool under the key.
 start_local() ->
-    case application:ensure_all_started(actor_pool) of
-        {ok, _} -> ok;
-        Err -> fail("application:ensure_all_started(actor_pool): ~p", [Err])
-    end,
-    put(app_started, true),
-    Own = [actor_cnode:info(O) || O <- [actor_pool_node_owner, actor_receptionist_owner]],
-    put(own_cnodes, #{names => [node_name(N) || #{node := N} <- Own],
-                      os_pids => [P || #{os_pid := P} <- Own, is_integer(P)]}),
+    ok = ap_bench_util:start_app(),
     case actor_pool:start_pool(?POOL_NAME, echo, #{workers => 2, service_key => ?ID}) of
         {ok, Pool} when is_pid(Pool) ->
             put(pool, Pool),
@@ -245,7 +238,7 @@ start_member(Name, Cfg) ->
     #{node := RNode, os_pid := COsPid} =
         erpc:call(Node, actor_cnode, info, [actor_receptionist_owner], ?WAIT_MS),
     {module, ?MODULE} = erpc:call(Node, code, ensure_loaded, [?MODULE], ?WAIT_MS),
-    put({peer, Peer}, #{node => Node, names => [Name, node_name(RNode)],
+    put({peer, Peer}, #{node => Node, names => [Name, ap_bench_util:node_name(RNode)],
                         os_pids => [OsPid, COsPid]}),
     Node.
 
@@ -276,23 +269,7 @@ stop_peers() ->
     ap_bench_util:stop_peers(?WAIT_MS).
 
 stop_app() ->
-    case erase(app_started) of
-        undefined -> ok;
-        true ->
-            case application:stop(actor_pool) of
-                ok -> ok;
-                Err -> fail("application:stop(actor_pool): ~p", [Err])
-            end,
-            #{names := Names, os_pids := OsPids} = erase(own_cnodes),
-            gone(Names, OsPids)
-    end.
-
-gone(Names, OsPids) ->
-    ap_bench_util:gone(Names, OsPids, ?WAIT_MS).
-
-node_name(Node) ->
-    [Name, _Host] = string:split(atom_to_list(Node), "@"),
-    Name.
+    ap_bench_util:stop_app(?WAIT_MS).
 
 %% ===================================================================
 %% Rounds

@@ -316,14 +316,7 @@ signal(OsPid, Sig) ->
 %% ===================================================================
 
 start_app() ->
-    case application:ensure_all_started(actor_pool) of
-        {ok, _} -> ok;
-        Err -> fail("application:ensure_all_started(actor_pool): ~p", [Err])
-    end,
-    put(app_started, true),
-    Own = [actor_cnode:info(O) || O <- [actor_pool_node_owner, actor_receptionist_owner]],
-    put(own_cnodes, #{names => [node_name(N) || #{node := N} <- Own],
-                      os_pids => [P || #{os_pid := P} <- Own, is_integer(P)]}).
+    ok = ap_bench_util:start_app().
 
 %% N pool nodes, each with an echo pool of 2 workers under ?ECHO, connected
 %% to this node: [{Node, OsPid}].
@@ -377,20 +370,7 @@ stop_nodes() ->
     end.
 
 stop_app() ->
-    case erase(app_started) of
-        undefined -> ok;
-        true ->
-            case application:stop(actor_pool) of
-                ok -> ok;
-                Err -> fail("application:stop(actor_pool): ~p", [Err])
-            end,
-            #{names := Names, os_pids := OsPids} = erase(own_cnodes),
-            ap_bench_util:gone(Names, OsPids, ?WAIT_MS)
-    end.
-
-node_name(Node) ->
-    [Name, _Host] = string:split(atom_to_list(Node), "@"),
-    Name.
+    ap_bench_util:stop_app(?WAIT_MS).
 
 loadavg() ->
     case file:read_file("/proc/loadavg") of

@@ -16,7 +16,7 @@
 %%   pool's shrink or wrap.
 -module(actor_pool_histogram_tests).
 
--import(ap_test_util, [with_pool/4, crash_plugin/0, temp_dir/1]).
+-import(ap_test_util, [with_pool/4, crash_plugin/0]).
 -import(ap_support, [wait_until/2]).
 
 -include_lib("eunit/include/eunit.hrl").
@@ -99,7 +99,7 @@ histograms_pass_promtool(_Ctx) ->
         [?assertMatch({match, _}, re:run(Text, "^actor_pool_dropped_tells_total\\{.*reason=\""
                                          ++ R ++ "\"\\} [0-9]+$", [multiline]), R)
          || R <- ["mailbox_full", "no_pool", "oversized", "ring_full"]],
-        ?assertEqual({0, ""}, promtool_check(Text))
+        ?assertEqual({0, ""}, ap_test_util:promtool_check(Text))
     end).
 
 %% Asked, the pool is in the ask histograms; stopped, it is not.
@@ -143,7 +143,7 @@ a_worker_process_cannot_shrink_or_wrap_its_handler_times(_Ctx) ->
         ?assertEqual(1 bsl 64 - 1, S5),
         ?assertEqual(S5, S6),
         ?assertEqual(lists:sum(C5) + 2, lists:sum(C6)),
-        ?assertEqual({0, ""}, promtool_check(render()))
+        ?assertEqual({0, ""}, ap_test_util:promtool_check(render()))
     end).
 
 %% ===================================================================
@@ -189,15 +189,3 @@ value(Lines, Prefix) ->
     catch error:badarg -> binary_to_float(V)
     end.
 
-promtool_check(Text) ->
-    Exe = os:find_executable("promtool"),
-    %% make test installs it (scripts/install-deps); absent, this fails.
-    ?assertNotEqual(false, Exe),
-    Dir = temp_dir("ap_hist"),
-    F = filename:join(Dir, "metrics.txt"),
-    ok = file:write_file(F, Text),
-    Out = os:cmd("'" ++ Exe ++ "' check metrics < '" ++ F ++ "' 2>&1; echo \"rc=$?\""),
-    ok = file:delete(F),
-    ok = file:del_dir(Dir),
-    [Rc | RevLines] = lists:reverse(string:lexemes(Out, "\n")),
-    {list_to_integer(string:prefix(Rc, "rc=")), string:join(lists:reverse(RevLines), "\n")}.

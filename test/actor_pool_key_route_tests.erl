@@ -209,7 +209,7 @@ key_stats_and_metrics_show_each_pool(_) ->
         wait_until(fun() -> [st, st, st] =:= [N || #{name := N} <- actor_pool:key_stats(K)] end,
                    ?WAIT_MS),
         Text = iolist_to_binary(actor_pool_metrics:render()),
-        ?assertEqual({0, ""}, promtool_check(Text)),
+        ?assertEqual({0, ""}, ap_test_util:promtool_check(Text)),
         [?assertEqual(integer_to_binary(A),
                       sample(Text, <<"actor_pool_key_asks_total">>, Id, N))
          || #{node := N, asks := A} <- Stats],
@@ -330,15 +330,3 @@ sample(Text, Family, Id, N) ->
                 [_, V] <- [binary:split(Line, <<"} ">>)]],
     V.
 
-promtool_check(Text) ->
-    Dir = ap_test_util:temp_dir("actor_pool_key_route_tests"),
-    F = filename:join(Dir, "metrics.txt"),
-    ok = file:write_file(F, Text),
-    Exe = os:find_executable("promtool"),
-    ?assert(is_list(Exe)),
-    %% promtool reads the metrics on stdin.
-    Out = os:cmd("'" ++ Exe ++ "' check metrics < '" ++ F ++ "' 2>&1; echo \"rc=$?\""),
-    ok = file:delete(F),
-    ok = file:del_dir(Dir),
-    [Rc | RevLines] = lists:reverse(string:lexemes(Out, "\n")),
-    {list_to_integer(string:prefix(Rc, "rc=")), string:join(lists:reverse(RevLines), "\n")}.

@@ -57,7 +57,7 @@ free_port() ->
 render_passes_promtool(#{pool := Pool}) ->
     {ok, _} = actor_pool:ask(Pool, <<"x">>),
     Text = iolist_to_binary(actor_pool_metrics:render()),
-    ?assertEqual({0, ""}, promtool_check(Text)),
+    ?assertEqual({0, ""}, ap_test_util:promtool_check(Text)),
     %% Every family the docs promise is there.
     [?assertMatch({match, _}, re:run(Text, "^# TYPE " ++ F ++ " ", [multiline]), F)
      || F <- ["actor_pool_processed_total", "actor_pool_errors_total",
@@ -83,7 +83,7 @@ endpoint_serves_metrics_and_nothing_else(#{port := Port}) ->
                                                        [{body_format, binary}]),
     ?assertEqual("text/plain; version=0.0.4; charset=utf-8",
                  proplists:get_value("content-type", Headers)),
-    ?assertEqual({0, ""}, promtool_check(Body)),
+    ?assertEqual({0, ""}, ap_test_util:promtool_check(Body)),
     ?assertMatch({ok, {{_, 404, _}, _, _}}, httpc:request(Base ++ "/")),
     ?assertMatch({ok, {{_, 405, _}, _, _}},
                  httpc:request(post, {Base ++ "/metrics", [], "text/plain", "x"}, [], [])),
@@ -145,18 +145,6 @@ sample(Name, Labels) ->
     [_, V] = binary:split(Line, <<" ">>),
     binary_to_integer(V).
 
-promtool_check(Text) ->
-    Dir = temp_dir("ap_metrics"),
-    F = filename:join(Dir, "metrics.txt"),
-    ok = file:write_file(F, Text),
-    Exe = os:find_executable("promtool"),
-    ?assert(is_list(Exe)),
-    %% promtool reads the metrics on stdin.
-    Out = os:cmd("'" ++ Exe ++ "' check metrics < '" ++ F ++ "' 2>&1; echo \"rc=$?\""),
-    ok = file:delete(F),
-    ok = file:del_dir(Dir),
-    [Rc | RevLines] = lists:reverse(string:lexemes(Out, "\n")),
-    {list_to_integer(string:prefix(Rc, "rc=")), string:join(lists:reverse(RevLines), "\n")}.
 
 %% A non-loopback IPv4 address of this host, or none.
 other_address() ->

@@ -11,7 +11,7 @@
 -export([temp_dir/1, start_app/0, stop_app/1, distribution_only/0,
          rcpt_barrier/0, spawn_collector/0, collected/1, priv_dir/0, alive/1, echo_exe/0,
          segment/1, own_segments/0, no_segments_left/0]).
--export([set_env/1, restore_env/1, rawpeer/3, add_cnode_log_handler/2]).
+-export([set_env/1, restore_env/1, rawpeer/3, add_cnode_log_handler/2, promtool_check/1]).
 -export([log/2]).
 
 %% How long an owner may take to notice its C node's exit and unlink the
@@ -348,3 +348,19 @@ log(#{meta := #{cnode := N}} = Event, #{config := #{pid := Pid, node := N}}) ->
     ok;
 log(_Event, _Config) ->
     ok.
+
+%% `promtool check metrics' on Text: {ExitStatus, Output}. make test
+%% installs promtool (scripts/install-deps); absent, this fails.
+-spec promtool_check(iodata()) -> {integer(), string()}.
+promtool_check(Text) ->
+    Exe = os:find_executable("promtool"),
+    true = is_list(Exe),
+    Dir = temp_dir("ap_promtool"),
+    F = filename:join(Dir, "metrics.txt"),
+    ok = file:write_file(F, Text),
+    %% promtool reads the metrics on stdin.
+    Out = os:cmd("'" ++ Exe ++ "' check metrics < '" ++ F ++ "' 2>&1; echo \"rc=$?\""),
+    ok = file:delete(F),
+    ok = file:del_dir(Dir),
+    [Rc | RevLines] = lists:reverse(string:lexemes(Out, "\n")),
+    {list_to_integer(string:prefix(Rc, "rc=")), string:join(lists:reverse(RevLines), "\n")}.
