@@ -20,7 +20,8 @@
 %% <ul>
 %% <li>healthy: rounds of BENCH_ROUTE_ROUND_MS [2000] ms, by key and at
 %%     random alternating (BENCH_ROUTE_ROUNDS [3] of each); asks per second
-%%     (the median round) and p99. Target: by key >= 0.95x random;</li>
+%%     (the median round), p99, and the CPU per ask of this BEAM and of the
+%%     pool nodes in each round. Target: by key >= 0.95x random;</li>
 %% <li>one node frozen: a round of 2 s, then SIGSTOP on the first pool node
 %%     for BENCH_ROUTE_FREEZE_MS [2000] ms, then SIGCONT and 2 s more; once
 %%     by key, once at random. Asks per second while frozen as a share of
@@ -112,12 +113,15 @@ run() ->
               [io(), NC, RoundMs, erlang:system_info(logical_processors_online), Load0]),
 
     %% Healthy: rates by key and at random, alternating.
+    OsPids = [os:getpid() | [integer_to_list(P) || {_, P} <- Nodes]],
     Healthy = lists:append(
-                [[{Kind, round_(Kind, Echo, NC, RoundMs)}
+                [[{Kind, cpu_round(OsPids, fun() -> round_(Kind, Echo, NC, RoundMs) end)}
                   || Kind <- case I rem 2 of 0 -> [key, random]; 1 -> [random, key] end]
                  || I <- lists:seq(0, Rounds - 1)]),
-    [io:format("  healthy ~-6s ~10s asks/s  p99 ~8s us~n",
-               [K, fmt(maps:get(rate, R)), fmt(maps:get(p99, R) / 1000)]) || {K, R} <- Healthy],
+    [io:format("  healthy ~-6s ~10s asks/s  p99 ~8s us  CPU per ask: this BEAM ~5.1f us, "
+               "pool nodes ~5.1f us~n",
+               [K, fmt(maps:get(rate, R)), fmt(maps:get(p99, R) / 1000), maps:get(beam_us, R),
+                maps:get(nodes_us, R)]) || {K, R} <- Healthy],
     Med = fun(L, Kind, F) -> median([maps:get(F, R) || {K, R} <- L, K =:= Kind]) end,
 
     %% One node frozen.
@@ -219,6 +223,26 @@ round_(Kind, K, NC, DurMs, Extra) ->
     #{rate => Done / ((DurMs - ?SETTLE_MS) / 1000),
       p99 => lists:nth(max(1, ceil(Len * 0.99)), Sorted),
       longest_ms => Longest / 1.0e6, buckets => Buckets, start => Start, extra => ExtraResult}.
+
+%% A round with the CPU time this BEAM ([Beam | _] = OsPids) and the pool
+%% nodes took over it, per ask done in it (/proc/PID/stat, 10 ms ticks: a
+%% round is seconds of CPU).
+cpu_round(OsPids, Round) ->
+    C0 = [proc_cpu_us(P) || P <- OsPids],
+    R = Round(),
+    [B | N] = lists:zipwith(fun(X, Y) -> Y - X end, C0, [proc_cpu_us(P) || P <- OsPids]),
+    #{buckets := Buckets} = R,
+    #{size := Size} = counters:info(Buckets),
+    Asks = max(1, lists:sum([counters:get(Buckets, I) || I <- lists:seq(1, Size)])),
+    R#{beam_us => B / Asks, nodes_us => lists:sum(N) / Asks}.
+
+proc_cpu_us(OsPid) ->
+    {ok, Stat} = file:read_file("/proc/" ++ OsPid ++ "/stat"),
+    %% The fields after the command's closing parenthesis: utime, stime
+    %% are the 12th and 13th of them.
+    [_, Rest] = binary:split(Stat, <<") ">>),
+    Fields = binary:split(Rest, <<" ">>, [global]),
+    (binary_to_integer(lists:nth(12, Fields)) + binary_to_integer(lists:nth(13, Fields))) * 10000.
 
 caller(Parent, Kind, K, Start, End, Buckets) ->
     receive after max(0, Start - erlang:monotonic_time(millisecond)) -> ok end,
