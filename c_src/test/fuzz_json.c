@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "handlers.h"
+#include "t_reserve.h"
 
 #define t_check(cond)                                                                         \
 	do {                                                                                  \
@@ -34,21 +35,6 @@
 			__builtin_trap();                                                     \
 		}                                                                             \
 	} while (0)
-
-/* Exact size, as t_reply.h's: a write past what was reserved is an ASan
- * report. */
-static int t_reserve(actor_pool_reply *r, size_t more)
-{
-	size_t need = r->len + more;
-	if (need <= r->cap)
-		return 0;
-	uint8_t *d = realloc(r->data, need);
-	if (!d)
-		return -1;
-	r->data = d;
-	r->cap = need;
-	return 0;
-}
 
 /* ap_json_validate over an exact-size copy of p[0..n). */
 static enum ap_json_result t_validate(const uint8_t *p, size_t n, size_t *off)
