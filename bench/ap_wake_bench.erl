@@ -71,10 +71,7 @@ stop_app() ->
 %% ===================================================================
 
 short_timeouts(N, Count) ->
-    {ok, _} = actor_pool:start_pool(wake_sleeper, {plugin, ap_support:test_bin("plugin_crash.so")},
-                                    #{workers => 1}),
-    Seg = open(N),
-    try
+    with_seg(N, wake_sleeper, {plugin, ap_support:test_bin("plugin_crash.so")}, fun(Seg) ->
         %% The one worker sleeps: what follows is not answered in time.
         _ = submit(Seg, wake_sleeper, {sleep, 60000}, make_ref()),
         Us = [begin
@@ -91,19 +88,14 @@ short_timeouts(N, Count) ->
               end || _ <- lists:seq(1, Count)],
         io:format("short ask timeouts after idle (us): ~w~n", [Us]),
         median(Us) / 1000
-    after
-        ok = actor_dp:close(Seg, done),
-        _ = actor_pool:stop_pool(wake_sleeper)
-    end.
+    end).
 
 %% ===================================================================
 %% Answers after an await
 %% ===================================================================
 
 after_awaits(N, Count) ->
-    {ok, _} = actor_pool:start_pool(wake_echo, echo, #{workers => 1}),
-    Seg = open(N),
-    try
+    with_seg(N, wake_echo, echo, fun(Seg) ->
         Us = [begin
                   awaited(Seg, K, erlang:monotonic_time(millisecond) + ?T),
                   Ref = make_ref(),
@@ -114,10 +106,7 @@ after_awaits(N, Count) ->
               end || K <- lists:seq(1, Count)],
         io:format("answers after an await (us): ~w~n", [Us]),
         median(Us) / 1000
-    after
-        ok = actor_dp:close(Seg, done),
-        _ = actor_pool:stop_pool(wake_echo)
-    end.
+    end).
 
 %% Lone asks, each awaited as long as await/3 waits, until one's answer is
 %% taken in the NIF (a lone ask's answer may come as a message instead).
@@ -215,6 +204,18 @@ stop_ticker(Pid) ->
 %% ===================================================================
 %% The NIF, on a segment of this bench's own
 %% ===================================================================
+
+%% Fun(Seg) with a pool Name of one worker running Handler and a segment of
+%% its own to node N; both closed after.
+with_seg(N, Name, Handler, Fun) ->
+    {ok, _} = actor_pool:start_pool(Name, Handler, #{workers => 1}),
+    Seg = open(N),
+    try
+        Fun(Seg)
+    after
+        ok = actor_dp:close(Seg, done),
+        _ = actor_pool:stop_pool(Name)
+    end.
 
 open(N) ->
     {ok, #{socket := Sock, token := Token}} = gen_server:call({actor_pool_node, N}, dp_info),
