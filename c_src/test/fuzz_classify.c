@@ -42,11 +42,7 @@
 #include "ap_node_int.h"
 #include "ap_term.h"
 
-#define t_check(cond)                       \
-	do {                                \
-		if (!(cond))                \
-			__builtin_trap();   \
-	} while (0)
+#include "t_fuzz.h"
 
 /* [alias | Ref]: LIST_EXT of one element, the atom alias, a reference
  * tail. The same test ap_encode_reply_head makes, written apart. */

@@ -29,11 +29,7 @@
 #define T_MAX_FRAME (1u << 20)
 #define T_HEAD 64
 
-#define t_check(cond)                       \
-	do {                                \
-		if (!(cond))                \
-			__builtin_trap();   \
-	} while (0)
+#include "t_fuzz.h"
 
 /* The head of a frame, from an exact-size copy: a control tuple that lies
  * inside it, and a message span (maybe empty) that ends with it. */

@@ -30,13 +30,7 @@
 
 #include "dp_core.h"
 
-#define t_check(cond)                                                        \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "fuzz_dp_reply: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                    \
-		}                                                            \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_CAP 1024u
 

@@ -24,13 +24,7 @@
 #include "../dataplane/node/ring_ingress.c"
 #include "../dataplane/node/ring_seg.c"
 
-#define t_check(cond)                                                        \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "fuzz_dp_request: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                    \
-		}                                                            \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_REQ_CAP 4096u
 #define T_REP_CAP_SMALL 256u

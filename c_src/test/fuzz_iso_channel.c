@@ -76,13 +76,7 @@
 #include "ring_ingress.h"
 #include "sandbox.h"
 
-#define t_check(cond)                                                                                \
-	do {                                                                                         \
-		if (!(cond)) {                                                                       \
-			fprintf(stderr, "fuzz_iso_channel: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                                            \
-		}                                                                                    \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_MAX_JOBS 64
 #define T_NODE "beam@host"

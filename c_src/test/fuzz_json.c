@@ -28,13 +28,7 @@
 #include "handlers.h"
 #include "t_reserve.h"
 
-#define t_check(cond)                                                                         \
-	do {                                                                                  \
-		if (!(cond)) {                                                                \
-			fprintf(stderr, "fuzz_json: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                                     \
-		}                                                                             \
-	} while (0)
+#include "t_fuzz.h"
 
 /* ap_json_validate over an exact-size copy of p[0..n). */
 static enum ap_json_result t_validate(const uint8_t *p, size_t n, size_t *off)

@@ -46,13 +46,7 @@
 #include "ap_node_int.h"
 #include "pool_int.h"
 
-#define t_check(cond)                                                                             \
-	do {                                                                                      \
-		if (!(cond)) {                                                                    \
-			fprintf(stderr, "fuzz_pool_dist: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                                         \
-		}                                                                                 \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_LIVE_PIDS 1000u /* pids below this number are the pool's */
 

@@ -27,13 +27,9 @@
  */
 #include <stdio.h>
 
-#define T_RCPT_CHECK(cond)                                                                          \
-	do {                                                                                        \
-		if (!(cond)) {                                                                      \
-			fprintf(stderr, "fuzz_rcpt_proto: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                                           \
-		}                                                                                   \
-	} while (0)
+#include "t_fuzz.h"
+
+#define T_RCPT_CHECK(cond) t_check(cond)
 
 #include "../receptionist/rcpt_proto.c"
 #include "t_rcpt.h"

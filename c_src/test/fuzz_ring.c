@@ -37,13 +37,7 @@
 #include "ap_ring.h"
 
 /* The failed line on stderr, then a trap libFuzzer reports. */
-#define t_check(cond)                                                        \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "fuzz_ring: check failed line %d: %s\n", __LINE__, #cond); \
-			__builtin_trap();                                    \
-		}                                                            \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_CAP 512u
 

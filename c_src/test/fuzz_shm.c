@@ -31,11 +31,7 @@
 
 #include "ap_shm.h"
 
-#define t_check(cond)                       \
-	do {                                \
-		if (!(cond))                \
-			__builtin_trap();   \
-	} while (0)
+#include "t_fuzz.h"
 
 #define T_SEG 32768u /* the smallest caller memory the writer takes, rounded up */
 #define T_BIG (1u << 16)
